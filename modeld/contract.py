@@ -1,0 +1,484 @@
+"""The modeld contract: the value types and the Service/Session protocols every backend,
+the engine and the runtime client implement.
+
+The seam is ``ensure_prefix -> prefill_suffix -> decode`` (see
+``blueprints/0001-the-seam.md``). Its invariants, which the contract suite in
+``tests/contract/`` checks against every implementation and over the wire:
+
+* ``ensure_prefix(p)`` makes the session's resident context equal to ``p`` (tokenized with the
+  model's tokenizer and BOS policy). It reuses the longest common token prefix with what is
+  resident in the engine *if and only if* the manifests are runtime-compatible, prefills the
+  rest, and drops everything after the reused part (an old suffix, generated tokens, a
+  diverging tail). ``reused + prefilled == prefix_tokens`` always. An incompatible manifest is a
+  cold miss with the differing field as its reason, never an error and never a silent reuse.
+* ``prefill_suffix(s)`` makes the resident context ``prefix + s``, replacing any earlier suffix
+  and generated tokens. It needs a prefix first (:class:`~modeld.errors.PrefixRequiredError`).
+* ``decode(cfg)`` generates from the resident context and streams text deltas that never split
+  a UTF-8 character. The last chunk carries ``finish_reason`` and ``usage``. Generated tokens
+  become resident; the next ``ensure_prefix`` drops them.
+* Overflow of the context window raises :class:`~modeld.errors.ContextOverflowError` before
+  anything resident changes.
+* After ``close()`` every operation but ``explain_context`` and ``close`` raises
+  :class:`~modeld.errors.SessionClosedError`. The KV a closed session leaves behind stays
+  reusable by later sessions with a compatible manifest.
+
+Types are frozen dataclasses; a backend's differences show as :class:`Capabilities`, never as
+backend-specific fields on shared types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Literal, Protocol, runtime_checkable
+
+from modeld.manifest import ContextManifest
+
+__all__ = [
+    "BACKEND_TYPES",
+    "FINISH_REASONS",
+    "KV_CACHE_TYPES",
+    "PROMPT_FORMATS",
+    "REUSE_OUTCOMES",
+    "REUSE_REASONS",
+    "AsyncDecodeStream",
+    "AsyncService",
+    "AsyncSession",
+    "BackendType",
+    "DaemonStatus",
+    "LoadedModelSummary",
+    "SessionSummary",
+    "Capabilities",
+    "Config",
+    "ContextReport",
+    "DecodeConfig",
+    "DecodeStream",
+    "ErrorDetail",
+    "Fence",
+    "FinishReason",
+    "ModelInfo",
+    "OpenSessionRequest",
+    "PrefixInput",
+    "PrefixStatus",
+    "ReuseDecision",
+    "Service",
+    "Session",
+    "StreamChunk",
+    "SuffixInput",
+    "SuffixStatus",
+    "Usage",
+]
+
+BackendType = Literal["llama", "openvino", "memory"]
+BACKEND_TYPES: tuple[str, ...] = ("llama", "openvino", "memory")
+
+FinishReason = Literal["stop", "length", "stop_sequence", "canceled", "error"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "stop_sequence", "canceled", "error")
+
+KV_CACHE_TYPES: tuple[str, ...] = ("f16", "f32", "bf16", "q8_0", "q4_0")
+PROMPT_FORMATS: tuple[str, ...] = ("raw", "chat")
+"""``raw``: the text is used as given. ``chat``: the text is rendered with the model's template."""
+
+REUSE_OUTCOMES: tuple[str, ...] = ("warm", "partial", "cold")
+REUSE_REASONS: tuple[str, ...] = (
+    "full_match",  # warm: every prefix token was already resident
+    "extended",  # warm: the resident prefix was kept whole and new tokens appended
+    "diverged",  # partial or cold: the new prefix differs from the resident one at a token
+    "empty_cache",  # cold: nothing was resident for this model
+    "manifest_changed",  # cold: a runtime field of the manifest differs (``field`` says which)
+    "truncation_unsupported",  # cold: the model's memory cannot be cut at an arbitrary token
+    "engine_reset",  # cold: the engine's state was lost (a failed operation, a restart)
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Runtime configuration of a session. Fields marked (KV) are part of the runtime digest."""
+
+    num_ctx: int = 4096  # (KV) context window in tokens
+    num_batch: int = 512  # (KV) prefill batch size; changes chunking and so numerics
+    num_threads: int = 0  # 0 = the backend's default; speed only, not part of the digest
+    num_gpu_layers: int = 0  # (KV) layers offloaded to an accelerator
+    tensor_split: tuple[float, ...] = ()  # (KV) split across devices
+    flash_attn: bool = False  # (KV)
+    kv_cache_type: str = "f16"  # (KV) one of KV_CACHE_TYPES
+    prompt_format: str = "raw"  # one of PROMPT_FORMATS
+    prompt_template_digest: str = ""  # the template the client rendered with ("" = the model's)
+    disable_bos: bool = False  # never add a BOS token, whatever the model says
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The owner a client expects. Empty means "whoever owns the machine now"."""
+
+    owner_instance_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSessionRequest:
+    """Which model to open, on which backend, under which config and owner fence.
+
+    ``type`` empty means the service's default backend. ``digest`` empty means "whatever the
+    file is"; a non-empty digest that does not match the model is refused.
+    """
+
+    model_name: str = ""
+    type: str = ""
+    digest: str = ""
+    path: str = ""
+    config: Config = field(default_factory=Config)
+    fence: Fence = field(default_factory=Fence)
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do, so callers never need backend-specific fields.
+
+    ``truncation``: resident KV can be cut at any token (False for recurrent or sliding-window
+    memory, where reuse falls back to a cold prefill). ``reuse``: ``exact`` when modeld controls
+    the KV directly, ``engine`` when the engine reuses blocks itself and modeld tracks the
+    logical reuse. ``sampling``: the DecodeConfig fields honoured; others are refused.
+    ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts.
+    """
+
+    truncation: bool = True
+    reuse: str = "exact"
+    sampling: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+    prompt_formats: tuple[str, ...] = ("raw",)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a model can do on this machine, and the identity its manifests carry."""
+
+    backend: str
+    backend_version: str
+    path: str
+    model_digest: str
+    model_max_context: int  # the context length the model was trained with
+    effective_context: int  # min(trained, requested num_ctx, what fits in free memory)
+    kv_bytes_per_token: int
+    free_bytes: int
+    weights_bytes: int
+    vocab_size: int
+    tokenizer_digest: str
+    template_digest: str
+    chat_template: str
+    add_bos: bool
+    device: str
+    model_name: str = ""
+    capabilities: Capabilities = field(default_factory=Capabilities)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixInput:
+    """The stable prefix. ``manifest`` is optional: without one the daemon builds a minimal one."""
+
+    text: str
+    manifest: ContextManifest | None = None
+    tools_json: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ReuseDecision:
+    """Why the last ensure_prefix was warm, partial or cold. ``reason`` is from REUSE_REASONS."""
+
+    outcome: str
+    reason: str
+    message: str
+    field: str = ""  # for manifest_changed: the differing manifest field
+    diverged_at_token: int | None = None  # for diverged: first token that differed
+    diverged_segment: str = ""  # the segment kind holding that token, when known
+    diverged_at_byte: int | None = None  # its byte offset in the prefix, when known
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixStatus:
+    """Exact accounting of an ensure_prefix: ``reused + prefilled == prefix_tokens``."""
+
+    reused_tokens: int
+    prefilled_tokens: int
+    dropped_tokens: int
+    prefix_tokens: int
+    resident_tokens: int
+    available_tokens: int
+    stable_byte_hash: str
+    stable_token_hash: str
+    manifest_digest: str
+    reuse: ReuseDecision
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixInput:
+    """The volatile suffix. ``manifest``, when given, must describe the resident prefix too."""
+
+    text: str
+    manifest: ContextManifest | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixStatus:
+    """``restored_tokens``: prefix tokens re-prefilled because another session displaced them."""
+
+    suffix_tokens: int
+    prefix_tokens: int
+    resident_tokens: int
+    available_tokens: int
+    manifest_digest: str
+    restored_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """Sampling and stopping. ``temperature == 0`` is greedy.
+
+    ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0`` and ``repeat_penalty == 1`` disable
+    those samplers. ``seed`` None means a random seed. ``extra`` is passed to the backend; keys it
+    does not know are refused with :class:`~modeld.errors.UnsupportedError`.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    repeat_penalty: float = 1.0
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """``cached_tokens``: prompt tokens not computed during this turn (since ensure_prefix)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorDetail:
+    """Why a decode ended with ``finish_reason == "error"``."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """A text delta (whole UTF-8 characters). The last chunk has finish_reason and usage."""
+
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: ErrorDetail | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ContextReport:
+    """What a session has resident, for observability (explain-context).
+
+    ``resident_tokens`` counts the session's context (prefix + suffix + generated).
+    ``kv_tokens`` counts how many of those are in the engine's KV right now: fewer when another
+    session displaced them (the next operation restores them, reusing what it can).
+    """
+
+    session_id: str
+    model_name: str
+    backend: str
+    num_ctx: int
+    resident_tokens: int
+    prefix_tokens: int
+    suffix_tokens: int
+    generated_tokens: int
+    available_tokens: int
+    kv_tokens: int
+    stable_byte_hash: str
+    stable_token_hash: str
+    volatile_token_hash: str
+    manifest_digest: str
+    manifest: ContextManifest | None
+    closed: bool
+    last_reuse: ReuseDecision | None
+    last_prefix: PrefixStatus | None = None
+    owner_epoch: int = 0
+    opened_at: float = 0.0
+    last_used_at: float = 0.0
+
+
+@runtime_checkable
+class DecodeStream(Protocol):
+    """An iterator of chunks that can be cancelled. Cancelling yields a final "canceled" chunk.
+
+    Closing it (or leaving a ``with`` block) cancels the generation if it is still running and
+    waits until the engine has stopped.
+    """
+
+    def __iter__(self) -> Iterator[StreamChunk]: ...
+
+    def __next__(self) -> StreamChunk: ...
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> DecodeStream: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class Session(Protocol):
+    """One client's context on one model. Not for concurrent use by several threads."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def identity(self) -> ContextManifest:
+        """The runtime fields (backend, digests, BOS policy, runtime digest) of this session."""
+        ...
+
+    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus: ...
+
+    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus: ...
+
+    def decode(self, config: DecodeConfig) -> DecodeStream: ...
+
+    def explain_context(self) -> ContextReport: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Session: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class Service(Protocol):
+    """Describes models and opens sessions on them."""
+
+    def describe(self, request: OpenSessionRequest) -> ModelInfo: ...
+
+    def open_session(self, request: OpenSessionRequest) -> Session: ...
+
+
+class AsyncDecodeStream(Protocol):
+    """The asyncio shape of :class:`DecodeStream`."""
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]: ...
+
+    async def __anext__(self) -> StreamChunk: ...
+
+    async def cancel(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class AsyncSession(Protocol):
+    """The asyncio shape of :class:`Session`."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def identity(self) -> ContextManifest: ...
+
+    async def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus: ...
+
+    async def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus: ...
+
+    async def decode(self, config: DecodeConfig) -> AsyncDecodeStream: ...
+
+    async def explain_context(self) -> ContextReport: ...
+
+    async def close(self) -> None: ...
+
+
+class AsyncService(Protocol):
+    """The asyncio shape of :class:`Service`."""
+
+    async def describe(self, request: OpenSessionRequest) -> ModelInfo: ...
+
+    async def open_session(self, request: OpenSessionRequest) -> AsyncSession: ...
+
+
+# --- observer types: what ListSessions / Status / explain-context show -----------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """One line of ``modeld explain-context`` without an id."""
+
+    session_id: str
+    model_name: str
+    backend: str
+    path: str
+    owner_epoch: int
+    opened_at: float
+    last_used_at: float
+    num_ctx: int
+    resident_tokens: int
+    prefix_tokens: int
+    available_tokens: int
+    last_outcome: str
+    closed: bool
+    attached: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModelSummary:
+    """A model kept loaded by the engine, with its single resident KV sequence."""
+
+    backend: str
+    path: str
+    model_name: str
+    model_digest: str
+    n_ctx: int
+    resident_tokens: int
+    sessions: int
+    loaded_at: float
+    last_used_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonStatus:
+    """``modeld status``: who owns the machine, since when, and what is loaded."""
+
+    instance_id: str
+    epoch: int
+    pid: int
+    endpoint: str
+    version: str
+    started_at: float
+    uptime_seconds: float
+    backends: tuple[str, ...]
+    default_backend: str
+    models: tuple[LoadedModelSummary, ...]
+    sessions: int
+    limits: Mapping[str, float]
+    owner_lost: str = ""

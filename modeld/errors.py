@@ -1,0 +1,322 @@
+"""The typed errors of the modeld contract, each with a stable reason token.
+
+Every failure a caller can act on is one of these classes. The reason token (``reason``) is
+the stable, machine-readable name; the message is for people and may change. ``details``
+holds string key/value pairs (they travel as ``google.rpc.ErrorInfo.metadata`` on the wire);
+subclasses expose the ones that matter as typed properties.
+
+The tree::
+
+    ModeldError                      reason                grpc status
+    ├── InvalidArgumentError         invalid_argument      INVALID_ARGUMENT
+    │   └── UnsupportedError         unsupported           INVALID_ARGUMENT
+    ├── LimitExceededError           limit_exceeded        RESOURCE_EXHAUSTED
+    ├── SessionNotFoundError         session_not_found     NOT_FOUND
+    ├── ModelLoadError               model_load_failed     FAILED_PRECONDITION
+    ├── NotOwnerError                not_owner             FAILED_PRECONDITION
+    ├── StaleFenceError              stale_fence           FAILED_PRECONDITION
+    ├── SessionClosedError           session_closed        FAILED_PRECONDITION
+    ├── PrefixRequiredError          prefix_required       FAILED_PRECONDITION
+    ├── BackendMismatchError         backend_mismatch      FAILED_PRECONDITION
+    ├── BackendUnavailableError      backend_unavailable   FAILED_PRECONDITION
+    ├── ManifestMismatchError        manifest_mismatch     FAILED_PRECONDITION
+    ├── ContextOverflowError         context_overflow      OUT_OF_RANGE
+    ├── BusyError                    busy                  UNAVAILABLE
+    ├── ShuttingDownError            shutting_down         UNAVAILABLE
+    ├── DaemonUnavailableError       unavailable           UNAVAILABLE        (client side)
+    ├── DeadlineExceededError        deadline_exceeded     DEADLINE_EXCEEDED  (client side)
+    ├── EngineError                  engine_error          INTERNAL
+    └── InternalError                internal              INTERNAL
+
+The mapping to gRPC lives in :mod:`modeld.wire.status`; this module imports nothing outside
+the standard library so that every layer (backends, engine, client) can use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar, TypeVar
+
+__all__ = [
+    "ERRORS_BY_REASON",
+    "BackendMismatchError",
+    "BackendUnavailableError",
+    "BusyError",
+    "ContextOverflowError",
+    "DaemonUnavailableError",
+    "DeadlineExceededError",
+    "EngineError",
+    "InternalError",
+    "InvalidArgumentError",
+    "LimitExceededError",
+    "ManifestMismatchError",
+    "ModelLoadError",
+    "ModeldError",
+    "NotOwnerError",
+    "PrefixRequiredError",
+    "SessionClosedError",
+    "SessionNotFoundError",
+    "ShuttingDownError",
+    "StaleFenceError",
+    "UnsupportedError",
+    "error_from_reason",
+]
+
+DetailValue = str | int | bool
+
+_E = TypeVar("_E", bound="ModeldError")
+
+
+class ModeldError(Exception):
+    """Base of every contract error. ``reason`` is the stable token, ``status`` the gRPC code name."""
+
+    reason: ClassVar[str] = "internal"
+    status: ClassVar[str] = "INTERNAL"
+
+    def __init__(self, message: str, **details: DetailValue) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, str] = {k: _detail_str(v) for k, v in details.items()}
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r}, reason={self.reason!r}, details={self.details!r})"
+
+    @classmethod
+    def from_wire(cls: type[_E], message: str, details: Mapping[str, str]) -> _E:
+        """Rebuild an error received from the wire without running the subclass constructor."""
+        err = cls.__new__(cls)
+        ModeldError.__init__(err, message)
+        err.details = dict(details)
+        return err
+
+    def _int(self, key: str) -> int:
+        try:
+            return int(self.details.get(key, "0"))
+        except ValueError:
+            return 0
+
+
+def _detail_str(value: DetailValue) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+class InvalidArgumentError(ModeldError):
+    """The request is malformed: a field is missing, of the wrong shape or out of range."""
+
+    reason = "invalid_argument"
+    status = "INVALID_ARGUMENT"
+
+    def __init__(self, message: str, *, field: str = "", **details: DetailValue) -> None:
+        super().__init__(message, field=field, **details)
+
+    @property
+    def field(self) -> str:
+        return self.details.get("field", "")
+
+
+class UnsupportedError(InvalidArgumentError):
+    """The request asks for something this backend cannot honour (never silently dropped)."""
+
+    reason = "unsupported"
+
+
+class LimitExceededError(ModeldError):
+    """An explicit limit (message size, text bytes, sessions, ...) was exceeded."""
+
+    reason = "limit_exceeded"
+    status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, *, limit: str, value: int, maximum: int) -> None:
+        super().__init__(message, limit=limit, value=value, maximum=maximum)
+
+    @property
+    def limit(self) -> str:
+        return self.details.get("limit", "")
+
+    @property
+    def value(self) -> int:
+        return self._int("value")
+
+    @property
+    def maximum(self) -> int:
+        return self._int("maximum")
+
+
+class SessionNotFoundError(ModeldError):
+    """No session with that id exists (it never did, or it was forgotten long ago)."""
+
+    reason = "session_not_found"
+    status = "NOT_FOUND"
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"no session with id {session_id!r}", session_id=session_id)
+
+
+class ModelLoadError(ModeldError):
+    """The model file is missing, unreadable, truncated or not of the expected format."""
+
+    reason = "model_load_failed"
+    status = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, *, path: str, **details: DetailValue) -> None:
+        super().__init__(message, path=path, **details)
+
+    @property
+    def path(self) -> str:
+        return self.details.get("path", "")
+
+
+class NotOwnerError(ModeldError):
+    """This daemon does not (or no longer) own the machine's warm state."""
+
+    reason = "not_owner"
+    status = "FAILED_PRECONDITION"
+
+
+class StaleFenceError(ModeldError):
+    """The session's owner epoch is no longer current, or the fence names another owner."""
+
+    reason = "stale_fence"
+    status = "FAILED_PRECONDITION"
+
+
+class SessionClosedError(ModeldError):
+    """The session was closed; open a new one."""
+
+    reason = "session_closed"
+    status = "FAILED_PRECONDITION"
+
+
+class PrefixRequiredError(ModeldError):
+    """The operation needs a resident prefix: call ensure_prefix first."""
+
+    reason = "prefix_required"
+    status = "FAILED_PRECONDITION"
+
+
+class BackendMismatchError(ModeldError):
+    """The model is typed for a backend this service does not run."""
+
+    reason = "backend_mismatch"
+    status = "FAILED_PRECONDITION"
+
+
+class BackendUnavailableError(ModeldError):
+    """The backend's native package is not installed or failed to import."""
+
+    reason = "backend_unavailable"
+    status = "FAILED_PRECONDITION"
+
+
+class ManifestMismatchError(ModeldError):
+    """A manifest contradicts the session or the text it describes; ``field`` says where."""
+
+    reason = "manifest_mismatch"
+    status = "FAILED_PRECONDITION"
+
+    def __init__(self, message: str, *, field: str, expected: str = "", got: str = "") -> None:
+        super().__init__(message, field=field, expected=expected, got=got)
+
+    @property
+    def field(self) -> str:
+        return self.details.get("field", "")
+
+
+class ContextOverflowError(ModeldError):
+    """The tokens would not fit in the context window. Nothing resident was changed."""
+
+    reason = "context_overflow"
+    status = "OUT_OF_RANGE"
+
+    def __init__(self, *, stage: str, resident: int, additional: int, window: int) -> None:
+        super().__init__(
+            f"context overflow at {stage}: {resident} resident + {additional} new tokens "
+            f"exceed the {window}-token window",
+            stage=stage,
+            resident=resident,
+            additional=additional,
+            window=window,
+        )
+
+    @property
+    def stage(self) -> str:
+        return self.details.get("stage", "")
+
+    @property
+    def resident(self) -> int:
+        return self._int("resident")
+
+    @property
+    def additional(self) -> int:
+        return self._int("additional")
+
+    @property
+    def window(self) -> int:
+        return self._int("window")
+
+
+class BusyError(ModeldError):
+    """The model stayed busy with other sessions for longer than the wait limit."""
+
+    reason = "busy"
+    status = "UNAVAILABLE"
+
+
+class ShuttingDownError(ModeldError):
+    """The daemon is shutting down and takes no new work."""
+
+    reason = "shutting_down"
+    status = "UNAVAILABLE"
+
+
+class DaemonUnavailableError(ModeldError):
+    """No daemon could be reached (client side: nothing listening, or the connection broke)."""
+
+    reason = "unavailable"
+    status = "UNAVAILABLE"
+
+
+class DeadlineExceededError(ModeldError):
+    """The call's deadline passed before the daemon answered (client side)."""
+
+    reason = "deadline_exceeded"
+    status = "DEADLINE_EXCEEDED"
+
+
+class EngineError(ModeldError):
+    """The inference engine failed during an operation; the session's resident state was reset."""
+
+    reason = "engine_error"
+    status = "INTERNAL"
+
+
+class InternalError(ModeldError):
+    """An unexpected failure inside modeld (a bug). The daemon logged it with ``incident``."""
+
+    reason = "internal"
+    status = "INTERNAL"
+
+
+def _all_subclasses(cls: type[ModeldError]) -> list[type[ModeldError]]:
+    out: list[type[ModeldError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+ERRORS_BY_REASON: Mapping[str, type[ModeldError]] = {cls.reason: cls for cls in _all_subclasses(ModeldError)}
+
+
+def error_from_reason(reason: str, message: str, details: Mapping[str, str]) -> ModeldError:
+    """The typed error for a reason token; an unknown token becomes :class:`InternalError`."""
+    cls = ERRORS_BY_REASON.get(reason, InternalError)
+    err = cls.from_wire(message, details)
+    if cls is InternalError and reason != InternalError.reason:
+        err.details.setdefault("unknown_reason", reason)
+    return err
