@@ -1,0 +1,314 @@
+"""The in-memory reference backend: the contract's test double, shipped as product code.
+
+It behaves like a real engine in everything the contract can observe, deterministically and
+without native code, so the contract suite can pin the semantics once and every real backend
+can be checked against the same suite.
+
+The model (documented in ``blueprints/0004-memory-backend.md``):
+
+* **Tokens**: one token per UTF-8 byte (ids 0-255), ``BOS = 256``, ``EOS = 257``. So token counts
+  are exact byte counts (plus one for BOS) and every byte range maps to a token range.
+* **Models**: ``path`` is a name. A path that names an existing file makes a model whose digest
+  is the file's xxh3-128; a path that looks like a file (contains ``/``) but does not exist is a
+  :class:`~modeld.errors.ModelLoadError`, as on the real backends. Any other name is a virtual
+  model whose digest is the hash of the name. Trained context: 32768 tokens.
+* **KV**: a list of token ids; truncation at any token is exact (``can_truncate``).
+* **Simulated latency**: ``DecodeConfig.extra["delay_ms"]`` makes each generated token take
+  that long (interruptibly), so cancellation and disconnects can be tested mid-decode.
+* **Decode**: a reply that is a deterministic function of the resident tokens (so warm equals
+  cold by construction, and a changed suffix changes the reply): first an echo of the resident
+  text's last line, ``[..tail..] `` (up to 24 bytes), then ``16 + h % 48`` pseudo-random
+  characters drawn from a small alphabet (with multi-byte ones, to exercise UTF-8 safe
+  streaming), then EOS. The free characters are sampled from real logits (derived from an
+  xxh3 chain) with every DecodeConfig sampler honoured: temperature, top_k, top_p, min_p,
+  repeat_penalty, seed. Greedy decoding (temperature 0) is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import xxhash
+
+from modeld.backends.base import Interrupt, Interrupted
+from modeld.contract import Capabilities, Config, DecodeConfig, ModelInfo, OpenSessionRequest
+from modeld.errors import InvalidArgumentError, ModelLoadError, UnsupportedError
+from modeld.manifest import bytes_hash
+
+__all__ = [
+    "BACKEND_VERSION",
+    "BOS",
+    "EOS",
+    "MAX_CONTEXT",
+    "MemoryBackend",
+    "MemoryRuntime",
+    "sample",
+]
+
+BACKEND_VERSION = "memory-1"
+BOS = 256
+EOS = 257
+VOCAB_SIZE = 258
+MAX_CONTEXT = 32768
+KV_BYTES_PER_TOKEN = 8
+TOKENIZER_DIGEST = bytes_hash("modeld.memory.tokenizer.v1: one token per UTF-8 byte; BOS=256; EOS=257")
+
+_ALPHABET: tuple[bytes, ...] = tuple(
+    c.encode("utf-8") for c in [*"abcdefghijklmnopqrstuvwxyz", " ", " ", ".", ",", "é", "→", "✓"]
+)
+_ECHO_BYTES = 24
+_REPEAT_WINDOW = 64
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty")
+EXTRA_KEYS = ("delay_ms",)
+_MAX_DELAY_MS = 10_000
+
+
+def _file_digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class MemoryBackend:
+    """Describes and loads in-memory reference models."""
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    def describe(self, request: OpenSessionRequest) -> ModelInfo:
+        name = request.path or request.model_name
+        if not name:
+            raise InvalidArgumentError("a model path (or name) is required", field="path")
+        path = Path(name)
+        weights = 0
+        if path.is_file():
+            digest = _file_digest(path)
+            weights = path.stat().st_size
+        elif os.sep in name or name.endswith(".gguf"):
+            raise ModelLoadError(f"model file {name!r} does not exist", path=name)
+        else:
+            digest = bytes_hash(f"modeld.memory.model:{name}")
+        if request.digest and request.digest != digest:
+            raise ModelLoadError(
+                f"model {name!r} has digest {digest}, the request asked for {request.digest}",
+                path=name,
+                expected=request.digest,
+                actual=digest,
+            )
+        free = psutil.virtual_memory().available
+        fits = max(0, (free - weights) // KV_BYTES_PER_TOKEN)
+        return ModelInfo(
+            backend="memory",
+            backend_version=BACKEND_VERSION,
+            path=name,
+            model_name=request.model_name or name,
+            model_digest=digest,
+            model_max_context=MAX_CONTEXT,
+            effective_context=min(MAX_CONTEXT, request.config.num_ctx, fits),
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            free_bytes=free,
+            weights_bytes=weights,
+            vocab_size=VOCAB_SIZE,
+            tokenizer_digest=TOKENIZER_DIGEST,
+            template_digest="",
+            chat_template="",
+            add_bos=True,
+            device="cpu",
+            capabilities=Capabilities(
+                truncation=True, reuse="exact", sampling=SAMPLING_FIELDS, extra=EXTRA_KEYS
+            ),
+        )
+
+    def load(self, request: OpenSessionRequest, info: ModelInfo) -> MemoryRuntime:
+        return MemoryRuntime(info, request.config)
+
+
+class MemoryRuntime:
+    """A loaded reference model: the KV is a list of token ids."""
+
+    def __init__(self, info: ModelInfo, config: Config) -> None:
+        self._info = info
+        self._tokens: list[int] = []
+        self._config = config
+        self._n_ctx = min(info.model_max_context, config.num_ctx)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def resident(self) -> Sequence[int]:
+        return self._tokens
+
+    @property
+    def can_truncate(self) -> bool:
+        return True
+
+    def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
+        data = text.encode("utf-8")
+        return [BOS, *data] if add_bos else list(data)
+
+    def piece(self, token: int) -> bytes:
+        return bytes((token,)) if 0 <= token < 256 else b""
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS
+
+    def configure(self, config: Config) -> bool:
+        if _kv_config(config) == _kv_config(self._config):
+            self._config = config
+            return False
+        self._config = config
+        self._n_ctx = min(self._info.model_max_context, config.num_ctx)
+        self._tokens.clear()
+        return True
+
+    def truncate(self, keep: int) -> None:
+        del self._tokens[keep:]
+
+    def extend(self, tokens: Sequence[int], interrupt: Interrupt) -> None:
+        if len(self._tokens) + len(tokens) > self._n_ctx:  # the engine checks first; be safe
+            raise InvalidArgumentError("tokens exceed the context window", field="tokens")
+        step = max(1, self._config.num_batch)
+        for start in range(0, len(tokens), step):
+            if interrupt():
+                raise Interrupted
+            self._tokens.extend(tokens[start : start + step])
+
+    def check_decode(self, config: DecodeConfig) -> None:
+        for key in config.extra:
+            if key not in EXTRA_KEYS:
+                raise UnsupportedError(
+                    f"the memory backend accepts DecodeConfig.extra keys {EXTRA_KEYS} (got {key!r})",
+                    field=f"extra.{key}",
+                )
+        delay = config.extra.get("delay_ms")
+        if delay is not None and not (delay.isdigit() and int(delay) <= _MAX_DELAY_MS):
+            raise InvalidArgumentError(
+                f"extra.delay_ms must be an integer from 0 to {_MAX_DELAY_MS}, got {delay!r}",
+                field="extra.delay_ms",
+            )
+
+    def generate(self, config: DecodeConfig, interrupt: Interrupt) -> Iterator[int]:
+        if not self._tokens:
+            raise InvalidArgumentError("nothing resident to decode from", field="resident")
+        data = bytes(t for t in self._tokens if t < 256)
+        state = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(self._tokens)}I", *self._tokens))
+        rng = random.Random(config.seed if config.seed is not None else int.from_bytes(os.urandom(8)))
+        forced = list(_echo(data))
+        free = 16 + state % 48
+        recent: list[int] = []
+        delay = int(config.extra.get("delay_ms", "0")) / 1000.0
+        while True:
+            if delay:
+                deadline = time.monotonic() + delay
+                while time.monotonic() < deadline:
+                    if interrupt():
+                        return
+                    time.sleep(min(0.005, delay))
+            if forced:
+                token = forced.pop(0)
+            elif free <= 0:
+                token = EOS
+            else:
+                logits = {
+                    i: 5.0 * xxhash.xxh3_64_intdigest(struct.pack("<QI", state, i)) / 2.0**64
+                    for i in range(len(_ALPHABET))
+                }
+                choice = sample(logits, config, rng, recent)
+                piece = _ALPHABET[choice]
+                token, forced = piece[0], list(piece[1:])
+                recent = [*recent, choice][-_REPEAT_WINDOW:]
+                free -= 1
+            yield token
+            if interrupt():
+                return
+            # The consumer resumed: the token is evaluated (becomes resident).
+            if len(self._tokens) >= self._n_ctx:
+                return
+            self._tokens.append(token)
+            state = xxhash.xxh3_64_intdigest(struct.pack("<QI", state, token))
+
+    def close(self) -> None:
+        self._tokens.clear()
+
+
+def _kv_config(config: Config) -> tuple[object, ...]:
+    return (
+        config.num_ctx,
+        config.num_batch,
+        config.num_gpu_layers,
+        config.tensor_split,
+        config.flash_attn,
+        config.kv_cache_type,
+    )
+
+
+def _echo(data: bytes) -> bytes:
+    """``[tail] ``: the last non-empty line of the text, at most 24 bytes, cut at a character."""
+    lines = [ln for ln in data.split(b"\n") if ln.strip()]
+    if not lines:
+        return b"[] "
+    tail = lines[-1].strip()[-_ECHO_BYTES:]
+    while tail and (tail[0] & 0xC0) == 0x80:  # do not start inside a UTF-8 character
+        tail = tail[1:]
+    return b"[" + tail + b"] "
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    index: int
+    logit: float
+
+
+def sample(logits: dict[int, float], config: DecodeConfig, rng: random.Random, recent: Sequence[int]) -> int:
+    """Pick a candidate with the reference semantics of every DecodeConfig sampler.
+
+    In order: repeat penalty on candidates seen in ``recent`` (positive logits divided, negative
+    multiplied, as llama.cpp does); greedy when ``temperature == 0`` (ties to the lowest index);
+    otherwise top-k, softmax at the temperature, top-p (smallest set reaching the mass), min-p
+    (drop candidates below ``min_p`` times the best probability), then a draw from ``rng``.
+    """
+    adjusted = dict(logits)
+    if config.repeat_penalty != 1.0:
+        for idx in set(recent):
+            if idx in adjusted:
+                value = adjusted[idx]
+                adjusted[idx] = value / config.repeat_penalty if value > 0 else value * config.repeat_penalty
+    ranked = sorted((_Candidate(i, v) for i, v in adjusted.items()), key=lambda c: (-c.logit, c.index))
+    if config.temperature <= 0.0:
+        return ranked[0].index
+    if config.top_k > 0:
+        ranked = ranked[: config.top_k]
+    top = ranked[0].logit
+    weights = [math.exp((c.logit - top) / config.temperature) for c in ranked]
+    total = sum(weights)
+    probs = [w / total for w in weights]
+    if config.top_p < 1.0:
+        mass, keep = 0.0, 0
+        for p in probs:
+            keep += 1
+            mass += p
+            if mass >= config.top_p:
+                break
+        ranked, probs = ranked[:keep], probs[:keep]
+    if config.min_p > 0.0:
+        floor = config.min_p * probs[0]
+        kept = [(c, p) for c, p in zip(ranked, probs, strict=True) if p >= floor]
+        ranked, probs = [c for c, _ in kept], [p for _, p in kept]
+    return rng.choices([c.index for c in ranked], weights=probs, k=1)[0]

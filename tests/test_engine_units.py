@@ -1,0 +1,190 @@
+"""Unit tests of the engine's pure pieces: text assembly, reuse planning, errors, sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from modeld.backends.memory import sample
+from modeld.contract import DecodeConfig
+from modeld.engine.reuse import common_prefix_len, plan_reuse
+from modeld.engine.text import TextAssembler
+from modeld.errors import (
+    ERRORS_BY_REASON,
+    ContextOverflowError,
+    InternalError,
+    ModeldError,
+    error_from_reason,
+)
+from modeld.manifest import ContextManifest
+from modeld.wire.status import from_status, to_status
+
+# --- text assembly ----------------------------------------------------------------------------
+
+
+@given(st.text(max_size=60), st.lists(st.integers(min_value=1, max_value=5), max_size=30))
+def test_deltas_never_split_a_character_and_add_up(text: str, cuts: list[int]) -> None:
+    data = text.encode("utf-8")
+    assembler = TextAssembler()
+    out, pos = [], 0
+    for n in cuts:
+        out.append(assembler.feed(data[pos : pos + n]))
+        pos += n
+    out.append(assembler.feed(data[pos:]))
+    out.append(assembler.flush())
+    assert "".join(out) == text
+
+
+@given(st.text(alphabet="ab✓é ", max_size=40), st.text(alphabet="ab✓é ", min_size=1, max_size=4))
+def test_stop_string_output_is_the_text_before_its_first_occurrence(text: str, stop: str) -> None:
+    assembler = TextAssembler([stop])
+    out = []
+    for byte in text.encode("utf-8"):
+        out.append(assembler.feed(bytes([byte])))
+        if assembler.stopped:
+            break
+    out.append(assembler.flush())
+    joined = "".join(out)
+    if stop in text:
+        assert assembler.stopped
+        assert joined == text[: text.index(stop)]
+    else:
+        assert joined == text
+
+
+def test_invalid_utf8_becomes_a_replacement_character() -> None:
+    assembler = TextAssembler()
+    assert assembler.feed(b"ok \xff!") + assembler.flush() == "ok \ufffd!"
+
+
+def test_a_character_cut_by_the_end_of_generation_is_dropped() -> None:
+    assembler = TextAssembler()
+    assert assembler.feed("ok ✓".encode()[:-1]) + assembler.flush() == "ok "
+
+
+# --- reuse planning ---------------------------------------------------------------------------
+
+M = ContextManifest(backend="memory", runtime_digest="r", add_bos=True)
+
+
+@given(st.lists(st.integers(0, 3), max_size=600), st.lists(st.integers(0, 3), max_size=600))
+def test_common_prefix_len_matches_the_naive_definition(a: list[int], b: list[int]) -> None:
+    naive = 0
+    while naive < min(len(a), len(b)) and a[naive] == b[naive]:
+        naive += 1
+    assert common_prefix_len(a, b) == naive
+
+
+def test_plan_keeps_the_common_prefix_only_under_a_compatible_manifest() -> None:
+    resident, target = [1, 2, 3, 4], [1, 2, 9]
+    plan = plan_reuse(
+        resident=resident,
+        resident_manifest=M,
+        resident_prefix_tokens=4,
+        target=target,
+        manifest=M,
+        can_truncate=True,
+    )
+    assert (plan.keep, plan.decision.outcome, plan.decision.reason) == (2, "partial", "diverged")
+    other = ContextManifest(backend="memory", runtime_digest="s", add_bos=True)
+    plan = plan_reuse(
+        resident=resident,
+        resident_manifest=M,
+        resident_prefix_tokens=4,
+        target=[1, 2, 3, 4],
+        manifest=other,
+        can_truncate=True,
+    )
+    assert (plan.keep, plan.decision.reason, plan.decision.field) == (0, "manifest_changed", "runtime_digest")
+
+
+def test_plan_never_cuts_memory_that_cannot_be_cut() -> None:
+    plan = plan_reuse(
+        resident=[1, 2, 3, 4],
+        resident_manifest=M,
+        resident_prefix_tokens=4,
+        target=[1, 2, 9],
+        manifest=M,
+        can_truncate=False,
+    )
+    assert (plan.keep, plan.decision.reason) == (0, "truncation_unsupported")
+    appended = plan_reuse(
+        resident=[1, 2],
+        resident_manifest=M,
+        resident_prefix_tokens=2,
+        target=[1, 2, 3],
+        manifest=M,
+        can_truncate=False,
+    )
+    assert (appended.keep, appended.decision.reason) == (2, "extended")
+
+
+def test_plan_names_the_previous_runtime_after_a_reload() -> None:
+    old = ContextManifest(backend="memory", model_digest="old")
+    new = ContextManifest(backend="memory", model_digest="new")
+    plan = plan_reuse(
+        resident=[],
+        resident_manifest=None,
+        resident_prefix_tokens=0,
+        target=[1],
+        manifest=new,
+        can_truncate=True,
+        last_manifest=old,
+    )
+    assert (plan.decision.reason, plan.decision.field) == ("manifest_changed", "model_digest")
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_every_reason_is_unique_and_round_trips_through_a_status() -> None:
+    assert len(ERRORS_BY_REASON) == len({cls.reason for cls in ERRORS_BY_REASON.values()})
+    for reason, cls in ERRORS_BY_REASON.items():
+        err = cls.from_wire(f"message for {reason}", {"k": "v"})
+        back = from_status(to_status(err))
+        assert type(back) is cls
+        assert (back.reason, back.message, back.details) == (reason, err.message, {"k": "v"})
+
+
+def test_typed_details_survive_the_trip() -> None:
+    err = ContextOverflowError(stage="suffix", resident=10, additional=5, window=12)
+    back = from_status(to_status(err))
+    assert isinstance(back, ContextOverflowError)
+    assert (back.stage, back.resident, back.additional, back.window) == ("suffix", 10, 5, 12)
+
+
+def test_unknown_reason_becomes_internal_not_a_guess() -> None:
+    err = error_from_reason("from_the_future", "?", {})
+    assert isinstance(err, InternalError)
+    assert err.details["unknown_reason"] == "from_the_future"
+    assert isinstance(err, ModeldError)
+
+
+# --- the reference sampler ----------------------------------------------------------------------
+
+
+def test_greedy_picks_the_best_and_breaks_ties_low() -> None:
+    assert sample({0: 1.0, 1: 3.0, 2: 3.0}, DecodeConfig(), random.Random(0), []) == 1
+
+
+def test_top_k_1_is_greedy_at_any_temperature() -> None:
+    logits = {i: float(i % 7) for i in range(20)}
+    picks = {sample(logits, DecodeConfig(temperature=5.0, top_k=1), random.Random(s), []) for s in range(50)}
+    assert picks == {6}
+
+
+def test_repeat_penalty_pushes_down_recent_candidates() -> None:
+    logits = {0: 2.0, 1: 1.9}
+    assert sample(logits, DecodeConfig(repeat_penalty=1.5), random.Random(0), [0]) == 1
+
+
+@pytest.mark.parametrize("min_p", [0.5, 0.99])
+def test_min_p_drops_unlikely_candidates(min_p: float) -> None:
+    logits = {0: 10.0, 1: 0.0, 2: 0.0}
+    picks = {
+        sample(logits, DecodeConfig(temperature=1.0, min_p=min_p), random.Random(s), []) for s in range(50)
+    }
+    assert picks == {0}
