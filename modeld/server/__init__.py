@@ -1,0 +1,1 @@
+"""The gRPC front end: servicer (conversion + delegation only) and the daemon's lifecycle."""

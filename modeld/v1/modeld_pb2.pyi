@@ -1,0 +1,583 @@
+from google.rpc import status_pb2 as _status_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class BackendType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BACKEND_TYPE_UNSPECIFIED: _ClassVar[BackendType]
+    BACKEND_TYPE_LLAMA: _ClassVar[BackendType]
+    BACKEND_TYPE_OPENVINO: _ClassVar[BackendType]
+    BACKEND_TYPE_MEMORY: _ClassVar[BackendType]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_SEQUENCE: _ClassVar[FinishReason]
+    FINISH_REASON_CANCELED: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+BACKEND_TYPE_UNSPECIFIED: BackendType
+BACKEND_TYPE_LLAMA: BackendType
+BACKEND_TYPE_OPENVINO: BackendType
+BACKEND_TYPE_MEMORY: BackendType
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP_SEQUENCE: FinishReason
+FINISH_REASON_CANCELED: FinishReason
+FINISH_REASON_ERROR: FinishReason
+
+class Config(_message.Message):
+    __slots__ = ("num_ctx", "num_batch", "num_threads", "num_gpu_layers", "tensor_split", "flash_attn", "kv_cache_type", "prompt_format", "prompt_template_digest", "disable_bos")
+    NUM_CTX_FIELD_NUMBER: _ClassVar[int]
+    NUM_BATCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GPU_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_SPLIT_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEMPLATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DISABLE_BOS_FIELD_NUMBER: _ClassVar[int]
+    num_ctx: int
+    num_batch: int
+    num_threads: int
+    num_gpu_layers: int
+    tensor_split: _containers.RepeatedScalarFieldContainer[float]
+    flash_attn: bool
+    kv_cache_type: str
+    prompt_format: str
+    prompt_template_digest: str
+    disable_bos: bool
+    def __init__(self, num_ctx: _Optional[int] = ..., num_batch: _Optional[int] = ..., num_threads: _Optional[int] = ..., num_gpu_layers: _Optional[int] = ..., tensor_split: _Optional[_Iterable[float]] = ..., flash_attn: _Optional[bool] = ..., kv_cache_type: _Optional[str] = ..., prompt_format: _Optional[str] = ..., prompt_template_digest: _Optional[str] = ..., disable_bos: _Optional[bool] = ...) -> None: ...
+
+class Fence(_message.Message):
+    __slots__ = ("owner_instance_id",)
+    OWNER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    owner_instance_id: str
+    def __init__(self, owner_instance_id: _Optional[str] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("model_name", "type", "digest", "path", "config", "fence")
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    model_name: str
+    type: BackendType
+    digest: str
+    path: str
+    config: Config
+    fence: Fence
+    def __init__(self, model_name: _Optional[str] = ..., type: _Optional[_Union[BackendType, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., config: _Optional[_Union[Config, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: OpenSessionRequest
+    def __init__(self, model: _Optional[_Union[OpenSessionRequest, _Mapping]] = ...) -> None: ...
+
+class Capabilities(_message.Message):
+    __slots__ = ("truncation", "reuse", "sampling", "extra", "prompt_formats")
+    TRUNCATION_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    truncation: bool
+    reuse: str
+    sampling: _containers.RepeatedScalarFieldContainer[str]
+    extra: _containers.RepeatedScalarFieldContainer[str]
+    prompt_formats: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, truncation: _Optional[bool] = ..., reuse: _Optional[str] = ..., sampling: _Optional[_Iterable[str]] = ..., extra: _Optional[_Iterable[str]] = ..., prompt_formats: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODEL_MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    EFFECTIVE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    backend_version: str
+    path: str
+    model_digest: str
+    model_max_context: int
+    effective_context: int
+    kv_bytes_per_token: int
+    free_bytes: int
+    weights_bytes: int
+    vocab_size: int
+    tokenizer_digest: str
+    template_digest: str
+    chat_template: str
+    add_bos: bool
+    device: str
+    model_name: str
+    capabilities: Capabilities
+    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+
+class DescribeResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ModelInfo
+    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session_id", "info", "owner_epoch", "owner_instance_id", "identity")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    OWNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    info: ModelInfo
+    owner_epoch: int
+    owner_instance_id: str
+    identity: ContextManifest
+    def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[ModelInfo, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., owner_instance_id: _Optional[str] = ..., identity: _Optional[_Union[ContextManifest, _Mapping]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("kind", "byte_start", "byte_end", "hash", "stable", "cache_class", "token_start", "token_end")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTE_START_FIELD_NUMBER: _ClassVar[int]
+    BYTE_END_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    STABLE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_CLASS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    byte_start: int
+    byte_end: int
+    hash: str
+    stable: bool
+    cache_class: str
+    token_start: int
+    token_end: int
+    def __init__(self, kind: _Optional[str] = ..., byte_start: _Optional[int] = ..., byte_end: _Optional[int] = ..., hash: _Optional[str] = ..., stable: _Optional[bool] = ..., cache_class: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ...) -> None: ...
+
+class ContextManifest(_message.Message):
+    __slots__ = ("profile_id", "backend", "backend_version", "model_digest", "tokenizer_digest", "prompt_format", "prompt_template_digest", "runtime_digest", "add_bos", "stable_bytes", "total_bytes", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "segments")
+    PROFILE_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEMPLATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_FIELD_NUMBER: _ClassVar[int]
+    STABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STABLE_BYTE_HASH_FIELD_NUMBER: _ClassVar[int]
+    STABLE_TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOLATILE_TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    profile_id: str
+    backend: str
+    backend_version: str
+    model_digest: str
+    tokenizer_digest: str
+    prompt_format: str
+    prompt_template_digest: str
+    runtime_digest: str
+    add_bos: bool
+    stable_bytes: int
+    total_bytes: int
+    stable_byte_hash: str
+    stable_token_hash: str
+    volatile_token_hash: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, profile_id: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., prompt_format: _Optional[str] = ..., prompt_template_digest: _Optional[str] = ..., runtime_digest: _Optional[str] = ..., add_bos: _Optional[bool] = ..., stable_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
+class PrefixInput(_message.Message):
+    __slots__ = ("text", "manifest", "tools_json")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    manifest: ContextManifest
+    tools_json: str
+    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ...) -> None: ...
+
+class ReuseDecision(_message.Message):
+    __slots__ = ("outcome", "reason", "message", "field", "diverged_at_token", "diverged_segment", "diverged_at_byte")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_AT_BYTE_FIELD_NUMBER: _ClassVar[int]
+    outcome: str
+    reason: str
+    message: str
+    field: str
+    diverged_at_token: int
+    diverged_segment: str
+    diverged_at_byte: int
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., diverged_at_token: _Optional[int] = ..., diverged_segment: _Optional[str] = ..., diverged_at_byte: _Optional[int] = ...) -> None: ...
+
+class PrefixStatus(_message.Message):
+    __slots__ = ("reused_tokens", "prefilled_tokens", "dropped_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "stable_byte_hash", "stable_token_hash", "manifest_digest", "reuse")
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STABLE_BYTE_HASH_FIELD_NUMBER: _ClassVar[int]
+    STABLE_TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REUSE_FIELD_NUMBER: _ClassVar[int]
+    reused_tokens: int
+    prefilled_tokens: int
+    dropped_tokens: int
+    prefix_tokens: int
+    resident_tokens: int
+    available_tokens: int
+    stable_byte_hash: str
+    stable_token_hash: str
+    manifest_digest: str
+    reuse: ReuseDecision
+    def __init__(self, reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ...) -> None: ...
+
+class SuffixInput(_message.Message):
+    __slots__ = ("text", "manifest")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    manifest: ContextManifest
+    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ...) -> None: ...
+
+class SuffixStatus(_message.Message):
+    __slots__ = ("suffix_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "manifest_digest", "restored_tokens")
+    SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    suffix_tokens: int
+    prefix_tokens: int
+    resident_tokens: int
+    available_tokens: int
+    manifest_digest: str
+    restored_tokens: int
+    def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeConfig(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    repeat_penalty: float
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repeat_penalty: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+
+class ErrorDetail(_message.Message):
+    __slots__ = ("reason", "message")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    message: str
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StreamChunk(_message.Message):
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "error")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: FinishReason
+    usage: Usage
+    error: ErrorDetail
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+
+class ContextReport(_message.Message):
+    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    NUM_CTX_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STABLE_BYTE_HASH_FIELD_NUMBER: _ClassVar[int]
+    STABLE_TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOLATILE_TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REUSE_FIELD_NUMBER: _ClassVar[int]
+    LAST_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    OWNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OPENED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_name: str
+    backend: str
+    num_ctx: int
+    resident_tokens: int
+    prefix_tokens: int
+    suffix_tokens: int
+    generated_tokens: int
+    available_tokens: int
+    kv_tokens: int
+    stable_byte_hash: str
+    stable_token_hash: str
+    volatile_token_hash: str
+    manifest_digest: str
+    manifest: ContextManifest
+    closed: bool
+    last_reuse: ReuseDecision
+    last_prefix: PrefixStatus
+    owner_epoch: int
+    opened_at: float
+    last_used_at: float
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ...) -> None: ...
+
+class Attach(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class Attached(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ExplainContextRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Closed(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CancelDecode(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DecodeStarted(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("request_id", "attach", "ensure_prefix", "prefill_suffix", "decode", "explain_context", "close", "cancel_decode")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    ENSURE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_DECODE_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    attach: Attach
+    ensure_prefix: PrefixInput
+    prefill_suffix: SuffixInput
+    decode: DecodeConfig
+    explain_context: ExplainContextRequest
+    close: CloseRequest
+    cancel_decode: CancelDecode
+    def __init__(self, request_id: _Optional[int] = ..., attach: _Optional[_Union[Attach, _Mapping]] = ..., ensure_prefix: _Optional[_Union[PrefixInput, _Mapping]] = ..., prefill_suffix: _Optional[_Union[SuffixInput, _Mapping]] = ..., decode: _Optional[_Union[DecodeConfig, _Mapping]] = ..., explain_context: _Optional[_Union[ExplainContextRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., cancel_decode: _Optional[_Union[CancelDecode, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("request_id", "attached", "prefix_status", "suffix_status", "decode_started", "chunk", "context", "closed", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_STATUS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_STATUS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STARTED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    attached: Attached
+    prefix_status: PrefixStatus
+    suffix_status: SuffixStatus
+    decode_started: DecodeStarted
+    chunk: StreamChunk
+    context: ContextReport
+    closed: Closed
+    error: _status_pb2.Status
+    def __init__(self, request_id: _Optional[int] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., prefix_status: _Optional[_Union[PrefixStatus, _Mapping]] = ..., suffix_status: _Optional[_Union[SuffixStatus, _Mapping]] = ..., decode_started: _Optional[_Union[DecodeStarted, _Mapping]] = ..., chunk: _Optional[_Union[StreamChunk, _Mapping]] = ..., context: _Optional[_Union[ContextReport, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+
+class ExplainContextResponse(_message.Message):
+    __slots__ = ("report",)
+    REPORT_FIELD_NUMBER: _ClassVar[int]
+    report: ContextReport
+    def __init__(self, report: _Optional[_Union[ContextReport, _Mapping]] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("session_id", "model_name", "backend", "path", "owner_epoch", "opened_at", "last_used_at", "num_ctx", "resident_tokens", "prefix_tokens", "available_tokens", "last_outcome", "closed", "attached")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OPENED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    NUM_CTX_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    model_name: str
+    backend: str
+    path: str
+    owner_epoch: int
+    opened_at: float
+    last_used_at: float
+    num_ctx: int
+    resident_tokens: int
+    prefix_tokens: int
+    available_tokens: int
+    last_outcome: str
+    closed: bool
+    attached: bool
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., path: _Optional[str] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., last_outcome: _Optional[str] = ..., closed: _Optional[bool] = ..., attached: _Optional[bool] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadedModel(_message.Message):
+    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    N_CTX_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    path: str
+    model_name: str
+    model_digest: str
+    n_ctx: int
+    resident_tokens: int
+    sessions: int
+    loaded_at: float
+    last_used_at: float
+    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ...) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("instance_id", "epoch", "pid", "endpoint", "version", "started_at", "uptime_seconds", "backends", "default_backend", "models", "sessions", "limits", "owner_lost")
+    class LimitsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_LOST_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    epoch: int
+    pid: int
+    endpoint: str
+    version: str
+    started_at: float
+    uptime_seconds: float
+    backends: _containers.RepeatedScalarFieldContainer[str]
+    default_backend: str
+    models: _containers.RepeatedCompositeFieldContainer[LoadedModel]
+    sessions: int
+    limits: _containers.ScalarMap[str, float]
+    owner_lost: str
+    def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., default_backend: _Optional[str] = ..., models: _Optional[_Iterable[_Union[LoadedModel, _Mapping]]] = ..., sessions: _Optional[int] = ..., limits: _Optional[_Mapping[str, float]] = ..., owner_lost: _Optional[str] = ...) -> None: ...

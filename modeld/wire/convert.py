@@ -1,0 +1,381 @@
+"""Conversion between the contract's dataclasses and the modeld.v1 protobuf messages.
+
+The one place where protobuf meets the contract, used by both the servicer and the runtime
+client. Field names match one to one, so flat types convert generically (:func:`_to_pb`,
+:func:`_from_pb`); nested and enum fields are spelled out. Optional fields left unset (for
+example by a grpcurl user) take the contract's defaults; the runtime client always sets them,
+so a value the contract refuses in process is refused over the wire too.
+
+Anything that cannot be converted (a wrong type, a negative count) raises
+:class:`~modeld.errors.InvalidArgumentError` naming the message, never a bare TypeError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
+
+from modeld.contract import (
+    Capabilities,
+    Config,
+    ContextReport,
+    DaemonStatus,
+    DecodeConfig,
+    ErrorDetail,
+    Fence,
+    LoadedModelSummary,
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixInput,
+    PrefixStatus,
+    ReuseDecision,
+    SessionSummary,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+    Usage,
+)
+from modeld.errors import InvalidArgumentError
+from modeld.manifest import ContextManifest, Segment
+from modeld.v1 import modeld_pb2 as pb
+
+__all__ = [
+    "config_from_pb",
+    "config_to_pb",
+    "decode_config_from_pb",
+    "decode_config_to_pb",
+    "manifest_from_pb",
+    "manifest_to_pb",
+    "model_info_from_pb",
+    "model_info_to_pb",
+    "open_request_from_pb",
+    "open_request_to_pb",
+    "prefix_input_from_pb",
+    "prefix_input_to_pb",
+    "prefix_status_from_pb",
+    "prefix_status_to_pb",
+    "report_from_pb",
+    "report_to_pb",
+    "status_from_pb",
+    "status_to_pb",
+    "chunk_from_pb",
+    "chunk_to_pb",
+    "suffix_input_from_pb",
+    "suffix_input_to_pb",
+    "suffix_status_from_pb",
+    "suffix_status_to_pb",
+    "summary_from_pb",
+    "summary_to_pb",
+]
+
+_M = TypeVar("_M", bound=Message)
+_T = TypeVar("_T")
+
+_BACKEND_TO_PB = {
+    "": pb.BACKEND_TYPE_UNSPECIFIED,
+    "llama": pb.BACKEND_TYPE_LLAMA,
+    "openvino": pb.BACKEND_TYPE_OPENVINO,
+    "memory": pb.BACKEND_TYPE_MEMORY,
+}
+_BACKEND_FROM_PB = {v: k for k, v in _BACKEND_TO_PB.items()}
+_FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "stop_sequence": pb.FINISH_REASON_STOP_SEQUENCE,
+    "canceled": pb.FINISH_REASON_CANCELED,
+    "error": pb.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def _guard(what: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+    """Turn conversion failures into InvalidArgumentError naming the message."""
+
+    def wrap(fn: Callable[..., _T]) -> Callable[..., _T]:
+        def inner(*args: Any) -> _T:
+            try:
+                return fn(*args)
+            except InvalidArgumentError:
+                raise
+            except (TypeError, ValueError, AttributeError, KeyError, OverflowError) as exc:
+                raise InvalidArgumentError(f"invalid {what}: {exc}", field=what) from exc
+
+        inner.__name__ = fn.__name__
+        inner.__doc__ = fn.__doc__
+        return inner
+
+    return wrap
+
+
+def _to_pb(obj: Any, msg: _M, *, skip: tuple[str, ...] = ()) -> _M:
+    """Copy a flat dataclass into a message with the same field names (None = unset)."""
+    for f in dataclasses.fields(obj):
+        if f.name in skip:
+            continue
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        target = getattr(msg, f.name)
+        if isinstance(value, tuple | list):
+            target.extend(value)
+        elif isinstance(value, dict) or (hasattr(value, "items") and hasattr(target, "update")):
+            target.update(value)
+        else:
+            setattr(msg, f.name, value)
+    return msg
+
+
+def _from_pb(msg: Message, cls: type[_T], *, skip: tuple[str, ...] = (), **given: Any) -> _T:
+    """Build a flat dataclass from a message with the same field names."""
+    values: dict[str, Any] = dict(given)
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in skip or f.name in values:
+            continue
+        descriptor = msg.DESCRIPTOR.fields_by_name[f.name]
+        if descriptor.has_presence and not msg.HasField(f.name):
+            values[f.name] = None
+            continue
+        value = getattr(msg, f.name)
+        if descriptor.is_repeated:
+            value = tuple(value)
+        values[f.name] = value
+    return cls(**values)
+
+
+# --- requests -----------------------------------------------------------------------------
+
+
+@_guard("config")
+def config_to_pb(config: Config) -> pb.Config:
+    return _to_pb(config, pb.Config())
+
+
+@_guard("config")
+def config_from_pb(msg: pb.Config) -> Config:
+    defaults = Config()
+    optional = {
+        name: getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
+        for name in ("num_ctx", "num_batch", "kv_cache_type", "prompt_format")
+    }
+    return Config(
+        num_threads=msg.num_threads,
+        num_gpu_layers=msg.num_gpu_layers,
+        tensor_split=tuple(msg.tensor_split),
+        flash_attn=msg.flash_attn,
+        prompt_template_digest=msg.prompt_template_digest,
+        disable_bos=msg.disable_bos,
+        **optional,
+    )
+
+
+@_guard("open_session request")
+def open_request_to_pb(request: OpenSessionRequest) -> pb.OpenSessionRequest:
+    if request.type not in _BACKEND_TO_PB:
+        raise InvalidArgumentError(
+            f"unknown backend type {request.type!r}; expected llama, openvino or memory",
+            field="type",
+        )
+    return pb.OpenSessionRequest(
+        model_name=request.model_name,
+        type=_BACKEND_TO_PB[request.type],
+        digest=request.digest,
+        path=request.path,
+        config=config_to_pb(request.config),
+        fence=pb.Fence(owner_instance_id=request.fence.owner_instance_id),
+    )
+
+
+@_guard("open_session request")
+def open_request_from_pb(msg: pb.OpenSessionRequest) -> OpenSessionRequest:
+    if msg.type not in _BACKEND_FROM_PB:
+        raise InvalidArgumentError(f"unknown backend type {msg.type}", field="type")
+    return OpenSessionRequest(
+        model_name=msg.model_name,
+        type=_BACKEND_FROM_PB[msg.type],
+        digest=msg.digest,
+        path=msg.path,
+        config=config_from_pb(msg.config),
+        fence=Fence(owner_instance_id=msg.fence.owner_instance_id),
+    )
+
+
+@_guard("manifest")
+def manifest_to_pb(manifest: ContextManifest) -> pb.ContextManifest:
+    msg = _to_pb(manifest, pb.ContextManifest(), skip=("segments",))
+    msg.segments.extend(_to_pb(s, pb.Segment()) for s in manifest.segments)
+    return msg
+
+
+@_guard("manifest")
+def manifest_from_pb(msg: pb.ContextManifest) -> ContextManifest:
+    segments = tuple(_from_pb(s, Segment) for s in msg.segments)
+    return _from_pb(msg, ContextManifest, segments=segments)
+
+
+@_guard("prefix")
+def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
+    msg = pb.PrefixInput(text=prefix.text, tools_json=prefix.tools_json)
+    if prefix.manifest is not None:
+        msg.manifest.CopyFrom(manifest_to_pb(prefix.manifest))
+    return msg
+
+
+@_guard("prefix")
+def prefix_input_from_pb(msg: pb.PrefixInput) -> PrefixInput:
+    manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
+    return PrefixInput(text=msg.text, manifest=manifest, tools_json=msg.tools_json)
+
+
+@_guard("suffix")
+def suffix_input_to_pb(suffix: SuffixInput) -> pb.SuffixInput:
+    msg = pb.SuffixInput(text=suffix.text)
+    if suffix.manifest is not None:
+        msg.manifest.CopyFrom(manifest_to_pb(suffix.manifest))
+    return msg
+
+
+@_guard("suffix")
+def suffix_input_from_pb(msg: pb.SuffixInput) -> SuffixInput:
+    manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
+    return SuffixInput(text=msg.text, manifest=manifest)
+
+
+@_guard("decode config")
+def decode_config_to_pb(config: DecodeConfig) -> pb.DecodeConfig:
+    return _to_pb(config, pb.DecodeConfig())
+
+
+@_guard("decode config")
+def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
+    defaults = DecodeConfig()
+    values: dict[str, Any] = {}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty"):
+        values[name] = getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
+    return DecodeConfig(
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+        extra=dict(msg.extra),
+        **values,
+    )
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+@_guard("model info")
+def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
+    msg = _to_pb(info, pb.ModelInfo(), skip=("capabilities",))
+    msg.capabilities.CopyFrom(_to_pb(info.capabilities, pb.Capabilities()))
+    return msg
+
+
+@_guard("model info")
+def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
+    caps = _from_pb(msg.capabilities, Capabilities)
+    return _from_pb(msg, ModelInfo, capabilities=caps)
+
+
+def _reuse_to_pb(decision: ReuseDecision) -> pb.ReuseDecision:
+    return _to_pb(decision, pb.ReuseDecision())
+
+
+def _reuse_from_pb(msg: pb.ReuseDecision) -> ReuseDecision:
+    return _from_pb(msg, ReuseDecision)
+
+
+@_guard("prefix status")
+def prefix_status_to_pb(status: PrefixStatus) -> pb.PrefixStatus:
+    msg = _to_pb(status, pb.PrefixStatus(), skip=("reuse",))
+    msg.reuse.CopyFrom(_reuse_to_pb(status.reuse))
+    return msg
+
+
+@_guard("prefix status")
+def prefix_status_from_pb(msg: pb.PrefixStatus) -> PrefixStatus:
+    return _from_pb(msg, PrefixStatus, reuse=_reuse_from_pb(msg.reuse))
+
+
+@_guard("suffix status")
+def suffix_status_to_pb(status: SuffixStatus) -> pb.SuffixStatus:
+    return _to_pb(status, pb.SuffixStatus())
+
+
+@_guard("suffix status")
+def suffix_status_from_pb(msg: pb.SuffixStatus) -> SuffixStatus:
+    return _from_pb(msg, SuffixStatus)
+
+
+@_guard("chunk")
+def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
+    msg = pb.StreamChunk(
+        text=chunk.text,
+        token_ids=chunk.token_ids,
+        finish_reason=_FINISH_TO_PB[chunk.finish_reason],
+    )
+    if chunk.usage is not None:
+        msg.usage.CopyFrom(_to_pb(chunk.usage, pb.Usage()))
+    if chunk.error is not None:
+        msg.error.CopyFrom(pb.ErrorDetail(reason=chunk.error.reason, message=chunk.error.message))
+    return msg
+
+
+@_guard("chunk")
+def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
+    finish = _FINISH_FROM_PB.get(msg.finish_reason, "error")
+    return StreamChunk(
+        text=msg.text,
+        token_ids=tuple(msg.token_ids),
+        finish_reason=finish,
+        usage=_from_pb(msg.usage, Usage) if msg.HasField("usage") else None,
+        error=ErrorDetail(msg.error.reason, msg.error.message) if msg.HasField("error") else None,
+    )
+
+
+@_guard("context report")
+def report_to_pb(report: ContextReport) -> pb.ContextReport:
+    msg = _to_pb(report, pb.ContextReport(), skip=("manifest", "last_reuse", "last_prefix"))
+    if report.manifest is not None:
+        msg.manifest.CopyFrom(manifest_to_pb(report.manifest))
+    if report.last_reuse is not None:
+        msg.last_reuse.CopyFrom(_reuse_to_pb(report.last_reuse))
+    if report.last_prefix is not None:
+        msg.last_prefix.CopyFrom(prefix_status_to_pb(report.last_prefix))
+    return msg
+
+
+@_guard("context report")
+def report_from_pb(msg: pb.ContextReport) -> ContextReport:
+    return _from_pb(
+        msg,
+        ContextReport,
+        manifest=manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None,
+        last_reuse=_reuse_from_pb(msg.last_reuse) if msg.HasField("last_reuse") else None,
+        last_prefix=prefix_status_from_pb(msg.last_prefix) if msg.HasField("last_prefix") else None,
+    )
+
+
+@_guard("session summary")
+def summary_to_pb(summary: SessionSummary) -> pb.SessionSummary:
+    return _to_pb(summary, pb.SessionSummary())
+
+
+@_guard("session summary")
+def summary_from_pb(msg: pb.SessionSummary) -> SessionSummary:
+    return _from_pb(msg, SessionSummary)
+
+
+@_guard("status")
+def status_to_pb(status: DaemonStatus) -> pb.StatusResponse:
+    msg = _to_pb(status, pb.StatusResponse(), skip=("models",))
+    msg.models.extend(_to_pb(m, pb.LoadedModel()) for m in status.models)
+    return msg
+
+
+@_guard("status")
+def status_from_pb(msg: pb.StatusResponse) -> DaemonStatus:
+    models = tuple(_from_pb(m, LoadedModelSummary) for m in msg.models)
+    return _from_pb(msg, DaemonStatus, models=models, limits=dict(msg.limits))
