@@ -1,0 +1,91 @@
+"""runtime_client: what a coding tool imports to use modeld.
+
+    import runtime_client as rc
+
+    with rc.connect() as client:                       # finds the running daemon
+        session = client.open_session(rc.OpenSessionRequest(path="model.gguf", type="llama"))
+        ctx = rc.ContextBuilder(identity=session.identity).system(SYSTEM).repo_map(MAP) \
+            .user_turn("Fix the failing test.").build()
+        session.ensure_prefix(ctx.prefix_input())      # warm after the first turn
+        session.prefill_suffix(ctx.suffix_input())
+        for chunk in session.decode(rc.DecodeConfig(max_tokens=256)):
+            print(chunk.text, end="")
+
+The client implements the same Service/Session contract as the in-process engine and raises
+the same typed errors (:mod:`modeld.errors`). It imports nothing from the daemon's engine or
+backends, so it installs without the native engines.
+"""
+
+from modeld.contract import (
+    Config,
+    ContextReport,
+    DaemonStatus,
+    DecodeConfig,
+    Fence,
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixInput,
+    PrefixStatus,
+    ReuseDecision,
+    SessionSummary,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+    Usage,
+)
+from modeld.errors import (
+    BackendMismatchError,
+    ContextOverflowError,
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    ManifestMismatchError,
+    ModeldError,
+    NotOwnerError,
+    SessionClosedError,
+    StaleFenceError,
+)
+from modeld.manifest import ContextManifest, Segment
+from runtime_client.aio import AsyncClient, AsyncClientSession, aconnect
+from runtime_client.builder import BuiltContext, ContextBuilder
+from runtime_client.client import Client, ClientDecodeStream, ClientSession, connect
+from runtime_client.discovery import Endpoint, discover
+
+__all__ = [
+    "AsyncClient",
+    "AsyncClientSession",
+    "BackendMismatchError",
+    "BuiltContext",
+    "Client",
+    "ClientDecodeStream",
+    "ClientSession",
+    "Config",
+    "ContextBuilder",
+    "ContextManifest",
+    "ContextOverflowError",
+    "ContextReport",
+    "DaemonStatus",
+    "DaemonUnavailableError",
+    "DecodeConfig",
+    "Endpoint",
+    "Fence",
+    "InvalidArgumentError",
+    "ManifestMismatchError",
+    "ModelInfo",
+    "ModeldError",
+    "NotOwnerError",
+    "OpenSessionRequest",
+    "PrefixInput",
+    "PrefixStatus",
+    "ReuseDecision",
+    "Segment",
+    "SessionClosedError",
+    "SessionSummary",
+    "StaleFenceError",
+    "StreamChunk",
+    "SuffixInput",
+    "SuffixStatus",
+    "Usage",
+    "aconnect",
+    "connect",
+    "discover",
+]

@@ -1,0 +1,155 @@
+"""The context builder: typed segments in; prefix text, suffix text and a manifest out.
+
+A coding tool describes its prompt as segments (system prompt, tool definitions, repo rules,
+repo map, pinned files, history; then the diff, terminal output and the user's turn). The
+builder puts the stable segments first and the volatile ones last -- whatever order they were
+added in -- so that everything that changes each turn sits after everything that does not,
+which is what makes the prefix reusable. It records each segment's byte range and hash in a
+:class:`~modeld.manifest.ContextManifest`; the daemon adds token ranges and token hashes.
+
+Put nothing that changes every turn (a timestamp, a request id) into a stable segment: it
+makes every turn cold from that byte on. ``modeld explain-context`` shows the segment where a
+prefix first diverged when that happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from modeld.contract import PrefixInput, SuffixInput
+from modeld.errors import InvalidArgumentError
+from modeld.manifest import (
+    CACHE_CLASSES,
+    DEFAULT_CACHE_CLASS,
+    SEGMENT_KINDS,
+    STABLE_KINDS,
+    ContextManifest,
+    Segment,
+    bytes_hash,
+)
+
+__all__ = ["BuiltContext", "ContextBuilder"]
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltContext:
+    """What the builder produced: send ``prefix_input()`` then ``suffix_input()``."""
+
+    prefix_text: str
+    suffix_text: str
+    manifest: ContextManifest
+    tools_json: str = ""
+
+    def prefix_input(self) -> PrefixInput:
+        return PrefixInput(text=self.prefix_text, manifest=self.manifest, tools_json=self.tools_json)
+
+    def suffix_input(self) -> SuffixInput:
+        return SuffixInput(text=self.suffix_text, manifest=self.manifest)
+
+
+@dataclass(slots=True)
+class _Part:
+    kind: str
+    text: str
+    stable: bool
+    cache_class: str
+
+
+@dataclass
+class ContextBuilder:
+    """Collects segments; :meth:`build` lays them out stable-first.
+
+    ``identity`` (a session's ``identity``) fills in the manifest's runtime fields so the daemon
+    can check them; without it the daemon fills them in itself.
+    """
+
+    identity: ContextManifest | None = None
+    profile_id: str = ""
+    tools_json: str = ""
+    _parts: list[_Part] = field(default_factory=list)
+
+    def add(
+        self, kind: str, text: str, *, stable: bool | None = None, cache_class: str = ""
+    ) -> ContextBuilder:
+        if kind not in SEGMENT_KINDS:
+            raise InvalidArgumentError(
+                f"segment kind must be one of {', '.join(SEGMENT_KINDS)}, got {kind!r}", field="kind"
+            )
+        if cache_class and cache_class not in CACHE_CLASSES:
+            raise InvalidArgumentError(
+                f"cache_class must be one of {', '.join(CACHE_CLASSES)}, got {cache_class!r}",
+                field="cache_class",
+            )
+        if not isinstance(text, str):
+            raise InvalidArgumentError("segment text must be a string", field="text")
+        self._parts.append(
+            _Part(
+                kind=kind,
+                text=text,
+                stable=kind in STABLE_KINDS if stable is None else stable,
+                cache_class=cache_class or DEFAULT_CACHE_CLASS[kind],
+            )
+        )
+        return self
+
+    def system(self, text: str) -> ContextBuilder:
+        return self.add("system", text)
+
+    def tools(self, text: str) -> ContextBuilder:
+        return self.add("tools", text)
+
+    def repo_rules(self, text: str) -> ContextBuilder:
+        return self.add("repo_rules", text)
+
+    def repo_map(self, text: str) -> ContextBuilder:
+        return self.add("repo_map", text)
+
+    def pinned(self, text: str) -> ContextBuilder:
+        return self.add("pinned", text)
+
+    def history(self, text: str) -> ContextBuilder:
+        return self.add("history", text)
+
+    def diff(self, text: str) -> ContextBuilder:
+        return self.add("diff", text)
+
+    def terminal(self, text: str) -> ContextBuilder:
+        return self.add("terminal", text)
+
+    def user_turn(self, text: str) -> ContextBuilder:
+        return self.add("user_turn", text)
+
+    def build(self) -> BuiltContext:
+        ordered = [p for p in self._parts if p.stable] + [p for p in self._parts if not p.stable]
+        segments: list[Segment] = []
+        prefix: list[str] = []
+        suffix: list[str] = []
+        offset = 0
+        for part in ordered:
+            data = part.text.encode("utf-8")
+            segments.append(
+                Segment(
+                    kind=part.kind,
+                    byte_start=offset,
+                    byte_end=offset + len(data),
+                    hash=bytes_hash(data),
+                    stable=part.stable,
+                    cache_class=part.cache_class,
+                )
+            )
+            offset += len(data)
+            (prefix if part.stable else suffix).append(part.text)
+        prefix_text, suffix_text = "".join(prefix), "".join(suffix)
+        stable_bytes = len(prefix_text.encode("utf-8"))
+        base = self.identity if self.identity is not None else ContextManifest()
+        manifest = replace(
+            base,
+            profile_id=self.profile_id,
+            stable_bytes=stable_bytes,
+            total_bytes=offset,
+            stable_byte_hash=bytes_hash(prefix_text),
+            stable_token_hash="",
+            volatile_token_hash="",
+            segments=tuple(segments),
+        )
+        return BuiltContext(prefix_text, suffix_text, manifest, self.tools_json)
