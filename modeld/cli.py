@@ -1,0 +1,372 @@
+"""The ``modeld`` command line: serve, describe, explain-context, status.
+
+Expected failures (no daemon, a bad model file, an unknown session) print one line to stderr
+and exit non-zero; a traceback only ever means a bug. Every command that reports something
+has ``--json`` for programs and a readable table for people.
+
+Exit codes: 0 success, 1 an error (the line says which), 2 bad usage, 3 another daemon owns
+the machine (``serve`` without ``--takeover``), 4 no daemon could be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, ContextReport, OpenSessionRequest
+from modeld.errors import DaemonUnavailableError, ModeldError
+
+__all__ = ["main"]
+
+EXIT_ERROR = 1
+EXIT_UNAVAILABLE = 4
+
+
+def _json(obj: Any) -> str:
+    def default(value: Any) -> Any:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.asdict(value)
+        if isinstance(value, Path):
+            return str(value)
+        if hasattr(value, "items"):
+            return dict(value.items())
+        raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    return json.dumps(obj, indent=2, sort_keys=True, default=default)
+
+
+def _short(digest: str, n: int = 12) -> str:
+    return digest[:n] if digest else "-"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
+    return f"{seconds // 3600:.0f}h{(seconds % 3600) // 60:02.0f}m"
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def _table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+# --- serve ----------------------------------------------------------------------------------
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from modeld.engine import Limits
+    from modeld.server.daemon import ServeOptions, run
+
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    defaults = Limits()
+    limits = dataclasses.replace(
+        defaults,
+        max_sessions=args.max_sessions or defaults.max_sessions,
+        max_text_bytes=args.max_text_bytes or defaults.max_text_bytes,
+        max_message_bytes=args.max_message_bytes or defaults.max_message_bytes,
+        max_loaded_models=args.max_loaded_models or defaults.max_loaded_models,
+    )
+    if limits.max_message_bytes < limits.max_text_bytes + (64 << 10):
+        print(
+            "modeld: error: --max-message-bytes must exceed --max-text-bytes by at least 64 KiB "
+            "(room for the manifest)",
+            file=sys.stderr,
+        )
+        return 2
+    options = ServeOptions(
+        backend=args.backend,
+        listen=args.listen or "",
+        takeover=args.takeover,
+        takeover_timeout=args.takeover_timeout,
+        allow_remote=args.allow_remote,
+        limits=limits,
+    )
+    if args.data_dir:
+        options.data_dir = Path(args.data_dir)
+    return run(options)
+
+
+# --- describe -------------------------------------------------------------------------------
+
+
+def _cmd_describe(args: argparse.Namespace) -> int:
+    from modeld.engine import Engine
+
+    request = OpenSessionRequest(
+        type=args.type,
+        path=args.path,
+        digest=args.digest or "",
+        config=Config(num_ctx=args.num_ctx, kv_cache_type=args.kv_cache_type),
+    )
+    info = Engine(backends=(args.type,)).describe(request)
+    if args.json:
+        print(_json(info))
+        return 0
+    gib = 1 << 30
+    rows = [
+        ("model", f"{info.model_name}  ({info.path})"),
+        ("backend", f"{info.backend} {info.backend_version} on {info.device}"),
+        ("digest", info.model_digest),
+        (
+            "context",
+            f"{info.effective_context} tokens effective (trained {info.model_max_context}, asked {args.num_ctx})",
+        ),
+        (
+            "kv cache",
+            f"{info.kv_bytes_per_token} bytes per token ({args.kv_cache_type}); "
+            f"{info.kv_bytes_per_token * info.effective_context / gib:.2f} GiB at the effective context",
+        ),
+        ("weights", f"{info.weights_bytes / gib:.2f} GiB"),
+        ("free memory", f"{info.free_bytes / gib:.2f} GiB"),
+        ("vocabulary", f"{info.vocab_size} tokens, tokenizer {_short(info.tokenizer_digest)}"),
+        (
+            "template",
+            f"{_short(info.template_digest)}"
+            + (" (chat template present)" if info.chat_template else " (none)"),
+        ),
+        ("bos", "added" if info.add_bos else "not added"),
+        (
+            "capabilities",
+            f"truncation={'yes' if info.capabilities.truncation else 'no'} reuse={info.capabilities.reuse} "
+            f"formats={','.join(info.capabilities.prompt_formats)}",
+        ),
+    ]
+    print("\n".join(f"{k:<13} {v}" for k, v in rows))
+    return 0
+
+
+# --- observers ------------------------------------------------------------------------------
+
+
+def _connect(args: argparse.Namespace) -> Any:
+    from runtime_client import connect
+
+    return connect(args.address, data_dir=Path(args.data_dir) if args.data_dir else None)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        status = client.status()
+    if args.json:
+        print(_json(status))
+        return 0
+    lines = [
+        f"modeld {status.version}  instance {status.instance_id}  epoch {status.epoch}  pid {status.pid}",
+        f"endpoint  {status.endpoint}",
+        f"uptime    {_age(status.uptime_seconds)}",
+        f"backends  {', '.join(status.backends)} (default {status.default_backend})",
+        f"sessions  {status.sessions}",
+    ]
+    if status.owner_lost:
+        lines.append(f"OWNERSHIP LOST: {status.owner_lost}")
+    if status.models:
+        lines.append("models")
+        rows = [("  BACKEND", "MODEL", "DIGEST", "CTX", "RESIDENT", "SESSIONS", "IDLE")]
+        now = time.time()
+        for m in status.models:
+            rows.append(
+                (
+                    f"  {m.backend}",
+                    m.model_name,
+                    _short(m.model_digest),
+                    str(m.n_ctx),
+                    str(m.resident_tokens),
+                    str(m.sessions),
+                    _age(now - m.last_used_at),
+                )
+            )
+        lines.append(_table(rows))
+    else:
+        lines.append("models    none loaded")
+    lines.append("limits    " + " ".join(f"{k}={_num(v)}" for k, v in sorted(status.limits.items())))
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        if not args.session_id:
+            sessions = client.list_sessions()
+            if args.json:
+                print(_json(sessions))
+                return 0
+            if not sessions:
+                print("no open sessions")
+                return 0
+            now = time.time()
+            rows = [("SESSION", "MODEL", "BACKEND", "RESIDENT/CTX", "PREFIX", "LAST", "STREAM", "IDLE")]
+            for s in sessions:
+                rows.append(
+                    (
+                        s.session_id,
+                        s.model_name,
+                        s.backend,
+                        f"{s.resident_tokens}/{s.num_ctx}",
+                        str(s.prefix_tokens),
+                        s.last_outcome or "-",
+                        "attached" if s.attached else "detached",
+                        _age(now - s.last_used_at),
+                    )
+                )
+            print(_table(rows))
+            return 0
+        report = client.explain_context(args.session_id)
+    if args.json:
+        print(_json(report))
+        return 0
+    print(_format_report(report))
+    return 0
+
+
+def _format_report(r: ContextReport) -> str:
+    state = "closed" if r.closed else "open"
+    out = [
+        f"session   {r.session_id}  ({r.backend} model {r.model_name!r}, owner epoch {r.owner_epoch}, {state})",
+        f"resident  {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
+        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} in the KV now",
+        f"manifest  {r.manifest_digest or '-'}",
+    ]
+    m = r.manifest
+    if m is not None:
+        out.append(
+            f"  backend {m.backend} {m.backend_version} · model {_short(m.model_digest)} · tokenizer "
+            f"{_short(m.tokenizer_digest)} · format {m.prompt_format} · template {_short(m.prompt_template_digest)} · "
+            f"runtime {_short(m.runtime_digest)} · bos {'yes' if m.add_bos else 'no'}"
+            + (f" · profile {m.profile_id}" if m.profile_id else "")
+        )
+        out.append(
+            f"  stable {m.stable_bytes} bytes (bytes {_short(m.stable_byte_hash)}, tokens {_short(m.stable_token_hash)}) · "
+            f"total {m.total_bytes} bytes · volatile tokens {_short(m.volatile_token_hash)}"
+        )
+        if m.segments:
+            rows = [("  KIND", "TOKENS", "BYTES", "STABLE", "CLASS", "HASH")]
+            for s in m.segments:
+                tokens = f"{s.token_start}-{s.token_end}" if s.token_start is not None else "?"
+                rows.append(
+                    (
+                        f"  {s.kind}",
+                        tokens,
+                        f"{s.byte_start}-{s.byte_end}",
+                        "yes" if s.stable else "no",
+                        s.cache_class or "-",
+                        _short(s.hash),
+                    )
+                )
+            out.append("segments")
+            out.append(_table(rows))
+    if r.last_reuse is not None:
+        d = r.last_reuse
+        out.append(
+            f"last ensure_prefix: {d.outcome.upper()} ({d.reason}{': ' + d.field if d.field else ''}) - {d.message}"
+        )
+        if d.diverged_at_token is not None:
+            out.append(
+                f"  diverged at token {d.diverged_at_token}"
+                + (f", byte {d.diverged_at_byte}" if d.diverged_at_byte is not None else "")
+                + (f", in segment {d.diverged_segment!r}" if d.diverged_segment else "")
+            )
+        if r.last_prefix is not None:
+            p = r.last_prefix
+            out.append(
+                f"  reused {p.reused_tokens} · prefilled {p.prefilled_tokens} · dropped {p.dropped_tokens}"
+            )
+    else:
+        out.append("last ensure_prefix: none yet")
+    return "\n".join(out)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="modeld", description="Local warm-prefix inference daemon.")
+    p.add_argument(
+        "--address",
+        help="daemon address (unix:PATH or HOST:PORT); default: MODELD_ADDRESS, then the owner lease",
+    )
+    p.add_argument("--data-dir", help="data directory (default: MODELD_DATA_DIR or the user data directory)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("serve", help="run the daemon")
+    s.add_argument("--backend", choices=BACKEND_TYPES, default="memory")
+    s.add_argument(
+        "--listen",
+        help="unix:PATH or HOST:PORT (default: a unix socket under XDG_RUNTIME_DIR or the cache directory)",
+    )
+    s.add_argument("--data-dir", default=argparse.SUPPRESS, help="data directory holding the owner lease")
+    s.add_argument("--takeover", action="store_true", help="replace the daemon that owns the machine")
+    s.add_argument(
+        "--takeover-timeout",
+        type=float,
+        default=10.0,
+        help="seconds to wait for the old owner before signalling it",
+    )
+    s.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a non-loopback --listen address (no authentication!)",
+    )
+    s.add_argument("--max-sessions", type=int, default=0)
+    s.add_argument("--max-text-bytes", type=int, default=0)
+    s.add_argument("--max-message-bytes", type=int, default=0)
+    s.add_argument("--max-loaded-models", type=int, default=0)
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(func=_cmd_serve)
+
+    d = sub.add_parser("describe", help="what a model is and can do on this machine (no daemon needed)")
+    d.add_argument("--type", required=True, choices=BACKEND_TYPES)
+    d.add_argument("--path", required=True)
+    d.add_argument("--digest", help="expected model digest")
+    d.add_argument("--num-ctx", type=int, default=Config().num_ctx)
+    d.add_argument("--kv-cache-type", default="f16", choices=KV_CACHE_TYPES)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_cmd_describe)
+
+    e = sub.add_parser("explain-context", help="what is resident in a session, and why it was warm or cold")
+    e.add_argument("session_id", nargs="?", help="a session id (default: one line per open session)")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=_cmd_explain)
+
+    t = sub.add_parser("status", help="who owns the machine, what is loaded")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=_cmd_status)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except DaemonUnavailableError as exc:
+        print(f"modeld: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except ModeldError as exc:
+        print(f"modeld: error: {exc} [{exc.reason}]", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
