@@ -1,0 +1,86 @@
+"""Generated GGUF test models: real tokenizer and chat template, random weights, no downloads.
+
+What: :func:`ensure_model` returns the path of a llama-architecture GGUF file described by a
+:class:`ModelSpec`, generating it (with ``gguf`` + NumPy + ``tokenizers``) into a cache
+directory the first time. Two specs ship:
+
+* :data:`TINY`: loads and decodes in milliseconds; what the default test suite runs real
+  engines (llama.cpp, OpenVINO GenAI) on.
+* :data:`REALISTIC`: the shape of a ~0.5B coding model with GQA (386M parameters, q8_0,
+  ~412 MB); real compute cost and KV size for benchmarks.
+
+Why: nothing can be downloaded here, and tests must exercise real engines. Both llama.cpp and
+OpenVINO GenAI load the same file. The file is a pure function of ``(spec, GENERATOR_VERSION)``
+(byte-identical on every machine and Python version), so its cache name is a digest of exactly
+that and a changed spec or generator never reuses a stale file.
+
+What not: the weights are random, so the text is garbage; correctness is checked as "warm
+output equals cold output, token for token", never against expected text. Design record:
+``blueprints/test-models.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from filelock import FileLock
+
+from modeld.testmodels._gguf import write_gguf
+from modeld.testmodels._spec import GENERATOR_VERSION, REALISTIC, TINY, ModelSpec
+
+__all__ = [
+    "GENERATOR_VERSION",
+    "REALISTIC",
+    "TINY",
+    "ModelSpec",
+    "default_cache_dir",
+    "ensure_model",
+]
+
+_CACHE_ENV = "MODELD_MODEL_CACHE"
+
+
+def default_cache_dir() -> Path:
+    """``$MODELD_MODEL_CACHE`` if set, else the user cache directory + ``modeld/models``."""
+    configured = os.environ.get(_CACHE_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    try:
+        import platformdirs
+    except ImportError:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    else:
+        base = platformdirs.user_cache_path()
+    return base / "modeld" / "models"
+
+
+def ensure_model(spec: ModelSpec = TINY, cache_dir: Path | None = None) -> Path:
+    """The path of ``spec``'s GGUF file in ``cache_dir``, generated first if it is missing.
+
+    The file name is ``<spec.name>-<digest of (spec, GENERATOR_VERSION)>.gguf``. The file is
+    written to a temporary name in the same directory and renamed into place, so a reader never
+    sees a partial file; a lock file next to it makes concurrent callers (other processes, other
+    threads) wait for one generation instead of repeating it.
+    """
+    directory = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    path = directory / spec.file_name
+    if path.is_file():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    with FileLock(directory / f"{spec.file_name}.lock"):
+        if path.is_file():  # another process finished it while we waited
+            return path
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{spec.file_name}.", suffix=".tmp", dir=directory)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            write_gguf(spec, tmp)
+            with tmp.open("rb") as fh:
+                os.fsync(fh.fileno())
+            tmp.chmod(0o644)  # mkstemp creates 0600; the cache may be shared (CI)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
