@@ -1,0 +1,33 @@
+"""Shared fixtures. ``harness`` runs a test once per implementation of the contract."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from harness import Harness, local_harness, memory_model, wire_harness
+
+IMPLEMENTATIONS = ["memory-local", "memory-wire"]
+
+
+def _harness(name: str) -> Iterator[Harness]:
+    backend, transport = name.split("-")
+    model = {"memory": memory_model}[backend]()
+    factory = wire_harness if transport == "wire" else local_harness
+    with factory(model) as h:
+        yield h
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    yield from _harness(request.param)
+
+
+@pytest.fixture
+def wire() -> Iterator[Harness]:
+    yield from _harness("memory-wire")

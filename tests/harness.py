@@ -1,0 +1,124 @@
+"""Harnesses that run one contract suite against every implementation.
+
+A harness gives the suite a Service (the in-process engine, or the runtime client talking to
+a real gRPC server on a temporary unix socket), the engine behind it (to revoke ownership or
+inspect the KV), and the backend's tokenizer, so that every assertion is exact and
+backend-neutral. New backends add a harness here; the suite does not change.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from modeld.backends import load_backend
+from modeld.contract import Config, OpenSessionRequest, Service, Session
+from modeld.engine import Engine, Limits
+from modeld.server.daemon import Server, parse_listen
+
+TEST_LIMITS = Limits(
+    max_sessions=8,
+    max_text_bytes=256 << 10,
+    max_message_bytes=1 << 20,
+    max_segments=64,
+    model_wait_seconds=10.0,
+    attach_timeout_seconds=2.0,
+)
+
+
+@dataclass
+class Model:
+    """How to name a model of one backend, and how to make files that stand in for one."""
+
+    backend: str
+    path: str
+    make_variant: Callable[[Path, int], None] | None = None  # write model variant i at a path
+    slow_extra: dict[str, str] = field(default_factory=dict)  # DecodeConfig.extra for a slow decode
+    window: int = 4096
+
+
+def memory_model() -> Model:
+    def make(path: Path, variant: int) -> None:
+        path.write_text(f"memory model variant {variant}\n")
+
+    return Model(backend="memory", path="tiny", make_variant=make, slow_extra={"delay_ms": "20"})
+
+
+@dataclass
+class Harness:
+    name: str
+    model: Model
+    service: Service
+    engine: Engine
+    wire: bool
+    tmp: Path
+    _tokenizer: Any = None
+
+    @property
+    def backend(self) -> str:
+        return self.model.backend
+
+    def request(
+        self, path: str | None = None, digest: str = "", fence: str = "", **config: Any
+    ) -> OpenSessionRequest:
+        from modeld.contract import Fence
+
+        return OpenSessionRequest(
+            type=self.model.backend,
+            path=path or self.model.path,
+            digest=digest,
+            config=replace(Config(), **config),
+            fence=Fence(fence),
+        )
+
+    def open(self, **config: Any) -> Session:
+        return self.service.open_session(self.request(**config))
+
+    def runtime(self) -> Any:
+        """A loaded runtime of the harness's model, for tokenizing in assertions."""
+        if self._tokenizer is None:
+            backend = load_backend(self.model.backend)
+            req = self.request()
+            self._tokenizer = backend.load(req, backend.describe(req))
+        return self._tokenizer
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        tokens: list[int] = self.runtime().tokenize(text, add_bos=add_bos)
+        return tokens
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        runtime = self.runtime()
+        return b"".join(runtime.piece(t) for t in tokens)
+
+
+@contextmanager
+def local_harness(model: Model, limits: Limits = TEST_LIMITS) -> Iterator[Harness]:
+    tmp = Path(tempfile.mkdtemp(prefix="mdt"))
+    engine = Engine(backends=(model.backend,), limits=limits)
+    try:
+        yield Harness(f"{model.backend}-local", model, engine, engine, False, tmp)
+    finally:
+        engine.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
+def wire_harness(model: Model, limits: Limits = TEST_LIMITS) -> Iterator[Harness]:
+    from runtime_client import connect
+
+    tmp = Path(tempfile.mkdtemp(prefix="mdt"))  # short: unix socket paths are limited
+    engine = Engine(backends=(model.backend,), limits=limits)
+    server = Server(engine, parse_listen(f"unix:{tmp}/modeld.sock"), limits)
+    endpoint = server.start()
+    client = connect(endpoint, max_message_bytes=limits.max_message_bytes)
+    try:
+        yield Harness(f"{model.backend}-wire", model, client, engine, True, tmp)
+    finally:
+        client.close()
+        server.stop(grace=0.2)
+        shutil.rmtree(tmp, ignore_errors=True)
