@@ -169,6 +169,8 @@ class ModelInfo:
     add_bos: bool
     device: str
     model_name: str = ""
+    bos_token: str = ""  # the text of the BOS token (for chat templates)
+    eos_token: str = ""  # the text of the end-of-turn token (for chat templates)
     capabilities: Capabilities = field(default_factory=Capabilities)
 
 

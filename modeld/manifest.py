@@ -32,7 +32,9 @@ from modeld.errors import InvalidArgumentError, ManifestMismatchError
 __all__ = [
     "CACHE_CLASSES",
     "DEFAULT_CACHE_CLASS",
+    "DEFAULT_ROLE",
     "MANIFEST_MAGIC",
+    "ROLES",
     "RUNTIME_FIELDS",
     "SEGMENT_KINDS",
     "STABLE_KINDS",
@@ -73,6 +75,20 @@ DEFAULT_CACHE_CLASS: dict[str, str] = {
     "user_turn": "turn",
 }
 """How long a segment of each kind is expected to stay unchanged (informational)."""
+
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+DEFAULT_ROLE: dict[str, str] = {
+    "system": "system",
+    "tools": "system",
+    "repo_rules": "system",
+    "repo_map": "system",
+    "pinned": "system",
+    "history": "user",
+    "diff": "user",
+    "terminal": "user",
+    "user_turn": "user",
+}
+"""The chat role of a segment whose ``role`` is empty (prompt_format ``chat``)."""
 
 RUNTIME_FIELDS: tuple[str, ...] = (
     "backend",
@@ -124,8 +140,14 @@ class Segment:
     hash: str = ""
     stable: bool = True
     cache_class: str = ""
+    role: str = ""
     token_start: int | None = None
     token_end: int | None = None
+
+    @property
+    def chat_role(self) -> str:
+        """The role this segment speaks with in a chat-format prompt."""
+        return self.role or DEFAULT_ROLE[self.kind]
 
     @property
     def byte_len(self) -> int:
@@ -263,6 +285,7 @@ _SEGMENT_FIELDS: tuple[str, ...] = (
     "hash",
     "stable",
     "cache_class",
+    "role",
     "token_start",
     "token_end",
 )
@@ -374,6 +397,12 @@ def check_text(manifest: ContextManifest, data: bytes, *, start: int, stable: bo
                 f"{where}.kind {seg.kind!r} is not one of {', '.join(SEGMENT_KINDS)}",
                 field=f"{where}.kind",
                 got=seg.kind,
+            )
+        if seg.role and seg.role not in ROLES:
+            raise ManifestMismatchError(
+                f"{where}.role {seg.role!r} is not one of {', '.join(ROLES)}",
+                field=f"{where}.role",
+                got=seg.role,
             )
         if seg.cache_class and seg.cache_class not in CACHE_CLASSES:
             raise ManifestMismatchError(

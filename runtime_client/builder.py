@@ -21,6 +21,7 @@ from modeld.errors import InvalidArgumentError
 from modeld.manifest import (
     CACHE_CLASSES,
     DEFAULT_CACHE_CLASS,
+    ROLES,
     SEGMENT_KINDS,
     STABLE_KINDS,
     ContextManifest,
@@ -53,6 +54,7 @@ class _Part:
     text: str
     stable: bool
     cache_class: str
+    role: str
 
 
 @dataclass
@@ -69,8 +71,9 @@ class ContextBuilder:
     _parts: list[_Part] = field(default_factory=list)
 
     def add(
-        self, kind: str, text: str, *, stable: bool | None = None, cache_class: str = ""
+        self, kind: str, text: str, *, stable: bool | None = None, cache_class: str = "", role: str = ""
     ) -> ContextBuilder:
+        """Add a segment. ``role`` matters with prompt_format ``chat`` (default: by kind)."""
         if kind not in SEGMENT_KINDS:
             raise InvalidArgumentError(
                 f"segment kind must be one of {', '.join(SEGMENT_KINDS)}, got {kind!r}", field="kind"
@@ -80,6 +83,8 @@ class ContextBuilder:
                 f"cache_class must be one of {', '.join(CACHE_CLASSES)}, got {cache_class!r}",
                 field="cache_class",
             )
+        if role and role not in ROLES:
+            raise InvalidArgumentError(f"role must be one of {', '.join(ROLES)}, got {role!r}", field="role")
         if not isinstance(text, str):
             raise InvalidArgumentError("segment text must be a string", field="text")
         self._parts.append(
@@ -88,6 +93,7 @@ class ContextBuilder:
                 text=text,
                 stable=kind in STABLE_KINDS if stable is None else stable,
                 cache_class=cache_class or DEFAULT_CACHE_CLASS[kind],
+                role=role,
             )
         )
         return self
@@ -107,8 +113,9 @@ class ContextBuilder:
     def pinned(self, text: str) -> ContextBuilder:
         return self.add("pinned", text)
 
-    def history(self, text: str) -> ContextBuilder:
-        return self.add("history", text)
+    def history(self, text: str, role: str = "user") -> ContextBuilder:
+        """An earlier turn; in chat format each history segment is one message of ``role``."""
+        return self.add("history", text, role=role)
 
     def diff(self, text: str) -> ContextBuilder:
         return self.add("diff", text)
@@ -135,6 +142,7 @@ class ContextBuilder:
                     hash=bytes_hash(data),
                     stable=part.stable,
                     cache_class=part.cache_class,
+                    role=part.role,
                 )
             )
             offset += len(data)

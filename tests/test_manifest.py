@@ -56,7 +56,7 @@ UNICODE = ContextManifest(profile_id="ünïcödé ✓ 日本", add_bos=False, st
 
 GOLDEN = [
     (ContextManifest(), "6f1956dbb7d1dd65574c17f0fad378f9"),
-    (FULL, "0c3113e602f25b6f5eb0ae84224c29f8"),
+    (FULL, "66687fa2c9dd2bd01650f36121dbc652"),
     (UNICODE, "c551a1929a9c7a91132c183c7b363d28"),
 ]
 
@@ -106,7 +106,7 @@ def _independent_encoding(m: ContextManifest) -> bytes:
         "prompt_template_digest runtime_digest add_bos stable_bytes total_bytes stable_byte_hash "
         "stable_token_hash volatile_token_hash"
     ).split()
-    segment_fields = "kind byte_start byte_end hash stable cache_class token_start token_end".split()
+    segment_fields = "kind byte_start byte_end hash stable cache_class role token_start token_end".split()
     out = b"modeld.manifest\x00" + struct.pack("<H", 1)
     for n in scalars:
         out += name(n) + value(getattr(m, n))

@@ -13,6 +13,7 @@ The model (documented in ``blueprints/0004-memory-backend.md``):
   :class:`~modeld.errors.ModelLoadError`, as on the real backends. Any other name is a virtual
   model whose digest is the hash of the name. Trained context: 32768 tokens.
 * **KV**: a list of token ids; truncation at any token is exact (``can_truncate``).
+* **Chat**: a ChatML template (markers as plain text) so prompt_format ``chat`` works too.
 * **Simulated latency**: ``DecodeConfig.extra["delay_ms"]`` makes each generated token take
   that long (interruptibly), so cancellation and disconnects can be tested mid-decode.
 * **Decode**: a reply that is a deterministic function of the resident tokens (so warm equals
@@ -60,6 +61,23 @@ VOCAB_SIZE = 258
 MAX_CONTEXT = 32768
 KV_BYTES_PER_TOKEN = 8
 TOKENIZER_DIGEST = bytes_hash("modeld.memory.tokenizer.v1: one token per UTF-8 byte; BOS=256; EOS=257")
+
+CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0].role == 'system' -%}{{- messages[0].content + '\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\\n' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (tools and loop.first and message.role == 'system') -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""ChatML, with tool definitions in the system turn. Markers are plain text here (bytes)."""
 
 _ALPHABET: tuple[bytes, ...] = tuple(
     c.encode("utf-8") for c in [*"abcdefghijklmnopqrstuvwxyz", " ", " ", ".", ",", "é", "→", "✓"]
@@ -121,12 +139,18 @@ class MemoryBackend:
             weights_bytes=weights,
             vocab_size=VOCAB_SIZE,
             tokenizer_digest=TOKENIZER_DIGEST,
-            template_digest="",
-            chat_template="",
+            template_digest=bytes_hash(CHAT_TEMPLATE),
+            chat_template=CHAT_TEMPLATE,
             add_bos=True,
+            bos_token="",
+            eos_token="<|im_end|>",
             device="cpu",
             capabilities=Capabilities(
-                truncation=True, reuse="exact", sampling=SAMPLING_FIELDS, extra=EXTRA_KEYS
+                truncation=True,
+                reuse="exact",
+                sampling=SAMPLING_FIELDS,
+                extra=EXTRA_KEYS,
+                prompt_formats=("raw", "chat"),
             ),
         )
 

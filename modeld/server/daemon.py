@@ -26,8 +26,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from modeld import __version__
 from modeld.engine import Engine, Limits, Owner, new_instance_id
-from modeld.engine.core import VERSION
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.servicer import SERVICE_NAME, ModeldServicer, add_to_server
@@ -210,7 +210,7 @@ def run(options: ServeOptions) -> int:
         log.error("%s", exc)
         return EXIT_USAGE
     instance_id = new_instance_id()
-    lease = Lease(options.data_dir, instance_id, version=VERSION)
+    lease = Lease(options.data_dir, instance_id, version=__version__)
     try:
         record = lease.acquire(takeover=options.takeover, takeover_timeout=options.takeover_timeout)
     except AlreadyOwnedError as exc:
@@ -240,7 +240,7 @@ def run(options: ServeOptions) -> int:
     lease.publish(endpoint)
     log.info(
         "modeld %s serving the %s backend at %s (instance %s, epoch %d, data %s)",
-        VERSION,
+        __version__,
         options.backend,
         endpoint,
         instance_id,

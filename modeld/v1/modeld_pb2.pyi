@@ -101,7 +101,7 @@ class Capabilities(_message.Message):
     def __init__(self, truncation: _Optional[bool] = ..., reuse: _Optional[str] = ..., sampling: _Optional[_Iterable[str]] = ..., extra: _Optional[_Iterable[str]] = ..., prompt_formats: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities")
+    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     backend: str
     backend_version: str
     path: str
@@ -136,7 +138,9 @@ class ModelInfo(_message.Message):
     device: str
     model_name: str
     capabilities: Capabilities
-    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+    bos_token: str
+    eos_token: str
+    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("info",)
@@ -159,7 +163,7 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., info: _Optional[_Union[ModelInfo, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., owner_instance_id: _Optional[str] = ..., identity: _Optional[_Union[ContextManifest, _Mapping]] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("kind", "byte_start", "byte_end", "hash", "stable", "cache_class", "token_start", "token_end")
+    __slots__ = ("kind", "byte_start", "byte_end", "hash", "stable", "cache_class", "token_start", "token_end", "role")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BYTE_START_FIELD_NUMBER: _ClassVar[int]
     BYTE_END_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +172,7 @@ class Segment(_message.Message):
     CACHE_CLASS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_START_FIELD_NUMBER: _ClassVar[int]
     TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     byte_start: int
     byte_end: int
@@ -176,7 +181,8 @@ class Segment(_message.Message):
     cache_class: str
     token_start: int
     token_end: int
-    def __init__(self, kind: _Optional[str] = ..., byte_start: _Optional[int] = ..., byte_end: _Optional[int] = ..., hash: _Optional[str] = ..., stable: _Optional[bool] = ..., cache_class: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ...) -> None: ...
+    role: str
+    def __init__(self, kind: _Optional[str] = ..., byte_start: _Optional[int] = ..., byte_end: _Optional[int] = ..., hash: _Optional[str] = ..., stable: _Optional[bool] = ..., cache_class: _Optional[str] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., role: _Optional[str] = ...) -> None: ...
 
 class ContextManifest(_message.Message):
     __slots__ = ("profile_id", "backend", "backend_version", "model_digest", "tokenizer_digest", "prompt_format", "prompt_template_digest", "runtime_digest", "add_bos", "stable_bytes", "total_bytes", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "segments")

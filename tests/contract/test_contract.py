@@ -268,6 +268,7 @@ def test_two_sessions_take_turns_without_mixing_their_tokens(harness: Harness) -
         ({"kv_cache_type": "f32"}, "runtime_digest"),
         ({"disable_bos": True}, "add_bos"),
         ({"prompt_template_digest": "f" * 32}, "prompt_template_digest"),
+        ({"prompt_format": "chat"}, "prompt_format"),
     ],
 )
 def test_runtime_change_is_a_cold_miss_naming_the_field(
@@ -391,7 +392,12 @@ def test_suffix_that_does_not_fit_overflows_and_keeps_the_prefix(harness: Harnes
 
 def test_decode_stops_at_the_window_with_length(harness: Harness) -> None:
     with harness.open(num_ctx=64) as s:
-        p = s.ensure_prefix(PrefixInput(text=SYSTEM[:50]))
+        words = SYSTEM.split()
+        text = ""
+        while len(harness.tokenize(text + words[0] + " ")) <= 56:  # leave a few tokens of room
+            text += words[0] + " "
+            words = words[1:] + words[:1]
+        p = s.ensure_prefix(PrefixInput(text=text))
         room = 64 - p.prefix_tokens
         assert 0 < room < 16
         chunks = decode_all(s, max_tokens=64)
@@ -594,3 +600,60 @@ def test_explain_context_reports_the_last_reuse_decision(harness: Harness) -> No
         assert report.manifest_digest == report.manifest.digest()
         assert report.num_ctx == s.info.effective_context
         assert isinstance(report.manifest, ContextManifest)
+
+
+# --- chat format ----------------------------------------------------------------------------
+
+TOOLS_JSON = '[{"type": "function", "function": {"name": "run_tests", "parameters": {}}}]'
+
+
+def chat_context(session: Session, question: str, *, answer: str = "") -> tuple[PrefixInput, SuffixInput]:
+    b = ContextBuilder(identity=session.identity, tools_json=TOOLS_JSON)
+    b.system(SYSTEM).repo_map(REPO_MAP).history("What does db.py do?\n", role="user")
+    b.history("It connects and migrates.\n" + answer, role="assistant")
+    ctx = b.user_turn(question).build()
+    return ctx.prefix_input(), ctx.suffix_input()
+
+
+def test_chat_format_renders_the_model_template_and_stays_warm(harness: Harness) -> None:
+    with harness.open(prompt_format="chat") as s:
+        assert s.identity.prompt_format == "chat"
+        assert s.identity.prompt_template_digest == s.info.template_digest != ""
+        prefix, suffix = chat_context(s, "Add a rollback.\n")
+        cold = s.ensure_prefix(prefix)
+        warm = s.ensure_prefix(prefix)
+        assert (cold.reuse.outcome, warm.reuse.outcome) == ("cold", "warm")
+        assert warm.reused_tokens == cold.prefix_tokens
+        # The template adds its markers: more tokens than the raw text would make.
+        assert cold.prefix_tokens > len(harness.tokenize(prefix.text))
+        sx = s.prefill_suffix(suffix)
+        assert sx.suffix_tokens > len(harness.tokenize(suffix.text, add_bos=False))
+        chunks = decode_all(s, max_tokens=8)
+        assert chunks[-1].finish_reason in ("length", "stop")
+        manifest = s.explain_context().manifest
+        assert manifest is not None
+        located = [seg for seg in manifest.segments if seg.token_start is not None]
+        assert [seg.kind for seg in located] == ["system", "repo_map", "history", "history", "user_turn"]
+        starts = [seg.token_start for seg in located]
+        assert starts == sorted(starts)
+
+
+def test_chat_history_that_grows_keeps_the_earlier_turns_warm(harness: Harness) -> None:
+    with harness.open(prompt_format="chat") as s:
+        first, _ = chat_context(s, "Q1\n")
+        a = s.ensure_prefix(first)
+        grown, _ = chat_context(s, "Q2\n", answer="Also: rollback() exists.\n")
+        b = s.ensure_prefix(grown)
+        assert 0 < b.reused_tokens < a.prefix_tokens
+        assert b.reuse.diverged_segment == "history"
+
+
+def test_chat_tools_must_be_a_json_array(harness: Harness) -> None:
+    with harness.open(prompt_format="chat") as s:
+        with pytest.raises(InvalidArgumentError) as err:
+            s.ensure_prefix(PrefixInput(text=SYSTEM, tools_json='{"not": "a list"}'))
+        assert err.value.field == "tools_json"
+    with harness.open() as raw:
+        with pytest.raises(InvalidArgumentError) as err:
+            raw.ensure_prefix(PrefixInput(text=SYSTEM, tools_json=TOOLS_JSON))
+        assert err.value.field == "tools_json"

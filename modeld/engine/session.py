@@ -1,45 +1,31 @@
-"""The backend-neutral session engine: the contract implemented once, over any backend.
+"""A session: one client's logical context on one loaded model, and its decode streams.
 
-:class:`Engine` implements :class:`~modeld.contract.Service`; its sessions implement
-:class:`~modeld.contract.Session`. It owns the session registry, owner fencing, limits, the
-manifest checks, reuse decisions and accounting, and decoding's text handling. A backend only
-provides a :class:`~modeld.backends.base.ModelRuntime` (tokenize, cut, evaluate, sample).
-
-State (see ``blueprints/0001-the-seam.md``):
-
-* A :class:`LoadedModel` holds one runtime and its single resident KV sequence, labelled with
-  the manifest it was computed under. It stays loaded after its sessions close, so the next
-  session (a new client process, an hour later) reuses what it shares.
-* A session holds its *logical* context: prefix, suffix and generated tokens. The KV is a cache
-  of it. Several sessions on one model take turns (the model's lock); before each operation the
-  engine brings the KV to the session's context, reusing the longest common prefix, so one
-  session's tokens are never interleaved into another's and accounting stays exact.
+This is the contract implemented once for every backend (``blueprints/0001-the-seam.md``):
+validation, manifest completion and checks, chat rendering, reuse planning and exact
+accounting, UTF-8-safe streaming with stop strings, finish reasons and usage. The backend is
+only reached through :class:`~modeld.backends.base.ModelRuntime`.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
-import itertools
 import logging
-import os
 import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
-from modeld.backends import Backend, Interrupted, ModelRuntime, load_backend
+from modeld.backends import Interrupted, ModelRuntime
 from modeld.contract import (
     Config,
     ContextReport,
-    DaemonStatus,
     DecodeConfig,
     ErrorDetail,
-    LoadedModelSummary,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -50,30 +36,21 @@ from modeld.contract import (
     SuffixStatus,
     Usage,
 )
-from modeld.engine.limits import Limits
-from modeld.engine.owner import Owner
+from modeld.engine.chat import Message, messages_for, parse_tools
+from modeld.engine.model import LoadedModel
 from modeld.engine.reuse import ReusePlan, common_prefix_len, plan_reuse
 from modeld.engine.text import TextAssembler
-from modeld.engine.validate import (
-    encode_text,
-    validate_decode,
-    validate_manifest_size,
-    validate_request,
-)
+from modeld.engine.validate import encode_text, validate_decode, validate_manifest_size
 from modeld.errors import (
-    BackendMismatchError,
     BusyError,
     ContextOverflowError,
     EngineError,
     InvalidArgumentError,
-    LimitExceededError,
     ManifestMismatchError,
     ModeldError,
     PrefixRequiredError,
     SessionClosedError,
-    SessionNotFoundError,
     ShuttingDownError,
-    UnsupportedError,
 )
 from modeld.manifest import (
     DEFAULT_CACHE_CLASS,
@@ -86,11 +63,12 @@ from modeld.manifest import (
     token_hash,
 )
 
-__all__ = ["Engine", "EngineDecodeStream", "EngineSession", "LoadedModel"]
+if TYPE_CHECKING:
+    from modeld.engine.engine import Engine
+
+__all__ = ["EngineDecodeStream", "EngineSession"]
 
 log = logging.getLogger("modeld.engine")
-
-VERSION = "0.1.0"
 
 
 def _identity(info: ModelInfo, config: Config) -> ContextManifest:
@@ -153,62 +131,17 @@ def _fill_segments(segments: Sequence[Segment], data: bytes, base: int, stable: 
     return out
 
 
-class LoadedModel:
-    """A loaded runtime, its resident KV's label, and the lock sessions take turns on."""
+def _identity_spans(segments: Sequence[Segment], base: int, *, stable: bool) -> dict[int, tuple[int, int]]:
+    """Raw format: the evaluated text is the input text, so spans are the byte ranges."""
+    return {i: (s.byte_start - base, s.byte_end - base) for i, s in enumerate(segments) if s.stable == stable}
 
-    def __init__(self, key: tuple[str, str, str], runtime: ModelRuntime, info: ModelInfo) -> None:
-        self.key = key
-        self.runtime = runtime
-        self.info = info
-        self.lock = threading.Lock()
-        self.manifest: ContextManifest | None = None  # what the resident KV was computed under
-        self.prefix_tokens = 0  # length of the prefix part of the resident context
-        self.reset_reason = ""
-        self.sessions = 0
-        self.loaded_at = time.time()
-        self.last_used_at = self.loaded_at
-        self._piece_len: dict[int, int] = {}
 
-    def piece_len(self, token: int) -> int:
-        n = self._piece_len.get(token)
-        if n is None:
-            n = self._piece_len[token] = len(self.runtime.piece(token))
-        return n
+@dataclass(frozen=True)
+class _ChatState:
+    """What a chat-format prefix was rendered from (the suffix continues the conversation)."""
 
-    def byte_ends(self, tokens: Sequence[int], base: int) -> list[int]:
-        """Cumulative byte end offset of each token, starting at ``base``."""
-        return list(itertools.accumulate((self.piece_len(t) for t in tokens), initial=base))[1:]
-
-    @contextlib.contextmanager
-    def turn(self, wait: float, interrupt: Callable[[], bool]) -> Iterator[ModelRuntime]:
-        """Hold the model for one operation; wait at most ``wait`` seconds for other sessions."""
-        deadline = time.monotonic() + wait
-        while not self.lock.acquire(timeout=min(0.05, max(0.0, deadline - time.monotonic()))):
-            if interrupt():
-                raise Interrupted
-            if time.monotonic() >= deadline:
-                raise BusyError(
-                    f"the model stayed busy with other sessions for {wait:.0f}s",
-                    wait_seconds=int(wait),
-                )
-        try:
-            self.last_used_at = time.time()
-            yield self.runtime
-        finally:
-            self.lock.release()
-
-    def summary(self) -> LoadedModelSummary:
-        return LoadedModelSummary(
-            backend=self.info.backend,
-            path=self.info.path,
-            model_name=self.info.model_name,
-            model_digest=self.info.model_digest,
-            n_ctx=self.runtime.n_ctx,
-            resident_tokens=len(self.runtime.resident),
-            sessions=self.sessions,
-            loaded_at=self.loaded_at,
-            last_used_at=self.last_used_at,
-        )
+    messages: list[Message]
+    tools: list[Any] | None
 
 
 @dataclass
@@ -216,242 +149,6 @@ class _Sync:
     plan: ReusePlan
     dropped: int
     evaluated: int
-
-
-class Engine:
-    """The Service: describes models, opens sessions, and keeps models and their KV warm."""
-
-    def __init__(
-        self,
-        *,
-        backends: Sequence[str] = ("memory",),
-        default_backend: str | None = None,
-        owner: Owner | None = None,
-        limits: Limits | None = None,
-        endpoint: str = "",
-    ) -> None:
-        if not backends:
-            raise InvalidArgumentError("at least one backend is required", field="backends")
-        self.backend_names = tuple(backends)
-        self.default_backend = default_backend or self.backend_names[0]
-        self.owner = owner or Owner()
-        self.limits = limits or Limits()
-        self.endpoint = endpoint
-        self.started_at = time.time()
-        self._started_mono = time.monotonic()
-        self._backends: dict[str, Backend] = {}
-        self._lock = threading.RLock()
-        self._load_lock = threading.Lock()
-        self._models: dict[tuple[str, str, str], LoadedModel] = {}
-        self._last_manifest: dict[tuple[str, str], ContextManifest] = {}
-        self._sessions: dict[str, EngineSession] = {}
-        self._closed: OrderedDict[str, ContextReport] = OrderedDict()
-        self._stopping = False
-        self.owner.on_revoke(self._on_revoke)
-
-    # --- Service -------------------------------------------------------------------------
-
-    def backend(self, name: str) -> Backend:
-        with self._lock:
-            if name not in self._backends:
-                self._backends[name] = load_backend(name)
-            return self._backends[name]
-
-    def _resolve_type(self, request: OpenSessionRequest) -> str:
-        kind = request.type or self.default_backend
-        if kind not in self.backend_names:
-            raise BackendMismatchError(
-                f"the model is typed {kind!r} but this service runs {', '.join(self.backend_names)}",
-                requested=kind,
-                available=",".join(self.backend_names),
-            )
-        return kind
-
-    def describe(self, request: OpenSessionRequest) -> ModelInfo:
-        validate_request(request, self.limits)
-        return self.backend(self._resolve_type(request)).describe(request)
-
-    def open_session(self, request: OpenSessionRequest) -> EngineSession:
-        validate_request(request, self.limits)
-        if self._stopping:
-            raise ShuttingDownError("the daemon is shutting down")
-        epoch = self.owner.check_open(request.fence)
-        kind = self._resolve_type(request)
-        with self._lock:
-            if len(self._sessions) >= self.limits.max_sessions:
-                raise LimitExceededError(
-                    f"{len(self._sessions)} sessions are open; the limit is {self.limits.max_sessions}",
-                    limit="max_sessions",
-                    value=len(self._sessions) + 1,
-                    maximum=self.limits.max_sessions,
-                )
-        info = self.backend(kind).describe(request)
-        config = request.config
-        if config.prompt_format not in info.capabilities.prompt_formats:
-            raise UnsupportedError(
-                f"the {kind} backend does not support prompt_format {config.prompt_format!r} "
-                f"(supported: {', '.join(info.capabilities.prompt_formats)})",
-                field="config.prompt_format",
-            )
-        if (
-            config.prompt_format == "chat"
-            and config.prompt_template_digest
-            and config.prompt_template_digest != info.template_digest
-        ):
-            raise ManifestMismatchError(
-                "config.prompt_template_digest does not match the model's chat template",
-                field="prompt_template_digest",
-                expected=info.template_digest,
-                got=config.prompt_template_digest,
-            )
-        config = replace(config, num_ctx=info.effective_context)
-        model = self._model_for(kind, request, info)
-        session = EngineSession(self, model, request, info, config, epoch)
-        with self._lock:
-            if len(self._sessions) >= self.limits.max_sessions:
-                model.sessions -= 1
-                raise LimitExceededError(
-                    f"{len(self._sessions)} sessions are open; the limit is {self.limits.max_sessions}",
-                    limit="max_sessions",
-                    value=len(self._sessions) + 1,
-                    maximum=self.limits.max_sessions,
-                )
-            self._sessions[session.session_id] = session
-        log.info("session %s opened on %s %s (epoch %d)", session.session_id, kind, info.path, epoch)
-        return session
-
-    def _model_for(self, kind: str, request: OpenSessionRequest, info: ModelInfo) -> LoadedModel:
-        key = (kind, info.path, info.model_digest)
-        with self._load_lock:
-            with self._lock:
-                model = self._models.get(key)
-                if model is not None:
-                    model.sessions += 1
-                    return model
-                self._evict_for_load()
-            runtime = self.backend(kind).load(request, info)
-            model = LoadedModel(key, runtime, info)
-            model.sessions = 1
-            with self._lock:
-                self._models[key] = model
-            log.info("loaded %s model %s (%s)", kind, info.path, info.model_digest[:12])
-            return model
-
-    def _evict_for_load(self) -> None:
-        while len(self._models) >= self.limits.max_loaded_models:
-            idle = [m for m in self._models.values() if m.sessions == 0 and not m.lock.locked()]
-            if not idle:
-                raise LimitExceededError(
-                    f"{len(self._models)} models are loaded and in use; the limit is "
-                    f"{self.limits.max_loaded_models}",
-                    limit="max_loaded_models",
-                    value=len(self._models) + 1,
-                    maximum=self.limits.max_loaded_models,
-                )
-            victim = min(idle, key=lambda m: m.last_used_at)
-            del self._models[victim.key]
-            victim.runtime.close()
-            log.info("unloaded idle model %s to make room", victim.info.path)
-
-    # --- registry and observers ----------------------------------------------------------
-
-    def session(self, session_id: str) -> EngineSession:
-        with self._lock:
-            session = self._sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(session_id)
-        return session
-
-    def sessions(self) -> list[EngineSession]:
-        with self._lock:
-            return list(self._sessions.values())
-
-    def list_sessions(self) -> list[SessionSummary]:
-        return [s.summary() for s in self.sessions()]
-
-    def explain(self, session_id: str) -> ContextReport:
-        with self._lock:
-            session = self._sessions.get(session_id)
-            closed = self._closed.get(session_id)
-        if session is not None:
-            return session.explain_context()
-        if closed is not None:
-            return closed
-        raise SessionNotFoundError(session_id)
-
-    def status(self) -> DaemonStatus:
-        with self._lock:
-            models = tuple(m.summary() for m in self._models.values())
-            sessions = len(self._sessions)
-        return DaemonStatus(
-            instance_id=self.owner.instance_id,
-            epoch=self.owner.epoch,
-            pid=os.getpid(),
-            endpoint=self.endpoint,
-            version=VERSION,
-            started_at=self.started_at,
-            uptime_seconds=time.monotonic() - self._started_mono,
-            backends=self.backend_names,
-            default_backend=self.default_backend,
-            models=models,
-            sessions=sessions,
-            limits=self.limits.as_dict(),
-            owner_lost=self.owner.lost or "",
-        )
-
-    def _forget(self, session: EngineSession, report: ContextReport) -> None:
-        with self._lock:
-            if self._sessions.pop(session.session_id, None) is None:
-                return
-            session.model.sessions -= 1
-            self._closed[session.session_id] = report
-            while len(self._closed) > self.limits.closed_reports_kept:
-                self._closed.popitem(last=False)
-
-    def _remember(self, model: LoadedModel, manifest: ContextManifest) -> None:
-        self._last_manifest[(model.key[0], model.key[1])] = manifest
-
-    def _last_manifest_for(self, model: LoadedModel) -> ContextManifest | None:
-        return self._last_manifest.get((model.key[0], model.key[1]))
-
-    @property
-    def stopping(self) -> bool:
-        return self._stopping
-
-    def _on_revoke(self, why: str) -> None:
-        log.warning("ownership lost: %s; failing %d sessions", why, len(self._sessions))
-        for session in self.sessions():
-            session._interrupted.set()
-
-    def begin_shutdown(self) -> None:
-        """Stop taking work and interrupt every session's running operation."""
-        self._stopping = True
-        for session in self.sessions():
-            session._interrupted.set()
-
-    def shutdown(self) -> None:
-        """Stop taking work, close every session (cancelling decodes), unload every model."""
-        self.begin_shutdown()
-        for session in self.sessions():
-            with contextlib.suppress(ModeldError):
-                session.close()
-        with self._lock:
-            models = list(self._models.values())
-            self._models.clear()
-        for model in models:
-            with model.lock:
-                model.runtime.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.shutdown()
 
 
 class EngineSession:
@@ -480,6 +177,7 @@ class EngineSession:
         self._n_suffix = 0
         self._has_prefix = False
         self._manifest: ContextManifest | None = None
+        self._chat: _ChatState | None = None
         self._prefix_status: PrefixStatus | None = None
         self._turn_computed = 0
         self._closed = False
@@ -533,23 +231,35 @@ class EngineSession:
                 total_bytes=max(manifest.total_bytes, len(data)),
                 segments=tuple(_fill_segments(manifest.segments, data, 0, stable=True)),
             )
-            tokens = self.model.runtime.tokenize(prefix.text, add_bos=bool(self._identity.add_bos))
+            chat: _ChatState | None = None
+            if self.config.prompt_format == "chat":
+                renderer = self.model.chat_renderer()
+                tool_list = parse_tools(prefix.tools_json)
+                messages = messages_for(manifest.segments, data, 0, stable=True, default_role="system")
+                rendered = renderer.render_prefix(messages, manifest.segments, data, 0, tool_list)
+                text, spans = rendered.text, rendered.spans
+                chat = _ChatState(messages, tool_list)
+            else:
+                text, spans = prefix.text, _identity_spans(manifest.segments, 0, stable=True)
+            added_bos = self._add_bos(text)
+            tokens = self.model.runtime.tokenize(text, add_bos=added_bos)
             if len(tokens) > self._n_ctx:
                 raise ContextOverflowError(
                     stage="prefix", resident=0, additional=len(tokens), window=self._n_ctx
                 )
-            manifest = self._with_token_ranges(manifest, tokens, 0, 0, stable=True)
+            manifest = self._with_token_ranges(manifest, tokens, spans, 0, added_bos=added_bos)
             manifest = replace(manifest, stable_token_hash=token_hash(tokens))
             with self._turn() as runtime:
                 sync = self._sync(runtime, tokens, manifest, prefix_tokens=len(tokens))
             decision = sync.plan.decision
             if decision.diverged_at_token is not None:
-                start = self.model.byte_ends(tokens[: decision.diverged_at_token], 0)
+                start = self.model.byte_ends(tokens[: decision.diverged_at_token], added_bos=added_bos)
                 decision = replace(decision, diverged_at_byte=start[-1] if start else 0)
             self._tokens = tokens
             self._n_prefix, self._n_suffix = len(tokens), 0
             self._has_prefix = True
             self._manifest = manifest
+            self._chat = chat
             self._turn_computed = sync.evaluated
             status = PrefixStatus(
                 reused_tokens=sync.plan.keep,
@@ -575,17 +285,21 @@ class EngineSession:
                 raise PrefixRequiredError("prefill_suffix needs a prefix: call ensure_prefix first")
             validate_manifest_size(suffix.manifest, self._engine.limits)
             manifest = self._suffix_manifest(suffix.manifest, data)
-            tokens = self.model.runtime.tokenize(suffix.text, add_bos=False)
+            base = manifest.stable_bytes
+            if self._chat is not None:
+                messages = messages_for(manifest.segments, data, base, stable=False, default_role="user")
+                rendered = self.model.chat_renderer().render_suffix(
+                    self._chat.messages, messages, manifest.segments, data, base, self._chat.tools
+                )
+                text, spans = rendered.text, rendered.spans
+            else:
+                text, spans = suffix.text, _identity_spans(manifest.segments, base, stable=False)
+            tokens = self.model.runtime.tokenize(text, add_bos=False)
             if self._n_prefix + len(tokens) > self._n_ctx:
                 raise ContextOverflowError(
-                    stage="suffix",
-                    resident=self._n_prefix,
-                    additional=len(tokens),
-                    window=self._n_ctx,
+                    stage="suffix", resident=self._n_prefix, additional=len(tokens), window=self._n_ctx
                 )
-            manifest = self._with_token_ranges(
-                manifest, tokens, manifest.stable_bytes, self._n_prefix, stable=False
-            )
+            manifest = self._with_token_ranges(manifest, tokens, spans, self._n_prefix, added_bos=False)
             manifest = replace(manifest, volatile_token_hash=token_hash(tokens))
             target = self._tokens[: self._n_prefix] + tokens
             with self._turn() as runtime:
@@ -832,30 +546,36 @@ class EngineSession:
             segments=current.stable_segments + tuple(volatile),
         )
 
+    def _add_bos(self, text: str) -> bool:
+        """The BOS policy, unless a chat template already wrote the BOS token as text."""
+        bos = self._info.bos_token
+        if self.config.prompt_format == "chat" and bos and text.startswith(bos):
+            return False
+        return bool(self._identity.add_bos)
+
     def _with_token_ranges(
         self,
         manifest: ContextManifest,
         tokens: Sequence[int],
-        byte_base: int,
+        spans: dict[int, tuple[int, int]],
         token_base: int,
         *,
-        stable: bool,
+        added_bos: bool,
     ) -> ContextManifest:
-        wanted = [s for s in manifest.segments if s.stable == stable]
-        if not wanted:
+        """Fill token ranges for segments whose bytes are located in the evaluated text.
+
+        ``spans`` maps a segment index to its byte range in the text that was tokenized. A token
+        belongs to the segment its last byte falls in; zero-length tokens (BOS) to none.
+        """
+        if not spans:
             return manifest
-        ends = self.model.byte_ends(tokens, byte_base)
-        out: list[Segment] = []
-        for seg in manifest.segments:
-            if seg.stable != stable:
-                out.append(seg)
-                continue
-            out.append(
-                replace(
-                    seg,
-                    token_start=token_base + bisect.bisect_right(ends, seg.byte_start),
-                    token_end=token_base + bisect.bisect_right(ends, seg.byte_end),
-                )
+        ends = self.model.byte_ends(tokens, added_bos=added_bos)
+        out = list(manifest.segments)
+        for index, (start, end) in spans.items():
+            out[index] = replace(
+                out[index],
+                token_start=token_base + bisect.bisect_right(ends, start),
+                token_end=token_base + bisect.bisect_right(ends, end),
             )
         return replace(manifest, segments=tuple(out))
 
