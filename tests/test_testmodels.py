@@ -1,18 +1,19 @@
 """The generated test models: shape, metadata, tokenizer, determinism, caching, and that both
-real engines (llama.cpp and OpenVINO GenAI) load TINY and agree on its greedy output.
+real engines (llama.cpp and OpenVINO GenAI) load TINY and agree on its greedy output; that
+llama.cpp sees RECURRENT as a recurrent model whose memory cannot be cut mid-sequence.
 
-Everything here runs on TINY in a few seconds; REALISTIC (a 412 MB file) is only touched by the
-``slow`` test at the end. See ``blueprints/test-models.md``.
+Everything here runs on TINY and RECURRENT in a few seconds; REALISTIC (a 412 MB file) is only
+touched by the ``slow`` test. See ``blueprints/0008-test-models.md``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import fields, replace
 from pathlib import Path
@@ -27,6 +28,7 @@ from modeld import testmodels
 from modeld.testmodels import (
     GENERATOR_VERSION,
     REALISTIC,
+    RECURRENT,
     TINY,
     ModelSpec,
     default_cache_dir,
@@ -43,6 +45,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Python, NumPy, gguf or tokenizers version, the generator is not deterministic there (fix it);
 # if it changes because the generator changed on purpose, bump GENERATOR_VERSION and update it.
 TINY_SHA256 = "6f7f8e2f5cfdf9357dba1d427469fee8ead632aa91367e4e570899f53795988e"
+RECURRENT_SHA256 = "efa711150a899d505f5a207bff4c6813da614c2c086b0fdc215ee8920a123d18"
 
 BOS_ID, IM_START_ID, EOS_ID = 4093, 4094, 4095  # control tokens are the last three ids
 
@@ -108,6 +111,7 @@ def test_public_api_is_pinned() -> None:
         [
             "GENERATOR_VERSION",
             "REALISTIC",
+            "RECURRENT",
             "TINY",
             "ModelSpec",
             "default_cache_dir",
@@ -155,11 +159,28 @@ def test_realistic_has_the_shape_of_a_half_billion_parameter_gqa_model() -> None
         {"vocab_size": 100},
         {"seed": -1},
         {"name": "a/b"},
+        {"arch": "gpt2"},
+        {"ssm_state": 16},  # SSM sizes belong to mamba
+        {"arch": "mamba"},  # with TINY's heads and ff, and no SSM sizes
     ],
 )
 def test_inconsistent_specs_are_rejected(change: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="invalid ModelSpec"):
         replace(TINY, **change)
+
+
+@pytest.mark.parametrize("change", [{"heads": 4}, {"ff": 384}, {"ssm_conv": 1}, {"dtype": "q8_0"}])
+def test_inconsistent_mamba_specs_are_rejected(change: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="invalid ModelSpec"):
+        replace(RECURRENT, **change)
+
+
+def test_fields_added_later_enter_the_digest_only_when_not_at_their_default() -> None:
+    # TINY's and REALISTIC's digests (and so their files) predate arch/ssm_*; pinned values.
+    assert TINY.digest() == "b8af0f51dbb0"
+    assert REALISTIC.digest() == "2e77b3a63855"
+    assert replace(RECURRENT, ssm_state=8).digest() != RECURRENT.digest()
+    assert replace(RECURRENT, ssm_conv=3).digest() != RECURRENT.digest()
 
 
 def test_file_name_is_spec_name_plus_digest_of_spec_and_generator_version(
@@ -504,31 +525,215 @@ def test_openvino_tokenizer_matches_llama_cpp_but_never_adds_bos(llm: Any, ov_pi
 
 @pytest.mark.llama
 @pytest.mark.slow
-def test_realistic_model_generates_loads_and_prefills_at_benchmark_speed() -> None:
+def test_realistic_model_generates_and_loads_with_its_documented_shape() -> None:
+    """Speed is measured by ``make bench``, never asserted here (shared, noisy machines)."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    cached = (default_cache_dir() / REALISTIC.file_name).is_file()
-    started = time.perf_counter()
     path = ensure_model(REALISTIC)  # the user cache: benchmarks reuse it
-    generation_s = time.perf_counter() - started
-    if not cached:
-        assert generation_s < 60, f"generation took {generation_s:.1f} s (measured ~7 s)"
     assert 380e6 < path.stat().st_size < 450e6
-
-    threads = os.cpu_count() or 1
-    model = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=512, n_threads=threads, verbose=False)
+    model = llama_cpp.Llama(str(path), n_ctx=1024, n_batch=512, n_threads=os.cpu_count() or 1, verbose=False)
     try:
         assert model.metadata["llama.block_count"] == "24"
         assert model.metadata["llama.attention.head_count_kv"] == "2"
         text = "def handler(request):\n    return response  # ok\n" * 100
         tokens = model.tokenize(text.encode())[:512]
         assert len(tokens) == 512
-        started = time.perf_counter()
         model.eval(tokens)
-        tok_per_s = 512 / (time.perf_counter() - started)
+        assert model.n_tokens == 512
     finally:
         model.close()
-    # Measured ~230 tok/s on 2 cores with AVX-512; a loose floor keeps busy CI machines green.
-    assert tok_per_s > 60, f"prefill {tok_per_s:.0f} tok/s"
+
+
+# --- RECURRENT: a Mamba model, through llama-cpp-python's low-level API ----------------------
+
+
+@pytest.fixture(scope="module")
+def recurrent_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_model(RECURRENT, tmp_path_factory.mktemp("recurrent"))
+
+
+class LowLevel:
+    """One model and a one-sequence context, driven with ``llama_cpp``'s C-level functions (the
+    API a backend uses for memory control)."""
+
+    def __init__(self, path: Path, n_ctx: int = 512) -> None:
+        self.lib = pytest.importorskip("llama_cpp")
+        lib = self.lib
+        lib.llama_backend_init()
+        self.model = lib.llama_model_load_from_file(str(path).encode(), lib.llama_model_default_params())
+        assert self.model, f"llama.cpp could not load {path.name}"
+        params = lib.llama_context_default_params()
+        params.n_ctx = params.n_batch = n_ctx
+        # One thread: the model is tiny, and ggml's spinning thread barriers crawl when the
+        # cores are busy (2 threads on a loaded 2-core box: 0.04 s -> 10 s for a greedy test).
+        params.n_threads = params.n_threads_batch = 1
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        assert self.ctx
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+
+    def close(self) -> None:
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        data = text.encode()
+        buf = (self.lib.llama_token * (len(data) + 2))()
+        n = self.lib.llama_tokenize(self.vocab, data, len(data), buf, len(buf), add_bos, False)
+        assert n >= 0
+        return list(buf[:n])
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        arr = (self.lib.llama_token * len(tokens))(*tokens)
+        buf = ctypes.create_string_buffer(64 * len(tokens) + 16)
+        n = self.lib.llama_detokenize(self.vocab, arr, len(tokens), buf, len(buf), False, False)
+        assert n >= 0
+        return buf.raw[:n]
+
+    def decode(self, tokens: list[int]) -> np.ndarray[Any, np.dtype[np.float32]]:
+        """Append ``tokens`` (one batch, positions continue after the memory's end); the logits
+        after the last one."""
+        arr = (self.lib.llama_token * len(tokens))(*tokens)
+        assert self.lib.llama_decode(self.ctx, self.lib.llama_batch_get_one(arr, len(tokens))) == 0
+        logits = self.lib.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
+
+    def pos_max(self) -> int:
+        return int(self.lib.llama_memory_seq_pos_max(self.mem, 0))
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> bool:
+        return bool(self.lib.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+
+    def greedy(self, prompt: list[int], n: int = N_GREEDY) -> tuple[list[int], list[float]]:
+        """From an empty memory: greedy tokens after ``prompt`` and each step's top-2 margin."""
+        self.lib.llama_memory_clear(self.mem, True)
+        logits = self.decode(prompt)
+        out: list[int] = []
+        margins: list[float] = []
+        for _ in range(n):
+            second, first = np.partition(logits, -2)[-2:]
+            margins.append(float(first - second))
+            out.append(int(np.argmax(logits)))
+            logits = self.decode([out[-1]])
+        return out, margins
+
+
+@pytest.fixture(scope="module")
+def recurrent(recurrent_path: Path) -> Iterator[LowLevel]:
+    model = LowLevel(recurrent_path)
+    yield model
+    model.close()
+
+
+def test_recurrent_is_a_small_mamba_with_tinys_vocabulary(recurrent_path: Path, tiny_path: Path) -> None:
+    assert (RECURRENT.arch, RECURRENT.vocab_size, RECURRENT.seed) == ("mamba", TINY.vocab_size, TINY.seed)
+    assert recurrent_path.stat().st_size < 4_000_000
+    reader = GGUFReader(recurrent_path)
+    assert field(reader, "general.architecture") == "mamba"
+    assert field(reader, "mamba.embedding_length") == RECURRENT.hidden
+    assert field(reader, "mamba.block_count") == RECURRENT.layers
+    assert field(reader, "mamba.ssm.inner_size") == 2 * RECURRENT.hidden
+    assert field(reader, "mamba.ssm.state_size") == RECURRENT.ssm_state
+    assert field(reader, "mamba.ssm.conv_kernel") == RECURRENT.ssm_conv
+    assert field(reader, "mamba.ssm.time_step_rank") == RECURRENT.hidden // 16
+    assert field(reader, "modeld.testmodels.spec_digest") == RECURRENT.digest()
+    tiny = GGUFReader(tiny_path)
+    for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.chat_template"]:
+        assert field(reader, key) == field(tiny, key)
+    tensors = {t.name: t for t in reader.tensors}
+    # ggml's SSM ops read these directly and need f32; the projections are f16.
+    assert tensors["blk.0.ssm_conv1d.weight"].tensor_type == GGMLQuantizationType.F32
+    assert tensors["blk.0.ssm_a"].tensor_type == GGMLQuantizationType.F32
+    assert tensors["blk.0.ssm_x.weight"].tensor_type == GGMLQuantizationType.F16
+    assert hashlib.sha256(recurrent_path.read_bytes()).hexdigest() == RECURRENT_SHA256
+
+
+@pytest.mark.llama
+def test_llama_cpp_loads_recurrent_as_recurrent_with_tinys_tokenization(
+    recurrent: LowLevel, llm: Any
+) -> None:
+    lib = recurrent.lib
+    assert lib.llama_model_is_recurrent(recurrent.model)
+    assert not lib.llama_model_is_hybrid(recurrent.model)
+    assert lib.llama_model_n_swa(recurrent.model) == 0
+    # True for recurrent memory too, so it says nothing about truncation; only seq_rm does.
+    assert lib.llama_memory_can_shift(recurrent.mem)
+    assert (lib.llama_vocab_bos(recurrent.vocab), lib.llama_vocab_eos(recurrent.vocab)) == (BOS_ID, EOS_ID)
+    for text in ROUND_TRIP_TEXTS:
+        ids = recurrent.tokenize(text, add_bos=False)
+        assert ids == llm.tokenize(text.encode(), add_bos=False)
+        assert recurrent.detokenize(ids) == text.encode()
+    assert recurrent.tokenize(PROMPT_A)[0] == BOS_ID
+
+
+@pytest.mark.llama
+def test_recurrent_memory_cannot_be_cut_mid_sequence_only_cleared_or_appended(
+    recurrent: LowLevel,
+) -> None:
+    prompt = recurrent.tokenize(PROMPT_A * 3)
+    extra = recurrent.tokenize(PROMPT_B, add_bos=False)
+    n = len(prompt)
+    recurrent.lib.llama_memory_clear(recurrent.mem, True)
+    first = recurrent.decode(prompt)
+    assert recurrent.pos_max() == n - 1
+    for k in (1, n // 2, n - 1):
+        assert not recurrent.seq_rm(0, k, -1)  # one state per sequence: no suffix to drop
+        assert recurrent.pos_max() == n - 1
+    # Ranges that do not reach the end "succeed" but remove nothing: the state is unchanged.
+    assert recurrent.seq_rm(0, 0, n // 2)
+    assert recurrent.seq_rm(0, n // 2, n - 1)
+    # Removing nothing past the end succeeds; appending then equals a fresh run with the same
+    # batching, so the refused calls left the state intact.
+    assert recurrent.seq_rm(0, n, -1)
+    appended = recurrent.decode(extra)
+    assert recurrent.pos_max() == n + len(extra) - 1
+    recurrent.lib.llama_memory_clear(recurrent.mem, True)
+    recurrent.decode(prompt)
+    assert np.array_equal(recurrent.decode(extra), appended)
+    # Removing the whole sequence works ([0, inf) and [-1, -1) both mean "all of it").
+    for p0 in (0, -1):
+        assert recurrent.seq_rm(0, p0, -1)
+        assert recurrent.pos_max() == -1
+        assert np.array_equal(recurrent.decode(prompt), first)
+    # llama.cpp quirk (0.3.36): "any sequence" (-1) is refused by recurrent memory ("invalid
+    # seq_id (-1) - larger than n_seq_max" logged), even for the whole range. Use seq 0 or
+    # llama_memory_clear.
+    assert not recurrent.seq_rm(-1, -1, -1)
+    assert recurrent.pos_max() == n - 1
+
+
+@pytest.mark.llama
+def test_tiny_memory_can_be_cut_mid_sequence_unlike_recurrent(tiny_path: Path) -> None:
+    tiny = LowLevel(tiny_path)
+    try:
+        assert not tiny.lib.llama_model_is_recurrent(tiny.model)
+        prompt = tiny.tokenize(PROMPT_A * 3)
+        tiny.decode(prompt)
+        assert tiny.seq_rm(0, len(prompt) // 2, -1)
+        assert tiny.pos_max() == len(prompt) // 2 - 1
+    finally:
+        tiny.close()
+
+
+@pytest.mark.llama
+def test_recurrent_greedy_decoding_is_deterministic_context_dependent_and_not_degenerate(
+    recurrent: LowLevel,
+) -> None:
+    out_a, margins_a = recurrent.greedy(recurrent.tokenize(PROMPT_A))
+    out_b, margins_b = recurrent.greedy(recurrent.tokenize(PROMPT_B))
+    assert out_a != out_b
+    for out in (out_a, out_b):
+        assert len(set(out)) >= N_GREEDY // 2, out
+        assert max(out) < BOS_ID
+    assert recurrent.greedy(recurrent.tokenize(PROMPT_A)) == (out_a, margins_a)
+    margins = np.array(margins_a + margins_b)
+    assert np.median(margins) > 0.5
+    assert np.mean(margins < 0.01) < 0.1
+    # The state carries context: one token changed 32 positions back changes the continuation.
+    long_prompt = recurrent.tokenize(ROUND_TRIP_TEXTS[0] * 8)[:96]
+    changed = list(long_prompt)
+    changed[-32] = changed[-32] + 1 if changed[-32] < 1000 else changed[-32] - 1
+    assert recurrent.greedy(changed)[0] != recurrent.greedy(long_prompt)[0]
 
 
 def test_model_spec_fields_are_exactly_the_documented_ones() -> None:
@@ -544,4 +749,7 @@ def test_model_spec_fields_are_exactly_the_documented_ones() -> None:
         "dtype",
         "tied_embeddings",
         "seed",
+        "arch",
+        "ssm_state",
+        "ssm_conv",
     ]

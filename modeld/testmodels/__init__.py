@@ -1,13 +1,17 @@
 """Generated GGUF test models: real tokenizer and chat template, random weights, no downloads.
 
-What: :func:`ensure_model` returns the path of a llama-architecture GGUF file described by a
-:class:`ModelSpec`, generating it (with ``gguf`` + NumPy + ``tokenizers``) into a cache
-directory the first time. Two specs ship:
+What: :func:`ensure_model` returns the path of a GGUF file described by a :class:`ModelSpec`,
+generating it (with ``gguf`` + NumPy + ``tokenizers``) into a cache directory the first time.
+Three specs ship:
 
-* :data:`TINY`: loads and decodes in milliseconds; what the default test suite runs real
-  engines (llama.cpp, OpenVINO GenAI) on.
+* :data:`TINY`: llama architecture; loads and decodes in milliseconds; what the default test
+  suite runs real engines (llama.cpp, OpenVINO GenAI) on.
 * :data:`REALISTIC`: the shape of a ~0.5B coding model with GQA (386M parameters, q8_0,
   ~412 MB); real compute cost and KV size for benchmarks.
+* :data:`RECURRENT`: a tiny Mamba (recurrent) model with TINY's tokenizer. llama.cpp keeps one
+  state per sequence instead of per-token KV entries, so its memory cannot be truncated at a
+  token position; backends test their full re-prefill fallback on it. llama.cpp only:
+  OpenVINO GenAI kills the process (SIGFPE) when asked to load it.
 
 Why: nothing can be downloaded here, and tests must exercise real engines. Both llama.cpp and
 OpenVINO GenAI load the same file. The file is a pure function of ``(spec, GENERATOR_VERSION)``
@@ -16,7 +20,7 @@ that and a changed spec or generator never reuses a stale file.
 
 What not: the weights are random, so the text is garbage; correctness is checked as "warm
 output equals cold output, token for token", never against expected text. Design record:
-``blueprints/test-models.md``.
+``blueprints/0008-test-models.md``.
 """
 
 from __future__ import annotations
@@ -28,11 +32,12 @@ from pathlib import Path
 from filelock import FileLock
 
 from modeld.testmodels._gguf import write_gguf
-from modeld.testmodels._spec import GENERATOR_VERSION, REALISTIC, TINY, ModelSpec
+from modeld.testmodels._spec import GENERATOR_VERSION, REALISTIC, RECURRENT, TINY, ModelSpec
 
 __all__ = [
     "GENERATOR_VERSION",
     "REALISTIC",
+    "RECURRENT",
     "TINY",
     "ModelSpec",
     "default_cache_dir",

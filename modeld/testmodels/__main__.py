@@ -1,4 +1,4 @@
-"""``python -m modeld.testmodels tiny|realistic [--cache-dir DIR] [--seed N]``.
+"""``python -m modeld.testmodels tiny|realistic|recurrent [--cache-dir DIR] [--seed N]``.
 
 Generates the model if it is not cached yet and prints the path of its GGUF file (and nothing
 else on stdout), so scripts can use ``MODEL=$(python -m modeld.testmodels tiny)``.
@@ -14,13 +14,14 @@ from pathlib import Path
 
 from modeld.testmodels import (
     REALISTIC,
+    RECURRENT,
     TINY,
     ModelSpec,
     default_cache_dir,
     ensure_model,
 )
 
-_SPECS: dict[str, ModelSpec] = {TINY.name: TINY, REALISTIC.name: REALISTIC}
+_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (TINY, REALISTIC, RECURRENT)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,10 @@
-"""The shape of a generated test model (:class:`ModelSpec`) and the two shipped specs.
+"""The shape of a generated test model (:class:`ModelSpec`) and the three shipped specs.
 
 What: a frozen description of everything that determines the generated file, so that the file
 is a pure function of ``(spec, GENERATOR_VERSION)`` and its cache name can be a digest of
-exactly that.
+exactly that. Two architectures: ``"llama"`` (attention + SwiGLU; TINY, REALISTIC) and
+``"mamba"`` (a recurrent state-space model; RECURRENT), whose memory llama.cpp cannot cut at
+an arbitrary position.
 
 What not: no tuning knobs for the random weights live here; they are part of the generator
 (``_gguf.WeightRecipe``) and covered by ``GENERATOR_VERSION``.
@@ -12,33 +14,43 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
-from typing import Final
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Final
 
-__all__ = ["GENERATOR_VERSION", "REALISTIC", "TINY", "ModelSpec"]
+__all__ = ["GENERATOR_VERSION", "REALISTIC", "RECURRENT", "TINY", "ModelSpec"]
 
 # Bump whenever the bytes written for an unchanged spec could change (corpus, tokenizer layout,
 # weight recipe, metadata, template). The cache file name includes it.
 GENERATOR_VERSION: Final = 1
 
 _DTYPES: Final = ("f16", "q8_0")
+_ARCHS: Final = ("llama", "mamba")
 _Q8_0_BLOCK: Final = 32
+# Fields added after GENERATOR_VERSION 1's specs were published. They enter the digest only when
+# they differ from their default, so TINY and REALISTIC keep their digests and (since the digest
+# is written into the file) their bytes.
+_LATER_FIELDS: Final = ("arch", "ssm_state", "ssm_conv")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A llama-architecture model with random weights and a trained byte-level BPE vocabulary.
+    """A model with random weights and a trained byte-level BPE vocabulary.
 
     Fields: ``name`` (file name prefix, ``[A-Za-z0-9._-]``), ``hidden`` (embedding width),
     ``layers``, ``heads`` / ``kv_heads`` (query / key-value heads), ``ff`` (SwiGLU width),
     ``vocab_size`` (tokens, including the 256 bytes and 3 control tokens),
     ``context_length`` (the trained context written to the metadata), ``dtype`` (``"f16"`` or
     ``"q8_0"`` for matrices; norms are always f32), ``tied_embeddings`` (no ``output.weight``),
-    ``seed`` (weights and tokenizer corpus).
+    ``seed`` (weights and tokenizer corpus), ``arch`` (``"llama"`` or ``"mamba"``),
+    ``ssm_state`` / ``ssm_conv`` (Mamba's state size per channel and convolution width; 0 for
+    llama).
 
-    Invariants (checked on construction): ``hidden`` is a multiple of ``heads``, ``heads`` a
-    multiple of ``kv_heads`` (GQA), the head dimension is even (RoPE), and for ``q8_0`` every
-    matrix's input dimension is a multiple of 32.
+    Invariants (checked on construction), llama: ``hidden`` is a multiple of ``heads``,
+    ``heads`` a multiple of ``kv_heads`` (GQA), the head dimension is even (RoPE), the ``ssm_*``
+    fields are 0, and for ``q8_0`` every matrix's input dimension is a multiple of 32. Mamba:
+    ``heads``, ``kv_heads`` and ``ff`` are 0 (no attention, no FFN), ``ssm_state >= 1``,
+    ``ssm_conv >= 2``, and for ``q8_0`` ``hidden`` and :attr:`ssm_dt_rank` are multiples of 32.
+    Mamba's inner width is ``2 * hidden`` (the only expansion llama.cpp supports).
     """
 
     name: str
@@ -52,21 +64,22 @@ class ModelSpec:
     dtype: str
     tied_embeddings: bool
     seed: int
+    arch: str = "llama"
+    ssm_state: int = 0
+    ssm_conv: int = 0
 
     def __post_init__(self) -> None:
         problems = []
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
             problems.append(f"name {self.name!r} must be non-empty [A-Za-z0-9._-]")
-        if min(self.hidden, self.layers, self.heads, self.kv_heads, self.ff) <= 0:
-            problems.append("dimensions must be positive")
-        elif self.hidden % self.heads or self.heads % self.kv_heads:
-            problems.append("hidden must be a multiple of heads, heads a multiple of kv_heads")
-        elif self.head_dim % 2:
-            problems.append(f"head dimension {self.head_dim} must be even for RoPE")
+        if self.arch not in _ARCHS:
+            problems.append(f"arch {self.arch!r} is not one of {_ARCHS}")
+        elif self.arch == "llama":
+            problems += self._llama_problems()
+        else:
+            problems += self._mamba_problems()
         if self.dtype not in _DTYPES:
             problems.append(f"dtype {self.dtype!r} is not one of {_DTYPES}")
-        if self.dtype == "q8_0" and (self.hidden % _Q8_0_BLOCK or self.ff % _Q8_0_BLOCK):
-            problems.append("q8_0 needs hidden and ff to be multiples of 32")
         if self.vocab_size < 256 + 3:
             problems.append("vocab_size must hold 256 byte tokens and 3 control tokens")
         if self.context_length <= 0:
@@ -76,18 +89,59 @@ class ModelSpec:
         if problems:
             raise ValueError(f"invalid ModelSpec {self.name!r}: " + "; ".join(problems))
 
+    def _llama_problems(self) -> list[str]:
+        problems = []
+        if min(self.hidden, self.layers, self.heads, self.kv_heads, self.ff) <= 0:
+            problems.append("dimensions must be positive")
+        elif self.hidden % self.heads or self.heads % self.kv_heads:
+            problems.append("hidden must be a multiple of heads, heads a multiple of kv_heads")
+        elif self.head_dim % 2:
+            problems.append(f"head dimension {self.head_dim} must be even for RoPE")
+        if self.ssm_state or self.ssm_conv:
+            problems.append("ssm_state and ssm_conv must be 0 for llama")
+        if self.dtype == "q8_0" and (self.hidden % _Q8_0_BLOCK or self.ff % _Q8_0_BLOCK):
+            problems.append("q8_0 needs hidden and ff to be multiples of 32")
+        return problems
+
+    def _mamba_problems(self) -> list[str]:
+        problems = []
+        if min(self.hidden, self.layers) <= 0:
+            problems.append("dimensions must be positive")
+        if self.heads or self.kv_heads or self.ff:
+            problems.append("heads, kv_heads and ff must be 0 for mamba (no attention, no FFN)")
+        if self.ssm_state < 1 or self.ssm_conv < 2:
+            problems.append("mamba needs ssm_state >= 1 and ssm_conv >= 2")
+        if self.dtype == "q8_0" and (self.hidden % _Q8_0_BLOCK or self.ssm_dt_rank % _Q8_0_BLOCK):
+            problems.append("q8_0 needs hidden and ssm_dt_rank to be multiples of 32")
+        return problems
+
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """Attention head width; 0 for an architecture without attention."""
+        return self.hidden // self.heads if self.heads else 0
+
+    @property
+    def ssm_inner(self) -> int:
+        """Mamba's inner (expanded) width: ``2 * hidden``; 0 for llama."""
+        return 2 * self.hidden if self.arch == "mamba" else 0
+
+    @property
+    def ssm_dt_rank(self) -> int:
+        """Mamba's time-step rank, ``ceil(hidden / 16)`` as in the reference Mamba; 0 for llama."""
+        return -(-self.hidden // 16) if self.arch == "mamba" else 0
 
     def digest(self) -> str:
         """A short hex digest of ``(spec, GENERATOR_VERSION)``: the cache identity of the file."""
         payload = json.dumps(
-            {"generator_version": GENERATOR_VERSION, "spec": asdict(self)},
+            {"generator_version": GENERATOR_VERSION, "spec": self._identity()},
             sort_keys=True,
             separators=(",", ":"),
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+    def _identity(self) -> dict[str, Any]:
+        defaults = {f.name: f.default for f in fields(self) if f.name in _LATER_FIELDS}
+        return {k: v for k, v in asdict(self).items() if k not in defaults or v != defaults[k]}
 
     @property
     def file_name(self) -> str:
@@ -120,4 +174,25 @@ REALISTIC: Final = ModelSpec(
     dtype="q8_0",
     tied_embeddings=True,
     seed=0,
+)
+
+# A recurrent model (llama.cpp arch "mamba") with TINY's vocabulary (same vocab_size and seed):
+# its memory holds one state per sequence, not one entry per token, so llama.cpp cannot remove
+# a suffix of it (llama_memory_seq_rm(mem, seq, p0 > 0, -1) returns false). Backends test their
+# "cannot truncate -> re-prefill from scratch" path on it.
+RECURRENT: Final = ModelSpec(
+    name="recurrent",
+    hidden=128,
+    layers=2,
+    heads=0,
+    kv_heads=0,
+    ff=0,
+    vocab_size=4096,
+    context_length=8192,
+    dtype="f16",
+    tied_embeddings=False,
+    seed=0,
+    arch="mamba",
+    ssm_state=16,
+    ssm_conv=4,
 )
