@@ -111,7 +111,7 @@ def _turn(session: rc.ClientSession, ctx: rc.BuiltContext, max_tokens: int) -> T
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="modeld-demo", description=__doc__)
-    parser.add_argument("--backend", default="memory", choices=["memory", "llama", "openvino"])
+    parser.add_argument("--backend", default="llama", choices=["memory", "llama", "openvino"])
     parser.add_argument("--model", default="", help="GGUF path, or tiny / realistic (generated)")
     parser.add_argument("--prefix-bytes", type=int, default=6000, help="size of the repo map")
     parser.add_argument("--max-tokens", type=int, default=32)

@@ -10,14 +10,19 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from harness import Harness, local_harness, memory_model, wire_harness
+from harness import MODELS, Harness, local_harness, wire_harness
 
-IMPLEMENTATIONS = ["memory-local", "memory-wire"]
+IMPLEMENTATIONS = [
+    "memory-local",
+    "memory-wire",
+    pytest.param("llama-local", marks=pytest.mark.llama),
+    pytest.param("llama-wire", marks=pytest.mark.llama),
+]
 
 
 def _harness(name: str) -> Iterator[Harness]:
     backend, transport = name.split("-")
-    model = {"memory": memory_model}[backend]()
+    model = MODELS[backend]()
     factory = wire_harness if transport == "wire" else local_harness
     with factory(model) as h:
         yield h

@@ -49,6 +49,18 @@ def memory_model() -> Model:
     return Model(backend="memory", path="tiny", make_variant=make, slow_extra={"delay_ms": "20"})
 
 
+def llama_model() -> Model:
+    from modeld.testmodels import TINY, ensure_model
+
+    def make(path: Path, variant: int) -> None:
+        shutil.copyfile(ensure_model(replace(TINY, seed=1000 + variant)), path)
+
+    return Model(backend="llama", path=str(ensure_model(TINY)), make_variant=make)
+
+
+MODELS: dict[str, Callable[[], Model]] = {"memory": memory_model, "llama": llama_model}
+
+
 @dataclass
 class Harness:
     name: str
