@@ -57,6 +57,13 @@ def _age(seconds: float) -> str:
     return f"{seconds // 3600:.0f}h{(seconds % 3600) // 60:02.0f}m"
 
 
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _num(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
@@ -122,7 +129,6 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     if args.json:
         print(_json(info))
         return 0
-    gib = 1 << 30
     rows = [
         ("model", f"{info.model_name}  ({info.path})"),
         ("backend", f"{info.backend} {info.backend_version} on {info.device}"),
@@ -134,10 +140,10 @@ def _cmd_describe(args: argparse.Namespace) -> int:
         (
             "kv cache",
             f"{info.kv_bytes_per_token} bytes per token ({args.kv_cache_type}); "
-            f"{info.kv_bytes_per_token * info.effective_context / gib:.2f} GiB at the effective context",
+            f"{_bytes(info.kv_bytes_per_token * info.effective_context)} at the effective context",
         ),
-        ("weights", f"{info.weights_bytes / gib:.2f} GiB"),
-        ("free memory", f"{info.free_bytes / gib:.2f} GiB"),
+        ("weights", _bytes(info.weights_bytes)),
+        ("free memory", _bytes(info.free_bytes)),
         ("vocabulary", f"{info.vocab_size} tokens, tokenizer {_short(info.tokenizer_digest)}"),
         (
             "template",
@@ -308,7 +314,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the daemon")
-    s.add_argument("--backend", choices=BACKEND_TYPES, default="memory")
+    s.add_argument("--backend", choices=BACKEND_TYPES, default="llama")
     s.add_argument(
         "--listen",
         help="unix:PATH or HOST:PORT (default: a unix socket under XDG_RUNTIME_DIR or the cache directory)",

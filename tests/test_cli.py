@@ -130,7 +130,7 @@ def test_serve_on_loopback_tcp(tmp_path: Path) -> None:
     from daemon_proc import MODELD
 
     proc = subprocess.Popen(
-        [MODELD, "--data-dir", str(data), "serve", "--listen", "127.0.0.1:0"],
+        [MODELD, "--data-dir", str(data), "serve", "--backend", "memory", "--listen", "127.0.0.1:0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

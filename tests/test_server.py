@@ -71,17 +71,22 @@ def test_client_disconnect_closes_the_session(wire: Harness) -> None:
     assert report.closed
 
 
-def test_client_disconnect_mid_decode_stops_the_engine(wire: Harness) -> None:
-    client = rc.connect(wire.service.target)  # type: ignore[attr-defined]
-    session = client.open_session(wire.request())
-    session.ensure_prefix(PrefixInput(text="hello world\n"))
-    stream = session.decode(DecodeConfig(max_tokens=2000, extra={"delay_ms": "20"}))
-    next(stream)
-    client.close()
-    assert _wait_for(lambda: not wire.engine.list_sessions())
-    assert _wait_for(lambda: all(not m.lock.locked() for m in wire.engine._models.values()))
-    with wire.open() as other:  # the model is free again
-        assert other.ensure_prefix(PrefixInput(text="hello world\n")).reuse.outcome == "warm"
+@pytest.mark.parametrize("backend", ["memory", pytest.param("llama", marks=pytest.mark.llama)])
+def test_client_disconnect_mid_decode_stops_the_engine(backend: str) -> None:
+    from harness import MODELS, wire_harness
+
+    model = MODELS[backend]()
+    with wire_harness(model) as wire:
+        client = rc.connect(wire.service.target)  # type: ignore[attr-defined]
+        session = client.open_session(wire.request())
+        session.ensure_prefix(PrefixInput(text="hello world\n"))
+        stream = session.decode(DecodeConfig(max_tokens=3000, extra=model.slow_extra))
+        next(stream)
+        client.close()
+        assert _wait_for(lambda: not wire.engine.list_sessions())
+        assert _wait_for(lambda: all(not m.lock.locked() for m in wire.engine._models.values()))
+        with wire.open() as other:  # the model is free again, and what it holds is reusable
+            assert other.ensure_prefix(PrefixInput(text="hello world\n")).reuse.outcome == "warm"
 
 
 def test_malformed_unary_message_is_invalid_argument(wire: Harness) -> None:

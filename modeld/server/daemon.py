@@ -189,7 +189,7 @@ class Server:
 
 @dataclass
 class ServeOptions:
-    backend: str = "memory"
+    backend: str = "llama"
     listen: str = ""
     data_dir: Path = field(default_factory=default_data_dir)
     takeover: bool = False
