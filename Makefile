@@ -32,7 +32,7 @@ test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
 run: setup
-	$(PY) -m modeld.demo $(if $(MODEL),--model $(MODEL),)
+	$(PY) -m modeld.demo $(if $(BACKEND),--backend $(BACKEND),) $(if $(MODEL),--model $(MODEL),)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info

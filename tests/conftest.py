@@ -17,6 +17,8 @@ IMPLEMENTATIONS = [
     "memory-wire",
     pytest.param("llama-local", marks=pytest.mark.llama),
     pytest.param("llama-wire", marks=pytest.mark.llama),
+    pytest.param("openvino-local", marks=pytest.mark.openvino),
+    pytest.param("openvino-wire", marks=pytest.mark.openvino),
 ]
 
 

@@ -58,7 +58,15 @@ def llama_model() -> Model:
     return Model(backend="llama", path=str(ensure_model(TINY)), make_variant=make)
 
 
-MODELS: dict[str, Callable[[], Model]] = {"memory": memory_model, "llama": llama_model}
+def openvino_model() -> Model:
+    return replace(llama_model(), backend="openvino")
+
+
+MODELS: dict[str, Callable[[], Model]] = {
+    "memory": memory_model,
+    "llama": llama_model,
+    "openvino": openvino_model,
+}
 
 
 @dataclass

@@ -84,6 +84,7 @@ class GGUFInfo:
     sliding_window: int
     weights_bytes: int
     file_type: int
+    tokenizer_model: str = ""  # gpt2 (byte-level BPE), llama (SentencePiece), ...
 
     @property
     def can_truncate(self) -> bool:
@@ -246,6 +247,7 @@ def read_gguf(raw: str) -> GGUFInfo:
             sliding_window=swa,
             weights_bytes=sum(int(t.n_bytes) for t in reader.tensors),
             file_type=int(_field(reader, "general.file_type", -1) or -1),
+            tokenizer_model=model_kind,
         )
     except ModelLoadError:
         raise

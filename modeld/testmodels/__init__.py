@@ -41,6 +41,7 @@ __all__ = [
     "TINY",
     "ModelSpec",
     "default_cache_dir",
+    "ensure_ir",
     "ensure_model",
 ]
 
@@ -89,3 +90,25 @@ def ensure_model(spec: ModelSpec = TINY, cache_dir: Path | None = None) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
     return path
+
+
+def ensure_ir(spec: ModelSpec = TINY, cache_dir: Path | None = None) -> Path:
+    """An OpenVINO IR directory of ``spec`` (exported from its GGUF by OpenVINO GenAI), cached.
+
+    Needs openvino-genai. The directory name includes the OpenVINO GenAI version, because the
+    export is that library's, not ours.
+    """
+    import openvino_genai
+
+    from modeld.testmodels._ir import write_ir
+
+    directory = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    version = openvino_genai.__version__.split("-")[0]
+    target = directory / f"{Path(spec.file_name).stem}-ir-{version}"
+    if (target / "openvino_model.xml").is_file():
+        return target
+    gguf = ensure_model(spec, directory)
+    with FileLock(directory / f"{target.name}.lock"):
+        if not (target / "openvino_model.xml").is_file():
+            write_ir(spec, gguf, target)
+    return target
