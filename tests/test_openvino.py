@@ -3,6 +3,7 @@ warm equals cold after prefix edits, long texts tokenized exactly, IR directorie
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from dataclasses import replace
@@ -115,7 +116,7 @@ def test_a_long_run_without_line_breaks_is_refused_not_truncated(tiny: str) -> N
 def test_split_for_tokenizer_only_cuts_before_a_letter_after_a_newline(text: str, limit: int) -> None:
     pieces = ov_backend.split_for_tokenizer(text, limit)
     assert "".join(pieces) == text
-    for a, b in zip(pieces, pieces[1:], strict=False):
+    for a, b in itertools.pairwise(pieces):
         assert a.endswith("\n")
         assert b[0].isalpha()
 
