@@ -115,6 +115,7 @@ def test_public_api_is_pinned() -> None:
             "TINY",
             "ModelSpec",
             "default_cache_dir",
+            "ensure_ir",
             "ensure_model",
         ]
     )

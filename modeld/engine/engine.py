@@ -29,7 +29,7 @@ from modeld.contract import (
 from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel
 from modeld.engine.owner import Owner
-from modeld.engine.session import EngineSession
+from modeld.engine.session import EngineSession, config_runtime_digest
 from modeld.engine.validate import validate_request
 from modeld.errors import (
     BackendMismatchError,
@@ -72,7 +72,7 @@ class Engine:
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
-        self._models: dict[tuple[str, str, str], LoadedModel] = {}
+        self._models: dict[tuple[str, str, str, str], LoadedModel] = {}
         self._last_manifest: dict[tuple[str, str], ContextManifest] = {}
         self._sessions: dict[str, EngineSession] = {}
         self._closed: OrderedDict[str, ContextReport] = OrderedDict()
@@ -135,7 +135,7 @@ class Engine:
                 got=config.prompt_template_digest,
             )
         config = replace(config, num_ctx=info.effective_context)
-        model = self._model_for(kind, request, info)
+        model = self._model_for(kind, replace(request, config=config), info)
         session = EngineSession(self, model, request, info, config, epoch)
         with self._lock:
             if len(self._sessions) >= self.limits.max_sessions:
@@ -151,7 +151,13 @@ class Engine:
         return session
 
     def _model_for(self, kind: str, request: OpenSessionRequest, info: ModelInfo) -> LoadedModel:
-        key = (kind, info.path, info.model_digest)
+        """The loaded model for (backend, path, digest, runtime config), loading it if needed.
+
+        Each runtime config gets its own context, so tools with different windows or KV types
+        each stay warm (with mmap'd weights a second context of a file costs only its KV);
+        ``max_loaded_models`` bounds how many are kept.
+        """
+        key = (kind, info.path, info.model_digest, config_runtime_digest(request.config))
         with self._load_lock:
             with self._lock:
                 model = self._models.get(key)

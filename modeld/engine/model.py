@@ -20,7 +20,7 @@ __all__ = ["LoadedModel"]
 class LoadedModel:
     """A loaded runtime, its resident KV's label, and the lock sessions take turns on."""
 
-    def __init__(self, key: tuple[str, str, str], runtime: ModelRuntime, info: ModelInfo) -> None:
+    def __init__(self, key: tuple[str, str, str, str], runtime: ModelRuntime, info: ModelInfo) -> None:
         self.key = key
         self.runtime = runtime
         self.info = info

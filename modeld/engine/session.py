@@ -66,9 +66,21 @@ from modeld.manifest import (
 if TYPE_CHECKING:
     from modeld.engine.engine import Engine
 
-__all__ = ["EngineDecodeStream", "EngineSession"]
+__all__ = ["EngineDecodeStream", "EngineSession", "config_runtime_digest"]
 
 log = logging.getLogger("modeld.engine")
+
+
+def config_runtime_digest(config: Config) -> str:
+    """The manifest's ``runtime_digest`` for a session config (``blueprints/0002``)."""
+    return runtime_digest(
+        num_ctx=config.num_ctx,
+        num_batch=config.num_batch,
+        num_gpu_layers=config.num_gpu_layers,
+        tensor_split=config.tensor_split,
+        flash_attn=config.flash_attn,
+        kv_cache_type=config.kv_cache_type,
+    )
 
 
 def _identity(info: ModelInfo, config: Config) -> ContextManifest:
@@ -84,14 +96,7 @@ def _identity(info: ModelInfo, config: Config) -> ContextManifest:
         tokenizer_digest=info.tokenizer_digest,
         prompt_format=config.prompt_format,
         prompt_template_digest=template,
-        runtime_digest=runtime_digest(
-            num_ctx=config.num_ctx,
-            num_batch=config.num_batch,
-            num_gpu_layers=config.num_gpu_layers,
-            tensor_split=config.tensor_split,
-            flash_attn=config.flash_attn,
-            kv_cache_type=config.kv_cache_type,
-        ),
+        runtime_digest=config_runtime_digest(config),
         add_bos=info.add_bos and not config.disable_bos,
     )
 
