@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
+from pathlib import Path
 from types import TracebackType
 
 from modeld import __version__
@@ -27,7 +28,7 @@ from modeld.contract import (
     SessionSummary,
 )
 from modeld.engine.limits import Limits
-from modeld.engine.model import LoadedModel
+from modeld.engine.model import EngineThread, LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.session import EngineSession, config_runtime_digest
 from modeld.engine.validate import validate_request
@@ -165,8 +166,13 @@ class Engine:
                     model.sessions += 1
                     return model
                 self._evict_for_load()
-            runtime = self.backend(kind).load(request, info)
-            model = LoadedModel(key, runtime, info)
+            thread = EngineThread(Path(info.path).name[:12] or kind)
+            try:
+                runtime = thread.run(self.backend(kind).load, request, info)
+            except BaseException:
+                thread.shutdown()
+                raise
+            model = LoadedModel(key, runtime, info, thread)
             model.sessions = 1
             with self._lock:
                 self._models[key] = model
@@ -186,7 +192,7 @@ class Engine:
                 )
             victim = min(idle, key=lambda m: m.last_used_at)
             del self._models[victim.key]
-            victim.runtime.close()
+            victim.close()
             log.info("unloaded idle model %s to make room", victim.info.path)
 
     # --- registry and observers ----------------------------------------------------------
@@ -276,7 +282,7 @@ class Engine:
             self._models.clear()
         for model in models:
             with model.lock:
-                model.runtime.close()
+                model.close()
 
     def __enter__(self) -> Engine:
         return self

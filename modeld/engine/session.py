@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -255,7 +257,9 @@ class EngineSession:
             manifest = self._with_token_ranges(manifest, tokens, spans, 0, added_bos=added_bos)
             manifest = replace(manifest, stable_token_hash=token_hash(tokens))
             with self._turn() as runtime:
-                sync = self._sync(runtime, tokens, manifest, prefix_tokens=len(tokens))
+                sync = self.model.thread.run(
+                    functools.partial(self._sync, runtime, tokens, manifest, prefix_tokens=len(tokens))
+                )
             decision = sync.plan.decision
             if decision.diverged_at_token is not None:
                 start = self.model.byte_ends(tokens[: decision.diverged_at_token], added_bos=added_bos)
@@ -309,7 +313,9 @@ class EngineSession:
             target = self._tokens[: self._n_prefix] + tokens
             with self._turn() as runtime:
                 restored = self._n_prefix - min(self._n_prefix, self._kv_lcp(runtime, target))
-                sync = self._sync(runtime, target, manifest, prefix_tokens=self._n_prefix)
+                sync = self.model.thread.run(
+                    functools.partial(self._sync, runtime, target, manifest, prefix_tokens=self._n_prefix)
+                )
             self._tokens = target
             self._n_suffix = len(tokens)
             self._manifest = manifest
@@ -329,7 +335,11 @@ class EngineSession:
             self.model.runtime.check_decode(config)
             if not self._has_prefix or not self._tokens:
                 raise PrefixRequiredError("decode needs a resident context: call ensure_prefix first")
-            stream = EngineDecodeStream(self, config)
+            try:
+                self.model.acquire(self._engine.limits.model_wait_seconds, self._interrupt)
+            except Interrupted:
+                self._raise_interrupted()
+            stream = EngineDecodeStream(self, config)  # releases the model when it ends
             self._stream = stream
             stream.start()
             return stream
@@ -614,51 +624,51 @@ class EngineSession:
         assembler = TextAssembler(config.stop)
         finish = "length"
         assert self._manifest is not None
+        runtime = self.model.runtime  # the caller took the model for this decode (see decode())
         try:
-            with self._turn(interrupt) as runtime:
-                sync = self._sync(
-                    runtime,
-                    self._tokens,
-                    self._manifest,
-                    prefix_tokens=self._n_prefix,
-                    interrupt=interrupt,
-                )
-                self._turn_computed += sync.evaluated
-                cached = max(0, prompt - self._turn_computed)
-                gen = runtime.generate(config, interrupt) if prompt < self._n_ctx else iter(())
-                try:
-                    for token in gen:
-                        if runtime.is_eog(token):
-                            finish = "stop"
-                            break
-                        self._tokens.append(token)
-                        completion += 1
-                        self._turn_computed += 1
-                        pending.append(token)
-                        text = assembler.feed(runtime.piece(token))
-                        if text or assembler.stopped:
-                            emit(StreamChunk(text=text, token_ids=tuple(pending)))
-                            pending.clear()
-                        if assembler.stopped:
-                            finish = "stop_sequence"
-                            break
-                        if completion >= config.max_tokens or len(self._tokens) >= self._n_ctx:
-                            finish = "length"
-                            break
-                        if interrupt():
-                            finish = "interrupted"
-                            break
-                    else:  # the runtime stopped on its own: interrupted, or the window is full
-                        finish = "interrupted" if interrupt() else "length"
-                except ModeldError:
-                    raise
-                except Exception as exc:
-                    self._reset_model(runtime, exc)
-                    raise EngineError(f"the {self._info.backend} engine failed: {exc}") from exc
-                finally:
-                    close = getattr(gen, "close", None)
-                    if close is not None:
-                        close()
+            sync = self._sync(
+                runtime,
+                self._tokens,
+                self._manifest,
+                prefix_tokens=self._n_prefix,
+                interrupt=interrupt,
+            )
+            self._turn_computed += sync.evaluated
+            cached = max(0, prompt - self._turn_computed)
+            gen = runtime.generate(config, interrupt) if prompt < self._n_ctx else iter(())
+            try:
+                for token in gen:
+                    if runtime.is_eog(token):
+                        finish = "stop"
+                        break
+                    self._tokens.append(token)
+                    completion += 1
+                    self._turn_computed += 1
+                    pending.append(token)
+                    text = assembler.feed(runtime.piece(token))
+                    if text or assembler.stopped:
+                        emit(StreamChunk(text=text, token_ids=tuple(pending)))
+                        pending.clear()
+                    if assembler.stopped:
+                        finish = "stop_sequence"
+                        break
+                    if completion >= config.max_tokens or len(self._tokens) >= self._n_ctx:
+                        finish = "length"
+                        break
+                    if interrupt():
+                        finish = "interrupted"
+                        break
+                else:  # the runtime stopped on its own: interrupted, or the window is full
+                    finish = "interrupted" if interrupt() else "length"
+            except ModeldError:
+                raise
+            except Exception as exc:
+                self._reset_model(runtime, exc)
+                raise EngineError(f"the {self._info.backend} engine failed: {exc}") from exc
+            finally:
+                close = getattr(gen, "close", None)
+                if close is not None:
+                    close()
         except ModeldError as exc:
             if cancel.is_set() and not self._interrupted.is_set():
                 final("canceled")
@@ -686,11 +696,11 @@ class EngineSession:
 
 
 class EngineDecodeStream:
-    """A decode running on its own thread, read as an iterator of chunks.
+    """A decode running on the model's engine thread, read as an iterator of chunks.
 
-    The generation runs on a producer thread that holds the model's lock, so an abandoned
-    iterator can never leave the model locked: cancel() (or close(), or dropping the stream)
-    stops the engine at the next token step.
+    The session took the model before starting it; the engine thread gives it back when the
+    generation ends, so an abandoned iterator can never leave the model locked: cancel() (or
+    close(), or dropping the stream) stops the engine at the next token step.
     """
 
     def __init__(self, session: EngineSession, config: DecodeConfig) -> None:
@@ -699,15 +709,16 @@ class EngineDecodeStream:
         self._queue: queue.SimpleQueue[StreamChunk] = queue.SimpleQueue()
         self._cancel = threading.Event()
         self._done = False
-        self._thread = threading.Thread(
-            target=self._produce, name=f"decode-{session.session_id}", daemon=True
-        )
+        self._future: Future[None] | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._future = self._session.model.thread.submit(self._produce)
 
     def _produce(self) -> None:
-        self._session._run_decode(self._config, self._cancel, self._queue.put)
+        try:
+            self._session._run_decode(self._config, self._cancel, self._queue.put)
+        finally:
+            self._session.model.release()
 
     def __iter__(self) -> EngineDecodeStream:
         return self
@@ -718,8 +729,12 @@ class EngineDecodeStream:
         chunk = self._queue.get()
         if chunk.final:
             self._done = True
-            self._thread.join()
+            self._wait()
         return chunk
+
+    def _wait(self) -> None:
+        if self._future is not None and not self._session.model.thread.is_current():
+            self._future.result()
 
     def cancel(self) -> None:
         self._cancel.set()
@@ -729,9 +744,7 @@ class EngineDecodeStream:
         if self._done:
             return
         self._cancel.set()
-        if threading.current_thread() is self._thread:
-            return
-        self._thread.join()
+        self._wait()
         self._done = True
 
     def __enter__(self) -> EngineDecodeStream:
