@@ -55,12 +55,22 @@ DEFAULT_MESSAGE_BYTES = 16 << 20
 _END = object()
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+KEEPALIVE_MS = 30_000
+"""How often the client pings during a call with no messages (a long prefill): a dead daemon is
+noticed within keepalive + timeout. The daemon accepts pings every 10 s (MIN_CLIENT_PING_INTERVAL_MS)."""
+
+
+def channel_options(
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES, keepalive_ms: int = KEEPALIVE_MS
+) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_time_ms", keepalive_ms),
         ("grpc.keepalive_timeout_ms", 10_000),
+        # Keep pinging through a long quiet call (a prefill of minutes), not just twice: a daemon
+        # that died mid-prefill is then noticed within keepalive + timeout.
+        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.enable_retries", 0),
     ]
 
@@ -85,10 +95,18 @@ class Client:
     to abandon one.
     """
 
-    def __init__(self, endpoint: Endpoint, *, max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        keepalive_ms: int = KEEPALIVE_MS,
+    ) -> None:
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
-        self._channel = grpc.insecure_channel(endpoint.target, options=channel_options(max_message_bytes))
+        self._channel = grpc.insecure_channel(
+            endpoint.target, options=channel_options(max_message_bytes, keepalive_ms)
+        )
         self._stub = pb_grpc.ModeldStub(self._channel)
 
     @property

@@ -242,3 +242,38 @@ def test_unreachable_daemon_is_a_clear_unavailable_error(tmp_path: object) -> No
         client.status()
     assert "unix:/nonexistent/modeld.sock" in str(err.value)
     client.close()
+
+
+def test_a_long_quiet_operation_survives_client_keepalive_pings() -> None:
+    """A prefill can run for minutes without a message; the client's keepalive pings must not
+    make the daemon drop the connection ("too_many_pings"). Scaled down: client B pings every
+    0.5 s (the daemon allowing every 0.25 s) while its ensure_prefix waits ~4 s, with nothing
+    sent, for the model that client A's slow decode holds."""
+    import tempfile
+    import threading
+
+    from harness import TEST_LIMITS, memory_model
+
+    from modeld.engine import Engine
+    from modeld.server.daemon import Server, parse_listen
+
+    tmp = tempfile.mkdtemp(prefix="mdk")
+    engine = Engine(backends=("memory",), limits=TEST_LIMITS)
+    server = Server(engine, parse_listen(f"unix:{tmp}/s.sock"), TEST_LIMITS, min_ping_interval_ms=250)
+    endpoint = server.start()
+    request = rc.OpenSessionRequest(type="memory", path=memory_model().path)
+    busy, quiet = rc.Client(rc.Endpoint(endpoint)), rc.Client(rc.Endpoint(endpoint), keepalive_ms=500)
+    try:
+        a, b = busy.open_session(request), quiet.open_session(request)
+        a.ensure_prefix(PrefixInput(text="busy\n"))
+        stream = a.decode(DecodeConfig(max_tokens=20, extra={"delay_ms": "200"}))
+        drain = threading.Thread(target=lambda: list(stream))
+        drain.start()
+        status = b.ensure_prefix(PrefixInput(text="quiet\n"))  # waits ~4 s for the model
+        drain.join()
+        assert status.prefix_tokens == 7
+        assert b.ensure_prefix(PrefixInput(text="quiet\n")).reuse.outcome == "warm"
+    finally:
+        busy.close()
+        quiet.close()
+        server.stop(grace=0.2)

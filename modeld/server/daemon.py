@@ -41,6 +41,9 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_OWNED = 3
 
+MIN_CLIENT_PING_INTERVAL_MS = 10_000
+"""The most often a client may ping the daemon while nothing else is sent."""
+
 
 class ServeError(Exception):
     """A configuration problem reported to the operator in one line."""
@@ -117,7 +120,14 @@ def _prepare_unix_socket(path: Path) -> None:
 class Server:
     """The gRPC server for an engine, with health checking and reflection."""
 
-    def __init__(self, engine: Engine, address: ListenAddress, limits: Limits | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        address: ListenAddress,
+        limits: Limits | None = None,
+        *,
+        min_ping_interval_ms: int = MIN_CLIENT_PING_INTERVAL_MS,
+    ) -> None:
         self.engine = engine
         self.address = address
         self.limits = limits or engine.limits
@@ -131,7 +141,10 @@ class Server:
                 ("grpc.keepalive_time_ms", 60_000),
                 ("grpc.keepalive_timeout_ms", 20_000),
                 ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+                # Clients ping every 30 s (runtime_client.channel_options); a prefill can run for
+                # minutes without a message, and gRPC's default (5 min) would answer those pings
+                # with GOAWAY "too_many_pings" and kill the session.
+                ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
             ],
             maximum_concurrent_rpcs=workers,
         )

@@ -1,0 +1,105 @@
+"""Workload 4: the daemon's own cost, apart from any engine.
+
+The memory backend computes nothing, so what a turn costs is modeld itself: validation,
+manifest checks and hashing, tokenizing (one token per byte), reuse planning, the engine's
+threads, and for the daemon, gRPC over the unix socket. Each turn: ensure_prefix on an unchanged
+8k-token prefix (with a manifest of segments, as a tool sends it), a 64-token suffix, a 32-token
+decode. Measured in process (the engine) and over the wire (daemon + runtime_client), so the
+wire's share is the difference.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import runtime_client as rc
+from modeld.engine import Engine
+from modeld.lease import read_lease
+
+__all__ = ["run_overhead"]
+
+
+def _context(session: Any) -> rc.BuiltContext:
+    repo = "".join(f"src/pkg/module_{i}.py: handler_{i}(), parse_{i}()\n" for i in range(200))
+    b = rc.ContextBuilder(identity=session.identity)
+    b.system("You are a careful engineer.\n" * 4).repo_map(repo[: 8000 - 120])
+    b.user_turn("x" * 63 + "\n")
+    return b.build()
+
+
+def _turns(session: Any, turns: int) -> dict[str, float]:
+    ctx = _context(session)
+    session.ensure_prefix(ctx.prefix_input())  # the prefix is resident from here on
+    ensure, suffix, ttft, per_token = [], [], [], []
+    for _ in range(turns):
+        t0 = time.perf_counter()
+        status = session.ensure_prefix(ctx.prefix_input())
+        t1 = time.perf_counter()
+        session.prefill_suffix(ctx.suffix_input())
+        t2 = time.perf_counter()
+        first = last = 0.0
+        n = 0
+        with session.decode(rc.DecodeConfig(max_tokens=32)) as stream:
+            for chunk in stream:
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    first = first or now
+                    last = now
+                    n += len(chunk.token_ids)
+        assert status.reused_tokens == status.prefix_tokens
+        ensure.append(t1 - t0)
+        suffix.append(t2 - t1)
+        ttft.append(first - t0)
+        per_token.append((last - first) / max(1, n - 1))
+    return {
+        "prefix_tokens": float(status.prefix_tokens),
+        "ensure_prefix_ms": statistics.median(ensure) * 1000,
+        "prefill_suffix_ms": statistics.median(suffix) * 1000,
+        "ttft_ms": statistics.median(ttft) * 1000,
+        "per_token_ms": statistics.median(per_token) * 1000,
+        "ttft_min_ms": min(ttft) * 1000,
+        "ttft_max_ms": max(ttft) * 1000,
+    }
+
+
+def run_overhead(turns: int) -> dict[str, dict[str, float]]:
+    request = rc.OpenSessionRequest(type="memory", path="bench", config=rc.Config(num_ctx=16384))
+    with Engine(backends=("memory",)) as engine:
+        in_process = _turns(engine.open_session(request), turns)
+    tmp = Path(tempfile.mkdtemp(prefix="mdo"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "modeld.cli",
+            "--data-dir",
+            str(tmp),
+            "serve",
+            "--backend",
+            "memory",
+            "--listen",
+            f"unix:{tmp}/s.sock",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (record := read_lease(tmp)) is None or record.state != "serving":
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the memory daemon did not start")
+            time.sleep(0.05)
+        with rc.connect(data_dir=tmp) as client:
+            session = client.open_session(request)
+            wire = _turns(session, turns)
+            session.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return {"in_process": in_process, "over_the_wire": wire}
