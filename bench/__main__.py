@@ -86,18 +86,40 @@ def _token_counter(model: str) -> Any:
     return count
 
 
+def _settle(pid: int, timeout: float = 10.0) -> None:
+    """Wait until a process stops using CPU (background work after a reply, spinning threads)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + timeout
+    previous = sum(proc.cpu_times()[:2])
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = sum(proc.cpu_times()[:2])
+        if now - previous < 0.005:  # under 5% of a core over the last 100 ms
+            return
+        previous = now
+
+
 def _run(
     systems: list[Any], workloads: list[Workload], results: list[TurnResult], rss: dict[str, dict[str, int]]
 ) -> None:
     """Turn-major: each turn runs on every system back to back, so per-turn ratios compare
-    measurements taken seconds apart on a shared machine. Systems never run at the same time."""
+    measurements taken seconds apart on a shared machine. Systems never run at the same time:
+    before each turn the previous system must be idle, and the order rotates every turn so no
+    system always follows the same one."""
     for load in workloads:
-        for system in systems:
+        active = [s for s in systems if s.name not in load.skip]
+        for system in active:
             _reset_peak(system.proc.pid)
+        previous: Any = None
         for i, turn in enumerate(load.turns):
             key = f"{load.name}/{turn.workspace}"
-            for system in systems:
-                time.sleep(0.1)  # let the previous system's spinning OpenMP threads go to sleep
+            order = active[i % len(active) :] + active[: i % len(active)]
+            for system in order:
+                if previous is not None:
+                    _settle(previous.proc.pid)
+                previous = system
                 if isinstance(system, ModeldSystem):
                     r = system.turn(load.name, i, key, load.prefix_segments(i), turn.segments, MAX_TOKENS)
                 else:
@@ -114,13 +136,14 @@ def _run(
                     if i == 0:  # the limit's first turn on a fresh context is a cold prefill already
                         results.append(TurnResult(**{**asdict(r), "system": "cold"}))
                         continue
+                    _settle(system.proc.pid)
                     c = system.turn(load.name, i, key, load.prefix_for(i), turn.suffix, MAX_TOKENS, cold=True)
                     results.append(c)
                     print(
                         f"  {load.name:<12} turn {i} {'cold':<11} TTFT {c.ttft_s * 1000:9.1f} ms  prefilled {c.prefilled:>5}",
                         flush=True,
                     )
-        for system in systems:
+        for system in active:
             rss.setdefault(system.name, {})[load.name] = system.peak_rss()
             if isinstance(system, DirectSystem):
                 rss.setdefault("cold", {})[load.name] = rss[system.name][load.name]

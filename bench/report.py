@@ -134,7 +134,8 @@ def write_report(
         "Medians of per-turn ratios, except *warm / cold*: median warm TTFT over median cold TTFT, cold being a "
         "full prefill of a turn's prompt measured on a few turns (for `loop_large` and `interleaved`, the limit's "
         "first turn on a fresh context). *Warm* turns are those whose workspace was seen before in the workload. "
-        "Systems run turn by turn (each turn on every system back to back), one at a time.",
+        "Systems run turn by turn (each turn on every system back to back, the starting system rotating), one at a "
+        "time, each waiting until the previous one is idle.",
         "",
     ]
 
@@ -197,10 +198,10 @@ def write_report(
         f"Each turn: ensure_prefix on an unchanged {int(ip['prefix_tokens'])}-token prefix with a segmented manifest, "
         "a 64-token suffix, a 32-token decode. Medians.",
         "",
-        "| | ensure_prefix ms | prefill_suffix ms | TTFT ms | per generated token ms |",
+        "| | ensure_prefix ms | prefill_suffix ms | TTFT ms | per generated token µs |",
         "|---|---|---|---|---|",
-        f"| in process (engine) | {ip['ensure_prefix_ms']:.2f} | {ip['prefill_suffix_ms']:.2f} | {ip['ttft_ms']:.2f} | {ip['per_token_ms']:.3f} |",
-        f"| over the wire (daemon) | {wire['ensure_prefix_ms']:.2f} | {wire['prefill_suffix_ms']:.2f} | {wire['ttft_ms']:.2f} | {wire['per_token_ms']:.3f} |",
+        f"| in process (engine) | {ip['ensure_prefix_ms']:.2f} | {ip['prefill_suffix_ms']:.2f} | {ip['ttft_ms']:.2f} | {ip['per_token_ms'] * 1000:.0f} |",
+        f"| over the wire (daemon) | {wire['ensure_prefix_ms']:.2f} | {wire['prefill_suffix_ms']:.2f} | {wire['ttft_ms']:.2f} | {wire['per_token_ms'] * 1000:.0f} |",
         "",
         "Reproduce: `make bench` (this report) or `make bench-quick` (tiny model, smaller sizes, the CI smoke run).",
         "",

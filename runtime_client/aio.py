@@ -37,7 +37,7 @@ from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
 from modeld.wire import convert
 from modeld.wire.status import from_rpc_error, from_status
-from runtime_client.client import DEFAULT_MESSAGE_BYTES, channel_options, check_size
+from runtime_client.client import DEFAULT_MESSAGE_BYTES, channel_options, check_size, decode_chunk
 from runtime_client.discovery import Endpoint, discover
 
 __all__ = ["AsyncClient", "AsyncClientDecodeStream", "AsyncClientSession", "aconnect"]
@@ -265,22 +265,13 @@ class AsyncClientDecodeStream:
             raise StopAsyncIteration
         while True:
             try:
-                resp = await self._session._receive()
+                chunk = decode_chunk(await self._session._receive(), self._rid)
             except ModeldError:
                 self._done = True
                 raise
-            if resp.request_id != self._rid:
-                continue
-            kind = resp.WhichOneof("result")
-            if kind == "error":
-                self._done = True
-                raise from_status(resp.error)
-            if kind != "chunk":
-                continue
-            chunk = convert.chunk_from_pb(resp.chunk)
-            if chunk.final:
-                self._done = True
-            return chunk
+            if chunk is not None:
+                self._done = chunk.final
+                return chunk
 
     async def cancel(self) -> None:
         if self._done or self._cancel_sent:

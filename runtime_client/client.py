@@ -49,7 +49,15 @@ from modeld.wire import convert
 from modeld.wire.status import from_rpc_error, from_status
 from runtime_client.discovery import Endpoint, discover
 
-__all__ = ["Client", "ClientDecodeStream", "ClientSession", "channel_options", "check_size", "connect"]
+__all__ = [
+    "Client",
+    "ClientDecodeStream",
+    "ClientSession",
+    "channel_options",
+    "check_size",
+    "connect",
+    "decode_chunk",
+]
 
 DEFAULT_MESSAGE_BYTES = 16 << 20
 _END = object()
@@ -314,6 +322,19 @@ class ClientSession:
             self._outbox.put(_END)
 
 
+def decode_chunk(resp: pb.SessionResponse, request_id: int) -> StreamChunk | None:
+    """The chunk a Session response carries for decode ``request_id``: None when the response is
+    for something else, the typed error when the decode failed."""
+    if resp.request_id != request_id:
+        return None
+    kind = resp.WhichOneof("result")
+    if kind == "error":
+        raise from_status(resp.error)
+    if kind != "chunk":
+        return None
+    return convert.chunk_from_pb(resp.chunk)
+
+
 class ClientDecodeStream:
     """The chunks of one decode, as they arrive. Implements the DecodeStream contract."""
 
@@ -331,22 +352,13 @@ class ClientDecodeStream:
             raise StopIteration
         while True:
             try:
-                resp = self._session._receive()
+                chunk = decode_chunk(self._session._receive(), self._rid)
             except ModeldError:
                 self._done = True
                 raise
-            if resp.request_id != self._rid:
-                continue
-            kind = resp.WhichOneof("result")
-            if kind == "error":
-                self._done = True
-                raise from_status(resp.error)
-            if kind != "chunk":
-                continue
-            chunk = convert.chunk_from_pb(resp.chunk)
-            if chunk.final:
-                self._done = True
-            return chunk
+            if chunk is not None:
+                self._done = chunk.final
+                return chunk
 
     def cancel(self) -> None:
         """Ask the engine to stop; the stream then ends with a ``canceled`` chunk."""

@@ -36,6 +36,7 @@ import psutil
 
 from modeld.backends.base import Interrupt, Interrupted
 from modeld.backends.gguf_meta import GGUFInfo, kv_bytes_per_token, read_gguf
+from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
 from modeld.contract import Capabilities, Config, DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.errors import EngineError, ModelLoadError, UnsupportedError
 
@@ -118,7 +119,7 @@ class LlamaBackend:
     """Describes GGUF models and loads them into llama.cpp."""
 
     def __init__(self) -> None:
-        self._loaded: dict[str, int] = {}  # digest -> runtimes alive (their weights are already in RAM)
+        self._loaded = WeightsInUse()
 
     @property
     def name(self) -> str:
@@ -126,13 +127,7 @@ class LlamaBackend:
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         meta = read_gguf(request.path)
-        if request.digest and request.digest != meta.digest:
-            raise ModelLoadError(
-                f"model {request.path!r} has digest {meta.digest}, the request asked for {request.digest}",
-                path=request.path,
-                expected=request.digest,
-                actual=meta.digest,
-            )
+        check_digest(request.path, request.digest, meta.digest)
         config = request.config
         if config.kv_cache_type in _QUANTIZED_KV and not config.flash_attn:
             raise UnsupportedError(
@@ -141,9 +136,15 @@ class LlamaBackend:
             )
         per_token = kv_bytes_per_token(meta, config.kv_cache_type)
         free = psutil.virtual_memory().available
-        weights = 0 if self._loaded.get(meta.digest) else meta.weights_bytes
-        fits = max(0, (free - weights - OVERHEAD_BYTES) // per_token) if per_token else config.num_ctx
         trained = meta.context_length or config.num_ctx
+        effective = effective_context(
+            trained=trained,
+            requested=config.num_ctx,
+            free_bytes=free,
+            weights_bytes=0 if meta.digest in self._loaded else meta.weights_bytes,
+            kv_bytes_per_token=per_token,
+            overhead=OVERHEAD_BYTES,
+        )
         return ModelInfo(
             backend="llama",
             backend_version=_llama.__version__,
@@ -151,7 +152,7 @@ class LlamaBackend:
             model_name=request.model_name or meta.name,
             model_digest=meta.digest,
             model_max_context=trained,
-            effective_context=max(0, min(trained, config.num_ctx, fits)),
+            effective_context=effective,
             kv_bytes_per_token=per_token,
             free_bytes=free,
             weights_bytes=meta.weights_bytes,
@@ -180,11 +181,11 @@ class LlamaBackend:
                 path=request.path,
             )
         runtime = LlamaRuntime(info, read_gguf(request.path), request.config, on_close=self._unloaded)
-        self._loaded[info.model_digest] = self._loaded.get(info.model_digest, 0) + 1
+        self._loaded.add(info.model_digest)
         return runtime
 
     def _unloaded(self, digest: str) -> None:
-        self._loaded[digest] = max(0, self._loaded.get(digest, 0) - 1)
+        self._loaded.remove(digest)
 
 
 class LlamaRuntime:

@@ -44,6 +44,7 @@ import xxhash
 
 from modeld.backends.base import Interrupt, Interrupted
 from modeld.backends.gguf_meta import KV_TYPE_BYTES, read_gguf
+from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
 from modeld.contract import Capabilities, Config, DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 from modeld.manifest import bytes_hash
@@ -261,7 +262,7 @@ class OpenVINOBackend:
     """Describes GGUF files and IR directories and loads them into an OpenVINO GenAI pipeline."""
 
     def __init__(self) -> None:
-        self._loaded: dict[str, int] = {}
+        self._loaded = WeightsInUse()
 
     @property
     def name(self) -> str:
@@ -269,13 +270,7 @@ class OpenVINOBackend:
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         source = _read_source(request.path)
-        if request.digest and request.digest != source.digest:
-            raise ModelLoadError(
-                f"model {request.path!r} has digest {source.digest}, the request asked for {request.digest}",
-                path=request.path,
-                expected=request.digest,
-                actual=source.digest,
-            )
+        check_digest(request.path, request.digest, source.digest)
         config = request.config
         if config.kv_cache_type not in KV_PRECISIONS:
             raise UnsupportedError(
@@ -288,9 +283,15 @@ class OpenVINOBackend:
             )
         per_token = _kv_bytes(source.kv_values_per_token, config.kv_cache_type)
         free = psutil.virtual_memory().available
-        weights = 0 if self._loaded.get(source.digest) else source.weights_bytes
-        fits = max(0, (free - weights - OVERHEAD_BYTES) // per_token) if per_token else config.num_ctx
         trained = source.context_length or config.num_ctx
+        effective = effective_context(
+            trained=trained,
+            requested=config.num_ctx,
+            free_bytes=free,
+            weights_bytes=0 if source.digest in self._loaded else source.weights_bytes,
+            kv_bytes_per_token=per_token,
+            overhead=OVERHEAD_BYTES,
+        )
         return ModelInfo(
             backend="openvino",
             backend_version=_version(),
@@ -298,7 +299,7 @@ class OpenVINOBackend:
             model_name=request.model_name or source.name,
             model_digest=source.digest,
             model_max_context=trained,
-            effective_context=max(0, min(trained, config.num_ctx, fits)),
+            effective_context=effective,
             kv_bytes_per_token=per_token,
             free_bytes=free,
             weights_bytes=source.weights_bytes,
@@ -321,11 +322,11 @@ class OpenVINOBackend:
 
     def load(self, request: OpenSessionRequest, info: ModelInfo) -> OpenVINORuntime:
         runtime = OpenVINORuntime(info, request.config, on_close=self._unloaded)
-        self._loaded[info.model_digest] = self._loaded.get(info.model_digest, 0) + 1
+        self._loaded.add(info.model_digest)
         return runtime
 
     def _unloaded(self, digest: str) -> None:
-        self._loaded[digest] = max(0, self._loaded.get(digest, 0) - 1)
+        self._loaded.remove(digest)
 
 
 class _Streamer(og.StreamerBase):  # type: ignore[misc]
