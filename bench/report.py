@@ -19,6 +19,13 @@ from typing import Any
 __all__ = ["write_report"]
 
 SYSTEM_ORDER = ["modeld", "limit", "cold", "peer", "peer+cache"]
+COLORS = {
+    "modeld": "tab:blue",
+    "limit": "tab:orange",
+    "cold": "tab:green",
+    "peer": "tab:red",
+    "peer+cache": "tab:purple",
+}
 
 
 def _by(results: list[dict[str, Any]], system: str, workload: str) -> dict[int, dict[str, Any]]:
@@ -35,11 +42,24 @@ def _warm_turns(load: dict[str, Any], workspaces: dict[str, list[int]]) -> list[
     return warm
 
 
-def _ratio(
-    a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]], turns: list[int], key: str = "ttft_s"
-) -> float | None:
-    values = [a[t][key] / b[t][key] for t in turns if t in a and t in b and b[t][key] > 0]
+Turns = dict[int, dict[str, Any]]
+
+
+def _ratios(a: Turns, b: Turns, turns: list[int], key: str = "ttft_s") -> list[float]:
+    return [a[t][key] / b[t][key] for t in turns if t in a and t in b and b[t][key] > 0]
+
+
+def _ratio(a: Turns, b: Turns, turns: list[int], key: str = "ttft_s") -> float | None:
+    values = _ratios(a, b, turns, key)
     return statistics.median(values) if values else None
+
+
+def _spread(a: Turns, b: Turns, turns: list[int], key: str = "ttft_s") -> str:
+    """``median (min-max)`` of the per-turn ratios: the machine's noise, visible."""
+    values = _ratios(a, b, turns, key)
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def _median_ratio(
@@ -118,8 +138,8 @@ def write_report(
         }
         summary["headline"][name] = row
         headline_rows.append(
-            f"| {name} | {_fmt(row['modeld_over_limit_warm'])} | {_fmt(row['modeld_warm_over_cold'])} | "
-            f"{_fmt(row['modeld_over_peer'])} | {_fmt(row['modeld_over_peer_cache'])} | {_fmt(row['decode_modeld_over_limit'])} | "
+            f"| {name} | {_spread(m, lim, warm)} | {_fmt(row['modeld_warm_over_cold'])} | "
+            f"{_spread(m, peer, turns)} | {_spread(m, peerc, turns)} | {_spread(m, lim, turns, 'decode_tps')} | "
             f"{row['same_tokens_as_limit']}/{row['turns']} |"
         )
 
@@ -131,7 +151,8 @@ def write_report(
         "|---|---|---|---|---|---|---|",
         *headline_rows,
         "",
-        "Medians of per-turn ratios, except *warm / cold*: median warm TTFT over median cold TTFT, cold being a "
+        "Medians of per-turn ratios (in brackets, the smallest and largest per-turn ratio: the machine's noise), "
+        "except *warm / cold*: median warm TTFT over median cold TTFT, cold being a "
         "full prefill of a turn's prompt measured on a few turns (for `loop_large` and `interleaved`, the limit's "
         "first turn on a fresh context). *Warm* turns are those whose workspace was seen before in the workload. "
         "Systems run turn by turn (each turn on every system back to back, the starting system rotating), one at a "
@@ -243,14 +264,18 @@ def _plot(
                 [turns[t]["ttft_s"] for t in xs],
                 marker="o",
                 label=system,
+                color=COLORS[system],
                 linestyle="" if system == "cold" else "-",
             )
         ax.set_yscale("log")
+        ax.set_xticks(range(load["turns"]))
         ax.set_title(load["name"], fontsize=10)
         ax.set_xlabel("turn")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("time to first token, s (log)")
-    axes[0][-1].legend(fontsize=8)
+    handles = {line.get_label(): line for ax in axes[0] for line in ax.get_lines()}
+    shown = [s for s in systems if s in handles]
+    axes[0][-1].legend([handles[s] for s in shown], shown, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
