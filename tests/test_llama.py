@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.engine.reuse import common_prefix_len
-from modeld.errors import BackendMismatchError, ModelLoadError
+from modeld.errors import BackendMismatchError, ModelLoadError, UnsupportedError
 
 pytestmark = pytest.mark.llama
 
@@ -198,9 +198,14 @@ def test_describe_computes_the_kv_cost_from_the_file(tiny: str) -> None:
     assert big.effective_context == spec.context_length  # capped by the trained context
 
 
-def test_quantized_kv_without_flash_attention_is_refused(tiny: str) -> None:
-    with pytest.raises(Exception, match="flash_attn"):
-        Engine(backends=("llama",)).describe(_request(tiny, kv_cache_type="q8_0"))
+def test_settings_this_build_cannot_honour_are_refused(tiny: str) -> None:
+    engine = Engine(backends=("llama",))
+    with pytest.raises(UnsupportedError, match="flash_attn"):
+        engine.describe(_request(tiny, kv_cache_type="q8_0"))
+    if not llama._llama.llama_supports_gpu_offload():
+        with pytest.raises(UnsupportedError) as err:
+            engine.describe(_request(tiny, tensor_split=(0.5, 0.5)))
+        assert err.value.field == "config.tensor_split"
 
 
 # --- bad files ------------------------------------------------------------------------------------

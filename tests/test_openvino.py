@@ -144,6 +144,7 @@ def test_what_openvino_cannot_do_is_refused_clearly(tiny: str) -> None:
             (_request("openvino", tiny, kv_cache_type="q8_0"), "config.kv_cache_type"),
             (_request("openvino", tiny, flash_attn=True), "config.flash_attn"),
             (_request("openvino", tiny, num_gpu_layers=10), "config.num_gpu_layers"),
+            (_request("openvino", tiny, tensor_split=(0.5, 0.5)), "config.tensor_split"),
         ):
             with pytest.raises(UnsupportedError) as err:
                 engine.open_session(request)

@@ -88,6 +88,33 @@ def _init() -> None:
             _initialized = True
 
 
+class _Memory:
+    """Cutting and clearing the KV, with whichever API this llama-cpp-python offers.
+
+    0.3.3x has ``llama_memory_*`` on ``llama_get_memory(ctx)``; older releases had
+    ``llama_kv_self_*`` and before that ``llama_kv_cache_*`` on the context itself.
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        self.seq_rm: Callable[[int], bool]
+        self.clear: Callable[[], None]
+        self.pos_max: Callable[[], int]
+        if hasattr(_llama, "llama_get_memory") and hasattr(_llama, "llama_memory_seq_rm"):
+            mem = _llama.llama_get_memory(ctx)
+            self.seq_rm = lambda p0: bool(_llama.llama_memory_seq_rm(mem, 0, p0, -1))
+            self.clear = lambda: _llama.llama_memory_clear(mem, True)
+            self.pos_max = lambda: int(_llama.llama_memory_seq_pos_max(mem, 0))
+            return
+        prefix = "llama_kv_self_" if hasattr(_llama, "llama_kv_self_seq_rm") else "llama_kv_cache_"
+        seq_rm, clear = getattr(_llama, f"{prefix}seq_rm", None), getattr(_llama, f"{prefix}clear", None)
+        pos_max = getattr(_llama, f"{prefix}seq_pos_max", None)
+        if seq_rm is None or clear is None or pos_max is None:
+            raise ImportError(f"llama-cpp-python {_llama.__version__} has no KV cache API modeld knows")
+        self.seq_rm = lambda p0: bool(seq_rm(ctx, 0, p0, -1))
+        self.clear = lambda: clear(ctx)
+        self.pos_max = lambda: int(pos_max(ctx, 0))
+
+
 def _threads(config: Config) -> int:
     if config.num_threads > 0:
         return config.num_threads
@@ -129,6 +156,11 @@ class LlamaBackend:
         meta = read_gguf(request.path)
         check_digest(request.path, request.digest, meta.digest)
         config = request.config
+        if config.tensor_split and not _llama.llama_supports_gpu_offload():
+            raise UnsupportedError(
+                "tensor_split splits layers across GPUs; this llama.cpp build has no GPU offload",
+                field="config.tensor_split",
+            )
         if config.kv_cache_type in _QUANTIZED_KV and not config.flash_attn:
             raise UnsupportedError(
                 f"a {config.kv_cache_type} KV cache needs flash_attn=True in llama.cpp",
@@ -202,6 +234,8 @@ class LlamaRuntime:
         self._ctx: Any = None
         self._config: Config | None = None
         self._gpu_layers = config.num_gpu_layers
+        self._tensor_split = config.tensor_split
+        self._split: Any = None
         self._load_model()
         self._vocab = _llama.llama_model_get_vocab(self._model)
         self._n_vocab = int(_llama.llama_vocab_n_tokens(self._vocab))
@@ -222,6 +256,9 @@ class LlamaRuntime:
         params = _llama.llama_model_default_params()
         params.n_gpu_layers = self._gpu_layers
         params.use_mmap = True
+        if self._tensor_split:
+            self._split = (ctypes.c_float * len(self._tensor_split))(*self._tensor_split)  # kept alive
+            params.tensor_split = self._split
         model = _llama.llama_model_load_from_file(self._meta.path.encode(), params)
         if not model:
             raise ModelLoadError(
@@ -257,7 +294,7 @@ class LlamaRuntime:
                 path=self._meta.path,
             )
         self._ctx = ctx
-        self._mem = _llama.llama_get_memory(ctx)
+        self._mem = _Memory(ctx)
         self._config = config
         self._tokens = []
         self._logits_fresh = False
@@ -316,9 +353,9 @@ class LlamaRuntime:
         if _context_key(config) == _context_key(self._config):
             self._config = config
             return False
-        if config.num_gpu_layers != self._gpu_layers:
+        if config.num_gpu_layers != self._gpu_layers or config.tensor_split != self._tensor_split:
             self._free()
-            self._gpu_layers = config.num_gpu_layers
+            self._gpu_layers, self._tensor_split = config.num_gpu_layers, config.tensor_split
             self._load_model()
             self._vocab = _llama.llama_model_get_vocab(self._model)
         self._configure_context(config)
@@ -329,13 +366,13 @@ class LlamaRuntime:
         if keep >= len(self._tokens):
             return
         if keep <= 0:
-            _llama.llama_memory_clear(self._mem, True)
+            self._mem.clear()
             self._tokens = []
-        elif _llama.llama_memory_seq_rm(self._mem, 0, keep, -1):
+        elif self._mem.seq_rm(keep):
             del self._tokens[keep:]
         else:  # llama.cpp cannot cut this memory here: start over (the engine sees keep == 0)
             log.warning("llama.cpp refused to cut the memory at token %d; clearing it", keep)
-            _llama.llama_memory_clear(self._mem, True)
+            self._mem.clear()
             self._tokens = []
         self._logits_fresh = False
 
@@ -412,7 +449,7 @@ class LlamaRuntime:
         batch = _llama.llama_batch_get_one(arr, len(tokens))
         rc = _llama.llama_decode(self._ctx, batch)
         if rc != 0:
-            kept = int(_llama.llama_memory_seq_pos_max(self._mem, 0)) + 1
+            kept = self._mem.pos_max() + 1
             evaluated = self._tokens + tokens
             self._tokens = evaluated[: max(0, kept)]
             self._logits_fresh = False

@@ -247,15 +247,17 @@ def _read_source(raw: str) -> _Source:
 
 
 def _device(config: Config) -> str:
+    """CPU by default; ``MODELD_OPENVINO_DEVICE`` (CPU, GPU, NPU, GPU.1, ...) names another one,
+    and ``num_gpu_layers > 0`` asks for the GPU. A device this machine lacks is refused."""
     available = ov.Core().available_devices
-    if config.num_gpu_layers > 0:
-        if "GPU" not in available:
-            raise UnsupportedError(
-                f"num_gpu_layers > 0 asks for an OpenVINO GPU device; this machine has {', '.join(available)}",
-                field="config.num_gpu_layers",
-            )
-        return "GPU"
-    return "CPU"
+    wanted = os.environ.get("MODELD_OPENVINO_DEVICE", "GPU" if config.num_gpu_layers > 0 else "CPU")
+    if wanted not in available:
+        field = "config.num_gpu_layers" if config.num_gpu_layers > 0 else "MODELD_OPENVINO_DEVICE"
+        raise UnsupportedError(
+            f"OpenVINO device {wanted} is not on this machine (available: {', '.join(available)})",
+            field=field,
+        )
+    return wanted
 
 
 class OpenVINOBackend:
@@ -280,6 +282,10 @@ class OpenVINOBackend:
         if config.flash_attn:
             raise UnsupportedError(
                 "flash_attn is a llama.cpp setting; leave it off for openvino", field="config.flash_attn"
+            )
+        if config.tensor_split:
+            raise UnsupportedError(
+                "the openvino backend does not split a model across devices", field="config.tensor_split"
             )
         per_token = _kv_bytes(source.kv_values_per_token, config.kv_cache_type)
         free = psutil.virtual_memory().available
