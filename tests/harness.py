@@ -142,3 +142,32 @@ def wire_harness(model: Model, limits: Limits = TEST_LIMITS) -> Iterator[Harness
         client.close()
         server.stop(grace=0.2)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def status_answers_during(h: Harness, work: Callable[[], object]) -> int:
+    """How many Status calls the daemon answered while ``work`` ran on another thread.
+
+    The engine's native calls must release the GIL: if they held it, Status would wait for the
+    work to finish and the count would be 0.
+    """
+    import threading
+    import time
+
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            work()
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    answered = 0
+    while not done.is_set():
+        h.service.status()  # type: ignore[attr-defined]
+        if not done.is_set():
+            answered += 1
+        time.sleep(0.05)
+    worker.join()
+    return answered

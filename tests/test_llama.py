@@ -5,14 +5,12 @@ the engine computes."""
 from __future__ import annotations
 
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from harness import Harness, llama_model, local_harness, wire_harness
+from harness import Harness, llama_model, local_harness, status_answers_during, wire_harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -255,25 +253,9 @@ def test_a_replaced_file_is_never_served_under_its_old_identity(tiny: str, tmp_p
 def test_the_daemon_answers_while_the_engine_prefills() -> None:
     """llama_decode releases the GIL: Status answers while a long prefill is running."""
     realistic = str(testmodels.ensure_model(testmodels.REALISTIC))
-    model = replace(llama_model(), path=realistic)
-    with wire_harness(model) as h:
+    with wire_harness(replace(llama_model(), path=realistic)) as h:
         s = h.service.open_session(h.request(num_ctx=4096, num_batch=256))
-        done = threading.Event()
-
-        def prefill() -> None:
-            s.ensure_prefix(PrefixInput(text=BASE * 40))
-            done.set()
-
-        worker = threading.Thread(target=prefill)
-        worker.start()
-        answered_during = 0
-        while not done.is_set():
-            h.service.status()  # type: ignore[attr-defined]
-            if not done.is_set():
-                answered_during += 1
-            time.sleep(0.05)
-        worker.join()
-        assert answered_during >= 3
+        assert status_answers_during(h, lambda: s.ensure_prefix(PrefixInput(text=BASE * 40))) >= 3
         s.close()
 
 

@@ -4,13 +4,11 @@ warm equals cold after prefix edits, long texts tokenized exactly, IR directorie
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from harness import openvino_model, wire_harness
+from harness import openvino_model, status_answers_during, wire_harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -162,23 +160,9 @@ def test_a_gguf_without_the_gguf_extension_loads(tiny: str, tmp_path: Path) -> N
 
 @pytest.mark.slow
 def test_the_daemon_answers_while_openvino_computes() -> None:
+    """LLMPipeline.generate releases the GIL: Status answers while a long prefill is running."""
     realistic = str(testmodels.ensure_model(testmodels.REALISTIC))
     with wire_harness(replace(openvino_model(), path=realistic)) as h:
         s = h.service.open_session(h.request(num_ctx=8192))
-        done = threading.Event()
-
-        def prefill() -> None:
-            s.ensure_prefix(PrefixInput(text=BASE * 60))
-            done.set()
-
-        worker = threading.Thread(target=prefill)
-        worker.start()
-        answered_during = 0
-        while not done.is_set():
-            h.service.status()  # type: ignore[attr-defined]
-            if not done.is_set():
-                answered_during += 1
-            time.sleep(0.05)
-        worker.join()
-        assert answered_during >= 3
+        assert status_answers_during(h, lambda: s.ensure_prefix(PrefixInput(text=BASE * 60))) >= 3
         s.close()
