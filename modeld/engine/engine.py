@@ -263,13 +263,13 @@ class Engine:
     def _on_revoke(self, why: str) -> None:
         log.warning("ownership lost: %s; failing %d sessions", why, len(self._sessions))
         for session in self.sessions():
-            session._interrupted.set()
+            session.interrupt()
 
     def begin_shutdown(self) -> None:
         """Stop taking work and interrupt every session's running operation."""
         self._stopping = True
         for session in self.sessions():
-            session._interrupted.set()
+            session.interrupt()
 
     def shutdown(self) -> None:
         """Stop taking work, close every session (cancelling decodes), unload every model."""

@@ -373,6 +373,10 @@ class EngineSession:
             last_used_at=self.last_used_at,
         )
 
+    def interrupt(self) -> None:
+        """Stop whatever this session is running (its stream ended, shutdown, lost ownership)."""
+        self._interrupted.set()
+
     def close(self) -> None:
         if self._closed:
             return

@@ -302,7 +302,7 @@ class _StreamState:
 def _on_rpc_done(session: EngineSession) -> None:
     """The RPC ended (any reason): close the session off gRPC's callback thread."""
     if not session.closed:
-        session._interrupted.set()
+        session.interrupt()
         threading.Thread(target=session.close, name="session-close", daemon=True).start()
 
 
