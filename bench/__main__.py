@@ -71,7 +71,7 @@ def _token_counter(model: str) -> Any:
 
     import llama_cpp as lc
 
-    from bench.direct import _LOG
+    from bench.direct import _LOG, tokenize
 
     lc.llama_log_set(_LOG, ctypes.c_void_p(0))
     params = lc.llama_model_default_params()
@@ -79,9 +79,7 @@ def _token_counter(model: str) -> Any:
     vocab = lc.llama_model_get_vocab(lc.llama_model_load_from_file(model.encode(), params))
 
     def count(text: str) -> int:
-        data = text.encode()
-        buf = (lc.llama_token * (len(data) + 8))()
-        return int(lc.llama_tokenize(vocab, data, len(data), buf, len(buf), False, True))
+        return len(tokenize(vocab, text))
 
     return count
 

@@ -30,6 +30,14 @@ def _quiet(_level: int, _text: bytes, _data: Any) -> None:
 _LOG = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_quiet)
 
 
+def tokenize(vocab: Any, text: str) -> list[int]:
+    """llama.cpp's tokens for ``text`` (control-token text parsed, no BOS)."""
+    data = text.encode()
+    buf = (lc.llama_token * (len(data) + 8))()
+    n = lc.llama_tokenize(vocab, data, len(data), buf, len(buf), False, True)
+    return list(buf[:n])
+
+
 class Driver:
     def __init__(self, model_path: str, n_ctx: int, n_batch: int, threads: int) -> None:
         lc.llama_log_set(_LOG, ctypes.c_void_p(0))
@@ -55,10 +63,7 @@ class Driver:
         return self.contexts[name]
 
     def tokenize(self, text: str, bos: bool) -> list[int]:
-        data = text.encode()
-        buf = (lc.llama_token * (len(data) + 8))()
-        n = lc.llama_tokenize(self.vocab, data, len(data), buf, len(buf), False, True)
-        out = list(buf[:n])
+        out = tokenize(self.vocab, text)
         return [lc.llama_vocab_bos(self.vocab), *out] if bos else out
 
     def _decode(self, ctx: Any, tokens: list[int]) -> None:

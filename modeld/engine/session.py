@@ -254,7 +254,11 @@ class EngineSession:
                 raise ContextOverflowError(
                     stage="prefix", resident=0, additional=len(tokens), window=self._n_ctx
                 )
-            manifest = self._with_token_ranges(manifest, tokens, spans, 0, added_bos=added_bos)
+            # Byte offsets of the tokens, computed once: for segment token ranges and, below, for
+            # the byte where a prefix diverged.
+            ends = self.model.byte_ends(tokens, added_bos=added_bos) if spans else None
+            if ends is not None:
+                manifest = self._with_token_ranges(manifest, ends, spans, 0)
             manifest = replace(manifest, stable_token_hash=token_hash(tokens))
             with self._turn() as runtime:
                 sync = self.model.thread.run(
@@ -262,8 +266,10 @@ class EngineSession:
                 )
             decision = sync.plan.decision
             if decision.diverged_at_token is not None:
-                start = self.model.byte_ends(tokens[: decision.diverged_at_token], added_bos=added_bos)
-                decision = replace(decision, diverged_at_byte=start[-1] if start else 0)
+                if ends is None:
+                    ends = self.model.byte_ends(tokens, added_bos=added_bos)
+                k = decision.diverged_at_token
+                decision = replace(decision, diverged_at_byte=ends[k - 1] if k > 0 else 0)
             self._tokens = tokens
             self._n_prefix, self._n_suffix = len(tokens), 0
             self._has_prefix = True
@@ -308,14 +314,17 @@ class EngineSession:
                 raise ContextOverflowError(
                     stage="suffix", resident=self._n_prefix, additional=len(tokens), window=self._n_ctx
                 )
-            manifest = self._with_token_ranges(manifest, tokens, spans, self._n_prefix, added_bos=False)
+            if spans:
+                ends = self.model.byte_ends(tokens, added_bos=False)
+                manifest = self._with_token_ranges(manifest, ends, spans, self._n_prefix)
             manifest = replace(manifest, volatile_token_hash=token_hash(tokens))
             target = self._tokens[: self._n_prefix] + tokens
             with self._turn() as runtime:
-                restored = self._n_prefix - min(self._n_prefix, self._kv_lcp(runtime, target))
                 sync = self.model.thread.run(
                     functools.partial(self._sync, runtime, target, manifest, prefix_tokens=self._n_prefix)
                 )
+            # Prefix tokens the sync had to recompute (another session displaced them).
+            restored = max(0, self._n_prefix - sync.plan.keep)
             self._tokens = target
             self._n_suffix = len(tokens)
             self._manifest = manifest
@@ -467,13 +476,6 @@ class EngineSession:
             raise ShuttingDownError("the daemon is shutting down")
         raise SessionClosedError(f"session {self._id} was closed during the operation")
 
-    def _kv_lcp(self, runtime: ModelRuntime, target: Sequence[int]) -> int:
-        if self.model.manifest is None or self._manifest is None:
-            return 0
-        if not self.model.manifest.compatible_runtime(self._manifest).ok:
-            return 0
-        return common_prefix_len(list(runtime.resident), list(target))
-
     def _sync(
         self,
         runtime: ModelRuntime,
@@ -572,23 +574,19 @@ class EngineSession:
             return False
         return bool(self._identity.add_bos)
 
+    @staticmethod
     def _with_token_ranges(
-        self,
         manifest: ContextManifest,
-        tokens: Sequence[int],
+        ends: Sequence[int],
         spans: dict[int, tuple[int, int]],
         token_base: int,
-        *,
-        added_bos: bool,
     ) -> ContextManifest:
         """Fill token ranges for segments whose bytes are located in the evaluated text.
 
-        ``spans`` maps a segment index to its byte range in the text that was tokenized. A token
-        belongs to the segment its last byte falls in; zero-length tokens (BOS) to none.
+        ``spans`` maps a segment index to its byte range in the text that was tokenized, ``ends``
+        gives each token's end byte in it. A token belongs to the segment its last byte falls in;
+        zero-length tokens (BOS) to none.
         """
-        if not spans:
-            return manifest
-        ends = self.model.byte_ends(tokens, added_bos=added_bos)
         out = list(manifest.segments)
         for index, (start, end) in spans.items():
             out[index] = replace(
