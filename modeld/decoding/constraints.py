@@ -34,6 +34,7 @@ from modeld.manifest import bytes_hash
 __all__ = [
     "MAX_CONSTRAINT_BYTES",
     "CompiledConstraint",
+    "ConstraintFailed",
     "cache_info",
     "compile_constraint",
     "constraint_digest",
@@ -42,6 +43,13 @@ __all__ = [
 MAX_CONSTRAINT_BYTES = 256 << 10
 """The largest constraint value (schema, regex or grammar text) accepted."""
 _CACHE_SIZE = 128
+
+
+class ConstraintFailed(Exception):  # noqa: N818 - a control-flow signal, like Interrupted
+    """Raised by a backend's decode when the constraint can no longer be satisfied (no token is
+    allowed, or the chosen one was refused). The decode loop ends with ``constraint_failed``."""
+
+
 _FIELD = "constraint.value"
 
 
