@@ -272,9 +272,10 @@ class _Parser:
                     ranges.append((lo, hi))
                 self.pos += 1
                 merged = _merge(ranges)
-                last = [Chars(_negate(merged) if negated else merged)]
-                if not last[0].ranges:
+                chars = Chars(_negate(merged) if negated else merged)
+                if not chars.ranges:
                     raise self.error("character class matches nothing", start)
+                last = [chars]
             elif c == ".":
                 self.pos += 1
                 last = [Chars(((0, MAX_CODEPOINT),))]
@@ -296,11 +297,11 @@ class _Parser:
             elif c in "*+?{":
                 if not last:
                     raise self.error(f"{c!r} must follow an element")
-                lo, hi = self.repetition()
+                lo, hi_bound = self.repetition()
                 body = self.fresh(rule)
                 self.rules[body] = [tuple(last)]
                 del out[len(out) - len(last) :]
-                out.append(self.repeat(rule, body, lo, hi))
+                out.append(self.repeat(rule, body, lo, hi_bound))
                 last = []
                 self.space(nested)
                 continue
