@@ -405,7 +405,9 @@ class StreamChunk:
     Tool calls: the text of a call is not in ``text``; it arrives as ``tool_call_deltas`` and
     the final chunk lists the complete calls in ``tool_calls`` (finish reason ``tool_calls``),
     or the exit tool's call in ``signal`` (finish reason ``signal``). A call that does not
-    parse ends with ``malformed_tool_call`` and its raw text in ``text``.
+    parse ends with ``malformed_tool_call`` and its raw text in ``text``. ``tool_text`` (final
+    chunk) is the calls' text exactly as generated: ``text`` + ``tool_text`` is the assistant
+    turn to append to the history so that the next turn reuses the generated tokens.
     """
 
     text: str = ""
@@ -417,6 +419,7 @@ class StreamChunk:
     tool_calls: tuple[ToolCall, ...] = ()
     signal: ToolCall | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_text: str = ""  # final chunk: the calls' text as the model wrote it (to append to history)
 
     @property
     def final(self) -> bool:

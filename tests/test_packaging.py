@@ -45,7 +45,8 @@ def test_public_names_are_pinned() -> None:
         DaemonUnavailableError DecodeConfig Endpoint Fence InvalidArgumentError ManifestMismatchError ModelInfo
         ModeldError NotOwnerError OpenSessionRequest PrefixInput PrefixStatus ReuseDecision Segment
         SessionClosedError SessionSummary StaleFenceError StreamChunk SuffixInput SuffixStatus Usage aconnect
-        connect discover""".split()
+        connect discover Constraint ToolCall ToolCallDelta ToolLoopResult ToolRound ToolRunner AsyncToolRunner
+        arun_tools run_tools""".split()
     )
     for name in runtime_client.__all__:
         assert hasattr(runtime_client, name)

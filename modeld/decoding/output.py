@@ -110,6 +110,7 @@ class OutputFinal:
     tool_calls: tuple[ToolCall, ...] = ()
     signal: ToolCall | None = None
     deltas: list[ToolCallDelta] = field(default_factory=list)
+    tool_text: str = ""  # the calls' raw text (StreamChunk.tool_text)
 
 
 class OutputProcessor:
@@ -183,9 +184,9 @@ class OutputProcessor:
                 return OutputFinal(text + parser.raw, reason)
             calls = tuple(c for c in parser.calls if c.name not in self._exits)
             if reason in ("stop", "stop_sequence", "signal") and self._signal is not None:
-                return OutputFinal(text, "signal", calls, self._signal, deltas)
+                return OutputFinal(text, "signal", calls, self._signal, deltas, parser.raw)
             if reason in ("stop", "stop_sequence") and calls:
-                return OutputFinal(text, "tool_calls", calls, None, deltas)
+                return OutputFinal(text, "tool_calls", calls, None, deltas, parser.raw)
         if reason == "stop" and self._verify is not None and not self._verify.accepting():
             reason = "constraint_failed"
         return OutputFinal(text, reason, calls, self._signal, deltas)

@@ -354,6 +354,7 @@ def suffix_status_from_pb(msg: pb.SuffixStatus) -> SuffixStatus:
 def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
     msg = pb.StreamChunk(
         text=chunk.text,
+        tool_text=chunk.tool_text,
         token_ids=chunk.token_ids,
         finish_reason=_FINISH_TO_PB[chunk.finish_reason],
     )
@@ -381,6 +382,7 @@ def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
     finish = _FINISH_FROM_PB.get(msg.finish_reason, "error")
     return StreamChunk(
         text=msg.text,
+        tool_text=msg.tool_text,
         token_ids=tuple(msg.token_ids),
         finish_reason=finish,
         usage=_from_pb(msg.usage, Usage) if msg.HasField("usage") else None,
