@@ -194,7 +194,7 @@ def test_the_asyncio_loop_over_the_wire(engine: Engine) -> None:
                 result = await arun_tools(
                     session, b, read_file, first, after_first=DecodeConfig(max_tokens=20, tool_choice="none")
                 )
-                assert [r.finish_reason for r in result.rounds][0] == "tool_calls"
+                assert result.rounds[0].finish_reason == "tool_calls"
                 assert result.rounds[1].prefix.reuse.outcome == "warm"
             finally:
                 await session.close()
