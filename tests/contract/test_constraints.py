@@ -84,12 +84,14 @@ def runs(h: Harness) -> int:
 def test_schema_constrained_decodes_all_parse_and_validate(harness: Harness) -> None:
     with harness.open() as s:
         needs(harness, s, "json_schema")
-        s.ensure_prefix(PrefixInput(text="Review the patch and answer in JSON.\n"))
-        s.prefill_suffix(SuffixInput(text="The test in tests/test_app.py fails.\n"))
         answers = set()
         for seed in range(runs(harness)):
+            s.ensure_prefix(
+                PrefixInput(text="Review the patch and answer in JSON.\n")
+            )  # drops the last answer
+            s.prefill_suffix(SuffixInput(text="The test in tests/test_app.py fails.\n"))
             config = DecodeConfig(
-                max_tokens=200,
+                max_tokens=800,
                 temperature=1.0,
                 seed=seed,
                 constraint=Constraint("json_schema", json.dumps(SCHEMA)),
@@ -106,8 +108,8 @@ def test_a_regex_constraint_always_matches(harness: Harness) -> None:
     pattern = r"(PASS|FAIL) [a-z_]{3,12}\.py:[1-9][0-9]{0,3}"
     with harness.open() as s:
         needs(harness, s, "regex")
-        s.ensure_prefix(PrefixInput(text="Which test failed?\n"))
         for seed in range(20):
+            s.ensure_prefix(PrefixInput(text="Which test failed?\n"))
             chunks = decode(
                 s,
                 DecodeConfig(
@@ -121,12 +123,12 @@ def test_a_regex_constraint_always_matches(harness: Harness) -> None:
 def test_tool_choice_required_always_yields_a_parsed_call_with_valid_arguments(harness: Harness) -> None:
     with harness.open(prompt_format="chat") as s:
         needs(harness, s, "grammar")
-        s.ensure_prefix(PrefixInput(text="You can read files.\n", tools_json=TOOLS))
-        s.prefill_suffix(SuffixInput(text="Open the config.\n"))
         schema = json.loads(TOOLS)[0]["function"]["parameters"]
         for seed in range(20):
+            s.ensure_prefix(PrefixInput(text="You can read files.\n", tools_json=TOOLS))
+            s.prefill_suffix(SuffixInput(text="Open the config.\n"))
             chunks = decode(
-                s, DecodeConfig(max_tokens=120, temperature=1.0, seed=seed, tool_choice="required")
+                s, DecodeConfig(max_tokens=400, temperature=1.0, seed=seed, tool_choice="required")
             )
             final = chunks[-1]
             assert final.finish_reason == "tool_calls"
@@ -142,7 +144,7 @@ def test_an_exit_tool_forced_by_tool_choice_becomes_a_signal(harness: Harness) -
         s.ensure_prefix(PrefixInput(text="Ask when unsure.\n", tools_json=TOOLS))
         s.prefill_suffix(SuffixInput(text="What is the deploy password?\n"))
         chunks = decode(
-            s, DecodeConfig(max_tokens=120, exit_tools_json=EXIT_TOOLS, tool_choice="NEEDS_EXTERNAL_INFO")
+            s, DecodeConfig(max_tokens=400, exit_tools_json=EXIT_TOOLS, tool_choice="NEEDS_EXTERNAL_INFO")
         )
         final = chunks[-1]
         assert final.finish_reason == "signal"
@@ -161,7 +163,7 @@ def test_a_grammar_that_forces_a_repeated_line_is_stopped_by_the_guard(harness: 
         assert chunks[-1].finish_reason == "repeated_line"
         assert "".join(c.text for c in chunks).count(line) == 8
         off = decode(
-            s, DecodeConfig(max_tokens=600, repeated_line_max=0, constraint=Constraint("grammar", grammar))
+            s, DecodeConfig(max_tokens=1200, repeated_line_max=0, constraint=Constraint("grammar", grammar))
         )
         assert off[-1].finish_reason == "stop"
 
