@@ -55,7 +55,16 @@ Digest = NewType("Digest", str)
 """A 32-character lowercase hex xxh3-128 digest."""
 
 SegmentKind = Literal[
-    "system", "tools", "repo_rules", "repo_map", "pinned", "history", "diff", "terminal", "user_turn", "runtime"
+    "system",
+    "tools",
+    "repo_rules",
+    "repo_map",
+    "pinned",
+    "history",
+    "diff",
+    "terminal",
+    "user_turn",
+    "runtime",
 ]
 SEGMENT_KINDS: tuple[str, ...] = get_args(SegmentKind)
 STABLE_KINDS: frozenset[str] = frozenset({"system", "tools", "repo_rules", "repo_map", "pinned", "history"})

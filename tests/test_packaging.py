@@ -68,3 +68,15 @@ def test_implementations_conform_to_the_protocols() -> None:
         with session.decode(__import__("modeld.contract").contract.DecodeConfig(max_tokens=1)) as stream:
             assert isinstance(stream, DecodeStream)
     engine.shutdown()
+
+
+def test_decoding_imports_no_wire_http_or_native_engine() -> None:
+    code = (
+        "import sys, modeld.decoding.output, modeld.decoding.constraints, modeld.decoding.toolcalls\n"
+        "bad = [m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'modeld.v1', 'modeld.wire',"
+        " 'modeld.server', 'modeld.engine', 'modeld.backends', 'llama_cpp', 'openvino', 'llguidance', 'fastapi',"
+        " 'starlette', 'httpx'))]\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -161,6 +162,7 @@ class LlamaConstraints:
         self._lock = threading.Lock()
         self._tokenizer: Any = None
         self._banned: NDArray[np.bool_] | None = None
+        self._templates: OrderedDict[str, Any] = OrderedDict()
         self._llg: Any = None
         if engine not in ("auto", "llguidance", "grammar"):
             raise ValueError(f"unknown constraint engine {engine!r}")
@@ -228,13 +230,28 @@ class LlamaConstraints:
                     grammar = ""
                 _lark_cache[compiled.digest] = grammar
             if grammar:
-                matcher = llg.LLMatcher(self._lltokenizer(), grammar, log_level=0)
-                if not matcher.is_error():
-                    return LlguidanceConstraint(matcher, self._n_vocab)
-                log.warning("llguidance refused constraint %s: %s", compiled.digest, matcher.get_error())
+                template = self._template(compiled.digest, grammar)
+                if not template.is_error():
+                    return LlguidanceConstraint(template.deep_copy(), self._n_vocab)
+                log.warning("llguidance refused constraint %s: %s", compiled.digest, template.get_error())
         return GrammarSamplerConstraint(
             grammar_sampler(self._vocab, compiled), self._n_vocab, self._non_utf8()
         )
+
+    def _template(self, digest: str, grammar: str) -> Any:
+        """A fresh matcher per constraint, kept per model; each decode takes a deep copy (about
+        1 us, against 1-5 ms to build a matcher)."""
+        with self._lock:
+            template = self._templates.get(digest)
+            if template is not None:
+                self._templates.move_to_end(digest)
+                return template
+        template = self._llg.LLMatcher(self._lltokenizer(), grammar, log_level=0)
+        with self._lock:
+            self._templates[digest] = template
+            while len(self._templates) > _TEMPLATES_KEPT:
+                self._templates.popitem(last=False)
+        return template
 
     def _non_utf8(self) -> NDArray[np.bool_]:
         """Tokens whose bytes contain one that never occurs in UTF-8 (computed once)."""
@@ -250,6 +267,7 @@ class LlamaConstraints:
             return self._banned
 
 
+_TEMPLATES_KEPT = 64
 _NEVER_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
 
 _lark_cache: dict[str, str] = {}
