@@ -9,6 +9,7 @@ parse and validate, whatever the randomness chose.
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
 import struct
@@ -499,3 +500,32 @@ def test_the_guard_counts_only_long_identical_lines_in_a_row() -> None:
     assert guard.feed("x = compute(1)\n  x = compute(1)  \nx = compute(1)\n")
     off = RepeatedLineGuard(min_chars=0, max_repeats=3)
     assert not off.feed("same line again\n" * 50)
+
+
+# --- extra sampling parameters ------------------------------------------------------------------
+
+
+def test_bias_and_penalties_follow_openai_and_agree_between_dicts_and_arrays() -> None:
+    np = pytest.importorskip("numpy")
+    from modeld.decoding.sampling import adjust, adjust_array, logprob, logprob_array
+
+    logits = {0: 1.0, 1: 2.0, 2: 0.5, 3: -1.0}
+    counts = {1: 3, 2: 1}
+    kw = {
+        "counts": counts,
+        "logit_bias": {3: 5.0, 0: -100.0},
+        "presence_penalty": 0.5,
+        "frequency_penalty": 0.25,
+    }
+    out = adjust(logits, **kw)  # type: ignore[arg-type]
+    assert out == {0: -99.0, 1: 2.0 - 0.5 - 0.75, 2: 0.5 - 0.5 - 0.25, 3: 4.0}
+    arr = np.array([1.0, 2.0, 0.5, -1.0], dtype=np.float32)
+    adjust_array(arr, **kw)  # type: ignore[arg-type]
+    assert arr.tolist() == pytest.approx([out[i] for i in range(4)])
+    lp = logprob(out, 3, 2)
+    assert lp.logprob == pytest.approx(lp.top[0][1]) and [t for t, _ in lp.top] == [3, 1]
+    assert sum(math.exp(v) for v in (logprob(out, t, 0).logprob for t in range(4))) == pytest.approx(1.0)
+    lpa = logprob_array(arr, 3, 2)
+    assert lpa.logprob == pytest.approx(lp.logprob) and [t for t, _ in lpa.top] == [3, 1]
+    arr[0] = -np.inf  # a masked token has no probability and is never a top alternative
+    assert [t for t, _ in logprob_array(arr, 3, 4).top] == [3, 1, 2]
