@@ -22,8 +22,9 @@ np = pytest.importorskip("numpy")
 _llama = pytest.importorskip("llama_cpp")
 
 from modeld.backends.llama_constraints import LlamaConstraints  # noqa: E402
-from modeld.contract import Constraint  # noqa: E402
+from modeld.contract import Constraint, DecodeConfig  # noqa: E402
 from modeld.decoding.constraints import ConstraintFailed, compile_constraint  # noqa: E402
+from modeld.decoding.output import OutputProcessor, plan_decode  # noqa: E402
 from modeld.testmodels import TINY, ensure_model  # noqa: E402
 
 TOOL_CALL_SCHEMA = {
@@ -75,11 +76,23 @@ class Tiny:
         return buf.raw[:n]
 
     def decode(
-        self, prompt: list[int], constraints: LlamaConstraints, compiled: Any, max_tokens: int
+        self,
+        prompt: list[int],
+        constraints: LlamaConstraints,
+        compiled: Any,
+        max_tokens: int,
+        seed: int | None = None,
     ) -> tuple[bytes, str]:
+        """Greedy (argmax) decode, or with ``seed`` llama.cpp's temperature-1 sampler chain,
+        which reads the masked logits from the context's buffer as the backend's does."""
         _llama.llama_memory_clear(self.mem, True)
         self._eval(prompt)
         tc = constraints.start(compiled)
+        chain = None
+        if seed is not None:
+            chain = _llama.llama_sampler_chain_init(_llama.llama_sampler_chain_default_params())
+            _llama.llama_sampler_chain_add(chain, _llama.llama_sampler_init_temp(1.0))
+            _llama.llama_sampler_chain_add(chain, _llama.llama_sampler_init_dist(seed))
         out = b""
         try:
             for _ in range(max_tokens):
@@ -87,7 +100,10 @@ class Tiny:
                     _llama.llama_get_logits_ith(self.ctx, -1), shape=(self.n_vocab,)
                 )
                 tc.apply(logits)
-                token = int(np.argmax(logits))
+                if chain is None:
+                    token = int(np.argmax(logits))
+                else:
+                    token = int(_llama.llama_sampler_sample(chain, self.ctx, -1))
                 tc.accept(token)
                 if _llama.llama_vocab_is_eog(self.vocab, token):
                     return out, "stop"
@@ -96,6 +112,8 @@ class Tiny:
             return out, "length"
         finally:
             tc.close()
+            if chain is not None:
+                _llama.llama_sampler_free(chain)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +144,47 @@ def test_fifty_greedy_decodes_under_a_tool_call_schema_all_parse_and_validate(
         jsonschema.validate(document, TOOL_CALL_SCHEMA)
         outputs.add(text)
     assert len(outputs) > 10  # different prompts, different (valid) answers: the model still chooses
+
+
+def test_two_hundred_sampled_decodes_with_different_seeds_all_validate(tiny: Tiny) -> None:
+    constraints = LlamaConstraints(tiny.vocab, tiny.n_vocab)
+    compiled = compile_constraint(Constraint("json_schema", json.dumps(TOOL_CALL_SCHEMA)))
+    prompt = next(prompts(1))
+    outputs = set()
+    for seed in range(200):
+        text, finish = tiny.decode(prompt, constraints, compiled, max_tokens=200, seed=seed)
+        assert finish == "stop", (seed, text)
+        jsonschema.validate(json.loads(text.decode("utf-8")), TOOL_CALL_SCHEMA)
+        outputs.add(text)
+    assert len(outputs) > 150  # one prompt, 200 seeds: the sampler really chose
+
+
+def test_tool_choice_required_always_yields_a_parsed_call_with_valid_arguments(tiny: Tiny) -> None:
+    tools_json = json.dumps(
+        [
+            {"name": "read_file", "parameters": TOOL_CALL_SCHEMA["properties"]["arguments"]},  # type: ignore[index]
+            {"name": "LOW_CONFIDENCE", "parameters": {"type": "object", "additionalProperties": False}},
+        ]
+    )
+    config = DecodeConfig(tools_json=tools_json, tool_choice="required")
+    plan = plan_decode(config, chat_template="<tool_call>")
+    assert plan.constraint is not None
+    constraints = LlamaConstraints(tiny.vocab, tiny.n_vocab)
+    names = set()
+    for seed in range(30):
+        text, finish = tiny.decode(next(prompts(1)), constraints, plan.constraint, max_tokens=200, seed=seed)
+        assert finish == "stop"
+        processor = OutputProcessor(config, plan)
+        step = processor.feed(text.decode("utf-8"))
+        final = processor.finish(step.stop or "stop")
+        assert final.finish_reason == "tool_calls" and len(final.tool_calls) == 1
+        call = final.tool_calls[0]
+        if call.name == "read_file":
+            jsonschema.validate(json.loads(call.arguments), TOOL_CALL_SCHEMA["properties"]["arguments"])  # type: ignore[index]
+        else:
+            assert json.loads(call.arguments) == {}
+        names.add(call.name)
+    assert names == {"read_file", "LOW_CONFIDENCE"}
 
 
 def test_a_regex_constraint_always_matches(tiny: Tiny) -> None:
