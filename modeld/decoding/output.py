@@ -18,9 +18,10 @@ What not: no tokens, no sampling, no engine state.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-from modeld.contract import TOOL_CHOICES, TOOL_FORMATS, DecodeConfig, ToolCall, ToolCallDelta
+from modeld.contract import TOOL_CHOICES, TOOL_FORMATS, Constraint, DecodeConfig, ToolCall, ToolCallDelta
 from modeld.decoding.constraints import CompiledConstraint, compile_constraint
 from modeld.decoding.gbnf import ByteMatcher
 from modeld.decoding.guard import RepeatedLineGuard
@@ -61,11 +62,7 @@ def plan_decode(config: DecodeConfig, *, prefix_tools_json: str = "", chat_templ
             f"tool_format must be one of {', '.join(repr(f) for f in TOOL_FORMATS)}, got {config.tool_format!r}",
             field="tool_format",
         )
-    tools = parse_tools(config.tools_json or prefix_tools_json, field="tools_json")
-    exits = parse_tools(config.exit_tools_json, field="exit_tools_json", exit=True)
-    exit_names = {t.name for t in exits}
-    # An exit tool also listed among the tools (so the template showed it) is an exit tool.
-    tools = [t for t in tools if t.name not in exit_names]
+    tools, exits = _tools(config.tools_json or prefix_tools_json, config.exit_tools_json)
     every = [*tools, *exits]
     fmt = config.tool_format or detect_format(chat_template)
     if fmt == "none" or choice == "none" or not every:
@@ -86,10 +83,29 @@ def plan_decode(config: DecodeConfig, *, prefix_tools_json: str = "", chat_templ
         )
     compiled: CompiledConstraint | None = None
     if forced:
-        compiled = compile_constraint(forced_call_constraint(every, choice, fmt))
+        compiled = compile_constraint(
+            _forced(config.tools_json or prefix_tools_json, config.exit_tools_json, choice, fmt)
+        )
     elif config.constraint is not None:
         compiled = compile_constraint(config.constraint)
-    return DecodePlan(compiled, tuple(tools), tuple(exits), fmt, forced)
+    return DecodePlan(compiled, tools, exits, fmt, forced)
+
+
+@functools.lru_cache(maxsize=64)
+def _tools(tools_json: str, exit_tools_json: str) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...]]:
+    """Parsed tools and exit tools (cached: the same definitions come every turn)."""
+    tools = parse_tools(tools_json, field="tools_json")
+    exits = parse_tools(exit_tools_json, field="exit_tools_json", exit=True)
+    exit_names = {t.name for t in exits}
+    # An exit tool also listed among the tools (so the template showed it) is an exit tool.
+    return tuple(t for t in tools if t.name not in exit_names), tuple(exits)
+
+
+@functools.lru_cache(maxsize=64)
+def _forced(tools_json: str, exit_tools_json: str, choice: str, fmt: str) -> Constraint:
+    """The forcing grammar, built once per tool set, choice and format (then compiled by digest)."""
+    tools, exits = _tools(tools_json, exit_tools_json)
+    return forced_call_constraint([*tools, *exits], choice, fmt)
 
 
 @dataclass
