@@ -23,14 +23,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from modeld.contract import AsyncSession as AsyncSessionProtocol
 from modeld.contract import DecodeConfig, PrefixStatus, Session, StreamChunk, SuffixStatus, ToolCall, Usage
 from modeld.errors import InvalidArgumentError
-from runtime_client.builder import ContextBuilder
+from runtime_client.builder import BuiltContext, ContextBuilder
 
 __all__ = [
     "AsyncToolRunner",
@@ -69,6 +70,8 @@ class ToolRound:
     usage: Usage | None
     calls: tuple[ToolCall, ...] = ()
     results: tuple[str, ...] = ()
+    first_chunk_seconds: float = 0.0  # from ensure_prefix to the first chunk (the round's TTFT)
+    context: BuiltContext | None = field(default=None, repr=False)  # what was sent this round
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,16 @@ class ToolLoopResult:
     rounds: tuple[ToolRound, ...] = field(default_factory=tuple)
     signal: ToolCall | None = None
     pending_calls: tuple[ToolCall, ...] = ()  # calls not run because the iteration limit was hit
+
+
+def _read(stream: Iterator[StreamChunk], started: float) -> tuple[list[StreamChunk], float]:
+    chunks: list[StreamChunk] = []
+    first = 0.0
+    for chunk in stream:
+        if not chunks:
+            first = time.perf_counter() - started
+        chunks.append(chunk)
+    return chunks, first
 
 
 def _collect(chunks: list[StreamChunk]) -> tuple[str, StreamChunk]:
@@ -139,15 +152,16 @@ def run_tools(
         config = decode
         while True:
             ctx = builder.build()
+            started = time.perf_counter()
             prefix = session.ensure_prefix(ctx.prefix_input())
             suffix = session.prefill_suffix(ctx.suffix_input())
             with session.decode(config) as stream:
-                chunks = list(stream)
+                chunks, first = _read(stream, started)
             text, final = _collect(chunks)
             reason = final.finish_reason or "error"
             calls = final.tool_calls
             if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-                rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls))
+                rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, (), first, ctx))
                 ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
                 pending = calls if ended == "max_tool_iterations" else ()
                 return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
@@ -164,7 +178,9 @@ def run_tools(
                     )
                 except Exception as exc:
                     results.append(f"error: the tool {call.name!r} failed: {exc}")
-            rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, tuple(results)))
+            rounds.append(
+                ToolRound(prefix, suffix, text, reason, final.usage, calls, tuple(results), first, ctx)
+            )
             _grow(builder, text, final, results)
             config = later
     finally:
@@ -189,15 +205,21 @@ async def arun_tools(
     config = decode
     while True:
         ctx = builder.build()
+        started = time.perf_counter()
         prefix = await session.ensure_prefix(ctx.prefix_input())
         suffix = await session.prefill_suffix(ctx.suffix_input())
         stream = await session.decode(config)
-        chunks = [chunk async for chunk in stream]
+        chunks: list[StreamChunk] = []
+        first = 0.0
+        async for chunk in stream:
+            if not chunks:
+                first = time.perf_counter() - started
+            chunks.append(chunk)
         text, final = _collect(chunks)
         reason = final.finish_reason or "error"
         calls = final.tool_calls
         if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-            rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls))
+            rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, (), first, ctx))
             ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
             pending = calls if ended == "max_tool_iterations" else ()
             return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
@@ -214,6 +236,6 @@ async def arun_tools(
                 results.append(f"error: the tool {call.name!r} did not finish within {tool_timeout:g} s")
             except Exception as exc:
                 results.append(f"error: the tool {call.name!r} failed: {exc}")
-        rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, tuple(results)))
+        rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, tuple(results), first, ctx))
         _grow(builder, text, final, results)
         config = later
