@@ -529,3 +529,13 @@ def test_bias_and_penalties_follow_openai_and_agree_between_dicts_and_arrays() -
     assert lpa.logprob == pytest.approx(lp.logprob) and [t for t, _ in lpa.top] == [3, 1]
     arr[0] = -np.inf  # a masked token has no probability and is never a top alternative
     assert [t for t, _ in logprob_array(arr, 3, 4).top] == [3, 1, 2]
+
+
+def test_a_cancelled_decode_keeps_its_reason_and_its_text() -> None:
+    config = DecodeConfig(tools_json=TOOLS)
+    plan = plan_decode(config, chat_template="<tool_call>")
+    out = OutputProcessor(config, plan)
+    shown = out.feed('Looking.\n<tool_call>\n{"name": "read_file", "argu').text
+    final = out.finish("canceled")
+    assert final.finish_reason == "canceled"
+    assert shown + final.text == 'Looking.\n<tool_call>\n{"name": "read_file", "argu'

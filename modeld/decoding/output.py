@@ -180,6 +180,13 @@ class OutputProcessor:
         calls: tuple[ToolCall, ...] = ()
         reason = finish_reason
         parser = self._parser
+        if finish_reason in ("canceled", "error"):
+            # Not the model's doing: keep the reason; what was held back is shown as it was.
+            rest = parser.finish() if parser is not None and self._stopped is None else None
+            held = (rest.text if rest else "") + (
+                parser.raw if parser is not None and rest and rest.malformed else ""
+            )
+            return OutputFinal(held, finish_reason, tuple(parser.calls) if parser else (), self._signal, [])
         if parser is not None:
             if self._stopped is None:
                 rest = parser.finish()
