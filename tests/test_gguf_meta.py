@@ -9,6 +9,7 @@ wrong; the accepted cases are variants llama.cpp loads.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tracemalloc
@@ -435,3 +436,13 @@ def test_a_rewritten_file_is_described_again(base: c.GGUF, tmp_path: Path) -> No
     assert second.digest != first.digest
     assert second.identity != first.identity
     assert gguf_meta.fingerprint(path) == second.digest
+
+
+def test_special_files_never_reach_the_parser(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)
+    for path, kind in ((fifo, "a FIFO (named pipe)"), (Path("/dev/zero"), "a character device")):
+        err = _refusal(path)
+        assert err.details["kind"] == kind
+    err = _refusal(tmp_path / ("n" * 300 + ".gguf"))
+    assert err.details["errno"] == "ENAMETOOLONG"

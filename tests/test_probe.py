@@ -286,3 +286,16 @@ def test_a_fifo_over_the_wire_is_model_load_failed(wire: object, fifo: Path) -> 
         h.service.describe(h.request(path=str(fifo)))  # type: ignore[attr-defined]
     assert err.value.details["kind"] == "a FIFO (named pipe)"
     assert h.service.describe(h.request()).backend == "memory"  # type: ignore[attr-defined]
+
+
+@pytest.mark.openvino
+def test_openvino_describe_refuses_a_fifo_inside_an_ir_directory(tmp_path: Path) -> None:
+    openvino = pytest.importorskip("modeld.backends.openvino")
+    ir = tmp_path / "ir"
+    ir.mkdir()
+    (ir / "openvino_model.xml").write_text("<net/>")
+    os.mkfifo(ir / "openvino_model.bin")  # read_model would wait on it forever
+    with pytest.raises(ModelLoadError) as err:
+        openvino.OpenVINOBackend().describe(OpenSessionRequest(type="openvino", path=str(ir)))
+    assert err.value.details["kind"] == "a FIFO (named pipe)"
+    assert "'openvino_model.bin' in model path" in str(err.value)
