@@ -34,12 +34,12 @@ import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import xxhash
 
 from modeld.backends.base import Interrupt, Interrupted
+from modeld.backends.probe import ModelFile, open_model_file
 from modeld.contract import Capabilities, Config, DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.errors import InvalidArgumentError, ModelLoadError, UnsupportedError
 from modeld.manifest import bytes_hash
@@ -89,11 +89,10 @@ EXTRA_KEYS = ("delay_ms",)
 _MAX_DELAY_MS = 10_000
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(model: ModelFile) -> str:
     h = xxhash.xxh3_128()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
+    for chunk in model.chunks():
+        h.update(chunk)
     return h.hexdigest()
 
 
@@ -108,13 +107,11 @@ class MemoryBackend:
         name = request.path or request.model_name
         if not name:
             raise InvalidArgumentError("a model path (or name) is required", field="path")
-        path = Path(name)
         weights = 0
-        if path.is_file():
-            digest = _file_digest(path)
-            weights = path.stat().st_size
-        elif os.sep in name or name.endswith(".gguf"):
-            raise ModelLoadError(f"model file {name!r} does not exist", path=name)
+        if os.path.isfile(name) or os.sep in name or name.endswith(".gguf"):
+            with open_model_file(name) as model:  # regular files only; never blocks
+                digest = _file_digest(model)
+                weights = model.identity.size
         else:
             digest = bytes_hash(f"modeld.memory.model:{name}")
         if request.digest and request.digest != digest:

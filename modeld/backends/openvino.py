@@ -44,6 +44,7 @@ import xxhash
 
 from modeld.backends.base import Interrupt, Interrupted
 from modeld.backends.gguf_meta import KV_TYPE_BYTES, read_gguf
+from modeld.backends.probe import open_model_file, probe_model_path
 from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
 from modeld.contract import Capabilities, Config, DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
@@ -138,11 +139,10 @@ def _dir_digest(path: Path) -> str:
     for file in sorted(p for p in path.iterdir() if p.is_file()):
         size = file.stat().st_size
         h.update(f"{file.name}\0{size}\0".encode())
-        with file.open("rb") as f:
-            h.update(f.read(8 << 20))
+        with open_model_file(str(file), what="IR file") as f:
+            h.update(f.read_at(0, 8 << 20))
             if size > (8 << 20):
-                f.seek(size - (64 << 10))
-                h.update(f.read())
+                h.update(f.read_at(size - (64 << 10), 64 << 10))
     return h.hexdigest()
 
 
@@ -208,8 +208,7 @@ def _read_ir(raw: str) -> _Source:
 
 
 def _read_source(raw: str) -> _Source:
-    path = Path(raw).expanduser() if raw else None
-    if path is not None and path.is_dir():
+    if probe_model_path(raw, directory_ok=True).kind == "directory":  # never blocks; no FIFOs inside
         return _read_ir(raw)
     meta = read_gguf(raw)
     if meta.tokenizer_model != "gpt2":
