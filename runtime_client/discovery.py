@@ -65,8 +65,11 @@ def _with_token(endpoint: Endpoint, token: str | None, data_dir: Path | None) ->
     return replace(endpoint, token=found)
 
 
-def discover(address: str | None = None, data_dir: Path | None = None, token: str | None = None) -> Endpoint:
+def discover(
+    address: str | None = None, data_dir: str | os.PathLike[str] | None = None, token: str | None = None
+) -> Endpoint:
     """The daemon's endpoint (and, for TCP, its token); ``token`` overrides the discovered one."""
+    data_dir = Path(data_dir) if data_dir is not None else None
     if address:
         return _with_token(Endpoint(normalize_address(address), source="argument"), token, data_dir)
     env = os.environ.get("MODELD_ADDRESS")

@@ -37,9 +37,8 @@ def test_runtime_client_imports_no_engine_backend_or_server() -> None:
 
 def test_public_names_are_pinned() -> None:
     import modeld.contract
-    import runtime_client
-
     import modeld.errors
+    import runtime_client
 
     assert sorted(runtime_client.__all__) == sorted(
         """AsyncClient AsyncClientSession BackendMismatchError BackendUnavailableError BuiltContext BusyError

@@ -14,7 +14,8 @@ meaning is the same, under a ``modeld_`` prefix (counters get ``_total`` on expo
                                             came from: ``kv`` (resident), ``ram``, ``disk``
 ``modeld_prompt_tokens_total``              prompt tokens of finished decodes (Usage)
 ``modeld_prompt_tokens_cached_total``       of those, not computed during their turn (Usage)
-``modeld_prompt_tokens_prefilled_total``    prompt tokens computed (prefix, suffix, restores)
+``modeld_prompt_tokens_prefilled_total``    prompt tokens computed (prefix, suffix, restores;
+                                            a decode's own re-prefill as far as Usage shows it)
 ``modeld_generation_tokens_total``          tokens generated
 ``modeld_requests_total{finish_reason}``    decodes finished
 ``modeld_time_to_first_token_seconds``      turn start (its first operation) to first token
@@ -94,7 +95,8 @@ class Metrics:
     """The daemon's metrics registry; also the :class:`EngineEvents` sink."""
 
     def __init__(self, status: Callable[[], DaemonStatus] | None = None) -> None:
-        disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
+        # No *_created series: they double the output and nobody graphs them.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.queries = Counter(

@@ -313,7 +313,7 @@ def run(options: ServeOptions) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     owner = Owner(instance_id, record.epoch)
-    engine = Engine(backends=(options.backend,), owner=owner, limits=limits)
+    engine: LifecycleEngine = Engine(backends=(options.backend,), owner=owner, limits=limits)  # conformance
     token = ensure_token(options.data_dir) if address.unix_path is None and options.require_token else ""
     server = Server(engine, address, limits, token=token)
     listener: Any = None

@@ -232,9 +232,13 @@ def _decode(body: Mapping[str, Any], mapped: set[str], max_tokens: int | None) -
     values: dict[str, Any] = {}
     temperature = _number(body, "temperature")
     if temperature is not None:
+        if not 0 <= temperature <= 2:
+            raise _bad("temperature", f"temperature must be between 0 and 2, got {temperature:g}")
         values["temperature"] = temperature
     top_p = _number(body, "top_p")
     if top_p is not None:
+        if not 0 < top_p <= 1:
+            raise _bad("top_p", f"top_p must be in (0, 1], got {top_p:g}")
         values["top_p"] = top_p
     seed = _int(body, "seed", 0, (1 << 64) - 1)
     if seed is not None:
@@ -508,7 +512,11 @@ _STATUS: dict[str, tuple[int, str]] = {
     "stale_fence": (503, "server_error"),
     "unauthenticated": (401, "invalid_request_error"),
 }
-_CODES = {"context_overflow": "context_length_exceeded"}
+_CODES = {
+    "context_overflow": "context_length_exceeded",
+    "unsupported": "unsupported_parameter",
+    "invalid_argument": "invalid_value",
+}
 
 
 def api_error(exc: ModeldError, incident: str) -> ApiError:
