@@ -323,18 +323,18 @@ class HttpService:
                     return
                 finish = "length" if event.finish_reason == "length" else "stop"
                 tail = None if turn.include_usage else extension
-                yield _sse(
+                last = _sse(
                     chat_chunk(turn, {}, finish, extension=tail)
                     if chat
                     else completion_chunk(turn, "", finish, extension=tail)
                 )
                 if turn.include_usage:
-                    yield _sse(
+                    last += _sse(
                         chat_chunk(turn, None, usage=event.usage, extension=extension)
                         if chat
                         else completion_chunk(turn, None, usage=event.usage, extension=extension)
                     )
-                yield b"data: [DONE]\n\n"
+                yield last + b"data: [DONE]\n\n"  # the last events in one write
                 return
         finally:
             if not done:

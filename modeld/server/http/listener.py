@@ -42,8 +42,11 @@ class HttpListener:
     def start(self) -> str:
         """Bind, serve, and return the base URL (``http://HOST:PORT``)."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on sockets that
+        # say so, and with Nagle on every response waits ~40 ms for the client's delayed ACK.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((self.host, self.port))
             sock.listen(128)
