@@ -491,6 +491,11 @@ def test_the_generated_llama_model_serves_warm_turns() -> None:
             report = client.explain_context(session_id)
         assert report.last_prefix is not None and cached == report.last_prefix.reused_tokens
         assert report.backend == "llama"
+        # A lone user message: its template reads messages[0], so the prefix is never empty.
+        alone = d.client.chat.completions.create(
+            model="modeld-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert alone.usage is not None and alone.usage.completion_tokens == 2
     finally:
         d.close()
         shutil.rmtree(tmp, ignore_errors=True)

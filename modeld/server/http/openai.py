@@ -13,7 +13,8 @@ dicts back. Rules (``blueprints/0013-openai-http.md``):
   accepts or refuses by name (the memory backend's ``delay_ms``, for example).
 * Chat messages become manifest segments, one per message, with their role: the stable prefix
   is the conversation up to and including the last assistant message (or the leading system
-  messages on a first turn), the suffix is what follows (the new user turn, tool results). The
+  messages on a first turn, at least the first message), the suffix is what follows (the new
+  user turn, tool results). The
   engine renders them with the model's template and reuses the longest common token prefix.
 * Omitted ``temperature`` means greedy (modeld's default, not OpenAI's 1); omitted
   ``max_tokens`` means up to the context window for chat and 16 for completions (OpenAI's).
@@ -384,14 +385,14 @@ def _tools(body: Mapping[str, Any]) -> str:
 
 def _split(messages: list[tuple[str, str]]) -> int:
     """How many messages form the stable prefix: through the last assistant message, else the
-    leading system messages."""
+    leading system messages, and at least the first message (templates index messages[0])."""
     last_assistant = max((i for i, (role, _) in enumerate(messages) if role == "assistant"), default=-1)
     if last_assistant >= 0:
         return last_assistant + 1
     k = 0
     while k < len(messages) and messages[k][0] == "system":
         k += 1
-    return k
+    return max(k, 1)
 
 
 def _auto_key(model: str, messages: list[tuple[str, str]]) -> str:
