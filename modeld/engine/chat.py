@@ -34,10 +34,10 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from modeld.errors import InvalidArgumentError, UnsupportedError
+from modeld.manifest import Segment
 
 if TYPE_CHECKING:
     import jinja2
-from modeld.manifest import Segment
 
 __all__ = ["ChatRenderer", "Message", "Rendered", "messages_for"]
 
