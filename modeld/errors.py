@@ -25,6 +25,7 @@ The tree::
     ├── ShuttingDownError            shutting_down         UNAVAILABLE
     ├── DaemonUnavailableError       unavailable           UNAVAILABLE        (client side)
     ├── DeadlineExceededError        deadline_exceeded     DEADLINE_EXCEEDED  (client side)
+    ├── UnauthenticatedError         unauthenticated       UNAUTHENTICATED
     ├── EngineError                  engine_error          INTERNAL
     └── InternalError                internal              INTERNAL
 
@@ -58,11 +59,27 @@ __all__ = [
     "SessionNotFoundError",
     "ShuttingDownError",
     "StaleFenceError",
+    "UnauthenticatedError",
     "UnsupportedError",
+    "echo",
     "error_from_reason",
 ]
 
 DetailValue = str | int | bool
+
+ECHO_CHARS = 64
+"""How much of a client-supplied value an error message repeats (see :func:`echo`)."""
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """A client-supplied value as an error message may repeat it: ``repr`` (so control
+    characters are escaped), cut to ``limit`` characters with the full length stated. An error
+    must stay small (it travels in gRPC metadata) whatever the client sent."""
+    if isinstance(value, str | bytes) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else text[: limit + 2] + "..."
+
 
 _E = TypeVar("_E", bound="ModeldError")
 
@@ -154,7 +171,7 @@ class SessionNotFoundError(ModeldError):
     status = "NOT_FOUND"
 
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"no session with id {session_id!r}", session_id=session_id)
+        super().__init__(f"no session with id {echo(session_id)}", session_id=session_id[:128])
 
 
 class ModelLoadError(ModeldError):
@@ -286,6 +303,13 @@ class DeadlineExceededError(ModeldError):
 
     reason = "deadline_exceeded"
     status = "DEADLINE_EXCEEDED"
+
+
+class UnauthenticatedError(ModeldError):
+    """A TCP listener's credential (token or API key) is missing or wrong."""
+
+    reason = "unauthenticated"
+    status = "UNAUTHENTICATED"
 
 
 class EngineError(ModeldError):

@@ -12,7 +12,7 @@
             print(chunk.text, end="")
 
 The client implements the same Service/Session contract as the in-process engine and raises
-the same typed errors (:mod:`modeld.errors`). It imports nothing from the daemon's engine or
+the same typed errors (:mod:`modeld.errors`, every one of them exported here). It imports nothing from the daemon's engine or
 backends, so it installs without the native engines.
 """
 
@@ -35,14 +35,26 @@ from modeld.contract import (
 )
 from modeld.errors import (
     BackendMismatchError,
+    BackendUnavailableError,
+    BusyError,
     ContextOverflowError,
     DaemonUnavailableError,
+    DeadlineExceededError,
+    EngineError,
+    InternalError,
     InvalidArgumentError,
+    LimitExceededError,
     ManifestMismatchError,
     ModeldError,
+    ModelLoadError,
     NotOwnerError,
+    PrefixRequiredError,
     SessionClosedError,
+    SessionNotFoundError,
+    ShuttingDownError,
     StaleFenceError,
+    UnauthenticatedError,
+    UnsupportedError,
 )
 from modeld.manifest import ContextManifest, Segment
 from runtime_client.aio import AsyncClient, AsyncClientSession, aconnect
@@ -54,7 +66,9 @@ __all__ = [
     "AsyncClient",
     "AsyncClientSession",
     "BackendMismatchError",
+    "BackendUnavailableError",
     "BuiltContext",
+    "BusyError",
     "Client",
     "ClientDecodeStream",
     "ClientSession",
@@ -65,25 +79,35 @@ __all__ = [
     "ContextReport",
     "DaemonStatus",
     "DaemonUnavailableError",
+    "DeadlineExceededError",
     "DecodeConfig",
     "Endpoint",
+    "EngineError",
     "Fence",
+    "InternalError",
     "InvalidArgumentError",
+    "LimitExceededError",
     "ManifestMismatchError",
     "ModelInfo",
+    "ModelLoadError",
     "ModeldError",
     "NotOwnerError",
     "OpenSessionRequest",
     "PrefixInput",
+    "PrefixRequiredError",
     "PrefixStatus",
     "ReuseDecision",
     "Segment",
     "SessionClosedError",
+    "SessionNotFoundError",
     "SessionSummary",
+    "ShuttingDownError",
     "StaleFenceError",
     "StreamChunk",
     "SuffixInput",
     "SuffixStatus",
+    "UnauthenticatedError",
+    "UnsupportedError",
     "Usage",
     "aconnect",
     "connect",

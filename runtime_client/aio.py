@@ -54,7 +54,7 @@ class AsyncClient:
 
     async def _call(self, method: Any, request: Any, timeout: float) -> Any:
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self.endpoint.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
@@ -89,6 +89,17 @@ class AsyncClient:
         req = pb.ExplainContextRequest(session_id=session_id)
         return convert.report_from_pb((await self._call(self._stub.ExplainContext, req, 10.0)).report)
 
+    async def count_tokens(self, request: OpenSessionRequest, text: str) -> int:
+        msg = convert.count_tokens_request_to_pb(request, text, False)
+        return int((await self._call(self._stub.CountTokens, msg, 600.0)).count)
+
+    async def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
+        msg = convert.count_tokens_request_to_pb(request, text, True)
+        return list((await self._call(self._stub.CountTokens, msg, 600.0)).token_ids)
+
+    async def metrics(self) -> str:
+        return str((await self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0)).text)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -117,7 +128,7 @@ class AsyncClientSession:
         self.epoch = epoch
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-        self._call = client._stub.Session()
+        self._call = client._stub.Session(metadata=client.endpoint.metadata)
         self._stream: AsyncClientDecodeStream | None = None
         self._failure: ModeldError | None = None
         self._closed = False
@@ -288,7 +299,11 @@ class AsyncClientDecodeStream:
 
 
 async def aconnect(
-    address: str | None = None, *, data_dir: Any = None, max_message_bytes: int = DEFAULT_MESSAGE_BYTES
+    address: str | None = None,
+    *,
+    data_dir: Any = None,
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+    token: str | None = None,
 ) -> AsyncClient:
     """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect."""
-    return AsyncClient(discover(address, data_dir), max_message_bytes=max_message_bytes)
+    return AsyncClient(discover(address, data_dir, token), max_message_bytes=max_message_bytes)

@@ -123,7 +123,7 @@ class Client:
 
     def _call(self, method: Any, request: Any, timeout: float) -> Any:
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self.endpoint.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
@@ -160,6 +160,20 @@ class Client:
         resp = self._call(self._stub.ExplainContext, pb.ExplainContextRequest(session_id=session_id), 10.0)
         return convert.report_from_pb(resp.report)
 
+    def count_tokens(self, request: OpenSessionRequest, text: str) -> int:
+        """How many tokens ``text`` makes under the model (no BOS): budget before sending."""
+        msg = convert.count_tokens_request_to_pb(request, text, False)
+        return int(self._call(self._stub.CountTokens, msg, 600.0).count)
+
+    def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
+        """The token ids ``text`` makes under the model (no BOS)."""
+        msg = convert.count_tokens_request_to_pb(request, text, True)
+        return list(self._call(self._stub.CountTokens, msg, 600.0).token_ids)
+
+    def metrics(self) -> str:
+        """The daemon's metrics in the Prometheus text format."""
+        return str(self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0).text)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -192,7 +206,9 @@ class ClientSession:
         self._stream: ClientDecodeStream | None = None
         self._failure: ModeldError | None = None
         self._closed = False
-        self._responses: Iterator[pb.SessionResponse] = client._stub.Session(iter(self._outbox.get, _END))
+        self._responses: Iterator[pb.SessionResponse] = client._stub.Session(
+            iter(self._outbox.get, _END), metadata=client.endpoint.metadata
+        )
         attached = self._request(pb.SessionRequest(attach=pb.Attach(session_id=session_id)))
         if attached.WhichOneof("result") != "attached":
             raise InternalError(f"unexpected answer to attach: {attached.WhichOneof('result')}")
@@ -388,7 +404,14 @@ class ClientDecodeStream:
 
 
 def connect(
-    address: str | None = None, *, data_dir: Any = None, max_message_bytes: int = DEFAULT_MESSAGE_BYTES
+    address: str | None = None,
+    *,
+    data_dir: Any = None,
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+    token: str | None = None,
 ) -> Client:
-    """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect to it."""
-    return Client(discover(address, data_dir), max_message_bytes=max_message_bytes)
+    """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect to it.
+
+    A TCP endpoint's token comes from ``token``, else ``MODELD_TOKEN``, else the data directory.
+    """
+    return Client(discover(address, data_dir, token), max_message_bytes=max_message_bytes)

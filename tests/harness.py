@@ -77,6 +77,7 @@ class Harness:
     engine: Engine
     wire: bool
     tmp: Path
+    server: Any = None  # the gRPC Server (wire harnesses)
     _tokenizer: Any = None
 
     @property
@@ -137,7 +138,7 @@ def wire_harness(model: Model, limits: Limits = TEST_LIMITS) -> Iterator[Harness
     endpoint = server.start()
     client = connect(endpoint, max_message_bytes=limits.max_message_bytes)
     try:
-        yield Harness(f"{model.backend}-wire", model, client, engine, True, tmp)
+        yield Harness(f"{model.backend}-wire", model, client, engine, True, tmp, server)
     finally:
         client.close()
         server.stop(grace=0.2)

@@ -8,6 +8,7 @@ session registry, owner fencing, limits and the set of loaded models (see
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -31,7 +32,7 @@ from modeld.engine.limits import Limits
 from modeld.engine.model import EngineThread, LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.session import EngineSession, config_runtime_digest
-from modeld.engine.validate import validate_request
+from modeld.engine.validate import encode_text, validate_request
 from modeld.errors import (
     BackendMismatchError,
     InvalidArgumentError,
@@ -99,11 +100,11 @@ class Engine:
         return kind
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
-        validate_request(request, self.limits)
+        request = validate_request(request, self.limits)
         return self.backend(self._resolve_type(request)).describe(request)
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
-        validate_request(request, self.limits)
+        request = validate_request(request, self.limits)
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         epoch = self.owner.check_open(request.fence)
@@ -150,6 +151,25 @@ class Engine:
             self._sessions[session.session_id] = session
         log.info("session %s opened on %s %s (epoch %d)", session.session_id, kind, info.path, epoch)
         return session
+
+    def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
+        """The token ids of ``text`` under a model (no BOS), loading the model if needed.
+
+        Opens no session and changes nothing resident: a tool budgets a repo map with it.
+        """
+        request = validate_request(request, self.limits)
+        encode_text(text, "text", self.limits)
+        if self._stopping:
+            raise ShuttingDownError("the daemon is shutting down")
+        kind = self._resolve_type(request)
+        info = self.backend(kind).describe(request)
+        config = replace(request.config, num_ctx=info.effective_context)
+        model = self._model_for(kind, replace(request, config=config), info)
+        try:
+            return model.thread.run(functools.partial(model.runtime.tokenize, text, add_bos=False))
+        finally:
+            with self._lock:
+                model.sessions -= 1
 
     def _model_for(self, kind: str, request: OpenSessionRequest, info: ModelInfo) -> LoadedModel:
         """The loaded model for (backend, path, digest, runtime config), loading it if needed.

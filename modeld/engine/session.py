@@ -193,7 +193,8 @@ class EngineSession:
         self._op_lock = threading.Lock()
         self.opened_at = time.time()
         self.last_used_at = self.opened_at
-        self.attached = False
+        self._end_lock = threading.Lock()
+        self._end_listeners: list[Callable[[ModeldError], None]] | None = []
 
     # --- contract ------------------------------------------------------------------------
 
@@ -385,6 +386,39 @@ class EngineSession:
     def interrupt(self) -> None:
         """Stop whatever this session is running (its stream ended, shutdown, lost ownership)."""
         self._interrupted.set()
+        self._notify_end()
+
+    def on_end(self, listener: Callable[[ModeldError], None]) -> None:
+        """Call ``listener`` once, with the error operations now raise, when this session can no
+        longer be used: closed, or interrupted (owner revoked, daemon stopping, its transport
+        gone). At once if that already happened. Transports end their streams on it instead of
+        polling the session."""
+        with self._end_lock:
+            if self._end_listeners is not None:
+                self._end_listeners.append(listener)
+                return
+        listener(self._end_error())
+
+    def _notify_end(self) -> None:
+        with self._end_lock:
+            listeners, self._end_listeners = self._end_listeners, None
+        if not listeners:
+            return
+        error = self._end_error()
+        for listener in listeners:
+            try:
+                listener(error)
+            except Exception:
+                log.exception("a session-end listener of %s failed", self._id)
+
+    def _end_error(self) -> ModeldError:
+        try:
+            self._engine.owner.check_epoch(self.epoch)
+        except ModeldError as exc:
+            return exc
+        if self._engine.stopping:
+            return ShuttingDownError("the daemon is shutting down")
+        return SessionClosedError(f"session {self._id} was closed", session_id=self._id)
 
     def close(self) -> None:
         if self._closed:
@@ -397,6 +431,7 @@ class EngineSession:
             self._closed = True
             self._stream = None
             self._engine._forget(self, self.explain_context())
+        self._notify_end()
         log.info("session %s closed", self._id)
 
     def __enter__(self) -> EngineSession:
@@ -428,7 +463,6 @@ class EngineSession:
             available_tokens=self._n_ctx - n,
             last_outcome=self._prefix_status.reuse.outcome if self._prefix_status else "",
             closed=self._closed,
-            attached=self.attached,
         )
 
     # --- internals -----------------------------------------------------------------------

@@ -1,3 +1,4 @@
+from google.rpc import error_details_pb2 as _error_details_pb2
 from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -334,12 +335,14 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
-    __slots__ = ("reason", "message")
+    __slots__ = ("reason", "message", "info")
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     reason: str
     message: str
-    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    info: _error_details_pb2.ErrorInfo
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_error_details_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class StreamChunk(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "error")
@@ -587,3 +590,33 @@ class StatusResponse(_message.Message):
     limits: _containers.ScalarMap[str, float]
     owner_lost: str
     def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., default_backend: _Optional[str] = ..., models: _Optional[_Iterable[_Union[LoadedModel, _Mapping]]] = ..., sessions: _Optional[int] = ..., limits: _Optional[_Mapping[str, float]] = ..., owner_lost: _Optional[str] = ...) -> None: ...
+
+class CountTokensRequest(_message.Message):
+    __slots__ = ("model", "text", "return_token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: OpenSessionRequest
+    text: str
+    return_token_ids: bool
+    def __init__(self, model: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., text: _Optional[str] = ..., return_token_ids: _Optional[bool] = ...) -> None: ...
+
+class CountTokensResponse(_message.Message):
+    __slots__ = ("count", "token_ids")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsResponse(_message.Message):
+    __slots__ = ("text", "content_type")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    content_type: str
+    def __init__(self, text: _Optional[str] = ..., content_type: _Optional[str] = ...) -> None: ...

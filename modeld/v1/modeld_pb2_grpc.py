@@ -64,6 +64,16 @@ class ModeldStub:
                 request_serializer=modeld_dot_v1_dot_modeld__pb2.StatusRequest.SerializeToString,
                 response_deserializer=modeld_dot_v1_dot_modeld__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.CountTokens = channel.unary_unary(
+                '/modeld.v1.Modeld/CountTokens',
+                request_serializer=modeld_dot_v1_dot_modeld__pb2.CountTokensRequest.SerializeToString,
+                response_deserializer=modeld_dot_v1_dot_modeld__pb2.CountTokensResponse.FromString,
+                _registered_method=True)
+        self.Metrics = channel.unary_unary(
+                '/modeld.v1.Modeld/Metrics',
+                request_serializer=modeld_dot_v1_dot_modeld__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=modeld_dot_v1_dot_modeld__pb2.MetricsResponse.FromString,
+                _registered_method=True)
 
 
 class ModeldServicer:
@@ -124,6 +134,24 @@ class ModeldServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CountTokens(self, request, context):
+        """The number of tokens a text makes under a model (no BOS added), so a tool can budget a
+        repo map before sending it. Loads the model if needed; opens no session and changes
+        nothing resident. Errors: as Describe, plus RESOURCE_EXHAUSTED (limit_exceeded:
+        max_text_bytes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Metrics(self, request, context):
+        """The daemon's metrics in the Prometheus text format: what `modeld metrics` prints and the
+        HTTP endpoint serves at /metrics, for deployments that only listen on gRPC.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModeldServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +184,16 @@ def add_ModeldServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=modeld_dot_v1_dot_modeld__pb2.StatusRequest.FromString,
                     response_serializer=modeld_dot_v1_dot_modeld__pb2.StatusResponse.SerializeToString,
+            ),
+            'CountTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTokens,
+                    request_deserializer=modeld_dot_v1_dot_modeld__pb2.CountTokensRequest.FromString,
+                    response_serializer=modeld_dot_v1_dot_modeld__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'Metrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metrics,
+                    request_deserializer=modeld_dot_v1_dot_modeld__pb2.MetricsRequest.FromString,
+                    response_serializer=modeld_dot_v1_dot_modeld__pb2.MetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +358,60 @@ class Modeld:
             '/modeld.v1.Modeld/Status',
             modeld_dot_v1_dot_modeld__pb2.StatusRequest.SerializeToString,
             modeld_dot_v1_dot_modeld__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modeld.v1.Modeld/CountTokens',
+            modeld_dot_v1_dot_modeld__pb2.CountTokensRequest.SerializeToString,
+            modeld_dot_v1_dot_modeld__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modeld.v1.Modeld/Metrics',
+            modeld_dot_v1_dot_modeld__pb2.MetricsRequest.SerializeToString,
+            modeld_dot_v1_dot_modeld__pb2.MetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,7 +16,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
 
 from modeld.contract import (
     Capabilities,
@@ -38,11 +40,13 @@ from modeld.contract import (
     SuffixStatus,
     Usage,
 )
-from modeld.errors import InvalidArgumentError
+from modeld.errors import InvalidArgumentError, echo
 from modeld.manifest import ContextManifest, Segment
 from modeld.v1 import modeld_pb2 as pb
 
 __all__ = [
+    "count_tokens_request_from_pb",
+    "count_tokens_request_to_pb",
     "config_from_pb",
     "config_to_pb",
     "decode_config_from_pb",
@@ -111,8 +115,15 @@ def _guard(what: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
     return wrap
 
 
+_UNSIGNED = (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64)
+
+
 def _to_pb(obj: Any, msg: _M, *, skip: tuple[str, ...] = ()) -> _M:
-    """Copy a flat dataclass into a message with the same field names (None = unset)."""
+    """Copy a flat dataclass into a message with the same field names (None = unset).
+
+    A value the field cannot hold (a negative count, a wrong type) is an InvalidArgumentError
+    naming that field, the same field the daemon would name.
+    """
     for f in dataclasses.fields(obj):
         if f.name in skip:
             continue
@@ -120,12 +131,18 @@ def _to_pb(obj: Any, msg: _M, *, skip: tuple[str, ...] = ()) -> _M:
         if value is None:
             continue
         target = getattr(msg, f.name)
-        if isinstance(value, tuple | list):
-            target.extend(value)
-        elif isinstance(value, dict) or (hasattr(value, "items") and hasattr(target, "update")):
-            target.update(value)
-        else:
-            setattr(msg, f.name, value)
+        descriptor = msg.DESCRIPTOR.fields_by_name[f.name]
+        if descriptor.type in _UNSIGNED and isinstance(value, int) and value < 0:
+            raise InvalidArgumentError(f"{f.name} must not be negative, got {value}", field=f.name)
+        try:
+            if isinstance(value, tuple | list):
+                target.extend(value)
+            elif isinstance(value, dict) or (hasattr(value, "items") and hasattr(target, "update")):
+                target.update(value)
+            else:
+                setattr(msg, f.name, value)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgumentError(f"{f.name}={echo(value)} is invalid: {exc}", field=f.name) from exc
     return msg
 
 
@@ -201,6 +218,20 @@ def open_request_from_pb(msg: pb.OpenSessionRequest) -> OpenSessionRequest:
         config=config_from_pb(msg.config),
         fence=Fence(owner_instance_id=msg.fence.owner_instance_id),
     )
+
+
+@_guard("count_tokens request")
+def count_tokens_request_to_pb(
+    request: OpenSessionRequest, text: str, return_token_ids: bool
+) -> pb.CountTokensRequest:
+    return pb.CountTokensRequest(
+        model=open_request_to_pb(request), text=text, return_token_ids=return_token_ids
+    )
+
+
+@_guard("count_tokens request")
+def count_tokens_request_from_pb(msg: pb.CountTokensRequest) -> tuple[OpenSessionRequest, str, bool]:
+    return open_request_from_pb(msg.model), msg.text, msg.return_token_ids
 
 
 @_guard("manifest")
@@ -319,7 +350,8 @@ def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
     if chunk.usage is not None:
         msg.usage.CopyFrom(_to_pb(chunk.usage, pb.Usage()))
     if chunk.error is not None:
-        msg.error.CopyFrom(pb.ErrorDetail(reason=chunk.error.reason, message=chunk.error.message))
+        info = error_details_pb2.ErrorInfo(reason=chunk.error.reason, domain="modeld")
+        msg.error.CopyFrom(pb.ErrorDetail(reason=chunk.error.reason, message=chunk.error.message, info=info))
     return msg
 
 
