@@ -22,6 +22,10 @@ The tree::
     ├── ManifestMismatchError        manifest_mismatch     FAILED_PRECONDITION
     ├── ContextOverflowError         context_overflow      OUT_OF_RANGE
     ├── BusyError                    busy                  UNAVAILABLE
+    ├── NoSlotAvailableError         no_slot_available     RESOURCE_EXHAUSTED
+    ├── EngineRestartedError         engine_restarted      UNAVAILABLE
+    ├── StallTimeoutError            stall_timeout         UNAVAILABLE
+    ├── OperationTimeoutError        timeout               DEADLINE_EXCEEDED
     ├── ShuttingDownError            shutting_down         UNAVAILABLE
     ├── DaemonUnavailableError       unavailable           UNAVAILABLE        (client side)
     ├── DeadlineExceededError        deadline_exceeded     DEADLINE_EXCEEDED  (client side)
@@ -47,11 +51,14 @@ __all__ = [
     "DaemonUnavailableError",
     "DeadlineExceededError",
     "EngineError",
+    "EngineRestartedError",
     "InternalError",
     "InvalidArgumentError",
     "LimitExceededError",
     "ManifestMismatchError",
     "ModelLoadError",
+    "NoSlotAvailableError",
+    "OperationTimeoutError",
     "ModeldError",
     "NotOwnerError",
     "PrefixRequiredError",
@@ -59,6 +66,7 @@ __all__ = [
     "SessionNotFoundError",
     "ShuttingDownError",
     "StaleFenceError",
+    "StallTimeoutError",
     "UnauthenticatedError",
     "UnsupportedError",
     "echo",
@@ -282,6 +290,38 @@ class BusyError(ModeldError):
 
     reason = "busy"
     status = "UNAVAILABLE"
+
+
+class NoSlotAvailableError(ModeldError):
+    """Every slot of the model is busy and the caller asked not to wait (``no_wait``)."""
+
+    reason = "no_slot_available"
+    status = "RESOURCE_EXHAUSTED"
+
+
+class EngineRestartedError(ModeldError):
+    """The engine worker died during the operation (a crash, a signal, a changed model file)
+    and is being restarted; nothing was replayed. Details: ``signal`` or ``exit_code``, and
+    ``why`` when modeld knows more (``model file changed``)."""
+
+    reason = "engine_restarted"
+    status = "UNAVAILABLE"
+
+
+class StallTimeoutError(ModeldError):
+    """The engine worker made no progress (no token, no CPU time) for ``seconds`` and was
+    restarted; nothing was replayed."""
+
+    reason = "stall_timeout"
+    status = "UNAVAILABLE"
+
+
+class OperationTimeoutError(ModeldError):
+    """The operation ran longer than a configured timeout (``timeout`` names which) and was
+    stopped; the daemon and the session keep working."""
+
+    reason = "timeout"
+    status = "DEADLINE_EXCEEDED"
 
 
 class ShuttingDownError(ModeldError):
