@@ -26,6 +26,7 @@ from modeld.contract import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ProgressCallback,
     SessionSummary,
     StreamChunk,
     SuffixInput,
@@ -179,15 +180,22 @@ class AsyncClientSession:
         assert isinstance(resp, pb.SessionResponse)
         return resp
 
-    async def _request(self, request: pb.SessionRequest) -> pb.SessionResponse:
+    async def _request(
+        self, request: pb.SessionRequest, progress: ProgressCallback | None = None
+    ) -> pb.SessionResponse:
         if self._closed:
             raise SessionClosedError(f"session {self._id} is closed", session_id=self._id)
         if self._failure is not None:
             raise self._failure
         rid = await self._send(request)
-        resp = await self._receive()
-        while resp.request_id != rid:
+        while True:
             resp = await self._receive()
+            if resp.request_id != rid:
+                continue
+            if resp.WhichOneof("result") != "progress":
+                break
+            if progress is not None:
+                progress(convert.progress_from_pb(resp.progress))
         if resp.WhichOneof("result") == "error":
             raise from_status(resp.error)
         return resp
@@ -197,21 +205,25 @@ class AsyncClientSession:
             await self._stream.aclose()
             self._stream = None
 
-    async def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+    async def ensure_prefix(
+        self, prefix: PrefixInput, progress: ProgressCallback | None = None
+    ) -> PrefixStatus:
         if not isinstance(prefix, PrefixInput):
             raise InvalidArgumentError("expected a PrefixInput", field="prefix")
         async with self._lock:
             await self._finish_stream()
             msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
-            return convert.prefix_status_from_pb((await self._request(msg)).prefix_status)
+            return convert.prefix_status_from_pb((await self._request(msg, progress)).prefix_status)
 
-    async def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+    async def prefill_suffix(
+        self, suffix: SuffixInput, progress: ProgressCallback | None = None
+    ) -> SuffixStatus:
         if not isinstance(suffix, SuffixInput):
             raise InvalidArgumentError("expected a SuffixInput", field="suffix")
         async with self._lock:
             await self._finish_stream()
             msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
-            return convert.suffix_status_from_pb((await self._request(msg)).suffix_status)
+            return convert.suffix_status_from_pb((await self._request(msg, progress)).suffix_status)
 
     async def decode(self, config: DecodeConfig) -> AsyncClientDecodeStream:
         if not isinstance(config, DecodeConfig):

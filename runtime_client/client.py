@@ -30,6 +30,7 @@ from modeld.contract import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ProgressCallback,
     SessionSummary,
     StreamChunk,
     SuffixInput,
@@ -247,16 +248,26 @@ class ClientSession:
             self._failure = from_rpc_error(exc, self._client.target)
         raise self._failure
 
-    def _request(self, request: pb.SessionRequest) -> pb.SessionResponse:
-        """Send one request and read its answer (raises the typed error if it failed)."""
+    def _request(
+        self, request: pb.SessionRequest, progress: ProgressCallback | None = None
+    ) -> pb.SessionResponse:
+        """Send one request and read its answer (raises the typed error if it failed).
+
+        ``progress`` receives the daemon's progress reports of a long prefill, which arrive
+        before the answer."""
         if self._closed:
             raise SessionClosedError(f"session {self._id} is closed", session_id=self._id)
         if self._failure is not None:
             raise self._failure
         rid = self._send(request)
-        resp = self._receive()
-        while resp.request_id != rid:  # a late answer to something abandoned: skip it
+        while True:
             resp = self._receive()
+            if resp.request_id != rid:  # a late answer to something abandoned: skip it
+                continue
+            if resp.WhichOneof("result") != "progress":
+                break
+            if progress is not None:
+                progress(convert.progress_from_pb(resp.progress))
         if resp.WhichOneof("result") == "error":
             raise from_status(resp.error)
         return resp
@@ -269,21 +280,23 @@ class ClientSession:
 
     # --- contract ---------------------------------------------------------------------------
 
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+    def ensure_prefix(self, prefix: PrefixInput, progress: ProgressCallback | None = None) -> PrefixStatus:
+        """Make the session's context equal ``prefix`` (see the contract); ``progress`` is called
+        with the daemon's progress reports while a long prefill runs (at most every 0.5 s)."""
         if not isinstance(prefix, PrefixInput):
             raise InvalidArgumentError("expected a PrefixInput", field="prefix")
         with self._lock:
             self._finish_stream()
             msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
-            return convert.prefix_status_from_pb(self._request(msg).prefix_status)
+            return convert.prefix_status_from_pb(self._request(msg, progress).prefix_status)
 
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+    def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         if not isinstance(suffix, SuffixInput):
             raise InvalidArgumentError("expected a SuffixInput", field="suffix")
         with self._lock:
             self._finish_stream()
             msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
-            return convert.suffix_status_from_pb(self._request(msg).suffix_status)
+            return convert.suffix_status_from_pb(self._request(msg, progress).suffix_status)
 
     def decode(self, config: DecodeConfig) -> ClientDecodeStream:
         if not isinstance(config, DecodeConfig):

@@ -55,6 +55,7 @@ from modeld.contract import (
     ModelInfo,
     PrefixInput,
     PrefixStatus,
+    ProgressCallback,
     Session,
     StreamChunk,
     SuffixInput,
@@ -247,9 +248,9 @@ class ObservedSession:
         if self._turn_started is None:
             self._turn_started = time.perf_counter()
 
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+    def ensure_prefix(self, prefix: PrefixInput, progress: ProgressCallback | None = None) -> PrefixStatus:
         self._turn_started = time.perf_counter()
-        status = self.inner.ensure_prefix(prefix)
+        status = self.inner.ensure_prefix(prefix, progress)
         m = self._model
         self._m.queries.labels(m).inc(status.prefix_tokens)
         self._m.hits.labels(m, source_of(status)).inc(status.reused_tokens)
@@ -257,9 +258,9 @@ class ObservedSession:
         self._turn_computed = status.prefilled_tokens
         return status
 
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+    def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         self._start()
-        status = self.inner.prefill_suffix(suffix)
+        status = self.inner.prefill_suffix(suffix, progress)
         computed = status.suffix_tokens + status.restored_tokens
         self._m.prefilled.labels(self._model).inc(computed)
         self._turn_computed += computed

@@ -30,6 +30,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from modeld import __version__
+from modeld.errors import ModeldError
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
 from modeld.observe.metrics import Metrics
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
@@ -37,6 +38,7 @@ from modeld.server.auth import TokenInterceptor, ensure_token
 from modeld.server.gateway import Gateway, ServedEngine
 from modeld.server.reflection import enable_reflection
 from modeld.server.servicer import SERVICE_NAME, ModeldServicer, add_to_server
+from modeld.settings import Residency, Timeouts
 
 if TYPE_CHECKING:
     from modeld.engine.limits import Limits
@@ -220,6 +222,7 @@ class Server:
         self.engine.begin_shutdown()
         time.sleep(min(grace, 0.5))  # let open streams deliver their final status
         self._grpc.stop(grace).wait()
+        self.servicer.close()
         self.engine.shutdown()
         if self.address.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -242,6 +245,9 @@ class ServeOptions:
     models: tuple[str, ...] = ()  # NAME=PATH
     models_dir: Path | None = None
     num_ctx: int = 0  # context window of HTTP sessions (0: the contract's default)
+    residency: Residency = field(default_factory=Residency)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    worker_log_level: str = "INFO"
 
 
 def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, Any] | None:
@@ -313,7 +319,20 @@ def run(options: ServeOptions) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     owner = Owner(instance_id, record.epoch)
-    engine: LifecycleEngine = Engine(backends=(options.backend,), owner=owner, limits=limits)  # conformance
+    try:
+        engine: LifecycleEngine = Engine(  # conformance: the engine is what the listeners expect
+            backends=(options.backend,),
+            owner=owner,
+            limits=limits,
+            residency=options.residency,
+            timeouts=options.timeouts,
+            data_dir=options.data_dir,
+            worker_log_level=options.worker_log_level,
+        )
+    except ModeldError as exc:
+        log.error("%s", exc.message)
+        lease.release()
+        return EXIT_USAGE
     token = ensure_token(options.data_dir) if address.unix_path is None and options.require_token else ""
     server = Server(engine, address, limits, token=token)
     listener: Any = None

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from modeld.contract import (
     ContextReport,
     DaemonStatus,
+    Machine,
     ModelInfo,
     OpenSessionRequest,
     Session,
@@ -89,7 +90,9 @@ class ServedEngine(Protocol):
 
     def list_sessions(self) -> list[SessionSummary]: ...
 
-    def status(self) -> DaemonStatus: ...
+    def status(self, *, debug: bool = False) -> DaemonStatus: ...
+
+    def machine(self) -> Machine: ...
 
 
 class Hosted:
@@ -200,8 +203,11 @@ class Gateway:
 
     # --- observers ------------------------------------------------------------------------
 
-    def status(self) -> DaemonStatus:
-        return self.engine.status()
+    def status(self, *, debug: bool = False) -> DaemonStatus:
+        return self.engine.status(debug=debug)
+
+    def machine(self) -> Machine:
+        return self.engine.machine()
 
     def explain(self, session_id: str) -> ContextReport:
         return self.engine.explain(session_id)

@@ -20,14 +20,15 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from modeld.contract import DecodeStream
+from modeld.contract import DecodeStream, PrefillProgress, ProgressCallback
 from modeld.errors import (
     InternalError,
     InvalidArgumentError,
@@ -51,6 +52,8 @@ _FATAL = (StaleFenceError, NotOwnerError, ShuttingDownError, SessionClosedError)
 """Errors after which a Session stream cannot continue: it ends with that status."""
 
 _Req = TypeVar("_Req", bound=Message)
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,10 @@ class ModeldServicer:
 
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        # Session operations run here while the stream's thread sends their progress reports.
+        self._ops = ThreadPoolExecutor(
+            max_workers=gateway.limits.max_sessions + 4, thread_name_prefix="session-op"
+        )
 
     # --- unary ----------------------------------------------------------------------------
 
@@ -120,7 +127,9 @@ class ModeldServicer:
     def Describe(self, request: Any, context: grpc.ServicerContext) -> Message:
         def run(req: pb.DescribeRequest) -> Message:
             info = self.gateway.describe(convert.open_request_from_pb(req.model))
-            return pb.DescribeResponse(info=convert.model_info_to_pb(info))
+            return pb.DescribeResponse(
+                info=convert.model_info_to_pb(info), machine=convert.machine_to_pb(self.gateway.machine())
+            )
 
         return self._unary("Describe", run, request, context)
 
@@ -155,7 +164,10 @@ class ModeldServicer:
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> Message:
         return self._unary(
-            "Status", lambda _req: convert.status_to_pb(self.gateway.status()), request, context
+            "Status",
+            lambda req: convert.status_to_pb(self.gateway.status(debug=req.debug)),
+            request,
+            context,
         )
 
     def CountTokens(self, request: Any, context: grpc.ServicerContext) -> Message:
@@ -252,12 +264,14 @@ class ModeldServicer:
             op = item.WhichOneof("op")
             try:
                 if op == "ensure_prefix":
-                    status = session.ensure_prefix(convert.prefix_input_from_pb(item.ensure_prefix))
+                    prefix = convert.prefix_input_from_pb(item.ensure_prefix)
+                    status = yield from self._reporting(rid, session.ensure_prefix, prefix)
                     yield pb.SessionResponse(
                         request_id=rid, prefix_status=convert.prefix_status_to_pb(status)
                     )
                 elif op == "prefill_suffix":
-                    sstatus = session.prefill_suffix(convert.suffix_input_from_pb(item.prefill_suffix))
+                    suffix = convert.suffix_input_from_pb(item.prefill_suffix)
+                    sstatus = yield from self._reporting(rid, session.prefill_suffix, suffix)
                     yield pb.SessionResponse(
                         request_id=rid, suffix_status=convert.suffix_status_to_pb(sstatus)
                     )
@@ -287,6 +301,41 @@ class ModeldServicer:
                 yield _error(rid, exc)
             except Exception as exc:
                 yield _error(rid, _internal(exc, f"Session.{op}"))
+
+    def _reporting(
+        self, rid: int, operation: Callable[[_In, ProgressCallback], _Out], argument: _In
+    ) -> Generator[pb.SessionResponse, None, _Out]:
+        """Run a prefill on the operation pool, sending its progress reports on this stream;
+        return its result (or raise its error)."""
+        out: queue.SimpleQueue[pb.SessionResponse | _Outcome[_Out]] = queue.SimpleQueue()
+
+        def report(progress: PrefillProgress) -> None:
+            out.put(pb.SessionResponse(request_id=rid, progress=convert.progress_to_pb(progress)))
+
+        def work() -> None:
+            try:
+                out.put(_Outcome(operation(argument, report), None))
+            except BaseException as exc:
+                out.put(_Outcome(None, exc))
+
+        self._ops.submit(work)
+        while True:
+            item = out.get()
+            if isinstance(item, _Outcome):
+                if item.error is not None:
+                    raise item.error
+                assert item.value is not None
+                return item.value
+            yield item
+
+    def close(self) -> None:
+        self._ops.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome(Generic[_Out]):
+    value: _Out | None
+    error: BaseException | None
 
 
 class _StreamState:

@@ -93,8 +93,8 @@ class ModeldServicer:
         session must be attached with a Session stream within the attach timeout (see Status
         limits) or it is closed.
         Errors: as Describe, plus FAILED_PRECONDITION (stale_fence, not_owner),
-        RESOURCE_EXHAUSTED (limit_exceeded: max_sessions, max_loaded_models), UNAVAILABLE
-        (shutting_down).
+        RESOURCE_EXHAUSTED (limit_exceeded: max_sessions, max_loaded_models, memory_budget_bytes),
+        UNAVAILABLE (shutting_down; engine_restarted while its worker restarts).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,8 +103,13 @@ class ModeldServicer:
     def Session(self, request_iterator, context):
         """The session's operations. The first request must be `attach`; the session is closed when
         the stream ends (either side, including a client that disconnects). Responses carry the
-        request_id they answer. Decode answers with `decode_started`, then `chunk`s, the last
-        with a finish_reason; `cancel_decode` stops it within one token step.
+        request_id they answer. A long prefill sends `progress` before its answer. Decode answers
+        with `decode_started`, then `chunk`s, the last with a finish_reason; `cancel_decode` stops
+        it within one token step. An operation's own failure is an `error` answer (the session stays
+        usable): RESOURCE_EXHAUSTED (no_slot_available: every slot busy and no_wait asked),
+        UNAVAILABLE (busy: the queue wait ran out; engine_restarted: the engine worker died and is
+        being restarted, nothing was replayed, retry; stall_timeout: the worker hung and was
+        restarted), DEADLINE_EXCEEDED (timeout: a configured operation timeout).
         Stream-ending errors: NOT_FOUND (session_not_found), FAILED_PRECONDITION (stale_fence,
         session_closed), UNAVAILABLE (shutting_down), INVALID_ARGUMENT (a malformed first message).
         """

@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 
 from modeld.contract import (
+    Accelerator,
     Capabilities,
     Config,
     ContextReport,
@@ -29,8 +30,10 @@ from modeld.contract import (
     ErrorDetail,
     Fence,
     LoadedModelSummary,
+    Machine,
     ModelInfo,
     OpenSessionRequest,
+    PrefillProgress,
     PrefixInput,
     PrefixStatus,
     ReuseDecision,
@@ -38,7 +41,10 @@ from modeld.contract import (
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    TierStatus,
     Usage,
+    WarmContextInfo,
+    WorkerInfo,
 )
 from modeld.errors import InvalidArgumentError, echo
 from modeld.manifest import ContextManifest, Segment
@@ -203,6 +209,9 @@ def open_request_to_pb(request: OpenSessionRequest) -> pb.OpenSessionRequest:
         path=request.path,
         config=config_to_pb(request.config),
         fence=pb.Fence(owner_instance_id=request.fence.owner_instance_id),
+        pin=request.pin,
+        keep_alive_seconds=request.keep_alive_seconds,
+        no_wait=request.no_wait,
     )
 
 
@@ -217,6 +226,9 @@ def open_request_from_pb(msg: pb.OpenSessionRequest) -> OpenSessionRequest:
         path=msg.path,
         config=config_from_pb(msg.config),
         fence=Fence(owner_instance_id=msg.fence.owner_instance_id),
+        pin=msg.pin,
+        keep_alive_seconds=msg.keep_alive_seconds,
+        no_wait=msg.no_wait,
     )
 
 
@@ -250,6 +262,8 @@ def manifest_from_pb(msg: pb.ContextManifest) -> ContextManifest:
 @_guard("prefix")
 def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
     msg = pb.PrefixInput(text=prefix.text, tools_json=prefix.tools_json)
+    if prefix.no_wait is not None:
+        msg.no_wait = prefix.no_wait
     if prefix.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(prefix.manifest))
     return msg
@@ -258,12 +272,15 @@ def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
 @_guard("prefix")
 def prefix_input_from_pb(msg: pb.PrefixInput) -> PrefixInput:
     manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
-    return PrefixInput(text=msg.text, manifest=manifest, tools_json=msg.tools_json)
+    no_wait = msg.no_wait if msg.HasField("no_wait") else None
+    return PrefixInput(text=msg.text, manifest=manifest, tools_json=msg.tools_json, no_wait=no_wait)
 
 
 @_guard("suffix")
 def suffix_input_to_pb(suffix: SuffixInput) -> pb.SuffixInput:
     msg = pb.SuffixInput(text=suffix.text)
+    if suffix.no_wait is not None:
+        msg.no_wait = suffix.no_wait
     if suffix.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(suffix.manifest))
     return msg
@@ -272,7 +289,8 @@ def suffix_input_to_pb(suffix: SuffixInput) -> pb.SuffixInput:
 @_guard("suffix")
 def suffix_input_from_pb(msg: pb.SuffixInput) -> SuffixInput:
     manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
-    return SuffixInput(text=msg.text, manifest=manifest)
+    no_wait = msg.no_wait if msg.HasField("no_wait") else None
+    return SuffixInput(text=msg.text, manifest=manifest, no_wait=no_wait)
 
 
 @_guard("decode config")
@@ -290,6 +308,7 @@ def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         extra=dict(msg.extra),
+        no_wait=msg.no_wait if msg.HasField("no_wait") else None,
         **values,
     )
 
@@ -367,9 +386,28 @@ def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
     )
 
 
+def _contexts_to_pb(contexts: tuple[WarmContextInfo, ...]) -> list[pb.WarmContext]:
+    return [_to_pb(c, pb.WarmContext()) for c in contexts]
+
+
+def _contexts_from_pb(msgs: Any) -> tuple[WarmContextInfo, ...]:
+    return tuple(_from_pb(m, WarmContextInfo) for m in msgs)
+
+
+@_guard("progress")
+def progress_to_pb(progress: PrefillProgress) -> pb.PrefillProgress:
+    return _to_pb(progress, pb.PrefillProgress())
+
+
+@_guard("progress")
+def progress_from_pb(msg: pb.PrefillProgress) -> PrefillProgress:
+    return _from_pb(msg, PrefillProgress)
+
+
 @_guard("context report")
 def report_to_pb(report: ContextReport) -> pb.ContextReport:
-    msg = _to_pb(report, pb.ContextReport(), skip=("manifest", "last_reuse", "last_prefix"))
+    msg = _to_pb(report, pb.ContextReport(), skip=("manifest", "last_reuse", "last_prefix", "contexts"))
+    msg.contexts.extend(_contexts_to_pb(report.contexts))
     if report.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(report.manifest))
     if report.last_reuse is not None:
@@ -387,6 +425,7 @@ def report_from_pb(msg: pb.ContextReport) -> ContextReport:
         manifest=manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None,
         last_reuse=_reuse_from_pb(msg.last_reuse) if msg.HasField("last_reuse") else None,
         last_prefix=prefix_status_from_pb(msg.last_prefix) if msg.HasField("last_prefix") else None,
+        contexts=_contexts_from_pb(msg.contexts),
     )
 
 
@@ -400,14 +439,54 @@ def summary_from_pb(msg: pb.SessionSummary) -> SessionSummary:
     return _from_pb(msg, SessionSummary)
 
 
+def machine_to_pb(machine: Machine) -> pb.Machine:
+    msg = _to_pb(machine, pb.Machine(), skip=("accelerators",))
+    msg.accelerators.extend(_to_pb(a, pb.Accelerator()) for a in machine.accelerators)
+    return msg
+
+
+def machine_from_pb(msg: pb.Machine) -> Machine:
+    return _from_pb(msg, Machine, accelerators=tuple(_from_pb(a, Accelerator) for a in msg.accelerators))
+
+
+def _model_to_pb(model: LoadedModelSummary) -> pb.LoadedModel:
+    msg = _to_pb(model, pb.LoadedModel(), skip=("contexts", "worker"))
+    msg.contexts.extend(_contexts_to_pb(model.contexts))
+    if model.worker is not None:
+        msg.worker.CopyFrom(_to_pb(model.worker, pb.Worker()))
+    return msg
+
+
+def _model_from_pb(msg: pb.LoadedModel) -> LoadedModelSummary:
+    return _from_pb(
+        msg,
+        LoadedModelSummary,
+        contexts=_contexts_from_pb(msg.contexts),
+        counters=dict(msg.counters),
+        worker=_from_pb(msg.worker, WorkerInfo) if msg.HasField("worker") else None,
+    )
+
+
 @_guard("status")
 def status_to_pb(status: DaemonStatus) -> pb.StatusResponse:
-    msg = _to_pb(status, pb.StatusResponse(), skip=("models",))
-    msg.models.extend(_to_pb(m, pb.LoadedModel()) for m in status.models)
+    msg = _to_pb(status, pb.StatusResponse(), skip=("models", "tiers", "machine"))
+    msg.models.extend(_model_to_pb(m) for m in status.models)
+    if status.tiers is not None:
+        msg.tiers.CopyFrom(_to_pb(status.tiers, pb.Tiers()))
+    if status.machine is not None:
+        msg.machine.CopyFrom(machine_to_pb(status.machine))
     return msg
 
 
 @_guard("status")
 def status_from_pb(msg: pb.StatusResponse) -> DaemonStatus:
-    models = tuple(_from_pb(m, LoadedModelSummary) for m in msg.models)
-    return _from_pb(msg, DaemonStatus, models=models, limits=dict(msg.limits))
+    models = tuple(_model_from_pb(m) for m in msg.models)
+    return _from_pb(
+        msg,
+        DaemonStatus,
+        models=models,
+        limits=dict(msg.limits),
+        settings=dict(msg.settings),
+        tiers=_from_pb(msg.tiers, TierStatus) if msg.HasField("tiers") else None,
+        machine=machine_from_pb(msg.machine) if msg.HasField("machine") else None,
+    )
