@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from modeld.contract import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.observe.metrics import Metrics, model_label, source_of
+from modeld.settings import Residency
 
 
 def _values(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -47,16 +48,19 @@ def test_a_turn_is_counted_token_for_token() -> None:
 
 
 def test_a_prefix_restored_after_displacement_counts_as_prefilled() -> None:
-    with Engine(backends=("memory",)) as engine:
+    # One sequence per model and no RAM tier: the second session displaces the first one's KV.
+    with Engine(backends=("memory",), residency=Residency(sequences=1, ram_tier_bytes=0)) as engine:
         metrics = Metrics(engine.status)
         request = OpenSessionRequest(path="repo", model_name="coder")
         a = metrics.observe(engine.open_session(request))
         b = metrics.observe(engine.open_session(request))
         a.ensure_prefix(PrefixInput(text="aaaa\n"))  # 6 tokens
-        b.ensure_prefix(PrefixInput(text="bbbb\n"))  # displaces a's KV (one sequence per model): 5 new
-        assert a.prefill_suffix(SuffixInput(text="q\n")).restored_tokens == 5  # a's prefix again, and 2
+        b_status = b.ensure_prefix(PrefixInput(text="bbbb\n"))
+        suffix = a.prefill_suffix(SuffixInput(text="q\n"))  # a's prefix again, and 2
+        assert suffix.restored_tokens == 6
         v = _values(metrics)
-        assert v[("modeld_prompt_tokens_prefilled_total", (("model", "coder"),))] == 6 + 5 + 5 + 2
+        prefilled = 6 + b_status.prefilled_tokens + suffix.restored_tokens + suffix.suffix_tokens
+        assert v[("modeld_prompt_tokens_prefilled_total", (("model", "coder"),))] == prefilled
 
 
 def test_tiers_and_labels() -> None:

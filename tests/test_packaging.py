@@ -44,19 +44,20 @@ def test_public_names_are_pinned() -> None:
         """AsyncClient AsyncClientSession BackendMismatchError BackendUnavailableError BuiltContext BusyError
         Client ClientDecodeStream ClientSession Config ContextBuilder ContextManifest ContextOverflowError
         ContextReport DaemonStatus DaemonUnavailableError DeadlineExceededError DecodeConfig Endpoint EngineError
-        Fence InternalError InvalidArgumentError LimitExceededError ManifestMismatchError ModelInfo ModelLoadError
-        ModeldError NotOwnerError OpenSessionRequest PrefixInput PrefixRequiredError PrefixStatus ReuseDecision
+        EngineRestartedError Fence InternalError InvalidArgumentError LimitExceededError ManifestMismatchError
+        ModelInfo ModelLoadError ModeldError NoSlotAvailableError NotOwnerError OpenSessionRequest
+        OperationTimeoutError PrefillProgress PrefixInput PrefixRequiredError PrefixStatus ReuseDecision
         Segment SessionClosedError SessionNotFoundError SessionSummary ShuttingDownError StaleFenceError
-        StreamChunk SuffixInput SuffixStatus UnauthenticatedError UnsupportedError Usage aconnect connect
-        discover""".split()
+        StallTimeoutError StreamChunk SuffixInput SuffixStatus UnauthenticatedError UnsupportedError Usage
+        WarmContextInfo aconnect connect discover""".split()
     )
     for name in runtime_client.__all__:
         assert hasattr(runtime_client, name)
     for name in modeld.contract.__all__:
         assert hasattr(modeld.contract, name)
-    # `except rc.BusyError` works for every error a tool can receive: all 21 classes are exported.
+    # `except rc.BusyError` works for every error a tool can receive: all 25 classes are exported.
     errors = {name for name in modeld.errors.__all__ if name.endswith("Error")}
-    assert len(errors) == 21
+    assert len(errors) == 25
     assert errors <= set(runtime_client.__all__)
     assert all(getattr(runtime_client, name) is getattr(modeld.errors, name) for name in errors)
 

@@ -85,7 +85,7 @@ def test_client_disconnect_mid_decode_stops_the_engine(backend: str) -> None:
         next(stream)
         client.close()
         assert _wait_for(lambda: not wire.engine.list_sessions())
-        assert _wait_for(lambda: all(not m.lock.locked() for m in wire.engine._models.values()))
+        assert _wait_for(lambda: all(m.admission.busy == 0 for m in wire.engine.models()))
         with wire.open() as other:  # the model is free again, and what it holds is reusable
             assert other.ensure_prefix(PrefixInput(text="hello world\n")).reuse.outcome == "warm"
 
