@@ -41,7 +41,15 @@ class Ticket:
 class Admission:
     """Slots and a FIFO queue for one model. Thread-safe."""
 
-    def __init__(self, slots: int, *, max_queue: int, wait_seconds: float, name: str = "") -> None:
+    def __init__(
+        self,
+        slots: int,
+        *,
+        max_queue: int,
+        wait_seconds: float,
+        name: str = "",
+        on_wait: Callable[[float], None] | None = None,
+    ) -> None:
         self.slots = max(1, slots)
         self.max_queue = max(0, max_queue)
         self.wait_seconds = wait_seconds
@@ -51,6 +59,7 @@ class Admission:
         self._cond = threading.Condition()
         self.waits_total = 0.0
         self.waited_count = 0
+        self._on_wait = on_wait
 
     def acquire(self, session_id: str, *, no_wait: bool, interrupted: Callable[[], bool]) -> Ticket:
         """Take a slot, or raise (see the module docstring). ``interrupted`` is polled while waiting
@@ -93,6 +102,8 @@ class Admission:
                 waited = time.monotonic() - waiter.since
                 self.waits_total += waited
                 self.waited_count += 1
+                if self._on_wait is not None:
+                    self._on_wait(waited)
                 return Ticket(session_id, waited)
             finally:
                 self._queue.remove(waiter)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 import psutil
 
@@ -58,13 +59,31 @@ from modeld.errors import (
 from modeld.manifest import ContextManifest, config_runtime_digest
 from modeld.settings import ISOLATIONS, Residency, RestartPolicy, Timeouts
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "EngineObserver"]
 
 log = logging.getLogger("modeld.engine")
 
 _MODEL_OVERHEAD = 256 << 20
 """Memory counted per loaded model beyond weights and KV (compute buffers, the worker)."""
 _JANITOR_SECONDS = 2.0
+
+
+class EngineObserver(Protocol):
+    """What the engine reports as it happens, to metrics and health (the daemon subscribes).
+
+    Called on engine threads; an observer must be quick and must not raise."""
+
+    def queue_waited(self, seconds: float) -> None:
+        """An operation waited ``seconds`` for a slot of a busy model."""
+        ...
+
+    def worker_restarted(self) -> None:
+        """An engine worker died (or hung) and is being restarted."""
+        ...
+
+    def model_state(self, model_name: str, state: str) -> None:
+        """A loaded model's worker changed state (ready, restarting, failed, stopped)."""
+        ...
 
 
 class Engine:
@@ -122,9 +141,22 @@ class Engine:
         self._closed: OrderedDict[str, ContextReport] = OrderedDict()
         self._stopping = False
         self._restarts = 0
+        self._observers: list[EngineObserver] = []
         self._janitor_stop = threading.Event()
         self.owner.on_revoke(self._on_revoke)
         threading.Thread(target=self._janitor, name="engine-janitor", daemon=True).start()
+
+    # --- observers ----------------------------------------------------------------------
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    def _notify(self, event: str, *args: object) -> None:
+        for observer in list(self._observers):
+            try:
+                getattr(observer, event)(*args)
+            except Exception:
+                log.exception("an engine observer failed on %s", event)
 
     # --- Service -------------------------------------------------------------------------
 
@@ -269,6 +301,8 @@ class Engine:
                 wait_seconds=self.limits.model_wait_seconds,
                 log_level=self.worker_log_level,
                 on_restart=self._worker_restarted,
+                on_state=lambda name, state: self._notify("model_state", name, state),
+                on_wait=lambda seconds: self._notify("queue_waited", seconds),
             )
             model.cost = cost
             model.sessions = 1
@@ -327,6 +361,7 @@ class Engine:
         with self._lock:
             self._restarts += 1
         log.warning("engine worker of %s lost its state: %s", model.info.path, error.message)
+        self._notify("worker_restarted")
 
     # --- what sessions ask (SessionHost) -------------------------------------------------------
 

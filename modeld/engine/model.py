@@ -70,6 +70,8 @@ class LoadedModel:
         wait_seconds: float,
         log_level: str = "INFO",
         on_restart: Callable[[LoadedModel, ModeldError], None] | None = None,
+        on_state: Callable[[str, str], None] | None = None,
+        on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self.key = key
         self.info = info
@@ -95,7 +97,13 @@ class LoadedModel:
             return WorkerHost(name, log_level=log_level, on_exit=on_exit, explain_exit=self._explain_exit)
 
         self.supervisor = Supervisor(
-            name, make_host, load, timeouts=timeouts, policy=restart, on_reset=self._reset
+            name,
+            make_host,
+            load,
+            timeouts=timeouts,
+            policy=restart,
+            on_reset=self._reset,
+            on_state=(lambda state: on_state(info.model_name, state)) if on_state is not None else None,
         )
         host = self.supervisor.start()  # raises ModelLoadError; nothing is registered then
         assert host.layout is not None

@@ -65,6 +65,7 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         on_reset: Callable[[ModeldError], None] | None = None,
         on_ready: Callable[[Host], None] | None = None,
+        on_state: Callable[[str], None] | None = None,
     ) -> None:
         self.name = name
         self._make_host = make_host
@@ -73,6 +74,7 @@ class Supervisor:
         self.policy = policy or RestartPolicy()
         self._on_reset = on_reset
         self._on_ready = on_ready
+        self._on_state = on_state
         self._lock = threading.Condition()
         self._host: Host | None = None
         self.state = "loading"
@@ -88,12 +90,20 @@ class Supervisor:
 
     # --- life ---------------------------------------------------------------------------------------
 
+    def _set_state(self, state: str) -> None:
+        """A state change (called with the lock held); observers hear of it on another thread."""
+        if state == self.state:
+            return
+        self.state = state
+        if self._on_state is not None:
+            threading.Thread(target=self._on_state, args=(state,), name="worker-state", daemon=True).start()
+
     def start(self) -> Host:
         """Start the first host and load the model (raises ``ModelLoadError``)."""
         host = self._spawn()
         with self._lock:
             self._host = host
-            self.state = "ready"
+            self._set_state("ready")
             self._lock.notify_all()
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name=f"watchdog-{self.name}", daemon=True)
@@ -167,14 +177,14 @@ class Supervisor:
                 return
             self._failed = None
             self._deaths.clear()
-            self.state = "restarting"
+            self._set_state("restarting")
         threading.Thread(target=self._restart, args=(0.0,), name=f"restart-{self.name}", daemon=True).start()
 
     def stop(self, grace: float = 5.0) -> None:
         """Free the model and stop the worker (no restart); never raises."""
         with self._lock:
             self._stopping = True
-            self.state = "stopped"
+            self._set_state("stopped")
             host = self._host
             self._lock.notify_all()
         self._watch_stop.set()
@@ -201,7 +211,7 @@ class Supervisor:
             self.last_restart_reason = error.message
             self.last_restart_at = time.time()
             failed = len(self._deaths) >= self.policy.crash_limit
-            self.state = "failed" if failed else "restarting"
+            self._set_state("failed" if failed else "restarting")
             if failed:
                 self._failed = EngineRestartedError(
                     f"the engine worker for {self.name} died {len(self._deaths)} times in "
@@ -235,7 +245,7 @@ class Supervisor:
                 now = time.monotonic()
                 self._deaths.append(now)
                 if len(self._deaths) >= self.policy.crash_limit:
-                    self.state = "failed"
+                    self._set_state("failed")
                     self._failed = EngineRestartedError(
                         f"the engine worker for {self.name} could not be restarted: {exc.message}"
                     )
@@ -253,7 +263,7 @@ class Supervisor:
                 return
             self._host = host
             self.restarts += 1
-            self.state = "ready"
+            self._set_state("ready")
             self._lock.notify_all()
         log.info("the engine worker for %s was restarted (pid %d)", self.name, host.pid)
 
