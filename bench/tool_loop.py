@@ -5,7 +5,7 @@ Runs :func:`runtime_client.run_tools` on the in-process engine (llama backend, r
 times each round's ``ensure_prefix + prefill_suffix + first chunk``. Then, for each round's
 context, a cold re-prefill: the KV is cleared (an unrelated prefix first) and the same context
 is prefilled from scratch. Needs the decode-loop integration of ``modeld.decoding``
-(``blueprints/0013``): without it the engine refuses the forced call and this says so.
+(``blueprints/0018``): without it the engine refuses the forced call and this says so.
 
 Timing is printed, never asserted.
 """

@@ -1,11 +1,14 @@
-"""The ``modeld`` command line: serve, describe, explain-context, status.
+"""The ``modeld`` command line: serve, describe, explain-context, status, metrics.
 
 Expected failures (no daemon, a bad model file, an unknown session) print one line to stderr
 and exit non-zero; a traceback only ever means a bug. Every command that reports something
-has ``--json`` for programs and a readable table for people.
+has ``--json`` for programs and a readable table for people. The global options
+(``--address``, ``--data-dir``) may come before or after the command. Output into a pipe that
+closes early (``modeld status | head -1``) ends quietly, like any Unix tool.
 
 Exit codes: 0 success, 1 an error (the line says which), 2 bad usage, 3 another daemon owns
-the machine (``serve`` without ``--takeover``), 4 no daemon could be reached.
+the machine (``serve`` without ``--takeover``), 4 no daemon could be reached, 141 the output
+pipe was closed (as if by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +31,7 @@ __all__ = ["main"]
 
 EXIT_ERROR = 1
 EXIT_UNAVAILABLE = 4
+EXIT_PIPE = 141
 
 
 def _json(obj: Any) -> str:
@@ -78,13 +83,12 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from modeld.engine import Limits
+    from modeld.observe.logs import SafeFormatter
     from modeld.server.daemon import ServeOptions, run
 
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
     defaults = Limits()
     limits = dataclasses.replace(
         defaults,
@@ -107,6 +111,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         takeover_timeout=args.takeover_timeout,
         allow_remote=args.allow_remote,
         limits=limits,
+        require_token=not args.no_token,
+        http=args.http or "",
+        api_key=args.api_key or os.environ.get("MODELD_API_KEY", ""),
+        models=tuple(args.model or ()),
+        models_dir=Path(args.models_dir) if args.models_dir else None,
+        num_ctx=args.num_ctx or 0,
     )
     if args.data_dir:
         options.data_dir = Path(args.data_dir)
@@ -301,25 +311,66 @@ def _format_report(r: ContextReport) -> str:
     return "\n".join(out)
 
 
+def _cmd_metrics(args: argparse.Namespace) -> int:
+    with _connect(args) as client:
+        text = client.metrics()
+    sys.stdout.write(text)
+    return 0
+
+
 # --- main -----------------------------------------------------------------------------------
+
+
+def _global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
+    """``--address`` and ``--data-dir``, accepted before the command and after it."""
+    default = None if top else argparse.SUPPRESS
+    p.add_argument(
+        "--address",
+        default=default,
+        help="daemon address (unix:PATH or HOST:PORT); default: MODELD_ADDRESS, then the owner lease",
+    )
+    p.add_argument(
+        "--data-dir",
+        default=default,
+        help="data directory (default: MODELD_DATA_DIR or the user data directory)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="modeld", description="Local warm-prefix inference daemon.")
-    p.add_argument(
-        "--address",
-        help="daemon address (unix:PATH or HOST:PORT); default: MODELD_ADDRESS, then the owner lease",
-    )
-    p.add_argument("--data-dir", help="data directory (default: MODELD_DATA_DIR or the user data directory)")
+    _global_options(p, top=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     s = sub.add_parser("serve", help="run the daemon")
+    _global_options(s, top=False)
     s.add_argument("--backend", choices=BACKEND_TYPES, default="llama")
     s.add_argument(
         "--listen",
         help="unix:PATH or HOST:PORT (default: a unix socket under XDG_RUNTIME_DIR or the cache directory)",
     )
-    s.add_argument("--data-dir", default=argparse.SUPPRESS, help="data directory holding the owner lease")
+    s.add_argument(
+        "--http",
+        metavar="HOST:PORT",
+        help="also serve the OpenAI-compatible API there (needs modeld[http]); e.g. 127.0.0.1:8080",
+    )
+    s.add_argument(
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on the HTTP API (default: MODELD_API_KEY; "
+        "required off loopback)",
+    )
+    s.add_argument(
+        "--model",
+        action="append",
+        metavar="NAME=PATH",
+        help="a model the HTTP API serves under NAME (repeatable; default: the generated tiny model)",
+    )
+    s.add_argument("--models-dir", metavar="DIR", help="serve every model file in DIR under its file name")
+    s.add_argument("--num-ctx", type=int, default=0, help="context window of HTTP sessions (default 4096)")
+    s.add_argument(
+        "--no-token",
+        action="store_true",
+        help="let a TCP gRPC listener run without its token (any local user can then drive the daemon)",
+    )
     s.add_argument("--takeover", action="store_true", help="replace the daemon that owns the machine")
     s.add_argument(
         "--takeover-timeout",
@@ -330,7 +381,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--allow-remote",
         action="store_true",
-        help="allow a non-loopback --listen address (no authentication!)",
+        help="allow a non-loopback --listen/--http address (token / API key required; no TLS)",
     )
     s.add_argument("--max-sessions", type=int, default=0)
     s.add_argument("--max-text-bytes", type=int, default=0)
@@ -340,6 +391,7 @@ def _parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser("describe", help="what a model is and can do on this machine (no daemon needed)")
+    _global_options(d, top=False)
     d.add_argument("--type", required=True, choices=BACKEND_TYPES)
     d.add_argument("--path", required=True)
     d.add_argument("--digest", help="expected model digest")
@@ -349,13 +401,19 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_describe)
 
     e = sub.add_parser("explain-context", help="what is resident in a session, and why it was warm or cold")
+    _global_options(e, top=False)
     e.add_argument("session_id", nargs="?", help="a session id (default: one line per open session)")
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_explain)
 
     t = sub.add_parser("status", help="who owns the machine, what is loaded")
+    _global_options(t, top=False)
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=_cmd_status)
+
+    m = sub.add_parser("metrics", help="the daemon's metrics (Prometheus text format)")
+    _global_options(m, top=False)
+    m.set_defaults(func=_cmd_metrics)
     return p
 
 
@@ -363,7 +421,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         code: int = args.func(args)
+        sys.stdout.flush()
         return code
+    except BrokenPipeError:
+        # The reader went away (`modeld status | head`): stop quietly, as a tool killed by
+        # SIGPIPE would, and keep the interpreter's final flush from failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PIPE
     except DaemonUnavailableError as exc:
         print(f"modeld: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -28,7 +28,7 @@ backend-specific fields on shared types.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Literal, Protocol, runtime_checkable
@@ -56,7 +56,15 @@ __all__ = [
     "ToolCallDelta",
     "DaemonStatus",
     "LoadedModelSummary",
+    "Machine",
+    "Accelerator",
+    "PrefillProgress",
+    "ProgressCallback",
     "SessionSummary",
+    "WarmContextInfo",
+    "WorkerInfo",
+    "TIERS",
+    "TierStatus",
     "Capabilities",
     "Config",
     "ContextReport",
@@ -109,7 +117,7 @@ FINISH_REASONS: tuple[str, ...] = (
 CONSTRAINT_KINDS: tuple[str, ...] = ("json", "json_schema", "regex", "grammar")
 """``json``: any JSON object. ``json_schema``: a JSON document valid under the schema in ``value``.
 ``regex``: text that the regular expression matches in full. ``grammar``: a GBNF grammar (llama.cpp
-syntax) with a ``root`` rule. ``blueprints/0013-constraints-and-tool-calls.md`` lists what each
+syntax) with a ``root`` rule. ``blueprints/0018-constraints-and-tool-calls.md`` lists what each
 backend honours."""
 
 TOOL_CHOICES: tuple[str, ...] = ("auto", "none", "required")
@@ -130,8 +138,14 @@ REUSE_REASONS: tuple[str, ...] = (
     "empty_cache",  # cold: nothing was resident for this model
     "manifest_changed",  # cold: a runtime field of the manifest differs (``field`` says which)
     "truncation_unsupported",  # cold: the model's memory cannot be cut at an arbitrary token
-    "engine_reset",  # cold: the engine's state was lost (a failed operation, a restart)
+    "engine_reset",  # cold: the engine's state was lost (a failed operation, a worker restart)
+    "restored_from_ram",  # warm: the context came back from the RAM tier (a snapshot)
+    "restored_from_disk",  # warm: the context came back from the disk tier (a snapshot)
+    "evicted",  # cold: this session's warm context was evicted (``tier`` says where it went)
+    "snapshot_rejected",  # cold: a snapshot that would have served was corrupt or stale: removed
 )
+TIERS: tuple[str, ...] = ("kv", "ram", "disk")
+"""Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +185,14 @@ class OpenSessionRequest:
     path: str = ""
     config: Config = field(default_factory=Config)
     fence: Fence = field(default_factory=Fence)
+    pin: bool = False
+    """Never evict this session's warm context from the KV pool while the session is open."""
+    keep_alive_seconds: float = 0.0
+    """Move this session's warm context out of the KV pool (to the RAM tier) after it has been
+    idle this long; 0 keeps it until the pool needs the room."""
+    no_wait: bool = False
+    """When every slot of the model is busy, fail with ``no_slot_available`` at once instead of
+    queueing (each operation may override it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +258,7 @@ class PrefixInput:
     text: str
     manifest: ContextManifest | None = None
     tools_json: str = ""
+    no_wait: bool | None = None  # None: the session's choice (OpenSessionRequest.no_wait)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +272,8 @@ class ReuseDecision:
     diverged_at_token: int | None = None  # for diverged: first token that differed
     diverged_segment: str = ""  # the segment kind holding that token, when known
     diverged_at_byte: int | None = None  # its byte offset in the prefix, when known
+    tier: str = ""  # where the reused tokens came from (kv, ram, disk); for evicted: where it went
+    context: str = ""  # the warm context reused (its id in explain-context)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +290,8 @@ class PrefixStatus:
     stable_token_hash: str
     manifest_digest: str
     reuse: ReuseDecision
+    prefill_ms: float = 0.0  # server-side time evaluating tokens
+    restore_ms: float = 0.0  # server-side time restoring a snapshot from a tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +300,20 @@ class SuffixInput:
 
     text: str
     manifest: ContextManifest | None = None
+    no_wait: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """A long prefill's progress (sent at most every 0.5 s): ``done`` of ``total`` tokens."""
+
+    stage: str  # prefix, suffix or decode
+    done: int
+    total: int
+    elapsed_ms: float
+
+
+ProgressCallback = Callable[[PrefillProgress], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +326,8 @@ class SuffixStatus:
     available_tokens: int
     manifest_digest: str
     restored_tokens: int = 0
+    prefill_ms: float = 0.0
+    restore_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +352,7 @@ class DecodeConfig:
     those samplers. ``seed`` None means a random seed. ``extra`` is passed to the backend; keys it
     does not know are refused with :class:`~modeld.errors.UnsupportedError`.
 
-    Constrained output and tools (``blueprints/0013-constraints-and-tool-calls.md``):
+    Constrained output and tools (``blueprints/0018-constraints-and-tool-calls.md``):
 
     * ``constraint``: the output must match it (see :class:`Constraint`).
     * ``tool_choice``: ``auto`` (parse calls out of the output), ``none`` (do not parse), ``required``
@@ -337,6 +380,7 @@ class DecodeConfig:
     stop: tuple[str, ...] = ()
     repeat_penalty: float = 1.0
     extra: Mapping[str, str] = field(default_factory=dict)
+    no_wait: bool | None = None  # None: the session's choice (OpenSessionRequest.no_wait)
     constraint: Constraint | None = None
     tool_choice: str = "auto"
     tools_json: str = ""
@@ -359,6 +403,9 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    prefill_ms: float = 0.0  # server-side prefill time of the turn (ensure_prefix to decode)
+    restore_ms: float = 0.0  # server-side time restoring snapshots during the turn
+    decode_ms: float = 0.0  # server-side time from the decode's first to its last token
 
 
 @dataclass(frozen=True, slots=True)
@@ -456,6 +503,86 @@ class ContextReport:
     owner_epoch: int = 0
     opened_at: float = 0.0
     last_used_at: float = 0.0
+    context_id: str = ""  # this session's warm context in the model's KV pool ("" = none now)
+    contexts: tuple[WarmContextInfo, ...] = ()  # every warm context of the model, every tier
+    queue_position: int = 0  # 1 = next, while this session waits for a slot; 0 = not waiting
+    queue_wait_seconds: float = 0.0  # how long it has waited (or waited last)
+    pinned: bool = False
+    keep_alive_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WarmContextInfo:
+    """A warm context of a model, wherever it lives (``tier``: kv, ram or disk).
+
+    ``bytes`` counts what only this context holds; ``shared_bytes`` KV cells it shares with
+    other contexts (a common prefix is stored, and counted, once)."""
+
+    id: str
+    tier: str
+    tokens: int
+    prefix_tokens: int
+    bytes: int
+    shared_bytes: int
+    last_used_at: float
+    pinned: bool
+    session_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """An engine worker as ``modeld status`` shows it."""
+
+    pid: int
+    state: str  # loading, ready, busy, restarting, failed, stopped
+    isolation: str  # process or inline
+    started_at: float
+    restarts: int
+    last_error: str
+    last_restart_reason: str
+    last_restart_at: float
+    rss_bytes: int
+    log_lines: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Accelerator:
+    kind: str  # nvidia, openvino
+    name: str
+    memory_bytes: int = 0
+    driver: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """What a coordinator needs to place models: the machine the daemon runs on."""
+
+    cpu_count: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    disk_free_bytes: int
+    accelerators: tuple[Accelerator, ...] = ()
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TierStatus:
+    """The RAM and disk tiers: contents, budgets, and what happened to snapshots."""
+
+    ram_entries: int = 0
+    ram_bytes: int = 0
+    ram_budget: int = 0
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    disk_budget: int = 0
+    disk_off_reason: str = ""
+    written: int = 0
+    write_failures: int = 0
+    spilled_to_disk: int = 0
+    dropped: int = 0
+    rejected: int = 0
+    memory_budget: int = 0
+    recent_rejections: tuple[str, ...] = ()
 
 
 @runtime_checkable
@@ -499,9 +626,13 @@ class Session(Protocol):
         """The runtime fields (backend, digests, BOS policy, runtime digest) of this session."""
         ...
 
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus: ...
+    def ensure_prefix(
+        self, prefix: PrefixInput, progress: ProgressCallback | None = None
+    ) -> PrefixStatus: ...
 
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus: ...
+    def prefill_suffix(
+        self, suffix: SuffixInput, progress: ProgressCallback | None = None
+    ) -> SuffixStatus: ...
 
     def decode(self, config: DecodeConfig) -> DecodeStream: ...
 
@@ -552,9 +683,13 @@ class AsyncSession(Protocol):
     @property
     def identity(self) -> ContextManifest: ...
 
-    async def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus: ...
+    async def ensure_prefix(
+        self, prefix: PrefixInput, progress: ProgressCallback | None = None
+    ) -> PrefixStatus: ...
 
-    async def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus: ...
+    async def prefill_suffix(
+        self, suffix: SuffixInput, progress: ProgressCallback | None = None
+    ) -> SuffixStatus: ...
 
     async def decode(self, config: DecodeConfig) -> AsyncDecodeStream: ...
 
@@ -596,7 +731,11 @@ class SessionSummary:
 
 @dataclass(frozen=True, slots=True)
 class LoadedModelSummary:
-    """A model kept loaded by the engine, with its single resident KV sequence."""
+    """A model kept loaded by the engine: its warm contexts, counters and worker.
+
+    ``resident_tokens`` counts KV cells in use (a shared prefix once); ``counters`` are
+    cumulative tokens reused from the KV / RAM / disk, tokens prefilled, evictions, rejected
+    snapshots (``blueprints/0016``)."""
 
     backend: str
     path: str
@@ -607,6 +746,15 @@ class LoadedModelSummary:
     sessions: int
     loaded_at: float
     last_used_at: float
+    sequences: int = 1
+    pool_tokens: int = 0
+    kv_bytes_per_token: int = 0
+    slots: int = 1
+    busy_slots: int = 0
+    queued: int = 0
+    contexts: tuple[WarmContextInfo, ...] = ()
+    counters: Mapping[str, int] = field(default_factory=dict)
+    worker: WorkerInfo | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,3 +774,6 @@ class DaemonStatus:
     sessions: int
     limits: Mapping[str, float]
     owner_lost: str = ""
+    tiers: TierStatus | None = None
+    machine: Machine | None = None
+    settings: Mapping[str, str] = field(default_factory=dict)

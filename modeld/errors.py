@@ -22,9 +22,14 @@ The tree::
     ├── ManifestMismatchError        manifest_mismatch     FAILED_PRECONDITION
     ├── ContextOverflowError         context_overflow      OUT_OF_RANGE
     ├── BusyError                    busy                  UNAVAILABLE
+    ├── NoSlotAvailableError         no_slot_available     RESOURCE_EXHAUSTED
+    ├── EngineRestartedError         engine_restarted      UNAVAILABLE
+    ├── StallTimeoutError            stall_timeout         UNAVAILABLE
+    ├── OperationTimeoutError        timeout               DEADLINE_EXCEEDED
     ├── ShuttingDownError            shutting_down         UNAVAILABLE
     ├── DaemonUnavailableError       unavailable           UNAVAILABLE        (client side)
     ├── DeadlineExceededError        deadline_exceeded     DEADLINE_EXCEEDED  (client side)
+    ├── UnauthenticatedError         unauthenticated       UNAUTHENTICATED
     ├── EngineError                  engine_error          INTERNAL
     └── InternalError                internal              INTERNAL
 
@@ -46,11 +51,14 @@ __all__ = [
     "DaemonUnavailableError",
     "DeadlineExceededError",
     "EngineError",
+    "EngineRestartedError",
     "InternalError",
     "InvalidArgumentError",
     "LimitExceededError",
     "ManifestMismatchError",
     "ModelLoadError",
+    "NoSlotAvailableError",
+    "OperationTimeoutError",
     "ModeldError",
     "NotOwnerError",
     "PrefixRequiredError",
@@ -58,11 +66,28 @@ __all__ = [
     "SessionNotFoundError",
     "ShuttingDownError",
     "StaleFenceError",
+    "StallTimeoutError",
+    "UnauthenticatedError",
     "UnsupportedError",
+    "echo",
     "error_from_reason",
 ]
 
 DetailValue = str | int | bool
+
+ECHO_CHARS = 64
+"""How much of a client-supplied value an error message repeats (see :func:`echo`)."""
+
+
+def echo(value: object, limit: int = ECHO_CHARS) -> str:
+    """A client-supplied value as an error message may repeat it: ``repr`` (so control
+    characters are escaped), cut to ``limit`` characters with the full length stated. An error
+    must stay small (it travels in gRPC metadata) whatever the client sent."""
+    if isinstance(value, str | bytes) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value)} {'characters' if isinstance(value, str) else 'bytes'})"
+    text = repr(value)
+    return text if len(text) <= limit + 2 else text[: limit + 2] + "..."
+
 
 _E = TypeVar("_E", bound="ModeldError")
 
@@ -154,7 +179,7 @@ class SessionNotFoundError(ModeldError):
     status = "NOT_FOUND"
 
     def __init__(self, session_id: str) -> None:
-        super().__init__(f"no session with id {session_id!r}", session_id=session_id)
+        super().__init__(f"no session with id {echo(session_id)}", session_id=session_id[:128])
 
 
 class ModelLoadError(ModeldError):
@@ -267,6 +292,38 @@ class BusyError(ModeldError):
     status = "UNAVAILABLE"
 
 
+class NoSlotAvailableError(ModeldError):
+    """Every slot of the model is busy and the caller asked not to wait (``no_wait``)."""
+
+    reason = "no_slot_available"
+    status = "RESOURCE_EXHAUSTED"
+
+
+class EngineRestartedError(ModeldError):
+    """The engine worker died during the operation (a crash, a signal, a changed model file)
+    and is being restarted; nothing was replayed. Details: ``signal`` or ``exit_code``, and
+    ``why`` when modeld knows more (``model file changed``)."""
+
+    reason = "engine_restarted"
+    status = "UNAVAILABLE"
+
+
+class StallTimeoutError(ModeldError):
+    """The engine worker made no progress (no token, no CPU time) for ``seconds`` and was
+    restarted; nothing was replayed."""
+
+    reason = "stall_timeout"
+    status = "UNAVAILABLE"
+
+
+class OperationTimeoutError(ModeldError):
+    """The operation ran longer than a configured timeout (``timeout`` names which) and was
+    stopped; the daemon and the session keep working."""
+
+    reason = "timeout"
+    status = "DEADLINE_EXCEEDED"
+
+
 class ShuttingDownError(ModeldError):
     """The daemon is shutting down and takes no new work."""
 
@@ -286,6 +343,13 @@ class DeadlineExceededError(ModeldError):
 
     reason = "deadline_exceeded"
     status = "DEADLINE_EXCEEDED"
+
+
+class UnauthenticatedError(ModeldError):
+    """A TCP listener's credential (token or API key) is missing or wrong."""
+
+    reason = "unauthenticated"
+    status = "UNAUTHENTICATED"
 
 
 class EngineError(ModeldError):

@@ -4,9 +4,12 @@ Protocol (``blueprints/0005-owner-lease.md``). Files in the data directory:
 
 * ``owner.lock`` -- held with an exclusive ``flock`` by the owner for its whole life. The kernel
   releases it when the process dies, so a crashed owner never blocks the next one.
-* ``owner.json`` -- the record: instance id, epoch, pid, endpoint, started_at, renewed_at,
-  state (``starting`` | ``serving`` | ``released``). Written only by the lock holder, atomically
-  (temp file + rename). It survives release so that epochs only ever grow.
+* ``owner.json`` -- the record: instance id, epoch, pid, endpoint (gRPC), http_endpoint (the
+  OpenAI-compatible endpoint, when served), started_at, renewed_at, state (``starting`` |
+  ``serving`` | ``released``). Written only by the lock holder, atomically (temp file +
+  rename), and only when it changes: renewal touches the file's mtime instead of rewriting and
+  fsyncing an unchanged record every 2 s, and readers take ``renewed_at`` as the later of the
+  recorded value and the mtime. It survives release so that epochs only ever grow.
 * ``takeover.json`` -- a request from a daemon started with ``--takeover``: who asks and which
   instance it replaces.
 
@@ -59,6 +62,7 @@ class LeaseRecord:
     state: str
     version: str = ""
     hostname: str = ""
+    http_endpoint: str = ""
 
     @property
     def alive(self) -> bool:
@@ -133,11 +137,16 @@ def _read_json(path: Path) -> dict[str, object] | None:
 
 def read_lease(data_dir: Path) -> LeaseRecord | None:
     """The current owner record, or None if there is none (or it is unreadable)."""
-    data = _read_json(data_dir / RECORD_FILE)
+    path = data_dir / RECORD_FILE
+    data = _read_json(path)
     if data is None:
         return None
     try:
-        return LeaseRecord(
+        touched = path.stat().st_mtime
+    except OSError:
+        touched = 0.0
+    try:
+        record = LeaseRecord(
             instance_id=str(data["instance_id"]),
             epoch=int(data["epoch"]),  # type: ignore[call-overload]
             pid=int(data["pid"]),  # type: ignore[call-overload]
@@ -147,9 +156,13 @@ def read_lease(data_dir: Path) -> LeaseRecord | None:
             state=str(data.get("state", "")),
             version=str(data.get("version", "")),
             hostname=str(data.get("hostname", "")),
+            http_endpoint=str(data.get("http_endpoint", "")),
         )
     except (KeyError, TypeError, ValueError):
         return None
+    if record.state == "serving" and touched > record.renewed_at:
+        record = replace(record, renewed_at=touched)
+    return record
 
 
 class Lease:
@@ -275,12 +288,27 @@ class Lease:
         assert self.record is not None
         _write_json(self.record_path, asdict(self.record))
 
-    def publish(self, endpoint: str) -> None:
-        """Record the endpoint clients should use; the lease is now serving."""
+    def publish(self, endpoint: str, http_endpoint: str = "") -> None:
+        """Record the endpoints clients should use; the lease is now serving."""
         assert self.record is not None
-        self.record = replace(self.record, endpoint=endpoint, state="serving", renewed_at=time.time())
+        self.record = replace(
+            self.record,
+            endpoint=endpoint,
+            http_endpoint=http_endpoint,
+            state="serving",
+            renewed_at=time.time(),
+        )
         self._write()
         self._last_renew = time.monotonic()
+
+    def _renew(self) -> None:
+        """Show the owner is alive: touch the record (no rewrite, no fsync of unchanged data)."""
+        try:
+            os.utime(self.record_path)
+        except OSError:
+            assert self.record is not None
+            self.record = replace(self.record, renewed_at=time.time())
+            self._write()
 
     def check(self) -> str | None:
         """Renew when due; return why ownership is lost, or None while it is held."""
@@ -304,8 +332,7 @@ class Lease:
         if record is None or record.instance_id != self.instance_id:
             return "the owner record no longer names this instance"
         if time.monotonic() - self._last_renew >= RENEW_INTERVAL:
-            self.record = replace(self.record, renewed_at=time.time())
-            self._write()
+            self._renew()
             self._last_renew = time.monotonic()
         return None
 
@@ -316,7 +343,9 @@ class Lease:
         if self.record is not None and not handed_over:
             current = read_lease(self.data_dir)
             if current is not None and current.instance_id == self.instance_id:
-                self.record = replace(self.record, state="released", endpoint="", renewed_at=time.time())
+                self.record = replace(
+                    self.record, state="released", endpoint="", http_endpoint="", renewed_at=time.time()
+                )
                 with contextlib.suppress(OSError):
                     self._write()
         fcntl.flock(self._fd, fcntl.LOCK_UN)

@@ -47,6 +47,8 @@ __all__ = [
     "bytes_hash",
     "canonical_encoding",
     "check_text",
+    "KV_CONFIG_FIELDS",
+    "config_runtime_digest",
     "runtime_digest",
     "token_hash",
 ]
@@ -328,6 +330,26 @@ def canonical_encoding(manifest: ContextManifest) -> bytes:
         return bytes(out)
     except (struct.error, UnicodeEncodeError) as exc:
         raise InvalidArgumentError(f"manifest cannot be encoded: {exc}", field="manifest") from exc
+
+
+KV_CONFIG_FIELDS: tuple[str, ...] = (
+    "num_ctx",
+    "num_batch",
+    "num_gpu_layers",
+    "tensor_split",
+    "flash_attn",
+    "kv_cache_type",
+)
+"""The session ``Config`` fields that decide what the KV cache holds or how it is computed: the
+one list every "must this be a different context?" check uses (the runtime digest, and so the
+loaded model's key). ``num_threads`` is not one: it changes speed, never values, so a session
+with another thread count shares the warm contexts (blueprint 0002)."""
+
+
+def config_runtime_digest(config: object) -> Digest:
+    """The manifest's ``runtime_digest`` for a session ``Config`` (its :data:`KV_CONFIG_FIELDS`)."""
+    values = {name: getattr(config, name) for name in KV_CONFIG_FIELDS}
+    return runtime_digest(**values)
 
 
 def runtime_digest(

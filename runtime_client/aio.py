@@ -26,6 +26,7 @@ from modeld.contract import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ProgressCallback,
     SessionSummary,
     StreamChunk,
     SuffixInput,
@@ -54,7 +55,7 @@ class AsyncClient:
 
     async def _call(self, method: Any, request: Any, timeout: float) -> Any:
         try:
-            return await method(request, timeout=timeout)
+            return await method(request, timeout=timeout, metadata=self.endpoint.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
@@ -89,6 +90,17 @@ class AsyncClient:
         req = pb.ExplainContextRequest(session_id=session_id)
         return convert.report_from_pb((await self._call(self._stub.ExplainContext, req, 10.0)).report)
 
+    async def count_tokens(self, request: OpenSessionRequest, text: str) -> int:
+        msg = convert.count_tokens_request_to_pb(request, text, False)
+        return int((await self._call(self._stub.CountTokens, msg, 600.0)).count)
+
+    async def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
+        msg = convert.count_tokens_request_to_pb(request, text, True)
+        return list((await self._call(self._stub.CountTokens, msg, 600.0)).token_ids)
+
+    async def metrics(self) -> str:
+        return str((await self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0)).text)
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -117,7 +129,7 @@ class AsyncClientSession:
         self.epoch = epoch
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()
-        self._call = client._stub.Session()
+        self._call = client._stub.Session(metadata=client.endpoint.metadata)
         self._stream: AsyncClientDecodeStream | None = None
         self._failure: ModeldError | None = None
         self._closed = False
@@ -168,15 +180,22 @@ class AsyncClientSession:
         assert isinstance(resp, pb.SessionResponse)
         return resp
 
-    async def _request(self, request: pb.SessionRequest) -> pb.SessionResponse:
+    async def _request(
+        self, request: pb.SessionRequest, progress: ProgressCallback | None = None
+    ) -> pb.SessionResponse:
         if self._closed:
             raise SessionClosedError(f"session {self._id} is closed", session_id=self._id)
         if self._failure is not None:
             raise self._failure
         rid = await self._send(request)
-        resp = await self._receive()
-        while resp.request_id != rid:
+        while True:
             resp = await self._receive()
+            if resp.request_id != rid:
+                continue
+            if resp.WhichOneof("result") != "progress":
+                break
+            if progress is not None:
+                progress(convert.progress_from_pb(resp.progress))
         if resp.WhichOneof("result") == "error":
             raise from_status(resp.error)
         return resp
@@ -186,21 +205,25 @@ class AsyncClientSession:
             await self._stream.aclose()
             self._stream = None
 
-    async def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+    async def ensure_prefix(
+        self, prefix: PrefixInput, progress: ProgressCallback | None = None
+    ) -> PrefixStatus:
         if not isinstance(prefix, PrefixInput):
             raise InvalidArgumentError("expected a PrefixInput", field="prefix")
         async with self._lock:
             await self._finish_stream()
             msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
-            return convert.prefix_status_from_pb((await self._request(msg)).prefix_status)
+            return convert.prefix_status_from_pb((await self._request(msg, progress)).prefix_status)
 
-    async def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+    async def prefill_suffix(
+        self, suffix: SuffixInput, progress: ProgressCallback | None = None
+    ) -> SuffixStatus:
         if not isinstance(suffix, SuffixInput):
             raise InvalidArgumentError("expected a SuffixInput", field="suffix")
         async with self._lock:
             await self._finish_stream()
             msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
-            return convert.suffix_status_from_pb((await self._request(msg)).suffix_status)
+            return convert.suffix_status_from_pb((await self._request(msg, progress)).suffix_status)
 
     async def decode(self, config: DecodeConfig) -> AsyncClientDecodeStream:
         if not isinstance(config, DecodeConfig):
@@ -288,7 +311,11 @@ class AsyncClientDecodeStream:
 
 
 async def aconnect(
-    address: str | None = None, *, data_dir: Any = None, max_message_bytes: int = DEFAULT_MESSAGE_BYTES
+    address: str | None = None,
+    *,
+    data_dir: Any = None,
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+    token: str | None = None,
 ) -> AsyncClient:
     """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect."""
-    return AsyncClient(discover(address, data_dir), max_message_bytes=max_message_bytes)
+    return AsyncClient(discover(address, data_dir, token), max_message_bytes=max_message_bytes)

@@ -30,6 +30,7 @@ from modeld.contract import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ProgressCallback,
     SessionSummary,
     StreamChunk,
     SuffixInput,
@@ -123,7 +124,7 @@ class Client:
 
     def _call(self, method: Any, request: Any, timeout: float) -> Any:
         try:
-            return method(request, timeout=timeout)
+            return method(request, timeout=timeout, metadata=self.endpoint.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
@@ -160,6 +161,20 @@ class Client:
         resp = self._call(self._stub.ExplainContext, pb.ExplainContextRequest(session_id=session_id), 10.0)
         return convert.report_from_pb(resp.report)
 
+    def count_tokens(self, request: OpenSessionRequest, text: str) -> int:
+        """How many tokens ``text`` makes under the model (no BOS): budget before sending."""
+        msg = convert.count_tokens_request_to_pb(request, text, False)
+        return int(self._call(self._stub.CountTokens, msg, 600.0).count)
+
+    def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
+        """The token ids ``text`` makes under the model (no BOS)."""
+        msg = convert.count_tokens_request_to_pb(request, text, True)
+        return list(self._call(self._stub.CountTokens, msg, 600.0).token_ids)
+
+    def metrics(self) -> str:
+        """The daemon's metrics in the Prometheus text format."""
+        return str(self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0).text)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -192,7 +207,9 @@ class ClientSession:
         self._stream: ClientDecodeStream | None = None
         self._failure: ModeldError | None = None
         self._closed = False
-        self._responses: Iterator[pb.SessionResponse] = client._stub.Session(iter(self._outbox.get, _END))
+        self._responses: Iterator[pb.SessionResponse] = client._stub.Session(
+            iter(self._outbox.get, _END), metadata=client.endpoint.metadata
+        )
         attached = self._request(pb.SessionRequest(attach=pb.Attach(session_id=session_id)))
         if attached.WhichOneof("result") != "attached":
             raise InternalError(f"unexpected answer to attach: {attached.WhichOneof('result')}")
@@ -231,16 +248,26 @@ class ClientSession:
             self._failure = from_rpc_error(exc, self._client.target)
         raise self._failure
 
-    def _request(self, request: pb.SessionRequest) -> pb.SessionResponse:
-        """Send one request and read its answer (raises the typed error if it failed)."""
+    def _request(
+        self, request: pb.SessionRequest, progress: ProgressCallback | None = None
+    ) -> pb.SessionResponse:
+        """Send one request and read its answer (raises the typed error if it failed).
+
+        ``progress`` receives the daemon's progress reports of a long prefill, which arrive
+        before the answer."""
         if self._closed:
             raise SessionClosedError(f"session {self._id} is closed", session_id=self._id)
         if self._failure is not None:
             raise self._failure
         rid = self._send(request)
-        resp = self._receive()
-        while resp.request_id != rid:  # a late answer to something abandoned: skip it
+        while True:
             resp = self._receive()
+            if resp.request_id != rid:  # a late answer to something abandoned: skip it
+                continue
+            if resp.WhichOneof("result") != "progress":
+                break
+            if progress is not None:
+                progress(convert.progress_from_pb(resp.progress))
         if resp.WhichOneof("result") == "error":
             raise from_status(resp.error)
         return resp
@@ -253,21 +280,23 @@ class ClientSession:
 
     # --- contract ---------------------------------------------------------------------------
 
-    def ensure_prefix(self, prefix: PrefixInput) -> PrefixStatus:
+    def ensure_prefix(self, prefix: PrefixInput, progress: ProgressCallback | None = None) -> PrefixStatus:
+        """Make the session's context equal ``prefix`` (see the contract); ``progress`` is called
+        with the daemon's progress reports while a long prefill runs (at most every 0.5 s)."""
         if not isinstance(prefix, PrefixInput):
             raise InvalidArgumentError("expected a PrefixInput", field="prefix")
         with self._lock:
             self._finish_stream()
             msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
-            return convert.prefix_status_from_pb(self._request(msg).prefix_status)
+            return convert.prefix_status_from_pb(self._request(msg, progress).prefix_status)
 
-    def prefill_suffix(self, suffix: SuffixInput) -> SuffixStatus:
+    def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         if not isinstance(suffix, SuffixInput):
             raise InvalidArgumentError("expected a SuffixInput", field="suffix")
         with self._lock:
             self._finish_stream()
             msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
-            return convert.suffix_status_from_pb(self._request(msg).suffix_status)
+            return convert.suffix_status_from_pb(self._request(msg, progress).suffix_status)
 
     def decode(self, config: DecodeConfig) -> ClientDecodeStream:
         if not isinstance(config, DecodeConfig):
@@ -388,7 +417,14 @@ class ClientDecodeStream:
 
 
 def connect(
-    address: str | None = None, *, data_dir: Any = None, max_message_bytes: int = DEFAULT_MESSAGE_BYTES
+    address: str | None = None,
+    *,
+    data_dir: Any = None,
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+    token: str | None = None,
 ) -> Client:
-    """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect to it."""
-    return Client(discover(address, data_dir), max_message_bytes=max_message_bytes)
+    """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect to it.
+
+    A TCP endpoint's token comes from ``token``, else ``MODELD_TOKEN``, else the data directory.
+    """
+    return Client(discover(address, data_dir, token), max_message_bytes=max_message_bytes)

@@ -4,19 +4,23 @@ The lease record (in the data directory, ``$MODELD_DATA_DIR`` or the default) na
 endpoint and the owner's instance id; a client that found the daemon that way fences its
 sessions with that instance id, so a takeover in between makes ``open_session`` fail with
 ``stale_fence`` instead of talking to a daemon the caller did not mean.
+
+A TCP endpoint needs the daemon's token (``blueprints/0005-owner-lease.md``): the explicit
+argument, then ``MODELD_TOKEN``, then the file ``grpc.token`` in the data directory, read the
+same way as the lease. A unix socket needs none (its permissions are the access control).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modeld.errors import DaemonUnavailableError
 from modeld.lease import read_lease
-from modeld.paths import default_data_dir
+from modeld.paths import default_data_dir, token_path
 
-__all__ = ["Endpoint", "discover", "normalize_address"]
+__all__ = ["Endpoint", "discover", "normalize_address", "read_token"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +28,11 @@ class Endpoint:
     target: str  # what grpc dials: unix:/path or host:port
     instance_id: str = ""  # the owner, when known from the lease
     source: str = ""  # argument | MODELD_ADDRESS | lease
+    token: str = ""  # sent as authorization metadata (TCP endpoints)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else None
 
 
 def normalize_address(address: str) -> str:
@@ -38,12 +47,34 @@ def normalize_address(address: str) -> str:
     return address
 
 
-def discover(address: str | None = None, data_dir: Path | None = None) -> Endpoint:
+def read_token(data_dir: Path | None = None) -> str:
+    """``MODELD_TOKEN``, else the daemon's token file if this user can read it, else ""."""
+    env = os.environ.get("MODELD_TOKEN")
+    if env:
+        return env.strip()
+    try:
+        return token_path(data_dir or default_data_dir()).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _with_token(endpoint: Endpoint, token: str | None, data_dir: Path | None) -> Endpoint:
+    if endpoint.target.startswith("unix:"):
+        return endpoint
+    found = token if token is not None else read_token(data_dir)
+    return replace(endpoint, token=found)
+
+
+def discover(
+    address: str | None = None, data_dir: str | os.PathLike[str] | None = None, token: str | None = None
+) -> Endpoint:
+    """The daemon's endpoint (and, for TCP, its token); ``token`` overrides the discovered one."""
+    data_dir = Path(data_dir) if data_dir is not None else None
     if address:
-        return Endpoint(normalize_address(address), source="argument")
+        return _with_token(Endpoint(normalize_address(address), source="argument"), token, data_dir)
     env = os.environ.get("MODELD_ADDRESS")
     if env:
-        return Endpoint(normalize_address(env), source="MODELD_ADDRESS")
+        return _with_token(Endpoint(normalize_address(env), source="MODELD_ADDRESS"), token, data_dir)
     directory = data_dir or default_data_dir()
     record = read_lease(directory)
     if record is None:
@@ -58,4 +89,5 @@ def discover(address: str | None = None, data_dir: Path | None = None) -> Endpoi
             f"{record.state!r} (pid {record.pid}); start one with `modeld serve`",
             data_dir=str(directory),
         )
-    return Endpoint(record.endpoint, instance_id=record.instance_id, source="lease")
+    found = Endpoint(record.endpoint, instance_id=record.instance_id, source="lease")
+    return _with_token(found, token, directory)

@@ -43,5 +43,5 @@ if ! "$VENV/bin/python" -c "import llama_cpp, sys; sys.exit(llama_cpp.__version_
 fi
 
 echo "setup: installing modeld and its dependencies"
-"${PIP[@]}" install -e ".[dev,llama,openvino,bench]"
+"${PIP[@]}" install -e ".[dev,llama,openvino,bench,http]"
 echo "setup: done ($VENV)"

@@ -14,6 +14,7 @@ from harness import MODELS, Harness, local_harness, wire_harness
 
 IMPLEMENTATIONS = [
     "memory-local",
+    "memory-worker",
     "memory-wire",
     pytest.param("llama-local", marks=pytest.mark.llama),
     pytest.param("llama-wire", marks=pytest.mark.llama),
@@ -25,9 +26,12 @@ IMPLEMENTATIONS = [
 def _harness(name: str) -> Iterator[Harness]:
     backend, transport = name.split("-")
     model = MODELS[backend]()
-    factory = wire_harness if transport == "wire" else local_harness
-    with factory(model) as h:
-        yield h
+    if transport == "wire":
+        with wire_harness(model) as h:
+            yield h
+    else:
+        with local_harness(model, isolation="process" if transport == "worker" else "auto") as h:
+            yield h
 
 
 @pytest.fixture(params=IMPLEMENTATIONS)

@@ -63,3 +63,17 @@ def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM, timeout: float 
         os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
     return proc.returncode, err
+
+
+def serve_http(
+    data_dir: Path, *extra: str, backend: str = "memory", http: str = "127.0.0.1:0", timeout: float = 120
+) -> tuple[subprocess.Popen[str], LeaseRecord]:
+    """A real ``modeld serve --http`` on a free port, its unix socket in ``data_dir``; returns
+    the process and its owner record (``http_endpoint`` is the base URL)."""
+    proc = start_serve(data_dir, data_dir / "s.sock", "--http", http, *extra, backend=backend)
+    try:
+        record = wait_serving(data_dir, timeout=timeout)
+    except TimeoutError:
+        _, err = stop(proc)
+        raise RuntimeError(f"modeld serve --http did not start:\n{err[-3000:]}") from None
+    return proc, record

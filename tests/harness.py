@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from modeld.backends import load_backend
 from modeld.contract import Config, OpenSessionRequest, Service, Session
-from modeld.engine import Engine, Limits
+from modeld.engine import Engine, Limits, LoadedModel
 from modeld.server.daemon import Server, parse_listen
+from modeld.settings import Residency
 
 TEST_LIMITS = Limits(
     max_sessions=8,
@@ -77,6 +77,7 @@ class Harness:
     engine: Engine
     wire: bool
     tmp: Path
+    server: Any = None  # the gRPC Server (wire harnesses)
     _tokenizer: Any = None
 
     @property
@@ -99,29 +100,38 @@ class Harness:
     def open(self, **config: Any) -> Session:
         return self.service.open_session(self.request(**config))
 
-    def runtime(self) -> Any:
-        """A loaded runtime of the harness's model, for tokenizing in assertions."""
+    def loaded(self) -> LoadedModel:
+        """The engine's loaded model of the harness's model (loaded on first use), whose engine
+        tokenizes for the assertions exactly as sessions do."""
         if self._tokenizer is None:
-            backend = load_backend(self.model.backend)
             req = self.request()
-            self._tokenizer = backend.load(req, backend.describe(req))
-        return self._tokenizer
+            self.engine.tokenize(req, "")
+            info = self.engine.describe(req)
+            self._tokenizer = next(
+                m for m in self.engine.models() if m.info.model_digest == info.model_digest
+            )
+        model: LoadedModel = self._tokenizer
+        return model
 
     def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
-        tokens: list[int] = self.runtime().tokenize(text, add_bos=add_bos)
+        model = self.loaded()
+        tokens = model.tokenize(text, False)
+        if add_bos and model.info.add_bos and model.vocab.bos >= 0:
+            tokens.insert(0, model.vocab.bos)
         return tokens
 
     def detokenize(self, tokens: list[int]) -> bytes:
-        runtime = self.runtime()
-        return b"".join(runtime.piece(t) for t in tokens)
+        vocab = self.loaded().vocab
+        return b"".join(vocab.piece(t) for t in tokens)
 
 
 @contextmanager
-def local_harness(model: Model, limits: Limits = TEST_LIMITS) -> Iterator[Harness]:
+def local_harness(model: Model, limits: Limits = TEST_LIMITS, isolation: str = "auto") -> Iterator[Harness]:
     tmp = Path(tempfile.mkdtemp(prefix="mdt"))
-    engine = Engine(backends=(model.backend,), limits=limits)
+    engine = Engine(backends=(model.backend,), limits=limits, residency=Residency(isolation=isolation))
+    name = f"{model.backend}-{'worker' if isolation == 'process' else 'local'}"
     try:
-        yield Harness(f"{model.backend}-local", model, engine, engine, False, tmp)
+        yield Harness(name, model, engine, engine, False, tmp)
     finally:
         engine.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -137,7 +147,7 @@ def wire_harness(model: Model, limits: Limits = TEST_LIMITS) -> Iterator[Harness
     endpoint = server.start()
     client = connect(endpoint, max_message_bytes=limits.max_message_bytes)
     try:
-        yield Harness(f"{model.backend}-wire", model, client, engine, True, tmp)
+        yield Harness(f"{model.backend}-wire", model, client, engine, True, tmp, server)
     finally:
         client.close()
         server.stop(grace=0.2)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from modeld.backends.memory import sample
 from modeld.contract import DecodeConfig
-from modeld.engine.reuse import common_prefix_len, plan_reuse
+from modeld.engine.reuse import Candidate, Loss, classify, common_prefix_len
 from modeld.engine.text import TextAssembler
 from modeld.errors import (
     ERRORS_BY_REASON,
@@ -78,63 +78,51 @@ def test_common_prefix_len_matches_the_naive_definition(a: list[int], b: list[in
     assert common_prefix_len(a, b) == naive
 
 
-def test_plan_keeps_the_common_prefix_only_under_a_compatible_manifest() -> None:
-    resident, target = [1, 2, 3, 4], [1, 2, 9]
-    plan = plan_reuse(
-        resident=resident,
-        resident_manifest=M,
-        resident_prefix_tokens=4,
-        target=target,
-        manifest=M,
-        can_truncate=True,
-    )
-    assert (plan.keep, plan.decision.outcome, plan.decision.reason) == (2, "partial", "diverged")
-    other = ContextManifest(backend="memory", runtime_digest="s", add_bos=True)
-    plan = plan_reuse(
-        resident=resident,
-        resident_manifest=M,
-        resident_prefix_tokens=4,
-        target=[1, 2, 3, 4],
-        manifest=other,
-        can_truncate=True,
-    )
-    assert (plan.keep, plan.decision.reason, plan.decision.field) == (0, "manifest_changed", "runtime_digest")
+def test_keeping_the_whole_candidate_prefix_is_warm_and_less_is_partial() -> None:
+    own = Candidate("kv", "c1", prefix_tokens=4)
+    warm = classify(wanted=6, keep=4, candidate=own, manifest=M)
+    assert (warm.outcome, warm.reason, warm.tier, warm.context) == ("warm", "extended", "kv", "c1")
+    assert classify(wanted=4, keep=4, candidate=own, manifest=M).reason == "full_match"
+    partial = classify(wanted=6, keep=2, candidate=own, manifest=M)
+    assert (partial.outcome, partial.reason, partial.diverged_at_token) == ("partial", "diverged", 2)
 
 
-def test_plan_never_cuts_memory_that_cannot_be_cut() -> None:
-    plan = plan_reuse(
-        resident=[1, 2, 3, 4],
-        resident_manifest=M,
-        resident_prefix_tokens=4,
-        target=[1, 2, 9],
-        manifest=M,
-        can_truncate=False,
-    )
-    assert (plan.keep, plan.decision.reason) == (0, "truncation_unsupported")
-    appended = plan_reuse(
-        resident=[1, 2],
-        resident_manifest=M,
-        resident_prefix_tokens=2,
-        target=[1, 2, 3],
-        manifest=M,
-        can_truncate=False,
-    )
-    assert (appended.keep, appended.decision.reason) == (2, "extended")
+def test_a_restored_snapshot_is_warm_and_names_its_tier() -> None:
+    ram = Candidate("ram", "ab12cd34", prefix_tokens=100, own=False)
+    decision = classify(wanted=120, keep=100, candidate=ram, manifest=M)
+    assert (decision.outcome, decision.reason, decision.tier) == ("warm", "restored_from_ram", "ram")
+    assert "restored from the ram tier" in decision.message
+    disk = classify(wanted=100, keep=100, candidate=Candidate("disk", "x", 100, own=False), manifest=M)
+    assert disk.reason == "restored_from_disk"
 
 
-def test_plan_names_the_previous_runtime_after_a_reload() -> None:
-    old = ContextManifest(backend="memory", model_digest="old")
-    new = ContextManifest(backend="memory", model_digest="new")
-    plan = plan_reuse(
-        resident=[],
-        resident_manifest=None,
-        resident_prefix_tokens=0,
-        target=[1],
-        manifest=new,
-        can_truncate=True,
-        last_manifest=old,
+@pytest.mark.parametrize(
+    ("loss", "changed", "blocked", "reason"),
+    [
+        (Loss("engine_reset", "the worker died"), None, False, "engine_reset"),
+        (Loss("evicted", "its sequence was needed", "ram"), None, False, "evicted"),
+        (Loss("snapshot_rejected", "checksum"), None, False, "snapshot_rejected"),
+        (None, ("runtime_digest", "a", "b"), False, "manifest_changed"),
+        (None, None, True, "truncation_unsupported"),
+        (None, None, False, "empty_cache"),
+    ],
+)
+def test_a_cold_turn_gives_the_most_useful_reason_first(
+    loss: Loss | None, changed: tuple[str, str, str] | None, blocked: bool, reason: str
+) -> None:
+    decision = classify(
+        wanted=10, keep=0, candidate=None, manifest=M, loss=loss, changed=changed, truncation_blocked=blocked
     )
-    assert (plan.decision.reason, plan.decision.field) == ("manifest_changed", "model_digest")
+    assert (decision.outcome, decision.reason) == ("cold", reason)
+    if loss is not None and loss.kind == "evicted":
+        assert decision.tier == "ram"
+    if changed is not None:
+        assert decision.field == "runtime_digest"
+
+
+def test_a_candidate_that_shares_nothing_is_a_divergence_at_token_zero() -> None:
+    decision = classify(wanted=10, keep=0, candidate=Candidate("kv", "c3", 8), manifest=M)
+    assert (decision.outcome, decision.reason, decision.diverged_at_token) == ("cold", "diverged", 0)
 
 
 # --- errors -----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from harness import Harness, llama_model, local_harness, status_answers_during, 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from modeld.backends.base import LoadOptions
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.engine.reuse import common_prefix_len
@@ -65,7 +66,9 @@ def _greedy(session: object, n: int = 10) -> list[int]:
     ],
 )
 def test_prefill_batches_never_leave_a_lone_last_token(n: int, batch: int, sizes: list[int]) -> None:
-    assert llama.chunk_sizes(n, batch) == sizes
+    from modeld.backends.llama_runtime import chunk_sizes
+
+    assert chunk_sizes(n, batch) == sizes
     assert sum(sizes) == n
 
 
@@ -77,22 +80,27 @@ def test_a_lone_token_in_the_middle_of_a_prefill_keeps_cold_numerics() -> None:
     evaluation."""
     import numpy as np
 
+    from modeld.backends import llama_runtime
+
     path = str(testmodels.ensure_model(testmodels.REALISTIC))
     backend = llama.LlamaBackend()
     req = _request(path, num_batch=512)
-    runtime = backend.load(req, backend.describe(req))
+    runtime = backend.load(req, backend.describe(req), LoadOptions(n_seq=1, window=2048, pool_tokens=2048))
     tokens = runtime.tokenize(BASE * 20, add_bos=True)[:300]
 
     def logits() -> object:
-        ptr = llama._llama.llama_get_logits_ith(runtime._ctx, -1)
+        ptr = llama_runtime._llama.llama_get_logits_ith(runtime._ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(runtime._n_vocab,)).copy()
 
-    runtime.extend(tokens, lambda: False)
+    for _ in runtime.sync(0, 0, tokens):
+        pass
     cold = logits()
-    runtime.truncate(0)
+    held = 0
     for piece in (tokens[:150], tokens[150:151], tokens[151:260], tokens[260:261], tokens[261:]):
-        runtime.extend(piece, lambda: False)
-    assert runtime.resident == tokens
+        for _ in runtime.sync(0, held if held else 0, piece):
+            pass
+        held += len(piece)
+    assert list(runtime.resident(0)) == tokens
     assert np.array_equal(logits(), cold)
     runtime.close()
 
@@ -141,13 +149,14 @@ def test_warm_greedy_decoding_equals_cold_after_random_prefix_edits(
     tokens after a warm ensure_prefix equal those of a fresh context evaluating the same text,
     and reuse is exactly the longest common token prefix with what the KV held."""
     _, session = engines
-    runtime = session.model.runtime  # type: ignore[attr-defined]
+    model = session.model  # type: ignore[attr-defined]
     text = BASE
     session.ensure_prefix(PrefixInput(text=text))  # type: ignore[attr-defined]
     for (kind, payload), where in edits:
         text = _apply(text, kind, payload, where)
-        before = list(runtime.resident)
-        wanted = runtime.tokenize(text, add_bos=True)
+        context = session.slot.context  # type: ignore[attr-defined]
+        before = list(context.tokens) if context is not None else []
+        wanted = [model.vocab.bos, *model.tokenize(text, False)]
         status = session.ensure_prefix(PrefixInput(text=text))  # type: ignore[attr-defined]
         assert status.reused_tokens == common_prefix_len(before, wanted)
         assert status.reused_tokens + status.prefilled_tokens == status.prefix_tokens == len(wanted)
@@ -164,12 +173,13 @@ def test_warm_greedy_decoding_equals_cold_after_random_prefix_edits(
 def test_edit_at_token_k_reuses_exactly_k(tiny: str) -> None:
     with Engine(backends=("llama",)) as engine:
         s = engine.open_session(_request(tiny))
-        tokens = s.model.runtime.tokenize(BASE, add_bos=True)
+        vocab = s.model.vocab
+        tokens = [vocab.bos, *s.model.tokenize(BASE, False)]
         s.ensure_prefix(PrefixInput(text=BASE))
         for cut in (5, len(tokens) // 2, len(tokens) - 1):
-            prefix_text = "".join(s.model.runtime.piece(t).decode() for t in tokens[1:cut])
+            prefix_text = "".join(vocab.piece(t).decode() for t in tokens[1:cut])
             edited = prefix_text + "@@@" + BASE[len(prefix_text) + 3 :]
-            k = common_prefix_len(tokens, s.model.runtime.tokenize(edited, add_bos=True))
+            k = common_prefix_len(tokens, [vocab.bos, *s.model.tokenize(edited, False)])
             st_ = s.ensure_prefix(PrefixInput(text=edited))
             assert st_.reused_tokens == k
             assert cut - 1 <= k <= cut  # the edit starts right after token cut-1
@@ -197,13 +207,22 @@ def test_describe_computes_the_kv_cost_from_the_file(tiny: str) -> None:
 
 
 def test_settings_this_build_cannot_honour_are_refused(tiny: str) -> None:
-    engine = Engine(backends=("llama",))
-    with pytest.raises(UnsupportedError, match="flash_attn"):
-        engine.describe(_request(tiny, kv_cache_type="q8_0"))
-    if not llama._llama.llama_supports_gpu_offload():
-        with pytest.raises(UnsupportedError) as err:
-            engine.describe(_request(tiny, tensor_split=(0.5, 0.5)))
-        assert err.value.field == "config.tensor_split"
+    """Refused by name: a quantized KV without flash attention (at describe), GPU settings on a
+    build without GPU offload (when the worker loads the model; nothing stays loaded)."""
+    import llama_cpp
+
+    with Engine(backends=("llama",)) as engine:
+        with pytest.raises(UnsupportedError, match="flash_attn"):
+            engine.describe(_request(tiny, kv_cache_type="q8_0"))
+        if not llama_cpp.llama_supports_gpu_offload():
+            for field, config in (
+                ("config.tensor_split", {"tensor_split": (0.5, 0.5)}),
+                ("config.num_gpu_layers", {"num_gpu_layers": 4}),
+            ):
+                with pytest.raises(UnsupportedError) as err:
+                    engine.open_session(_request(tiny, **config))
+                assert err.value.field == field
+            assert engine.models() == []
 
 
 # --- bad files ------------------------------------------------------------------------------------
@@ -303,9 +322,11 @@ def test_recurrent_model_falls_back_to_a_cold_prefill_never_a_wrong_reuse() -> N
         assert st_.prefilled_tokens == st_.prefix_tokens
         s.prefill_suffix(SuffixInput(text="fix it\n"))
         warm_path = _greedy(s)
-        # After a decode the generated tokens cannot be dropped either: the next turn is cold.
+        # The generated tokens cannot be cut off the recurrent state, but the state at the
+        # prefix boundary was snapshotted when the prefix was computed: it is restored.
         again = s.ensure_prefix(PrefixInput(text=edited))
-        assert again.reuse.reason == "truncation_unsupported"
+        assert (again.reuse.outcome, again.reuse.reason) == ("warm", "restored_from_ram")
+        assert again.reused_tokens == again.prefix_tokens
         with Engine(backends=("llama",)) as cold_engine:
             cold = cold_engine.open_session(req)
             cold.ensure_prefix(PrefixInput(text=edited))

@@ -56,9 +56,7 @@ def test_greedy_tokens_match_llama_cpp_on_the_same_file(tiny: str) -> None:
         a = llama.open_session(_request("llama", tiny))
         b = openvino.open_session(_request("openvino", tiny))
         for prompt in PROMPTS:
-            assert b.model.runtime.tokenize(prompt, add_bos=True) == a.model.runtime.tokenize(
-                prompt, add_bos=True
-            )
+            assert b.model.tokenize(prompt, True) == a.model.tokenize(prompt, True)
             assert _greedy(b, prompt) == _greedy(a, prompt)
 
 
@@ -79,12 +77,13 @@ def warm_session(tiny: str) -> object:
 def test_warm_greedy_decoding_equals_cold_after_prefix_edits(
     warm_session: object, tiny: str, cut: float, insert: str, suffix: str
 ) -> None:
-    runtime = warm_session.model.runtime  # type: ignore[attr-defined]
+    model = warm_session.model  # type: ignore[attr-defined]
     text = BASE[: int(len(BASE) * cut)] + insert + BASE[int(len(BASE) * cut) :]
-    before = list(runtime.resident)
+    context = warm_session.slot.context  # type: ignore[attr-defined]
+    before = list(context.tokens) if context is not None else []
     warm = _greedy(warm_session, text, suffix, n=12)
     status = warm_session.explain_context().last_prefix  # type: ignore[attr-defined]
-    assert status.reused_tokens == common_prefix_len(before, runtime.tokenize(text, add_bos=True))
+    assert status.reused_tokens == common_prefix_len(before, model.tokenize(text, True))
     with Engine(backends=("openvino",)) as cold_engine:
         cold = cold_engine.open_session(_request("openvino", tiny))
         assert _greedy(cold, text, suffix, n=12) == warm
@@ -94,8 +93,8 @@ def test_long_text_is_tokenized_exactly_despite_the_tokenizer_limit(tiny: str) -
     pytest.importorskip("modeld.backends.llama")
     text = Path(__file__).read_text() * 3  # well over 8192 tokens
     with Engine(backends=("llama",)) as llama, Engine(backends=("openvino",)) as openvino:
-        expected = llama.open_session(_request("llama", tiny)).model.runtime.tokenize(text, add_bos=True)
-        got = openvino.open_session(_request("openvino", tiny)).model.runtime.tokenize(text, add_bos=True)
+        expected = llama.open_session(_request("llama", tiny)).model.tokenize(text, True)
+        got = openvino.open_session(_request("openvino", tiny)).model.tokenize(text, True)
     assert len(expected) > ov_backend.TOKENIZER_LIMIT
     assert got == expected
 

@@ -37,21 +37,51 @@ def test_runtime_client_imports_no_engine_backend_or_server() -> None:
 
 def test_public_names_are_pinned() -> None:
     import modeld.contract
+    import modeld.errors
     import runtime_client
 
     assert sorted(runtime_client.__all__) == sorted(
-        """AsyncClient AsyncClientSession BackendMismatchError BuiltContext Client ClientDecodeStream
-        ClientSession Config ContextBuilder ContextManifest ContextOverflowError ContextReport DaemonStatus
-        DaemonUnavailableError DecodeConfig Endpoint Fence InvalidArgumentError ManifestMismatchError ModelInfo
-        ModeldError NotOwnerError OpenSessionRequest PrefixInput PrefixStatus ReuseDecision Segment
-        SessionClosedError SessionSummary StaleFenceError StreamChunk SuffixInput SuffixStatus Usage aconnect
-        connect discover Constraint ToolCall ToolCallDelta ToolLoopResult ToolRound ToolRunner AsyncToolRunner
-        arun_tools run_tools""".split()
+        """AsyncClient AsyncClientSession BackendMismatchError BackendUnavailableError BuiltContext BusyError
+        Client ClientDecodeStream ClientSession Config ContextBuilder ContextManifest ContextOverflowError
+        ContextReport DaemonStatus DaemonUnavailableError DeadlineExceededError DecodeConfig Endpoint EngineError
+        EngineRestartedError Fence InternalError InvalidArgumentError LimitExceededError ManifestMismatchError
+        ModelInfo ModelLoadError ModeldError NoSlotAvailableError NotOwnerError OpenSessionRequest
+        OperationTimeoutError PrefillProgress PrefixInput PrefixRequiredError PrefixStatus ReuseDecision
+        Segment SessionClosedError SessionNotFoundError SessionSummary ShuttingDownError StaleFenceError
+        StallTimeoutError StreamChunk SuffixInput SuffixStatus UnauthenticatedError UnsupportedError Usage
+        WarmContextInfo aconnect connect discover Constraint ToolCall ToolCallDelta ToolLoopResult ToolRound
+        ToolRunner AsyncToolRunner arun_tools run_tools""".split()
     )
     for name in runtime_client.__all__:
         assert hasattr(runtime_client, name)
     for name in modeld.contract.__all__:
         assert hasattr(modeld.contract, name)
+    # `except rc.BusyError` works for every error a tool can receive: all 25 classes are exported.
+    errors = {name for name in modeld.errors.__all__ if name.endswith("Error")}
+    assert len(errors) == 25
+    assert errors <= set(runtime_client.__all__)
+    assert all(getattr(runtime_client, name) is getattr(modeld.errors, name) for name in errors)
+
+
+def test_transports_reach_the_engine_only_through_the_gateway() -> None:
+    """The gRPC servicer and the HTTP endpoint import no engine or backend module; the engine
+    imports no transport (the daemon, the composition root, is the one place that builds both)."""
+    code = (
+        "import sys\n"
+        "import modeld.server.servicer, modeld.server.gateway, modeld.server.http.app\n"
+        "bad = [m for m in sys.modules if m.startswith(('modeld.engine', 'modeld.backends', 'llama_cpp', 'openvino'))]\n"
+        "print(','.join(sorted(bad)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+    code = (
+        "import sys, modeld.engine, modeld.backends.memory, modeld.observe.metrics\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'starlette', 'uvicorn', 'fastapi')"
+        " or m.startswith(('google.protobuf', 'modeld.server', 'modeld.wire'))]\n"
+        "print(','.join(sorted(bad)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
 
 
 def test_implementations_conform_to_the_protocols() -> None:

@@ -23,6 +23,7 @@ from modeld.errors import (
     SessionNotFoundError,
     StaleFenceError,
 )
+from modeld.server.daemon import Server
 from modeld.v1 import modeld_pb2 as pb
 from modeld.wire.status import from_rpc_error
 
@@ -84,7 +85,7 @@ def test_client_disconnect_mid_decode_stops_the_engine(backend: str) -> None:
         next(stream)
         client.close()
         assert _wait_for(lambda: not wire.engine.list_sessions())
-        assert _wait_for(lambda: all(not m.lock.locked() for m in wire.engine._models.values()))
+        assert _wait_for(lambda: all(m.admission.busy == 0 for m in wire.engine.models()))
         with wire.open() as other:  # the model is free again, and what it holds is reusable
             assert other.ensure_prefix(PrefixInput(text="hello world\n")).reuse.outcome == "warm"
 
@@ -101,8 +102,14 @@ def test_malformed_unary_message_is_invalid_argument(wire: Harness) -> None:
     assert wire.service.status().sessions == 0  # type: ignore[attr-defined]
 
 
+def _server(h: Harness) -> Server:
+    server = h.server
+    assert isinstance(server, Server)
+    return server
+
+
 def test_malformed_message_inside_a_session_stream_keeps_the_stream(wire: Harness) -> None:
-    opened = wire.engine.open_session(wire.request())
+    opened = _server(wire).gateway.open(wire.request(), "grpc")
     with _channel(wire) as channel:
         call = channel.stream_stream("/modeld.v1.Modeld/Session")
         attach = pb.SessionRequest(request_id=1, attach=pb.Attach(session_id=opened.session_id))
@@ -156,12 +163,16 @@ def test_a_session_attaches_to_one_stream_only(wire: Harness) -> None:
 
 
 def test_unattached_session_is_reaped(wire: Harness) -> None:
-    opened = wire.engine.open_session(wire.request())
-    opened.opened_at -= wire.engine.limits.attach_timeout_seconds + 1
-    from modeld.server.daemon import Server
-
-    Server.reap_unattached(type("S", (), {"engine": wire.engine, "limits": wire.engine.limits})())  # type: ignore[arg-type]
-    assert opened.closed
+    gateway = _server(wire).gateway
+    opened = gateway.open(wire.request(), "grpc")
+    kept = gateway.open(wire.request(), "http", attached=True)  # another transport's: not reaped
+    opened.opened -= wire.engine.limits.attach_timeout_seconds + 1
+    kept.opened -= wire.engine.limits.attach_timeout_seconds + 1
+    assert gateway.reap_unattached() == [opened.session_id]
+    assert isinstance(opened.ended, SessionClosedError)
+    assert wire.engine.explain(opened.session_id).closed
+    assert [s.session_id for s in gateway.list_sessions()] == [kept.session_id]
+    kept.close()
 
 
 def test_takeover_ends_open_streams_with_stale_fence(wire: Harness) -> None:

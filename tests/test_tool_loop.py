@@ -3,7 +3,7 @@
 Prefill accounting is exact on the memory backend (one token per byte), so "each round
 prefills only the tool result and the template's glue" is checked to the token. The tool-loop
 tests need the engine to parse tool calls (the decode-loop integration of ``modeld.decoding``,
-``blueprints/0013``); until the backend lists the ``grammar`` constraint they skip with that
+``blueprints/0018``); until the backend lists the ``grammar`` constraint they skip with that
 reason, and the lead re-runs them after integrating.
 """
 
@@ -57,7 +57,7 @@ def open_chat(engine: Engine) -> Session:
 
 def needs_tool_calls(session: Session) -> None:
     if "grammar" not in session.info.capabilities.constraints:
-        pytest.skip("the engine does not parse tool calls yet (decode-loop integration, blueprints/0013)")
+        pytest.skip("the engine does not parse tool calls yet (decode-loop integration, blueprints/0018)")
 
 
 def builder_for(session: Session) -> ContextBuilder:
@@ -178,7 +178,7 @@ def test_the_asyncio_loop_over_the_wire(engine: Engine) -> None:
             try:
                 if "grammar" not in session.info.capabilities.constraints:
                     pytest.skip(
-                        "the engine does not parse tool calls yet (decode-loop integration, blueprints/0013)"
+                        "the engine does not parse tool calls yet (decode-loop integration, blueprints/0018)"
                     )
 
                 async def read_file(call: ToolCall) -> str:

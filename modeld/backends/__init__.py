@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib
 
-from modeld.backends.base import Backend, Interrupt, Interrupted, ModelRuntime
+from modeld.backends.base import Backend, Layout, LoadOptions, ModelRuntime, SyncStep, Vocab
 from modeld.contract import BACKEND_TYPES
 from modeld.errors import BackendUnavailableError, InvalidArgumentError
 
-__all__ = ["Backend", "Interrupt", "Interrupted", "ModelRuntime", "load_backend"]
+__all__ = ["Backend", "Layout", "LoadOptions", "ModelRuntime", "SyncStep", "Vocab", "load_backend"]
 
 _MODULES: dict[str, tuple[str, str, str]] = {
     # name: (module, class, what to install)

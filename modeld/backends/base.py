@@ -1,113 +1,184 @@
-"""The narrow interface between the engine and an inference engine.
+"""The seam between modeld and an inference engine: coarse units of work on numbered sequences.
 
-A backend describes and loads models; a loaded model (:class:`ModelRuntime`) owns exactly one
-resident KV sequence and offers the few operations the engine needs to implement the whole
-contract on top: tokenize, cut the KV at a token, evaluate more tokens, generate. Everything
-else -- manifests, reuse decisions, accounting, stop strings, UTF-8 safe streaming, fencing,
-limits -- is the engine's, written once for every backend (``modeld/engine/``).
+A backend has two halves:
 
-Keeping this seam narrow is deliberate: the intended shape is one engine worker process per
-loaded model, and moving a backend into a worker must change only the implementation of this
-interface (see ``blueprints/0001-the-seam.md``).
+* :class:`Backend` (daemon side) describes a model from its file without loading weights or
+  importing the native engine, so the daemon process never loads llama.cpp or OpenVINO itself.
+* :class:`ModelRuntime` (worker side) is one loaded model holding ``Layout.n_seq`` KV sequences.
+  It runs inside a supervised worker process (``modeld/workers/``) or, for the in-memory
+  reference backend, in-process; either way the daemon reaches it only through the messages of
+  ``modeld/workers/protocol.py``, one message per unit of work: the vocabulary once, tokenize,
+  sync a sequence to target tokens, generate a batch of tokens, copy / drop / snapshot /
+  restore a sequence, cancel by message.
 
-Thread-safety: the engine serializes every KV operation (``configure``, ``truncate``, ``extend``,
-``generate``) per runtime. ``tokenize``, ``piece`` and ``is_eog`` must be safe to call at any
-time from any thread.
+Everything else -- manifests, reuse decisions, which warm context lives in which sequence,
+tiers, accounting, stop strings, UTF-8 safe streaming -- is the daemon's, written once for
+every backend (``modeld/engine/``, ``modeld/cache/``). Design record: ``blueprints/0014``.
+
+Step-wise work: :meth:`ModelRuntime.sync` and :meth:`ModelRuntime.generate` are generators, one
+engine step (a prefill batch, or one token) per ``next()``. The worker's scheduler advances the
+generators of several sequences in turn, so a long prefill of one session does not stall the
+decode of another, and a cancel message is honoured between two steps. Every other method is one
+atomic step. All methods are called from one thread (the worker's engine thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
-from modeld.contract import Config, DecodeConfig, ModelInfo, OpenSessionRequest
+from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
 
-__all__ = ["Backend", "Interrupt", "Interrupted", "ModelRuntime"]
-
-Interrupt = Callable[[], bool]
-"""Polled between engine steps; returning True asks the runtime to stop as soon as it can."""
+__all__ = ["Backend", "Layout", "LoadOptions", "ModelRuntime", "SyncStep", "Vocab"]
 
 
-class Interrupted(Exception):  # noqa: N818 - a control-flow signal, not an error
-    """Raised by :meth:`ModelRuntime.extend` when the interrupt fired part way.
+@dataclass(frozen=True, slots=True)
+class Vocab:
+    """What the daemon needs to turn tokens into text itself: sent once, after loading.
 
-    ``resident`` is then a prefix of what was asked for: the KV stays consistent.
+    ``pieces[t]`` is the bytes token ``t`` stands for (empty for control tokens such as BOS);
+    ``eog`` the tokens that end generation; ``bos`` the BOS token (-1 when the model has none).
     """
+
+    pieces: tuple[bytes, ...]
+    eog: frozenset[int]
+    bos: int
+
+    def piece(self, token: int) -> bytes:
+        return self.pieces[token] if 0 <= token < len(self.pieces) else b""
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """How a loaded runtime holds its KV sequences (fixed for the runtime's life).
+
+    ``n_seq`` sequences (ids ``0 .. n_seq-1``), each of at most ``window`` tokens, ``pool_tokens``
+    KV cells in all. ``shared_cells``: :meth:`ModelRuntime.copy` shares the copied cells between
+    the two sequences (llama.cpp's unified KV) instead of duplicating them. ``can_truncate``:
+    a sequence can be cut at any token (False for recurrent memory: it can only be emptied).
+    ``snapshots``: :meth:`ModelRuntime.snapshot` / :meth:`ModelRuntime.restore` work.
+    ``explicit``: modeld decides what the KV holds (False for an engine that owns its cache and
+    reuses blocks by content, like OpenVINO GenAI: sequences are then logical only).
+    ``snapshot_format`` names what a snapshot blob is compatible with (engine build and KV
+    layout); a blob is only ever restored into a runtime that reports the same string.
+    ``kv_bytes_per_token`` is the KV cost of one resident token (all layers, K and V).
+    """
+
+    n_seq: int
+    window: int
+    pool_tokens: int
+    shared_cells: bool = False
+    can_truncate: bool = True
+    snapshots: bool = False
+    explicit: bool = True
+    snapshot_format: str = ""
+    kv_bytes_per_token: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOptions:
+    """How the daemon wants a model loaded (decided by the engine from its settings).
+
+    ``n_seq`` sequences of ``window`` tokens each. ``unified``: one KV pool of ``pool_tokens``
+    cells that every sequence may fill up to its window, sharing copied prefixes (llama.cpp's
+    ``kv_unified``); otherwise each sequence has its own ``window`` cells (``pool_tokens`` is then
+    ``n_seq * window``). ``threads`` 0 means the backend's default.
+    """
+
+    n_seq: int
+    window: int
+    pool_tokens: int
+    unified: bool = False
+    threads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStep:
+    """Progress of :meth:`ModelRuntime.sync`: ``kept`` tokens were kept, then ``evaluated`` of
+    ``total`` new tokens were evaluated. ``kept`` may be less than asked when the memory could
+    not be cut there (recurrent models): the runtime then evaluates from ``kept`` on."""
+
+    kept: int
+    evaluated: int
+    total: int
 
 
 class ModelRuntime(Protocol):
-    """One loaded model and its single resident KV sequence."""
+    """One loaded model and its numbered KV sequences (worker side)."""
 
     @property
-    def info(self) -> ModelInfo:
-        """The model's description (as ``Backend.describe`` gave it when loading)."""
-        ...
+    def layout(self) -> Layout: ...
 
-    @property
-    def n_ctx(self) -> int:
-        """The context window of the current configuration, in tokens."""
-        ...
-
-    @property
-    def resident(self) -> Sequence[int]:
-        """The tokens whose KV is held now, in order (only evaluated tokens)."""
-        ...
-
-    @property
-    def can_truncate(self) -> bool:
-        """Whether :meth:`truncate` may cut at any position (False for recurrent memory)."""
-        ...
+    def vocab(self) -> Vocab: ...
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]: ...
 
-    def piece(self, token: int) -> bytes:
-        """The bytes a token stands for (empty for control tokens such as BOS)."""
+    def resident(self, seq: int) -> Sequence[int]:
+        """The tokens whose KV sequence ``seq`` holds now, in order."""
         ...
 
-    def is_eog(self, token: int) -> bool:
-        """Whether a token ends generation."""
+    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+        """Make ``seq`` hold its first ``keep`` tokens followed by ``tokens``.
+
+        The first step cuts (and yields with ``evaluated == 0``); each further step evaluates
+        one batch. If the consumer stops early, ``seq`` holds a consistent prefix of the target.
+        """
         ...
 
-    def configure(self, config: Config) -> bool:
-        """Make the KV ready for ``config``; True if that emptied it (a different runtime)."""
-        ...
+    def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
+        """Sample up to ``max_tokens`` tokens after what ``seq`` holds.
 
-    def truncate(self, keep: int) -> None:
-        """Drop resident tokens after the first ``keep``. ``keep == 0`` always works."""
-        ...
-
-    def extend(self, tokens: Sequence[int], interrupt: Interrupt) -> None:
-        """Evaluate ``tokens`` after the resident ones (raises :class:`Interrupted`)."""
+        Each yielded token is evaluated (becomes resident) when the generator is resumed, before
+        the next one is sampled; so when the consumer stops, the last yielded token is not
+        resident. The generator ends after yielding an end-of-generation token, or when the
+        window is full. Needs at least one resident token.
+        """
         ...
 
     def check_decode(self, config: DecodeConfig) -> None:
         """Raise ``UnsupportedError`` for anything in ``config`` this runtime cannot honour."""
         ...
 
-    def generate(self, config: DecodeConfig, interrupt: Interrupt) -> Iterator[int]:
-        """Sample tokens from the resident state.
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Make ``dst`` hold the first ``n`` tokens of ``src`` (``dst`` is emptied first)."""
+        ...
 
-        Each yielded token is evaluated (becomes resident) when the iterator is resumed, before
-        the next one is sampled; so when the consumer stops, the last yielded token is not
-        resident. Needs at least one resident token.
-        """
+    def drop(self, seq: int) -> None:
+        """Empty ``seq`` (its cells are freed unless another sequence shares them)."""
+        ...
+
+    def snapshot(self, seq: int) -> bytes:
+        """The state of ``seq`` as an opaque blob (``Layout.snapshots`` must be True)."""
+        ...
+
+    def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
+        """Load a blob taken from a sequence that held ``tokens``; False (and ``seq`` empty) if
+        the engine refused it."""
         ...
 
     def close(self) -> None:
-        """Free the model and its KV."""
+        """Free the model and every sequence."""
         ...
 
 
 class Backend(Protocol):
-    """Describes and loads models of one kind."""
+    """Describes models of one kind (daemon side) and loads them (worker side)."""
 
     @property
     def name(self) -> str: ...
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
-        """Read what the model is and what it can do here, without loading the weights."""
+        """Read what the model is and what it can do here, without loading the weights and
+        without importing the native engine into the calling process."""
         ...
 
-    def load(self, request: OpenSessionRequest, info: ModelInfo) -> ModelRuntime:
-        """Load the model described by ``info``; raises ``ModelLoadError`` naming the file."""
+    def mark_loaded(self, digest: str, loaded: bool) -> None:
+        """A worker mapped (or unmapped) this model's weights, so ``describe`` sizes the context
+        without counting them twice."""
+        ...
+
+    def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> ModelRuntime:
+        """Load the model described by ``info`` as ``options`` say (runs in the worker);
+        raises ``ModelLoadError`` naming the file."""
         ...

@@ -1,47 +1,64 @@
-"""What a GGUF file says about itself, read without loading the weights.
+"""What a GGUF file says about itself, read without loading the weights, at a bounded cost.
 
 Used by ``describe`` on every backend that takes GGUF files (llama.cpp and OpenVINO GenAI):
 
-* validation with clear errors: missing file, a directory (an OpenVINO IR directory is a
-  ``backend_mismatch`` for GGUF backends), wrong magic, unparseable or truncated files;
+* the file is opened safely (:mod:`modeld.backends.probe`: regular files only, never blocking,
+  OS errors as ``model_load_failed``); a directory holding an OpenVINO IR is ``backend_mismatch``;
+* the header is parsed by :mod:`modeld.backends.gguf_header` with every count checked against
+  explicit limits before anything is walked (``gguf.GGUFReader`` took 44 s and 2.4 GB on a 12 MB
+  file of empty strings); only the tokenizer's tokens and merges are kept;
+* what would crash llama.cpp is refused by :mod:`modeld.backends.gguf_checks`, naming the field;
 * the model digest: a documented cheap fingerprint (below), cached per file identity;
-* the dimensions that size the KV cache, the trained context, the tokenizer's identity,
-  the chat template, the BOS/EOS policy, and whether the model's memory can be cut at an
-  arbitrary token (recurrent, hybrid and sliding-window models cannot).
+* the dimensions that size the KV cache, the trained context, the tokenizer's identity, the
+  chat template, the BOS/EOS policy, and whether the model's memory can be cut at an arbitrary
+  token (recurrent, hybrid and sliding-window models cannot).
 
 Model fingerprint ``gguf-v1`` (``blueprints/0009-llama-backend.md``): xxh3-128 of
 ``"modeld.gguf.v1\\0" || u64le(size) || the first 8 MiB || 16 blocks of 64 KiB at evenly spaced
 offsets || the last 64 KiB``. It reads about 9 MiB whatever the file's size, covers the whole
 header, metadata and tensor table of ordinary models, and samples the weights; a replaced
-file with a different size, header or any sampled block gets a new digest.
+file with a different size, header or any sampled block gets a new digest. The tokenizer digest
+(:func:`_tokenizer_digest`) is defined over the raw bytes of the tokenizer values and is
+byte-identical to the one computed with ``gguf.GGUFReader`` before modeld parsed GGUF itself:
+both digests are cache keys.
+
+What not: messages never quote bytes of a file that has not been recognised as GGUF. Limits and
+checks: ``blueprints/0013-probing-and-inventory.md``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import xxhash
 
-from modeld.errors import BackendMismatchError, InvalidArgumentError, ModelLoadError
+from modeld.backends.gguf_checks import HYBRID_ARCHS, RECURRENT_ARCHS, check
+from modeld.backends.gguf_header import ARRAY, LIMITS, STRING, GGUFFormatError, Header
+from modeld.backends.probe import MAX_SHOWN_PATH, FileIdentity, ModelFile, open_model_file, show_path
+from modeld.errors import BackendMismatchError, ModelLoadError
 from modeld.manifest import bytes_hash
 
 __all__ = [
+    "HYBRID_ARCHS",
     "KV_TYPE_BYTES",
+    "LIMITS",
+    "RECURRENT_ARCHS",
     "GGUFInfo",
     "fingerprint",
     "kv_bytes_per_token",
     "read_gguf",
 ]
 
-GGUF_MAGIC = b"GGUF"
 _HEAD = 8 << 20
 _BLOCK = 64 << 10
 _SAMPLES = 16
+_STEP = 1 << 20
 
 KV_TYPE_BYTES: dict[str, tuple[int, int]] = {
     # kv_cache_type: (bytes per block, values per block), as ggml stores them
@@ -52,12 +69,26 @@ KV_TYPE_BYTES: dict[str, tuple[int, int]] = {
     "q4_0": (18, 32),
 }
 
-RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-HYBRID_ARCHS = frozenset({"jamba", "falcon-h1", "plamo2", "granitehybrid", "nemotron_h", "lfm2", "qwen3next"})
+_TOKENIZER_SCALARS: Final = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.add_bos_token",
+    "tokenizer.ggml.add_eos_token",
+)
+_TOKENIZER_ARRAYS: Final = (
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.scores",
+)
+_KEPT_STRINGS: Final = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges"})
 
+_CACHE_SIZE = 64
 _cache_lock = threading.Lock()
-_fingerprints: dict[tuple[str, int, int, int, int], str] = {}
-_infos: dict[str, GGUFInfo] = {}
+_fingerprints: OrderedDict[FileIdentity, str] = OrderedDict()
+_infos: OrderedDict[tuple[str, str], GGUFInfo] = OrderedDict()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,177 +116,180 @@ class GGUFInfo:
     weights_bytes: int
     file_type: int
     tokenizer_model: str = ""  # gpt2 (byte-level BPE), llama (SentencePiece), ...
+    identity: FileIdentity | None = None  # the file when it was described (see probe.changed)
 
     @property
     def can_truncate(self) -> bool:
         return not (self.recurrent or self.hybrid or self.sliding_window > 0)
 
 
-def check_path(raw: str) -> Path:
-    """The path of a GGUF file, or the clear error for what is there instead."""
-    if not raw:
-        raise InvalidArgumentError("a model path is required", field="path")
-    path = Path(raw).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model file {raw!r} does not exist", path=raw)
-    if path.is_dir():
-        if (path / "openvino_model.xml").exists():
-            raise BackendMismatchError(
-                f"{raw!r} is an OpenVINO IR directory; open it with type 'openvino'",
-                requested="gguf",
-                path=raw,
-            )
-        raise ModelLoadError(f"{raw!r} is a directory, not a GGUF file", path=raw)
-    if not os.access(path, os.R_OK):
-        raise ModelLoadError(f"model file {raw!r} is not readable", path=raw)
-    with path.open("rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise ModelLoadError(f"{raw!r} is not a GGUF file (it starts with {magic!r}, not b'GGUF')", path=raw)
-    return path
+# --- fingerprint, digests, describe ----------------------------------------------------------------
 
 
-def fingerprint(path: Path) -> str:
-    """The ``gguf-v1`` fingerprint, cached per (path, device, inode, size, mtime)."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+def _cached(cache: OrderedDict[Any, Any], key: Any) -> Any:
     with _cache_lock:
-        cached = _fingerprints.get(key)
+        value = cache.get(key)
+        if value is not None:
+            cache.move_to_end(key)
+        return value
+
+
+def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    with _cache_lock:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > _CACHE_SIZE:
+            cache.popitem(last=False)
+
+
+def _fingerprint(f: ModelFile) -> str:
+    cached: str | None = _cached(_fingerprints, f.identity)
     if cached is not None:
         return cached
-    size = st.st_size
+    size = f.identity.size
     h = xxhash.xxh3_128()
     h.update(b"modeld.gguf.v1\0" + struct.pack("<Q", size))
-    with path.open("rb") as f:
-        h.update(f.read(_HEAD))
-        if size > _BLOCK:
-            for i in range(_SAMPLES):
-                f.seek((size - _BLOCK) * i // (_SAMPLES - 1))
-                h.update(f.read(_BLOCK))
-            f.seek(size - _BLOCK)
-            h.update(f.read(_BLOCK))
+    for offset in range(0, min(size, _HEAD), _STEP):  # in steps: what is held stays small
+        h.update(f.read_at(offset, min(_STEP, _HEAD - offset)))
+    if size > _BLOCK:
+        for i in range(_SAMPLES):
+            h.update(f.read_at((size - _BLOCK) * i // (_SAMPLES - 1), _BLOCK))
+        h.update(f.read_at(size - _BLOCK, _BLOCK))
     digest = h.hexdigest()
-    with _cache_lock:
-        _fingerprints[key] = digest
+    _remember(_fingerprints, f.identity, digest)
     return digest
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
-    """A metadata value as a plain Python value (string, number, bool or list)."""
-    field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
+def fingerprint(path: os.PathLike[str] | str) -> str:
+    """The ``gguf-v1`` fingerprint of a file, cached per :class:`FileIdentity`."""
+    with open_model_file(os.fspath(path)) as f:
+        return _fingerprint(f)
 
 
-def _tokenizer_digest(reader: Any) -> str:
-    h = xxhash.xxh3_128()
-    for key in (
-        "tokenizer.ggml.model",
-        "tokenizer.ggml.pre",
-        "tokenizer.ggml.bos_token_id",
-        "tokenizer.ggml.eos_token_id",
-        "tokenizer.ggml.add_bos_token",
-        "tokenizer.ggml.add_eos_token",
-    ):
-        h.update(f"{key}={_field(reader, key)!r}\0".encode())
-    for key in (
-        "tokenizer.ggml.tokens",
-        "tokenizer.ggml.token_type",
-        "tokenizer.ggml.merges",
-        "tokenizer.ggml.scores",
-    ):
-        field = reader.fields.get(key)
-        if field is None:
-            h.update(f"{key}=None\0".encode())
+def _tokenizer_digest(h: Header) -> str:
+    x = xxhash.xxh3_128()
+    for key in _TOKENIZER_SCALARS:
+        x.update(f"{key}={h.py(key)!r}\0".encode())
+    for key in _TOKENIZER_ARRAYS:
+        if key not in h.kvs:
+            x.update(f"{key}=None\0".encode())
             continue
-        h.update(f"{key}\0".encode())
-        for part in field.data:
-            h.update(bytes(field.parts[part]))
-    return h.hexdigest()
+        x.update(f"{key}\0".encode())
+        for part in h.leaf_bytes(key):
+            x.update(part)
+    return x.hexdigest()
+
+
+def _open(raw: str) -> ModelFile:
+    try:
+        return open_model_file(raw)
+    except ModelLoadError as exc:
+        if exc.details.get("kind") == "a directory":
+            ir = os.path.join(os.path.expanduser(raw), "openvino_model.xml")
+            if os.path.isfile(ir):
+                raise BackendMismatchError(
+                    f"{show_path(raw)} is an OpenVINO IR directory; open it with type 'openvino'",
+                    requested="gguf",
+                    path=raw[:MAX_SHOWN_PATH],
+                ) from None
+        raise
 
 
 def read_gguf(raw: str) -> GGUFInfo:
-    """Read and validate a GGUF file's metadata (cached per fingerprint)."""
-    path = check_path(raw)
-    digest = fingerprint(path)
-    with _cache_lock:
-        cached = _infos.get(digest)
-    if cached is not None and cached.path == raw:
-        return cached
-    try:
-        import gguf
-    except ImportError as exc:  # pragma: no cover - a dependency of the llama/openvino extras
-        raise ModelLoadError(f"reading GGUF needs the gguf package ({exc})", path=raw) from exc
-    size = path.stat().st_size
-    try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except Exception as exc:
-        raise ModelLoadError(f"{raw!r} is not a valid GGUF file: {exc}", path=raw) from exc
-    try:
-        tensor_end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
-        if tensor_end > size:
+    """Read and validate a GGUF file's metadata (cached per path and fingerprint)."""
+    with _open(raw) as f:
+        try:
+            digest = _fingerprint(f)
+            cached: GGUFInfo | None = _cached(_infos, (raw, digest))
+            if cached is not None:
+                return dataclasses.replace(cached, identity=f.identity)
+            info = _describe(f, digest)
+        except GGUFFormatError as bad:
             raise ModelLoadError(
-                f"{raw!r} is truncated: its tensors need {tensor_end} bytes, the file has {size}",
-                path=raw,
+                f"{show_path(raw)} {bad}", path=raw[:MAX_SHOWN_PATH], **bad.details
+            ) from None
+        except OSError as exc:
+            raise ModelLoadError(
+                f"{show_path(raw)} could not be read ({os.strerror(exc.errno or 0)})",
+                path=raw[:MAX_SHOWN_PATH],
+            ) from None
+        if not f.still_same():
+            raise ModelLoadError(
+                f"{show_path(raw)} changed while it was being read; try again when it is complete",
+                path=raw[:MAX_SHOWN_PATH],
             )
-        arch = str(_field(reader, "general.architecture", ""))
-        if not arch:
-            raise ModelLoadError(f"{raw!r} has no general.architecture", path=raw)
-
-        def hp(key: str, default: Any = None) -> Any:
-            return _field(reader, f"{arch}.{key}", default)
-
-        layers = int(hp("block_count", 0))
-        heads_raw = hp("attention.head_count", 0)
-        kv_raw = hp("attention.head_count_kv", heads_raw)
-        heads = int(max(heads_raw)) if isinstance(heads_raw, list) else int(heads_raw or 0)
-        kv_heads = tuple(int(x) for x in kv_raw) if isinstance(kv_raw, list) else (int(kv_raw or 0),) * layers
-        embd = int(hp("embedding_length", 0))
-        head_dim = embd // heads if heads else 0
-        key_length = int(hp("attention.key_length", head_dim))
-        value_length = int(hp("attention.value_length", head_dim))
-        tokens = _field(reader, "tokenizer.ggml.tokens", []) or []
-        model_kind = str(_field(reader, "tokenizer.ggml.model", ""))
-        add_bos_default = model_kind == "llama"
-        bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
-        eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
-        template = str(_field(reader, "tokenizer.chat_template", "") or "")
-        swa = hp("attention.sliding_window", 0)
-        swa = int(max(swa)) if isinstance(swa, list) else int(swa or 0)
-        ssm = any(k.startswith(f"{arch}.ssm.") or k.startswith(f"{arch}.rwkv") for k in reader.fields)
-        info = GGUFInfo(
-            path=raw,
-            digest=digest,
-            size=size,
-            architecture=arch,
-            name=str(_field(reader, "general.name", "") or path.stem),
-            context_length=int(hp("context_length", 0)),
-            layers=layers,
-            kv_heads=kv_heads,
-            key_length=key_length,
-            value_length=value_length,
-            vocab_size=int(hp("vocab_size", 0) or len(tokens)),
-            tokenizer_digest=_tokenizer_digest(reader),
-            chat_template=template,
-            template_digest=bytes_hash(template) if template else "",
-            add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)),
-            bos_token=str(tokens[bos_id]) if isinstance(bos_id, int) and 0 <= bos_id < len(tokens) else "",
-            eos_token=str(tokens[eos_id]) if isinstance(eos_id, int) and 0 <= eos_id < len(tokens) else "",
-            recurrent=arch in RECURRENT_ARCHS or (ssm and arch not in HYBRID_ARCHS),
-            hybrid=arch in HYBRID_ARCHS,
-            sliding_window=swa,
-            weights_bytes=sum(int(t.n_bytes) for t in reader.tensors),
-            file_type=int(_field(reader, "general.file_type", -1) or -1),
-            tokenizer_model=model_kind,
-        )
-    except ModelLoadError:
-        raise
-    except Exception as exc:
-        raise ModelLoadError(f"{raw!r} has unreadable GGUF metadata: {exc}", path=raw) from exc
-    with _cache_lock:
-        _infos[digest] = info
+    _remember(_infos, (raw, digest), info)
     return info
+
+
+def _describe(f: ModelFile, digest: str) -> GGUFInfo:
+    h = Header(f, keep=_KEPT_STRINGS)
+    h.parse()
+    size = f.identity.size
+    if h.tensor_end > size:
+        raise GGUFFormatError(f"is truncated: its tensors need {h.tensor_end} bytes, the file has {size}")
+    arch_value = h.get("general.architecture")
+    if arch_value is None or arch_value.type != STRING:
+        raise GGUFFormatError("has no general.architecture", field="general.architecture")
+    arch = h.py("general.architecture")
+    if not arch:
+        raise GGUFFormatError("has no general.architecture", field="general.architecture")
+
+    def hp(key: str) -> str:
+        return f"{arch}.{key}"
+
+    layers = h.integer(hp("block_count"))
+    tokens = h.tokens()
+    check(h, arch, layers, tokens)
+    heads_raw = h.integers(hp("attention.head_count")) or [0]
+    kv_raw = h.integers(hp("attention.head_count_kv"))
+    heads = max(heads_raw)
+    if kv_raw is None:
+        kv_heads = tuple(heads_raw) if len(heads_raw) > 1 else (heads_raw[0],) * layers
+    else:
+        kv_heads = (
+            tuple(kv_raw) if h.kvs[hp("attention.head_count_kv")].type == ARRAY else (kv_raw[0],) * layers
+        )
+    embd = h.integer(hp("embedding_length"))
+    head_dim = embd // heads if heads else 0
+    model_kind = str(h.py("tokenizer.ggml.model", ""))
+    bos_id = h.py("tokenizer.ggml.bos_token_id")
+    eos_id = h.py("tokenizer.ggml.eos_token_id")
+    template = str(h.py("tokenizer.chat_template", "") or "")
+    swa_raw = h.integers(hp("attention.sliding_window")) or [0]
+    ssm = any(k.startswith(f"{arch}.ssm.") or k.startswith(f"{arch}.rwkv") for k in h.kvs)
+    return GGUFInfo(
+        path=f.raw,
+        digest=digest,
+        size=size,
+        architecture=arch,
+        name=str(h.py("general.name", "") or f.path.stem),
+        context_length=h.integer(hp("context_length")),
+        layers=layers,
+        kv_heads=kv_heads,
+        key_length=h.integer(hp("attention.key_length"), head_dim),
+        value_length=h.integer(hp("attention.value_length"), head_dim),
+        vocab_size=h.integer(hp("vocab_size")) or len(tokens),
+        tokenizer_digest=_tokenizer_digest(h),
+        chat_template=template,
+        template_digest=bytes_hash(template) if template else "",
+        add_bos=bool(h.py("tokenizer.ggml.add_bos_token", model_kind == "llama")),
+        bos_token=_token(tokens, bos_id),
+        eos_token=_token(tokens, eos_id),
+        recurrent=arch in RECURRENT_ARCHS or (ssm and arch not in HYBRID_ARCHS),
+        hybrid=arch in HYBRID_ARCHS,
+        sliding_window=max(swa_raw),
+        weights_bytes=h.weights_bytes,
+        file_type=int(h.py("general.file_type", -1) or -1),
+        tokenizer_model=model_kind,
+        identity=f.identity,
+    )
+
+
+def _token(tokens: list[bytes], index: Any) -> str:
+    if isinstance(index, int) and 0 <= index < len(tokens):
+        return tokens[index].decode("utf-8", errors="replace")
+    return ""
 
 
 def kv_bytes_per_token(info: GGUFInfo, kv_cache_type: str) -> int:

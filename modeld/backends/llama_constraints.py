@@ -7,7 +7,7 @@ tokens get ``-inf``) before the usual choice: the ``argmax`` fast path when gree
 llama.cpp sampler chain otherwise, unchanged. After a token is chosen, ``accept`` advances the
 constraint. Without a constraint nothing here runs and the greedy path stays a bare ``argmax``.
 
-Why llguidance (measured, ``blueprints/0013-constraints-and-tool-calls.md``): on the realistic
+Why llguidance (measured, ``blueprints/0018-constraints-and-tool-calls.md``): on the realistic
 32k-vocabulary model, a typical tool-call schema costs about 0.03 ms per token with llguidance's
 mask (Rust, computed from the same GBNF) against 6-9 ms per token for llama.cpp's grammar
 sampler, which checks every candidate token against the grammar in turn (decode itself is about

@@ -12,10 +12,11 @@ The model (documented in ``blueprints/0004-memory-backend.md``):
   is the file's xxh3-128; a path that looks like a file (contains ``/``) but does not exist is a
   :class:`~modeld.errors.ModelLoadError`, as on the real backends. Any other name is a virtual
   model whose digest is the hash of the name. Trained context: 32768 tokens.
-* **KV**: a list of token ids; truncation at any token is exact (``can_truncate``).
+* **KV**: each of ``n_seq`` sequences is a list of token ids; truncation at any token is exact
+  (``can_truncate``); a snapshot is the token list with a checksum, and a restore checks both.
 * **Chat**: a ChatML template (markers as plain text) so prompt_format ``chat`` works too.
 * **Simulated latency**: ``DecodeConfig.extra["delay_ms"]`` makes each generated token take
-  that long (interruptibly), so cancellation and disconnects can be tested mid-decode.
+  that long (one engine step each), so cancellation and disconnects can be tested mid-decode.
 * **Decode**: a reply that is a deterministic function of the resident tokens (so warm equals
   cold by construction, and a changed suffix changes the reply): first an echo of the resident
   text's last line, ``[..tail..] `` (up to 24 bytes), then ``16 + h % 48`` pseudo-random
@@ -34,12 +35,12 @@ import struct
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import psutil
 import xxhash
 
-from modeld.backends.base import Interrupt, Interrupted
+from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
+from modeld.backends.probe import ModelFile, open_model_file
 from modeld.contract import Capabilities, Config, DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.errors import InvalidArgumentError, ModelLoadError, UnsupportedError
 from modeld.manifest import bytes_hash
@@ -89,11 +90,10 @@ EXTRA_KEYS = ("delay_ms",)
 _MAX_DELAY_MS = 10_000
 
 
-def _file_digest(path: Path) -> str:
+def _file_digest(model: ModelFile) -> str:
     h = xxhash.xxh3_128()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
+    for chunk in model.chunks():
+        h.update(chunk)
     return h.hexdigest()
 
 
@@ -108,13 +108,11 @@ class MemoryBackend:
         name = request.path or request.model_name
         if not name:
             raise InvalidArgumentError("a model path (or name) is required", field="path")
-        path = Path(name)
         weights = 0
-        if path.is_file():
-            digest = _file_digest(path)
-            weights = path.stat().st_size
-        elif os.sep in name or name.endswith(".gguf"):
-            raise ModelLoadError(f"model file {name!r} does not exist", path=name)
+        if os.path.isfile(name) or os.sep in name or name.endswith(".gguf"):
+            with open_model_file(name) as model:  # regular files only; never blocks
+                digest = _file_digest(model)
+                weights = model.identity.size
         else:
             digest = bytes_hash(f"modeld.memory.model:{name}")
         if request.digest and request.digest != digest:
@@ -154,65 +152,68 @@ class MemoryBackend:
             ),
         )
 
-    def load(self, request: OpenSessionRequest, info: ModelInfo) -> MemoryRuntime:
-        return MemoryRuntime(info, request.config)
+    def mark_loaded(self, digest: str, loaded: bool) -> None:
+        """Nothing to count: a memory model has no weights to map."""
+
+    def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> MemoryRuntime:
+        return MemoryRuntime(info, request.config, options)
+
+
+_SNAPSHOT_MAGIC = b"MKV1"
 
 
 class MemoryRuntime:
-    """A loaded reference model: the KV is a list of token ids."""
+    """A loaded reference model: each KV sequence is a list of token ids."""
 
-    def __init__(self, info: ModelInfo, config: Config) -> None:
+    def __init__(self, info: ModelInfo, config: Config, options: LoadOptions) -> None:
         self._info = info
-        self._tokens: list[int] = []
         self._config = config
-        self._n_ctx = min(info.model_max_context, config.num_ctx)
+        window = min(info.model_max_context, options.window)
+        self._layout = Layout(
+            n_seq=options.n_seq,
+            window=window,
+            pool_tokens=options.pool_tokens if options.unified else options.n_seq * window,
+            shared_cells=options.unified,
+            can_truncate=True,
+            snapshots=True,
+            explicit=True,
+            snapshot_format=f"{BACKEND_VERSION} {'unified' if options.unified else 'split'}",
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        )
+        self._seqs: list[list[int]] = [[] for _ in range(options.n_seq)]
 
     @property
-    def info(self) -> ModelInfo:
-        return self._info
+    def layout(self) -> Layout:
+        return self._layout
 
-    @property
-    def n_ctx(self) -> int:
-        return self._n_ctx
-
-    @property
-    def resident(self) -> Sequence[int]:
-        return self._tokens
-
-    @property
-    def can_truncate(self) -> bool:
-        return True
+    def vocab(self) -> Vocab:
+        pieces = (*(bytes((t,)) for t in range(256)), b"", b"")
+        return Vocab(pieces=pieces, eog=frozenset({EOS}), bos=BOS)
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         data = text.encode("utf-8")
         return [BOS, *data] if add_bos else list(data)
 
-    def piece(self, token: int) -> bytes:
-        return bytes((token,)) if 0 <= token < 256 else b""
+    def _seq(self, seq: int) -> list[int]:
+        if not 0 <= seq < len(self._seqs):
+            raise InvalidArgumentError(f"sequence {seq} does not exist", field="seq")
+        return self._seqs[seq]
 
-    def is_eog(self, token: int) -> bool:
-        return token == EOS
+    def resident(self, seq: int) -> Sequence[int]:
+        return self._seq(seq)
 
-    def configure(self, config: Config) -> bool:
-        if _kv_config(config) == _kv_config(self._config):
-            self._config = config
-            return False
-        self._config = config
-        self._n_ctx = min(self._info.model_max_context, config.num_ctx)
-        self._tokens.clear()
-        return True
-
-    def truncate(self, keep: int) -> None:
-        del self._tokens[keep:]
-
-    def extend(self, tokens: Sequence[int], interrupt: Interrupt) -> None:
-        if len(self._tokens) + len(tokens) > self._n_ctx:  # the engine checks first; be safe
+    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+        held = self._seq(seq)
+        if keep + len(tokens) > self._layout.window:  # the engine checks first; be safe
             raise InvalidArgumentError("tokens exceed the context window", field="tokens")
+        del held[keep:]
+        kept = len(held)
+        total = len(tokens)
+        yield SyncStep(kept, 0, total)
         step = max(1, self._config.num_batch)
-        for start in range(0, len(tokens), step):
-            if interrupt():
-                raise Interrupted
-            self._tokens.extend(tokens[start : start + step])
+        for start in range(0, total, step):
+            held.extend(tokens[start : start + step])
+            yield SyncStep(kept, min(total, start + step), total)
 
     def check_decode(self, config: DecodeConfig) -> None:
         for key in config.extra:
@@ -228,23 +229,20 @@ class MemoryRuntime:
                 field="extra.delay_ms",
             )
 
-    def generate(self, config: DecodeConfig, interrupt: Interrupt) -> Iterator[int]:
-        if not self._tokens:
+    def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
+        held = self._seq(seq)
+        if not held:
             raise InvalidArgumentError("nothing resident to decode from", field="resident")
-        data = bytes(t for t in self._tokens if t < 256)
-        state = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(self._tokens)}I", *self._tokens))
+        data = bytes(t for t in held if t < 256)
+        state = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(held)}I", *held))
         rng = random.Random(config.seed if config.seed is not None else int.from_bytes(os.urandom(8)))
         forced = list(_echo(data))
         free = 16 + state % 48
         recent: list[int] = []
         delay = int(config.extra.get("delay_ms", "0")) / 1000.0
-        while True:
+        for produced in range(max_tokens):
             if delay:
-                deadline = time.monotonic() + delay
-                while time.monotonic() < deadline:
-                    if interrupt():
-                        return
-                    time.sleep(min(0.005, delay))
+                time.sleep(delay)
             if forced:
                 token = forced.pop(0)
             elif free <= 0:
@@ -260,27 +258,45 @@ class MemoryRuntime:
                 recent = [*recent, choice][-_REPEAT_WINDOW:]
                 free -= 1
             yield token
-            if interrupt():
+            if token == EOS or produced + 1 >= max_tokens or len(held) >= self._layout.window:
                 return
             # The consumer resumed: the token is evaluated (becomes resident).
-            if len(self._tokens) >= self._n_ctx:
-                return
-            self._tokens.append(token)
+            held.append(token)
             state = xxhash.xxh3_64_intdigest(struct.pack("<QI", state, token))
 
+    def copy(self, src: int, dst: int, n: int) -> None:
+        source = self._seq(src)
+        self._seq(dst)
+        self._seqs[dst] = list(source[:n])
+
+    def drop(self, seq: int) -> None:
+        self._seq(seq).clear()
+
+    def snapshot(self, seq: int) -> bytes:
+        held = self._seq(seq)
+        body = struct.pack(f"<I{len(held)}I", len(held), *held)
+        return _SNAPSHOT_MAGIC + body + xxhash.xxh3_64_digest(body)
+
+    def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
+        held = self._seq(seq)
+        held.clear()
+        if len(blob) < 16 or blob[:4] != _SNAPSHOT_MAGIC:
+            return False
+        body, check = blob[4:-8], blob[-8:]
+        if xxhash.xxh3_64_digest(body) != check or len(body) < 4:
+            return False
+        (n,) = struct.unpack_from("<I", body)
+        if len(body) != 4 + 4 * n or n > self._layout.window:
+            return False
+        restored = list(struct.unpack_from(f"<{n}I", body, 4))
+        if restored != list(tokens):
+            return False
+        held.extend(restored)
+        return True
+
     def close(self) -> None:
-        self._tokens.clear()
-
-
-def _kv_config(config: Config) -> tuple[object, ...]:
-    return (
-        config.num_ctx,
-        config.num_batch,
-        config.num_gpu_layers,
-        config.tensor_split,
-        config.flash_attn,
-        config.kv_cache_type,
-    )
+        for held in self._seqs:
+            held.clear()
 
 
 def _echo(data: bytes) -> bytes:

@@ -21,7 +21,7 @@ no logit bias: ``logit_bias`` is refused as ``unsupported``.
 
 What not: no generation loop (the backend owns it). OpenVINO enforces the grammar inside its
 sampler, so the engine cannot see a dead end: the decode loop should run the constraint's byte
-matcher over the output (``blueprints/0013``) and report ``constraint_failed`` if the model
+matcher over the output (``blueprints/0018``) and report ``constraint_failed`` if the model
 stopped before the grammar was complete.
 """
 

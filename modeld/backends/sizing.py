@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+from modeld.backends.probe import MAX_SHOWN_PATH, show_path
 from modeld.errors import ModelLoadError
 
 __all__ = ["WeightsInUse", "check_digest", "effective_context"]
@@ -18,9 +19,9 @@ def check_digest(path: str, requested: str, actual: str) -> None:
     """Refuse a request whose digest does not name the file as it is now."""
     if requested and requested != actual:
         raise ModelLoadError(
-            f"model {path!r} has digest {actual}, the request asked for {requested}",
-            path=path,
-            expected=requested,
+            f"model {show_path(path)} has digest {actual}, the request asked for {show_path(requested)}",
+            path=path[:MAX_SHOWN_PATH],
+            expected=requested[:MAX_SHOWN_PATH],
             actual=actual,
         )
 

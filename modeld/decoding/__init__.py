@@ -15,5 +15,5 @@ it. The modules:
   call (``tool_choice``), and tells exit tools (signals) apart;
 * :mod:`~modeld.decoding.guard` stops a model that repeats one line.
 
-The design record is ``blueprints/0013-constraints-and-tool-calls.md``.
+The design record is ``blueprints/0018-constraints-and-tool-calls.md``.
 """

@@ -6,7 +6,7 @@ for every backend: see :mod:`modeld.decoding.gbnf`) and parses that into a :clas
 The result is cached by the constraint's digest (xxh3-128 of kind and value), so a tool-call
 schema sent every turn is compiled once per process.
 
-Backends use the result as follows (``blueprints/0013-constraints-and-tool-calls.md``):
+Backends use the result as follows (``blueprints/0018-constraints-and-tool-calls.md``):
 
 * memory: ``compiled.byte_matcher()`` (exact, pure Python);
 * llama.cpp: :mod:`modeld.backends.llama_constraints` (llguidance over ``compiled.gbnf``, or

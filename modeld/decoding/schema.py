@@ -13,7 +13,7 @@ validate. Here a keyword that cannot be honoured is ``unsupported`` with its JSO
 a schema that is not valid JSON or has a keyword of the wrong shape is ``invalid_argument``
 with its position (line and column) or pointer.
 
-The subset (``blueprints/0013-constraints-and-tool-calls.md``): ``type`` (one or a list),
+The subset (``blueprints/0018-constraints-and-tool-calls.md``): ``type`` (one or a list),
 ``enum``, ``const``, ``anyOf``, ``allOf`` of one schema, local ``$ref`` (``#``, ``#/$defs/..``,
 ``#/definitions/..``, recursion allowed); strings with ``minLength``/``maxLength`` or a
 ``pattern`` (the regex subset of :mod:`modeld.decoding.regex`, full matches, no characters that

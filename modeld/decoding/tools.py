@@ -11,7 +11,7 @@ What:
   model's format around ``{"name": ..., "arguments": <the tool's parameters schema>}``, so even
   a weak model writes a well-formed call with valid arguments.
 
-Formats (``blueprints/0013-constraints-and-tool-calls.md``)::
+Formats (``blueprints/0018-constraints-and-tool-calls.md``)::
 
     hermes   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (Hermes, Qwen 2/2.5/3)
     llama3   {"name": "f", "parameters": {...}}   at the start of the answer, optionally after

@@ -18,21 +18,26 @@ as ``tools``. Where each segment's text lands in the rendered text is recorded, 
 ranges can still be reported (a segment the template altered gets none).
 
 ``tojson`` behaves like Hugging Face's (no key sorting, no HTML escaping), not Jinja's.
+
+Jinja2 is imported on first use: the base package (no extras) serves prompt_format ``raw``
+without it, and a chat session there fails with ``unsupported`` naming the extra to install.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import jinja2
-import jinja2.sandbox
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from modeld.errors import InvalidArgumentError, UnsupportedError
 from modeld.manifest import Segment
+
+if TYPE_CHECKING:
+    import jinja2
 
 __all__ = ["ChatRenderer", "Message", "Rendered", "messages_for"]
 
@@ -89,18 +94,34 @@ def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_
     return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+def _jinja2() -> ModuleType:
+    """The jinja2 module (with its sandbox), or ``unsupported`` naming the extra to install."""
+    try:
+        module = importlib.import_module("jinja2")
+        importlib.import_module("jinja2.sandbox")
+    except ImportError as exc:
+        raise UnsupportedError(
+            "prompt_format 'chat' renders the model's template with jinja2, which is not installed "
+            f"({exc.name}); install modeld[http] (or the llama/openvino extra), or use prompt_format 'raw'",
+            field="config.prompt_format",
+        ) from None
+    return module
+
+
 def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
+    raise _jinja2().TemplateError(message)
 
 
 @functools.lru_cache(maxsize=16)
 def _compile(template: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        loader=jinja2.BaseLoader(), trim_blocks=True, lstrip_blocks=True
+    jinja = _jinja2()
+    env = jinja.sandbox.ImmutableSandboxedEnvironment(
+        loader=jinja.BaseLoader(), trim_blocks=True, lstrip_blocks=True
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
-    return env.from_string(template)
+    compiled: jinja2.Template = env.from_string(template)
+    return compiled
 
 
 class ChatRenderer:
@@ -111,9 +132,10 @@ class ChatRenderer:
             raise UnsupportedError(
                 "this model has no chat template; use prompt_format 'raw'", field="prompt_format"
             )
+        self._jinja = _jinja2()
         try:
             self._template = _compile(template)
-        except jinja2.TemplateError as exc:
+        except self._jinja.TemplateError as exc:
             raise UnsupportedError(
                 f"the model's chat template does not compile: {exc}", field="prompt_format"
             ) from exc
@@ -131,7 +153,7 @@ class ChatRenderer:
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
             )
-        except jinja2.TemplateError as exc:
+        except self._jinja.TemplateError as exc:
             raise UnsupportedError(
                 f"the model's chat template refused this context: {exc}", field="prompt_format"
             ) from exc

@@ -1,8 +1,11 @@
-"""The Service: describes models, opens sessions, keeps models and their KV warm.
+"""The Service: describes models, opens sessions, keeps models and their warm state.
 
 :class:`Engine` implements :class:`~modeld.contract.Service` over any backend. It owns the
-session registry, owner fencing, limits and the set of loaded models (see
-``blueprints/0001-the-seam.md``); the per-session contract lives in ``engine/session.py``.
+session registry, owner fencing, limits, the set of loaded models (each with its supervised
+engine worker, warm-state cache and admission slots: ``engine/model.py``) and the daemon-wide
+RAM and disk tiers (``modeld/cache/tiers.py``). The per-session contract lives in
+``engine/session.py``; design records ``blueprints/0001``, ``0016`` (warm state) and ``0017``
+(workers).
 """
 
 from __future__ import annotations
@@ -17,21 +20,32 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
+
+import psutil
 
 from modeld import __version__
 from modeld.backends import Backend, load_backend
+from modeld.backends.base import LoadOptions
+from modeld.cache.residency import CacheSettings
+from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import (
+    Accelerator,
     ContextReport,
     DaemonStatus,
+    LoadedModelSummary,
+    Machine,
     ModelInfo,
     OpenSessionRequest,
     SessionSummary,
+    TierStatus,
+    WorkerInfo,
 )
 from modeld.engine.limits import Limits
-from modeld.engine.model import EngineThread, LoadedModel
+from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
-from modeld.engine.session import EngineSession, config_runtime_digest
-from modeld.engine.validate import validate_request
+from modeld.engine.session import EngineSession, warm_contexts
+from modeld.engine.validate import encode_text, validate_request
 from modeld.errors import (
     BackendMismatchError,
     InvalidArgumentError,
@@ -42,11 +56,34 @@ from modeld.errors import (
     ShuttingDownError,
     UnsupportedError,
 )
-from modeld.manifest import ContextManifest
+from modeld.manifest import ContextManifest, config_runtime_digest
+from modeld.settings import ISOLATIONS, Residency, RestartPolicy, Timeouts
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "EngineObserver"]
 
 log = logging.getLogger("modeld.engine")
+
+_MODEL_OVERHEAD = 256 << 20
+"""Memory counted per loaded model beyond weights and KV (compute buffers, the worker)."""
+_JANITOR_SECONDS = 2.0
+
+
+class EngineObserver(Protocol):
+    """What the engine reports as it happens, to metrics and health (the daemon subscribes).
+
+    Called on engine threads; an observer must be quick and must not raise."""
+
+    def queue_waited(self, seconds: float) -> None:
+        """An operation waited ``seconds`` for a slot of a busy model."""
+        ...
+
+    def worker_restarted(self) -> None:
+        """An engine worker died (or hung) and is being restarted."""
+        ...
+
+    def model_state(self, model_name: str, state: str) -> None:
+        """A loaded model's worker changed state (ready, restarting, failed, stopped)."""
+        ...
 
 
 class Engine:
@@ -60,6 +97,11 @@ class Engine:
         owner: Owner | None = None,
         limits: Limits | None = None,
         endpoint: str = "",
+        residency: Residency | None = None,
+        timeouts: Timeouts | None = None,
+        restart: RestartPolicy | None = None,
+        data_dir: Path | None = None,
+        worker_log_level: str = "INFO",
     ) -> None:
         if not backends:
             raise InvalidArgumentError("at least one backend is required", field="backends")
@@ -67,18 +109,54 @@ class Engine:
         self.default_backend = default_backend or self.backend_names[0]
         self.owner = owner or Owner()
         self.limits = limits or Limits()
+        self.residency = residency or Residency()
+        if self.residency.isolation not in ISOLATIONS:
+            raise InvalidArgumentError(
+                f"isolation must be one of {', '.join(ISOLATIONS)}, got {self.residency.isolation!r}",
+                field="isolation",
+            )
+        self.timeouts = timeouts or Timeouts()
+        self.restart = restart or RestartPolicy()
         self.endpoint = endpoint
+        self.data_dir = data_dir
+        self.worker_log_level = worker_log_level
         self.started_at = time.time()
         self._started_mono = time.monotonic()
+        ram, disk = default_budgets(data_dir, available_ram=psutil.virtual_memory().available)
+        self.tiers = Tiers(
+            data_dir=data_dir,
+            ram_bytes=ram if self.residency.ram_tier_bytes < 0 else self.residency.ram_tier_bytes,
+            disk_bytes=disk if self.residency.disk_tier_bytes < 0 else self.residency.disk_tier_bytes,
+        )
+        total = psutil.virtual_memory().total
+        self.memory_budget = (
+            int(total * 0.9) if self.residency.memory_budget_bytes < 0 else self.residency.memory_budget_bytes
+        )
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
-        self._models: dict[tuple[str, str, str, str], LoadedModel] = {}
-        self._last_manifest: dict[tuple[str, str], ContextManifest] = {}
+        self._models: dict[ModelKey, LoadedModel] = {}
+        self._last_identity: dict[tuple[str, str], ContextManifest] = {}
         self._sessions: dict[str, EngineSession] = {}
         self._closed: OrderedDict[str, ContextReport] = OrderedDict()
         self._stopping = False
+        self._restarts = 0
+        self._observers: list[EngineObserver] = []
+        self._janitor_stop = threading.Event()
         self.owner.on_revoke(self._on_revoke)
+        threading.Thread(target=self._janitor, name="engine-janitor", daemon=True).start()
+
+    # --- observers ----------------------------------------------------------------------
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self._observers.append(observer)
+
+    def _notify(self, event: str, *args: object) -> None:
+        for observer in list(self._observers):
+            try:
+                getattr(observer, event)(*args)
+            except Exception:
+                log.exception("an engine observer failed on %s", event)
 
     # --- Service -------------------------------------------------------------------------
 
@@ -99,23 +177,16 @@ class Engine:
         return kind
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
-        validate_request(request, self.limits)
+        request = validate_request(request, self.limits)
         return self.backend(self._resolve_type(request)).describe(request)
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
-        validate_request(request, self.limits)
+        request = validate_request(request, self.limits)
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         epoch = self.owner.check_open(request.fence)
         kind = self._resolve_type(request)
-        with self._lock:
-            if len(self._sessions) >= self.limits.max_sessions:
-                raise LimitExceededError(
-                    f"{len(self._sessions)} sessions are open; the limit is {self.limits.max_sessions}",
-                    limit="max_sessions",
-                    value=len(self._sessions) + 1,
-                    maximum=self.limits.max_sessions,
-                )
+        self._check_session_room()
         info = self.backend(kind).describe(request)
         config = request.config
         if config.prompt_format not in info.capabilities.prompt_formats:
@@ -137,63 +208,183 @@ class Engine:
             )
         config = replace(config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
-        session = EngineSession(self, model, request, info, config, epoch)
+        try:
+            session = EngineSession(self, model, request, info, config, epoch)
+            self._check_session_room()
+        except BaseException:
+            with self._lock:
+                model.sessions -= 1
+            raise
+        with self._lock:
+            self._sessions[session.session_id] = session
+        log.info("session %s opened on %s %s (epoch %d)", session.session_id, kind, info.path, epoch)
+        return session
+
+    def _check_session_room(self) -> None:
         with self._lock:
             if len(self._sessions) >= self.limits.max_sessions:
-                model.sessions -= 1
                 raise LimitExceededError(
                     f"{len(self._sessions)} sessions are open; the limit is {self.limits.max_sessions}",
                     limit="max_sessions",
                     value=len(self._sessions) + 1,
                     maximum=self.limits.max_sessions,
                 )
-            self._sessions[session.session_id] = session
-        log.info("session %s opened on %s %s (epoch %d)", session.session_id, kind, info.path, epoch)
-        return session
+
+    def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
+        """The token ids of ``text`` under a model (no BOS), loading the model if needed.
+
+        Opens no session and changes nothing resident: a tool budgets a repo map with it.
+        """
+        request = validate_request(request, self.limits)
+        encode_text(text, "text", self.limits)
+        if self._stopping:
+            raise ShuttingDownError("the daemon is shutting down")
+        kind = self._resolve_type(request)
+        info = self.backend(kind).describe(request)
+        config = replace(request.config, num_ctx=info.effective_context)
+        model = self._model_for(kind, replace(request, config=config), info)
+        try:
+            return model.tokenize(text, False)
+        finally:
+            with self._lock:
+                model.sessions -= 1
+
+    def _options(self, kind: str, config_window: int, threads: int) -> LoadOptions:
+        r = self.residency
+        unified = r.kv_unified and kind in ("llama", "memory")
+        n_seq = max(1, r.sequences)
+        pool = (r.pool_tokens or n_seq * config_window) if unified else n_seq * config_window
+        return LoadOptions(
+            n_seq=n_seq, window=config_window, pool_tokens=pool, unified=unified, threads=threads
+        )
+
+    def _isolation(self, kind: str) -> str:
+        chosen = self.residency.isolation
+        if chosen == "auto":
+            return "inline" if kind == "memory" else "process"
+        return chosen
 
     def _model_for(self, kind: str, request: OpenSessionRequest, info: ModelInfo) -> LoadedModel:
         """The loaded model for (backend, path, digest, runtime config), loading it if needed.
 
-        Each runtime config gets its own context, so tools with different windows or KV types
-        each stay warm (with mmap'd weights a second context of a file costs only its KV);
-        ``max_loaded_models`` bounds how many are kept.
-        """
+        Each runtime config gets its own engine worker, so tools with different windows or KV
+        types each stay warm (llama.cpp maps the weights: a second context costs its KV).
+        Loading beyond ``max_loaded_models`` or the memory budget first unloads the least
+        recently used model that has no session (its warm contexts go to the tiers)."""
         key = (kind, info.path, info.model_digest, config_runtime_digest(request.config))
         with self._load_lock:
             with self._lock:
                 model = self._models.get(key)
-                if model is not None:
+                if model is not None and model.supervisor.state != "stopped":
                     model.sessions += 1
                     return model
-                self._evict_for_load()
-            thread = EngineThread(Path(info.path).name[:12] or kind)
-            try:
-                runtime = thread.run(self.backend(kind).load, request, info)
-            except BaseException:
-                thread.shutdown()
-                raise
-            model = LoadedModel(key, runtime, info, thread)
+            options = self._options(kind, request.config.num_ctx, request.config.num_threads)
+            cost = (
+                info.weights_bytes + options.pool_tokens * max(0, info.kv_bytes_per_token) + _MODEL_OVERHEAD
+            )
+            self._make_room_for_load(cost)
+            model = LoadedModel(
+                key,
+                request,
+                info,
+                options,
+                isolation=self._isolation(kind),
+                tiers=self.tiers,
+                cache_settings=CacheSettings(
+                    snapshot_min_tokens=self.residency.snapshot_min_tokens,
+                    persist_min_tokens=self.residency.persist_min_tokens,
+                ),
+                timeouts=self.timeouts,
+                restart=self.restart,
+                slots=self.residency.slots,
+                max_queue=self.residency.max_queue,
+                wait_seconds=self.limits.model_wait_seconds,
+                log_level=self.worker_log_level,
+                on_restart=self._worker_restarted,
+                on_state=lambda name, state: self._notify("model_state", name, state),
+                on_wait=lambda seconds: self._notify("queue_waited", seconds),
+            )
+            model.cost = cost
             model.sessions = 1
+            self.backend(kind).mark_loaded(info.model_digest, True)
             with self._lock:
                 self._models[key] = model
-            log.info("loaded %s model %s (%s)", kind, info.path, info.model_digest[:12])
+            log.info(
+                "loaded %s model %s (%s): %d sequences of %d tokens, %s",
+                kind,
+                info.path,
+                info.model_digest[:12],
+                model.layout.n_seq,
+                model.layout.window,
+                model.isolation,
+            )
             return model
 
-    def _evict_for_load(self) -> None:
-        while len(self._models) >= self.limits.max_loaded_models:
-            idle = [m for m in self._models.values() if m.sessions == 0 and not m.lock.locked()]
+    def _make_room_for_load(self, cost: int) -> None:
+        while True:
+            with self._lock:
+                loaded = list(self._models.values())
+            used = sum(m.cost for m in loaded)
+            if len(loaded) < self.limits.max_loaded_models and used + cost <= self.memory_budget:
+                return
+            idle = [m for m in loaded if m.sessions == 0 and m.admission.busy == 0]
             if not idle:
+                if len(loaded) >= self.limits.max_loaded_models:
+                    raise LimitExceededError(
+                        f"{len(loaded)} models are loaded and in use; the limit is {self.limits.max_loaded_models}",
+                        limit="max_loaded_models",
+                        value=len(loaded) + 1,
+                        maximum=self.limits.max_loaded_models,
+                    )
                 raise LimitExceededError(
-                    f"{len(self._models)} models are loaded and in use; the limit is "
-                    f"{self.limits.max_loaded_models}",
-                    limit="max_loaded_models",
-                    value=len(self._models) + 1,
-                    maximum=self.limits.max_loaded_models,
+                    f"loading this model needs about {cost >> 20} MiB; the loaded models in use take "
+                    f"{used >> 20} MiB of the {self.memory_budget >> 20} MiB memory budget",
+                    limit="memory_budget_bytes",
+                    value=used + cost,
+                    maximum=self.memory_budget,
                 )
             victim = min(idle, key=lambda m: m.last_used_at)
-            del self._models[victim.key]
-            victim.close()
-            log.info("unloaded idle model %s to make room", victim.info.path)
+            self._unload(
+                victim, "it was the least recently used idle model and another model needed the room"
+            )
+
+    def _unload(self, model: LoadedModel, why: str) -> None:
+        with self._lock:
+            if self._models.get(model.key) is model:
+                del self._models[model.key]
+        model.cache.retire(f"the model was unloaded: {why}")
+        model.close(persist=False)
+        self.backend(model.key[0]).mark_loaded(model.info.model_digest, False)
+        log.info("unloaded model %s: %s", model.info.path, why)
+
+    def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
+        with self._lock:
+            self._restarts += 1
+        log.warning("engine worker of %s lost its state: %s", model.info.path, error.message)
+        self._notify("worker_restarted")
+
+    # --- what sessions ask (SessionHost) -------------------------------------------------------
+
+    def forget(self, session: EngineSession, report: ContextReport) -> None:
+        with self._lock:
+            if self._sessions.pop(session.session_id, None) is None:
+                return
+            session.model.sessions -= 1
+            self._closed[session.session_id] = report
+            while len(self._closed) > self.limits.closed_reports_kept:
+                self._closed.popitem(last=False)
+
+    def changed(self, model: LoadedModel, identity: ContextManifest) -> tuple[str, str, str] | None:
+        with self._lock:
+            last = self._last_identity.get((model.key[0], model.key[1]))
+        if last is None:
+            return None
+        compat = last.compatible_runtime(identity)
+        return None if compat.ok else (compat.field, compat.ours, compat.theirs)
+
+    def touched(self, model: LoadedModel, identity: ContextManifest) -> None:
+        with self._lock:
+            self._last_identity[(model.key[0], model.key[1])] = identity
 
     # --- registry and observers ----------------------------------------------------------
 
@@ -208,6 +399,10 @@ class Engine:
         with self._lock:
             return list(self._sessions.values())
 
+    def models(self) -> list[LoadedModel]:
+        with self._lock:
+            return list(self._models.values())
+
     def list_sessions(self) -> list[SessionSummary]:
         return [s.summary() for s in self.sessions()]
 
@@ -221,9 +416,9 @@ class Engine:
             return closed
         raise SessionNotFoundError(session_id)
 
-    def status(self) -> DaemonStatus:
+    def status(self, *, debug: bool = False) -> DaemonStatus:
         with self._lock:
-            models = tuple(m.summary() for m in self._models.values())
+            models = tuple(self._model_summary(m, debug=debug) for m in self._models.values())
             sessions = len(self._sessions)
         return DaemonStatus(
             instance_id=self.owner.instance_id,
@@ -239,31 +434,95 @@ class Engine:
             sessions=sessions,
             limits=self.limits.as_dict(),
             owner_lost=self.owner.lost or "",
+            tiers=self._tier_status(),
+            machine=self.machine(),
+            settings={
+                **self.residency.as_dict(),
+                **{f"timeout_{k}": str(v) for k, v in _fields(self.timeouts).items()},
+            },
         )
 
-    def _forget(self, session: EngineSession, report: ContextReport) -> None:
-        with self._lock:
-            if self._sessions.pop(session.session_id, None) is None:
-                return
-            session.model.sessions -= 1
-            self._closed[session.session_id] = report
-            while len(self._closed) > self.limits.closed_reports_kept:
-                self._closed.popitem(last=False)
+    def _tier_status(self) -> TierStatus:
+        stats = self.tiers.stats()
+        return TierStatus(
+            **{k: v for k, v in stats.items() if k in TierStatus.__dataclass_fields__},  # type: ignore[arg-type]
+            memory_budget=self.memory_budget,
+            recent_rejections=tuple(
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.at))} {r.file}: {r.reason}"
+                for r in self.tiers.rejections
+            ),
+        )
 
-    def _remember(self, model: LoadedModel, manifest: ContextManifest) -> None:
-        self._last_manifest[(model.key[0], model.key[1])] = manifest
+    def machine(self) -> Machine:
+        """The machine, for placement (hardware inventory; never waits for a slow probe)."""
+        from modeld.observe.hardware import inventory
 
-    def _last_manifest_for(self, model: LoadedModel) -> ContextManifest | None:
-        return self._last_manifest.get((model.key[0], model.key[1]))
+        hw = inventory(self.data_dir, wait=False)
+        accelerators = tuple(
+            Accelerator(
+                kind="nvidia", name=g.name, memory_bytes=g.memory_total_bytes, driver=g.driver_version
+            )
+            for g in hw.gpus
+        ) + tuple(
+            Accelerator(kind="openvino", name=d.full_name or d.name, memory_bytes=d.memory_total_bytes or 0)
+            for d in hw.openvino_devices
+        )
+        return Machine(
+            cpu_count=hw.cpu_count,
+            ram_total_bytes=hw.ram_total_bytes,
+            ram_available_bytes=hw.ram_available_bytes,
+            disk_free_bytes=hw.disk_free_bytes,
+            accelerators=accelerators,
+            problems=tuple(f"{part}: {why}" for part, why in hw.problems),
+        )
+
+    def _model_summary(self, model: LoadedModel, *, debug: bool) -> LoadedModelSummary:
+        base = model.summary()
+        worker = model.supervisor.status(debug=debug)
+        return replace(
+            base,
+            sequences=model.layout.n_seq,
+            pool_tokens=model.layout.pool_tokens,
+            kv_bytes_per_token=model.layout.kv_bytes_per_token,
+            slots=model.admission.slots,
+            busy_slots=model.admission.busy,
+            queued=model.admission.queued,
+            contexts=warm_contexts(model),
+            counters=dict(model.cache.counters),
+            worker=WorkerInfo(
+                pid=worker.pid,
+                state=worker.state,
+                isolation=worker.isolation,
+                started_at=worker.started_at,
+                restarts=worker.restarts,
+                last_error=worker.last_error,
+                last_restart_reason=worker.last_restart_reason,
+                last_restart_at=worker.last_restart_at,
+                rss_bytes=worker.rss_bytes,
+                log_lines=worker.log_lines,
+            ),
+        )
 
     @property
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def worker_restarts(self) -> int:
+        return self._restarts
+
     def _on_revoke(self, why: str) -> None:
         log.warning("ownership lost: %s; failing %d sessions", why, len(self._sessions))
         for session in self.sessions():
             session.interrupt()
+
+    def _janitor(self) -> None:
+        """Idle warm contexts past their keep-alive leave the KV pool."""
+        while not self._janitor_stop.wait(_JANITOR_SECONDS):
+            now = time.time()
+            for model in self.models():
+                with contextlib.suppress(ModeldError):
+                    model.cache.expire(now)
 
     def begin_shutdown(self) -> None:
         """Stop taking work and interrupt every session's running operation."""
@@ -271,9 +530,11 @@ class Engine:
         for session in self.sessions():
             session.interrupt()
 
-    def shutdown(self) -> None:
-        """Stop taking work, close every session (cancelling decodes), unload every model."""
+    def shutdown(self, *, persist_seconds: float = 30.0) -> None:
+        """Stop taking work, close every session (cancelling decodes), write the warm contexts
+        to the disk tier (for at most ``persist_seconds``), stop every worker."""
         self.begin_shutdown()
+        self._janitor_stop.set()
         for session in self.sessions():
             with contextlib.suppress(ModeldError):
                 session.close()
@@ -281,8 +542,12 @@ class Engine:
             models = list(self._models.values())
             self._models.clear()
         for model in models:
-            with model.lock:
-                model.close()
+            model.close(persist=True)
+            with contextlib.suppress(ModeldError):
+                self.backend(model.key[0]).mark_loaded(model.info.model_digest, False)
+        if not self.tiers.flush(persist_seconds):
+            log.warning("the disk tier did not finish writing within %.0fs", persist_seconds)
+        self.tiers.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -294,3 +559,9 @@ class Engine:
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+def _fields(obj: object) -> dict[str, object]:
+    from dataclasses import fields
+
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}  # type: ignore[arg-type]

@@ -1,74 +1,133 @@
-"""A loaded model: its runtime, the label of its resident KV, the lock sessions share, and the
-one engine thread every native call for it runs on.
+"""A loaded model: its supervised engine host, its warm-state cache, its admission slots.
 
-Why one thread: llama.cpp's CPU backend parallelizes with OpenMP, whose thread team belongs to
-the calling thread. Calling from a different thread each time leaves the previous team spinning
-while a new one works: measured here, decoding the realistic model from a fresh thread ran at
-33.6 tok/s against 40 from the thread that prefilled. Running every KV operation of a model on
-one thread avoids that, and is the same seam a worker process will later take over.
+One :class:`LoadedModel` exists per (backend, file, model digest, runtime config). Its engine
+runs in a worker process (or in-process for the memory backend), supervised
+(``modeld/workers/supervisor.py``); its warm contexts are owned by a
+:class:`~modeld.cache.residency.ModelCache`; its operations are admitted through
+:class:`~modeld.engine.admission.Admission`. The vocabulary arrives once, when the worker has
+loaded the model, so the daemon turns tokens into text itself.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
-import threading
+import logging
+import os
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from collections.abc import Callable
+from pathlib import Path
 
-from modeld.backends import Interrupted, ModelRuntime
-from modeld.contract import LoadedModelSummary, ModelInfo
+from modeld.backends.base import Layout, LoadOptions, Vocab
+from modeld.backends.probe import FileIdentity, identify
+from modeld.cache.residency import CacheSettings, ModelCache
+from modeld.cache.tiers import Tiers
+from modeld.contract import LoadedModelSummary, ModelInfo, OpenSessionRequest
+from modeld.engine.admission import Admission
 from modeld.engine.chat import ChatRenderer
-from modeld.errors import BusyError
-from modeld.manifest import ContextManifest
+from modeld.errors import ModeldError
+from modeld.settings import RestartPolicy, Timeouts
+from modeld.workers.host import Host, InlineHost
+from modeld.workers.protocol import Load
+from modeld.workers.proxy import WorkerHost
+from modeld.workers.supervisor import Supervisor
 
-__all__ = ["EngineThread", "LoadedModel"]
-
-_T = TypeVar("_T")
+__all__ = ["LoadedModel", "ModelKey"]
 
 
-class EngineThread:
-    """A single thread that runs every native call for one model."""
+def _identity_of(path: str) -> FileIdentity | None:
+    """The model file's identity when it was loaded (None for a model that is not a file)."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        return identify(path)
+    except ModeldError:
+        return None
 
-    def __init__(self, name: str) -> None:
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{name}")
-        self._ident: int | None = self._executor.submit(threading.get_ident).result()
 
-    def is_current(self) -> bool:
-        return threading.get_ident() == self._ident
+log = logging.getLogger("modeld.engine")
 
-    def run(self, fn: Callable[..., _T], *args: object) -> _T:
-        """Run ``fn`` on the engine thread and wait for its result (exceptions propagate)."""
-        return self._executor.submit(fn, *args).result()
-
-    def submit(self, fn: Callable[..., _T], *args: object) -> Future[_T]:
-        return self._executor.submit(fn, *args)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=True)
+ModelKey = tuple[str, str, str, str]
+"""(backend, path, model digest, runtime digest)"""
 
 
 class LoadedModel:
-    """A loaded runtime, its resident KV's label, and the lock sessions take turns on."""
+    """One loaded model and everything the engine keeps about it."""
 
     def __init__(
-        self, key: tuple[str, str, str, str], runtime: ModelRuntime, info: ModelInfo, thread: EngineThread
+        self,
+        key: ModelKey,
+        request: OpenSessionRequest,
+        info: ModelInfo,
+        options: LoadOptions,
+        *,
+        isolation: str,
+        tiers: Tiers | None,
+        cache_settings: CacheSettings,
+        timeouts: Timeouts,
+        restart: RestartPolicy,
+        slots: int,
+        max_queue: int,
+        wait_seconds: float,
+        log_level: str = "INFO",
+        on_restart: Callable[[LoadedModel, ModeldError], None] | None = None,
+        on_state: Callable[[str, str], None] | None = None,
+        on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self.key = key
-        self.runtime = runtime
         self.info = info
-        self.thread = thread
-        self.lock = threading.Lock()
-        self.manifest: ContextManifest | None = None  # what the resident KV was computed under
-        self.prefix_tokens = 0  # length of the prefix part of the resident context
-        self.reset_reason = ""
+        self.options = options
+        self.isolation = isolation
         self.sessions = 0
+        self.cost = 0
+        """Bytes counted against the engine's memory budget (weights, KV pool, overhead)."""
         self.loaded_at = time.time()
         self.last_used_at = self.loaded_at
-        self._piece_len: dict[int, int] = {}
         self._renderer: ChatRenderer | None = None
+        self._on_restart = on_restart
+        name = f"{Path(info.path).name or info.backend}"[:40]
+        self._file_identity = _identity_of(info.path)
+        self.name = name
+        load = Load(info.backend, request, info, options)
+
+        def make_host(on_exit: Callable[[WorkerHost], None]) -> Host:
+            if isolation == "inline":
+                from modeld.workers.child import load_runtime
+
+                return InlineHost(load_runtime, name=name[:12])
+            return WorkerHost(name, log_level=log_level, on_exit=on_exit, explain_exit=self._explain_exit)
+
+        self.supervisor = Supervisor(
+            name,
+            make_host,
+            load,
+            timeouts=timeouts,
+            policy=restart,
+            on_reset=self._reset,
+            on_state=(lambda state: on_state(info.model_name, state)) if on_state is not None else None,
+        )
+        host = self.supervisor.start()  # raises ModelLoadError; nothing is registered then
+        assert host.layout is not None
+        assert host.vocab is not None
+        self.layout: Layout = host.layout
+        self.vocab: Vocab = host.vocab
+        self.cache = ModelCache(
+            name=name,
+            model_digest=info.model_digest,
+            layout=self.layout,
+            host=self.supervisor.host,
+            tiers=tiers,
+            settings=cache_settings,
+        )
+        self.admission = Admission(
+            slots or self.layout.n_seq, max_queue=max_queue, wait_seconds=wait_seconds, name=name
+        )
+
+    @property
+    def window(self) -> int:
+        return self.layout.window
+
+    def host(self) -> Host:
+        return self.supervisor.host()
 
     def chat_renderer(self) -> ChatRenderer:
         """The model's chat template, compiled once (raises ``unsupported`` if it has none)."""
@@ -78,61 +137,31 @@ class LoadedModel:
             )
         return self._renderer
 
-    def piece_len(self, token: int) -> int:
-        n = self._piece_len.get(token)
-        if n is None:
-            n = self._piece_len[token] = len(self.runtime.piece(token))
-        return n
+    def tokenize(self, text: str, add_bos: bool) -> list[int]:
+        return self.host().tokenize(text, add_bos=add_bos)
 
-    def byte_ends(self, tokens: Sequence[int], *, added_bos: bool) -> list[int]:
-        """Cumulative byte end offset of each token in the text it was tokenized from.
+    def _reset(self, error: ModeldError) -> None:
+        """The worker died: whatever its KV held is gone (the tiers are not)."""
+        self.cache.reset(error)
+        if self._on_restart is not None:
+            self._on_restart(self, error)
 
-        A BOS token that tokenize added (``added_bos``) is not in the text: it takes no bytes.
-        Control tokens parsed *from* the text (``<|im_start|>`` in a rendered template) do.
-        """
-        lengths = (self.piece_len(t) for t in tokens)
-        ends = list(itertools.accumulate(lengths))
-        if added_bos and ends:
-            first = ends[0]
-            ends = [e - first for e in ends]
-        return ends
+    def _explain_exit(self) -> str | None:
+        """What modeld knows about why the worker died (a model file changed under it)."""
+        from modeld.backends.probe import changed
 
-    def acquire(self, wait: float, interrupt: Callable[[], bool]) -> ModelRuntime:
-        """Take the model for one operation; wait at most ``wait`` seconds for other sessions.
+        if self._file_identity is None:
+            return None
+        what = changed(self.info.path, self._file_identity)
+        return f"the model file was {what} while it was loaded" if what else None
 
-        Always called on a session's (caller's) thread, never on the engine thread, so that a
-        waiting operation can never block the thread the holder needs.
-        """
-        deadline = time.monotonic() + wait
-        while not self.lock.acquire(timeout=min(0.05, max(0.0, deadline - time.monotonic()))):
-            if interrupt():
-                raise Interrupted
-            if time.monotonic() >= deadline:
-                raise BusyError(
-                    f"the model stayed busy with other sessions for {wait:.0f}s",
-                    wait_seconds=int(wait),
-                )
-        self.last_used_at = time.time()
-        return self.runtime
-
-    def release(self) -> None:
-        self.last_used_at = time.time()
-        self.lock.release()
-
-    @contextlib.contextmanager
-    def turn(self, wait: float, interrupt: Callable[[], bool]) -> Iterator[ModelRuntime]:
-        """Hold the model for one operation (see :meth:`acquire`)."""
-        runtime = self.acquire(wait, interrupt)
-        try:
-            yield runtime
-        finally:
-            self.release()
-
-    def close(self) -> None:
-        """Free the runtime on its engine thread, then stop the thread."""
-        with contextlib.suppress(Exception):
-            self.thread.run(self.runtime.close)
-        self.thread.shutdown()
+    def close(self, *, persist: bool) -> None:
+        """Save warm contexts (to disk when ``persist``), then stop the worker."""
+        with contextlib.suppress(ModeldError):
+            if persist:
+                self.cache.persist_all()
+        self.cache.close()
+        self.supervisor.stop()
 
     def summary(self) -> LoadedModelSummary:
         return LoadedModelSummary(
@@ -140,8 +169,8 @@ class LoadedModel:
             path=self.info.path,
             model_name=self.info.model_name,
             model_digest=self.info.model_digest,
-            n_ctx=self.runtime.n_ctx,
-            resident_tokens=len(self.runtime.resident),
+            n_ctx=self.layout.window,
+            resident_tokens=self.cache.used_cells(),
             sessions=self.sessions,
             loaded_at=self.loaded_at,
             last_used_at=self.last_used_at,

@@ -1,10 +1,19 @@
-"""Deciding how much resident KV to keep: the one place where reuse is decided.
+"""Why a turn was warm, restored, partial or cold: the words ``explain-context`` shows people.
 
-:func:`plan_reuse` is a pure function of what is resident (tokens, the manifest they were
-computed under, how long that context's prefix was) and what is wanted (tokens, manifest). It
-keeps the longest common token prefix when, and only when, the manifests are runtime-compatible
-and the engine can cut its memory there; otherwise it keeps nothing and says why. Its answer
-is the :class:`~modeld.contract.ReuseDecision` that ``explain-context`` shows to people.
+The warm-state cache (``modeld/cache/residency.py``) decides *what* to reuse: the candidate
+with the longest common token prefix among the compatible warm contexts in the KV pool and the
+snapshots in the RAM and disk tiers. This module turns that choice into a
+:class:`~modeld.contract.ReuseDecision`; it is a pure function of its inputs, so every reason a
+person can read is pinned by unit tests.
+
+Outcomes: ``warm`` when the candidate's whole prefix was kept (``full_match``, ``extended``, or
+``restored_from_ram`` / ``restored_from_disk`` when it came back from a tier); ``partial`` when
+the new prefix diverged from the candidate at a token > 0 (``diverged``); ``cold`` when nothing
+was reused, with the most useful reason first: the engine lost its state (``engine_reset``),
+the session's own warm context was evicted (``evicted``, naming where it went), a snapshot was
+refused (``snapshot_rejected``), a runtime field changed (``manifest_changed``), the memory
+cannot be cut (``truncation_unsupported``), the text diverged at token 0, or nothing was warm
+(``empty_cache``).
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ from dataclasses import dataclass
 from modeld.contract import ReuseDecision
 from modeld.manifest import ContextManifest, Segment
 
-__all__ = ["ReusePlan", "common_prefix_len", "plan_reuse", "segment_at"]
+__all__ = ["Candidate", "Loss", "classify", "common_prefix_len", "segment_at"]
 
 _CHUNK = 256
 
@@ -25,19 +34,15 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     i = 0
     if isinstance(a, list) and isinstance(b, list):
-        while i + _CHUNK <= n and a[i : i + _CHUNK] == b[i : i + _CHUNK]:
-            i += _CHUNK
+        step = _CHUNK
+        while step >= _CHUNK:  # grow the compared slice while it matches, shrink it when not
+            while i + step <= n and a[i : i + step] == b[i : i + step]:
+                i += step
+                step = min(step * 2, 1 << 16)
+            step //= 2
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-@dataclass(frozen=True, slots=True)
-class ReusePlan:
-    """Keep the first ``keep`` resident tokens; evaluate ``target[keep:]``."""
-
-    keep: int
-    decision: ReuseDecision
 
 
 def segment_at(manifest: ContextManifest, token: int) -> Segment | None:
@@ -52,86 +57,118 @@ def segment_at(manifest: ContextManifest, token: int) -> Segment | None:
     return None
 
 
-def plan_reuse(
-    *,
-    resident: Sequence[int],
-    resident_manifest: ContextManifest | None,
-    resident_prefix_tokens: int,
-    target: Sequence[int],
-    manifest: ContextManifest,
-    can_truncate: bool,
-    reset_reason: str = "",
-    last_manifest: ContextManifest | None = None,
-) -> ReusePlan:
-    """How much of ``resident`` to keep so that the KV becomes ``target``.
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """What a turn reused: ``tier`` is ``kv``, ``ram`` or ``disk``; ``own`` when it was the
+    session's own warm context; ``prefix_tokens`` the candidate's stable prefix (keeping all of
+    it is a warm hit); ``context`` its id for people."""
 
-    ``resident_prefix_tokens`` is the length of the prefix part of the resident context (what
-    its last ensure_prefix made resident); keeping all of it is a warm hit. ``last_manifest`` is
-    the manifest last used with this model file by any loaded model (so that a replaced file or
-    a changed runtime shows as ``manifest_changed`` rather than an anonymous empty cache).
+    tier: str
+    context: str
+    prefix_tokens: int
+    own: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """Why nothing better was available: the session's warm context was lost (``kind`` is
+    ``engine_reset`` or ``evicted``, ``tier`` where an evicted one went), a snapshot was
+    refused, or a runtime field changed."""
+
+    kind: str = ""
+    message: str = ""
+    tier: str = ""
+
+
+def classify(
+    *,
+    wanted: int,
+    keep: int,
+    candidate: Candidate | None,
+    manifest: ContextManifest,
+    loss: Loss | None = None,
+    changed: tuple[str, str, str] | None = None,
+    truncation_blocked: bool = False,
+) -> ReuseDecision:
+    """The decision for a turn that keeps ``keep`` of ``wanted`` tokens from ``candidate``.
+
+    ``changed`` is ``(field, ours, theirs)`` when the only warm state of this model file was
+    computed under another runtime; ``truncation_blocked`` when a compatible context shared a
+    prefix that the memory cannot be cut to.
     """
-    wanted = len(target)
-    if not resident or resident_manifest is None:
-        if reset_reason:
-            return _cold(wanted, reset_reason, f"the engine's state was reset ({reset_reason})")
-        if last_manifest is not None:
-            compat = last_manifest.compatible_runtime(manifest)
-            if not compat.ok:
-                return _changed(wanted, compat.field, compat.ours, compat.theirs)
-        return _cold(wanted, "empty_cache", f"nothing was resident: prefilled all {wanted} tokens")
-    compat = resident_manifest.compatible_runtime(manifest)
-    if not compat.ok:
-        return _changed(wanted, compat.field, compat.ours, compat.theirs)
-    keep = common_prefix_len(resident, target)
-    if keep < len(resident) and not can_truncate and keep > 0:
-        return _cold(
-            wanted,
-            "truncation_unsupported",
-            f"the model's memory cannot be cut at token {keep} (recurrent or sliding-window "
-            f"memory): prefilled all {wanted} tokens",
-        )
-    if keep >= min(resident_prefix_tokens, wanted) and keep > 0:
-        reason = "full_match" if keep == wanted else "extended"
-        verb = "all" if keep == wanted else f"{keep} of"
-        return ReusePlan(
-            keep,
-            ReuseDecision(
+    if candidate is not None and keep > 0:
+        where = "" if candidate.own else f" (warm context {candidate.context})"
+        if candidate.tier in ("ram", "disk"):
+            where = f" (restored from the {candidate.tier} tier)"
+        if keep >= min(candidate.prefix_tokens, wanted):
+            if candidate.tier in ("ram", "disk"):
+                reason = f"restored_from_{candidate.tier}"
+            else:
+                reason = "full_match" if keep == wanted else "extended"
+            verb = "all" if keep == wanted else f"{keep} of"
+            return ReuseDecision(
                 outcome="warm",
                 reason=reason,
-                message=f"reused {verb} {wanted} tokens",
-            ),
-        )
-    seg = segment_at(manifest, keep)
-    where = f" in segment {seg.kind!r}" if seg is not None else ""
-    return ReusePlan(
-        keep,
-        ReuseDecision(
-            outcome="partial" if keep > 0 else "cold",
+                message=f"reused {verb} {wanted} tokens{where}",
+                tier=candidate.tier,
+                context=candidate.context,
+            )
+        seg = segment_at(manifest, keep)
+        at = f" in segment {seg.kind!r}" if seg is not None else ""
+        return ReuseDecision(
+            outcome="partial",
             reason="diverged",
-            message=(
-                f"the prefix differs from the resident context at token {keep}{where}: "
-                f"reused {keep} of {wanted} tokens"
-            ),
+            message=f"the prefix differs from the warm context at token {keep}{at}: reused {keep} of {wanted} tokens{where}",
             diverged_at_token=keep,
             diverged_segment=seg.kind if seg is not None else "",
-        ),
-    )
-
-
-def _cold(wanted: int, reason: str, message: str) -> ReusePlan:
-    return ReusePlan(0, ReuseDecision(outcome="cold", reason=reason, message=message))
-
-
-def _changed(wanted: int, field: str, ours: str, theirs: str) -> ReusePlan:
-    return ReusePlan(
-        0,
-        ReuseDecision(
+            tier=candidate.tier,
+            context=candidate.context,
+        )
+    if loss is not None and loss.kind == "engine_reset":
+        return _cold(
+            "engine_reset", f"the engine's state was lost ({loss.message}): prefilled all {wanted} tokens"
+        )
+    if loss is not None and loss.kind == "evicted":
+        return ReuseDecision(
+            outcome="cold",
+            reason="evicted",
+            message=f"this session's warm context was evicted ({loss.message}): prefilled all {wanted} tokens",
+            tier=loss.tier,
+        )
+    if loss is not None and loss.kind == "snapshot_rejected":
+        return _cold(
+            "snapshot_rejected",
+            f"a snapshot of this context was refused and removed ({loss.message}): prefilled all {wanted} tokens",
+        )
+    if changed is not None:
+        name, ours, theirs = changed
+        return ReuseDecision(
             outcome="cold",
             reason="manifest_changed",
-            field=field,
+            field=name,
             message=(
-                f"manifest field {field!r} changed ({ours} -> {theirs}): resident KV is not "
+                f"manifest field {name!r} changed ({ours} -> {theirs}): resident KV is not "
                 f"reusable, prefilled all {wanted} tokens"
             ),
-        ),
-    )
+        )
+    if truncation_blocked:
+        return _cold(
+            "truncation_unsupported",
+            "the model's memory cannot be cut inside a warm context (recurrent or sliding-window "
+            f"memory): prefilled all {wanted} tokens",
+        )
+    if candidate is not None:
+        seg = segment_at(manifest, 0)
+        at = f" in segment {seg.kind!r}" if seg is not None else ""
+        return ReuseDecision(
+            outcome="cold",
+            reason="diverged",
+            message=f"the prefix differs from every warm context at token 0{at}: reused 0 of {wanted} tokens",
+            diverged_at_token=0,
+            diverged_segment=seg.kind if seg is not None else "",
+        )
+    return _cold("empty_cache", f"nothing compatible was warm: prefilled all {wanted} tokens")
+
+
+def _cold(reason: str, message: str) -> ReuseDecision:
+    return ReuseDecision(outcome="cold", reason=reason, message=message)

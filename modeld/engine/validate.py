@@ -1,11 +1,26 @@
 """Input validation: every malformed or oversized input becomes a clear, typed error.
 
 Validation happens before anything touches a model, so bad input never changes resident state.
+Every client string has a length limit: names, paths, digests and stop strings
+``Limits.max_string_bytes``; enumerated words (``kv_cache_type``, ``prompt_format``, segment
+kind, role, cache class) :data:`MAX_WORD_BYTES`; session ids and segment hashes
+:data:`MAX_ID_BYTES`. An error that repeats a client value repeats at most a short, escaped
+excerpt (:func:`modeld.errors.echo`), so it always fits in gRPC metadata.
+
+A request digest may be ``sha256:<64 hex>`` of the model file (what model registries publish):
+it is verified here, once per file identity (device, inode, size, mtime), and then dropped so
+the backend sees "whatever the file is". modeld's own fingerprint is checked by the backend.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import replace
+from pathlib import Path
 
 from modeld.contract import (
     CONSTRAINT_KINDS,
@@ -19,31 +34,48 @@ from modeld.contract import (
     OpenSessionRequest,
 )
 from modeld.engine.limits import Limits
-from modeld.errors import InvalidArgumentError, LimitExceededError, UnsupportedError
+from modeld.errors import InvalidArgumentError, LimitExceededError, ModelLoadError, UnsupportedError, echo
 from modeld.manifest import ContextManifest
 
 __all__ = [
+    "MAX_ID_BYTES",
+    "MAX_WORD_BYTES",
     "encode_text",
     "validate_config",
     "validate_decode",
     "validate_manifest_size",
     "validate_request",
+    "validate_session_id",
     "validate_string",
+    "verify_sha256",
 ]
 
+MAX_WORD_BYTES = 64
+"""An enumerated word: kv_cache_type, prompt_format, a segment's kind, role or cache class."""
+MAX_ID_BYTES = 128
+"""A session id (16 hex characters when modeld made it) or a segment hash."""
+SHA256_PREFIX = "sha256:"
 
-def validate_string(value: object, field: str, limits: Limits) -> str:
+
+def validate_string(value: object, field: str, limits: Limits, maximum: int | None = None) -> str:
+    """A client string within ``maximum`` bytes (default ``limits.max_string_bytes``)."""
     if not isinstance(value, str):
         raise InvalidArgumentError(f"{field} must be a string, not {type(value).__name__}", field=field)
+    bound = limits.max_string_bytes if maximum is None else min(maximum, limits.max_string_bytes)
     size = len(value.encode("utf-8", errors="surrogatepass"))
-    if size > limits.max_string_bytes:
+    if size > bound:
         raise LimitExceededError(
-            f"{field} is {size} bytes; the limit is {limits.max_string_bytes}",
+            f"{field} is {size} bytes; the limit is {bound}",
             limit="max_string_bytes",
             value=size,
-            maximum=limits.max_string_bytes,
+            maximum=bound,
         )
     return value
+
+
+def validate_session_id(value: object, limits: Limits) -> str:
+    """A session id as a client sent it (before any lookup echoes it)."""
+    return validate_string(value, "session_id", limits, MAX_ID_BYTES)
 
 
 def encode_text(text: object, field: str, limits: Limits, extra_bytes: int = 0) -> bytes:
@@ -101,14 +133,16 @@ def validate_config(config: object, limits: Limits) -> Config:
         _float_in(v, f"config.tensor_split[{i}]", 0.0, 1e9)
     if not isinstance(config.flash_attn, bool):
         raise InvalidArgumentError("config.flash_attn must be a boolean", field="config.flash_attn")
+    validate_string(config.kv_cache_type, "config.kv_cache_type", limits, MAX_WORD_BYTES)
     if config.kv_cache_type not in KV_CACHE_TYPES:
         raise InvalidArgumentError(
-            f"config.kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, got {config.kv_cache_type!r}",
+            f"config.kv_cache_type must be one of {', '.join(KV_CACHE_TYPES)}, got {echo(config.kv_cache_type)}",
             field="config.kv_cache_type",
         )
+    validate_string(config.prompt_format, "config.prompt_format", limits, MAX_WORD_BYTES)
     if config.prompt_format not in PROMPT_FORMATS:
         raise InvalidArgumentError(
-            f"config.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {config.prompt_format!r}",
+            f"config.prompt_format must be one of {', '.join(PROMPT_FORMATS)}, got {echo(config.prompt_format)}",
             field="config.prompt_format",
         )
     validate_string(config.prompt_template_digest, "config.prompt_template_digest", limits)
@@ -118,13 +152,89 @@ def validate_config(config: object, limits: Limits) -> Config:
 
 
 def validate_request(request: object, limits: Limits) -> OpenSessionRequest:
+    """Check an open/describe request; returns it with a verified ``sha256:`` digest dropped."""
     if not isinstance(request, OpenSessionRequest):
         raise InvalidArgumentError("expected an OpenSessionRequest", field="request")
     for name in ("model_name", "type", "digest", "path"):
         validate_string(getattr(request, name), name, limits)
     validate_string(request.fence.owner_instance_id, "fence.owner_instance_id", limits)
     validate_config(request.config, limits)
+    _check_relative_path(request)
+    if request.digest.startswith(SHA256_PREFIX):
+        verify_sha256(request.path, request.digest)
+        request = replace(request, digest="")
     return request
+
+
+def _check_relative_path(request: OpenSessionRequest) -> None:
+    """A relative model path is resolved by the daemon, against its own working directory."""
+    raw = request.path
+    if not raw or os.path.isabs(raw) or raw.startswith("~"):
+        return
+    looks_like_file = request.type in ("llama", "openvino") or os.sep in raw or raw.endswith(".gguf")
+    if looks_like_file and not os.path.exists(raw):
+        raise ModelLoadError(
+            f"model path {echo(raw)} is relative and does not exist: modeld resolves model paths "
+            f"itself, against the daemon's working directory ({echo(os.getcwd(), 256)}), not the "
+            f"client's; send an absolute path",
+            path=raw[:256],
+        )
+
+
+_SHA256_CACHE: OrderedDict[tuple[str, int, int, int, int], str] = OrderedDict()
+_SHA256_LOCK = threading.Lock()
+_SHA256_KEEP = 64
+
+
+def verify_sha256(path: str, digest: str) -> None:
+    """Check that the file at ``path`` has SHA-256 ``digest`` (``sha256:<64 hex>``).
+
+    The hash is computed once per file identity (device, inode, size, mtime), so a multi-GB
+    model is read once per daemon, not at every open.
+    """
+    hexpart = digest[len(SHA256_PREFIX) :].lower()
+    if len(hexpart) != 64 or any(c not in "0123456789abcdef" for c in hexpart):
+        raise InvalidArgumentError(
+            "digest sha256:... must be followed by 64 hexadecimal characters", field="digest"
+        )
+    file = Path(path).expanduser()
+    try:
+        st = file.stat()
+    except OSError:
+        raise ModelLoadError(
+            f"a sha256 digest needs a model file; {echo(path)} is not one", path=path[:256]
+        ) from None
+    if not file.is_file():
+        raise ModelLoadError(
+            f"a sha256 digest needs a model file; {echo(path)} is not a regular file", path=path[:256]
+        )
+    key = (str(file.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    with _SHA256_LOCK:
+        actual = _SHA256_CACHE.get(key)
+        if actual is not None:
+            _SHA256_CACHE.move_to_end(key)
+    if actual is None:
+        h = hashlib.sha256()
+        try:
+            with file.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError as exc:
+            raise ModelLoadError(
+                f"model file {echo(path)} is not readable ({exc.strerror})", path=path[:256]
+            ) from None
+        actual = h.hexdigest()
+        with _SHA256_LOCK:
+            _SHA256_CACHE[key] = actual
+            while len(_SHA256_CACHE) > _SHA256_KEEP:
+                _SHA256_CACHE.popitem(last=False)
+    if actual != hexpart:
+        raise ModelLoadError(
+            f"model file {echo(path)} has sha256:{actual}, the request asked for sha256:{hexpart}",
+            path=path[:256],
+            expected=f"sha256:{hexpart}",
+            actual=f"sha256:{actual}",
+        )
 
 
 def validate_manifest_size(manifest: ContextManifest | None, limits: Limits) -> None:
@@ -148,8 +258,19 @@ def validate_manifest_size(manifest: ContextManifest | None, limits: Limits) -> 
         "prompt_format",
         "prompt_template_digest",
         "runtime_digest",
+        "stable_byte_hash",
+        "stable_token_hash",
+        "volatile_token_hash",
     ):
         validate_string(getattr(manifest, name), f"manifest.{name}", limits)
+    for i, seg in enumerate(manifest.segments):
+        for name, bound in (
+            ("kind", MAX_WORD_BYTES),
+            ("role", MAX_WORD_BYTES),
+            ("cache_class", MAX_WORD_BYTES),
+        ):
+            validate_string(getattr(seg, name), f"segments[{i}].{name}", limits, bound)
+        validate_string(seg.hash, f"segments[{i}].hash", limits, MAX_ID_BYTES)
 
 
 _DEFAULTS = DecodeConfig()
@@ -192,9 +313,9 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
         validate_string(value, f"extra.{key}", limits)
         if key not in capabilities.extra:
             raise UnsupportedError(
-                f"DecodeConfig.extra key {key!r} is not supported by this backend "
+                f"DecodeConfig.extra key {echo(key)} is not supported by this backend "
                 f"(supported: {', '.join(capabilities.extra) or 'none'})",
-                field=f"extra.{key}",
+                field=f"extra.{key[:MAX_WORD_BYTES]}",
             )
     _validate_decoding(config, limits, capabilities)
     for name in SAMPLING_FIELDS:

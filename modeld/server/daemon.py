@@ -1,14 +1,17 @@
-"""``modeld serve``: the owner lease, the gRPC server, signals and an orderly shutdown.
+"""``modeld serve``: the owner lease, the listeners (gRPC, and HTTP with ``--http``), signals
+and an orderly shutdown.
 
 :class:`Server` is the gRPC server around an engine (used as is by the tests, on a temporary
 socket). :func:`run` is the daemon: it takes the owner lease, serves, watches the lease, and on
 SIGTERM/SIGINT or a takeover stops accepting, ends every session's stream with a clear status,
-releases the lease and removes its socket.
+releases the lease and removes its socket. Both listeners reach the engine through one
+:class:`~modeld.server.gateway.Gateway` (the contract plus observers) and share its metrics.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -21,16 +24,24 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from modeld import __version__
-from modeld.engine import Engine, Limits, Owner, new_instance_id
+from modeld.errors import ModeldError
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
+from modeld.observe.metrics import Metrics
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
+from modeld.server.auth import TokenInterceptor, ensure_token
+from modeld.server.gateway import Gateway, ServedEngine
+from modeld.server.reflection import enable_reflection
 from modeld.server.servicer import SERVICE_NAME, ModeldServicer, add_to_server
+from modeld.settings import Residency, Timeouts
+
+if TYPE_CHECKING:
+    from modeld.engine.limits import Limits
 
 __all__ = ["ListenAddress", "ServeOptions", "Server", "parse_listen", "run"]
 
@@ -43,6 +54,14 @@ EXIT_OWNED = 3
 
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
 """The most often a client may ping the daemon while nothing else is sent."""
+
+
+class LifecycleEngine(ServedEngine, Protocol):
+    """What the daemon needs beyond the gateway's view: stopping it."""
+
+    def begin_shutdown(self) -> None: ...
+
+    def shutdown(self) -> None: ...
 
 
 class ServeError(Exception):
@@ -63,7 +82,16 @@ class ListenAddress:
         return f"{host}:{self.port}"
 
 
-def parse_listen(spec: str, *, allow_remote: bool = False) -> ListenAddress:
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_listen(spec: str, *, allow_remote: bool = False, option: str = "--listen") -> ListenAddress:
     """``unix:PATH`` or ``HOST:PORT``; a non-loopback host needs ``allow_remote``."""
     if spec.startswith("unix:"):
         raw = spec[len("unix:") :]
@@ -77,22 +105,20 @@ def parse_listen(spec: str, *, allow_remote: bool = False) -> ListenAddress:
         return ListenAddress(unix_path=path)
     host, sep, port_text = spec.rpartition(":")
     if not sep or not port_text.isdigit():
-        raise ServeError(f"--listen must be unix:PATH or HOST:PORT, got {spec!r}")
+        raise ServeError(f"{option} must be unix:PATH or HOST:PORT, got {spec!r}")
     host = host.strip("[]")
     port = int(port_text)
     if port > 65535:
         raise ServeError(f"port {port} is out of range")
-    if host == "localhost":
-        loopback = True
-    else:
+    if host != "localhost":
         try:
-            loopback = ipaddress.ip_address(host).is_loopback
+            ipaddress.ip_address(host)
         except ValueError as exc:
-            raise ServeError(f"--listen host must be an IP address or localhost, got {host!r}") from exc
-    if not loopback and not allow_remote:
+            raise ServeError(f"{option} host must be an IP address or localhost, got {host!r}") from exc
+    if not is_loopback(host) and not allow_remote:
         raise ServeError(
-            f"refusing to listen on non-loopback address {host}: modeld has no authentication "
-            f"(access control is the socket's permissions). Pass --allow-remote to do it anyway."
+            f"refusing to listen on non-loopback address {host}: anyone who can reach it could use "
+            f"the daemon. Pass --allow-remote to do it anyway (a token or API key is then required)."
         )
     return ListenAddress(host=host, port=port)
 
@@ -118,22 +144,30 @@ def _prepare_unix_socket(path: Path) -> None:
 
 
 class Server:
-    """The gRPC server for an engine, with health checking and reflection."""
+    """The gRPC server for an engine, with health checking and reflection (v1 and v1alpha).
+
+    ``token``: require it as ``authorization: Bearer`` metadata (TCP listeners; see
+    :mod:`modeld.server.auth`). ``metrics``: share a registry with the HTTP listener.
+    """
 
     def __init__(
         self,
-        engine: Engine,
+        engine: LifecycleEngine,
         address: ListenAddress,
-        limits: Limits | None = None,
+        limits: Limits,
         *,
         min_ping_interval_ms: int = MIN_CLIENT_PING_INTERVAL_MS,
+        token: str = "",
+        metrics: Metrics | None = None,
     ) -> None:
         self.engine = engine
         self.address = address
-        self.limits = limits or engine.limits
+        self.limits = limits
+        self.gateway = Gateway(engine, limits, metrics)
         workers = self.limits.max_sessions + 16
         self._grpc = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
+            interceptors=[TokenInterceptor(token)] if token else None,
             options=[
                 ("grpc.max_receive_message_length", self.limits.max_message_bytes),
                 ("grpc.max_send_message_length", self.limits.max_message_bytes),
@@ -148,13 +182,11 @@ class Server:
             ],
             maximum_concurrent_rpcs=workers,
         )
-        self.servicer = ModeldServicer(engine)
+        self.servicer = ModeldServicer(self.gateway)
         add_to_server(self.servicer, self._grpc)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self._grpc
-        )
+        enable_reflection(self._grpc, (SERVICE_NAME, health.SERVICE_NAME))
         self.endpoint = ""
 
     def start(self) -> str:
@@ -182,11 +214,7 @@ class Server:
 
     def reap_unattached(self) -> None:
         """Close sessions that were opened but never attached within the attach timeout."""
-        cutoff = time.time() - self.limits.attach_timeout_seconds
-        for session in self.engine.sessions():
-            if not session.attached and session.opened_at < cutoff and not session.closed:
-                log.info("closing session %s: never attached", session.session_id)
-                session.close()
+        self.gateway.reap_unattached()
 
     def stop(self, grace: float = 3.0) -> None:
         """Stop accepting, end every session (their streams end with shutting_down), stop."""
@@ -194,6 +222,7 @@ class Server:
         self.engine.begin_shutdown()
         time.sleep(min(grace, 0.5))  # let open streams deliver their final status
         self._grpc.stop(grace).wait()
+        self.servicer.close()
         self.engine.shutdown()
         if self.address.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -208,17 +237,65 @@ class ServeOptions:
     takeover: bool = False
     takeover_timeout: float = 10.0
     allow_remote: bool = False
-    limits: Limits = field(default_factory=Limits)
+    limits: Limits | None = None
     grace: float = 3.0
+    require_token: bool = True  # for a TCP gRPC listener
+    http: str = ""  # HOST:PORT for the OpenAI-compatible endpoint
+    api_key: str = ""
+    models: tuple[str, ...] = ()  # NAME=PATH
+    models_dir: Path | None = None
+    num_ctx: int = 0  # context window of HTTP sessions (0: the contract's default)
+    residency: Residency = field(default_factory=Residency)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    worker_log_level: str = "INFO"
+
+
+def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, Any] | None:
+    """Check the HTTP options and build the model registry, before taking the lease."""
+    if not options.http:
+        if options.models or options.models_dir is not None:
+            raise ServeError("--model and --models-dir name the models --http serves; add --http HOST:PORT")
+        return None
+    address = parse_listen(options.http, allow_remote=options.allow_remote, option="--http")
+    if address.unix_path is not None:
+        raise ServeError("--http wants HOST:PORT (a TCP address)")
+    if not is_loopback(address.host) and not options.api_key:
+        raise ServeError(
+            f"--http {options.http} listens off loopback: an API key is required "
+            f"(--api-key or MODELD_API_KEY)"
+        )
+    missing = [m for m in ("starlette", "uvicorn", "jinja2") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ServeError(
+            f"--http needs the http extra ({', '.join(missing)} missing): pip install 'modeld[http]'"
+        )
+    from modeld.server.http.models import ModelRegistry, RegistryError, default_model, parse_model_option
+
+    try:
+        entries = {}
+        for spec in options.models:
+            entry = parse_model_option(spec, options.backend)
+            if entry.name in entries:
+                raise RegistryError(f"--model {entry.name} is given twice")
+            entries[entry.name] = entry
+        fallback = default_model(options.backend) if not entries and options.models_dir is None else None
+        registry = ModelRegistry(options.backend, entries, options.models_dir, fallback)
+    except RegistryError as exc:
+        raise ServeError(str(exc)) from None
+    return address, registry
 
 
 def run(options: ServeOptions) -> int:
     """Run the daemon until a signal or a takeover. Returns the process exit code."""
+    from modeld.engine import Engine, Limits, Owner, new_instance_id
+
+    limits = options.limits or Limits()
     try:
         address = parse_listen(
             options.listen or f"unix:{default_socket_path(options.data_dir)}",
             allow_remote=options.allow_remote,
         )
+        http = _http_setup(options, limits)
     except ServeError as exc:
         log.error("%s", exc)
         return EXIT_USAGE
@@ -242,24 +319,49 @@ def run(options: ServeOptions) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     owner = Owner(instance_id, record.epoch)
-    engine = Engine(backends=(options.backend,), owner=owner, limits=options.limits)
-    server = Server(engine, address, options.limits)
+    try:
+        engine: LifecycleEngine = Engine(  # conformance: the engine is what the listeners expect
+            backends=(options.backend,),
+            owner=owner,
+            limits=limits,
+            residency=options.residency,
+            timeouts=options.timeouts,
+            data_dir=options.data_dir,
+            worker_log_level=options.worker_log_level,
+        )
+    except ModeldError as exc:
+        log.error("%s", exc.message)
+        lease.release()
+        return EXIT_USAGE
+    token = ensure_token(options.data_dir) if address.unix_path is None and options.require_token else ""
+    server = Server(engine, address, limits, token=token)
+    listener: Any = None
     try:
         endpoint = server.start()
-    except (ServeError, RuntimeError, OSError) as exc:
+        if http is not None:
+            listener = _start_http(server.gateway, http, options, limits)
+    except Exception as exc:
         log.error("%s", exc)
+        if listener is not None:
+            listener.stop()
+        server.stop(0)
         lease.release()
         return EXIT_ERROR
-    lease.publish(endpoint)
+    lease.publish(endpoint, http_endpoint=listener.url if listener is not None else "")
     log.info(
-        "modeld %s serving the %s backend at %s (instance %s, epoch %d, data %s)",
+        "modeld %s serving the %s backend at %s%s (instance %s, epoch %d, data %s)",
         __version__,
         options.backend,
         endpoint,
+        f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())})"
+        if listener is not None and http is not None
+        else "",
         instance_id,
         record.epoch,
         options.data_dir,
     )
+    if token:
+        log.info("gRPC over TCP requires the token in %s", options.data_dir / "grpc.token")
     handed_over = False
     while not stop.wait(CHECK_INTERVAL):
         lost = lease.check()
@@ -271,7 +373,33 @@ def run(options: ServeOptions) -> int:
         server.reap_unattached()
     if received:
         log.info("received %s: shutting down", received[0])
+    if listener is not None:
+        engine.begin_shutdown()  # in-flight HTTP turns end now, with shutting_down
+        listener.stop()
     server.stop(options.grace)
     lease.release(handed_over=handed_over)
     log.info("stopped (instance %s)", instance_id)
     return EXIT_OK
+
+
+def _start_http(
+    gateway: Gateway, http: tuple[ListenAddress, Any], options: ServeOptions, limits: Limits
+) -> Any:
+    from modeld.contract import Config
+    from modeld.server.http.app import HttpService, HttpSettings
+    from modeld.server.http.listener import HttpListener
+
+    address, registry = http
+    settings = HttpSettings(
+        backend=options.backend,
+        api_key=options.api_key,
+        loopback=is_loopback(address.host),
+        bound_host=address.host,
+        num_ctx=options.num_ctx or Config().num_ctx,
+        max_body_bytes=limits.max_message_bytes,
+    )
+    listener = HttpListener(
+        HttpService(gateway, registry, settings), address.host, address.port, grace=options.grace
+    )
+    listener.start()
+    return listener

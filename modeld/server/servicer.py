@@ -1,9 +1,13 @@
-"""The gRPC servicer: converts protobuf to the contract, delegates to the engine, maps errors.
+"""The gRPC servicer: converts protobuf to the contract, delegates through the gateway, maps errors.
 
-Thin by design: no engine logic here. What it adds is what only the transport knows about:
+Thin by design: no engine logic here, and no engine import: it reaches the engine only through
+:class:`~modeld.server.gateway.Gateway` (the contract plus observers), the same path the HTTP
+endpoint takes. What it adds is what only this transport knows about:
 
 * the Session stream's life: attach first, one stream per session, the session closed when
   the stream ends for any reason (the client closes it, disconnects, or the daemon stops);
+  the stream ends at once when the session ends elsewhere (a takeover revoked its epoch, the
+  daemon is stopping): the gateway's end notification puts that error in the stream's inbox;
 * ``cancel_decode`` read concurrently with a running decode (a reader thread feeds an inbox,
   so a cancel reaches the engine within one token step);
 * malformed messages (which fail to parse) answered with INVALID_ARGUMENT instead of gRPC's
@@ -15,16 +19,16 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from modeld.engine import Engine, EngineDecodeStream, EngineSession
+from modeld.contract import DecodeStream, PrefillProgress, ProgressCallback
 from modeld.errors import (
     InternalError,
     InvalidArgumentError,
@@ -34,6 +38,7 @@ from modeld.errors import (
     ShuttingDownError,
     StaleFenceError,
 )
+from modeld.server.gateway import Gateway, Hosted
 from modeld.v1 import modeld_pb2 as pb
 from modeld.wire import convert
 from modeld.wire.status import to_grpc_status, to_status
@@ -43,11 +48,12 @@ __all__ = ["SERVICE_NAME", "ModeldServicer", "add_to_server"]
 log = logging.getLogger("modeld.server")
 
 SERVICE_NAME = "modeld.v1.Modeld"
-_POLL = 0.25
 _FATAL = (StaleFenceError, NotOwnerError, ShuttingDownError, SessionClosedError)
 """Errors after which a Session stream cannot continue: it ends with that status."""
 
 _Req = TypeVar("_Req", bound=Message)
+_In = TypeVar("_In")
+_Out = TypeVar("_Out")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,13 @@ class _Malformed:
     error: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """Put in a stream's inbox when its session ended elsewhere."""
+
+    error: ModeldError
+
+
 _EOF = object()
 
 
@@ -66,7 +79,7 @@ def _safe(cls: type[_Req]) -> Callable[[bytes], _Req | _Malformed]:
         try:
             return cls.FromString(data)
         except (DecodeError, ValueError, RuntimeError) as exc:
-            return _Malformed(cls.DESCRIPTOR.full_name, str(exc) or type(exc).__name__)
+            return _Malformed(cls.DESCRIPTOR.full_name, str(exc)[:200] or type(exc).__name__)
 
     return parse
 
@@ -88,10 +101,14 @@ def _internal(exc: BaseException, where: str) -> InternalError:
 
 
 class ModeldServicer:
-    """Implements modeld.v1.Modeld over an :class:`~modeld.engine.Engine`."""
+    """Implements modeld.v1.Modeld over a :class:`~modeld.server.gateway.Gateway`."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        # Session operations run here while the stream's thread sends their progress reports.
+        self._ops = ThreadPoolExecutor(
+            max_workers=gateway.limits.max_sessions + 4, thread_name_prefix="session-op"
+        )
 
     # --- unary ----------------------------------------------------------------------------
 
@@ -109,19 +126,23 @@ class ModeldServicer:
 
     def Describe(self, request: Any, context: grpc.ServicerContext) -> Message:
         def run(req: pb.DescribeRequest) -> Message:
-            info = self.engine.describe(convert.open_request_from_pb(req.model))
-            return pb.DescribeResponse(info=convert.model_info_to_pb(info))
+            info = self.gateway.describe(convert.open_request_from_pb(req.model))
+            return pb.DescribeResponse(
+                info=convert.model_info_to_pb(info), machine=convert.machine_to_pb(self.gateway.machine())
+            )
 
         return self._unary("Describe", run, request, context)
 
     def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Message:
         def run(req: pb.OpenSessionRequest) -> Message:
-            session = self.engine.open_session(convert.open_request_from_pb(req))
+            hosted = self.gateway.open(convert.open_request_from_pb(req), "grpc")
+            session = hosted.session
+            owner = self.gateway.owner
             return pb.OpenSessionResponse(
                 session_id=session.session_id,
                 info=convert.model_info_to_pb(session.info),
-                owner_epoch=session.epoch,
-                owner_instance_id=self.engine.owner.instance_id,
+                owner_epoch=owner.epoch,
+                owner_instance_id=owner.instance_id,
                 identity=convert.manifest_to_pb(session.identity),
             )
 
@@ -129,22 +150,40 @@ class ModeldServicer:
 
     def ExplainContext(self, request: Any, context: grpc.ServicerContext) -> Message:
         def run(req: pb.ExplainContextRequest) -> Message:
-            report = self.engine.explain(req.session_id)
+            report = self.gateway.explain(req.session_id)
             return pb.ExplainContextResponse(report=convert.report_to_pb(report))
 
         return self._unary("ExplainContext", run, request, context)
 
     def ListSessions(self, request: Any, context: grpc.ServicerContext) -> Message:
         def run(req: pb.ListSessionsRequest) -> Message:
-            sessions = [convert.summary_to_pb(s) for s in self.engine.list_sessions()]
+            sessions = [convert.summary_to_pb(s) for s in self.gateway.list_sessions()]
             return pb.ListSessionsResponse(sessions=sessions)
 
         return self._unary("ListSessions", run, request, context)
 
     def Status(self, request: Any, context: grpc.ServicerContext) -> Message:
         return self._unary(
-            "Status", lambda _req: convert.status_to_pb(self.engine.status()), request, context
+            "Status",
+            lambda req: convert.status_to_pb(self.gateway.status(debug=req.debug)),
+            request,
+            context,
         )
+
+    def CountTokens(self, request: Any, context: grpc.ServicerContext) -> Message:
+        def run(req: pb.CountTokensRequest) -> Message:
+            model, text, with_ids = convert.count_tokens_request_from_pb(req)
+            ids = self.gateway.tokenize(model, text)
+            return pb.CountTokensResponse(count=len(ids), token_ids=ids if with_ids else ())
+
+        return self._unary("CountTokens", run, request, context)
+
+    def Metrics(self, request: Any, context: grpc.ServicerContext) -> Message:
+        def run(_req: pb.MetricsRequest) -> Message:
+            text, content_type = self.gateway.metrics_text()
+            return pb.MetricsResponse(text=text.decode("utf-8"), content_type=content_type)
+
+        return self._unary("Metrics", run, request, context)
 
     # --- the Session stream ---------------------------------------------------------------
 
@@ -174,39 +213,44 @@ class ModeldServicer:
         except Exception as exc:
             failure = _internal(exc, "Session")
         finally:
-            session = state.session
-            if session is not None:
-                threading.Thread(target=session.close, name="session-close", daemon=True).start()
+            hosted = state.hosted
+            if hosted is not None:
+                threading.Thread(target=hosted.close, name="session-close", daemon=True).start()
         if failure is not None:
             context.abort_with_status(to_grpc_status(failure))  # raises: ends the stream
 
     def _session_stream(
         self, inbox: queue.SimpleQueue[object], state: _StreamState, context: grpc.ServicerContext
     ) -> Iterator[pb.SessionResponse]:
-        deadline = time.monotonic() + self.engine.limits.attach_timeout_seconds
-        first = self._next(inbox, None, deadline)
+        try:
+            first = inbox.get(timeout=self.gateway.limits.attach_timeout_seconds)
+        except queue.Empty:
+            raise InvalidArgumentError("no attach message arrived in time", field="attach") from None
         if first is _EOF:
             return
         _check(first)
         assert isinstance(first, pb.SessionRequest)
         if first.WhichOneof("op") != "attach":
             raise InvalidArgumentError("the first message on a Session stream must be attach", field="op")
-        session = self.engine.session(first.attach.session_id)
-        if session.attached:
+        hosted = self.gateway.hosted(first.attach.session_id)
+        if not self.gateway.attach(hosted):
             raise InvalidArgumentError(
-                f"session {session.session_id} is already attached to another stream",
+                f"session {hosted.session_id} is already attached to another stream",
                 field="attach.session_id",
             )
-        session.attached = True
-        state.session = session
-        context.add_callback(lambda: _on_rpc_done(session))
+        state.hosted = hosted
+        hosted.on_end(lambda error: inbox.put(_Ended(error)))
+        context.add_callback(lambda: _on_rpc_done(hosted))
+        session = hosted.session
         yield pb.SessionResponse(
-            request_id=first.request_id, attached=pb.Attached(session_id=session.session_id)
+            request_id=first.request_id, attached=pb.Attached(session_id=hosted.session_id)
         )
         while True:
-            item = self._next(inbox, session, None)
+            item = inbox.get()
             if item is _EOF:
                 return
+            if isinstance(item, _Ended):
+                raise item.error
             if isinstance(item, _Malformed):
                 yield _error(
                     0,
@@ -220,12 +264,14 @@ class ModeldServicer:
             op = item.WhichOneof("op")
             try:
                 if op == "ensure_prefix":
-                    status = session.ensure_prefix(convert.prefix_input_from_pb(item.ensure_prefix))
+                    prefix = convert.prefix_input_from_pb(item.ensure_prefix)
+                    status = yield from self._reporting(rid, session.ensure_prefix, prefix)
                     yield pb.SessionResponse(
                         request_id=rid, prefix_status=convert.prefix_status_to_pb(status)
                     )
                 elif op == "prefill_suffix":
-                    sstatus = session.prefill_suffix(convert.suffix_input_from_pb(item.prefill_suffix))
+                    suffix = convert.suffix_input_from_pb(item.prefill_suffix)
+                    sstatus = yield from self._reporting(rid, session.prefill_suffix, suffix)
                     yield pb.SessionResponse(
                         request_id=rid, suffix_status=convert.suffix_status_to_pb(sstatus)
                     )
@@ -256,37 +302,55 @@ class ModeldServicer:
             except Exception as exc:
                 yield _error(rid, _internal(exc, f"Session.{op}"))
 
-    def _next(
-        self, inbox: queue.SimpleQueue[object], session: EngineSession | None, deadline: float | None
-    ) -> object:
-        """The next request; raises the fatal error if the session can no longer be used."""
-        while True:
-            if session is not None:
-                self.engine.owner.check_epoch(session.epoch)  # stale_fence before shutting_down
-                if self.engine.stopping:
-                    raise ShuttingDownError("the daemon is shutting down")
-                if session.closed:
-                    raise SessionClosedError(f"session {session.session_id} was closed")
+    def _reporting(
+        self, rid: int, operation: Callable[[_In, ProgressCallback], _Out], argument: _In
+    ) -> Generator[pb.SessionResponse, None, _Out]:
+        """Run a prefill on the operation pool, sending its progress reports on this stream;
+        return its result (or raise its error)."""
+        out: queue.SimpleQueue[pb.SessionResponse | _Outcome[_Out]] = queue.SimpleQueue()
+
+        def report(progress: PrefillProgress) -> None:
+            out.put(pb.SessionResponse(request_id=rid, progress=convert.progress_to_pb(progress)))
+
+        def work() -> None:
             try:
-                return inbox.get(timeout=_POLL)
-            except queue.Empty:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise InvalidArgumentError("no attach message arrived in time", field="attach") from None
+                out.put(_Outcome(operation(argument, report), None))
+            except BaseException as exc:
+                out.put(_Outcome(None, exc))
+
+        self._ops.submit(work)
+        while True:
+            item = out.get()
+            if isinstance(item, _Outcome):
+                if item.error is not None:
+                    raise item.error
+                assert item.value is not None
+                return item.value
+            yield item
+
+    def close(self) -> None:
+        self._ops.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome(Generic[_Out]):
+    value: _Out | None
+    error: BaseException | None
 
 
 class _StreamState:
     """The session a stream is attached to and the decode it is running (for cancel_decode)."""
 
     def __init__(self) -> None:
-        self.session: EngineSession | None = None
+        self.hosted: Hosted | None = None
         self._lock = threading.Lock()
-        self._decode: tuple[int, EngineDecodeStream] | None = None
+        self._decode: tuple[int, DecodeStream] | None = None
 
-    def start(self, request_id: int, stream: EngineDecodeStream) -> None:
+    def start(self, request_id: int, stream: DecodeStream) -> None:
         with self._lock:
             self._decode = (request_id, stream)
 
-    def finish(self, stream: EngineDecodeStream) -> None:
+    def finish(self, stream: DecodeStream) -> None:
         with self._lock:
             if self._decode is not None and self._decode[1] is stream:
                 self._decode = None
@@ -299,11 +363,11 @@ class _StreamState:
             current[1].cancel()
 
 
-def _on_rpc_done(session: EngineSession) -> None:
-    """The RPC ended (any reason): close the session off gRPC's callback thread."""
-    if not session.closed:
-        session.interrupt()
-        threading.Thread(target=session.close, name="session-close", daemon=True).start()
+def _on_rpc_done(hosted: Hosted) -> None:
+    """The RPC ended (any reason): stop the session's work and close it off gRPC's thread."""
+    if hosted.ended is None:
+        hosted.interrupt()
+        threading.Thread(target=hosted.close, name="session-close", daemon=True).start()
 
 
 def _error(request_id: int, exc: ModeldError) -> pb.SessionResponse:
@@ -324,6 +388,8 @@ def add_to_server(servicer: ModeldServicer, server: grpc.Server) -> None:
         "ExplainContext": unary(servicer.ExplainContext, pb.ExplainContextRequest, pb.ExplainContextResponse),
         "ListSessions": unary(servicer.ListSessions, pb.ListSessionsRequest, pb.ListSessionsResponse),
         "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusResponse),
+        "CountTokens": unary(servicer.CountTokens, pb.CountTokensRequest, pb.CountTokensResponse),
+        "Metrics": unary(servicer.Metrics, pb.MetricsRequest, pb.MetricsResponse),
         "Session": grpc.stream_stream_rpc_method_handler(
             servicer.Session,
             request_deserializer=_safe(pb.SessionRequest),

@@ -1,3 +1,4 @@
+from google.rpc import error_details_pb2 as _error_details_pb2
 from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
@@ -75,20 +76,26 @@ class Fence(_message.Message):
     def __init__(self, owner_instance_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("model_name", "type", "digest", "path", "config", "fence")
+    __slots__ = ("model_name", "type", "digest", "path", "config", "fence", "pin", "keep_alive_seconds", "no_wait")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     type: BackendType
     digest: str
     path: str
     config: Config
     fence: Fence
-    def __init__(self, model_name: _Optional[str] = ..., type: _Optional[_Union[BackendType, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., config: _Optional[_Union[Config, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    pin: bool
+    keep_alive_seconds: float
+    no_wait: bool
+    def __init__(self, model_name: _Optional[str] = ..., type: _Optional[_Union[BackendType, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., config: _Optional[_Union[Config, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("model",)
@@ -169,10 +176,12 @@ class ModelInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
-    __slots__ = ("info",)
+    __slots__ = ("info", "machine")
     INFO_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
     info: ModelInfo
-    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+    machine: Machine
+    def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ..., machine: _Optional[_Union[Machine, _Mapping]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "info", "owner_epoch", "owner_instance_id", "identity")
@@ -245,17 +254,19 @@ class ContextManifest(_message.Message):
     def __init__(self, profile_id: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., prompt_format: _Optional[str] = ..., prompt_template_digest: _Optional[str] = ..., runtime_digest: _Optional[str] = ..., add_bos: _Optional[bool] = ..., stable_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class PrefixInput(_message.Message):
-    __slots__ = ("text", "manifest", "tools_json")
+    __slots__ = ("text", "manifest", "tools_json", "no_wait")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     text: str
     manifest: ContextManifest
     tools_json: str
-    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ...) -> None: ...
+    no_wait: bool
+    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class ReuseDecision(_message.Message):
-    __slots__ = ("outcome", "reason", "message", "field", "diverged_at_token", "diverged_segment", "diverged_at_byte")
+    __slots__ = ("outcome", "reason", "message", "field", "diverged_at_token", "diverged_segment", "diverged_at_byte", "tier", "context")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +274,8 @@ class ReuseDecision(_message.Message):
     DIVERGED_AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DIVERGED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     DIVERGED_AT_BYTE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
     outcome: str
     reason: str
     message: str
@@ -270,10 +283,12 @@ class ReuseDecision(_message.Message):
     diverged_at_token: int
     diverged_segment: str
     diverged_at_byte: int
-    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., diverged_at_token: _Optional[int] = ..., diverged_segment: _Optional[str] = ..., diverged_at_byte: _Optional[int] = ...) -> None: ...
+    tier: str
+    context: str
+    def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., diverged_at_token: _Optional[int] = ..., diverged_segment: _Optional[str] = ..., diverged_at_byte: _Optional[int] = ..., tier: _Optional[str] = ..., context: _Optional[str] = ...) -> None: ...
 
 class PrefixStatus(_message.Message):
-    __slots__ = ("reused_tokens", "prefilled_tokens", "dropped_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "stable_byte_hash", "stable_token_hash", "manifest_digest", "reuse")
+    __slots__ = ("reused_tokens", "prefilled_tokens", "dropped_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "stable_byte_hash", "stable_token_hash", "manifest_digest", "reuse", "prefill_ms", "restore_ms")
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +299,8 @@ class PrefixStatus(_message.Message):
     STABLE_TOKEN_HASH_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     REUSE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     reused_tokens: int
     prefilled_tokens: int
     dropped_tokens: int
@@ -294,34 +311,42 @@ class PrefixStatus(_message.Message):
     stable_token_hash: str
     manifest_digest: str
     reuse: ReuseDecision
-    def __init__(self, reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ...) -> None: ...
+    prefill_ms: float
+    restore_ms: float
+    def __init__(self, reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ...) -> None: ...
 
 class SuffixInput(_message.Message):
-    __slots__ = ("text", "manifest")
+    __slots__ = ("text", "manifest", "no_wait")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     text: str
     manifest: ContextManifest
-    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ...) -> None: ...
+    no_wait: bool
+    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class SuffixStatus(_message.Message):
-    __slots__ = ("suffix_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "manifest_digest", "restored_tokens")
+    __slots__ = ("suffix_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "manifest_digest", "restored_tokens", "prefill_ms", "restore_ms")
     SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     suffix_tokens: int
     prefix_tokens: int
     resident_tokens: int
     available_tokens: int
     manifest_digest: str
     restored_tokens: int
-    def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ...) -> None: ...
+    prefill_ms: float
+    restore_ms: float
+    def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeConfig(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "no_wait", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +370,7 @@ class DecodeConfig(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     REPEAT_PENALTY_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
+    NO_WAIT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -367,6 +393,7 @@ class DecodeConfig(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     repeat_penalty: float
     extra: _containers.ScalarMap[str, str]
+    no_wait: bool
     constraint: Constraint
     tool_choice: str
     tools_json: str
@@ -380,7 +407,7 @@ class DecodeConfig(_message.Message):
     frequency_penalty: float
     logprobs: bool
     top_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repeat_penalty: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tool_choice: _Optional[str] = ..., tools_json: _Optional[str] = ..., exit_tools_json: _Optional[str] = ..., stop_on_signal: _Optional[bool] = ..., tool_format: _Optional[str] = ..., repeated_line_min_chars: _Optional[int] = ..., repeated_line_max: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repeat_penalty: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ..., no_wait: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tool_choice: _Optional[str] = ..., tools_json: _Optional[str] = ..., exit_tools_json: _Optional[str] = ..., stop_on_signal: _Optional[bool] = ..., tool_format: _Optional[str] = ..., repeated_line_min_chars: _Optional[int] = ..., repeated_line_max: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "value")
@@ -391,22 +418,64 @@ class Constraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_ms", "restore_ms", "decode_ms")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    prefill_ms: float
+    restore_ms: float
+    decode_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
+
+class PrefillProgress(_message.Message):
+    __slots__ = ("stage", "done", "total", "elapsed_ms")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ELAPSED_MS_FIELD_NUMBER: _ClassVar[int]
+    stage: str
+    done: int
+    total: int
+    elapsed_ms: float
+    def __init__(self, stage: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
+
+class WarmContext(_message.Message):
+    __slots__ = ("id", "tier", "tokens", "prefix_tokens", "bytes", "shared_bytes", "last_used_at", "pinned", "session_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    tier: str
+    tokens: int
+    prefix_tokens: int
+    bytes: int
+    shared_bytes: int
+    last_used_at: float
+    pinned: bool
+    session_id: str
+    def __init__(self, id: _Optional[str] = ..., tier: _Optional[str] = ..., tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., last_used_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
-    __slots__ = ("reason", "message")
+    __slots__ = ("reason", "message", "info")
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
     reason: str
     message: str
-    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    info: _error_details_pb2.ErrorInfo
+    def __init__(self, reason: _Optional[str] = ..., message: _Optional[str] = ..., info: _Optional[_Union[_error_details_pb2.ErrorInfo, _Mapping]] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments")
@@ -473,7 +542,7 @@ class StreamChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., signal: _Optional[_Union[ToolCall, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_text: _Optional[str] = ...) -> None: ...
 
 class ContextReport(_message.Message):
-    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at")
+    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at", "context_id", "contexts", "queue_position", "queue_wait_seconds", "pinned", "keep_alive_seconds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -495,6 +564,12 @@ class ContextReport(_message.Message):
     OWNER_EPOCH_FIELD_NUMBER: _ClassVar[int]
     OPENED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_POSITION_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ALIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_name: str
     backend: str
@@ -516,7 +591,13 @@ class ContextReport(_message.Message):
     owner_epoch: int
     opened_at: float
     last_used_at: float
-    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ...) -> None: ...
+    context_id: str
+    contexts: _containers.RepeatedCompositeFieldContainer[WarmContext]
+    queue_position: int
+    queue_wait_seconds: float
+    pinned: bool
+    keep_alive_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., context_id: _Optional[str] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., queue_position: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ...) -> None: ...
 
 class Attach(_message.Message):
     __slots__ = ("session_id",)
@@ -573,7 +654,7 @@ class SessionRequest(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., attach: _Optional[_Union[Attach, _Mapping]] = ..., ensure_prefix: _Optional[_Union[PrefixInput, _Mapping]] = ..., prefill_suffix: _Optional[_Union[SuffixInput, _Mapping]] = ..., decode: _Optional[_Union[DecodeConfig, _Mapping]] = ..., explain_context: _Optional[_Union[ExplainContextRequest, _Mapping]] = ..., close: _Optional[_Union[CloseRequest, _Mapping]] = ..., cancel_decode: _Optional[_Union[CancelDecode, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "attached", "prefix_status", "suffix_status", "decode_started", "chunk", "context", "closed", "error")
+    __slots__ = ("request_id", "attached", "prefix_status", "suffix_status", "decode_started", "chunk", "context", "closed", "error", "progress")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_STATUS_FIELD_NUMBER: _ClassVar[int]
@@ -583,6 +664,7 @@ class SessionResponse(_message.Message):
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     attached: Attached
     prefix_status: PrefixStatus
@@ -592,7 +674,8 @@ class SessionResponse(_message.Message):
     context: ContextReport
     closed: Closed
     error: _status_pb2.Status
-    def __init__(self, request_id: _Optional[int] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., prefix_status: _Optional[_Union[PrefixStatus, _Mapping]] = ..., suffix_status: _Optional[_Union[SuffixStatus, _Mapping]] = ..., decode_started: _Optional[_Union[DecodeStarted, _Mapping]] = ..., chunk: _Optional[_Union[StreamChunk, _Mapping]] = ..., context: _Optional[_Union[ContextReport, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
+    progress: PrefillProgress
+    def __init__(self, request_id: _Optional[int] = ..., attached: _Optional[_Union[Attached, _Mapping]] = ..., prefix_status: _Optional[_Union[PrefixStatus, _Mapping]] = ..., suffix_status: _Optional[_Union[SuffixStatus, _Mapping]] = ..., decode_started: _Optional[_Union[DecodeStarted, _Mapping]] = ..., chunk: _Optional[_Union[StreamChunk, _Mapping]] = ..., context: _Optional[_Union[ContextReport, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[_status_pb2.Status, _Mapping]] = ..., progress: _Optional[_Union[PrefillProgress, _Mapping]] = ...) -> None: ...
 
 class ExplainContextResponse(_message.Message):
     __slots__ = ("report",)
@@ -643,11 +726,104 @@ class ListSessionsResponse(_message.Message):
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("debug",)
+    DEBUG_FIELD_NUMBER: _ClassVar[int]
+    debug: bool
+    def __init__(self, debug: _Optional[bool] = ...) -> None: ...
+
+class Worker(_message.Message):
+    __slots__ = ("pid", "state", "isolation", "started_at", "restarts", "last_error", "last_restart_reason", "last_restart_at", "rss_bytes", "log_lines")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTART_REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTART_AT_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOG_LINES_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    state: str
+    isolation: str
+    started_at: float
+    restarts: int
+    last_error: str
+    last_restart_reason: str
+    last_restart_at: float
+    rss_bytes: int
+    log_lines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., isolation: _Optional[str] = ..., started_at: _Optional[float] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., last_restart_reason: _Optional[str] = ..., last_restart_at: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., log_lines: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Accelerator(_message.Message):
+    __slots__ = ("kind", "name", "memory_bytes", "driver")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    name: str
+    memory_bytes: int
+    driver: str
+    def __init__(self, kind: _Optional[str] = ..., name: _Optional[str] = ..., memory_bytes: _Optional[int] = ..., driver: _Optional[str] = ...) -> None: ...
+
+class Machine(_message.Message):
+    __slots__ = ("cpu_count", "ram_total_bytes", "ram_available_bytes", "disk_free_bytes", "accelerators", "problems")
+    CPU_COUNT_FIELD_NUMBER: _ClassVar[int]
+    RAM_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATORS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    cpu_count: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    disk_free_bytes: int
+    accelerators: _containers.RepeatedCompositeFieldContainer[Accelerator]
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cpu_count: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., accelerators: _Optional[_Iterable[_Union[Accelerator, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Tiers(_message.Message):
+    __slots__ = ("ram_entries", "ram_bytes", "ram_budget", "disk_entries", "disk_bytes", "disk_budget", "disk_off_reason", "written", "write_failures", "spilled_to_disk", "dropped", "rejected", "memory_budget", "recent_rejections")
+    RAM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DISK_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DISK_OFF_REASON_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SPILLED_TO_DISK_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RECENT_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    ram_entries: int
+    ram_bytes: int
+    ram_budget: int
+    disk_entries: int
+    disk_bytes: int
+    disk_budget: int
+    disk_off_reason: str
+    written: int
+    write_failures: int
+    spilled_to_disk: int
+    dropped: int
+    rejected: int
+    memory_budget: int
+    recent_rejections: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LoadedModel(_message.Message):
-    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at")
+    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
@@ -657,6 +833,15 @@ class LoadedModel(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LOADED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     backend: str
     path: str
     model_name: str
@@ -666,10 +851,19 @@ class LoadedModel(_message.Message):
     sessions: int
     loaded_at: float
     last_used_at: float
-    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ...) -> None: ...
+    sequences: int
+    pool_tokens: int
+    kv_bytes_per_token: int
+    slots: int
+    busy_slots: int
+    queued: int
+    contexts: _containers.RepeatedCompositeFieldContainer[WarmContext]
+    counters: _containers.ScalarMap[str, int]
+    worker: Worker
+    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., sequences: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., slots: _Optional[int] = ..., busy_slots: _Optional[int] = ..., queued: _Optional[int] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., worker: _Optional[_Union[Worker, _Mapping]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("instance_id", "epoch", "pid", "endpoint", "version", "started_at", "uptime_seconds", "backends", "default_backend", "models", "sessions", "limits", "owner_lost")
+    __slots__ = ("instance_id", "epoch", "pid", "endpoint", "version", "started_at", "uptime_seconds", "backends", "default_backend", "models", "sessions", "limits", "owner_lost", "tiers", "machine", "settings")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -677,6 +871,13 @@ class StatusResponse(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
@@ -690,6 +891,9 @@ class StatusResponse(_message.Message):
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     OWNER_LOST_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     epoch: int
     pid: int
@@ -703,4 +907,37 @@ class StatusResponse(_message.Message):
     sessions: int
     limits: _containers.ScalarMap[str, float]
     owner_lost: str
-    def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., default_backend: _Optional[str] = ..., models: _Optional[_Iterable[_Union[LoadedModel, _Mapping]]] = ..., sessions: _Optional[int] = ..., limits: _Optional[_Mapping[str, float]] = ..., owner_lost: _Optional[str] = ...) -> None: ...
+    tiers: Tiers
+    machine: Machine
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., default_backend: _Optional[str] = ..., models: _Optional[_Iterable[_Union[LoadedModel, _Mapping]]] = ..., sessions: _Optional[int] = ..., limits: _Optional[_Mapping[str, float]] = ..., owner_lost: _Optional[str] = ..., tiers: _Optional[_Union[Tiers, _Mapping]] = ..., machine: _Optional[_Union[Machine, _Mapping]] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CountTokensRequest(_message.Message):
+    __slots__ = ("model", "text", "return_token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: OpenSessionRequest
+    text: str
+    return_token_ids: bool
+    def __init__(self, model: _Optional[_Union[OpenSessionRequest, _Mapping]] = ..., text: _Optional[str] = ..., return_token_ids: _Optional[bool] = ...) -> None: ...
+
+class CountTokensResponse(_message.Message):
+    __slots__ = ("count", "token_ids")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, count: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MetricsResponse(_message.Message):
+    __slots__ = ("text", "content_type")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    content_type: str
+    def __init__(self, text: _Optional[str] = ..., content_type: _Optional[str] = ...) -> None: ...

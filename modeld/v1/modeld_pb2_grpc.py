@@ -64,6 +64,16 @@ class ModeldStub:
                 request_serializer=modeld_dot_v1_dot_modeld__pb2.StatusRequest.SerializeToString,
                 response_deserializer=modeld_dot_v1_dot_modeld__pb2.StatusResponse.FromString,
                 _registered_method=True)
+        self.CountTokens = channel.unary_unary(
+                '/modeld.v1.Modeld/CountTokens',
+                request_serializer=modeld_dot_v1_dot_modeld__pb2.CountTokensRequest.SerializeToString,
+                response_deserializer=modeld_dot_v1_dot_modeld__pb2.CountTokensResponse.FromString,
+                _registered_method=True)
+        self.Metrics = channel.unary_unary(
+                '/modeld.v1.Modeld/Metrics',
+                request_serializer=modeld_dot_v1_dot_modeld__pb2.MetricsRequest.SerializeToString,
+                response_deserializer=modeld_dot_v1_dot_modeld__pb2.MetricsResponse.FromString,
+                _registered_method=True)
 
 
 class ModeldServicer:
@@ -83,8 +93,8 @@ class ModeldServicer:
         session must be attached with a Session stream within the attach timeout (see Status
         limits) or it is closed.
         Errors: as Describe, plus FAILED_PRECONDITION (stale_fence, not_owner),
-        RESOURCE_EXHAUSTED (limit_exceeded: max_sessions, max_loaded_models), UNAVAILABLE
-        (shutting_down).
+        RESOURCE_EXHAUSTED (limit_exceeded: max_sessions, max_loaded_models, memory_budget_bytes),
+        UNAVAILABLE (shutting_down; engine_restarted while its worker restarts).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,8 +103,13 @@ class ModeldServicer:
     def Session(self, request_iterator, context):
         """The session's operations. The first request must be `attach`; the session is closed when
         the stream ends (either side, including a client that disconnects). Responses carry the
-        request_id they answer. Decode answers with `decode_started`, then `chunk`s, the last
-        with a finish_reason; `cancel_decode` stops it within one token step.
+        request_id they answer. A long prefill sends `progress` before its answer. Decode answers
+        with `decode_started`, then `chunk`s, the last with a finish_reason; `cancel_decode` stops
+        it within one token step. An operation's own failure is an `error` answer (the session stays
+        usable): RESOURCE_EXHAUSTED (no_slot_available: every slot busy and no_wait asked),
+        UNAVAILABLE (busy: the queue wait ran out; engine_restarted: the engine worker died and is
+        being restarted, nothing was replayed, retry; stall_timeout: the worker hung and was
+        restarted), DEADLINE_EXCEEDED (timeout: a configured operation timeout).
         Stream-ending errors: NOT_FOUND (session_not_found), FAILED_PRECONDITION (stale_fence,
         session_closed), UNAVAILABLE (shutting_down), INVALID_ARGUMENT (a malformed first message).
         """
@@ -119,6 +134,24 @@ class ModeldServicer:
 
     def Status(self, request, context):
         """Owner, uptime, backends, loaded models, session count and limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CountTokens(self, request, context):
+        """The number of tokens a text makes under a model (no BOS added), so a tool can budget a
+        repo map before sending it. Loads the model if needed; opens no session and changes
+        nothing resident. Errors: as Describe, plus RESOURCE_EXHAUSTED (limit_exceeded:
+        max_text_bytes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Metrics(self, request, context):
+        """The daemon's metrics in the Prometheus text format: what `modeld metrics` prints and the
+        HTTP endpoint serves at /metrics, for deployments that only listen on gRPC.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +189,16 @@ def add_ModeldServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=modeld_dot_v1_dot_modeld__pb2.StatusRequest.FromString,
                     response_serializer=modeld_dot_v1_dot_modeld__pb2.StatusResponse.SerializeToString,
+            ),
+            'CountTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.CountTokens,
+                    request_deserializer=modeld_dot_v1_dot_modeld__pb2.CountTokensRequest.FromString,
+                    response_serializer=modeld_dot_v1_dot_modeld__pb2.CountTokensResponse.SerializeToString,
+            ),
+            'Metrics': grpc.unary_unary_rpc_method_handler(
+                    servicer.Metrics,
+                    request_deserializer=modeld_dot_v1_dot_modeld__pb2.MetricsRequest.FromString,
+                    response_serializer=modeld_dot_v1_dot_modeld__pb2.MetricsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -320,6 +363,60 @@ class Modeld:
             '/modeld.v1.Modeld/Status',
             modeld_dot_v1_dot_modeld__pb2.StatusRequest.SerializeToString,
             modeld_dot_v1_dot_modeld__pb2.StatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CountTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modeld.v1.Modeld/CountTokens',
+            modeld_dot_v1_dot_modeld__pb2.CountTokensRequest.SerializeToString,
+            modeld_dot_v1_dot_modeld__pb2.CountTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Metrics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modeld.v1.Modeld/Metrics',
+            modeld_dot_v1_dot_modeld__pb2.MetricsRequest.SerializeToString,
+            modeld_dot_v1_dot_modeld__pb2.MetricsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,9 +16,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
+from google.rpc import error_details_pb2
 
 from modeld.contract import (
+    Accelerator,
     Capabilities,
     Config,
     Constraint,
@@ -28,8 +31,10 @@ from modeld.contract import (
     ErrorDetail,
     Fence,
     LoadedModelSummary,
+    Machine,
     ModelInfo,
     OpenSessionRequest,
+    PrefillProgress,
     PrefixInput,
     PrefixStatus,
     ReuseDecision,
@@ -38,16 +43,21 @@ from modeld.contract import (
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    TierStatus,
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
     Usage,
+    WarmContextInfo,
+    WorkerInfo,
 )
-from modeld.errors import InvalidArgumentError
+from modeld.errors import InvalidArgumentError, echo
 from modeld.manifest import ContextManifest, Segment
 from modeld.v1 import modeld_pb2 as pb
 
 __all__ = [
+    "count_tokens_request_from_pb",
+    "count_tokens_request_to_pb",
     "config_from_pb",
     "config_to_pb",
     "decode_config_from_pb",
@@ -121,8 +131,15 @@ def _guard(what: str) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
     return wrap
 
 
+_UNSIGNED = (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_UINT64)
+
+
 def _to_pb(obj: Any, msg: _M, *, skip: tuple[str, ...] = ()) -> _M:
-    """Copy a flat dataclass into a message with the same field names (None = unset)."""
+    """Copy a flat dataclass into a message with the same field names (None = unset).
+
+    A value the field cannot hold (a negative count, a wrong type) is an InvalidArgumentError
+    naming that field, the same field the daemon would name.
+    """
     for f in dataclasses.fields(obj):
         if f.name in skip:
             continue
@@ -130,12 +147,18 @@ def _to_pb(obj: Any, msg: _M, *, skip: tuple[str, ...] = ()) -> _M:
         if value is None:
             continue
         target = getattr(msg, f.name)
-        if isinstance(value, tuple | list):
-            target.extend(value)
-        elif isinstance(value, dict) or (hasattr(value, "items") and hasattr(target, "update")):
-            target.update(value)
-        else:
-            setattr(msg, f.name, value)
+        descriptor = msg.DESCRIPTOR.fields_by_name[f.name]
+        if descriptor.type in _UNSIGNED and isinstance(value, int) and value < 0:
+            raise InvalidArgumentError(f"{f.name} must not be negative, got {value}", field=f.name)
+        try:
+            if isinstance(value, tuple | list):
+                target.extend(value)
+            elif isinstance(value, dict) or (hasattr(value, "items") and hasattr(target, "update")):
+                target.update(value)
+            else:
+                setattr(msg, f.name, value)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidArgumentError(f"{f.name}={echo(value)} is invalid: {exc}", field=f.name) from exc
     return msg
 
 
@@ -196,6 +219,9 @@ def open_request_to_pb(request: OpenSessionRequest) -> pb.OpenSessionRequest:
         path=request.path,
         config=config_to_pb(request.config),
         fence=pb.Fence(owner_instance_id=request.fence.owner_instance_id),
+        pin=request.pin,
+        keep_alive_seconds=request.keep_alive_seconds,
+        no_wait=request.no_wait,
     )
 
 
@@ -210,7 +236,24 @@ def open_request_from_pb(msg: pb.OpenSessionRequest) -> OpenSessionRequest:
         path=msg.path,
         config=config_from_pb(msg.config),
         fence=Fence(owner_instance_id=msg.fence.owner_instance_id),
+        pin=msg.pin,
+        keep_alive_seconds=msg.keep_alive_seconds,
+        no_wait=msg.no_wait,
     )
+
+
+@_guard("count_tokens request")
+def count_tokens_request_to_pb(
+    request: OpenSessionRequest, text: str, return_token_ids: bool
+) -> pb.CountTokensRequest:
+    return pb.CountTokensRequest(
+        model=open_request_to_pb(request), text=text, return_token_ids=return_token_ids
+    )
+
+
+@_guard("count_tokens request")
+def count_tokens_request_from_pb(msg: pb.CountTokensRequest) -> tuple[OpenSessionRequest, str, bool]:
+    return open_request_from_pb(msg.model), msg.text, msg.return_token_ids
 
 
 @_guard("manifest")
@@ -229,6 +272,8 @@ def manifest_from_pb(msg: pb.ContextManifest) -> ContextManifest:
 @_guard("prefix")
 def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
     msg = pb.PrefixInput(text=prefix.text, tools_json=prefix.tools_json)
+    if prefix.no_wait is not None:
+        msg.no_wait = prefix.no_wait
     if prefix.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(prefix.manifest))
     return msg
@@ -237,12 +282,15 @@ def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
 @_guard("prefix")
 def prefix_input_from_pb(msg: pb.PrefixInput) -> PrefixInput:
     manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
-    return PrefixInput(text=msg.text, manifest=manifest, tools_json=msg.tools_json)
+    no_wait = msg.no_wait if msg.HasField("no_wait") else None
+    return PrefixInput(text=msg.text, manifest=manifest, tools_json=msg.tools_json, no_wait=no_wait)
 
 
 @_guard("suffix")
 def suffix_input_to_pb(suffix: SuffixInput) -> pb.SuffixInput:
     msg = pb.SuffixInput(text=suffix.text)
+    if suffix.no_wait is not None:
+        msg.no_wait = suffix.no_wait
     if suffix.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(suffix.manifest))
     return msg
@@ -251,7 +299,8 @@ def suffix_input_to_pb(suffix: SuffixInput) -> pb.SuffixInput:
 @_guard("suffix")
 def suffix_input_from_pb(msg: pb.SuffixInput) -> SuffixInput:
     manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
-    return SuffixInput(text=msg.text, manifest=manifest)
+    no_wait = msg.no_wait if msg.HasField("no_wait") else None
+    return SuffixInput(text=msg.text, manifest=manifest, no_wait=no_wait)
 
 
 _DECODE_OPTIONAL = (
@@ -289,6 +338,7 @@ def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         extra=dict(msg.extra),
+        no_wait=msg.no_wait if msg.HasField("no_wait") else None,
         constraint=constraint,
         tools_json=msg.tools_json,
         exit_tools_json=msg.exit_tools_json,
@@ -361,7 +411,8 @@ def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
     if chunk.usage is not None:
         msg.usage.CopyFrom(_to_pb(chunk.usage, pb.Usage()))
     if chunk.error is not None:
-        msg.error.CopyFrom(pb.ErrorDetail(reason=chunk.error.reason, message=chunk.error.message))
+        info = error_details_pb2.ErrorInfo(reason=chunk.error.reason, domain="modeld")
+        msg.error.CopyFrom(pb.ErrorDetail(reason=chunk.error.reason, message=chunk.error.message, info=info))
     msg.tool_call_deltas.extend(_to_pb(d, pb.ToolCallDelta()) for d in chunk.tool_call_deltas)
     msg.tool_calls.extend(_to_pb(c, pb.ToolCall()) for c in chunk.tool_calls)
     if chunk.signal is not None:
@@ -397,9 +448,28 @@ def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
     )
 
 
+def _contexts_to_pb(contexts: tuple[WarmContextInfo, ...]) -> list[pb.WarmContext]:
+    return [_to_pb(c, pb.WarmContext()) for c in contexts]
+
+
+def _contexts_from_pb(msgs: Any) -> tuple[WarmContextInfo, ...]:
+    return tuple(_from_pb(m, WarmContextInfo) for m in msgs)
+
+
+@_guard("progress")
+def progress_to_pb(progress: PrefillProgress) -> pb.PrefillProgress:
+    return _to_pb(progress, pb.PrefillProgress())
+
+
+@_guard("progress")
+def progress_from_pb(msg: pb.PrefillProgress) -> PrefillProgress:
+    return _from_pb(msg, PrefillProgress)
+
+
 @_guard("context report")
 def report_to_pb(report: ContextReport) -> pb.ContextReport:
-    msg = _to_pb(report, pb.ContextReport(), skip=("manifest", "last_reuse", "last_prefix"))
+    msg = _to_pb(report, pb.ContextReport(), skip=("manifest", "last_reuse", "last_prefix", "contexts"))
+    msg.contexts.extend(_contexts_to_pb(report.contexts))
     if report.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(report.manifest))
     if report.last_reuse is not None:
@@ -417,6 +487,7 @@ def report_from_pb(msg: pb.ContextReport) -> ContextReport:
         manifest=manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None,
         last_reuse=_reuse_from_pb(msg.last_reuse) if msg.HasField("last_reuse") else None,
         last_prefix=prefix_status_from_pb(msg.last_prefix) if msg.HasField("last_prefix") else None,
+        contexts=_contexts_from_pb(msg.contexts),
     )
 
 
@@ -430,14 +501,54 @@ def summary_from_pb(msg: pb.SessionSummary) -> SessionSummary:
     return _from_pb(msg, SessionSummary)
 
 
+def machine_to_pb(machine: Machine) -> pb.Machine:
+    msg = _to_pb(machine, pb.Machine(), skip=("accelerators",))
+    msg.accelerators.extend(_to_pb(a, pb.Accelerator()) for a in machine.accelerators)
+    return msg
+
+
+def machine_from_pb(msg: pb.Machine) -> Machine:
+    return _from_pb(msg, Machine, accelerators=tuple(_from_pb(a, Accelerator) for a in msg.accelerators))
+
+
+def _model_to_pb(model: LoadedModelSummary) -> pb.LoadedModel:
+    msg = _to_pb(model, pb.LoadedModel(), skip=("contexts", "worker"))
+    msg.contexts.extend(_contexts_to_pb(model.contexts))
+    if model.worker is not None:
+        msg.worker.CopyFrom(_to_pb(model.worker, pb.Worker()))
+    return msg
+
+
+def _model_from_pb(msg: pb.LoadedModel) -> LoadedModelSummary:
+    return _from_pb(
+        msg,
+        LoadedModelSummary,
+        contexts=_contexts_from_pb(msg.contexts),
+        counters=dict(msg.counters),
+        worker=_from_pb(msg.worker, WorkerInfo) if msg.HasField("worker") else None,
+    )
+
+
 @_guard("status")
 def status_to_pb(status: DaemonStatus) -> pb.StatusResponse:
-    msg = _to_pb(status, pb.StatusResponse(), skip=("models",))
-    msg.models.extend(_to_pb(m, pb.LoadedModel()) for m in status.models)
+    msg = _to_pb(status, pb.StatusResponse(), skip=("models", "tiers", "machine"))
+    msg.models.extend(_model_to_pb(m) for m in status.models)
+    if status.tiers is not None:
+        msg.tiers.CopyFrom(_to_pb(status.tiers, pb.Tiers()))
+    if status.machine is not None:
+        msg.machine.CopyFrom(machine_to_pb(status.machine))
     return msg
 
 
 @_guard("status")
 def status_from_pb(msg: pb.StatusResponse) -> DaemonStatus:
-    models = tuple(_from_pb(m, LoadedModelSummary) for m in msg.models)
-    return _from_pb(msg, DaemonStatus, models=models, limits=dict(msg.limits))
+    models = tuple(_model_from_pb(m) for m in msg.models)
+    return _from_pb(
+        msg,
+        DaemonStatus,
+        models=models,
+        limits=dict(msg.limits),
+        settings=dict(msg.settings),
+        tiers=_from_pb(msg.tiers, TierStatus) if msg.HasField("tiers") else None,
+        machine=machine_from_pb(msg.machine) if msg.HasField("machine") else None,
+    )

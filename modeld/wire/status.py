@@ -7,6 +7,11 @@ Server side, :func:`to_status` turns a :class:`~modeld.errors.ModeldError` into 
 into the same typed exception. A status without a modeld ErrorInfo comes from gRPC itself
 (the daemon is gone, a deadline passed, a message was too large); :data:`TRANSPORT_ERRORS` maps
 its code to a typed error -- by code only, never by parsing the message.
+
+A status travels in gRPC metadata (``grpc-message`` and ``grpc-status-details-bin``), which a
+client refuses beyond 8 KiB by default: :func:`to_status` cuts the message to
+:data:`MAX_MESSAGE_CHARS` and every detail value to :data:`MAX_DETAIL_CHARS`, so an error
+caused by a huge client string still arrives as that error.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ from modeld.errors import (
     LimitExceededError,
     ModeldError,
     SessionNotFoundError,
+    UnauthenticatedError,
     error_from_reason,
 )
 
 __all__ = [
     "DOMAIN",
+    "MAX_DETAIL_CHARS",
+    "MAX_MESSAGE_CHARS",
     "TRANSPORT_ERRORS",
     "from_rpc_error",
     "from_status",
@@ -48,6 +56,7 @@ TRANSPORT_ERRORS: dict[grpc.StatusCode, type[ModeldError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: LimitExceededError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.NOT_FOUND: SessionNotFoundError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 """Statuses that gRPC produces by itself (no ErrorInfo), by code. Anything else is internal."""
 
@@ -58,13 +67,23 @@ def grpc_code(err: ModeldError) -> grpc.StatusCode:
     return _CODE_BY_NAME.get(err.status, grpc.StatusCode.INTERNAL)
 
 
+MAX_MESSAGE_CHARS = 1024
+MAX_DETAIL_CHARS = 256
+_MAX_DETAILS = 16
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def to_status(err: ModeldError) -> status_pb2.Status:
-    """A ``google.rpc.Status`` carrying the error's code, message and ErrorInfo."""
-    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.details)
+    """A ``google.rpc.Status`` carrying the error's code, message and ErrorInfo (size-bounded)."""
+    metadata = {_cut(k, 64): _cut(v, MAX_DETAIL_CHARS) for k, v in list(err.details.items())[:_MAX_DETAILS]}
+    info = error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
     code = grpc_code(err).value[0]
-    return status_pb2.Status(code=code, message=err.message, details=[detail])
+    return status_pb2.Status(code=code, message=_cut(err.message, MAX_MESSAGE_CHARS), details=[detail])
 
 
 def to_grpc_status(err: ModeldError) -> grpc.Status:

@@ -2,7 +2,7 @@
 
 Runs against every implementation (in process and over the wire) that lists the constraint
 kinds in ``Capabilities.constraints``; until the decode loop and a backend are wired to
-``modeld.decoding`` (``blueprints/0013``), the tests skip with that reason. On the generated
+``modeld.decoding`` (``blueprints/0018``), the tests skip with that reason. On the generated
 random-weight models free text is garbage, so output that parses and validates shows the
 constraint at work, not the model.
 """
@@ -68,7 +68,7 @@ def needs(h: Harness, session: Session, *kinds: str) -> None:
     have = session.info.capabilities.constraints
     if not set(kinds) <= set(have):
         pytest.skip(
-            f"{h.name} enforces {have or 'no'} constraints yet (decode-loop integration, blueprints/0013)"
+            f"{h.name} enforces {have or 'no'} constraints yet (decode-loop integration, blueprints/0018)"
         )
 
 

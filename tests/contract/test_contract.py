@@ -238,23 +238,28 @@ def test_closed_session_leaves_its_kv_warm_for_the_next_session(harness: Harness
 
 
 def test_two_sessions_take_turns_without_mixing_their_tokens(harness: Harness) -> None:
+    """Two workspaces on one model each keep their own warm context: neither displaces the
+    other, the second shares exactly the common head of the first, and both stay warm."""
     solo_prefix, solo_suffix = PrefixInput(text=SYSTEM + REPO_MAP), SuffixInput(text="task A\n")
+    other = PrefixInput(text=SYSTEM + "a different repo\n")
     with harness.open() as solo:
         solo.ensure_prefix(solo_prefix)
         solo.prefill_suffix(solo_suffix)
         expected = ids_of(decode_all(solo, max_tokens=10))
     with harness.open() as a, harness.open() as b:
         a.ensure_prefix(solo_prefix)
-        b_status = b.ensure_prefix(PrefixInput(text=SYSTEM + "a different repo\n"))
-        k = common_prefix_len(
-            harness.tokenize(solo_prefix.text), harness.tokenize(SYSTEM + "a different repo\n")
-        )
-        assert b_status.reused_tokens == k  # exactly what it shares with A's resident tokens
-        st = a.prefill_suffix(solo_suffix)  # A's prefix was displaced: restored first
-        assert st.restored_tokens == st.prefix_tokens - k
+        b_status = b.ensure_prefix(other)
+        k = common_prefix_len(harness.tokenize(solo_prefix.text), harness.tokenize(other.text))
+        assert b_status.reused_tokens == k  # exactly what it shares with A's warm context
+        st = a.prefill_suffix(solo_suffix)  # A's prefix is still in its own sequence
+        assert st.restored_tokens == 0
         assert ids_of(decode_all(a, max_tokens=10)) == expected
-        b_again = b.ensure_prefix(PrefixInput(text=SYSTEM + "a different repo\n"))
-        assert b_again.reused_tokens == k
+        b_again = b.ensure_prefix(other)
+        assert b_again.reuse.outcome == "warm"
+        assert b_again.reused_tokens == b_again.prefix_tokens
+        a_again = a.ensure_prefix(solo_prefix)
+        assert a_again.reuse.outcome == "warm"
+        assert a_again.reused_tokens == a_again.prefix_tokens
 
 
 # --- manifests ------------------------------------------------------------------------------

@@ -1,0 +1,206 @@
+"""The on-disk form of a KV snapshot: one self-describing, verified file per snapshot.
+
+Layout (``blueprints/0014``)::
+
+    "MODELDKV"                      8 bytes, magic
+    u16le version                   FORMAT_VERSION
+    u32le header length
+    header                          UTF-8 JSON: model_digest, identity, snapshot_format,
+                                    n_tokens, token_hash, prefix_tokens, payload_bytes,
+                                    payload_hash, created
+    tokens                          n_tokens x u32le
+    payload                         the engine's opaque sequence state
+
+``identity`` is the digest of the runtime fields of the manifest the KV was computed under
+(what makes reuse valid, blueprint 0002); ``snapshot_format`` names the engine build and KV
+layout the blob fits (a blob is never handed to an engine that reports another one);
+``token_hash`` is xxh3-128 of the tokens and ``payload_hash`` xxh3-128 of the payload. A file is
+used only if every one of these checks passes (:func:`read_verified`); otherwise the caller
+removes it with the logged reason.
+
+Writing is atomic: a hidden temporary file in the same directory, written, fsync'd, renamed
+over the final name, then the directory fsync'd. A daemon killed mid-write leaves only a
+``.tmp`` file, which the next start removes; a visible file is always whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import struct
+import time
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from modeld.manifest import token_hash
+
+__all__ = [
+    "FORMAT_VERSION",
+    "SUFFIX",
+    "SnapshotError",
+    "SnapshotHeader",
+    "read_header",
+    "read_verified",
+    "write_atomic",
+]
+
+MAGIC = b"MODELDKV"
+FORMAT_VERSION = 1
+SUFFIX = ".kvs"
+_FIXED = struct.Struct("<8sHI")
+_MAX_HEADER = 1 << 16
+
+
+class SnapshotError(Exception):
+    """A snapshot file that must not be used; ``str(exc)`` is the reason (for the log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotHeader:
+    model_digest: str
+    identity: str
+    snapshot_format: str
+    n_tokens: int
+    token_hash: str
+    prefix_tokens: int
+    payload_bytes: int
+    payload_hash: str
+    created: float
+
+
+def payload_hash(blob: bytes | memoryview) -> str:
+    return xxhash.xxh3_128(blob).hexdigest()
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    arr = array("I", tokens)
+    if arr.itemsize != 4:  # pragma: no cover - every supported platform has 32-bit unsigned int
+        raise SnapshotError("this platform's array('I') is not 32 bits")
+    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian host
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def write_atomic(
+    path: Path,
+    *,
+    model_digest: str,
+    identity: str,
+    snapshot_format: str,
+    tokens: Sequence[int],
+    prefix_tokens: int,
+    payload: bytes,
+) -> int:
+    """Write a snapshot file atomically; returns its size in bytes. Raises ``OSError``."""
+    header = json.dumps(
+        {
+            "model_digest": model_digest,
+            "identity": identity,
+            "snapshot_format": snapshot_format,
+            "n_tokens": len(tokens),
+            "token_hash": token_hash(tokens),
+            "prefix_tokens": prefix_tokens,
+            "payload_bytes": len(payload),
+            "payload_hash": payload_hash(payload),
+            "created": time.time(),
+        },
+        separators=(",", ":"),
+    ).encode("utf-8")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_FIXED.pack(MAGIC, FORMAT_VERSION, len(header)))
+            f.write(header)
+            f.write(_tokens_bytes(tokens))
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return _FIXED.size + len(header) + 4 * len(tokens) + len(payload)
+
+
+def _read_fixed(f: object, path: Path) -> SnapshotHeader:
+    read = f.read  # type: ignore[attr-defined]
+    fixed = read(_FIXED.size)
+    if len(fixed) < _FIXED.size:
+        raise SnapshotError("truncated: shorter than the fixed header")
+    magic, version, header_len = _FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise SnapshotError("not a modeld snapshot (bad magic)")
+    if version != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot format version {version}; this daemon reads {FORMAT_VERSION}")
+    if header_len > _MAX_HEADER:
+        raise SnapshotError(f"header of {header_len} bytes is over the {_MAX_HEADER}-byte limit")
+    raw = read(header_len)
+    if len(raw) < header_len:
+        raise SnapshotError("truncated inside the header")
+    try:
+        fields = json.loads(raw.decode("utf-8"))
+        header = SnapshotHeader(
+            model_digest=str(fields["model_digest"]),
+            identity=str(fields["identity"]),
+            snapshot_format=str(fields["snapshot_format"]),
+            n_tokens=int(fields["n_tokens"]),
+            token_hash=str(fields["token_hash"]),
+            prefix_tokens=int(fields["prefix_tokens"]),
+            payload_bytes=int(fields["payload_bytes"]),
+            payload_hash=str(fields["payload_hash"]),
+            created=float(fields["created"]),
+        )
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise SnapshotError(f"unreadable header ({exc.__class__.__name__}: {exc})") from exc
+    if header.n_tokens <= 0 or header.payload_bytes <= 0 or not 0 <= header.prefix_tokens <= header.n_tokens:
+        raise SnapshotError("the header's counts are inconsistent")
+    expected = _FIXED.size + header_len + 4 * header.n_tokens + header.payload_bytes
+    size = path.stat().st_size
+    if size != expected:
+        raise SnapshotError(f"{size} bytes on disk, the header says {expected} (truncated or padded)")
+    return header
+
+
+def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
+    """The header and tokens of a snapshot file (checks the token hash, not the payload)."""
+    with path.open("rb") as f:
+        header = _read_fixed(f, path)
+        raw = f.read(4 * header.n_tokens)
+    if len(raw) < 4 * header.n_tokens:
+        raise SnapshotError("truncated inside the tokens")
+    arr = array("I")
+    arr.frombytes(raw)
+    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian host
+        arr.byteswap()
+    tokens = arr.tolist()
+    if token_hash(tokens) != header.token_hash:
+        raise SnapshotError("the tokens do not match their hash (corrupt)")
+    return header, tokens
+
+
+def read_verified(path: Path, expected: SnapshotHeader) -> bytes:
+    """The payload of a snapshot file, after checking it is still the file that was indexed
+    (same header) and that the payload matches its hash."""
+    with path.open("rb") as f:
+        header = _read_fixed(f, path)
+        if header != expected:
+            raise SnapshotError("the file changed since it was indexed")
+        f.seek(4 * header.n_tokens, os.SEEK_CUR)
+        payload = f.read(header.payload_bytes)
+    if len(payload) != header.payload_bytes:
+        raise SnapshotError("truncated inside the payload")
+    if payload_hash(payload) != header.payload_hash:
+        raise SnapshotError("the payload does not match its checksum (corrupt)")
+    return payload

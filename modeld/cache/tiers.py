@@ -1,0 +1,507 @@
+"""The RAM tier and the disk tier: warm contexts kept outside the KV pool, daemon-wide.
+
+A tier entry is a snapshot of one KV sequence (the engine's opaque blob) labelled with what
+makes it reusable: the model digest, the runtime identity of the manifest it was computed under,
+the engine's ``snapshot_format``, and its tokens. Entries live in the daemon process (never in
+an engine worker), so they survive a worker crash; the disk tier survives a daemon restart.
+
+* **RAM tier**: blobs in memory, within ``ram_bytes``. Over budget, the least recently used
+  entry moves to the disk tier (or is dropped when the disk tier is off).
+* **Disk tier**: one file per entry under ``<data_dir>/kv/`` (``modeld/cache/snapfile.py``:
+  atomic writes, checksums), within ``disk_bytes``, least recently used removed first. Files
+  are written by one background thread; a daemon restart indexes them again (headers and
+  tokens only; the payload is verified when it is used). A disk that is full, read-only or
+  failing turns the disk tier off with one logged line; serving goes on.
+
+A budget of 0 switches a tier off. Every rejected file is removed with its reason logged and
+kept in :attr:`Tiers.rejections` (``modeld status`` shows them; a cold turn that tried one says
+why). Design record: ``blueprints/0014``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modeld.cache.snapfile import (
+    SUFFIX,
+    SnapshotError,
+    SnapshotHeader,
+    read_header,
+    read_verified,
+    write_atomic,
+)
+from modeld.manifest import token_hash
+
+__all__ = ["Rejection", "TierEntry", "Tiers"]
+
+log = logging.getLogger("modeld.cache")
+
+_DISK_OFF_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EIO}
+_REJECTIONS_KEPT = 32
+
+
+@dataclass(eq=False)
+class TierEntry:
+    """One snapshot in the RAM tier, the disk tier, or both."""
+
+    key: str
+    model_digest: str
+    identity: str
+    snapshot_format: str
+    tokens: list[int]
+    prefix_tokens: int
+    nbytes: int
+    blob: bytes | None = None
+    path: Path | None = None
+    header: SnapshotHeader | None = None
+    last_used: float = field(default_factory=time.time)
+    created: float = field(default_factory=time.time)
+    writing: bool = False
+
+    @property
+    def tier(self) -> str:
+        return "ram" if self.blob is not None else "disk"
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """A snapshot that was refused and removed, and why."""
+
+    at: float
+    file: str
+    reason: str
+    model_digest: str = ""
+    identity: str = ""
+
+
+def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Sequence[int]) -> str:
+    from modeld.manifest import bytes_hash
+
+    fmt = bytes_hash(snapshot_format)[:8]
+    return f"{model_digest[:16]}-{identity[:12]}-{fmt}-{token_hash(tokens)[:20]}"
+
+
+class Tiers:
+    """The daemon's RAM and disk tiers (see the module docstring). Thread-safe."""
+
+    def __init__(self, *, data_dir: Path | None, ram_bytes: int, disk_bytes: int) -> None:
+        self.ram_budget = max(0, ram_bytes)
+        self.disk_budget = max(0, disk_bytes) if data_dir is not None else 0
+        self.directory = data_dir / "kv" if data_dir is not None else None
+        self.disk_off_reason = "" if self.disk_budget else "disk tier off (budget 0)"
+        self._lock = threading.RLock()
+        self._entries: dict[str, TierEntry] = {}
+        self.rejections: deque[Rejection] = deque(maxlen=_REJECTIONS_KEPT)
+        self.counters = {"written": 0, "write_failures": 0, "spilled_to_disk": 0, "dropped": 0, "rejected": 0}
+        self._writes: queue.SimpleQueue[tuple[TierEntry, bytes] | None] = queue.SimpleQueue()
+        self._pending_writes = 0
+        self._idle = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        if self.disk_budget and self.directory is not None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+                self._scan()
+            except OSError as exc:
+                self._disk_off(f"{self.directory} is not usable ({exc.strerror or exc})")
+            else:
+                self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer", daemon=True)
+                self._writer.start()
+
+    # --- state ------------------------------------------------------------------------------------
+
+    @property
+    def ram_used(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values() if e.blob is not None)
+
+    @property
+    def disk_used(self) -> int:
+        with self._lock:
+            return sum(e.nbytes for e in self._entries.values() if e.path is not None)
+
+    @property
+    def disk_on(self) -> bool:
+        return self.disk_budget > 0 and not self.disk_off_reason
+
+    def entries(self, model_digest: str | None = None) -> list[TierEntry]:
+        with self._lock:
+            return [
+                e for e in self._entries.values() if model_digest is None or e.model_digest == model_digest
+            ]
+
+    def candidates(self, model_digest: str, identity: str, snapshot_format: str) -> list[TierEntry]:
+        """Entries a runtime with this identity and snapshot format may restore.
+
+        Entries of the same model and identity written by another engine build or KV layout can
+        never be used again: they are removed (with the reason logged) when met here.
+        """
+        out: list[TierEntry] = []
+        stale: list[TierEntry] = []
+        with self._lock:
+            for e in self._entries.values():
+                if e.model_digest != model_digest or e.identity != identity:
+                    continue
+                if e.snapshot_format == snapshot_format:
+                    out.append(e)
+                else:
+                    stale.append(e)
+        for e in stale:
+            self.reject(e, f"written by another engine build or KV layout ({e.snapshot_format!r})")
+        return out
+
+    # --- adding -----------------------------------------------------------------------------------
+
+    def put(
+        self,
+        *,
+        model_digest: str,
+        identity: str,
+        snapshot_format: str,
+        tokens: Sequence[int],
+        prefix_tokens: int,
+        blob: bytes,
+        truncatable: bool,
+        persist: bool = False,
+    ) -> TierEntry | None:
+        """Keep a snapshot (in RAM, or straight on disk when the RAM tier is off).
+
+        Entries of the same identity whose tokens are a prefix of ``tokens`` are superseded
+        when the engine can cut a restored sequence (``truncatable``); an entry that already
+        covers ``tokens`` makes this one unnecessary. ``persist`` also writes it to disk now
+        (write-behind), so it survives a crash of the daemon. None if no tier could take it.
+        """
+        tokens = list(tokens)
+        key = entry_key(model_digest, identity, snapshot_format, tokens)
+        with self._lock:
+            existing = self._entries.get(key)
+            if existing is not None:
+                existing.last_used = time.time()
+                if persist and existing.path is None and existing.blob is not None:
+                    self._queue_write(existing, existing.blob)
+                return existing
+            for e in list(self._entries.values()):
+                if (
+                    e.model_digest != model_digest
+                    or e.identity != identity
+                    or e.snapshot_format != snapshot_format
+                ):
+                    continue
+                if truncatable and len(e.tokens) >= len(tokens) and e.tokens[: len(tokens)] == tokens:
+                    e.last_used = time.time()
+                    return e  # an entry that covers these tokens already exists
+                if truncatable and len(e.tokens) < len(tokens) and tokens[: len(e.tokens)] == e.tokens:
+                    self._remove(e, "superseded by a longer snapshot of the same context")
+            entry = TierEntry(
+                key=key,
+                model_digest=model_digest,
+                identity=identity,
+                snapshot_format=snapshot_format,
+                tokens=tokens,
+                prefix_tokens=prefix_tokens,
+                nbytes=len(blob),
+            )
+            if self.ram_budget >= len(blob):
+                entry.blob = blob
+                self._entries[key] = entry
+                if persist and self.disk_on:
+                    self._queue_write(entry, blob)
+                self._enforce_ram()
+                return entry
+            if self.disk_on and self.disk_budget >= len(blob):
+                self._entries[key] = entry
+                self._queue_write(entry, blob)
+                return entry
+            self.counters["dropped"] += 1
+            return None
+
+    def _enforce_ram(self) -> None:
+        """Over the RAM budget: move the least recently used blobs to disk, or drop them."""
+        used = sum(e.nbytes for e in self._entries.values() if e.blob is not None)
+        if used <= self.ram_budget:
+            return
+        for e in sorted(self._entries.values(), key=lambda e: e.last_used):
+            if used <= self.ram_budget:
+                break
+            if e.blob is None:
+                continue
+            used -= e.nbytes
+            if e.path is not None or e.writing:
+                e.blob = None if e.path is not None else e.blob
+                if e.path is None:  # its write is queued: the writer drops the blob when done
+                    continue
+            elif self.disk_on and self.disk_budget >= e.nbytes:
+                self.counters["spilled_to_disk"] += 1
+                self._queue_write(e, e.blob)
+                e.blob = None
+            else:
+                self._entries.pop(e.key, None)
+                self.counters["dropped"] += 1
+
+    # --- using ------------------------------------------------------------------------------------
+
+    def load(self, entry: TierEntry) -> bytes:
+        """The entry's blob (from RAM, or read and verified from disk); raises ``SnapshotError``
+        after removing an entry that fails a check."""
+        with self._lock:
+            entry.last_used = time.time()
+            blob = entry.blob
+            path, header = entry.path, entry.header
+        if blob is not None:
+            return blob
+        if path is None or header is None:
+            raise SnapshotError("the snapshot is no longer available")
+        try:
+            return read_verified(path, header)
+        except (OSError, SnapshotError) as exc:
+            reason = str(exc) if isinstance(exc, SnapshotError) else f"unreadable ({exc.strerror or exc})"
+            self.reject(entry, reason)
+            raise SnapshotError(reason) from exc
+
+    def persist(self, entry: TierEntry) -> None:
+        """Write an entry that is only in RAM to the disk tier too (write-behind)."""
+        with self._lock:
+            if entry.path is None and entry.blob is not None and self.disk_on and entry.key in self._entries:
+                self._queue_write(entry, entry.blob)
+
+    def touch(self, entry: TierEntry) -> None:
+        with self._lock:
+            entry.last_used = time.time()
+
+    def reject(self, entry: TierEntry, reason: str) -> None:
+        """Remove an entry that must not be used, with its reason logged."""
+        where = str(entry.path) if entry.path is not None else f"ram:{entry.key}"
+        log.warning("removed KV snapshot %s: %s", where, reason)
+        with self._lock:
+            self.rejections.append(Rejection(time.time(), where, reason, entry.model_digest, entry.identity))
+            self.counters["rejected"] += 1
+            self._remove(entry, "")
+
+    def rejected_for(self, model_digest: str, identity: str, since: float) -> Rejection | None:
+        with self._lock:
+            for r in reversed(self.rejections):
+                if r.at >= since and r.model_digest == model_digest and r.identity == identity:
+                    return r
+        return None
+
+    def _remove(self, entry: TierEntry, why: str) -> None:
+        self._entries.pop(entry.key, None)
+        entry.blob = None
+        if entry.path is not None:
+            with contextlib.suppress(OSError):
+                entry.path.unlink()
+            entry.path = None
+        if why:
+            log.debug("removed KV snapshot %s: %s", entry.key, why)
+
+    def drop_model(self, model_digest: str, keep_disk: bool = True) -> None:
+        """Forget RAM copies of a model's entries (disk copies stay unless ``keep_disk`` is False)."""
+        with self._lock:
+            for e in list(self._entries.values()):
+                if e.model_digest != model_digest:
+                    continue
+                if e.path is not None and keep_disk:
+                    e.blob = None
+                elif not e.writing:
+                    self._remove(e, "model unloaded")
+
+    # --- the disk ---------------------------------------------------------------------------------
+
+    def _queue_write(self, entry: TierEntry, blob: bytes) -> None:
+        if entry.writing or entry.path is not None or self._writer is None:
+            return
+        entry.writing = True
+        self._pending_writes += 1
+        self._writes.put((entry, blob))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._writes.get()
+            if item is None:
+                return
+            entry, blob = item
+            try:
+                self._write(entry, blob)
+            finally:
+                with self._lock:
+                    entry.writing = False
+                    self._pending_writes -= 1
+                    self._idle.notify_all()
+
+    def _write(self, entry: TierEntry, blob: bytes) -> None:
+        assert self.directory is not None
+        with self._lock:
+            if not self.disk_on or entry.key not in self._entries:
+                if entry.blob is None:
+                    self._entries.pop(entry.key, None)
+                return
+            self._make_disk_room(entry.nbytes)
+        path = self.directory / f"{entry.key}{SUFFIX}"
+        try:
+            write_atomic(
+                path,
+                model_digest=entry.model_digest,
+                identity=entry.identity,
+                snapshot_format=entry.snapshot_format,
+                tokens=entry.tokens,
+                prefix_tokens=entry.prefix_tokens,
+                payload=blob,
+            )
+            header, _ = read_header(path)
+        except (OSError, SnapshotError) as exc:
+            with self._lock:
+                self.counters["write_failures"] += 1
+                if entry.blob is None:
+                    self._entries.pop(entry.key, None)
+            code = exc.errno if isinstance(exc, OSError) else None
+            if code in _DISK_OFF_ERRNOS or isinstance(exc, SnapshotError):
+                self._disk_off(f"writing {path.name} failed ({exc})")
+            else:
+                log.warning("writing KV snapshot %s failed: %s", path.name, exc)
+            return
+        with self._lock:
+            self.counters["written"] += 1
+            if entry.key not in self._entries:  # removed while it was being written
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                return
+            entry.path = path
+            entry.header = header
+            if sum(e.nbytes for e in self._entries.values() if e.blob is not None) > self.ram_budget:
+                entry.blob = None
+
+    def _make_disk_room(self, nbytes: int) -> None:
+        used = sum(e.nbytes for e in self._entries.values() if e.path is not None)
+        for e in sorted(self._entries.values(), key=lambda e: e.last_used):
+            if used + nbytes <= self.disk_budget:
+                return
+            if e.path is None:
+                continue
+            used -= e.nbytes
+            if e.blob is not None:
+                with contextlib.suppress(OSError):
+                    e.path.unlink()
+                e.path = None
+                e.header = None
+            else:
+                self._remove(e, "disk tier full")
+                self.counters["dropped"] += 1
+
+    def _disk_off(self, reason: str) -> None:
+        with self._lock:
+            if self.disk_off_reason:
+                return
+            self.disk_off_reason = reason
+            for e in list(self._entries.values()):
+                if e.blob is None and not e.writing:
+                    self._entries.pop(e.key, None)
+        log.error("the disk tier is off: %s; serving continues with the RAM tier only", reason)
+
+    def _scan(self) -> None:
+        """Index the snapshot files a previous daemon left (headers and tokens only)."""
+        assert self.directory is not None
+        found = 0
+        for path in sorted(self.directory.iterdir()):
+            name = path.name
+            if name.startswith(".") and name.endswith(".tmp"):
+                with contextlib.suppress(OSError):
+                    path.unlink()  # a write the previous daemon did not finish
+                continue
+            if not name.endswith(SUFFIX) or not path.is_file():
+                continue
+            try:
+                header, tokens = read_header(path)
+            except (OSError, SnapshotError) as exc:
+                reason = str(exc) if isinstance(exc, SnapshotError) else f"unreadable ({exc})"
+                log.warning("removed KV snapshot %s: %s", path, reason)
+                self.rejections.append(Rejection(time.time(), str(path), reason))
+                self.counters["rejected"] += 1
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            key = name[: -len(SUFFIX)]
+            if key != entry_key(header.model_digest, header.identity, header.snapshot_format, tokens):
+                reason = "its name does not match its contents"
+                log.warning("removed KV snapshot %s: %s", path, reason)
+                self.rejections.append(
+                    Rejection(time.time(), str(path), reason, header.model_digest, header.identity)
+                )
+                self.counters["rejected"] += 1
+                with contextlib.suppress(OSError):
+                    path.unlink()
+                continue
+            self._entries[key] = TierEntry(
+                key=key,
+                model_digest=header.model_digest,
+                identity=header.identity,
+                snapshot_format=header.snapshot_format,
+                tokens=tokens,
+                prefix_tokens=header.prefix_tokens,
+                nbytes=path.stat().st_size,
+                path=path,
+                header=header,
+                last_used=path.stat().st_mtime,
+                created=header.created,
+            )
+            found += 1
+        if found:
+            log.info("disk tier: %d KV snapshots found in %s", found, self.directory)
+        with self._lock:
+            self._make_disk_room(0)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every queued write is on disk (True) or ``timeout`` passes (False)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending_writes:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writes.put(None)
+            self._writer.join(timeout=30)
+
+    def stats(self) -> dict[str, int | str]:
+        with self._lock:
+            ram = [e for e in self._entries.values() if e.blob is not None]
+            disk = [e for e in self._entries.values() if e.path is not None]
+            return {
+                "ram_entries": len(ram),
+                "ram_bytes": sum(e.nbytes for e in ram),
+                "ram_budget": self.ram_budget,
+                "disk_entries": len(disk),
+                "disk_bytes": sum(e.nbytes for e in disk),
+                "disk_budget": self.disk_budget,
+                "disk_off_reason": self.disk_off_reason,
+                **self.counters,
+            }
+
+
+def default_budgets(data_dir: Path | None, *, available_ram: int, ram_cap: int = 8 << 30) -> tuple[int, int]:
+    """Default tier budgets: a quarter of the RAM available at start (at most 8 GiB) and a tenth
+    of the free disk under the data directory (at most 32 GiB)."""
+    ram = min(ram_cap, available_ram // 4)
+    disk = 0
+    if data_dir is not None:
+        probe = data_dir
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            st = os.statvfs(probe)
+            disk = min(32 << 30, st.f_bavail * st.f_frsize // 10)
+        except OSError:
+            disk = 0
+    return ram, disk

@@ -1,0 +1,228 @@
+"""The decode loop: tokens from the engine become text chunks, stop conditions, usage.
+
+:class:`EngineDecodeStream` reads a generate job's replies on the caller's own thread (no
+producer thread): each ``Tokens`` reply is turned into UTF-8-safe text by
+:class:`~modeld.engine.text.TextAssembler`, stop strings are cut, and the final chunk carries the
+finish reason and usage. The engine stops by itself at an end-of-generation token, at
+``max_tokens`` and at the window; for a stop string, a cancel, an interrupted session or a
+timeout the stream sends a cancel message and reads on until the engine reports what its
+sequence holds, so the warm-state cache always records the truth.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from modeld.contract import DecodeConfig, ErrorDetail, StreamChunk, Usage
+from modeld.engine.text import TextAssembler
+from modeld.errors import ModeldError, OperationTimeoutError
+from modeld.workers.host import Call
+from modeld.workers.protocol import Finished, Tokens
+
+if TYPE_CHECKING:
+    from modeld.backends.base import Vocab
+
+__all__ = ["DecodeRun", "EngineDecodeStream"]
+
+_POLL = 0.25
+"""How often a waiting stream checks for an interrupted session or a timeout."""
+
+log = logging.getLogger("modeld.engine")
+
+
+class DecodeRun:
+    """What the session hands a stream: the running job and how to end the turn."""
+
+    def __init__(
+        self,
+        *,
+        call: Call,
+        vocab: Vocab,
+        config: DecodeConfig,
+        prompt: int,
+        cached: int,
+        prefill_ms: float,
+        restore_ms: float,
+        idle_seconds: float,
+        deadline: float | None,
+        interrupted: Callable[[], ErrorDetail | None],
+        finish: Callable[[list[int], list[int], int | None, ModeldError | None], None],
+    ) -> None:
+        self.call = call
+        self.vocab = vocab
+        self.config = config
+        self.prompt = prompt
+        self.cached = cached
+        self.prefill_ms = prefill_ms
+        self.restore_ms = restore_ms
+        self.idle_seconds = idle_seconds
+        self.deadline = deadline
+        self.interrupted = interrupted
+        self.finish = finish
+        """Called once at the end with (emitted tokens, every sampled token, what the engine's
+        sequence holds or None if unknown, the error that ended it or None)."""
+
+
+class EngineDecodeStream:
+    """A decode read as an iterator of chunks (see the module docstring)."""
+
+    def __init__(self, run: DecodeRun) -> None:
+        self._run = run
+        self._assembler = TextAssembler(run.config.stop)
+        self._emitted: list[int] = []
+        self._sampled: list[int] = []
+        self._pending: list[int] = []
+        self._finish: str | None = None  # decided, not yet reported
+        self._error: ErrorDetail | None = None
+        self._canceled = False
+        self._done = False
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self._started_at = time.monotonic()
+
+    def __iter__(self) -> EngineDecodeStream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if self._done:
+            raise StopIteration
+        while True:
+            chunk = self._step()
+            if chunk is not None:
+                return chunk
+
+    def _step(self) -> StreamChunk | None:
+        run = self._run
+        now = time.monotonic()
+        if self._finish is None:
+            problem = run.interrupted()
+            if problem is not None:
+                self._stop("error", problem)
+            elif self._canceled:
+                self._stop("canceled")
+            elif run.deadline is not None and now > run.deadline:
+                self._stop(
+                    "error",
+                    _detail(
+                        OperationTimeoutError(
+                            "the decode ran past the operation timeout (operation_seconds): it was stopped",
+                            timeout="operation_seconds",
+                        )
+                    ),
+                )
+            elif run.idle_seconds and now - (self._last_at or self._started_at) > run.idle_seconds:
+                self._stop(
+                    "error",
+                    _detail(
+                        OperationTimeoutError(
+                            f"no token for {run.idle_seconds:.0f}s (idle_stream_seconds): the decode was stopped",
+                            timeout="idle_stream_seconds",
+                        )
+                    ),
+                )
+        try:
+            event = run.call.next_event(timeout=_POLL)
+        except ModeldError as exc:
+            return self._final(False, None, exc)
+        if isinstance(event, Tokens):
+            return self._tokens(event.tokens)
+        if isinstance(event, Finished):
+            return self._final(event.canceled, event.resident, None)
+        return None
+
+    def _tokens(self, tokens: tuple[int, ...]) -> StreamChunk | None:
+        now = time.monotonic()
+        if self._first_at is None:
+            self._first_at = now
+        self._last_at = now
+        out: list[str] = []
+        for token in tokens:
+            self._sampled.append(token)
+            if self._finish is not None:
+                continue  # generated after a stop condition: not part of the answer
+            if token in self._run.vocab.eog:
+                self._finish = "stop"  # the engine ends the job by itself
+                continue
+            self._emitted.append(token)
+            self._pending.append(token)
+            out.append(self._assembler.feed(self._run.vocab.piece(token)))
+            if self._assembler.stopped:
+                self._stop("stop_sequence")
+            elif len(self._emitted) >= self._run.config.max_tokens:
+                self._finish = "length"  # the engine stops at max_tokens by itself
+        text = "".join(out)
+        if text or (self._pending and self._assembler.stopped):
+            chunk = StreamChunk(text=text, token_ids=tuple(self._pending))
+            self._pending = []
+            return chunk
+        return None
+
+    def _stop(self, finish: str, error: ErrorDetail | None = None) -> None:
+        if self._finish is None:
+            self._finish = finish
+            self._error = error
+        self._run.call.cancel()
+
+    def _final(self, canceled: bool, resident: int | None, exc: ModeldError | None) -> StreamChunk:
+        run = self._run
+        self._done = True
+        finish = self._finish
+        error = self._error
+        if exc is not None:
+            finish, error = "error", _detail(exc)
+        elif finish is None:
+            finish = "canceled" if canceled else "length"
+        text = "" if finish == "error" and exc is not None else self._assembler.flush()
+        run.finish(self._emitted, self._sampled, resident, exc)
+        decode_ms = (self._last_at - self._first_at) * 1000.0 if self._first_at and self._last_at else 0.0
+        usage = Usage(
+            prompt_tokens=run.prompt,
+            cached_tokens=run.cached,
+            completion_tokens=len(self._emitted),
+            prefill_ms=run.prefill_ms,
+            restore_ms=run.restore_ms,
+            decode_ms=decode_ms,
+        )
+        chunk = StreamChunk(
+            text=text, token_ids=tuple(self._pending), finish_reason=finish, usage=usage, error=error
+        )
+        self._pending = []
+        return chunk
+
+    def cancel(self) -> None:
+        """Stop the generation at its next token; the stream ends with a "canceled" chunk."""
+        if not self._done:
+            self._canceled = True
+            self._run.call.cancel()
+
+    def close(self) -> None:
+        """Cancel if still running and wait until the engine has stopped."""
+        if self._done:
+            return
+        self._canceled = True
+        self._run.call.cancel()
+        for _ in self:
+            pass
+
+    def __enter__(self) -> EngineDecodeStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._run.call.cancel()
+
+
+def _detail(exc: ModeldError) -> ErrorDetail:
+    return ErrorDetail(reason=exc.reason, message=exc.message)

@@ -1,0 +1,292 @@
+"""Prepare a turn's input: text + manifest -> tokens, token ranges and hashes (no engine state).
+
+This is the pure part of ``ensure_prefix`` and ``prefill_suffix``: validation of sizes,
+completion and checks of the manifest against the session's identity (blueprint 0002), chat
+rendering with the model's template (blueprint 0010), tokenization (the only call that reaches
+the engine, through the ``tokenize`` argument), the window check, and the token range of every
+segment. It changes nothing resident, so bad input can never disturb a warm context.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from modeld.backends.base import Vocab
+from modeld.contract import Config, ModelInfo, PrefixInput, SuffixInput
+from modeld.engine.chat import ChatRenderer, Message, messages_for, parse_tools
+from modeld.engine.limits import Limits
+from modeld.engine.validate import encode_text, validate_manifest_size
+from modeld.errors import ContextOverflowError, InvalidArgumentError, ManifestMismatchError
+from modeld.manifest import (
+    DEFAULT_CACHE_CLASS,
+    RUNTIME_FIELDS,
+    ContextManifest,
+    Segment,
+    bytes_hash,
+    check_text,
+    config_runtime_digest,
+    token_hash,
+)
+
+__all__ = [
+    "ChatState",
+    "PreparedPrefix",
+    "PreparedSuffix",
+    "byte_ends",
+    "identity_of",
+    "prepare_prefix",
+    "prepare_suffix",
+]
+
+Tokenize = Callable[[str, bool], list[int]]
+
+
+def identity_of(info: ModelInfo, config: Config) -> ContextManifest:
+    """The runtime fields every manifest of a session must carry (its reuse identity)."""
+    if config.prompt_template_digest:
+        template = config.prompt_template_digest
+    else:
+        template = info.template_digest if config.prompt_format == "chat" else ""
+    return ContextManifest(
+        backend=info.backend,
+        backend_version=info.backend_version,
+        model_digest=info.model_digest,
+        tokenizer_digest=info.tokenizer_digest,
+        prompt_format=config.prompt_format,
+        prompt_template_digest=template,
+        runtime_digest=config_runtime_digest(config),
+        add_bos=info.add_bos and not config.disable_bos,
+    )
+
+
+def byte_ends(vocab: Vocab, tokens: Sequence[int], *, added_bos: bool) -> list[int]:
+    """Cumulative byte end offset of each token in the text it was tokenized from.
+
+    A BOS token that tokenize added (``added_bos``) is not in the text: it takes no bytes.
+    Control tokens parsed *from* the text (``<|im_start|>`` in a rendered template) do.
+    """
+    ends = list(itertools.accumulate(len(vocab.piece(t)) for t in tokens))
+    if added_bos and ends:
+        first = ends[0]
+        ends = [e - first for e in ends]
+    return ends
+
+
+@dataclass(frozen=True)
+class ChatState:
+    """What a chat-format prefix was rendered from (the suffix continues the conversation)."""
+
+    messages: list[Message]
+    tools: list[Any] | None
+
+
+@dataclass(frozen=True)
+class PreparedPrefix:
+    tokens: list[int]
+    manifest: ContextManifest
+    chat: ChatState | None
+    ends: list[int]
+
+
+@dataclass(frozen=True)
+class PreparedSuffix:
+    tokens: list[int]
+    manifest: ContextManifest
+
+
+def _complete(manifest: ContextManifest, identity: ContextManifest) -> ContextManifest:
+    """Fill unstated runtime fields from the session; refuse ones that contradict it."""
+    filled: dict[str, object] = {}
+    for name in RUNTIME_FIELDS:
+        ours = getattr(identity, name)
+        theirs = getattr(manifest, name)
+        if theirs is None or theirs == "":
+            filled[name] = ours
+        elif theirs != ours:
+            raise ManifestMismatchError(
+                f"the manifest's {name} is {theirs!r} but this session's is {ours!r}; "
+                f"build the manifest for this session's model and config",
+                field=name,
+                expected=str(ours),
+                got=str(theirs),
+            )
+    return replace(manifest, **filled)  # type: ignore[arg-type]
+
+
+def _fill_segments(segments: Sequence[Segment], data: bytes, base: int, stable: bool) -> list[Segment]:
+    out: list[Segment] = []
+    for seg in segments:
+        if seg.stable != stable:
+            out.append(seg)
+            continue
+        out.append(
+            replace(
+                seg,
+                hash=seg.hash or bytes_hash(data[seg.byte_start - base : seg.byte_end - base]),
+                cache_class=seg.cache_class or DEFAULT_CACHE_CLASS.get(seg.kind, "turn"),
+            )
+        )
+    return out
+
+
+def _identity_spans(segments: Sequence[Segment], base: int, *, stable: bool) -> dict[int, tuple[int, int]]:
+    """Raw format: the evaluated text is the input text, so spans are the byte ranges."""
+    return {i: (s.byte_start - base, s.byte_end - base) for i, s in enumerate(segments) if s.stable == stable}
+
+
+def _with_token_ranges(
+    manifest: ContextManifest, ends: Sequence[int], spans: dict[int, tuple[int, int]], token_base: int
+) -> ContextManifest:
+    """Fill token ranges for segments whose bytes are located in the evaluated text.
+
+    ``spans`` maps a segment index to its byte range in the text that was tokenized, ``ends``
+    gives each token's end byte in it. A token belongs to the segment its last byte falls in;
+    zero-length tokens (BOS) to none.
+    """
+    out = list(manifest.segments)
+    for index, (start, end) in spans.items():
+        out[index] = replace(
+            out[index],
+            token_start=token_base + bisect.bisect_right(ends, start),
+            token_end=token_base + bisect.bisect_right(ends, end),
+        )
+    return replace(manifest, segments=tuple(out))
+
+
+def prepare_prefix(
+    prefix: PrefixInput,
+    *,
+    identity: ContextManifest,
+    config: Config,
+    info: ModelInfo,
+    limits: Limits,
+    window: int,
+    vocab: Vocab,
+    renderer: Callable[[], ChatRenderer],
+    tokenize: Tokenize,
+) -> PreparedPrefix:
+    """Validate, render and tokenize a prefix (raises before anything resident changes)."""
+    if not isinstance(prefix, PrefixInput):
+        raise InvalidArgumentError("expected a PrefixInput", field="prefix")
+    tools = encode_text(prefix.tools_json, "tools_json", limits)
+    data = encode_text(prefix.text, "text", limits, extra_bytes=len(tools))
+    if tools and config.prompt_format == "raw":
+        raise InvalidArgumentError(
+            "tools_json needs prompt_format 'chat' (the model's template renders it); "
+            "with prompt_format 'raw' put tool definitions in the text",
+            field="tools_json",
+        )
+    validate_manifest_size(prefix.manifest, limits)
+    manifest = _complete(
+        prefix.manifest or ContextManifest(stable_bytes=len(data), total_bytes=len(data)), identity
+    )
+    check_text(manifest, data, start=0, stable=True)
+    manifest = replace(
+        manifest,
+        stable_byte_hash=manifest.stable_byte_hash or bytes_hash(data),
+        total_bytes=max(manifest.total_bytes, len(data)),
+        segments=tuple(_fill_segments(manifest.segments, data, 0, stable=True)),
+    )
+    chat: ChatState | None = None
+    if config.prompt_format == "chat":
+        tool_list = parse_tools(prefix.tools_json)
+        messages = messages_for(manifest.segments, data, 0, stable=True, default_role="system")
+        rendered = renderer().render_prefix(messages, manifest.segments, data, 0, tool_list)
+        text, spans = rendered.text, rendered.spans
+        chat = ChatState(messages, tool_list)
+    else:
+        text, spans = prefix.text, _identity_spans(manifest.segments, 0, stable=True)
+    bos = info.bos_token
+    added_bos = bool(identity.add_bos) and not (
+        config.prompt_format == "chat" and bos and text.startswith(bos)
+    )
+    tokens = tokenize(text, added_bos)
+    if len(tokens) > window:
+        raise ContextOverflowError(stage="prefix", resident=0, additional=len(tokens), window=window)
+    ends = byte_ends(vocab, tokens, added_bos=added_bos)
+    if spans:
+        manifest = _with_token_ranges(manifest, ends, spans, 0)
+    manifest = replace(manifest, stable_token_hash=token_hash(tokens))
+    return PreparedPrefix(tokens=tokens, manifest=manifest, chat=chat, ends=ends)
+
+
+def suffix_manifest(
+    given: ContextManifest | None, data: bytes, current: ContextManifest, identity: ContextManifest
+) -> ContextManifest:
+    """The manifest of prefix + suffix: the resident prefix's, with the suffix's segments."""
+    if given is None:
+        return replace(
+            current,
+            total_bytes=current.stable_bytes + len(data),
+            volatile_token_hash="",
+            segments=current.stable_segments,
+        )
+    manifest = _complete(given, identity)
+    if manifest.stable_bytes != current.stable_bytes or (
+        manifest.stable_byte_hash and manifest.stable_byte_hash != current.stable_byte_hash
+    ):
+        raise ManifestMismatchError(
+            "this suffix's manifest was built for a different prefix than the resident one "
+            "(stable_byte_hash differs); call ensure_prefix with its prefix first",
+            field="stable_byte_hash",
+            expected=current.stable_byte_hash,
+            got=manifest.stable_byte_hash,
+        )
+
+    def bare(segments: Sequence[Segment]) -> list[Segment]:
+        return [replace(s, hash="", cache_class="", token_start=None, token_end=None) for s in segments]
+
+    if bare(current.stable_segments) != bare(manifest.stable_segments):
+        raise ManifestMismatchError(
+            "this suffix's manifest describes different stable segments than the resident prefix",
+            field="segments",
+        )
+    check_text(manifest, data, start=current.stable_bytes, stable=False)
+    volatile = _fill_segments(manifest.volatile_segments, data, current.stable_bytes, stable=False)
+    return replace(
+        current,
+        profile_id=manifest.profile_id or current.profile_id,
+        total_bytes=current.stable_bytes + len(data),
+        segments=current.stable_segments + tuple(volatile),
+    )
+
+
+def prepare_suffix(
+    suffix: SuffixInput,
+    *,
+    current: ContextManifest,
+    chat: ChatState | None,
+    n_prefix: int,
+    identity: ContextManifest,
+    limits: Limits,
+    window: int,
+    vocab: Vocab,
+    renderer: Callable[[], ChatRenderer],
+    tokenize: Tokenize,
+) -> PreparedSuffix:
+    """Validate, render and tokenize a suffix for the resident prefix ``current``."""
+    if not isinstance(suffix, SuffixInput):
+        raise InvalidArgumentError("expected a SuffixInput", field="suffix")
+    data = encode_text(suffix.text, "text", limits)
+    validate_manifest_size(suffix.manifest, limits)
+    manifest = suffix_manifest(suffix.manifest, data, current, identity)
+    base = manifest.stable_bytes
+    if chat is not None:
+        messages = messages_for(manifest.segments, data, base, stable=False, default_role="user")
+        rendered = renderer().render_suffix(
+            chat.messages, messages, manifest.segments, data, base, chat.tools
+        )
+        text, spans = rendered.text, rendered.spans
+    else:
+        text, spans = suffix.text, _identity_spans(manifest.segments, base, stable=False)
+    tokens = tokenize(text, False)
+    if n_prefix + len(tokens) > window:
+        raise ContextOverflowError(stage="suffix", resident=n_prefix, additional=len(tokens), window=window)
+    if spans:
+        manifest = _with_token_ranges(manifest, byte_ends(vocab, tokens, added_bos=False), spans, n_prefix)
+    manifest = replace(manifest, volatile_token_hash=token_hash(tokens))
+    return PreparedSuffix(tokens=tokens, manifest=manifest)

@@ -1,0 +1,6 @@
+"""What modeld reports about itself and its machine: hardware inventory (``hardware.py``),
+metrics (``metrics.py``) and safe log lines (``logs.py``), shared by every transport.
+
+Nothing here imports an engine, grpc, protobuf or an HTTP framework: the server turns these
+values into messages.
+"""

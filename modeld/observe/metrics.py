@@ -1,0 +1,353 @@
+"""Prometheus metrics for the daemon, observed on the transport path both listeners share.
+
+What: :class:`Metrics` owns a private ``prometheus_client`` registry (never the global one, no
+multiprocess mode). :meth:`Metrics.observe` wraps a contract :class:`~modeld.contract.Session`
+in :class:`ObservedSession`, which counts what the contract already reports (``PrefixStatus``,
+``SuffixStatus``, the chunks and the final ``Usage``), so the gRPC servicer and the HTTP
+endpoint count turns the same way. A collector reads ``DaemonStatus`` at scrape time for the
+gauges. ``blueprints/0015-metrics.md`` is the design record; names follow vLLM's where the
+meaning is the same, under a ``modeld_`` prefix (counters get ``_total`` on exposition):
+
+==========================================  ==================================================
+``modeld_prefix_cache_queries_total``       prompt-prefix tokens looked up (ensure_prefix)
+``modeld_prefix_cache_hits_total{source}``  of those, tokens reused; ``source`` is where they
+                                            came from: ``kv`` (resident), ``ram``, ``disk``
+``modeld_prompt_tokens_total``              prompt tokens of finished decodes (Usage)
+``modeld_prompt_tokens_cached_total``       of those, not computed during their turn (Usage)
+``modeld_prompt_tokens_prefilled_total``    prompt tokens computed (prefix, suffix, restores;
+                                            a decode's own re-prefill as far as Usage shows it)
+``modeld_generation_tokens_total``          tokens generated
+``modeld_requests_total{finish_reason}``    decodes finished
+``modeld_time_to_first_token_seconds``      turn start (its first operation) to first token
+``modeld_inter_token_latency_seconds``      between generated tokens
+``modeld_sessions_open``                    open sessions (from the engine's status)
+``modeld_models_loaded``, ``modeld_resident_tokens{model,backend}``
+``modeld_queue_wait_seconds``               waits for a busy model, as the engine reports them
+``modeld_worker_restarts_total``            engine worker restarts, as the engine reports them
+==========================================  ==================================================
+
+Every series but the last three gauges carries ``model`` (the model's name, never a path, at
+most :data:`MAX_MODELS` distinct values; beyond, ``other``). The engine reports queue waits
+and worker restarts through :class:`EngineEvents`; an engine without a queue or workers never
+calls it, and those series stay at zero.
+
+What not: no per-session or per-conversation labels (unbounded), no timing inside the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from types import TracebackType
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
+
+from modeld.contract import (
+    ContextReport,
+    DaemonStatus,
+    DecodeConfig,
+    DecodeStream,
+    ModelInfo,
+    PrefixInput,
+    PrefixStatus,
+    ProgressCallback,
+    Session,
+    StreamChunk,
+    SuffixInput,
+    SuffixStatus,
+)
+from modeld.manifest import ContextManifest
+
+__all__ = ["MAX_MODELS", "EngineEvents", "Metrics", "ObservedSession", "model_label", "source_of"]
+
+log = logging.getLogger("modeld.metrics")
+
+MAX_MODELS = 32
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk"}
+
+
+def source_of(status: PrefixStatus) -> str:
+    """Where a prefix's reused tokens came from: ``kv`` unless the engine restored a tier."""
+    return _SOURCES.get(status.reuse.reason, "kv")
+
+
+def model_label(name: str) -> str:
+    """A model name fit for a label: the last path component, at most 64 characters."""
+    base = name.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1] or "unnamed"
+    return base[:64]
+
+
+class EngineEvents(Protocol):
+    """What an engine reports as it happens (a queue for a busy model, supervised workers)."""
+
+    def queue_waited(self, seconds: float) -> None: ...
+
+    def worker_restarted(self) -> None: ...
+
+
+class Metrics:
+    """The daemon's metrics registry; also the :class:`EngineEvents` sink."""
+
+    def __init__(self, status: Callable[[], DaemonStatus] | None = None) -> None:
+        # No *_created series: they double the output and nobody graphs them.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.queries = Counter(
+            "modeld_prefix_cache_queries",
+            "Prompt-prefix tokens looked up in the prefix cache.",
+            ["model"],
+            registry=r,
+        )
+        self.hits = Counter(
+            "modeld_prefix_cache_hits",
+            "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk).",
+            ["model", "source"],
+            registry=r,
+        )
+        self.prompt = Counter(
+            "modeld_prompt_tokens", "Prompt tokens of finished decodes.", ["model"], registry=r
+        )
+        self.cached = Counter(
+            "modeld_prompt_tokens_cached",
+            "Prompt tokens of finished decodes that were not computed during their turn.",
+            ["model"],
+            registry=r,
+        )
+        self.prefilled = Counter(
+            "modeld_prompt_tokens_prefilled",
+            "Prompt tokens computed (prefix, suffix, and prefix tokens restored after displacement).",
+            ["model"],
+            registry=r,
+        )
+        self.generated = Counter("modeld_generation_tokens", "Tokens generated.", ["model"], registry=r)
+        self.requests = Counter(
+            "modeld_requests", "Decodes finished, by finish reason.", ["model", "finish_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "modeld_time_to_first_token_seconds",
+            "From a turn's first operation (ensure_prefix, prefill_suffix or decode) to its first token.",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "modeld_inter_token_latency_seconds",
+            "Time between generated tokens.",
+            ["model"],
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "modeld_queue_wait_seconds",
+            "Waits for a model busy with other sessions, as the engine reports them.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.restarts = Counter(
+            "modeld_worker_restarts", "Engine worker restarts, as the engine reports them.", registry=r
+        )
+        self._labels: set[str] = set()
+        self._lock = threading.Lock()
+        if status is not None:
+            r.register(_StatusCollector(status, self.label))
+
+    # --- EngineEvents ---------------------------------------------------------------------
+
+    def queue_waited(self, seconds: float) -> None:
+        self.queue_wait.observe(max(0.0, seconds))
+
+    def worker_restarted(self) -> None:
+        self.restarts.inc()
+
+    # --- observing sessions ---------------------------------------------------------------
+
+    def label(self, model_name: str) -> str:
+        """The ``model`` label for a name, keeping at most MAX_MODELS distinct values."""
+        label = model_label(model_name)
+        with self._lock:
+            if label in self._labels:
+                return label
+            if len(self._labels) >= MAX_MODELS:
+                return "other"
+            self._labels.add(label)
+        return label
+
+    def observe(self, session: Session) -> ObservedSession:
+        return ObservedSession(session, self)
+
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The exposition (and its media type) for an HTTP ``Accept`` header; text by default."""
+        if not accept:
+            return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type
+
+
+class _StatusCollector:
+    """Gauges read from the engine's status at scrape time."""
+
+    def __init__(self, status: Callable[[], DaemonStatus], label: Callable[[str], str]) -> None:
+        self._status = status
+        self._label = label
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            status = self._status()
+        except Exception:  # a scrape must never fail because the engine is shutting down
+            log.debug("status unavailable for metrics", exc_info=True)
+            return
+        yield GaugeMetricFamily("modeld_sessions_open", "Open sessions.", value=status.sessions)
+        yield GaugeMetricFamily("modeld_models_loaded", "Models loaded.", value=len(status.models))
+        resident = GaugeMetricFamily(
+            "modeld_resident_tokens", "Tokens resident in a loaded model's KV.", labels=["model", "backend"]
+        )
+        for m in status.models:
+            resident.add_metric([self._label(m.model_name), m.backend], m.resident_tokens)
+        yield resident
+
+
+class ObservedSession:
+    """A Session that counts what passes through it; otherwise the session it wraps.
+
+    Not for concurrent use (like every Session). A turn starts with the first operation after
+    the previous decode and ends with the next decode's final chunk; a decode abandoned before
+    its final chunk was read is not counted.
+    """
+
+    def __init__(self, inner: Session, metrics: Metrics) -> None:
+        self.inner = inner
+        self._m = metrics
+        self._model = metrics.label(inner.info.model_name)
+        self._turn_started: float | None = None
+        self._turn_computed = 0  # tokens of this turn counted as prefilled or generated
+
+    @property
+    def session_id(self) -> str:
+        return self.inner.session_id
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.inner.info
+
+    @property
+    def identity(self) -> ContextManifest:
+        return self.inner.identity
+
+    def _start(self) -> None:
+        if self._turn_started is None:
+            self._turn_started = time.perf_counter()
+
+    def ensure_prefix(self, prefix: PrefixInput, progress: ProgressCallback | None = None) -> PrefixStatus:
+        self._turn_started = time.perf_counter()
+        status = self.inner.ensure_prefix(prefix, progress)
+        m = self._model
+        self._m.queries.labels(m).inc(status.prefix_tokens)
+        self._m.hits.labels(m, source_of(status)).inc(status.reused_tokens)
+        self._m.prefilled.labels(m).inc(status.prefilled_tokens)
+        self._turn_computed = status.prefilled_tokens
+        return status
+
+    def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
+        self._start()
+        status = self.inner.prefill_suffix(suffix, progress)
+        computed = status.suffix_tokens + status.restored_tokens
+        self._m.prefilled.labels(self._model).inc(computed)
+        self._turn_computed += computed
+        return status
+
+    def decode(self, config: DecodeConfig) -> DecodeStream:
+        self._start()
+        started = self._turn_started if self._turn_started is not None else time.perf_counter()
+        return _ObservedStream(self, self.inner.decode(config), started)
+
+    def _finished(self, chunk: StreamChunk) -> None:
+        m = self._model
+        self._m.requests.labels(m, chunk.finish_reason or "error").inc()
+        usage = chunk.usage
+        if usage is not None:
+            self._m.prompt.labels(m).inc(usage.prompt_tokens)
+            self._m.cached.labels(m).inc(usage.cached_tokens)
+            self._m.generated.labels(m).inc(usage.completion_tokens)
+            # Prompt tokens the decode itself recomputed (another session displaced them).
+            extra = max(0, usage.prompt_tokens - usage.cached_tokens - self._turn_computed)
+            if extra:
+                self._m.prefilled.labels(m).inc(extra)
+            self._turn_computed += extra + usage.completion_tokens
+        self._turn_started = None
+
+    def explain_context(self) -> ContextReport:
+        return self.inner.explain_context()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> ObservedSession:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class _ObservedStream:
+    """A decode stream that times tokens and reports the final chunk to its session."""
+
+    def __init__(self, session: ObservedSession, inner: DecodeStream, started: float) -> None:
+        self._session = session
+        self._inner = inner
+        self._started = started
+        self._last: float | None = None
+        self._done = False
+
+    def __iter__(self) -> _ObservedStream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        chunk = next(self._inner)
+        if chunk.token_ids:
+            now = time.perf_counter()
+            model = self._session._model
+            metrics = self._session._m
+            if self._last is None:
+                metrics.ttft.labels(model).observe(now - self._started)
+            else:  # a chunk holds the tokens generated since the last one (whole characters)
+                gap = (now - self._last) / len(chunk.token_ids)
+                for _ in chunk.token_ids:
+                    metrics.itl.labels(model).observe(gap)
+            self._last = now
+        if chunk.final and not self._done:
+            self._done = True
+            self._session._finished(chunk)
+        return chunk
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def __enter__(self) -> _ObservedStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,242 @@
+"""The one path every listener takes to the engine: the gRPC servicer and the HTTP endpoint.
+
+What: :class:`Gateway` sees the engine only as the contract's Service plus the small observer
+protocol :class:`ServedEngine` (status, sessions, explain, tokenize; the engine satisfies it,
+checked in ``tests/test_gateway.py``). It never imports ``modeld.engine``. It keeps:
+
+* the sessions opened through a transport (:class:`Hosted`) with the state only a transport
+  has: which transport, whether a stream is attached, when it was opened. The engine's
+  session knows nothing about streams;
+* one end notification per session: the engine calls back once when a session can no longer
+  be used (closed, its owner epoch revoked, the daemon stopping), with the error its
+  operations now raise. A transport ends its stream on it at once; nothing polls;
+* metrics: every hosted session is wrapped in an
+  :class:`~modeld.observe.metrics.ObservedSession`, so both transports count turns alike.
+
+What not: engine logic (admission, fencing, reuse and limits stay in the engine), protobuf,
+HTTP. Why: the servicer used to import the concrete Engine, repeat the session's admission
+checks in a 0.25 s poll loop and store ``attached`` on the engine's session
+(``blueprints/0007-wire.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from modeld.contract import (
+    ContextReport,
+    DaemonStatus,
+    Machine,
+    ModelInfo,
+    OpenSessionRequest,
+    Session,
+    SessionSummary,
+)
+from modeld.errors import ModeldError, SessionNotFoundError
+from modeld.observe.metrics import Metrics, ObservedSession
+
+if TYPE_CHECKING:
+    from modeld.engine.limits import Limits
+
+__all__ = ["Gateway", "HostableSession", "Hosted", "OwnerView", "ServedEngine"]
+
+log = logging.getLogger("modeld.server")
+
+
+class OwnerView(Protocol):
+    """Who owns the machine: what an OpenSession answer names."""
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+
+@runtime_checkable
+class HostableSession(Session, Protocol):
+    """A contract Session a transport can host: it can be interrupted (the transport went
+    away) and it says once when it can no longer be used."""
+
+    def interrupt(self) -> None: ...
+
+    def on_end(self, listener: Callable[[ModeldError], None]) -> None: ...
+
+
+class ServedEngine(Protocol):
+    """The engine as the listeners see it: the Service contract plus observers."""
+
+    endpoint: str
+
+    @property
+    def owner(self) -> OwnerView: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def describe(self, request: OpenSessionRequest) -> ModelInfo: ...
+
+    def open_session(self, request: OpenSessionRequest) -> HostableSession: ...
+
+    def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]: ...
+
+    def explain(self, session_id: str) -> ContextReport: ...
+
+    def list_sessions(self) -> list[SessionSummary]: ...
+
+    def status(self, *, debug: bool = False) -> DaemonStatus: ...
+
+    def machine(self) -> Machine: ...
+
+
+class Hosted:
+    """A session opened through a transport, and what that transport holds about it."""
+
+    def __init__(self, raw: HostableSession, session: ObservedSession, transport: str) -> None:
+        self.raw = raw
+        self.session = session  # what the transport drives (counted by the metrics)
+        self.transport = transport
+        self.session_id = raw.session_id
+        self.opened = time.monotonic()
+        self.attached = False
+        self._lock = threading.Lock()
+        self._ended: ModeldError | None = None
+        self._listeners: list[Callable[[ModeldError], None]] = []
+
+    @property
+    def ended(self) -> ModeldError | None:
+        """Why the session can no longer be used, or None while it can."""
+        return self._ended
+
+    def on_end(self, listener: Callable[[ModeldError], None]) -> None:
+        """Call ``listener`` once when the session ends (at once if it already has)."""
+        with self._lock:
+            if self._ended is None:
+                self._listeners.append(listener)
+                return
+            error = self._ended
+        listener(error)
+
+    def _end(self, error: ModeldError) -> None:
+        with self._lock:
+            if self._ended is not None:
+                return
+            self._ended = error
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            try:
+                listener(error)
+            except Exception:
+                log.exception("a session-end listener failed")
+
+    def interrupt(self) -> None:
+        """Stop whatever the session is running (its transport went away)."""
+        self.raw.interrupt()
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class Gateway:
+    """The engine as every transport reaches it, with the transports' session registry."""
+
+    def __init__(self, engine: ServedEngine, limits: Limits, metrics: Metrics | None = None) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.metrics = metrics if metrics is not None else Metrics(engine.status)
+        self._hosted: dict[str, Hosted] = {}
+        self._lock = threading.Lock()
+
+    # --- the Service, for transports ------------------------------------------------------
+
+    @property
+    def owner(self) -> OwnerView:
+        return self.engine.owner
+
+    @property
+    def stopping(self) -> bool:
+        return self.engine.stopping
+
+    def describe(self, request: OpenSessionRequest) -> ModelInfo:
+        return self.engine.describe(request)
+
+    def open(self, request: OpenSessionRequest, transport: str, *, attached: bool = False) -> Hosted:
+        """Open a session for ``transport``; it leaves the registry when it ends."""
+        raw = self.engine.open_session(request)
+        hosted = Hosted(raw, self.metrics.observe(raw), transport)
+        hosted.attached = attached
+        with self._lock:
+            self._hosted[hosted.session_id] = hosted
+        raw.on_end(lambda error: self._ended(hosted, error))
+        return hosted
+
+    def _ended(self, hosted: Hosted, error: ModeldError) -> None:
+        with self._lock:
+            if self._hosted.get(hosted.session_id) is hosted:
+                del self._hosted[hosted.session_id]
+        hosted._end(error)
+
+    def hosted(self, session_id: str) -> Hosted:
+        """The open session a transport opened under this id."""
+        with self._lock:
+            hosted = self._hosted.get(session_id)
+        if hosted is None:
+            raise SessionNotFoundError(session_id)
+        return hosted
+
+    def attach(self, hosted: Hosted) -> bool:
+        """Mark ``hosted`` attached to a stream; False if another stream already has it."""
+        with self._lock:
+            if hosted.attached:
+                return False
+            hosted.attached = True
+            return True
+
+    def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
+        return self.engine.tokenize(request, text)
+
+    # --- observers ------------------------------------------------------------------------
+
+    def status(self, *, debug: bool = False) -> DaemonStatus:
+        return self.engine.status(debug=debug)
+
+    def machine(self) -> Machine:
+        return self.engine.machine()
+
+    def explain(self, session_id: str) -> ContextReport:
+        return self.engine.explain(session_id)
+
+    def list_sessions(self) -> list[SessionSummary]:
+        """The engine's sessions, with the transport's view of whether a stream holds each."""
+        with self._lock:
+            attached = {sid: h.attached for sid, h in self._hosted.items()}
+        return [
+            replace(s, attached=attached[s.session_id]) if s.session_id in attached else s
+            for s in self.engine.list_sessions()
+        ]
+
+    def metrics_text(self, accept: str = "") -> tuple[bytes, str]:
+        return self.metrics.render(accept)
+
+    # --- housekeeping ---------------------------------------------------------------------
+
+    def reap_unattached(self) -> list[str]:
+        """Close gRPC sessions opened but never attached within the attach timeout."""
+        cutoff = time.monotonic() - self.limits.attach_timeout_seconds
+        with self._lock:
+            stale = [
+                h
+                for h in self._hosted.values()
+                if h.transport == "grpc" and not h.attached and h.opened < cutoff
+            ]
+        for hosted in stale:
+            log.info("closing session %s: never attached", hosted.session_id)
+            with contextlib.suppress(ModeldError):
+                hosted.close()
+        return [h.session_id for h in stale]

@@ -1,0 +1,169 @@
+"""The model names the HTTP endpoint serves: ``--model NAME=PATH``, ``--models-dir DIR``, or
+the project's generated default model when none is registered.
+
+A request's ``model`` field picks one by name; an unknown name is a 404. Clients see names
+only, never paths: ``/v1/models`` lists names, and errors about a model name it. Paths are
+resolved by the daemon when it starts (relative to its working directory) and checked to
+exist, so a typo fails at ``serve``, not at the first request.
+
+``--models-dir`` is read again when a name is not found (at most once a second), so a model
+copied into the directory is served without a restart: GGUF files (``NAME.gguf``) for llama
+and OpenVINO, IR directories (``NAME/openvino_model.xml``) for OpenVINO, any file for memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "MAX_NAME_CHARS",
+    "ModelEntry",
+    "ModelRegistry",
+    "RegistryError",
+    "default_model",
+]
+
+DEFAULT_MODEL_NAME = "modeld-tiny"
+MAX_NAME_CHARS = 128
+_RESCAN_SECONDS = 1.0
+
+
+class RegistryError(ValueError):
+    """A model registration the operator must fix (reported by ``serve``, exit 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    name: str
+    path: str
+    created: int  # seconds since the epoch (the file's mtime), as /v1/models reports it
+
+
+def _check_name(name: str) -> str:
+    if not name or len(name) > MAX_NAME_CHARS or any(c.isspace() or not c.isprintable() for c in name):
+        raise RegistryError(
+            f"model name {name[:MAX_NAME_CHARS]!r} must be 1-{MAX_NAME_CHARS} printable characters without spaces"
+        )
+    return name
+
+
+def _created(path: Path) -> int:
+    try:
+        return int(path.stat().st_mtime)
+    except OSError:
+        return int(time.time())
+
+
+def parse_model_option(spec: str, backend: str) -> ModelEntry:
+    """``NAME=PATH`` from the command line, with PATH resolved and checked."""
+    name, sep, raw = spec.partition("=")
+    if not sep or not raw:
+        raise RegistryError(f"--model wants NAME=PATH, got {spec!r}")
+    _check_name(name)
+    path = Path(raw).expanduser()
+    virtual = backend == "memory" and os.sep not in raw and not path.exists()
+    if virtual:  # the memory backend's models are names
+        return ModelEntry(name, raw, int(time.time()))
+    if not path.exists():
+        raise RegistryError(f"--model {name}={raw}: {raw} does not exist")
+    return ModelEntry(name, str(path.resolve()), _created(path))
+
+
+def _scan(directory: Path, backend: str) -> dict[str, ModelEntry]:
+    found: dict[str, ModelEntry] = {}
+    try:
+        children = sorted(directory.iterdir())
+    except OSError:
+        return found
+    for child in children:
+        if child.name.startswith("."):
+            continue
+        if child.is_file() and (backend == "memory" or child.suffix == ".gguf"):
+            name = child.stem if child.suffix == ".gguf" else child.name
+        elif backend == "openvino" and (child / "openvino_model.xml").is_file():
+            name = child.name
+        else:
+            continue
+        if len(name) <= MAX_NAME_CHARS and name not in found:
+            found[name] = ModelEntry(name, str(child.resolve()), _created(child))
+    return found
+
+
+def default_model(backend: str) -> ModelEntry:
+    """The model served when none is registered: the project's generated tiny model."""
+    if backend == "memory":
+        return ModelEntry(DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, int(time.time()))
+    try:
+        from modeld.testmodels import TINY, ensure_model
+    except ImportError as exc:
+        raise RegistryError(
+            f"no model is registered (--model NAME=PATH or --models-dir DIR) and the generated "
+            f"default model needs the models extra ({exc.name} is missing)"
+        ) from None
+    path = ensure_model(TINY)
+    return ModelEntry(DEFAULT_MODEL_NAME, str(path), _created(path))
+
+
+class ModelRegistry:
+    """Names to model files. Thread-safe; the directory is rescanned on a miss."""
+
+    def __init__(
+        self,
+        backend: str,
+        models: Mapping[str, ModelEntry] | None = None,
+        models_dir: Path | None = None,
+        fallback: ModelEntry | None = None,
+    ) -> None:
+        self.backend = backend
+        self._explicit = dict(models or {})
+        self._dir = models_dir.resolve() if models_dir is not None else None
+        self._scanned: dict[str, ModelEntry] = {}
+        self._scanned_at = 0.0
+        self._fallback = fallback
+        self._lock = threading.Lock()
+        if self._dir is not None:
+            if not self._dir.is_dir():
+                raise RegistryError(f"--models-dir {models_dir} is not a directory")
+            self._rescan(force=True)
+        if not self._explicit and self._dir is None and fallback is None:
+            raise RegistryError("no model is registered")
+
+    def _rescan(self, *, force: bool = False) -> None:
+        if self._dir is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if not force and now - self._scanned_at < _RESCAN_SECONDS:
+                return
+            self._scanned_at = now
+        scanned = _scan(self._dir, self.backend)
+        with self._lock:
+            self._scanned = scanned
+
+    def entries(self) -> list[ModelEntry]:
+        self._rescan()
+        with self._lock:
+            merged = {**self._scanned, **self._explicit}
+        if not merged and self._fallback is not None:
+            merged = {self._fallback.name: self._fallback}
+        return sorted(merged.values(), key=lambda e: e.name)
+
+    def get(self, name: str) -> ModelEntry | None:
+        with self._lock:
+            entry = self._explicit.get(name) or self._scanned.get(name)
+        if entry is None:
+            self._rescan()
+            with self._lock:
+                entry = self._explicit.get(name) or self._scanned.get(name)
+                empty = not self._explicit and not self._scanned
+        else:
+            empty = False
+        if entry is None and empty and self._fallback is not None and name == self._fallback.name:
+            return self._fallback
+        return entry

@@ -1,0 +1,73 @@
+"""Settings of the warm state and the engine workers, in one typed place.
+
+``modeld serve`` sets them from its flags (``modeld serve --help``) and ``modeld status`` shows
+them; :class:`~modeld.engine.limits.Limits` holds the limits on client input beside them and the
+timeout profile is :class:`Timeouts`. Every default is chosen from a
+measurement recorded in ``blueprints/0016-warm-state.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+__all__ = ["ISOLATIONS", "Residency", "RestartPolicy", "Timeouts"]
+
+ISOLATIONS = ("auto", "process", "inline")
+
+
+@dataclass(frozen=True, slots=True)
+class Residency:
+    """Where warm state lives, and how much of it."""
+
+    sequences: int = 4
+    """Warm KV sequences per loaded model (each session's turn runs on its own)."""
+    kv_unified: bool = False
+    """One KV pool shared by every sequence, so a copied prefix is stored once and any sequence
+    may use the whole pool (llama.cpp ``kv_unified``); off: each sequence has its own window of
+    cells, and warm output stays bit-identical to a fresh evaluation (blueprint 0016)."""
+    pool_tokens: int = 0
+    """With ``kv_unified``: KV cells in the pool (0: ``sequences`` x the window)."""
+    ram_tier_bytes: int = -1
+    """RAM tier budget; -1: a quarter of the RAM available at start (at most 8 GiB); 0: off."""
+    disk_tier_bytes: int = -1
+    """Disk tier budget under the data directory; -1: a tenth of its free space (at most
+    32 GiB); 0: off."""
+    memory_budget_bytes: int = -1
+    """Weights + KV of all loaded models; beyond it the least recently used idle model is
+    unloaded (its warm contexts saved to the tiers first). -1: 90% of the machine's RAM."""
+    isolation: str = "auto"
+    """``process``: each loaded model runs in a supervised worker process; ``inline``: in the
+    daemon (only sensible for the memory backend); ``auto``: inline for memory, else process."""
+    slots: int = 0
+    """Operations a model runs at once (0: as many as ``sequences``)."""
+    max_queue: int = 64
+    """Operations that may wait for a slot of one model."""
+    snapshot_min_tokens: int = 64
+    """Shorter warm contexts are not worth a snapshot."""
+    persist_min_tokens: int = 512
+    """A prefix this long, just computed, is written to the disk tier at once."""
+
+    def as_dict(self) -> dict[str, str]:
+        return {f.name: str(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """The daemon's timeout profile (``modeld serve`` flags; 0 switches one off)."""
+
+    load_seconds: float = 600.0
+    """Loading a model (the worker's answer to ``Load``)."""
+    stall_seconds: float = 120.0
+    """A busy worker with no progress and no CPU time for this long is killed (``stall_timeout``)."""
+    idle_stream_seconds: float = 300.0
+    """A decode that produces no token for this long is stopped (``timeout``)."""
+    operation_seconds: float = 0.0
+    """Any one operation (prefill or decode) longer than this is stopped (``timeout``); off by default."""
+
+
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    backoff_initial: float = 0.5
+    backoff_max: float = 30.0
+    crash_limit: int = 5
+    crash_window: float = 300.0

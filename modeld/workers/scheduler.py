@@ -1,0 +1,226 @@
+"""The engine side of the protocol: one thread runs every request against one runtime.
+
+:class:`Scheduler` owns the runtime. Atomic requests (tokenize, copy, drop, snapshot, restore,
+...) run as they arrive; jobs (``Sync``, ``Generate``) advance one engine step at a time in
+round robin, so several sessions' operations on different sequences share the engine fairly: a
+long prefill does not stall another session's decode for its whole length, and a ``Cancel``
+takes effect before the job's next step. Every native call happens on the thread that calls
+:meth:`Scheduler.run` (llama.cpp's OpenMP team belongs to its calling thread, blueprint 0001).
+
+The same class runs inside a worker process (``modeld/workers/child.py``, replies encoded onto
+the socket) and in-process (``modeld/workers/host.py``'s ``InlineHost``, replies handed over
+as objects).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from modeld.backends.base import ModelRuntime, SyncStep
+from modeld.errors import EngineError, ModeldError
+from modeld.workers.protocol import (
+    Cancel,
+    CheckDecode,
+    Close,
+    Copy,
+    Drop,
+    Failed,
+    Finished,
+    Generate,
+    Load,
+    Loaded,
+    Message,
+    Progress,
+    Resident,
+    Restore,
+    Result,
+    Snapshot,
+    Sync,
+    Tokenize,
+    Tokens,
+)
+
+__all__ = ["Scheduler"]
+
+log = logging.getLogger("modeld.worker")
+
+Send = Callable[[int, Message], None]
+Loader = Callable[[Load], ModelRuntime]
+
+
+@dataclass
+class _Job:
+    op: int
+    seq: int
+    steps: Iterator[SyncStep | int]
+    generate: bool
+    kept: int = 0
+    canceled: threading.Event = field(default_factory=threading.Event)
+
+
+class Scheduler:
+    """Runs protocol requests against one runtime, on the thread that calls :meth:`run`."""
+
+    def __init__(self, send: Send, loader: Loader) -> None:
+        self._send = send
+        self._loader = loader
+        self._runtime: ModelRuntime | None = None
+        self._inbox: queue.SimpleQueue[tuple[int, Message]] = queue.SimpleQueue()
+        self._jobs: deque[_Job] = deque()
+        self._by_op: dict[int, _Job] = {}
+        self._lock = threading.Lock()
+        self._cancels: set[int] = set()
+        self._closed = False
+
+    # --- any thread ----------------------------------------------------------------------------
+
+    def submit(self, op: int, message: Message) -> None:
+        """Queue a request; a ``Cancel`` takes effect at once (before the job's next step)."""
+        if isinstance(message, Cancel):
+            with self._lock:
+                job = self._by_op.get(message.target)
+                if job is not None:
+                    job.canceled.set()
+                else:  # not started yet: cancel it when it arrives
+                    self._cancels.add(message.target)
+        self._inbox.put((op, message))
+
+    # --- the engine thread -----------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until ``Close`` (or a failed ``Load``)."""
+        while not self._closed:
+            try:
+                op, message = self._inbox.get(block=not self._jobs)
+            except queue.Empty:
+                self._step()
+                continue
+            self._handle(op, message)
+            while not self._closed:  # everything that has arrived runs before the next step
+                try:
+                    op, message = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._handle(op, message)
+            if self._jobs and not self._closed:
+                self._step()
+
+    def _handle(self, op: int, message: Message) -> None:
+        if isinstance(message, Cancel):
+            return
+        try:
+            if isinstance(message, Load):
+                self._load(op, message)
+                return
+            runtime = self._runtime
+            if runtime is None:
+                raise EngineError("the worker has no model loaded")
+            if isinstance(message, Sync):
+                steps = runtime.sync(message.seq, message.keep, message.tokens)
+                self._start(_Job(op, message.seq, steps, generate=False, kept=message.keep))
+            elif isinstance(message, Generate):
+                tokens = runtime.generate(message.seq, message.config, message.max_tokens)
+                self._start(_Job(op, message.seq, tokens, generate=True))
+            elif isinstance(message, Tokenize):
+                self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
+            elif isinstance(message, CheckDecode):
+                runtime.check_decode(message.config)
+                self._send(op, Result())
+            elif isinstance(message, Copy):
+                runtime.copy(message.src, message.dst, message.n)
+                self._send(op, Result())
+            elif isinstance(message, Drop):
+                runtime.drop(message.seq)
+                self._send(op, Result())
+            elif isinstance(message, Snapshot):
+                self._send(op, Result(payload=runtime.snapshot(message.seq)))
+            elif isinstance(message, Restore):
+                ok = runtime.restore(message.seq, message.payload, message.tokens)
+                self._send(op, Result(ok=ok))
+            elif isinstance(message, Resident):
+                self._send(op, Result(tokens=tuple(runtime.resident(message.seq))))
+            elif isinstance(message, Close):
+                self._close()
+                self._send(op, Result())
+            else:
+                raise EngineError(f"the worker cannot handle {message.kind!r}")
+        except ModeldError as exc:
+            self._send(op, Failed(exc.reason, exc.message, dict(exc.details)))
+        except Exception as exc:
+            log.exception("request %s failed in the engine", message.kind)
+            self._send(op, Failed("engine_error", f"the engine failed on {message.kind}: {exc!r}"))
+
+    def _load(self, op: int, message: Load) -> None:
+        try:
+            runtime = self._loader(message)
+            self._runtime = runtime
+            self._send(op, Loaded.of(runtime.layout, runtime.vocab(), os.getpid()))
+        except ModeldError as exc:
+            self._closed = True
+            self._send(op, Failed(exc.reason, exc.message, dict(exc.details)))
+        except Exception as exc:
+            self._closed = True
+            log.exception("loading the model failed")
+            self._send(op, Failed("model_load_failed", f"loading the model failed: {exc!r}"))
+
+    def _start(self, job: _Job) -> None:
+        with self._lock:
+            if job.op in self._cancels:
+                self._cancels.discard(job.op)
+                job.canceled.set()
+            self._by_op[job.op] = job
+        self._jobs.append(job)
+
+    def _step(self) -> None:
+        job = self._jobs.popleft()
+        if job.canceled.is_set():
+            self._finish(job, canceled=True)
+            return
+        try:
+            item = next(job.steps)
+        except StopIteration:
+            self._finish(job, canceled=False)
+            return
+        except ModeldError as exc:
+            self._forget(job)
+            self._send(job.op, Failed(exc.reason, exc.message, dict(exc.details)))
+            return
+        except Exception as exc:
+            self._forget(job)
+            log.exception("a %s job failed in the engine", "generate" if job.generate else "sync")
+            self._send(job.op, Failed("engine_error", f"the engine failed: {exc!r}"))
+            return
+        if isinstance(item, SyncStep):
+            job.kept = item.kept
+            self._send(job.op, Progress(item.kept, item.evaluated, item.total))
+        else:
+            self._send(job.op, Tokens((int(item),)))
+        self._jobs.append(job)
+
+    def _finish(self, job: _Job, *, canceled: bool) -> None:
+        close = getattr(job.steps, "close", None)
+        if close is not None:
+            close()  # a generator's cleanup (evaluates nothing more)
+        self._forget(job)
+        assert self._runtime is not None
+        resident = len(self._runtime.resident(job.seq))
+        self._send(job.op, Finished(resident=resident, kept=job.kept, canceled=canceled))
+
+    def _forget(self, job: _Job) -> None:
+        with self._lock:
+            self._by_op.pop(job.op, None)
+
+    def _close(self) -> None:
+        for job in list(self._jobs):
+            self._finish(job, canceled=True)
+        self._jobs.clear()
+        if self._runtime is not None:
+            self._runtime.close()
+            self._runtime = None
+        self._closed = True
