@@ -52,6 +52,7 @@ __all__ = [
     "Constraint",
     "SpecialToken",
     "TokenLogprob",
+    "TopLogprob",
     "ToolCall",
     "ToolCallDelta",
     "DaemonStatus",
@@ -68,6 +69,7 @@ __all__ = [
     "Capabilities",
     "Config",
     "ContextReport",
+    "ChangingSegment",
     "DecodeConfig",
     "DecodeStream",
     "ErrorDetail",
@@ -442,7 +444,15 @@ class TokenLogprob:
 
     token: int
     logprob: float
-    top: tuple[tuple[int, float], ...] = ()
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a step (``TokenLogprob.top``), best first."""
+
+    token: int
+    logprob: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,6 +519,22 @@ class ContextReport:
     queue_wait_seconds: float = 0.0  # how long it has waited (or waited last)
     pinned: bool = False
     keep_alive_seconds: float = 0.0
+    changing_segments: tuple[ChangingSegment, ...] = ()
+    """Stable segments whose text changed on each of the session's last prefixes (see
+    :class:`ChangingSegment`): the likely cause of a prefix that is cold every turn."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChangingSegment:
+    """A stable segment that changed on each of the last ``turns`` ensure_prefix calls of a
+    session, at the same place: the ``position``-th stable segment of its ``kind`` (``index`` in
+    the current manifest). A timestamp or a request id in the system prompt does this; move it
+    into the volatile suffix (``ContextBuilder.runtime``) and the prefix stays warm."""
+
+    kind: str
+    position: int
+    index: int
+    turns: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -523,12 +523,12 @@ def test_bias_and_penalties_follow_openai_and_agree_between_dicts_and_arrays() -
     adjust_array(arr, **kw)  # type: ignore[arg-type]
     assert arr.tolist() == pytest.approx([out[i] for i in range(4)])
     lp = logprob(out, 3, 2)
-    assert lp.logprob == pytest.approx(lp.top[0][1]) and [t for t, _ in lp.top] == [3, 1]
+    assert lp.logprob == pytest.approx(lp.top[0].logprob) and [t.token for t in lp.top] == [3, 1]
     assert sum(math.exp(v) for v in (logprob(out, t, 0).logprob for t in range(4))) == pytest.approx(1.0)
     lpa = logprob_array(arr, 3, 2)
-    assert lpa.logprob == pytest.approx(lp.logprob) and [t for t, _ in lpa.top] == [3, 1]
+    assert lpa.logprob == pytest.approx(lp.logprob) and [t.token for t in lpa.top] == [3, 1]
     arr[0] = -np.inf  # a masked token has no probability and is never a top alternative
-    assert [t for t, _ in logprob_array(arr, 3, 4).top] == [3, 1, 2]
+    assert [t.token for t in logprob_array(arr, 3, 4).top] == [3, 1, 2]
 
 
 def test_a_cancelled_decode_keeps_its_reason_and_its_text() -> None:

@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from modeld.contract import CONSTRAINT_KINDS, Constraint
+from modeld.contract import CONSTRAINT_KINDS, Constraint, DecodeConfig
 from modeld.decoding.gbnf import ByteMatcher, Grammar, parse_gbnf
 from modeld.decoding.regex import regex_gbnf
 from modeld.decoding.schema import json_object_gbnf, load_schema, schema_to_gbnf
@@ -38,6 +38,7 @@ __all__ = [
     "cache_info",
     "compile_constraint",
     "constraint_digest",
+    "runtime_constraint",
 ]
 
 MAX_CONSTRAINT_BYTES = 256 << 10
@@ -85,7 +86,18 @@ def cache_info() -> dict[str, int]:
         return {**_stats, "size": len(_cache)}
 
 
-def compile_constraint(constraint: Constraint) -> CompiledConstraint:
+def runtime_constraint(config: DecodeConfig) -> CompiledConstraint | None:
+    """What a runtime enforces for ``config`` (worker side): the daemon sends the compiled
+    GBNF as ``Constraint("grammar", gbnf)`` (``DecodePlan.engine_config``); it is parsed once
+    per digest in this process. No size limit here: the daemon made the text."""
+    if config.constraint is None:
+        return None
+    return compile_constraint(config.constraint, max_bytes=None)
+
+
+def compile_constraint(
+    constraint: Constraint, *, max_bytes: int | None = MAX_CONSTRAINT_BYTES
+) -> CompiledConstraint:
     """Validate and compile (or fetch from the cache). Raises InvalidArgumentError,
     UnsupportedError or LimitExceededError; never anything else for bad input."""
     if not isinstance(constraint, Constraint):
@@ -98,7 +110,7 @@ def compile_constraint(constraint: Constraint) -> CompiledConstraint:
     if not isinstance(constraint.value, str):
         raise InvalidArgumentError("constraint.value must be a string", field=_FIELD)
     size = len(constraint.value.encode("utf-8", errors="surrogatepass"))
-    if size > MAX_CONSTRAINT_BYTES:
+    if max_bytes is not None and size > max_bytes:
         raise LimitExceededError(
             f"constraint.value is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
             limit="max_constraint_bytes",

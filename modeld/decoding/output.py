@@ -19,7 +19,7 @@ What not: no tokens, no sampling, no engine state.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from modeld.contract import TOOL_CHOICES, TOOL_FORMATS, Constraint, DecodeConfig, ToolCall, ToolCallDelta
 from modeld.decoding.constraints import CompiledConstraint, compile_constraint
@@ -47,6 +47,12 @@ class DecodePlan:
     exit_tools: tuple[ToolSpec, ...] = ()
     tool_format: str = ""  # "" = no tool-call parsing
     forced: bool = False  # the constraint forces a tool call
+
+    def engine_config(self, config: DecodeConfig) -> DecodeConfig:
+        """``config`` as the engine gets it: the constraint compiled to its GBNF (kind
+        ``grammar``), which the worker parses once per digest (``runtime_constraint``)."""
+        wanted = Constraint("grammar", self.constraint.gbnf) if self.constraint is not None else None
+        return config if wanted == config.constraint else replace(config, constraint=wanted)
 
 
 def plan_decode(config: DecodeConfig, *, prefix_tools_json: str = "", chat_template: str = "") -> DecodePlan:

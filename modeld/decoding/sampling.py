@@ -23,13 +23,33 @@ import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from modeld.contract import TokenLogprob
+from modeld.contract import TokenLogprob, TopLogprob
 
 if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-__all__ = ["adjust", "adjust_array", "logprob", "logprob_array"]
+__all__ = ["SampledToken", "adjust", "adjust_array", "logit_bias_of", "logprob", "logprob_array"]
+
+
+class SampledToken(int):
+    """A sampled token id that carries its log-probabilities (``DecodeConfig.logprobs``).
+
+    ``ModelRuntime.generate`` yields token ids; a runtime that computes log-probabilities
+    yields these instead (still ints), and the worker's scheduler sends ``logprob`` along with
+    the token (``Tokens.logprobs``)."""
+
+    logprob: TokenLogprob
+
+    def __new__(cls, token: int, logprob: TokenLogprob) -> SampledToken:
+        self = super().__new__(cls, token)
+        self.logprob = logprob
+        return self
+
+
+def logit_bias_of(bias: Mapping[Any, float]) -> dict[int, float]:
+    """``DecodeConfig.logit_bias`` with int keys (JSON object keys arrive as strings)."""
+    return {int(k): float(v) for k, v in bias.items()}
 
 
 def adjust(
@@ -57,7 +77,7 @@ def logprob(logits: Mapping[int, float], chosen: int, top: int) -> TokenLogprob:
     norm = peak + math.log(sum(math.exp(v - peak) for v in finite.values()))
     best = sorted(finite.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
     value = logits.get(chosen, -math.inf)
-    return TokenLogprob(chosen, value - norm, tuple((t, v - norm) for t, v in best))
+    return TokenLogprob(chosen, value - norm, tuple(TopLogprob(t, v - norm) for t, v in best))
 
 
 def adjust_array(
@@ -84,9 +104,9 @@ def logprob_array(logits: NDArray[Any], chosen: int, top: int) -> TokenLogprob:
     values = logits.astype(np.float64)
     peak = float(np.max(values))
     norm = peak + math.log(float(np.sum(np.exp(values - peak))))
-    best: list[tuple[int, float]] = []
+    best: list[TopLogprob] = []
     if top:
         idx = np.argpartition(-values, min(top, values.shape[0] - 1))[:top]
         ranked = sorted(((int(i), float(values[i])) for i in idx), key=lambda kv: (-kv[1], kv[0]))
-        best = [(t, v - norm) for t, v in ranked if v != -math.inf]
+        best = [TopLogprob(t, v - norm) for t, v in ranked if v != -math.inf]
     return TokenLogprob(chosen, float(values[chosen]) - norm, tuple(best))

@@ -43,6 +43,7 @@ __all__ = [
     "encode_text",
     "validate_config",
     "validate_decode",
+    "validate_logit_bias",
     "validate_manifest_size",
     "validate_request",
     "validate_session_id",
@@ -404,3 +405,16 @@ def _validate_decoding(config: DecodeConfig, limits: Limits, capabilities: Capab
     _int_in(config.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if config.top_logprobs and not config.logprobs:
         raise InvalidArgumentError("top_logprobs needs logprobs", field="top_logprobs")
+
+
+def validate_logit_bias(config: DecodeConfig, vocab_size: int) -> None:
+    """Every ``logit_bias`` token must be in the model's vocabulary (``ModelInfo.vocab_size``;
+    0 = unknown, then the backend's range check is all there is)."""
+    if vocab_size <= 0:
+        return
+    for token in config.logit_bias:
+        if token >= vocab_size:
+            raise InvalidArgumentError(
+                f"logit_bias names token {token}; this model's vocabulary has {vocab_size} tokens (0-{vocab_size - 1})",
+                field="logit_bias",
+            )

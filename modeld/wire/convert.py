@@ -23,6 +23,7 @@ from google.rpc import error_details_pb2
 from modeld.contract import (
     Accelerator,
     Capabilities,
+    ChangingSegment,
     Config,
     Constraint,
     ContextReport,
@@ -47,6 +48,7 @@ from modeld.contract import (
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
+    TopLogprob,
     Usage,
     WarmContextInfo,
     WorkerInfo,
@@ -422,7 +424,7 @@ def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
             pb.TokenLogprob(
                 token=lp.token,
                 logprob=lp.logprob,
-                top=[pb.TopLogprob(token=t, logprob=v) for t, v in lp.top],
+                top=[pb.TopLogprob(token=t.token, logprob=t.logprob) for t in lp.top],
             )
         )
     return msg
@@ -442,7 +444,7 @@ def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
         tool_calls=tuple(_from_pb(c, ToolCall) for c in msg.tool_calls),
         signal=_from_pb(msg.signal, ToolCall) if msg.HasField("signal") else None,
         logprobs=tuple(
-            TokenLogprob(lp.token, lp.logprob, tuple((t.token, t.logprob) for t in lp.top))
+            TokenLogprob(lp.token, lp.logprob, tuple(TopLogprob(t.token, t.logprob) for t in lp.top))
             for lp in msg.logprobs
         ),
     )
@@ -468,8 +470,13 @@ def progress_from_pb(msg: pb.PrefillProgress) -> PrefillProgress:
 
 @_guard("context report")
 def report_to_pb(report: ContextReport) -> pb.ContextReport:
-    msg = _to_pb(report, pb.ContextReport(), skip=("manifest", "last_reuse", "last_prefix", "contexts"))
+    msg = _to_pb(
+        report,
+        pb.ContextReport(),
+        skip=("manifest", "last_reuse", "last_prefix", "contexts", "changing_segments"),
+    )
     msg.contexts.extend(_contexts_to_pb(report.contexts))
+    msg.changing_segments.extend(_to_pb(c, pb.ChangingSegment()) for c in report.changing_segments)
     if report.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(report.manifest))
     if report.last_reuse is not None:
@@ -488,6 +495,7 @@ def report_from_pb(msg: pb.ContextReport) -> ContextReport:
         last_reuse=_reuse_from_pb(msg.last_reuse) if msg.HasField("last_reuse") else None,
         last_prefix=prefix_status_from_pb(msg.last_prefix) if msg.HasField("last_prefix") else None,
         contexts=_contexts_from_pb(msg.contexts),
+        changing_segments=tuple(_from_pb(c, ChangingSegment) for c in msg.changing_segments),
     )
 
 
