@@ -59,12 +59,14 @@ def test_schema_constrained_greedy_decodes_validate() -> None:
     assert len(answers) >= 2
 
 
-def test_logit_bias_is_refused_and_penalties_are_passed() -> None:
+def test_logit_bias_and_logprobs_are_refused_and_penalties_are_passed() -> None:
     gen = og.GenerationConfig()
-    apply_sampling(
-        gen, DecodeConfig(presence_penalty=0.5, frequency_penalty=0.25, logprobs=True, top_logprobs=3)
-    )
-    assert (gen.presence_penalty, gen.frequency_penalty, gen.logprobs) == (0.5, 0.25, 3)
-    with pytest.raises(UnsupportedError) as err:
-        apply_sampling(og.GenerationConfig(), DecodeConfig(logit_bias={5: 1.0}))
-    assert err.value.field == "logit_bias"
+    apply_sampling(gen, DecodeConfig(presence_penalty=0.5, frequency_penalty=0.25))
+    assert (gen.presence_penalty, gen.frequency_penalty) == (0.5, 0.25)
+    for config, field in (
+        (DecodeConfig(logit_bias={5: 1.0}), "logit_bias"),
+        (DecodeConfig(logprobs=True, top_logprobs=3), "logprobs"),
+    ):
+        with pytest.raises(UnsupportedError) as err:
+            apply_sampling(og.GenerationConfig(), config)
+        assert err.value.field == field

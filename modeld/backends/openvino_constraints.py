@@ -16,8 +16,9 @@ GBNF gave 5 of 5 valid ones. ``StructuredOutputConfig(grammar=...)`` takes GBNF 
 What openvino-genai 2026.4.1 exposes (checked on the installed wheel):
 ``StructuredOutputConfig(json_schema | regex | grammar | structural_tags_config |
 compound_grammar)``; ``GenerationConfig.presence_penalty``, ``frequency_penalty``,
-``repetition_penalty``, ``logprobs`` (the number of top log-probabilities per token). There is
-no logit bias: ``logit_bias`` is refused as ``unsupported``.
+``repetition_penalty``, ``logprobs`` (the number of top log-probabilities per token, read back
+from the final result, not from the streamer: modeld does not list it). There is no logit
+bias: ``logit_bias`` is refused as ``unsupported``.
 
 What not: no generation loop (the backend owns it). OpenVINO enforces the grammar inside its
 sampler, so the engine cannot see a dead end: the decode loop should run the constraint's byte
@@ -43,8 +44,7 @@ __all__ = ["CONSTRAINTS", "SAMPLING", "apply_sampling", "structured_output"]
 CONSTRAINTS: tuple[str, ...] = (
     ("json", "json_schema", "regex", "grammar") if hasattr(og, "StructuredOutputConfig") else ()
 )
-SAMPLING: tuple[str, ...] = ("presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
-MAX_TOP_LOGPROBS = 20
+SAMPLING: tuple[str, ...] = ("presence_penalty", "frequency_penalty")
 
 
 def structured_output(compiled: CompiledConstraint) -> Any:
@@ -65,7 +65,10 @@ def apply_sampling(gen: Any, config: DecodeConfig, compiled: CompiledConstraint 
     if config.frequency_penalty:
         gen.frequency_penalty = config.frequency_penalty
     if config.logprobs:
-        gen.logprobs = max(1, min(config.top_logprobs, MAX_TOP_LOGPROBS))
+        raise UnsupportedError(
+            "the OpenVINO backend cannot stream log-probabilities (its streamer sees token ids only)",
+            field="logprobs",
+        )
     if compiled is not None:
         gen.structured_output_config = structured_output(compiled)
     return gen
