@@ -46,7 +46,19 @@ __all__ = ["Rejection", "TierEntry", "Tiers"]
 
 log = logging.getLogger("modeld.cache")
 
-_DISK_OFF_ERRNOS = {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EDQUOT, errno.EIO}
+_DISK_OFF_ERRNOS = {
+    errno.ENOSPC,  # full
+    errno.EDQUOT,  # over quota
+    errno.EFBIG,  # over a file size limit
+    errno.EROFS,  # read-only
+    errno.EACCES,
+    errno.EPERM,
+    errno.EIO,  # failing
+    errno.ENOENT,  # the directory went away
+    errno.ENOTDIR,
+    errno.EISDIR,
+}
+"""Write errors that mean the disk tier cannot work here: it turns itself off (one log line)."""
 _REJECTIONS_KEPT = 32
 
 

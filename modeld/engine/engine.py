@@ -277,6 +277,8 @@ class Engine:
                 model = self._models.get(key)
                 if model is not None and model.supervisor.state != "stopped":
                     model.sessions += 1
+                    if model.supervisor.state == "failed":
+                        model.supervisor.revive()  # a client asks for it again: retry
                     return model
             options = self._options(kind, request.config.num_ctx, request.config.num_threads)
             cost = (

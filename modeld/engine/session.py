@@ -597,10 +597,8 @@ class _Progress:
         if self.callback is None:
             return
         now = time.monotonic()
-        if now - self.last < PROGRESS_INTERVAL and step.evaluated < step.total:
-            return
-        if now - self.started < PROGRESS_INTERVAL:
-            return  # a short prefill reports nothing
+        if now - self.last < PROGRESS_INTERVAL:
+            return  # at most one report per interval (and none for a short prefill)
         self.last = now
         try:
             self.callback(

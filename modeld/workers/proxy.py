@@ -15,6 +15,7 @@ import collections
 import contextlib
 import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 from modeld.errors import EngineRestartedError, ModeldError
@@ -37,6 +39,42 @@ LOG_LINES = 200
 """Lines of each worker's log kept for ``modeld status --debug``."""
 
 _LINE_BYTES = 2000
+
+
+class _Spawner:
+    """Starts child processes from one thread that lives as long as the daemon.
+
+    The kernel sends ``PR_SET_PDEATHSIG`` when the *thread* that created the child exits, not
+    the process: a worker started from a short-lived thread (a restart, a request) would be
+    killed with it. So every worker is started here."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[
+            tuple[Callable[[], subprocess.Popen[bytes]], Future[subprocess.Popen[bytes]]]
+        ]
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def popen(self, start: Callable[[], subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="worker-spawner", daemon=True)
+                self._thread.start()
+        done: Future[subprocess.Popen[bytes]] = Future()
+        self._jobs.put((start, done))
+        return done.result()
+
+    def _run(self) -> None:
+        while True:
+            start, done = self._jobs.get()
+            try:
+                done.set_result(start())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+
+_spawner = _Spawner()
 
 
 def describe_exit(code: int | None) -> tuple[str, dict[str, str | int]]:
@@ -78,24 +116,26 @@ class WorkerHost(Host):
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "modeld.workers.child",
-                    "--fd",
-                    str(theirs.fileno()),
-                    "--parent",
-                    str(os.getpid()),
-                    "--log-level",
-                    log_level,
-                ],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                env=env,
+            self.proc = _spawner.popen(
+                lambda: subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "modeld.workers.child",
+                        "--fd",
+                        str(theirs.fileno()),
+                        "--parent",
+                        str(os.getpid()),
+                        "--log-level",
+                        log_level,
+                    ],
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    env=env,
+                )
             )
         finally:
             theirs.close()

@@ -1,0 +1,576 @@
+"""Many warm contexts per model that survive: sub-agents, workspaces, restarts (issue 8).
+
+The central property: whatever the engine did to get there -- reuse its own context, copy
+another session's prefix, restore a snapshot from the RAM or the disk tier after an eviction or
+a restart -- greedy output equals a fresh evaluation of the same text. Then: exact accounting
+under concurrency, evictions that say where they went, pins, keep-alive, restarts of the daemon
+(SIGTERM and SIGKILL), and every kind of bad snapshot file, made by editing files on disk.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_proc import start_serve, stop, wait_serving
+
+import runtime_client as rc
+from modeld.backends.base import LoadOptions
+from modeld.cache.snapfile import FORMAT_VERSION, SUFFIX, write_atomic
+from modeld.cache.tiers import entry_key
+from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.engine import Engine
+from modeld.engine.session import EngineSession
+from modeld.settings import Residency
+
+testmodels = pytest.importorskip("modeld.testmodels")
+
+WORKSPACES = [
+    "You are a careful engineer.\nrepo: src/app.py main() load_config()\nsrc/db.py connect() migrate()\n" * 4,
+    "You are a careful engineer.\nrepo: lib/parser.c parse() lex()\nlib/ast.h node_t\n" * 4,
+    "You are a terse reviewer.\nrepo: web/index.ts render() route()\nweb/api.ts fetchUser()\n" * 4,
+]
+SUFFIXES = ["fix the failing test\n", "why does migrate() hang?\n", "add a docstring\n", "rename lex\n"]
+EDITS = ["history: user asked about tests\n", "history: tool returned 3 lines\n", "pinned: def f(): pass\n"]
+
+
+def _request(path: str, **config: Any) -> OpenSessionRequest:
+    return OpenSessionRequest(
+        type="llama", path=path, config=Config(**{"num_ctx": 2048, "num_batch": 32, **config})
+    )
+
+
+class Reference:
+    """A fresh evaluation: the llama runtime in this process, one sequence emptied before each text."""
+
+    def __init__(self, path: str) -> None:
+        from modeld.backends.llama import LlamaBackend
+
+        backend = LlamaBackend()
+        request = _request(path)
+        self.runtime = backend.load(
+            request, backend.describe(request), LoadOptions(n_seq=1, window=2048, pool_tokens=2048)
+        )
+        self._cache: dict[tuple[str, str], list[int]] = {}
+
+    def greedy(self, prefix: str, suffix: str, n: int) -> list[int]:
+        """The first ``n`` greedy tokens (computed for 8 and cut: greedy is deterministic)."""
+        key = (prefix, suffix)
+        if key not in self._cache:
+            rt = self.runtime
+            tokens = rt.tokenize(prefix, add_bos=True) + rt.tokenize(suffix, add_bos=False)
+            rt.drop(0)
+            for _ in rt.sync(0, 0, tokens):
+                pass
+            eog = rt.vocab().eog
+            out = []
+            for token in rt.generate(0, DecodeConfig(max_tokens=8), 8):
+                if token in eog:
+                    break
+                out.append(token)
+            self._cache[key] = out
+        return self._cache[key][:n]
+
+    def close(self) -> None:
+        self.runtime.close()
+
+
+def _greedy(session: Any, n: int) -> list[int]:
+    with session.decode(DecodeConfig(max_tokens=n)) as stream:
+        chunks = list(stream)
+    assert chunks[-1].finish_reason in ("length", "stop"), chunks[-1]
+    return [t for c in chunks for t in c.token_ids]
+
+
+def _walk(model_path: str, data_dir: Path, seed: int, steps: int, residency: Residency) -> dict[str, int]:
+    """Random turns of several sessions over few sequences; every decode checked against a
+    fresh evaluation. Returns how often each reuse reason happened."""
+    rng = random.Random(seed)
+    reference = Reference(model_path)
+    seen: dict[str, int] = {}
+    engine = Engine(backends=("llama",), residency=residency, data_dir=data_dir)
+    try:
+        sessions: list[EngineSession] = [engine.open_session(_request(model_path)) for _ in range(4)]
+        texts = {i: rng.randrange(len(WORKSPACES)) for i in range(len(sessions))}
+        histories: dict[int, str] = {i: "" for i in range(len(sessions))}
+        for _step in range(steps):
+            roll = rng.random()
+            if roll < 0.05:  # the daemon restarts: only the disk tier survives
+                engine.shutdown()
+                engine = Engine(backends=("llama",), residency=residency, data_dir=data_dir)
+                sessions = [engine.open_session(_request(model_path)) for _ in range(4)]
+                continue
+            i = rng.randrange(len(sessions))
+            if roll < 0.12:  # a session closes and a new client takes its place
+                sessions[i].close()
+                sessions[i] = engine.open_session(_request(model_path))
+            if rng.random() < 0.2:
+                texts[i] = rng.randrange(len(WORKSPACES))
+                histories[i] = ""
+            if rng.random() < 0.4:
+                histories[i] += rng.choice(EDITS)
+            prefix = WORKSPACES[texts[i]] + histories[i]
+            suffix = rng.choice(SUFFIXES)
+            status = sessions[i].ensure_prefix(PrefixInput(text=prefix))
+            assert status.reused_tokens + status.prefilled_tokens == status.prefix_tokens
+            seen[status.reuse.reason] = seen.get(status.reuse.reason, 0) + 1
+            sessions[i].prefill_suffix(SuffixInput(text=suffix))
+            n = rng.choice((4, 8))
+            assert _greedy(sessions[i], n) == reference.greedy(prefix, suffix, n), (seed, _step, status.reuse)
+    finally:
+        engine.shutdown()
+        reference.close()
+    return seen
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("seed", [1, 2])
+def test_warm_output_equals_a_fresh_evaluation_across_evictions_snapshots_and_restores(
+    tmp_path: Path, seed: int
+) -> None:
+    residency = Residency(
+        sequences=2,  # four sessions on two sequences: evictions on most switches
+        snapshot_min_tokens=8,
+        persist_min_tokens=8,
+        ram_tier_bytes=200_000,  # about one snapshot of the tiny model: the rest spills to disk
+    )
+    seen = _walk(str(testmodels.ensure_model(testmodels.TINY)), tmp_path / "data", seed, 45, residency)
+    # The walk went through every path it is meant to test.
+    for reason in ("restored_from_ram", "restored_from_disk", "diverged", "full_match", "extended"):
+        assert seen.get(reason, 0) > 0, seen
+
+
+@pytest.mark.llama
+def test_the_same_walk_on_a_unified_kv_pool(tmp_path: Path) -> None:
+    """Shared cells, copies that only tag them, a pool that fills: the reuse logic holds. (The
+    tiny model does not show the rounding-level differences of cell placement on a unified pool;
+    blueprint 0016 measures them on the realistic model.)"""
+    residency = Residency(
+        sequences=2, kv_unified=True, pool_tokens=2048, snapshot_min_tokens=8, persist_min_tokens=8
+    )
+    seen = _walk(str(testmodels.ensure_model(testmodels.TINY)), tmp_path / "data", 5, 45, residency)
+    assert seen.get("restored_from_disk", 0) > 0, seen
+
+
+@pytest.mark.llama
+def test_warm_output_equals_a_fresh_evaluation_on_a_recurrent_model(tmp_path: Path) -> None:
+    """Recurrent memory cannot be cut: what comes back is the state at a prefix boundary (taken
+    when the prefix was computed), restored whole, never cut."""
+    residency = Residency(sequences=2, snapshot_min_tokens=8, persist_min_tokens=8)
+    path = str(testmodels.ensure_model(testmodels.RECURRENT))
+    seen = _walk(path, tmp_path / "data", 3, 30, residency)
+    assert seen.get("restored_from_ram", 0) > 0 and seen.get("restored_from_disk", 0) > 0, seen
+
+
+# --- several warm contexts per model ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny() -> str:
+    return str(testmodels.ensure_model(testmodels.TINY))
+
+
+@pytest.mark.llama
+def test_sub_agents_share_their_common_prefix_once_on_a_unified_kv(tiny: str) -> None:
+    """Three sub-agents with the same system prompt, tools and repo map and private tails: each
+    keeps its own sequence, the shared head is stored once (copied cells are only tagged)."""
+    shared = WORKSPACES[0] * 3
+    with Engine(
+        backends=("llama",), residency=Residency(sequences=4, kv_unified=True, pool_tokens=4096)
+    ) as engine:
+        agents = [engine.open_session(_request(tiny)) for _ in range(3)]
+        first = [
+            a.ensure_prefix(PrefixInput(text=shared + f"agent {i}: private notes\n" * 8))
+            for i, a in enumerate(agents)
+        ]
+        head = first[1].reused_tokens
+        assert head > 0 and first[2].reused_tokens == head  # copied from agent 0's context
+        model = engine.status().models[0]
+        kv = [c for c in model.contexts if c.tier == "kv"]
+        assert len(kv) == 3
+        assert sum(c.shared_bytes for c in kv) > 0
+        total_tokens = sum(s.prefix_tokens for s in first)
+        assert model.resident_tokens == total_tokens - 2 * head  # the head counted once
+        for a, st in zip(agents, first, strict=True):  # every agent stays warm on its own sequence
+            again = a.ensure_prefix(
+                PrefixInput(text=shared + f"agent {agents.index(a)}: private notes\n" * 8)
+            )
+            assert (again.reuse.outcome, again.reused_tokens) == ("warm", st.prefix_tokens)
+
+
+@pytest.mark.llama
+def test_concurrent_sessions_never_prefill_each_others_work(tiny: str) -> None:
+    """N sessions with different prefixes, driven from N threads over the wire: after its first
+    turn every turn of every session reuses its whole prefix and restores nothing."""
+    from harness import llama_model, wire_harness
+
+    n, turns = 3, 4
+    with wire_harness(llama_model()) as h:
+        errors: list[BaseException] = []
+        counts: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+
+        def agent(i: int) -> None:
+            try:
+                session = h.service.open_session(h.request(num_ctx=2048))
+                for turn in range(turns):
+                    st = session.ensure_prefix(PrefixInput(text=WORKSPACES[i]))
+                    sf = session.prefill_suffix(SuffixInput(text=f"turn {turn}\n"))
+                    list(session.decode(DecodeConfig(max_tokens=4)))
+                    counts[i].append((st.reused_tokens, st.prefilled_tokens, sf.restored_tokens))
+                session.close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        for rows in counts:
+            prefix_tokens = rows[0][0] + rows[0][1]
+            assert all(row == (prefix_tokens, 0, 0) for row in rows[1:]), rows
+
+
+@pytest.mark.llama
+def test_a_session_with_another_thread_count_shares_the_warm_context(tiny: str) -> None:
+    """num_threads changes speed, not the KV: it never rebuilds the context behind a warm report."""
+    with Engine(backends=("llama",)) as engine:
+        a = engine.open_session(_request(tiny, num_threads=2))
+        cold = a.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        a.close()
+        b = engine.open_session(_request(tiny, num_threads=1))
+        warm = b.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert (warm.reuse.outcome, warm.reused_tokens) == ("warm", cold.prefix_tokens)
+        assert len(engine.models()) == 1
+
+
+# --- eviction, tiers, pins, keep-alive -------------------------------------------------------------
+
+
+def _memory(**residency: Any) -> Engine:
+    return Engine(backends=("memory",), residency=Residency(**{"snapshot_min_tokens": 8, **residency}))
+
+
+def test_an_evicted_context_comes_back_from_the_ram_tier() -> None:
+    with _memory(sequences=1) as engine:
+        a = engine.open_session(OpenSessionRequest(path="m"))
+        b = engine.open_session(OpenSessionRequest(path="m"))
+        first = a.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        b.ensure_prefix(PrefixInput(text=WORKSPACES[2]))  # one sequence: a's context is evicted
+        back = a.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert (back.reuse.outcome, back.reuse.reason, back.reuse.tier) == (
+            "warm",
+            "restored_from_ram",
+            "ram",
+        )
+        assert back.reused_tokens == first.prefix_tokens
+        assert back.restore_ms >= 0
+        counters = engine.status().models[0].counters
+        assert counters["evicted_to_ram"] >= 1 and counters["reused_ram"] >= first.prefix_tokens
+
+
+def test_with_the_tiers_off_an_eviction_is_a_cold_turn_that_says_so() -> None:
+    with _memory(sequences=1, ram_tier_bytes=0, disk_tier_bytes=0) as engine:
+        a = engine.open_session(OpenSessionRequest(path="m"))
+        b = engine.open_session(OpenSessionRequest(path="m"))
+        a.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        b.ensure_prefix(PrefixInput(text=WORKSPACES[2]))
+        back = a.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert (back.reuse.outcome, back.reuse.reason, back.reuse.tier) == ("cold", "evicted", "none")
+        assert "evicted" in back.reuse.message and "not saved" in back.reuse.message
+
+
+def test_a_pinned_context_is_never_evicted() -> None:
+    with _memory(sequences=2, ram_tier_bytes=0) as engine:
+        pinned = engine.open_session(OpenSessionRequest(path="m", pin=True))
+        pinned.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        others = [engine.open_session(OpenSessionRequest(path="m")) for _ in range(2)]
+        for turn in range(3):  # two sessions fight over the one free sequence
+            for i, other in enumerate(others):
+                other.ensure_prefix(PrefixInput(text=WORKSPACES[1 + i] + f"turn {turn}\n"))
+        again = pinned.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert (again.reuse.outcome, again.reuse.reason) == ("warm", "full_match")
+        assert pinned.explain_context().pinned
+
+
+def test_an_idle_context_past_its_keep_alive_moves_to_the_ram_tier() -> None:
+    with _memory(sequences=4) as engine:
+        s = engine.open_session(OpenSessionRequest(path="m", keep_alive_seconds=0.5))
+        s.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert s.explain_context().context_id
+        assert _wait(lambda: not any(c.tier == "kv" for c in engine.status().models[0].contexts), 10)
+        back = s.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert back.reuse.reason == "restored_from_ram"
+
+
+def _wait(predicate: Any, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# --- restarts of the daemon --------------------------------------------------------------------
+
+
+def _serve(data: Path, sock: Path) -> Any:
+    proc = start_serve(data, sock, backend="llama")
+    wait_serving(data, proc.pid)
+    return proc
+
+
+def _warm_three(sock: Path, model: str) -> list[int]:
+    client = rc.connect(f"unix:{sock}")
+    sizes = []
+    for text in WORKSPACES:
+        session = client.open_session(_request(model))
+        st = session.ensure_prefix(PrefixInput(text=text * 5))  # over 512 tokens: written at once
+        sizes.append(st.prefix_tokens)
+        session.close()
+    client.close()
+    return sizes
+
+
+def _first_turns(sock: Path, model: str) -> list[Any]:
+    client = rc.connect(f"unix:{sock}")
+    out = []
+    for text in WORKSPACES:
+        session = client.open_session(_request(model))
+        out.append(session.ensure_prefix(PrefixInput(text=text * 5)))
+        session.close()
+    client.close()
+    return out
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_warm_contexts_come_back_from_disk_after_a_restart(
+    tmp_path: Path, tiny: str, how: signal.Signals
+) -> None:
+    data, sock = tmp_path / "data", tmp_path / "d.sock"
+    proc = _serve(data, sock)
+    try:
+        sizes = _warm_three(sock, tiny)
+        if how == signal.SIGKILL:  # only what was fully written may be used
+            assert _wait(lambda: len(list((data / "kv").glob(f"*{SUFFIX}"))) >= 3, 30)
+        stop(proc, how)
+        proc = _serve(data, sock)
+        turns = _first_turns(sock, tiny)
+        for st, size in zip(turns, sizes, strict=True):
+            assert (st.reuse.outcome, st.reuse.reason, st.reuse.tier) == (
+                "warm",
+                "restored_from_disk",
+                "disk",
+            )
+            assert st.reused_tokens == size
+    finally:
+        stop(proc, signal.SIGKILL)
+    assert not list((data / "kv").glob(".*.tmp"))
+
+
+# --- bad snapshot files ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def persisted(tmp_path: Path, tiny: str) -> tuple[Path, str, int]:
+    """A data directory holding the disk snapshot of one tiny-model prefix."""
+    data = tmp_path / "data"
+    with Engine(backends=("llama",), data_dir=data, residency=Residency(persist_min_tokens=8)) as engine:
+        s = engine.open_session(_request(tiny))
+        size = s.ensure_prefix(PrefixInput(text=WORKSPACES[1])).prefix_tokens
+    return data, tiny, size
+
+
+def _first_turn(data: Path, tiny: str, text: str = WORKSPACES[1]) -> tuple[Any, Engine]:
+    engine = Engine(backends=("llama",), data_dir=data)
+    session = engine.open_session(_request(tiny))
+    return session.ensure_prefix(PrefixInput(text=text)), engine
+
+
+def _only_file(data: Path) -> Path:
+    files = list((data / "kv").glob(f"*{SUFFIX}"))
+    assert len(files) == 1, files
+    return files[0]
+
+
+@pytest.mark.llama
+def test_a_good_snapshot_is_restored(persisted: tuple[Path, str, int]) -> None:
+    data, tiny, size = persisted
+    st, engine = _first_turn(data, tiny)
+    engine.shutdown()
+    assert (st.reuse.reason, st.reused_tokens) == ("restored_from_disk", size)
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize(
+    ("damage", "words"),
+    [
+        ("flip_payload", "checksum"),
+        ("truncate", "truncated"),
+        ("version", "format version"),
+        ("rename", "does not match its contents"),
+    ],
+)
+def test_a_damaged_snapshot_is_removed_never_loaded(
+    persisted: tuple[Path, str, int], damage: str, words: str
+) -> None:
+    data, tiny, size = persisted
+    path = _only_file(data)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        raw[-10] ^= 0xFF
+        path.write_bytes(raw)
+    elif damage == "truncate":
+        path.write_bytes(raw[: len(raw) - 100])
+    elif damage == "version":
+        raw[8:10] = (FORMAT_VERSION + 1).to_bytes(2, "little")
+        path.write_bytes(raw)
+    else:  # a file whose name claims other contents (foreign, or renamed by hand)
+        path.rename(path.with_name("0" * 16 + path.name[16:]))
+    st, engine = _first_turn(data, tiny)
+    try:
+        assert st.reuse.outcome == "cold"
+        assert st.prefilled_tokens == size
+        if damage == "flip_payload":  # found when it is used: the turn says why it was cold
+            assert st.reuse.reason == "snapshot_rejected" and words in st.reuse.message
+        tiers = engine.status().tiers
+        assert tiers is not None and tiers.rejected == 1
+        assert any(words in r for r in tiers.recent_rejections), tiers.recent_rejections
+    finally:
+        engine.shutdown()
+    # The damaged file is gone (the cold turn wrote a good one of its own, when it could).
+    for p in (data / "kv").iterdir():
+        assert p.read_bytes() != bytes(raw)
+
+
+@pytest.mark.llama
+def test_a_snapshot_the_engine_refuses_falls_back_to_a_full_prefill(persisted: tuple[Path, str, int]) -> None:
+    """A file whose checksums hold but whose payload llama.cpp cannot load (as a snapshot written by
+    a broken engine): llama.cpp empties the sequence, the snapshot is removed, the turn prefills."""
+    data, tiny, size = persisted
+    path = _only_file(data)
+    from modeld.cache.snapfile import read_header
+
+    header, tokens = read_header(path)
+    path.unlink()
+    key = entry_key(header.model_digest, header.identity, header.snapshot_format, tokens)
+    write_atomic(
+        data / "kv" / f"{key}{SUFFIX}",
+        model_digest=header.model_digest,
+        identity=header.identity,
+        snapshot_format=header.snapshot_format,
+        tokens=tokens,
+        prefix_tokens=header.prefix_tokens,
+        payload=b"\x00" * header.payload_bytes,
+    )
+    st, engine = _first_turn(data, tiny)
+    try:
+        assert (st.reuse.outcome, st.reuse.reason) == ("cold", "snapshot_rejected")
+        assert "refused" in st.reuse.message
+        assert st.prefilled_tokens == size
+        again = engine.open_session(_request(tiny)).ensure_prefix(PrefixInput(text=WORKSPACES[1]))
+        assert again.reuse.outcome == "warm"  # the engine is fine afterwards
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.llama
+def test_an_unusable_disk_turns_the_disk_tier_off_and_serving_goes_on(tmp_path: Path, tiny: str) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "kv").write_text("not a directory\n")  # as a broken mount or a stray file would
+    with Engine(backends=("llama",), data_dir=data, residency=Residency(persist_min_tokens=8)) as engine:
+        tiers = engine.status().tiers
+        assert tiers is not None and tiers.disk_off_reason
+        s = engine.open_session(_request(tiny))
+        assert s.ensure_prefix(PrefixInput(text=WORKSPACES[0])).reuse.outcome == "cold"
+        assert s.ensure_prefix(PrefixInput(text=WORKSPACES[0])).reuse.outcome == "warm"
+
+
+@pytest.mark.llama
+def test_a_disk_that_fails_while_writing_turns_the_tier_off(tmp_path: Path, tiny: str) -> None:
+    data = tmp_path / "data"
+    with Engine(backends=("llama",), data_dir=data, residency=Residency(persist_min_tokens=8)) as engine:
+        kv = data / "kv"
+        shutil.rmtree(kv)
+        kv.write_text("the disk went away\n")
+        s = engine.open_session(_request(tiny))
+        s.ensure_prefix(PrefixInput(text=WORKSPACES[2]))
+        assert _wait(lambda: bool(engine.status().tiers.disk_off_reason), 10)  # type: ignore[union-attr]
+        assert s.ensure_prefix(PrefixInput(text=WORKSPACES[2])).reuse.outcome == "warm"
+
+
+@pytest.mark.llama
+def test_a_full_disk_turns_the_disk_tier_off_and_the_daemon_serves_on(tmp_path: Path, tiny: str) -> None:
+    """A real write failure (the file size limit of the daemon's process: EFBIG, as a full disk
+    gives ENOSPC): the tier turns itself off with one log line, and turns stay warm."""
+    import resource
+    import subprocess
+
+    from daemon_proc import MODELD
+
+    data, sock = tmp_path / "data", tmp_path / "d.sock"
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    proc = subprocess.Popen(
+        [MODELD, "--data-dir", str(data), "serve", "--backend", "llama", "--listen", f"unix:{sock}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=limit,
+    )
+    try:
+        wait_serving(data, proc.pid)
+        client = rc.connect(f"unix:{sock}")
+        session = client.open_session(_request(tiny))
+        first = session.ensure_prefix(PrefixInput(text=WORKSPACES[0] * 5))
+        assert _wait(lambda: bool(client.status().tiers.disk_off_reason), 20)  # type: ignore[union-attr]
+        again = session.ensure_prefix(PrefixInput(text=WORKSPACES[0] * 5))
+        assert (again.reuse.outcome, again.reused_tokens) == ("warm", first.prefix_tokens)
+        client.close()
+    finally:
+        _, err = stop(proc, signal.SIGTERM)
+    assert err.count("the disk tier is off") == 1
+    assert "File too large" in err
+
+
+# --- model residency ------------------------------------------------------------------------------
+
+
+@pytest.mark.llama
+def test_an_idle_model_is_unloaded_beyond_the_budget_and_its_contexts_come_back(
+    tmp_path: Path, tiny: str
+) -> None:
+    other = tmp_path / "other.gguf"
+    shutil.copyfile(testmodels.ensure_model(replace(testmodels.TINY, seed=77)), other)
+    data = tmp_path / "data"
+    with Engine(backends=("llama",), data_dir=data) as probe:
+        cost = max(probe.describe(_request(tiny)).weights_bytes, 1)
+    residency = Residency(memory_budget_bytes=(256 << 20) + 3 * cost + 2048 * 1024, persist_min_tokens=8)
+    with Engine(backends=("llama",), data_dir=data, residency=residency) as engine:
+        a = engine.open_session(_request(tiny))
+        size = a.ensure_prefix(PrefixInput(text=WORKSPACES[0])).prefix_tokens
+        a.close()
+        b = engine.open_session(_request(str(other)))  # needs the room: the idle model goes
+        b.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert [m.path for m in engine.status().models] == [str(other)]
+        b.close()
+        c = engine.open_session(_request(tiny))
+        back = c.ensure_prefix(PrefixInput(text=WORKSPACES[0]))
+        assert (back.reuse.reason, back.reused_tokens) in {
+            ("restored_from_disk", size),
+            ("restored_from_ram", size),
+        }
