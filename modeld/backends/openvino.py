@@ -36,7 +36,14 @@ from modeld.backends.base import LoadOptions, ModelRuntime
 from modeld.backends.gguf_meta import KV_TYPE_BYTES, read_gguf
 from modeld.backends.probe import open_model_file, probe_model_path
 from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
-from modeld.contract import CONSTRAINT_KINDS, Capabilities, Config, ModelInfo, OpenSessionRequest, SpecialToken
+from modeld.contract import (
+    CONSTRAINT_KINDS,
+    Capabilities,
+    Config,
+    ModelInfo,
+    OpenSessionRequest,
+    SpecialToken,
+)
 from modeld.decoding.tools import detect_format
 from modeld.errors import InvalidArgumentError, ModelLoadError, UnsupportedError, error_from_reason
 from modeld.manifest import bytes_hash
