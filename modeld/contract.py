@@ -440,11 +440,15 @@ class ToolCallDelta:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """A generated token's log-probability, and the most likely alternatives (``top``)."""
+    """A generated token's log-probability, and the most likely alternatives (``top``).
+
+    ``text`` is the token's bytes as UTF-8, or ``bytes:\\xNN...`` for a token that is not
+    whole UTF-8 on its own (OpenAI's convention); filled by the daemon."""
 
     token: int
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    text: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,6 +457,7 @@ class TopLogprob:
 
     token: int
     logprob: float
+    text: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -539,3 +539,17 @@ def test_a_cancelled_decode_keeps_its_reason_and_its_text() -> None:
     final = out.finish("canceled")
     assert final.finish_reason == "canceled"
     assert shown + final.text == 'Looking.\n<tool_call>\n{"name": "read_file", "argu'
+
+
+def test_calls_written_back_in_each_format_parse_to_the_same_calls() -> None:
+    from modeld.contract import ToolCall
+    from modeld.decoding.tools import format_calls
+
+    calls = [ToolCall("call_1", "read_file", '{"path": "a.py"}'), ToolCall("call_2", "grep", '{"q": [1, 2]}')]
+    for fmt in ("hermes", "llama3", "mistral"):
+        parser = make_parser(fmt)
+        assert parser is not None
+        shown = parser.feed(format_calls(fmt, calls)).text + parser.finish().text
+        assert shown.strip() == "", fmt  # all of it is calls, nothing is content
+        assert [(c.name, c.arguments) for c in parser.calls] == [(c.name, c.arguments) for c in calls], fmt
+    assert format_calls("hermes", []) == ""

@@ -303,8 +303,8 @@ def special_tokens(h: Header, tokens: list[bytes]) -> tuple[tuple[int, str, str]
             kinds.setdefault(int(value.scalar), kind)
     types = h.integers("tokenizer.ggml.token_type") if "tokenizer.ggml.token_type" in h.kvs else None
     ids = set(kinds)
-    for token, kind in enumerate(types or []):
-        if kind == _CONTROL and token < len(tokens):
+    for token, token_type in enumerate(types or []):
+        if token_type == _CONTROL and token < len(tokens):
             ids.add(token)
             if len(ids) >= MAX_SPECIAL_TOKENS:
                 break

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from modeld.contract import Constraint
+from modeld.contract import Constraint, ToolCall
 from modeld.decoding.gbnf import gbnf_literal
 from modeld.decoding.schema import JSON_PRIMITIVES, schema_to_gbnf
 from modeld.errors import InvalidArgumentError, UnsupportedError
@@ -41,6 +42,7 @@ __all__ = [
     "ToolSpec",
     "detect_format",
     "forced_call_constraint",
+    "format_calls",
     "parse_tools",
 ]
 
@@ -144,3 +146,22 @@ def forced_call_constraint(tools: list[ToolSpec], choice: str, fmt: str) -> Cons
     else:
         root = f"root ::= {call}"
     return Constraint("grammar", "\n".join([root, *lines]) + "\n" + JSON_PRIMITIVES)
+
+
+def format_calls(fmt: str, calls: Sequence[ToolCall]) -> str:
+    """The text a model of format ``fmt`` writes for ``calls`` (``arguments`` is JSON text), as
+    the parsers read it: for putting calls a client sends back into a history. The model's own
+    text of a call may differ in spacing; the exact text is ``StreamChunk.tool_text``."""
+    if not calls:
+        return ""
+    args_key = "parameters" if fmt == "llama3" else "arguments"
+    bodies = [
+        f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "{args_key}": {c.arguments}'
+        + (f', "id": {json.dumps(c.id, ensure_ascii=False)}}}' if fmt == "mistral" and c.id else "}")
+        for c in calls
+    ]
+    if fmt == "llama3":
+        return "; ".join(bodies)
+    if fmt == "mistral":
+        return "[TOOL_CALLS][" + ", ".join(bodies) + "]"
+    return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -165,7 +166,7 @@ class EngineDecodeStream:
             self._emitted.append(token)
             self._pending.append(token)
             if i < len(logprobs):
-                self._pending_logprobs.append(logprobs[i])
+                self._pending_logprobs.append(self._named(logprobs[i]))
             text = self._assembler.feed(self._run.vocab.piece(token))
             if text:
                 step = self._processor.feed(text)
@@ -189,6 +190,12 @@ class EngineDecodeStream:
             self._pending, self._pending_logprobs, self._deltas = [], [], []
             return chunk
         return None
+
+    def _named(self, lp: TokenLogprob) -> TokenLogprob:
+        """The worker's log-probabilities with each token's text (the daemon has the vocabulary)."""
+        piece = self._run.vocab.piece
+        top = tuple(replace(t, text=piece_text(piece(t.token))) for t in lp.top)
+        return replace(lp, text=piece_text(piece(lp.token)), top=top)
 
     def _stop(self, finish: str, error: ErrorDetail | None = None) -> None:
         if self._finish is None:
@@ -268,6 +275,15 @@ class EngineDecodeStream:
     def __del__(self) -> None:
         if not self._done:
             self._run.call.cancel()
+
+
+def piece_text(piece: bytes) -> str:
+    """A token's bytes as text: UTF-8, or ``bytes:\\xNN...`` when not whole UTF-8 (OpenAI's
+    convention for log-probabilities)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
 def _detail(exc: ModeldError) -> ErrorDetail:

@@ -500,22 +500,26 @@ class ToolCallDelta(_message.Message):
     def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
-    __slots__ = ("token", "logprob")
+    __slots__ = ("token", "logprob", "text")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     token: int
     logprob: float
-    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+    text: str
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token", "logprob", "top")
+    __slots__ = ("token", "logprob", "top", "text")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
     token: int
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    text: str
+    def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class StreamChunk(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "error", "tool_call_deltas", "tool_calls", "signal", "logprobs", "tool_text")

@@ -424,7 +424,8 @@ def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
             pb.TokenLogprob(
                 token=lp.token,
                 logprob=lp.logprob,
-                top=[pb.TopLogprob(token=t.token, logprob=t.logprob) for t in lp.top],
+                top=[pb.TopLogprob(token=t.token, logprob=t.logprob, text=t.text) for t in lp.top],
+                text=lp.text,
             )
         )
     return msg
@@ -444,7 +445,9 @@ def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
         tool_calls=tuple(_from_pb(c, ToolCall) for c in msg.tool_calls),
         signal=_from_pb(msg.signal, ToolCall) if msg.HasField("signal") else None,
         logprobs=tuple(
-            TokenLogprob(lp.token, lp.logprob, tuple(TopLogprob(t.token, t.logprob) for t in lp.top))
+            TokenLogprob(
+                lp.token, lp.logprob, tuple(TopLogprob(t.token, t.logprob, t.text) for t in lp.top), lp.text
+            )
             for lp in msg.logprobs
         ),
     )
