@@ -1,14 +1,17 @@
-"""``python -m bench.constraints``: what constrained decoding costs on llama.cpp.
+"""``python -m bench.constraints``: what constrained decoding costs, through the real daemon.
 
-Measures, on the realistic generated model (``--quick``: the tiny one):
+Runs ``modeld serve --backend llama`` on the realistic generated model (``--quick``: the tiny
+one) and ``runtime_client`` over its unix socket, and measures:
 
-* compile time of a typical tool-call JSON schema: our GBNF conversion + parse (cold, then
-  cached), llguidance's grammar and matcher construction, and llama.cpp's grammar parser;
-* decode speed with and without a constraint, in the decode loop the llama backend runs
-  (evaluate one token, read the logits, mask them, argmax, accept, plus the engine-side
-  output processing), for the llguidance mask and for llama.cpp's grammar sampler. Each run
-  decodes the same number of tokens; runs alternate to spread the machine's noise, and the
-  report gives medians and ranges.
+* **compile**: the daemon's schema -> GBNF -> parsed grammar step in process (cold: a new
+  digest each time; cached); then, end to end, the first constrained decode of the model (it
+  also builds llguidance's view of the vocabulary, once per model), and the time to first
+  token of a decode with a schema never seen before against the same decode with a schema
+  already compiled (the difference is the whole compile: daemon, worker parse, llguidance
+  grammar and matcher);
+* **decode speed**: tok/s of a decode under a typical tool-call JSON schema against a free
+  decode of the same number of tokens on the same context, server-side (``Usage.decode_ms``:
+  first to last token). Runs alternate to spread the machine's noise; medians and ranges.
 
 Timing is printed, never asserted. The machine is shared: compare ratios, not absolutes.
 """
@@ -16,14 +19,14 @@ Timing is printed, never asserted. The machine is shared: compare ratios, not ab
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
+import runtime_client as rc
+from bench.systems import ModeldSystem
 
 TOOL_SCHEMA = {
     "type": "object",
@@ -46,11 +49,13 @@ TOOL_SCHEMA = {
     "required": ["name", "arguments"],
     "additionalProperties": False,
 }
+PROMPT = "def main():\n    # decide which tool to call next, as JSON\n    result = "
 
 
-def _stats(values: list[float]) -> str:
+def _stats(values: list[float], digits: int = 3) -> str:
     return (
-        f"median {statistics.median(values):.3f} (range {min(values):.3f}-{max(values):.3f}, n={len(values)})"
+        f"median {statistics.median(values):.{digits}f} "
+        f"(range {min(values):.{digits}f}-{max(values):.{digits}f}, n={len(values)})"
     )
 
 
@@ -63,121 +68,88 @@ def _timed(fn: Callable[[], Any], n: int) -> list[float]:
     return out
 
 
+def _decode(session: rc.ClientSession, config: rc.DecodeConfig) -> tuple[float, rc.StreamChunk]:
+    """(seconds to the first chunk, the final chunk) of one decode on the fresh prompt."""
+    session.ensure_prefix(rc.PrefixInput(text=PROMPT))  # drops the last answer, keeps the prompt
+    t0 = time.perf_counter()
+    first = 0.0
+    final = None
+    with session.decode(config) as stream:
+        for chunk in stream:
+            if not first:
+                first = time.perf_counter() - t0
+            final = chunk
+    assert final is not None
+    assert final.usage is not None
+    return first, final
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the tiny model, fewer runs")
     parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
 
-    import llama_cpp as L  # noqa: N812 - a short name for a linear script
-    import llguidance
-
-    from modeld.backends.llama_constraints import LlamaConstraints
-    from modeld.contract import Constraint, DecodeConfig
     from modeld.decoding import constraints as dc
-    from modeld.decoding.output import OutputProcessor, plan_decode
     from modeld.testmodels import REALISTIC, TINY, ensure_model
 
     spec = TINY if args.quick else REALISTIC
-    path = str(ensure_model(spec))
-    L.llama_backend_init()
-    model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
-    params = L.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.no_perf = 2048, 512, 512, True
-    ctx = L.llama_init_from_model(model, params)
-    vocab = L.llama_model_get_vocab(model)
-    n_vocab = L.llama_vocab_n_tokens(vocab)
-    mem = L.llama_get_memory(ctx)
-    schema_text = json.dumps(TOOL_SCHEMA)
-    print(
-        f"model {spec.name}: vocab {n_vocab}; llguidance {llguidance.__version__}, llama-cpp-python {L.__version__}"
-    )
+    runs = 2 if args.quick else args.runs
+    schema = json.dumps(TOOL_SCHEMA)
 
-    # --- compile ------------------------------------------------------------------------------
-    cold: list[float] = []
+    # --- compile, in process ---------------------------------------------------------------------
+    cold = []
     for i in range(20):
         variant = json.dumps({**TOOL_SCHEMA, "title": f"v{i}"})  # a new digest each time: no cache hit
         t0 = time.perf_counter()
-        dc.compile_constraint(Constraint("json_schema", variant))
+        dc.compile_constraint(rc.Constraint("json_schema", variant))
         cold.append((time.perf_counter() - t0) * 1e3)
-    compiled = dc.compile_constraint(Constraint("json_schema", schema_text))
-    cached = _timed(lambda: dc.compile_constraint(Constraint("json_schema", schema_text)), 200)
-    lark = llguidance.grammar_from("gbnf", compiled.gbnf)
-    t0 = time.perf_counter()
-    constraints = LlamaConstraints(vocab, n_vocab)
-    constraints._lltokenizer()
-    tokenizer_ms = (time.perf_counter() - t0) * 1e3
-    to_lark = _timed(lambda: llguidance.grammar_from("gbnf", compiled.gbnf), 20)
-    matcher = _timed(lambda: llguidance.LLMatcher(constraints._lltokenizer(), lark, log_level=0), 20)
-    start = _timed(lambda: constraints.start(compiled), 20)
-    grammar_init = _timed(
-        lambda: L.llama_sampler_free(L.llama_sampler_init_grammar(vocab, compiled.gbnf.encode(), b"root")), 20
-    )
-    print("compile (ms):")
-    print(f"  schema -> GBNF -> parsed grammar, cold     {_stats(cold)}")
-    print(f"  the same, cached by digest                 {_stats(cached)}")
-    print(f"  llguidance: GBNF -> lark                   {_stats(to_lark)}")
-    print(f"  llguidance: matcher from lark              {_stats(matcher)}")
-    print(f"  a decode's constraint start (cached lark)  {_stats(start)}")
-    print(f"  llama.cpp grammar sampler init             {_stats(grammar_init)}")
-    print(f"  llguidance tokenizer for the model, once   {tokenizer_ms:.1f}")
+    cached = _timed(lambda: dc.compile_constraint(rc.Constraint("json_schema", schema)), 200)
+    print(f"model {spec.name}")
+    print("compile in the daemon's process (ms):")
+    print(f"  schema -> GBNF -> parsed grammar, cold   {_stats(cold)}")
+    print(f"  the same, cached by digest               {_stats(cached)}")
 
-    # --- decode -------------------------------------------------------------------------------
-    prompt_text = "def main():\n    # decide which tool to call next\n    result = "
-    buf = (L.llama_token * 256)()
-    n = L.llama_tokenize(vocab, prompt_text.encode(), len(prompt_text.encode()), buf, 256, True, True)
-    prompt = list(buf[:n])
-    piece_buf = ctypes.create_string_buffer(256)
-
-    def evaluate(tokens: list[int]) -> None:
-        arr = (L.llama_token * len(tokens))(*tokens)
-        assert L.llama_decode(ctx, L.llama_batch_get_one(arr, len(tokens))) == 0
-
-    def run(engine: str | None, count: int) -> tuple[int, float]:
-        L.llama_memory_clear(mem, True)
-        evaluate(prompt)
-        tc = LlamaConstraints(vocab, n_vocab, engine=engine).start(compiled) if engine else None
-        config = DecodeConfig(constraint=Constraint("json_schema", schema_text) if engine else None)
-        processor = OutputProcessor(config, plan_decode(config))
-        made = 0
-        t0 = time.perf_counter()
-        while made < count:
-            logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
-            if tc is not None:
-                tc.apply(logits)
-            token = int(np.argmax(logits))
-            if tc is not None:
-                tc.accept(token)
-            made += 1
-            if L.llama_vocab_is_eog(vocab, token):
-                break
-            size = L.llama_token_to_piece(vocab, token, piece_buf, 256, 0, True)
-            processor.feed(piece_buf.raw[:size].decode("utf-8", errors="replace"))
-            evaluate([token])
-        elapsed = time.perf_counter() - t0
-        if tc is not None:
-            tc.close()
-        return made, made / elapsed
-
-    target, _ = run("llguidance", 1000)  # how long the constrained answer is (then EOS)
-    count = min(args.tokens, target)
-    speeds: dict[str, list[float]] = {"free": [], "llguidance": [], "grammar": []}
-    for _ in range(2 if args.quick else args.runs):
-        for mode in speeds:
-            made, tps = run(None if mode == "free" else mode, count)
-            assert made == count or mode == "free", (mode, made, count)
-            speeds[mode].append(tps)
-    free = statistics.median(speeds["free"])
-    print(f"decode ({count} tokens per run, tok/s):")
-    for mode, values in speeds.items():
-        ratios = [v / f for v, f in zip(values, speeds["free"], strict=True)]
+    system = ModeldSystem(str(ensure_model(spec)), 4096)
+    try:
+        session = system._session("bench")
+        constrained = rc.DecodeConfig(max_tokens=400, constraint=rc.Constraint("json_schema", schema))
+        _decode(session, rc.DecodeConfig(max_tokens=4))  # load the model, prefill the prompt
+        first_ever, final = _decode(session, constrained)
+        count = final.usage.completion_tokens if final.usage else 0
+        print(f"through the daemon (the constrained answer is {count} tokens, finish {final.finish_reason}):")
         print(
-            f"  {mode:11s} {_stats(values)}  ratio to free: median {statistics.median(values) / free:.2f} "
-            f"(per-run {min(ratios):.2f}-{max(ratios):.2f})"
+            f"  first constrained decode of the model, TTFT s   {first_ever:.3f} (builds the vocabulary view)"
         )
-    L.llama_free(ctx)
-    L.llama_model_free(model)
+        new, again = [], []
+        for i in range(runs * 2):
+            variant = rc.Constraint("json_schema", json.dumps({**TOOL_SCHEMA, "title": f"daemon{i}"}))
+            new.append(_decode(session, rc.DecodeConfig(max_tokens=4, constraint=variant))[0] * 1e3)
+            again.append(_decode(session, rc.DecodeConfig(max_tokens=4, constraint=variant))[0] * 1e3)
+        print(f"  TTFT ms, a schema never seen                     {_stats(new, 1)}")
+        print(f"  TTFT ms, the same schema again (cached)          {_stats(again, 1)}")
+        deltas = [n - a for n, a in zip(new, again, strict=True)]
+        print(f"  compile end to end (difference, ms)              {_stats(deltas, 1)}")
+
+        speeds: dict[str, list[float]] = {"free": [], "json_schema": []}
+        for _ in range(runs):
+            for mode in speeds:
+                config = constrained if mode == "json_schema" else rc.DecodeConfig(max_tokens=count)
+                _, final = _decode(session, config)
+                usage = final.usage
+                assert usage is not None
+                assert usage.completion_tokens == count, (mode, usage)
+                speeds[mode].append((count - 1) / (usage.decode_ms / 1000.0))
+        free = speeds["free"]
+        print(f"decode ({count} tokens per run, server-side tok/s):")
+        for mode, values in speeds.items():
+            ratios = [v / f for v, f in zip(values, free, strict=True)]
+            print(
+                f"  {mode:11s} {_stats(values, 1)}  ratio to free: median {statistics.median(ratios):.2f} "
+                f"(per run {min(ratios):.2f}-{max(ratios):.2f})"
+            )
+    finally:
+        system.close()
 
 
 if __name__ == "__main__":

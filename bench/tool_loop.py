@@ -1,13 +1,13 @@
 """``python -m bench.tool_loop``: a tool loop's per-round time to first token, warm vs cold.
 
-Runs :func:`runtime_client.run_tools` on the in-process engine (llama backend, realistic model;
-``--quick``: tiny) with a forced first call, a long system prompt and a growing history, and
-times each round's ``ensure_prefix + prefill_suffix + first chunk``. Then, for each round's
-context, a cold re-prefill: the KV is cleared (an unrelated prefix first) and the same context
-is prefilled from scratch. Needs the decode-loop integration of ``modeld.decoding``
-(``blueprints/0018``): without it the engine refuses the forced call and this says so.
+Runs :func:`runtime_client.run_tools` against a real ``modeld serve --backend llama`` on the
+realistic generated model (``--quick``: tiny), with a forced call every round, a long system
+prompt and a growing history, and times each round's ``ensure_prefix + prefill_suffix + first
+chunk`` (client-observed). Then each round's context is prefilled cold: in a fresh daemon with
+an empty data directory (so no warm context, RAM or disk tier can serve it), after an
+unrelated prefix has loaded the model, the same prefix and suffix and the first chunk.
 
-Timing is printed, never asserted.
+Timing is printed, never asserted. The machine is shared: compare ratios, not absolutes.
 """
 
 from __future__ import annotations
@@ -17,11 +17,9 @@ import json
 import statistics
 import time
 
-from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput
-from modeld.engine import Engine
-from modeld.errors import UnsupportedError
-from runtime_client import ContextBuilder
-from runtime_client.tools import run_tools
+import runtime_client as rc
+from bench.systems import ModeldSystem
+from runtime_client import BuiltContext, ContextBuilder, run_tools
 
 TOOLS = [
     {
@@ -38,58 +36,86 @@ TOOLS = [
         },
     }
 ]
+N_CTX = 8192
+
+
+def _cold(model: str, context: BuiltContext, runs: int) -> list[float]:
+    """Seconds to the first chunk of ``context`` prefilled from nothing, once per fresh daemon."""
+    out = []
+    for _ in range(runs):
+        system = ModeldSystem(model, N_CTX)
+        try:
+            session = system.client.open_session(
+                rc.OpenSessionRequest(
+                    type="llama", path=model, config=rc.Config(num_ctx=N_CTX, prompt_format="chat")
+                )
+            )
+            session.ensure_prefix(rc.PrefixInput(text="unrelated\n"))  # loads the model
+            t0 = time.perf_counter()
+            session.ensure_prefix(context.prefix_input())
+            session.prefill_suffix(context.suffix_input())
+            with session.decode(rc.DecodeConfig(max_tokens=1)) as stream:
+                next(iter(stream))
+            out.append(time.perf_counter() - t0)
+            session.close()
+        finally:
+            system.close()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--cold-runs", type=int, default=2)
     args = parser.parse_args()
     from modeld.testmodels import REALISTIC, TINY, ensure_model
 
-    path = str(ensure_model(TINY if args.quick else REALISTIC))
-    engine = Engine(backends=("llama",))
-    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192, prompt_format="chat"))
-    system = "You are a coding agent working in a large repository.\n" + "".join(
+    model = str(ensure_model(TINY if args.quick else REALISTIC))
+    system_prompt = "You are a coding agent working in a large repository.\n" + "".join(
         f"Rule {i}: keep functions small, name things plainly, and test every change.\n" for i in range(60)
     )
     result_text = "def main():\n    config = load_config('app.toml')\n    return run(config)\n" * 4
+    daemon = ModeldSystem(model, N_CTX)
     try:
-        with engine.open_session(request) as session:
-            builder = ContextBuilder(identity=session.identity, tools_json=json.dumps(TOOLS))
-            builder.system(system).user_turn("Why does main() crash on startup?")
-            forced = DecodeConfig(max_tokens=64, tool_choice="required")
-            try:
-                result = run_tools(
-                    session,
-                    builder,
-                    lambda call: result_text,
-                    forced,
-                    after_first=forced,
-                    max_tool_iterations=args.rounds,
-                )
-            except UnsupportedError as exc:
-                print(f"the engine does not enforce tool_choice yet: {exc}")
-                return
-            print("round  prompt  reused  prefilled  warm TTFT s  cold TTFT s (median of 2)")
-            for i, rnd in enumerate(result.rounds):
-                assert rnd.context is not None
-                colds = []
-                for _ in range(2):
-                    session.ensure_prefix(PrefixInput(text="unrelated\n"))  # the KV now holds something else
-                    t0 = time.perf_counter()
-                    session.ensure_prefix(rnd.context.prefix_input())
-                    session.prefill_suffix(rnd.context.suffix_input())
-                    with session.decode(DecodeConfig(max_tokens=1)) as stream:
-                        next(iter(stream))
-                    colds.append(time.perf_counter() - t0)
-                prompt = rnd.usage.prompt_tokens if rnd.usage else 0
-                print(
-                    f"{i + 1:5d}  {prompt:6d}  {rnd.prefix.reused_tokens:6d}  {rnd.prefix.prefilled_tokens:9d}"
-                    f"  {rnd.first_chunk_seconds:11.3f}  {statistics.median(colds):11.3f}"
-                )
+        session = daemon.client.open_session(
+            rc.OpenSessionRequest(
+                type="llama", path=model, config=rc.Config(num_ctx=N_CTX, prompt_format="chat")
+            )
+        )
+        builder = ContextBuilder(identity=session.identity, tools_json=json.dumps(TOOLS))
+        builder.system(system_prompt).user_turn("Why does main() crash on startup?")
+        forced = rc.DecodeConfig(max_tokens=64, tool_choice="required")
+        result = run_tools(
+            session,
+            builder,
+            lambda call: result_text,
+            forced,
+            after_first=forced,
+            max_tool_iterations=args.rounds,
+        )
+        session.close()
     finally:
-        engine.shutdown()
+        daemon.close()
+    print("round  prompt  reused  prefilled  warm TTFT s  cold TTFT s (each in a fresh daemon)")
+    warm, cold = [], []
+    for i, rnd in enumerate(result.rounds):
+        assert rnd.context is not None
+        colds = _cold(model, rnd.context, args.cold_runs)
+        prompt = rnd.usage.prompt_tokens if rnd.usage else 0
+        if i:
+            warm.append(rnd.first_chunk_seconds)
+            cold.extend(colds)
+        print(
+            f"{i + 1:5d}  {prompt:6d}  {rnd.prefix.reused_tokens:6d}  {rnd.prefix.prefilled_tokens:9d}"
+            f"  {rnd.first_chunk_seconds:11.3f}  {statistics.median(colds):.3f} ({', '.join(f'{c:.3f}' for c in colds)})"
+        )
+    if warm:
+        print(
+            f"rounds 2+: warm median {statistics.median(warm):.3f} s (range {min(warm):.3f}-{max(warm):.3f}); "
+            f"cold median {statistics.median(cold):.3f} s (range {min(cold):.3f}-{max(cold):.3f}); "
+            f"cold / warm {statistics.median(cold) / statistics.median(warm):.1f}x"
+        )
 
 
 if __name__ == "__main__":
