@@ -97,7 +97,7 @@ def main() -> None:
         session.close()
     finally:
         daemon.close()
-    print("round  prompt  reused  prefilled  warm TTFT s  cold TTFT s (each in a fresh daemon)")
+    print("round  prompt  reused  prefilled  prefill ms  warm TTFT s  cold TTFT s (each in a fresh daemon)")
     warm, cold = [], []
     for i, rnd in enumerate(result.rounds):
         assert rnd.context is not None
@@ -108,7 +108,7 @@ def main() -> None:
             cold.extend(colds)
         print(
             f"{i + 1:5d}  {prompt:6d}  {rnd.prefix.reused_tokens:6d}  {rnd.prefix.prefilled_tokens:9d}"
-            f"  {rnd.first_chunk_seconds:11.3f}  {statistics.median(colds):.3f} ({', '.join(f'{c:.3f}' for c in colds)})"
+            f"  {(rnd.usage.prefill_ms if rnd.usage else 0.0):10.0f}  {rnd.first_chunk_seconds:11.3f}  {statistics.median(colds):.3f} ({', '.join(f'{c:.3f}' for c in colds)})"
         )
     if warm:
         print(
