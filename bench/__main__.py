@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import asdict
@@ -138,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
         "--llama-server", default="", help="the llama-server binary (scripts/build_llama_server.sh)"
     )
     args = parser.parse_args(argv)
+    # Stop cleanly (every system closed by the runner's finally) on SIGTERM, and on SIGINT even
+    # when started in the background (where a shell leaves SIGINT ignored).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     from modeld import testmodels
 

@@ -155,6 +155,9 @@ def _workload(doc: Doc, load: Doc, systems: list[str], plot: str) -> list[str]:
             why = f" ({s['why']})" if s.get("why") else ""
             lines.append(f"- {system}: `{s.get('command', '')}`{why}")
         lines.append("")
+    wall = doc.get("durations", {}).get(name)
+    if wall is not None:
+        lines += [f"Wall time of this workload: {wall / 60:.1f} min (every system, starts included).", ""]
     restarts = doc.get("restarts", {}).get(name)
     if restarts:
         lines += [
