@@ -31,6 +31,7 @@ __all__ = [
     "headline",
     "merge",
     "met",
+    "same_tokens",
     "system_stats",
 ]
 
@@ -96,6 +97,13 @@ def headline(doc: Doc) -> dict[str, dict[str, float | None]]:
             row["restart_over_cold"] = m[first]["ttft_s"] / cold if first in m and cold else None
         out[name] = row
     return out
+
+
+def same_tokens(doc: Doc, workload: str) -> tuple[int, int]:
+    """(turns where modeld's greedy tokens equal the limit's, turns both ran)."""
+    m, lim = by_turn(doc, "modeld", workload), by_turn(doc, "limit", workload)
+    both = [t for t in m if t in lim]
+    return sum(1 for t in both if m[t]["token_ids"] == lim[t]["token_ids"]), len(both)
 
 
 def system_stats(doc: Doc, workload: Doc, system: str) -> dict[str, Any] | None:

@@ -66,11 +66,16 @@ def _headline(docs: list[Doc], merged: dict[str, Any], causes: list[dict[str, st
     lines = [
         "## Headline",
         "",
-        "| workload | " + " | ".join(f"{title} (goal {_goal(key)})" for key, title in COLUMNS) + " |",
-        "|---" * (len(COLUMNS) + 1) + "|",
+        "| workload | "
+        + " | ".join(f"{title} (goal {_goal(key)})" for key, title in COLUMNS)
+        + " | greedy tokens equal to the limit's |",
+        "|---" * (len(COLUMNS) + 2) + "|",
     ]
     for name, row in merged.items():
-        lines.append(f"| {name} | " + " | ".join(_cell(row[key]) for key, _ in COLUMNS) + " |")
+        equal, both = analysis.same_tokens(docs[0], name)
+        lines.append(
+            f"| {name} | " + " | ".join(_cell(row[key]) for key, _ in COLUMNS) + f" | {equal}/{both} |"
+        )
     runs = ", ".join(d["id"] for d in docs)
     lines += [
         "",

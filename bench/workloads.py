@@ -103,6 +103,9 @@ class Workload:
         "decode_over_limit",
     )
     fix: str = ""  # what would fix a loss here (the report quotes it beside a measured cause)
+    # llama-server flags a well-informed user adds for this workload, with the reason
+    llama_server_flags: tuple[str, ...] = ()
+    llama_server_why: str = ""
     n_ctx: int = 0  # per-sequence context: the longest prompt + decode, rounded up
     notes: list[str] = field(default_factory=list)
 
@@ -147,6 +150,7 @@ class Workload:
             "pool_tokens": self.pool_tokens,
             "goals": list(self.goals),
             "fix": self.fix,
+            "llama_server_flags": list(self.llama_server_flags),
             "n_ctx": self.n_ctx,
             "notes": self.notes,
         }
@@ -452,6 +456,12 @@ def make_workloads(tokenize: Tokenize, *, quick: bool, max_tokens: int) -> list[
             sub,
             workspaces=3,
             fix="several warm sequences per model, the shared head stored once (issue 8)",
+            llama_server_flags=("--slot-prompt-similarity", "0.75"),
+            llama_server_why=(
+                "with the default 0.1, every agent's prompt matches the slot last used by any agent "
+                "(the shared head is ~60% of it) and all agents take turns in one slot (measured); "
+                "0.75 keeps each agent in its own slot (llama.cpp #22746)"
+            ),
         )
     )
     conc = [

@@ -6,8 +6,9 @@ a unified KV buffer (``--kv-unified``: every slot may use the whole pool, a shar
 stored once), ``-c`` = slots x the workload's per-sequence context (or the workload's small pool),
 the host-RAM prompt cache (``--cache-ram``), chunk reuse by KV shifting (``--cache-reuse 256``),
 and ``--slot-save-path`` so a restart can save every slot before the stop and restore it after
-the start (``POST /slots/{id}?action=save|restore``). Flash attention off, batch 512 and the
-bench's thread count, as for every other system.
+the start (``POST /slots/{id}?action=save|restore``), plus what a workload declares
+(``Workload.llama_server_flags``: a higher ``--slot-prompt-similarity`` for sub-agents). Flash
+attention off, batch 512 and the bench's thread count, as for every other system.
 
 Its own accounting is read from every response: ``timings.prompt_n`` (tokens prefilled) and
 ``timings.cache_n`` (reused), with ``usage.prompt_tokens_details.cached_tokens``.
@@ -52,6 +53,7 @@ class LlamaServerSystem(HttpServerSystem):
             "-b", "512",
             "-ub", "512",
             "-fa", "off",
+            *load.llama_server_flags,
         ]  # fmt: skip
         cwd = Path(tempfile.mkdtemp(prefix="bls"))
         self.save_dir = cwd / "slots"
@@ -80,6 +82,11 @@ class LlamaServerSystem(HttpServerSystem):
                     f"the workload's KV pool ({load.pool_tokens} tokens)"
                     if load.pool_tokens
                     else f"{self.slots} x {load.n_ctx} (every workspace fits)"
+                )
+                + (
+                    f"; {' '.join(load.llama_server_flags)}: {load.llama_server_why}"
+                    if load.llama_server_flags
+                    else ""
                 )
             ),
         }
