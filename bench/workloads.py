@@ -456,11 +456,14 @@ def make_workloads(tokenize: Tokenize, *, quick: bool, max_tokens: int) -> list[
             sub,
             workspaces=3,
             fix="several warm sequences per model, the shared head stored once (issue 8)",
-            llama_server_flags=("--slot-prompt-similarity", "0.75"),
+            llama_server_flags=("--slot-prompt-similarity", "0.75", "--no-cache-idle-slots"),
             llama_server_why=(
-                "with the default 0.1, every agent's prompt matches the slot last used by any agent "
-                "(the shared head is ~60% of it) and all agents take turns in one slot (measured); "
-                "0.75 keeps each agent in its own slot (llama.cpp #22746)"
+                "measured with the defaults: at similarity 0.1 every agent's prompt matches the slot last used "
+                "by any agent (the shared head is ~60% of it), so the agents took turns in one slot; and "
+                "--cache-idle-slots moves idle slots into the RAM cache, whose entries are swapped out when "
+                "another agent borrows them for the shared head, so an agent lost its own state. 0.75 sends "
+                "each agent back to its own slot and --no-cache-idle-slots keeps the slots resident (the pool "
+                "holds all three; llama.cpp #22746)"
             ),
         )
     )

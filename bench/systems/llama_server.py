@@ -36,7 +36,8 @@ class LlamaServerSystem(HttpServerSystem):
     def __init__(self, binary: str, model: str, load: Workload, threads: int) -> None:
         if not binary or not Path(binary).is_file():
             raise Unsupported(
-                "llama-server is not built (`make bench` builds it: scripts/build_llama_server.sh)"
+                "no llama-server binary given (`make bench` builds one with scripts/build_llama_server.sh; "
+                "`make bench-quick` runs without it unless LLAMA_SERVER=path)"
             )
         self.port = free_port()
         self.slots = load.workspaces
