@@ -9,6 +9,9 @@ Pluggable: when the installed ``modeld serve --help`` has no ``--http``, the sys
 them: ``--model bench=PATH`` (else the request names the model by path), ``--kv-pool-tokens``
 for the small-pool workload, and a context-size flag (``--num-ctx``) for the workload's context.
 A separate daemon (its own data directory) from the gRPC system, so neither warms the other.
+Readiness is ``GET /health``; if the endpoint loads its model on the first request, that time
+counts in the first turn (and in the first turn after a restart), where the gRPC system opens
+its sessions before the clock starts.
 """
 
 from __future__ import annotations
