@@ -204,5 +204,9 @@ def _cold(
             data.results.append(c)
             log(_line(load.name, i, c))
         elif i == 0 and not load.cold_turns and not load.continues:
-            r = next(r for r in reversed(data.results) if r.system == "limit" and r.turn == 0)
+            r = next(
+                r
+                for r in reversed(data.results)
+                if r.system == "limit" and r.workload == load.name and r.turn == 0
+            )
             data.results.append(TurnResult(**{**asdict(r), "system": "cold"}))
