@@ -37,10 +37,17 @@ def serve_help() -> str:
 
 
 def pool_flags(load: Workload, notes: list[str]) -> list[str]:
-    """The KV-pool option for a workload that needs a small pool, if this modeld has one."""
+    """The KV-pool option for a workload that needs a small pool, if this modeld has one.
+
+    modeld's default KV layout gives each warm sequence its own window (blueprint 0016), so a pool
+    of ``pool_tokens`` is ``pool_tokens // n_ctx`` sequences (``--sequences``); ``--kv-pool-tokens``
+    only sizes a unified pool."""
     if not load.pool_tokens:
         return []
-    if "--kv-pool-tokens" in serve_help():
+    help_text = serve_help()
+    if "--sequences" in help_text:
+        return ["--sequences", str(max(1, load.pool_tokens // load.n_ctx))]
+    if "--kv-pool-tokens" in help_text:
         return ["--kv-pool-tokens", str(load.pool_tokens)]
     notes.append(
         f"`modeld serve --help` has no `--kv-pool-tokens`: modeld ran with its default pool "
