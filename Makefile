@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup proto test test-fast lint fmt run bench bench-quick clean
+.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare clean
 
 setup: $(VENV)/.installed
 
@@ -33,13 +33,26 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
-# Benchmarks: every system on the same prompts in one run; report in bench/results/.
+# Benchmarks: every system on the same prompts in one run (~35 minutes on 2 cores, plus ~10 to
+# build llama-server the first time); the report in bench/results/ merges the two newest runs.
+# WORKLOAD=name[,name] runs only those (and what they continue); its report stays in its run dir.
+BENCH_ARGS = $(if $(WORKLOAD),--workload $(WORKLOAD),) $(if $(SYSTEMS),--systems $(SYSTEMS),)
+
 bench: setup
-	$(PY) -m bench
+	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
+	$(PY) -m bench --llama-server "$$LLAMA_SERVER" $(BENCH_ARGS)
 
 # The CI smoke run: tiny model, smaller sizes, fewer turns; fails on errors, never on timing.
+# Without llama-server (CI must stay fast and never build it); to include a built one:
+# make bench-quick LLAMA_SERVER=$(./scripts/build_llama_server.sh --cached-only)
+LLAMA_SERVER ?=
 bench-quick: setup
-	$(PY) -m bench --quick
+	$(PY) -m bench --quick --llama-server "$(LLAMA_SERVER)" $(BENCH_ARGS)
+
+# The newest full run against the committed bench/results/results.json; fails when a ratio got
+# worse beyond its measured run-to-run spread. RUN=path/to/run.json compares another run.
+bench-compare: setup
+	$(PY) -m bench.compare $(if $(RUN),--current $(RUN),)
 
 run: setup
 	$(PY) -m modeld.demo $(if $(BACKEND),--backend $(BACKEND),) $(if $(MODEL),--model $(MODEL),)

@@ -1,41 +1,41 @@
 """``make bench`` / ``make bench-quick``: every system on the same prompts, in one run.
 
 Generates its model with the project's generator (the realistic 0.5B-shaped model; the tiny one
-with ``--quick``), builds the workloads (``bench/workloads.py``), runs each system in turn in
-its own process over every workload, then the daemon-overhead workload on the memory backend,
-and writes ``report.md``, ``results.json`` and ``ttft.png`` (to ``bench/results/`` by default,
-``bench/results/quick/`` with ``--quick``). Timing is never asserted: only errors fail a run.
+with ``--quick``), builds the workloads (``bench/workloads.py``), plays them on every system
+(``bench/runner.py``), measures the daemon's own overhead on the memory backend, and writes the
+run to ``<out>/runs/<id>/run.json``. A full run then rewrites ``<out>/report.md``,
+``results.json`` and the plots from the two newest compatible runs (same machine, model and
+workloads), so two ``make bench`` in a row give a report with the run-to-run spread. A run of
+selected workloads (``--workload``, ``make bench WORKLOAD=name``) writes its report into its run
+directory and leaves the main report alone. Timing is never asserted: only errors fail a run.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import os
 import platform
+import signal
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench.overhead import run_overhead
+from bench import analysis
 from bench.report import write_report
-from bench.systems import DirectSystem, ModeldSystem, PeerSystem, TurnResult
-from bench.workloads import Workload, make_workloads
+from bench.runner import run
+from bench.systems import ALL_SYSTEMS, factories
+from bench.workloads import Workload, make_workloads, workload_names
 
 ROOT = Path(__file__).resolve().parent
-MAX_TOKENS = 32
+MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 
 
-def _reset_peak(pid: int) -> None:
-    """Reset a process's VmHWM so the next reading is this workload's peak (Linux)."""
-    with contextlib.suppress(OSError):
-        Path(f"/proc/{pid}/clear_refs").write_text("5")
-
-
-def _machine() -> dict[str, Any]:
+def _machine(threads: int, llama_server: str) -> dict[str, Any]:
     import grpc
     import llama_cpp
     import psutil
@@ -51,22 +51,26 @@ def _machine() -> dict[str, Any]:
         "llama-cpp-python": llama_cpp.__version__,
         "grpcio": grpc.__version__,
     }
-    with contextlib.suppress(ImportError):
-        import openvino_genai
-
-        versions["openvino-genai"] = openvino_genai.__version__.split("-")[0]
+    server = ""
+    if llama_server:
+        with contextlib.suppress(OSError):
+            info = (Path(llama_server).parent / "BUILD-INFO").read_text().splitlines()
+            server = "; ".join(line for line in info if not line.startswith("llama-server --version: built"))
     return {
         "cpu": cpu,
         "cores": len(os.sched_getaffinity(0)),
+        "threads": threads,
         "memory_gib": round(psutil.virtual_memory().total / (1 << 30), 1),
         "platform": platform.platform(),
         "versions": versions,
+        "engine_system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "llama_server": server,
         "load_average_start": os.getloadavg(),
     }
 
 
-def _token_counter(model: str) -> Any:
-    """Count tokens with the model's own tokenizer (llama.cpp, vocabulary only: no weights)."""
+def _tokenizer(model: str) -> Any:
+    """The model's own tokenizer (llama.cpp, vocabulary only: no weights)."""
     import ctypes
 
     import llama_cpp as lc
@@ -77,74 +81,48 @@ def _token_counter(model: str) -> Any:
     params = lc.llama_model_default_params()
     params.vocab_only = True
     vocab = lc.llama_model_get_vocab(lc.llama_model_load_from_file(model.encode(), params))
-
-    def count(text: str) -> int:
-        return len(tokenize(vocab, text))
-
-    return count
+    return lambda text: tokenize(vocab, text)
 
 
-def _settle(pid: int, timeout: float = 10.0) -> None:
-    """Wait until a process stops using CPU (background work after a reply, spinning threads)."""
-    import psutil
-
-    proc = psutil.Process(pid)
-    deadline = time.monotonic() + timeout
-    previous = sum(proc.cpu_times()[:2])
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        now = sum(proc.cpu_times()[:2])
-        if now - previous < 0.005:  # under 5% of a core over the last 100 ms
-            return
-        previous = now
+def _select(loads: list[Workload], wanted: list[str]) -> list[Workload]:
+    """The named workloads and every workload they continue (run first, in run order)."""
+    by_name = {w.name: w for w in loads}
+    need = set()
+    for name in wanted:
+        while name:
+            need.add(name)
+            name = by_name[name].continues
+    return [w for w in loads if w.name in need]
 
 
-def _run(
-    systems: list[Any], workloads: list[Workload], results: list[TurnResult], rss: dict[str, dict[str, int]]
-) -> None:
-    """Turn-major: each turn runs on every system back to back, so per-turn ratios compare
-    measurements taken seconds apart on a shared machine. Systems never run at the same time:
-    before each turn the previous system must be idle, and the order rotates every turn so no
-    system always follows the same one."""
-    for load in workloads:
-        active = [s for s in systems if s.name not in load.skip]
-        for system in active:
-            _reset_peak(system.proc.pid)
-        previous: Any = None
-        for i, turn in enumerate(load.turns):
-            key = f"{load.name}/{turn.workspace}"
-            order = active[i % len(active) :] + active[: i % len(active)]
-            for system in order:
-                if previous is not None:
-                    _settle(previous.proc.pid)
-                previous = system
-                if isinstance(system, ModeldSystem):
-                    r = system.turn(load.name, i, key, load.prefix_segments(i), turn.segments, MAX_TOKENS)
-                else:
-                    r = system.turn(load.name, i, key, load.prefix_for(i), turn.suffix, MAX_TOKENS)
-                results.append(r)
-                print(
-                    f"  {load.name:<12} turn {i} {system.name:<11} TTFT {r.ttft_s * 1000:9.1f} ms  prefilled "
-                    f"{r.prefilled if r.prefilled is not None else '-':>5}  {r.decode_tps:5.1f} tok/s  {r.outcome}",
-                    flush=True,
-                )
-                if isinstance(system, DirectSystem) and (
-                    i in load.cold_turns or (i == 0 and not load.cold_turns)
-                ):
-                    if i == 0:  # the limit's first turn on a fresh context is a cold prefill already
-                        results.append(TurnResult(**{**asdict(r), "system": "cold"}))
-                        continue
-                    _settle(system.proc.pid)
-                    c = system.turn(load.name, i, key, load.prefix_for(i), turn.suffix, MAX_TOKENS, cold=True)
-                    results.append(c)
-                    print(
-                        f"  {load.name:<12} turn {i} {'cold':<11} TTFT {c.ttft_s * 1000:9.1f} ms  prefilled {c.prefilled:>5}",
-                        flush=True,
-                    )
-        for system in active:
-            rss.setdefault(system.name, {})[load.name] = system.peak_rss()
-            if isinstance(system, DirectSystem):
-                rss.setdefault("cold", {})[load.name] = rss[system.name][load.name]
+def fingerprint(doc: dict[str, Any]) -> str:
+    """Runs merge only with runs of the same machine, model, versions and workloads."""
+    key = {
+        "quick": doc["quick"],
+        "model": doc["model"]["file"],
+        "cpu": doc["machine"]["cpu"],
+        "cores": doc["machine"]["cores"],
+        "versions": doc["machine"]["versions"],
+        "workloads": [(w["name"], w["prompt_tokens"]) for w in doc["workloads"]],
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def compatible_runs(runs_dir: Path, doc: dict[str, Any], limit: int = 2) -> list[dict[str, Any]]:
+    """``doc`` and the newest earlier full runs with its fingerprint, newest first."""
+    out = [doc]
+    for path in sorted(runs_dir.glob("*/run.json"), reverse=True):
+        if len(out) >= limit:
+            break
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            other = json.loads(path.read_text())
+            if (
+                other["id"] != doc["id"]
+                and not other.get("partial")
+                and other.get("fingerprint") == doc["fingerprint"]
+            ):
+                out.append(other)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,73 +131,95 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="tiny model, smaller sizes, fewer turns (CI smoke)"
     )
     parser.add_argument("--out", type=Path, help="output directory")
-    parser.add_argument("--systems", default="modeld,limit,peer,peer+cache", help="comma-separated subset")
+    parser.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset")
+    parser.add_argument(
+        "--workload", default="", help=f"comma-separated subset of: {', '.join(workload_names())}"
+    )
+    parser.add_argument(
+        "--llama-server", default="", help="the llama-server binary (scripts/build_llama_server.sh)"
+    )
     args = parser.parse_args(argv)
+    # Stop cleanly (every system closed by the runner's finally) on SIGTERM, and on SIGINT even
+    # when started in the background (where a shell leaves SIGINT ignored).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     from modeld import testmodels
 
     started = time.time()
     spec = testmodels.TINY if args.quick else testmodels.REALISTIC
     model = str(testmodels.ensure_model(spec))
-    out = args.out or (ROOT / "results" / ("quick" if args.quick else ""))
-    out.mkdir(parents=True, exist_ok=True)
+    out: Path = args.out or (ROOT / "results" / ("quick" if args.quick else ""))
     threads = len(os.sched_getaffinity(0))
-    machine = _machine()
+    machine = _machine(threads, args.llama_server)
 
-    tokenize = _token_counter(model)
+    max_tokens = 8 if args.quick else MAX_TOKENS
+    loads = make_workloads(_tokenizer(model), quick=args.quick, max_tokens=max_tokens)
+    wanted = [w for w in args.workload.split(",") if w]
+    unknown = [w for w in wanted if w not in workload_names()]
+    if unknown:
+        parser.error(f"unknown workload {', '.join(unknown)}; choose from {', '.join(workload_names())}")
+    if wanted:
+        loads = _select(loads, wanted)
+    names = [s for s in args.systems.split(",") if s]
+    if bad := [s for s in names if s not in ALL_SYSTEMS]:
+        parser.error(f"unknown system {', '.join(bad)}; choose from {', '.join(ALL_SYSTEMS)}")
+    print(
+        f"bench: model {spec.name} ({Path(model).name}), {threads} threads, systems {', '.join(names)}",
+        flush=True,
+    )
+    for w in loads:
+        print(f"  {w.name}: {w.title} (n_ctx {w.n_ctx})", flush=True)
 
-    workloads = make_workloads(tokenize, quick=args.quick)
-    longest = max(w.workspaces[0].prefix_tokens + max(t.suffix_tokens for t in w.turns) for w in workloads)
-    n_ctx = ((longest + MAX_TOKENS + 256) // 256 + 1) * 256
-    print(f"bench: model {spec.name} ({Path(model).name}), n_ctx {n_ctx}, {threads} threads", flush=True)
-    for w in workloads:
-        print(f"  {w.name}: {w.title}", flush=True)
+    data = run(
+        loads, names, factories(model, threads, args.llama_server), max_tokens, lambda s: print(s, flush=True)
+    )
 
-    wanted = args.systems.split(",")
-    results: list[TurnResult] = []
-    rss: dict[str, dict[str, int]] = {}
-    factories: dict[str, Callable[[], Any]] = {
-        "modeld": lambda: ModeldSystem(model, n_ctx),
-        "limit": lambda: DirectSystem(model, n_ctx, threads),
-        "peer": lambda: PeerSystem(model, n_ctx, threads, cache=False),
-        "peer+cache": lambda: PeerSystem(model, n_ctx, threads, cache=True),
-    }
-    systems: list[Any] = []
-    try:
-        for name in wanted:
-            print(f"bench: starting {name}", flush=True)
-            systems.append(factories[name]())
-        _run(systems, workloads, results, rss)
-    finally:
-        for system in systems:
-            system.close()
+    overhead = None
+    if not wanted:
+        from bench.overhead import run_overhead
 
-    print("bench: daemon overhead (memory backend)", flush=True)
-    overhead = run_overhead(turns=5 if args.quick else 20)
+        print("bench: daemon overhead (memory backend)", flush=True)
+        overhead = run_overhead(turns=5 if args.quick else 20)
 
     machine["load_average_end"] = os.getloadavg()
     machine["duration_s"] = round(time.time() - started, 1)
-    write_report(
-        out,
-        quick=args.quick,
-        model={"name": spec.name, "file": Path(model).name, "n_ctx": n_ctx, "max_tokens": MAX_TOKENS},
-        machine=machine,
-        workloads=[
-            {
-                "name": w.name,
-                "title": w.title,
-                "turns": len(w.turns),
-                "prefix_tokens": [s.prefix_tokens for s in w.workspaces],
-                "suffix_tokens": [t.suffix_tokens for t in w.turns],
-                "edit_token": w.edit_token,
-            }
-            for w in workloads
-        ],
-        results=[asdict(r) for r in results],
-        rss=rss,
-        overhead=overhead,
-    )
-    print(f"bench: wrote {out} in {machine['duration_s']} s", flush=True)
+    doc: dict[str, Any] = {
+        "schema": 2,
+        "id": time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
+        "quick": args.quick,
+        "partial": bool(wanted),
+        "model": {"name": spec.name, "file": Path(model).name, "max_tokens": max_tokens},
+        "machine": machine,
+        "systems": names,
+        "workloads": [w.describe() for w in loads],
+        "settings": data.settings,
+        "notes": data.notes,
+        "restarts": data.restarts,
+        "durations": data.durations,
+        "turns": [asdict(r) for r in data.results],
+        "rss": data.rss,
+        "overhead": overhead,
+        "errors": data.errors,
+    }
+    doc["fingerprint"] = fingerprint(doc)
+    doc["headline"] = analysis.headline(doc)
+    run_dir = out / "runs" / doc["id"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "run.json").write_text(json.dumps(doc, indent=1))
+    if wanted:
+        write_report(run_dir, [doc])
+        print(f"bench: wrote {run_dir} in {machine['duration_s']} s", flush=True)
+    else:
+        docs = compatible_runs(out / "runs", doc)
+        write_report(out, docs)
+        print(
+            f"bench: wrote {out} from {len(docs)} run(s) ({', '.join(d['id'] for d in docs)}) in {machine['duration_s']} s",
+            flush=True,
+        )
+    if data.errors:
+        print(f"bench: {data.errors} error(s); see the log above and the report's notes", file=sys.stderr)
+        return 1
     return 0
 
 

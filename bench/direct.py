@@ -4,7 +4,10 @@ Written independently of modeld's backend (only llama-cpp-python's low-level API
 hot context per workspace and evaluates exactly the tokens that differ from what that context
 holds (longest common prefix, ``llama_memory_seq_rm``, prefill the rest, greedy decode): what a
 perfect daemon would cost. A separate context, cleared before every use, gives the cold cost of
-the same prompt (what no cache costs).
+the same prompt (what no cache costs). ``restart`` saves every hot context to a file
+(``llama_state_seq_save_file``) and frees it; the next turn of that workspace creates a fresh
+context and loads the file back (``llama_state_seq_load_file``) inside its timed turn: what a
+perfect disk tier would cost.
 
 Protocol: one JSON object per line on stdin, one JSON answer per line on stdout.
 """
@@ -50,6 +53,31 @@ class Driver:
         self.n_vocab = lc.llama_vocab_n_tokens(self.vocab)
         self.n_ctx, self.n_batch, self.threads = n_ctx, n_batch, threads
         self.contexts: dict[str, tuple[Any, list[int]]] = {}
+        self.saved: dict[str, str] = {}  # workspace -> state file written by restart()
+
+    def restart(self, directory: str) -> int:
+        """Save every hot context to a file and free it; returns the bytes written."""
+        written = 0
+        for name, (ctx, held) in list(self.contexts.items()):
+            if name == "cold" or not held:
+                continue
+            path = os.path.join(directory, f"{len(self.saved)}.state")
+            arr = (lc.llama_token * len(held))(*held)
+            written += lc.llama_state_seq_save_file(ctx, path.encode(), 0, arr, len(held))
+            self.saved[name] = path
+        for ctx, _ in self.contexts.values():
+            lc.llama_free(ctx)
+        self.contexts.clear()
+        return written
+
+    def _restore(self, name: str) -> None:
+        ctx, held = self._context(name)
+        path = self.saved.pop(name)
+        buf = (lc.llama_token * self.n_ctx)()
+        n = ctypes.c_size_t(0)
+        if lc.llama_state_seq_load_file(ctx, path.encode(), 0, buf, self.n_ctx, ctypes.byref(n)) == 0:
+            raise RuntimeError(f"cannot load {path}")
+        held[:] = list(buf[: n.value])
 
     def _context(self, name: str) -> tuple[Any, list[int]]:
         if name not in self.contexts:
@@ -76,9 +104,13 @@ class Driver:
         return int(np.argmax(logits))
 
     def turn(self, name: str, prefix: str, suffix: str, max_tokens: int, cold: bool) -> dict[str, Any]:
+        started = time.perf_counter()
+        restore = 0.0
+        if not cold and name in self.saved:
+            self._restore(name)
+            restore = time.perf_counter() - started
         ctx, held = self._context("cold" if cold else name)
         mem = lc.llama_get_memory(ctx)
-        started = time.perf_counter()
         tokens = self.tokenize(prefix, True) + self.tokenize(suffix, False)
         keep = 0
         if not cold:
@@ -109,6 +141,7 @@ class Driver:
             "prompt_tokens": len(tokens),
             "completion_tokens": len(generated),
             "decode_tps": (len(generated) - 1) / (last - first) if last > first else 0.0,
+            "restore_s": restore,
             "token_ids": generated,
         }
 
@@ -124,6 +157,9 @@ def main() -> None:
         elif op == "turn":
             assert driver is not None
             answer = driver.turn(cmd["name"], cmd["prefix"], cmd["suffix"], cmd["max_tokens"], cmd["cold"])
+        elif op == "restart":
+            assert driver is not None
+            answer = {"bytes": driver.restart(cmd["directory"])}
         elif op == "tokens":
             assert driver is not None
             answer = {"n": len(driver.tokenize(cmd["text"], False))}

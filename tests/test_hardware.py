@@ -164,7 +164,8 @@ def test_a_hung_nvidia_smi_is_killed_with_its_children(fake_bin: Path, tmp_path:
     """The fake starts a child that would outlive the test's own timeout if it were left."""
     pid_file = tmp_path / "child.pid"
     _fake_nvidia_smi(fake_bin, f"sleep 600 &\necho $! > {pid_file}\nwait\n")
-    assert nvidia_smi_gpus(timeout=1.0) == ((), "nvidia-smi did not answer within 1 s")
+    # 5 s: long enough for the fake to start its child even on a loaded machine.
+    assert nvidia_smi_gpus(timeout=5.0) == ((), "nvidia-smi did not answer within 5 s")
     child = int(pid_file.read_text())
     with contextlib.suppress(psutil.NoSuchProcess):  # gone, or dead and not yet reaped
         assert psutil.Process(child).status() == psutil.STATUS_ZOMBIE

@@ -50,6 +50,13 @@ from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
 from modeld.decoding.sampling import SampledToken, adjust_array, logit_bias_of, logprob_array
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
+# OpenMP's threads spin after every llama_decode by default; on a small machine they take the
+# cores the daemon needs to relay each token (measured on 2 cores: 240 ms per token instead of
+# 0.5 ms with the engine on a thread of the daemon, 4 tok/s in the benchmark's worker runs).
+# Passive waiting costs one wake-up per compute. Set before libgomp loads; the operator's own
+# setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
 try:
     import llama_cpp as _llama
 except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
@@ -153,7 +160,19 @@ class LlamaRuntime:
         self._create_context(n_ctx, n_seq, unified, _threads(options.threads))
         total = int(_llama.llama_n_ctx(self._ctx))
         window = min(options.window, total) if unified else min(options.window, total // n_seq)
-        layout_name = "unified" if unified else f"split/{n_seq}"
+        # A split context's sequence blob lists every stream (empty ones as a zero cell count);
+        # stored with the empty streams taken out, it fits a context with any number of streams,
+        # so changing --sequences (or the memory budget doing it) keeps the disk tier usable.
+        self._portable = not unified and not (recurrent or hybrid or swa > 0)
+        self._n_stream = 1 if unified else n_seq
+        if recurrent:
+            layout_name = "recurrent"
+        elif unified:
+            layout_name = "unified"
+        elif self._portable:
+            layout_name = "split"
+        else:
+            layout_name = f"split/{n_seq}"
         self._layout = Layout(
             n_seq=n_seq,
             window=window,
@@ -411,11 +430,39 @@ class LlamaRuntime:
         got = int(_llama.llama_state_seq_get_data(self._ctx, buf, size, seq))
         if got <= 0 or got > size:
             raise EngineError(f"llama.cpp could not save sequence {seq} ({got} of {size} bytes)")
-        return bytes(memoryview(buf)[:got])
+        raw = bytes(memoryview(buf)[:got])
+        return self._one_stream(raw, seq) if self._portable else raw
+
+    def _one_stream(self, raw: bytes, seq: int) -> bytes:
+        """A split blob as if its context had one stream. The blob is llama.cpp's ``u32 magic,
+        i32 source sequence``, then the KV cache's ``u32 n_stream`` and, per stream, a ``u32``
+        cell count followed (when not 0) by that stream's cells. Only the sequence's own stream
+        (``seq``) holds cells; the others are 4 zero bytes each, before and after it."""
+        n = self._n_stream
+        head, before, after = 12, 4 * seq, 4 * (n - seq - 1)
+        if (
+            len(raw) < head + 4 + before + after
+            or int.from_bytes(raw[8:12], "little") != n
+            or any(raw[head : head + before])
+            or (after and any(raw[len(raw) - after :]))
+        ):
+            raise EngineError(f"llama.cpp saved sequence {seq} in an unexpected form ({len(raw)} bytes)")
+        return raw[:4] + bytes(4) + (1).to_bytes(4, "little") + raw[head + before : len(raw) - after]
+
+    def _all_streams(self, blob: bytes) -> bytes:
+        """The inverse of :meth:`_one_stream` for this context: llama.cpp reads a sequence's cells
+        into the destination's stream whichever stream position they are listed at (and ignores
+        the source sequence id)."""
+        if len(blob) < 16 or int.from_bytes(blob[8:12], "little") != 1:
+            return b""
+        n = self._n_stream
+        return blob[:8] + n.to_bytes(4, "little") + blob[12:] + bytes(4 * (n - 1))
 
     def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
         self._cut(seq, 0)
+        if self._portable:
+            blob = self._all_streams(blob)
         if not blob or len(tokens) > self._layout.window:
             return False
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)

@@ -542,10 +542,6 @@ class ModelCache:
             lease.context.floor = 0
             lease.context.last_used = time.time()
 
-    def set_floor(self, lease: Lease, floor: int) -> None:
-        with self._lock:
-            lease.context.floor = max(0, floor)
-
     def fail(self, lease: Lease, error: ModeldError, *, engine_alive: bool) -> None:
         """A job failed: what the sequence holds is unknown, so it is emptied (when the engine
         died, its restart empties everything anyway: nothing is sent to it)."""

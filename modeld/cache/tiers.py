@@ -154,22 +154,17 @@ class Tiers:
     def candidates(self, model_digest: str, identity: str, snapshot_format: str) -> list[TierEntry]:
         """Entries a runtime with this identity and snapshot format may restore.
 
-        Entries of the same model and identity written by another engine build or KV layout can
-        never be used again: they are removed (with the reason logged) when met here.
-        """
-        out: list[TierEntry] = []
-        stale: list[TierEntry] = []
+        Entries written by another engine build or KV layout are never handed to this runtime;
+        they stay (a daemon started with the other layout again uses them) until the budget
+        removes them, least recently used first."""
         with self._lock:
-            for e in self._entries.values():
-                if e.model_digest != model_digest or e.identity != identity:
-                    continue
-                if e.snapshot_format == snapshot_format:
-                    out.append(e)
-                else:
-                    stale.append(e)
-        for e in stale:
-            self.reject(e, f"written by another engine build or KV layout ({e.snapshot_format!r})")
-        return out
+            return [
+                e
+                for e in self._entries.values()
+                if e.model_digest == model_digest
+                and e.identity == identity
+                and e.snapshot_format == snapshot_format
+            ]
 
     # --- adding -----------------------------------------------------------------------------------
 

@@ -249,10 +249,29 @@ class Engine:
             with self._lock:
                 model.sessions -= 1
 
-    def _options(self, kind: str, config_window: int, threads: int) -> LoadOptions:
+    def _options(self, kind: str, info: ModelInfo, config_window: int, threads: int) -> LoadOptions:
+        """How many sequences, of how many cells: the settings, within the memory budget.
+
+        A split KV reserves ``n_seq * window`` cells when the model loads, so ``sequences`` is
+        lowered (to 1 at least) until the pool fits in what the budget leaves after the loaded
+        models and this model's weights."""
         r = self.residency
         unified = r.kv_unified and kind in ("llama", "memory")
         n_seq = max(1, r.sequences)
+        per_seq = config_window * max(0, info.kv_bytes_per_token)
+        if not unified and per_seq > 0:
+            with self._lock:
+                used = sum(m.cost for m in self._models.values())
+            room = self.memory_budget - used - info.weights_bytes - _MODEL_OVERHEAD
+            n_seq = max(1, min(n_seq, room // per_seq))
+            if n_seq < r.sequences:
+                log.warning(
+                    "%s: %d sequences of %d tokens would not fit in the memory budget; using %d",
+                    info.path,
+                    r.sequences,
+                    config_window,
+                    n_seq,
+                )
         pool = (r.pool_tokens or n_seq * config_window) if unified else n_seq * config_window
         return LoadOptions(
             n_seq=n_seq, window=config_window, pool_tokens=pool, unified=unified, threads=threads
@@ -280,7 +299,7 @@ class Engine:
                     if model.supervisor.state == "failed":
                         model.supervisor.revive()  # a client asks for it again: retry
                     return model
-            options = self._options(kind, request.config.num_ctx, request.config.num_threads)
+            options = self._options(kind, info, request.config.num_ctx, request.config.num_threads)
             cost = (
                 info.weights_bytes + options.pool_tokens * max(0, info.kv_bytes_per_token) + _MODEL_OVERHEAD
             )

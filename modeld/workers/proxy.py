@@ -115,6 +115,7 @@ class WorkerHost(Host):
         env = dict(os.environ)
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+
         try:
             self.proc = _spawner.popen(
                 lambda: subprocess.Popen(

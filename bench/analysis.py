@@ -1,0 +1,240 @@
+"""Numbers from run documents: per-run ratios, the merge of two runs, and measured causes.
+
+Pure functions over the JSON a run writes (``runs/<id>/run.json``), so the report, the
+regression check and the tests share one definition of every ratio:
+
+* a ratio of TTFTs is the median of per-turn ratios over the workload's *warm* turns (turns
+  whose workspace was seen before; all turns when none is), so one noisy turn cannot swing it;
+* ``decode_over_limit`` is the median per-turn ratio of decode tokens/s over all turns;
+* ``restart_over_cold`` is modeld's TTFT on the first turn after the restart over the median
+  cold (full-prefill) TTFT measured in the workload or in the one it continues;
+* ``http_overhead_ms`` is the median per-turn TTFT difference, modeld's OpenAI endpoint minus
+  modeld over gRPC.
+
+Two runs merge into a value (their mean) and a spread (the largest run's value over the
+smallest, minus one): the run-to-run noise shown beside every ratio and the tolerance of
+``make bench-compare``. A ratio that misses its goal gets a cause line built from what the run
+measured (tokens prefilled per turn, decode speed), never from a guess.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench.workloads import GOALS
+
+__all__ = [
+    "RATIO_PAIRS",
+    "by_turn",
+    "causes",
+    "headline",
+    "merge",
+    "met",
+    "same_tokens",
+    "system_stats",
+]
+
+Doc = dict[str, Any]
+Turns = dict[int, dict[str, Any]]
+
+RATIO_PAIRS = {
+    "modeld_over_limit": ("modeld", "limit"),
+    "modeld_over_llama_server": ("modeld", "llama-server"),
+    "modeld_over_lcp_server": ("modeld", "lcp-server"),
+}
+
+
+def by_turn(doc: Doc, system: str, workload: str) -> Turns:
+    return {
+        r["turn"]: r
+        for r in doc["turns"]
+        if r["system"] == system and r["workload"] == workload and not r.get("error")
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return float(statistics.median(values)) if values else None
+
+
+def _warm(load: Doc) -> list[int]:
+    return list(load["warm"]) or list(range(load["turns"]))
+
+
+def _ratio(a: Turns, b: Turns, turns: list[int], key: str = "ttft_s") -> float | None:
+    return _median(
+        [a[t][key] / b[t][key] for t in turns if t in a and t in b and b[t][key] > 0 and a[t][key] > 0]
+    )
+
+
+def _cold_ttft(doc: Doc, load: Doc) -> float | None:
+    for name in (load["name"], load.get("continues", "")):
+        values = [r["ttft_s"] for r in by_turn(doc, "cold", name).values()]
+        if values:
+            return _median(values)
+    return None
+
+
+def headline(doc: Doc) -> dict[str, dict[str, float | None]]:
+    """workload -> ratio -> value (None where a system did not run)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for load in doc["workloads"]:
+        name = load["name"]
+        warm = _warm(load)
+        every = list(range(load["turns"]))
+        m = by_turn(doc, "modeld", name)
+        row: dict[str, float | None] = {
+            key: _ratio(m, by_turn(doc, b, name), warm) for key, (_, b) in RATIO_PAIRS.items()
+        }
+        row["decode_over_limit"] = _ratio(m, by_turn(doc, "limit", name), every, "decode_tps")
+        http = by_turn(doc, "modeld-http", name)
+        row["http_overhead_ms"] = _median(
+            [(http[t]["ttft_s"] - m[t]["ttft_s"]) * 1000 for t in warm if t in http and t in m]
+        )
+        if load["restart_before"]:
+            first = load["restart_before"][0]
+            cold = _cold_ttft(doc, load)
+            row["restart_over_cold"] = m[first]["ttft_s"] / cold if first in m and cold else None
+        out[name] = row
+    return out
+
+
+def same_tokens(doc: Doc, workload: str) -> tuple[int, int]:
+    """(turns where modeld's greedy tokens equal the limit's, turns both ran)."""
+    m, lim = by_turn(doc, "modeld", workload), by_turn(doc, "limit", workload)
+    both = [t for t in m if t in lim]
+    return sum(1 for t in both if m[t]["token_ids"] == lim[t]["token_ids"]), len(both)
+
+
+def system_stats(doc: Doc, workload: Doc, system: str) -> dict[str, Any] | None:
+    turns = by_turn(doc, system, workload["name"])
+    if not turns:
+        return None
+    warm = [t for t in _warm(workload) if t in turns]
+    prefilled = [turns[t]["prefilled"] for t in warm if turns[t]["prefilled"] is not None]
+    return {
+        "ttft_median_s": _median([r["ttft_s"] for r in turns.values()]),
+        "ttft_warm_median_s": _median([turns[t]["ttft_s"] for t in warm]),
+        "prefilled_warm_median": _median([float(p) for p in prefilled]),
+        "prefilled_per_turn": [
+            turns[t]["prefilled"] if t in turns else None for t in range(workload["turns"])
+        ],
+        "decode_tps_median": _median([r["decode_tps"] for r in turns.values() if r["decode_tps"] > 0]),
+        "peak_rss_bytes": doc.get("rss", {}).get(system, {}).get(workload["name"]),
+    }
+
+
+def merge(docs: list[Doc]) -> dict[str, dict[str, dict[str, Any]]]:
+    """workload -> ratio -> {value, runs, spread, goal, direction, met} over the runs given."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    goals = {load["name"]: load["goals"] for load in docs[0]["workloads"]}
+    per_run = [doc.get("headline") or headline(doc) for doc in docs]
+    for name in goals:
+        row: dict[str, dict[str, Any]] = {}
+        for key in GOALS:
+            values = [h.get(name, {}).get(key) for h in per_run]
+            present = [v for v in values if v is not None]
+            value = statistics.fmean(present) if present else None
+            direction, goal = GOALS[key]
+            row[key] = {
+                "value": value,
+                "runs": values,
+                "spread": spread(present, absolute=key.endswith("_ms")),
+                "goal": goal if key in goals[name] else None,
+                "direction": direction,
+                "met": met(value, direction, goal) if key in goals[name] and value is not None else None,
+            }
+        out[name] = row
+    return out
+
+
+def spread(values: list[float], *, absolute: bool = False) -> float | None:
+    """Run-to-run spread: largest over smallest minus one, or (``absolute``, for a figure in
+    ms) largest minus smallest; None with fewer than two runs."""
+    if len(values) < 2:
+        return None
+    lo, hi = min(values), max(values)
+    if absolute or lo <= 0:
+        return hi - lo
+    return hi / lo - 1.0
+
+
+def met(value: float, direction: str, goal: float) -> bool:
+    return value <= goal if direction == "lower" else value >= goal
+
+
+def _fmt_tokens(x: float | None) -> str:
+    return "not reported" if x is None else f"{x:.0f}"
+
+
+def causes(doc: Doc, merged: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, str]]:
+    """A measured cause for every ratio that misses its goal, from the newest run ``doc``."""
+    out = []
+    loads = {load["name"]: load for load in doc["workloads"]}
+    for name, row in merged.items():
+        load = loads.get(name)
+        if load is None:
+            continue
+        warm = _warm(load)
+        ideal = _median([float(load["ideal_prefill"][t]) for t in warm])
+        m = system_stats(doc, load, "modeld")
+        for key, cell in row.items():
+            if cell["met"] is not False or m is None:
+                continue
+            text = _cause(doc, load, key, cell, m, ideal)
+            out.append({"workload": name, "ratio": key, "cause": text})
+    return out
+
+
+def _noise(key: str, cell: dict[str, Any], direction: str, goal: float) -> str:
+    s = cell["spread"]
+    if s is None or cell["value"] is None:
+        return ""
+    if key.endswith("_ms"):
+        near, shown = cell["value"] - s, f"{s:.1f} ms"
+    else:
+        near = cell["value"] / (1 + s) if direction == "lower" else cell["value"] * (1 + s)
+        shown = f"{s:.0%}"
+    if met(near, direction, goal):
+        return f" The miss is within the run-to-run spread ({shown})."
+    return ""
+
+
+def _cause(
+    doc: Doc, load: Doc, key: str, cell: dict[str, Any], m: dict[str, Any], ideal: float | None
+) -> str:
+    fix = f" What would fix it: {load['fix']}." if load.get("fix") else ""
+    noise = _noise(key, cell, cell["direction"], cell["goal"])
+    pm = m["prefilled_warm_median"]
+    if key in RATIO_PAIRS:
+        other = RATIO_PAIRS[key][1]
+        o = system_stats(doc, load, other) or {}
+        po = o.get("prefilled_warm_median")
+        head = (
+            f"modeld prefilled {_fmt_tokens(pm)} tokens per warm turn (median), {other} {_fmt_tokens(po)}, "
+            f"a perfect system {_fmt_tokens(ideal)}."
+        )
+        if pm is not None and po is not None and pm > po * 1.1 + 8:
+            return f"{head} modeld recomputes what {other} reuses.{fix}{noise}"
+        if pm is not None and po is None:
+            return f"{head} {other} does not report its prefill.{noise}"
+        tm, to = m["ttft_warm_median_s"], o.get("ttft_warm_median_s")
+        gap = f" ({(tm - to) * 1000:.0f} ms per turn, median)" if tm is not None and to is not None else ""
+        return f"{head} Same work; the gap{gap} is time per turn, not reuse.{noise}"
+    if key == "decode_over_limit":
+        lim = system_stats(doc, load, "limit") or {}
+        return (
+            f"modeld decoded {m['decode_tps_median'] or 0:.1f} tokens/s (median), the limit "
+            f"{lim.get('decode_tps_median') or 0:.1f}.{noise}"
+        )
+    if key == "restart_over_cold":
+        first = load["restart_before"][0]
+        turns = by_turn(doc, "modeld", load["name"])
+        r = turns.get(first, {})
+        return (
+            f"modeld's first turn after the restart prefilled {r.get('prefilled')} of {r.get('prompt_tokens')} "
+            f"prompt tokens (a perfect system: {load['ideal_prefill'][first]}).{fix}{noise}"
+        )
+    if key == "http_overhead_ms":
+        return f"the OpenAI endpoint added {cell['value']:.1f} ms per turn (median) over gRPC.{noise}"
+    return ""
