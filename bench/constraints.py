@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import runtime_client as rc
-from bench.systems import ModeldSystem
+from bench.daemon import serve_llama
 
 TOOL_SCHEMA = {
     "type": "object",
@@ -113,9 +113,11 @@ def main() -> None:
     print(f"  schema -> GBNF -> parsed grammar, cold   {_stats(cold)}")
     print(f"  the same, cached by digest               {_stats(cached)}")
 
-    system = ModeldSystem(str(ensure_model(spec)), 4096)
-    try:
-        session = system._session("bench")
+    model = str(ensure_model(spec))
+    with serve_llama() as client:
+        session = client.open_session(
+            rc.OpenSessionRequest(type="llama", path=model, config=rc.Config(num_ctx=4096))
+        )
         constrained = rc.DecodeConfig(max_tokens=400, constraint=rc.Constraint("json_schema", schema))
         _decode(session, rc.DecodeConfig(max_tokens=4))  # load the model, prefill the prompt
         first_ever, final = _decode(session, constrained)
@@ -155,9 +157,8 @@ def main() -> None:
                 f"(per run {min(ratios):.2f}-{max(ratios):.2f}); best run {max(values):.1f} "
                 f"(ratio of best runs {max(values) / max(free):.2f})"
             )
-    finally:
-        system.close()
-    _mask_cost(str(ensure_model(spec)), schema)
+        session.close()
+    _mask_cost(model, schema)
 
 
 def _mask_cost(path: str, schema: str) -> None:

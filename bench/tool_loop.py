@@ -18,7 +18,7 @@ import statistics
 import time
 
 import runtime_client as rc
-from bench.systems import ModeldSystem
+from bench.daemon import serve_llama
 from runtime_client import BuiltContext, ContextBuilder, run_tools
 
 TOOLS = [
@@ -43,9 +43,8 @@ def _cold(model: str, context: BuiltContext, runs: int) -> list[float]:
     """Seconds to the first chunk of ``context`` prefilled from nothing, once per fresh daemon."""
     out = []
     for _ in range(runs):
-        system = ModeldSystem(model, N_CTX)
-        try:
-            session = system.client.open_session(
+        with serve_llama() as client:
+            session = client.open_session(
                 rc.OpenSessionRequest(
                     type="llama", path=model, config=rc.Config(num_ctx=N_CTX, prompt_format="chat")
                 )
@@ -58,8 +57,6 @@ def _cold(model: str, context: BuiltContext, runs: int) -> list[float]:
                 next(iter(stream))
             out.append(time.perf_counter() - t0)
             session.close()
-        finally:
-            system.close()
     return out
 
 
@@ -76,9 +73,8 @@ def main() -> None:
         f"Rule {i}: keep functions small, name things plainly, and test every change.\n" for i in range(60)
     )
     result_text = "def main():\n    config = load_config('app.toml')\n    return run(config)\n" * 4
-    daemon = ModeldSystem(model, N_CTX)
-    try:
-        session = daemon.client.open_session(
+    with serve_llama() as client:
+        session = client.open_session(
             rc.OpenSessionRequest(
                 type="llama", path=model, config=rc.Config(num_ctx=N_CTX, prompt_format="chat")
             )
@@ -95,8 +91,6 @@ def main() -> None:
             max_tool_iterations=args.rounds,
         )
         session.close()
-    finally:
-        daemon.close()
     print("round  prompt  reused  prefilled  prefill ms  warm TTFT s  cold TTFT s (each in a fresh daemon)")
     warm, cold = [], []
     for i, rnd in enumerate(result.rounds):
