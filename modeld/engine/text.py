@@ -7,10 +7,6 @@ delta is never taken back. When a stop string appears, the text before it is rel
 rest is dropped (the stop string is not part of the output, as in OpenAI-style APIs). If
 generation ends inside a character (max_tokens hit between its bytes), the incomplete
 character is dropped rather than shown as U+FFFD; invalid bytes elsewhere become U+FFFD.
-
-:class:`RepeatedLineGuard` (from :mod:`modeld.decoding.guard`) watches the same emitted text
-for a model stuck repeating one line (finish reason ``repeated_line``); the decode loop feeds
-it through :class:`modeld.decoding.output.OutputProcessor`.
 """
 
 from __future__ import annotations
@@ -18,9 +14,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 
-from modeld.decoding.guard import RepeatedLineGuard
-
-__all__ = ["RepeatedLineGuard", "TextAssembler"]
+__all__ = ["TextAssembler"]
 
 
 class TextAssembler:
