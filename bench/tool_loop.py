@@ -40,7 +40,8 @@ N_CTX = 8192
 
 
 def _cold(model: str, context: BuiltContext, runs: int) -> list[float]:
-    """Seconds to the first chunk of ``context`` prefilled from nothing, once per fresh daemon."""
+    """Seconds to the first chunk of ``context`` prefilled from nothing, once per fresh daemon
+    (the server-side prefill of each is printed too)."""
     out = []
     for _ in range(runs):
         with serve_llama() as client:
@@ -51,11 +52,16 @@ def _cold(model: str, context: BuiltContext, runs: int) -> list[float]:
             )
             session.ensure_prefix(rc.PrefixInput(text="unrelated\n"))  # loads the model
             t0 = time.perf_counter()
-            session.ensure_prefix(context.prefix_input())
-            session.prefill_suffix(context.suffix_input())
+            p = session.ensure_prefix(context.prefix_input())
+            s = session.prefill_suffix(context.suffix_input())
             with session.decode(rc.DecodeConfig(max_tokens=1)) as stream:
                 next(iter(stream))
             out.append(time.perf_counter() - t0)
+            print(
+                f"    cold: {p.prefilled_tokens} + {s.suffix_tokens} tokens, server-side prefill "
+                f"{p.prefill_ms:.0f} + {s.prefill_ms:.0f} ms, to the first chunk {out[-1]:.3f} s",
+                flush=True,
+            )
             session.close()
     return out
 
