@@ -85,11 +85,15 @@ def model_label(name: str) -> str:
 
 
 class EngineEvents(Protocol):
-    """What an engine reports as it happens (a queue for a busy model, supervised workers)."""
+    """What an engine reports as it happens (a queue for a busy model, supervised workers):
+    the shape of ``modeld.engine.EngineObserver``, so the server subscribes without importing
+    the engine."""
 
     def queue_waited(self, seconds: float) -> None: ...
 
     def worker_restarted(self) -> None: ...
+
+    def model_state(self, model_name: str, state: str) -> None: ...
 
 
 class Metrics:
@@ -166,6 +170,11 @@ class Metrics:
 
     def worker_restarted(self) -> None:
         self.restarts.inc()
+
+    def model_state(self, model_name: str, state: str) -> None:
+        """Nothing to count: the worker state gauge is read from the status at scrape time,
+        which is always current (events may arrive after a newer state)."""
+        del model_name, state
 
     # --- observing sessions ---------------------------------------------------------------
 
