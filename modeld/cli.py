@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, ContextReport, OpenSessionRequest
 from modeld.errors import DaemonUnavailableError, ModeldError
@@ -78,32 +78,160 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+# --- values of flags ------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_FLAG_CHARS = 64
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``4096``, ``512M``, ``8G``, ``1.5G`` (K, M, G, T are powers of 1024; a
+    trailing ``i``/``iB``/``B`` is accepted), ``0`` (off), ``auto`` (-1: the default)."""
+    raw = text.strip()
+    if raw.lower() == "auto":
+        return -1
+    body = raw.upper().removesuffix("B").removesuffix("I")
+    number, unit = (body[:-1], body[-1]) if body and body[-1] in "KMGT" else (body, "")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not number or value < 0 or value != value or len(raw) > MAX_FLAG_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {raw[:MAX_FLAG_CHARS]!r}: give bytes with an optional K, M, G or T suffix "
+            "(512M, 8G), 0 for off, or auto"
+        )
+    size = value * _SIZE_UNITS[unit]
+    if size >= 1 << 60:
+        raise argparse.ArgumentTypeError(f"size {raw!r} is too large")
+    return int(size)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds: ``90``, ``90s``, ``2.5m``, ``1h``; ``0`` switches a timeout off."""
+    raw = text.strip()
+    unit = raw[-1:].lower() if raw[-1:].lower() in ("s", "m", "h") else ""
+    number = raw[: len(raw) - len(unit)]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not number or value < 0 or value != value or value == float("inf") or len(raw) > MAX_FLAG_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {raw[:MAX_FLAG_CHARS]!r}: give seconds, or a number with s, m or h (90, 2.5m, 1h)"
+        )
+    return value * _DURATION_UNITS[unit]
+
+
+def parse_positive_size(text: str) -> int:
+    """A byte count that must be above 0 (a limit)."""
+    size = parse_size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text[:MAX_FLAG_CHARS]!r}: give a size above 0 (512K, 16M)")
+    return size
+
+
+def _count(low: int, high: int) -> Any:
+    """An argparse type: an integer from ``low`` to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text[:MAX_FLAG_CHARS]!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range ({low} to {high})")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``modeld serve: error: ...``), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # --- serve ----------------------------------------------------------------------------------
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from modeld.engine import Limits
     from modeld.observe.logs import SafeFormatter
     from modeld.server.daemon import ServeOptions, run
 
+    try:
+        options = serve_options(args)
+    except ValueError as exc:
+        print(f"modeld serve: error: {exc}", file=sys.stderr)
+        return 2
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
-    defaults = Limits()
-    limits = dataclasses.replace(
-        defaults,
-        max_sessions=args.max_sessions or defaults.max_sessions,
-        max_text_bytes=args.max_text_bytes or defaults.max_text_bytes,
-        max_message_bytes=args.max_message_bytes or defaults.max_message_bytes,
-        max_loaded_models=args.max_loaded_models or defaults.max_loaded_models,
+    assert isinstance(options, ServeOptions)
+    return run(options)
+
+
+def serve_options(args: argparse.Namespace) -> Any:
+    """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
+    combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``
+    and :class:`~modeld.engine.limits.Limits`."""
+    from modeld.engine import Limits
+    from modeld.server.daemon import ServeOptions
+    from modeld.settings import Residency, RestartPolicy, Timeouts
+
+    def pick(defaults: Any, **flags: Any) -> Any:
+        return dataclasses.replace(defaults, **{k: v for k, v in flags.items() if v is not None})
+
+    limits = pick(
+        Limits(),
+        max_sessions=args.max_sessions,
+        max_text_bytes=args.max_text_bytes,
+        max_message_bytes=args.max_message_bytes,
+        max_loaded_models=args.max_loaded_models,
+        model_wait_seconds=args.queue_wait,
+        attach_timeout_seconds=args.attach_timeout,
     )
     if limits.max_message_bytes < limits.max_text_bytes + (64 << 10):
-        print(
-            "modeld: error: --max-message-bytes must exceed --max-text-bytes by at least 64 KiB "
-            "(room for the manifest)",
-            file=sys.stderr,
+        raise ValueError(
+            "--max-message-bytes must exceed --max-text-bytes by at least 64 KiB (room for the manifest)"
         )
-        return 2
+    residency = pick(
+        Residency(),
+        sequences=args.sequences,
+        kv_unified=args.kv_unified,
+        pool_tokens=args.kv_pool_tokens,
+        ram_tier_bytes=args.ram_tier_bytes,
+        disk_tier_bytes=args.disk_tier_bytes,
+        memory_budget_bytes=args.memory_budget,
+        isolation=args.isolation,
+        slots=args.slots,
+        max_queue=args.max_queue,
+        snapshot_min_tokens=args.snapshot_min_tokens,
+        persist_min_tokens=args.persist_min_tokens,
+    )
+    if residency.pool_tokens and not residency.kv_unified:
+        raise ValueError("--kv-pool-tokens sizes the unified KV pool: add --kv-unified")
+    if residency.memory_budget_bytes == 0:
+        raise ValueError("--memory-budget 0 leaves no room for any model (use auto for the default)")
+    timeouts = pick(
+        Timeouts(),
+        load_seconds=args.load_timeout,
+        stall_seconds=args.stall_timeout,
+        idle_stream_seconds=args.idle_stream_timeout,
+        operation_seconds=args.operation_timeout,
+    )
+    restart = pick(
+        RestartPolicy(),
+        backoff_initial=args.restart_backoff,
+        backoff_max=args.restart_backoff_max,
+        crash_limit=args.crash_limit,
+        crash_window=args.crash_window,
+    )
+    if restart.backoff_max < restart.backoff_initial:
+        raise ValueError("--restart-backoff-max must be at least --restart-backoff")
     options = ServeOptions(
         backend=args.backend,
         listen=args.listen or "",
@@ -117,10 +245,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         models=tuple(args.model or ()),
         models_dir=Path(args.models_dir) if args.models_dir else None,
         num_ctx=args.num_ctx or 0,
+        residency=residency,
+        timeouts=timeouts,
+        restart=restart,
+        worker_log_level=args.log_level.upper(),
     )
+    if args.describe_timeout is not None:
+        options.describe_timeout = args.describe_timeout
     if args.data_dir:
         options.data_dir = Path(args.data_dir)
-    return run(options)
+    return options
 
 
 # --- describe -------------------------------------------------------------------------------
@@ -336,8 +470,136 @@ def _global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+def _serve_settings(s: argparse.ArgumentParser) -> None:
+    """``modeld serve``'s flags for every setting (``modeld/settings.py``, the limits); unset
+    ones keep their defaults. ``modeld status`` shows the values in force."""
+    from modeld.settings import ISOLATIONS
+
+    size = "SIZE"
+    w = s.add_argument_group("warm state (blueprints/0016)")
+    w.add_argument(
+        "--sequences", type=_count(1, 256), metavar="N", help="warm KV sequences per loaded model (default 4)"
+    )
+    w.add_argument(
+        "--kv-unified",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one KV pool shared by every sequence (a shared prefix stored once; default off)",
+    )
+    w.add_argument(
+        "--kv-pool-tokens",
+        type=_count(0, 1 << 24),
+        metavar="N",
+        help="KV cells of the unified pool (default: sequences x the window)",
+    )
+    w.add_argument(
+        "--ram-tier-bytes",
+        type=parse_size,
+        metavar=size,
+        help="RAM tier budget, e.g. 2G (default auto: a quarter of free RAM, at most 8 GiB; 0: off)",
+    )
+    w.add_argument(
+        "--disk-tier-bytes",
+        type=parse_size,
+        metavar=size,
+        help="disk tier budget under the data directory (default auto: a tenth of free space, at most 32 GiB; 0: off)",
+    )
+    w.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        metavar=size,
+        help="weights + KV of all loaded models; beyond it idle models are unloaded (default auto: 90%% of RAM)",
+    )
+    w.add_argument(
+        "--isolation",
+        choices=ISOLATIONS,
+        help="process: each model in a supervised worker; inline: in the daemon (default auto: inline "
+        "for memory, else process)",
+    )
+    w.add_argument(
+        "--slots",
+        type=_count(0, 4096),
+        metavar="N",
+        help="operations a model runs at once (default 0: as many as sequences)",
+    )
+    w.add_argument(
+        "--max-queue",
+        type=_count(0, 1 << 16),
+        metavar="N",
+        help="operations that may wait for one model (default 64)",
+    )
+    w.add_argument(
+        "--snapshot-min-tokens",
+        type=_count(0, 1 << 24),
+        metavar="N",
+        help="shorter contexts are not snapshotted (64)",
+    )
+    w.add_argument(
+        "--persist-min-tokens",
+        type=_count(0, 1 << 24),
+        metavar="N",
+        help="a prefix this long is written to the disk tier at once (512)",
+    )
+    t = s.add_argument_group("timeouts (0 switches one off; 90, 2.5m, 1h)")
+    t.add_argument("--load-timeout", type=parse_duration, metavar="DURATION", help="loading a model (600)")
+    t.add_argument(
+        "--stall-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="a busy worker without progress and CPU time is killed (120)",
+    )
+    t.add_argument(
+        "--idle-stream-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="a decode without a token (300)",
+    )
+    t.add_argument(
+        "--operation-timeout", type=parse_duration, metavar="DURATION", help="any one operation (default off)"
+    )
+    t.add_argument(
+        "--queue-wait",
+        type=parse_duration,
+        metavar="DURATION",
+        help="how long an operation waits for a busy model before 'busy' (300)",
+    )
+    t.add_argument(
+        "--attach-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="an opened session without a Session stream is closed (30)",
+    )
+    t.add_argument(
+        "--describe-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="Describe gives up on a model file that takes longer to read (30)",
+    )
+    r = s.add_argument_group("worker restarts")
+    r.add_argument(
+        "--restart-backoff", type=parse_duration, metavar="DURATION", help="first restart delay (0.5)"
+    )
+    r.add_argument(
+        "--restart-backoff-max", type=parse_duration, metavar="DURATION", help="longest restart delay (30)"
+    )
+    r.add_argument(
+        "--crash-limit",
+        type=_count(1, 1000),
+        metavar="N",
+        help="deaths within the crash window that mark a model failed (5)",
+    )
+    r.add_argument("--crash-window", type=parse_duration, metavar="DURATION", help="(300)")
+    lim = s.add_argument_group("limits (blueprints/0006)")
+    lim.add_argument("--max-sessions", type=_count(1, 100_000), metavar="N", help="open sessions (64)")
+    lim.add_argument("--max-text-bytes", type=parse_positive_size, metavar=size, help="text of one call (8M)")
+    lim.add_argument(
+        "--max-message-bytes", type=parse_positive_size, metavar=size, help="one gRPC message (16M)"
+    )
+    lim.add_argument("--max-loaded-models", type=_count(1, 1024), metavar="N", help="models kept loaded (2)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="modeld", description="Local warm-prefix inference daemon.")
+    p = _Parser(prog="modeld", description="Local warm-prefix inference daemon.")
     _global_options(p, top=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -383,11 +645,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow a non-loopback --listen/--http address (token / API key required; no TLS)",
     )
-    s.add_argument("--max-sessions", type=int, default=0)
-    s.add_argument("--max-text-bytes", type=int, default=0)
-    s.add_argument("--max-message-bytes", type=int, default=0)
-    s.add_argument("--max-loaded-models", type=int, default=0)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _serve_settings(s)
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser("describe", help="what a model is and can do on this machine (no daemon needed)")

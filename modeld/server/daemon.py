@@ -40,7 +40,7 @@ from modeld.server.gateway import Gateway, ServedEngine
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
 from modeld.server.servicer import DESCRIBE_TIMEOUT_SECONDS, SERVICE_NAME, ModeldServicer, add_to_server
-from modeld.settings import Residency, Timeouts
+from modeld.settings import Residency, RestartPolicy, Timeouts
 
 if TYPE_CHECKING:
     from modeld.engine.limits import Limits
@@ -306,6 +306,8 @@ class ServeOptions:
     num_ctx: int = 0  # context window of HTTP sessions (0: the contract's default)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS
     worker_log_level: str = "INFO"
 
 
@@ -385,6 +387,7 @@ def run(options: ServeOptions) -> int:
             limits=limits,
             residency=options.residency,
             timeouts=options.timeouts,
+            restart=options.restart,
             data_dir=options.data_dir,
             worker_log_level=options.worker_log_level,
         )
@@ -393,7 +396,7 @@ def run(options: ServeOptions) -> int:
         lease.release()
         return EXIT_USAGE
     token = ensure_token(options.data_dir) if address.unix_path is None and options.require_token else ""
-    server = Server(engine, address, limits, token=token)
+    server = Server(engine, address, limits, token=token, describe_timeout=options.describe_timeout)
     listener: Any = None
     try:
         endpoint = server.start()

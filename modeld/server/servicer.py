@@ -3,12 +3,13 @@
 Thin by design: no engine logic here, and no engine import: it reaches the engine only through
 :class:`~modeld.server.gateway.Gateway` (the contract plus observers), the same path the HTTP
 endpoint takes. It runs on a ``grpc.aio`` server (``modeld/server/daemon.py``): the event loop
-only waits; every call into the engine runs on one of three thread pools (:class:`Pools`), so
+only waits; every call into the engine runs on one of four thread pools (:class:`Pools`), so
 what one kind of call does to its pool never starves the others:
 
 * ``sessions``: the Session stream's operations (prefills, the decode pump, close);
-* ``calls``: Describe (which reads model files: with a timeout), OpenSession and CountTokens
-  (which may load a model);
+* ``calls``: OpenSession and CountTokens (which may load a model: minutes, no server timeout);
+* ``probes``: Describe, which reads model files, with a timeout (``describe_seconds``): a hung
+  file system costs at most this pool, and its callers a clear ``model_load_failed``;
 * ``observers``: Status, ListSessions, ExplainContext, Metrics. So ``Status`` answers while
   every session is busy, while describes of slow paths pile up, and while streams wait.
 
@@ -37,7 +38,7 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -90,6 +91,7 @@ OBSERVER_TIMEOUT_SECONDS = 5.0
 """How long Status, ListSessions, ExplainContext and Metrics wait for the engine before
 answering ``busy``."""
 OBSERVER_THREADS = 4
+PROBE_THREADS = 16
 
 _FATAL = (StaleFenceError, NotOwnerError, ShuttingDownError, SessionClosedError)
 """Errors after which a Session stream cannot continue: it ends with that status."""
@@ -110,6 +112,7 @@ class Pools:
 
     sessions: ThreadPoolExecutor
     calls: ThreadPoolExecutor
+    probes: ThreadPoolExecutor
     observers: ThreadPoolExecutor
 
     @classmethod
@@ -118,11 +121,12 @@ class Pools:
         return cls(
             sessions=ThreadPoolExecutor(max_workers=max_sessions + 8, thread_name_prefix="session-op"),
             calls=ThreadPoolExecutor(max_workers=max_sessions + 16, thread_name_prefix="grpc-call"),
+            probes=ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="grpc-describe"),
             observers=ThreadPoolExecutor(max_workers=OBSERVER_THREADS, thread_name_prefix="grpc-observe"),
         )
 
     def shutdown(self) -> None:
-        for pool in (self.sessions, self.calls, self.observers):
+        for pool in (self.sessions, self.calls, self.probes, self.observers):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -288,7 +292,7 @@ class ModeldServicer:
                 )
 
             info = await _offload(
-                self.pools.calls,
+                self.pools.probes,
                 self.gateway.describe,
                 model,
                 timeout=self.describe_timeout,
@@ -399,7 +403,7 @@ class ModeldServicer:
         inbox: asyncio.Queue[object],
         state: _StreamState,
         context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[pb.SessionResponse]:
+    ) -> AsyncGenerator[pb.SessionResponse, None]:
         loop = asyncio.get_running_loop()
         timeout = self.gateway.limits.attach_timeout_seconds
         try:
