@@ -1,4 +1,4 @@
-"""The ``modeld`` command line: serve, describe, explain-context, status, metrics.
+"""The ``modeld`` command line: serve, describe, explain-context, status, logs, metrics.
 
 Expected failures (no daemon, a bad model file, an unknown session) print one line to stderr
 and exit non-zero; a traceback only ever means a bug. Every command that reports something
@@ -315,41 +315,36 @@ def _connect(args: argparse.Namespace) -> Any:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from modeld.observe.views import format_status
+
     with _connect(args) as client:
-        status = client.status()
+        status = client.status(debug=args.debug)
     if args.json:
         print(_json(status))
         return 0
-    lines = [
-        f"modeld {status.version}  instance {status.instance_id}  epoch {status.epoch}  pid {status.pid}",
-        f"endpoint  {status.endpoint}",
-        f"uptime    {_age(status.uptime_seconds)}",
-        f"backends  {', '.join(status.backends)} (default {status.default_backend})",
-        f"sessions  {status.sessions}",
-    ]
-    if status.owner_lost:
-        lines.append(f"OWNERSHIP LOST: {status.owner_lost}")
-    if status.models:
-        lines.append("models")
-        rows = [("  BACKEND", "MODEL", "DIGEST", "CTX", "RESIDENT", "SESSIONS", "IDLE")]
-        now = time.time()
-        for m in status.models:
-            rows.append(
-                (
-                    f"  {m.backend}",
-                    m.model_name,
-                    _short(m.model_digest),
-                    str(m.n_ctx),
-                    str(m.resident_tokens),
-                    str(m.sessions),
-                    _age(now - m.last_used_at),
-                )
+    print(format_status(status, debug=args.debug))
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from modeld.observe.views import format_logs, match_models
+
+    with _connect(args) as client:
+        status = client.status(debug=True)
+    models = list(status.models)
+    if args.model:
+        models = match_models(models, args.model)
+        if not models:
+            loaded = ", ".join(m.model_name or m.path for m in status.models) or "none"
+            print(
+                f"modeld: error: no loaded model matches {args.model[:MAX_FLAG_CHARS]!r} (loaded: {loaded})",
+                file=sys.stderr,
             )
-        lines.append(_table(rows))
-    else:
-        lines.append("models    none loaded")
-    lines.append("limits    " + " ".join(f"{k}={_num(v)}" for k, v in sorted(status.limits.items())))
-    print("\n".join(lines))
+            return EXIT_ERROR
+    if args.json:
+        print(_json({m.model_name or m.path: list(m.worker.log_lines) if m.worker else [] for m in models}))
+        return 0
+    print(format_logs(models) if models else "no models loaded")
     return 0
 
 
@@ -442,7 +437,82 @@ def _format_report(r: ContextReport) -> str:
             )
     else:
         out.append("last ensure_prefix: none yet")
+    out.extend(_warm_state_lines(r))
     return "\n".join(out)
+
+
+_COLD_WHY = {
+    "empty_cache": "nothing compatible was warm",
+    "engine_reset": "the engine's state was lost (a failed operation or a worker restart)",
+    "manifest_changed": "a runtime field of the manifest changed, so no warm context was compatible",
+    "truncation_unsupported": "the model's memory cannot be cut inside a warm context",
+    "snapshot_rejected": "the snapshot that would have served was refused and removed",
+    "diverged": "the prefix differs from every warm context from its first token",
+}
+
+
+def _warm_state_lines(r: ContextReport) -> list[str]:
+    """Where the session's warm context lives, why its last turn was warm, restored or cold, its
+    place in the model's queue, pin and keep-alive, and the server-side timings (issue 8/9)."""
+    from modeld.observe.views import age, format_bytes, table
+
+    now = time.time()
+    out = ["warm state"]
+    own = next((c for c in r.contexts if c.id == r.context_id), None) if r.context_id else None
+    where = (
+        f"context {own.id} in the {own.tier} tier ({own.tokens} tokens, {format_bytes(own.bytes)})"
+        if own is not None
+        else "no warm context in the KV now"
+        + (" (closed)" if r.closed else " (the next operation restores or recomputes it)")
+    )
+    keep = (
+        f"keep-alive {_num(r.keep_alive_seconds)}s"
+        if r.keep_alive_seconds
+        else "kept until the pool needs room"
+    )
+    out.append(f"  this session  {where} · {'pinned' if r.pinned else 'not pinned'} · {keep}")
+    d, p = r.last_reuse, r.last_prefix
+    if d is not None:
+        if d.reason in ("restored_from_ram", "restored_from_disk") or (
+            d.outcome != "cold" and d.tier in ("ram", "disk")
+        ):
+            turn = f"{d.outcome}: restored from the {d.tier} tier (snapshot {d.context or '?'})"
+        elif d.outcome != "cold":
+            turn = f"{d.outcome}: reused from the KV" + (f" (warm context {d.context})" if d.context else "")
+        elif d.reason == "evicted":
+            went = f"evicted to the {d.tier} tier" if d.tier in ("ram", "disk") else "evicted and dropped"
+            turn = f"cold: this session's warm context had been {went}"
+        else:
+            turn = f"cold: {_COLD_WHY.get(d.reason, d.reason)}"
+        if p is not None:
+            turn += f" · reused {p.reused_tokens} of {p.prefix_tokens} tokens · prefill {p.prefill_ms:.1f} ms"
+            turn += f" · restore {p.restore_ms:.1f} ms"
+        out.append(f"  last turn     {turn}")
+    if r.queue_position:
+        out.append(
+            f"  queue         waiting for a slot: position {r.queue_position}, {r.queue_wait_seconds:.1f}s so far"
+        )
+    else:
+        out.append(f"  queue         not waiting (last wait {r.queue_wait_seconds:.1f}s)")
+    if r.contexts:
+        rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
+        for c in r.contexts:
+            rows.append(
+                (
+                    c.id + (" *" if c.id == r.context_id else ""),
+                    c.tier,
+                    str(c.tokens),
+                    str(c.prefix_tokens),
+                    format_bytes(c.bytes),
+                    format_bytes(c.shared_bytes),
+                    f"{age(now - c.last_used_at)} ago",
+                    "yes" if c.pinned else "no",
+                    c.session_id or "-",
+                )
+            )
+        out.append("  the model's warm contexts (* this session's)")
+        out.extend(table(rows, indent="    "))
+    return out
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
@@ -665,10 +735,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_explain)
 
-    t = sub.add_parser("status", help="who owns the machine, what is loaded")
+    t = sub.add_parser(
+        "status", help="who owns the machine, the machine, the tiers, each model's worker and warm contexts"
+    )
     _global_options(t, top=False)
     t.add_argument("--json", action="store_true")
+    t.add_argument("--debug", action="store_true", help="also each engine worker's last log lines")
     t.set_defaults(func=_cmd_status)
+
+    lg = sub.add_parser("logs", help="the last log lines of each engine worker (llama.cpp's included)")
+    _global_options(lg, top=False)
+    lg.add_argument("model", nargs="?", help="a loaded model: its name, file name, path or digest prefix")
+    lg.add_argument("--json", action="store_true")
+    lg.set_defaults(func=_cmd_logs)
 
     m = sub.add_parser("metrics", help="the daemon's metrics (Prometheus text format)")
     _global_options(m, top=False)
