@@ -259,8 +259,10 @@ class Server:
             time.sleep(min(grace, 0.5))  # let open streams deliver their final status
             with contextlib.suppress(Exception):
                 self._run(self._grpc.stop(grace), timeout=grace + 10)
-        self.servicer.close()
+        # The engine first: workers die with the thread that started them (PR_SET_PDEATHSIG is
+        # per thread), and a pool thread may have started one; it must live to persist.
         self.engine.shutdown()
+        self.servicer.close()
         self._stop_loop()
         if self.address.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
