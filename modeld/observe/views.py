@@ -73,14 +73,14 @@ def _machine(m: Machine) -> list[str]:
 
 
 def _tiers(t: TierStatus) -> list[str]:
-    disk = f"disk  {_plural(t.disk_entries, 'snapshot')}, {format_bytes(t.disk_bytes)} of {format_bytes(t.disk_budget)}"
-    if t.disk_off_reason:
-        disk += f"  OFF: {t.disk_off_reason}"
-    elif not t.disk_budget:
-        disk += "  (off)"
-    ram = f"ram   {_plural(t.ram_entries, 'snapshot')}, {format_bytes(t.ram_bytes)} of {format_bytes(t.ram_budget)}"
-    if not t.ram_budget:
-        ram += "  (off)"
+    def tier(name: str, entries: int, held: int, budget: int, off: str = "") -> str:
+        if not budget:
+            return f"{name}  off (budget 0)"
+        line = f"{name}  {_plural(entries, 'snapshot')}, {format_bytes(held)} of {format_bytes(budget)}"
+        return line + (f"  OFF: {off}" if off else "")
+
+    ram = tier("ram ", t.ram_entries, t.ram_bytes, t.ram_budget)
+    disk = tier("disk", t.disk_entries, t.disk_bytes, t.disk_budget, t.disk_off_reason)
     lines = [
         f"tiers     {ram}",
         f"          {disk}",
