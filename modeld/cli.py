@@ -486,7 +486,8 @@ def _warm_state_lines(r: ContextReport) -> list[str]:
             turn = f"cold: {_COLD_WHY.get(d.reason, d.reason)}"
         if p is not None:
             turn += f" · reused {p.reused_tokens} of {p.prefix_tokens} tokens · prefill {p.prefill_ms:.1f} ms"
-            turn += f" · restore {p.restore_ms:.1f} ms"
+            if p.restore_ms or d.tier in ("ram", "disk"):
+                turn += f" · restore {p.restore_ms:.1f} ms"
         out.append(f"  last turn     {turn}")
     if r.queue_position:
         out.append(
