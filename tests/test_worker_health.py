@@ -54,18 +54,9 @@ def daemon(request: pytest.FixtureRequest) -> Iterator[Daemon]:
     extra: tuple[str, ...] = getattr(request, "param", ())
     # At debug level the daemon logs every line of its workers: to a file, not an unread pipe.
     with (data / "daemon.log").open("w") as log:
+        command = [MODELD, "--data-dir", str(data), "serve", "--backend", "llama"]
         proc = subprocess.Popen(
-            [
-                MODELD,
-                "--data-dir",
-                str(data),
-                "serve",
-                "--backend",
-                "llama",
-                "--listen",
-                f"unix:{data}/s.sock",
-            ]
-            + ["--log-level", "debug", *extra],
+            [*command, "--listen", f"unix:{data}/s.sock", "--log-level", "debug", *extra],
             stdout=log,
             stderr=log,
             text=True,
