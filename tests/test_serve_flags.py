@@ -162,3 +162,23 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
     finally:
         stop(proc)
         shutil.rmtree(data, ignore_errors=True)
+
+
+def test_a_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = modeld(
+            "serve",
+            "--backend",
+            "memory",
+            "--listen",
+            f"127.0.0.1:{port}",
+            data_dir=Path(tempfile.mkdtemp(prefix="mdf")),
+        )
+    assert out.returncode == 1
+    assert f"could not listen on 127.0.0.1:{port} (is it in use?)" in out.stderr
+    assert "Traceback" not in out.stderr

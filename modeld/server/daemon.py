@@ -238,9 +238,12 @@ class Server:
         enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
         old_umask = os.umask(0o177)  # the socket is created 0600: no window with wider access
         try:
-            port = server.add_insecure_port(self.address.grpc_target)
+            try:
+                port = server.add_insecure_port(self.address.grpc_target)
+            except RuntimeError:  # grpc.aio raises where the sync server returned 0
+                port = 0
             if port == 0:
-                raise ServeError(f"could not listen on {self.address.grpc_target}")
+                raise ServeError(f"could not listen on {self.address.grpc_target} (is it in use?)")
             await server.start()
         finally:
             os.umask(old_umask)
