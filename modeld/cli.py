@@ -22,10 +22,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, ContextReport, OpenSessionRequest
 from modeld.errors import DaemonUnavailableError, ModeldError
+
+if TYPE_CHECKING:
+    from modeld.server.daemon import ServeOptions
 
 __all__ = ["main"]
 
@@ -160,7 +163,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from modeld.observe.logs import SafeFormatter
-    from modeld.server.daemon import ServeOptions, run
+    from modeld.server.daemon import run
 
     try:
         options = serve_options(args)
@@ -170,11 +173,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
-    assert isinstance(options, ServeOptions)
     return run(options)
 
 
-def serve_options(args: argparse.Namespace) -> Any:
+def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
     combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``
     and :class:`~modeld.engine.limits.Limits`."""
