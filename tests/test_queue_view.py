@@ -92,11 +92,6 @@ def test_a_queued_session_shows_in_explain_context_status_and_metrics(daemon: Pa
     assert m[("modeld_worker_state", (("model", "coder"), ("state", "ready")))] == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: LoadedModel accepts on_wait but never passes it to Admission, so no "
-    "queue_waited event is ever sent. Reported to the lead; remove this mark with the fix.",
-)
 def test_a_wait_for_a_slot_reaches_the_queue_wait_histogram(daemon: Path) -> None:
     _wait_behind_a_decode(daemon, lambda client, b: None)
     m = _metrics(daemon)

@@ -171,12 +171,6 @@ def test_a_killed_worker_beyond_the_crash_limit_marks_the_model_not_serving(daem
         watch.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine: a restarted worker is SIGKILLed when the supervisor's short-lived restart thread "
-    "exits (PR_SET_PDEATHSIG fires on the death of the parent *thread*); the second death then marks "
-    "the model failed. Reported to the lead; remove this mark with the fix.",
-)
 def test_a_killed_worker_is_restarted_and_its_model_serves_again(daemon: Daemon) -> None:
     d = daemon
     service = health_service_name(NAME)
