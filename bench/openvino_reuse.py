@@ -60,7 +60,9 @@ def main(argv: list[str]) -> int:
                 ttft, reused, total = _turn(session, _workspace(k), _suffix(r, k))
                 (cold if r == 0 else warm).append(ttft)
                 print(f"round {r} workspace {k}: TTFT {ttft * 1000:7.0f} ms, logical reuse {reused}/{total}")
-    print(f"single workspace: cold {alone[0] * 1000:.0f} ms, warm {statistics.median(alone[1:]) * 1000:.0f} ms")
+    print(
+        f"single workspace: cold {alone[0] * 1000:.0f} ms, warm {statistics.median(alone[1:]) * 1000:.0f} ms"
+    )
     print(
         f"round robin: cold median {statistics.median(cold) * 1000:.0f} ms, warm median "
         f"{statistics.median(warm) * 1000:.0f} ms (range {min(warm) * 1000:.0f}-{max(warm) * 1000:.0f}); "
