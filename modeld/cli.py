@@ -1,4 +1,4 @@
-"""The ``modeld`` command line: serve, describe, explain-context, status, metrics.
+"""The ``modeld`` command line: serve, describe, explain-context, status, logs, metrics.
 
 Expected failures (no daemon, a bad model file, an unknown session) print one line to stderr
 and exit non-zero; a traceback only ever means a bug. Every command that reports something
@@ -22,10 +22,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, ContextReport, OpenSessionRequest
 from modeld.errors import DaemonUnavailableError, ModeldError
+
+if TYPE_CHECKING:
+    from modeld.server.daemon import ServeOptions
 
 __all__ = ["main"]
 
@@ -78,32 +81,159 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
+# --- values of flags ------------------------------------------------------------------------
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+MAX_FLAG_CHARS = 64
+
+
+def parse_size(text: str) -> int:
+    """A byte count: ``4096``, ``512M``, ``8G``, ``1.5G`` (K, M, G, T are powers of 1024; a
+    trailing ``i``/``iB``/``B`` is accepted), ``0`` (off), ``auto`` (-1: the default)."""
+    raw = text.strip()
+    if raw.lower() == "auto":
+        return -1
+    body = raw.upper().removesuffix("B").removesuffix("I")
+    number, unit = (body[:-1], body[-1]) if body and body[-1] in "KMGT" else (body, "")
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not number or value < 0 or value != value or len(raw) > MAX_FLAG_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {raw[:MAX_FLAG_CHARS]!r}: give bytes with an optional K, M, G or T suffix "
+            "(512M, 8G), 0 for off, or auto"
+        )
+    size = value * _SIZE_UNITS[unit]
+    if size >= 1 << 60:
+        raise argparse.ArgumentTypeError(f"size {raw!r} is too large")
+    return int(size)
+
+
+def parse_duration(text: str) -> float:
+    """Seconds: ``90``, ``90s``, ``2.5m``, ``1h``; ``0`` switches a timeout off."""
+    raw = text.strip()
+    unit = raw[-1:].lower() if raw[-1:].lower() in ("s", "m", "h") else ""
+    number = raw[: len(raw) - len(unit)]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not number or value < 0 or value != value or value == float("inf") or len(raw) > MAX_FLAG_CHARS:
+        raise argparse.ArgumentTypeError(
+            f"invalid duration {raw[:MAX_FLAG_CHARS]!r}: give seconds, or a number with s, m or h (90, 2.5m, 1h)"
+        )
+    return value * _DURATION_UNITS[unit]
+
+
+def parse_positive_size(text: str) -> int:
+    """A byte count that must be above 0 (a limit)."""
+    size = parse_size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"{text[:MAX_FLAG_CHARS]!r}: give a size above 0 (512K, 16M)")
+    return size
+
+
+def _count(low: int, high: int) -> Any:
+    """An argparse type: an integer from ``low`` to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number {text[:MAX_FLAG_CHARS]!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range ({low} to {high})")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line (``modeld serve: error: ...``), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 # --- serve ----------------------------------------------------------------------------------
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from modeld.engine import Limits
     from modeld.observe.logs import SafeFormatter
-    from modeld.server.daemon import ServeOptions, run
+    from modeld.server.daemon import run
 
+    try:
+        options = serve_options(args)
+    except ValueError as exc:
+        print(f"modeld serve: error: {exc}", file=sys.stderr)
+        return 2
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
-    defaults = Limits()
-    limits = dataclasses.replace(
-        defaults,
-        max_sessions=args.max_sessions or defaults.max_sessions,
-        max_text_bytes=args.max_text_bytes or defaults.max_text_bytes,
-        max_message_bytes=args.max_message_bytes or defaults.max_message_bytes,
-        max_loaded_models=args.max_loaded_models or defaults.max_loaded_models,
+    return run(options)
+
+
+def serve_options(args: argparse.Namespace) -> ServeOptions:
+    """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
+    combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``
+    and :class:`~modeld.engine.limits.Limits`."""
+    from modeld.engine import Limits
+    from modeld.server.daemon import ServeOptions
+    from modeld.settings import Residency, RestartPolicy, Timeouts
+
+    def pick(defaults: Any, **flags: Any) -> Any:
+        return dataclasses.replace(defaults, **{k: v for k, v in flags.items() if v is not None})
+
+    limits = pick(
+        Limits(),
+        max_sessions=args.max_sessions,
+        max_text_bytes=args.max_text_bytes,
+        max_message_bytes=args.max_message_bytes,
+        max_loaded_models=args.max_loaded_models,
+        model_wait_seconds=args.queue_wait,
+        attach_timeout_seconds=args.attach_timeout,
     )
     if limits.max_message_bytes < limits.max_text_bytes + (64 << 10):
-        print(
-            "modeld: error: --max-message-bytes must exceed --max-text-bytes by at least 64 KiB "
-            "(room for the manifest)",
-            file=sys.stderr,
+        raise ValueError(
+            "--max-message-bytes must exceed --max-text-bytes by at least 64 KiB (room for the manifest)"
         )
-        return 2
+    residency = pick(
+        Residency(),
+        sequences=args.sequences,
+        kv_unified=args.kv_unified,
+        pool_tokens=args.kv_pool_tokens,
+        ram_tier_bytes=args.ram_tier_bytes,
+        disk_tier_bytes=args.disk_tier_bytes,
+        memory_budget_bytes=args.memory_budget,
+        isolation=args.isolation,
+        slots=args.slots,
+        max_queue=args.max_queue,
+        snapshot_min_tokens=args.snapshot_min_tokens,
+        persist_min_tokens=args.persist_min_tokens,
+    )
+    if residency.pool_tokens and not residency.kv_unified:
+        raise ValueError("--kv-pool-tokens sizes the unified KV pool: add --kv-unified")
+    if residency.memory_budget_bytes == 0:
+        raise ValueError("--memory-budget 0 leaves no room for any model (use auto for the default)")
+    timeouts = pick(
+        Timeouts(),
+        load_seconds=args.load_timeout,
+        stall_seconds=args.stall_timeout,
+        idle_stream_seconds=args.idle_stream_timeout,
+        operation_seconds=args.operation_timeout,
+    )
+    restart = pick(
+        RestartPolicy(),
+        backoff_initial=args.restart_backoff,
+        backoff_max=args.restart_backoff_max,
+        crash_limit=args.crash_limit,
+        crash_window=args.crash_window,
+    )
+    if restart.backoff_max < restart.backoff_initial:
+        raise ValueError("--restart-backoff-max must be at least --restart-backoff")
     options = ServeOptions(
         backend=args.backend,
         listen=args.listen or "",
@@ -117,10 +247,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         models=tuple(args.model or ()),
         models_dir=Path(args.models_dir) if args.models_dir else None,
         num_ctx=args.num_ctx or 0,
+        residency=residency,
+        timeouts=timeouts,
+        restart=restart,
+        worker_log_level=args.log_level.upper(),
     )
+    if args.describe_timeout is not None:
+        options.describe_timeout = args.describe_timeout
     if args.data_dir:
         options.data_dir = Path(args.data_dir)
-    return run(options)
+    return options
 
 
 # --- describe -------------------------------------------------------------------------------
@@ -181,41 +317,36 @@ def _connect(args: argparse.Namespace) -> Any:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from modeld.observe.views import format_status
+
     with _connect(args) as client:
-        status = client.status()
+        status = client.status(debug=args.debug)
     if args.json:
         print(_json(status))
         return 0
-    lines = [
-        f"modeld {status.version}  instance {status.instance_id}  epoch {status.epoch}  pid {status.pid}",
-        f"endpoint  {status.endpoint}",
-        f"uptime    {_age(status.uptime_seconds)}",
-        f"backends  {', '.join(status.backends)} (default {status.default_backend})",
-        f"sessions  {status.sessions}",
-    ]
-    if status.owner_lost:
-        lines.append(f"OWNERSHIP LOST: {status.owner_lost}")
-    if status.models:
-        lines.append("models")
-        rows = [("  BACKEND", "MODEL", "DIGEST", "CTX", "RESIDENT", "SESSIONS", "IDLE")]
-        now = time.time()
-        for m in status.models:
-            rows.append(
-                (
-                    f"  {m.backend}",
-                    m.model_name,
-                    _short(m.model_digest),
-                    str(m.n_ctx),
-                    str(m.resident_tokens),
-                    str(m.sessions),
-                    _age(now - m.last_used_at),
-                )
+    print(format_status(status, debug=args.debug))
+    return 0
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from modeld.observe.views import format_logs, match_models
+
+    with _connect(args) as client:
+        status = client.status(debug=True)
+    models = list(status.models)
+    if args.model:
+        models = match_models(models, args.model)
+        if not models:
+            loaded = ", ".join(m.model_name or m.path for m in status.models) or "none"
+            print(
+                f"modeld: error: no loaded model matches {args.model[:MAX_FLAG_CHARS]!r} (loaded: {loaded})",
+                file=sys.stderr,
             )
-        lines.append(_table(rows))
-    else:
-        lines.append("models    none loaded")
-    lines.append("limits    " + " ".join(f"{k}={_num(v)}" for k, v in sorted(status.limits.items())))
-    print("\n".join(lines))
+            return EXIT_ERROR
+    if args.json:
+        print(_json({m.model_name or m.path: list(m.worker.log_lines) if m.worker else [] for m in models}))
+        return 0
+    print(format_logs(models) if models else "no models loaded")
     return 0
 
 
@@ -314,7 +445,83 @@ def _format_report(r: ContextReport) -> str:
             f"changed on each of the last {c.turns} prefixes; move what changes (a timestamp, a request id) "
             "into the volatile suffix"
         )
+    out.extend(_warm_state_lines(r))
     return "\n".join(out)
+
+
+_COLD_WHY = {
+    "empty_cache": "nothing compatible was warm",
+    "engine_reset": "the engine's state was lost (a failed operation or a worker restart)",
+    "manifest_changed": "a runtime field of the manifest changed, so no warm context was compatible",
+    "truncation_unsupported": "the model's memory cannot be cut inside a warm context",
+    "snapshot_rejected": "the snapshot that would have served was refused and removed",
+    "diverged": "the prefix differs from every warm context from its first token",
+}
+
+
+def _warm_state_lines(r: ContextReport) -> list[str]:
+    """Where the session's warm context lives, why its last turn was warm, restored or cold, its
+    place in the model's queue, pin and keep-alive, and the server-side timings (issue 8/9)."""
+    from modeld.observe.views import age, format_bytes, table
+
+    now = time.time()
+    out = ["warm state"]
+    own = next((c for c in r.contexts if c.id == r.context_id), None) if r.context_id else None
+    where = (
+        f"context {own.id} in the {own.tier} tier ({own.tokens} tokens, {format_bytes(own.bytes)})"
+        if own is not None
+        else "no warm context in the KV now"
+        + (" (closed)" if r.closed else " (the next operation restores or recomputes it)")
+    )
+    keep = (
+        f"keep-alive {_num(r.keep_alive_seconds)}s"
+        if r.keep_alive_seconds
+        else "kept until the pool needs room"
+    )
+    out.append(f"  this session  {where} · {'pinned' if r.pinned else 'not pinned'} · {keep}")
+    d, p = r.last_reuse, r.last_prefix
+    if d is not None:
+        if d.reason in ("restored_from_ram", "restored_from_disk") or (
+            d.outcome != "cold" and d.tier in ("ram", "disk")
+        ):
+            turn = f"{d.outcome}: restored from the {d.tier} tier (snapshot {d.context or '?'})"
+        elif d.outcome != "cold":
+            turn = f"{d.outcome}: reused from the KV" + (f" (warm context {d.context})" if d.context else "")
+        elif d.reason == "evicted":
+            went = f"evicted to the {d.tier} tier" if d.tier in ("ram", "disk") else "evicted and dropped"
+            turn = f"cold: this session's warm context had been {went}"
+        else:
+            turn = f"cold: {_COLD_WHY.get(d.reason, d.reason)}"
+        if p is not None:
+            turn += f" · reused {p.reused_tokens} of {p.prefix_tokens} tokens · prefill {p.prefill_ms:.1f} ms"
+            if p.restore_ms or d.tier in ("ram", "disk"):
+                turn += f" · restore {p.restore_ms:.1f} ms"
+        out.append(f"  last turn     {turn}")
+    if r.queue_position:
+        out.append(
+            f"  queue         waiting for a slot: position {r.queue_position}, {r.queue_wait_seconds:.1f}s so far"
+        )
+    else:
+        out.append(f"  queue         not waiting (last wait {r.queue_wait_seconds:.1f}s)")
+    if r.contexts:
+        rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
+        for c in r.contexts:
+            rows.append(
+                (
+                    c.id + (" *" if c.id == r.context_id else ""),
+                    c.tier,
+                    str(c.tokens),
+                    str(c.prefix_tokens),
+                    format_bytes(c.bytes),
+                    format_bytes(c.shared_bytes),
+                    f"{age(now - c.last_used_at)} ago",
+                    "yes" if c.pinned else "no",
+                    c.session_id or "-",
+                )
+            )
+        out.append("  the model's warm contexts (* this session's)")
+        out.extend(table(rows, indent="    "))
+    return out
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
@@ -342,8 +549,136 @@ def _global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
+def _serve_settings(s: argparse.ArgumentParser) -> None:
+    """``modeld serve``'s flags for every setting (``modeld/settings.py``, the limits); unset
+    ones keep their defaults. ``modeld status`` shows the values in force."""
+    from modeld.settings import ISOLATIONS
+
+    size = "SIZE"
+    w = s.add_argument_group("warm state (blueprints/0016)")
+    w.add_argument(
+        "--sequences", type=_count(1, 256), metavar="N", help="warm KV sequences per loaded model (default 4)"
+    )
+    w.add_argument(
+        "--kv-unified",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="one KV pool shared by every sequence (a shared prefix stored once; default off)",
+    )
+    w.add_argument(
+        "--kv-pool-tokens",
+        type=_count(0, 1 << 24),
+        metavar="N",
+        help="KV cells of the unified pool (default: sequences x the window)",
+    )
+    w.add_argument(
+        "--ram-tier-bytes",
+        type=parse_size,
+        metavar=size,
+        help="RAM tier budget, e.g. 2G (default auto: a quarter of free RAM, at most 8 GiB; 0: off)",
+    )
+    w.add_argument(
+        "--disk-tier-bytes",
+        type=parse_size,
+        metavar=size,
+        help="disk tier budget under the data directory (default auto: a tenth of free space, at most 32 GiB; 0: off)",
+    )
+    w.add_argument(
+        "--memory-budget",
+        type=parse_size,
+        metavar=size,
+        help="weights + KV of all loaded models; beyond it idle models are unloaded (default auto: 90%% of RAM)",
+    )
+    w.add_argument(
+        "--isolation",
+        choices=ISOLATIONS,
+        help="process: each model in a supervised worker; inline: in the daemon (default auto: inline "
+        "for memory, else process)",
+    )
+    w.add_argument(
+        "--slots",
+        type=_count(0, 4096),
+        metavar="N",
+        help="operations a model runs at once (default 0: as many as sequences)",
+    )
+    w.add_argument(
+        "--max-queue",
+        type=_count(0, 1 << 16),
+        metavar="N",
+        help="operations that may wait for one model (default 64)",
+    )
+    w.add_argument(
+        "--snapshot-min-tokens",
+        type=_count(0, 1 << 24),
+        metavar="N",
+        help="shorter contexts are not snapshotted (64)",
+    )
+    w.add_argument(
+        "--persist-min-tokens",
+        type=_count(0, 1 << 24),
+        metavar="N",
+        help="a prefix this long is written to the disk tier at once (512)",
+    )
+    t = s.add_argument_group("timeouts (0 switches one off; 90, 2.5m, 1h)")
+    t.add_argument("--load-timeout", type=parse_duration, metavar="DURATION", help="loading a model (600)")
+    t.add_argument(
+        "--stall-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="a busy worker without progress and CPU time is killed (120)",
+    )
+    t.add_argument(
+        "--idle-stream-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="a decode without a token (300)",
+    )
+    t.add_argument(
+        "--operation-timeout", type=parse_duration, metavar="DURATION", help="any one operation (default off)"
+    )
+    t.add_argument(
+        "--queue-wait",
+        type=parse_duration,
+        metavar="DURATION",
+        help="how long an operation waits for a busy model before 'busy' (300)",
+    )
+    t.add_argument(
+        "--attach-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="an opened session without a Session stream is closed (30)",
+    )
+    t.add_argument(
+        "--describe-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="Describe gives up on a model file that takes longer to read (30)",
+    )
+    r = s.add_argument_group("worker restarts")
+    r.add_argument(
+        "--restart-backoff", type=parse_duration, metavar="DURATION", help="first restart delay (0.5)"
+    )
+    r.add_argument(
+        "--restart-backoff-max", type=parse_duration, metavar="DURATION", help="longest restart delay (30)"
+    )
+    r.add_argument(
+        "--crash-limit",
+        type=_count(1, 1000),
+        metavar="N",
+        help="deaths within the crash window that mark a model failed (5)",
+    )
+    r.add_argument("--crash-window", type=parse_duration, metavar="DURATION", help="(300)")
+    lim = s.add_argument_group("limits (blueprints/0006)")
+    lim.add_argument("--max-sessions", type=_count(1, 100_000), metavar="N", help="open sessions (64)")
+    lim.add_argument("--max-text-bytes", type=parse_positive_size, metavar=size, help="text of one call (8M)")
+    lim.add_argument(
+        "--max-message-bytes", type=parse_positive_size, metavar=size, help="one gRPC message (16M)"
+    )
+    lim.add_argument("--max-loaded-models", type=_count(1, 1024), metavar="N", help="models kept loaded (2)")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="modeld", description="Local warm-prefix inference daemon.")
+    p = _Parser(prog="modeld", description="Local warm-prefix inference daemon.")
     _global_options(p, top=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -389,11 +724,8 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="allow a non-loopback --listen/--http address (token / API key required; no TLS)",
     )
-    s.add_argument("--max-sessions", type=int, default=0)
-    s.add_argument("--max-text-bytes", type=int, default=0)
-    s.add_argument("--max-message-bytes", type=int, default=0)
-    s.add_argument("--max-loaded-models", type=int, default=0)
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _serve_settings(s)
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser("describe", help="what a model is and can do on this machine (no daemon needed)")
@@ -412,10 +744,19 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
     e.set_defaults(func=_cmd_explain)
 
-    t = sub.add_parser("status", help="who owns the machine, what is loaded")
+    t = sub.add_parser(
+        "status", help="who owns the machine, the machine, the tiers, each model's worker and warm contexts"
+    )
     _global_options(t, top=False)
     t.add_argument("--json", action="store_true")
+    t.add_argument("--debug", action="store_true", help="also each engine worker's last log lines")
     t.set_defaults(func=_cmd_status)
+
+    lg = sub.add_parser("logs", help="the last log lines of each engine worker (llama.cpp's included)")
+    _global_options(lg, top=False)
+    lg.add_argument("model", nargs="?", help="a loaded model: its name, file name, path or digest prefix")
+    lg.add_argument("--json", action="store_true")
+    lg.set_defaults(func=_cmd_logs)
 
     m = sub.add_parser("metrics", help="the daemon's metrics (Prometheus text format)")
     _global_options(m, top=False)

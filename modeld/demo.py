@@ -3,8 +3,11 @@
 Starts ``modeld serve`` in a private data directory, then plays a short coding session through
 ``runtime_client`` over the unix socket: a large stable prefix (system prompt, tools, repo map,
 pinned file) and a new suffix each turn. It prints, per turn, whether the prefix was warm or
-cold, how many tokens were reused and prefilled, and the client-observed time to first token.
-Turn 3 edits the repo map, so part of the prefix is recomputed and explain-context says where.
+cold (and from which tier a warm one came: the KV, or a RAM or disk snapshot), how many tokens
+were reused and prefilled, the daemon's own prefill time and the client-observed time to first
+token. A long prefill draws a progress bar from the daemon's progress reports
+(``ensure_prefix(..., progress=callback)``). Turn 3 edits the repo map, so part of the prefix is
+recomputed and explain-context says where.
 
 ``--model`` takes a GGUF path, or ``tiny`` / ``realistic`` for the models the project generates
 (``modeld.testmodels``). With the memory backend the model is a name.
@@ -20,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import runtime_client as rc
 from modeld.lease import read_lease
@@ -67,24 +71,58 @@ def _resolve_model(backend: str, model: str) -> str:
     return model
 
 
+class ProgressBar:
+    """Draws the daemon's progress reports of a long prefill (at most one every 0.5 s).
+
+    On a terminal the bar is redrawn in place; into a file or pipe each report is a line."""
+
+    def __init__(self, out: TextIO, width: int = 30) -> None:
+        self.out = out
+        self.width = width
+        self.shown = False
+
+    def __call__(self, progress: rc.PrefillProgress) -> None:
+        total = max(1, progress.total)
+        filled = min(self.width, self.width * progress.done // total)
+        bar = "#" * filled + "-" * (self.width - filled)
+        line = (
+            f"  {progress.stage} [{bar}] {progress.done}/{progress.total} tokens "
+            f"{progress.elapsed_ms / 1000:.1f}s"
+        )
+        tty = self.out.isatty()
+        self.out.write(("\r" + line) if tty else line + "\n")
+        self.out.flush()
+        self.shown = True
+
+    def done(self) -> None:
+        """End a bar drawn in place (nothing to do if none was drawn)."""
+        if self.shown and self.out.isatty():
+            self.out.write("\n")
+            self.out.flush()
+        self.shown = False
+
+
 @dataclass(frozen=True)
 class TurnResult:
     outcome: str
     reason: str
+    tier: str
     prefix: int
     reused: int
     prefilled: int
     suffix: int
+    prefill_ms: float
     ttft_ms: float
     tok_s: float
     answer: str
 
 
-def _turn(session: rc.ClientSession, ctx: rc.BuiltContext, max_tokens: int) -> TurnResult:
+def _turn(session: rc.ClientSession, ctx: rc.BuiltContext, max_tokens: int, bar: ProgressBar) -> TurnResult:
     """One turn as a tool runs it; TTFT is measured from ensure_prefix to the first token."""
     started = time.perf_counter()
-    prefix = session.ensure_prefix(ctx.prefix_input())
-    suffix = session.prefill_suffix(ctx.suffix_input())
+    prefix = session.ensure_prefix(ctx.prefix_input(), progress=bar)
+    suffix = session.prefill_suffix(ctx.suffix_input(), progress=bar)
+    bar.done()
     first = 0.0
     text: list[str] = []
     completion = 0
@@ -99,14 +137,31 @@ def _turn(session: rc.ClientSession, ctx: rc.BuiltContext, max_tokens: int) -> T
     return TurnResult(
         outcome=prefix.reuse.outcome,
         reason=prefix.reuse.reason,
+        tier=(prefix.reuse.tier or "kv") if prefix.reused_tokens else "-",
         prefix=prefix.prefix_tokens,
         reused=prefix.reused_tokens,
         prefilled=prefix.prefilled_tokens,
         suffix=suffix.suffix_tokens,
+        prefill_ms=prefix.prefill_ms + suffix.prefill_ms,
         ttft_ms=(first - started) * 1000,
         tok_s=(completion - 1) / (end - first) if completion > 1 and end > first else 0.0,
         answer="".join(text).replace("\n", " ")[:40],
     )
+
+
+def _table(rows: list[tuple[str, TurnResult]]) -> str:
+    """The per-turn table: reuse (and where it came from), tokens, server and client times."""
+    header = (
+        f"{'turn':<40} {'reuse':<24} {'from':<4} {'prefix':>7} {'reused':>7} {'prefilled':>9} "
+        f"{'suffix':>6} {'prefill ms':>10} {'TTFT ms':>9} {'tok/s':>7}  answer"
+    )
+    lines = [header, "-" * len(header)]
+    for label, r in rows:
+        lines.append(
+            f"{label:<40} {r.outcome + ' (' + r.reason + ')':<24} {r.tier:<4} {r.prefix:>7} {r.reused:>7} "
+            f"{r.prefilled:>9} {r.suffix:>6} {r.prefill_ms:>10.1f} {r.ttft_ms:>9.1f} {r.tok_s:>7.1f}  {r.answer!r}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                 ),
             ]
             rows = []
-            for label, rmap, question in turns:
+            bar = ProgressBar(sys.stdout)
+            for number, (label, rmap, question) in enumerate(turns, 1):
+                print(f"demo: turn {number}/{len(turns)}: {label}")
                 ctx = (
                     rc.ContextBuilder(identity=session.identity)
                     .system(SYSTEM)
@@ -180,17 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                     .user_turn(question)
                     .build()
                 )
-                row = _turn(session, ctx, args.max_tokens)
+                row = _turn(session, ctx, args.max_tokens, bar)
                 rows.append((label, row))
             print()
-            header = f"{'turn':<40} {'prefix':>7} {'reused':>7} {'prefilled':>9} {'suffix':>6} {'TTFT ms':>9} {'tok/s':>7}  answer"
-            print(header)
-            print("-" * len(header))
-            for label, r in rows:
-                print(
-                    f"{label:<40} {r.prefix:>7} {r.reused:>7} {r.prefilled:>9} {r.suffix:>6} "
-                    f"{r.ttft_ms:>9.1f} {r.tok_s:>7.1f}  {r.answer!r}"
-                )
+            print(_table(rows))
             print(f"\nwarm TTFT / cold TTFT = {rows[1][1].ttft_ms / rows[0][1].ttft_ms:.3f}")
             print("\n$ modeld explain-context", session.session_id)
             sys.stdout.flush()

@@ -79,8 +79,11 @@ class AsyncClient:
         await session._attach()
         return session
 
-    async def status(self) -> DaemonStatus:
-        return convert.status_from_pb(await self._call(self._stub.Status, pb.StatusRequest(), 10.0))
+    async def status(self, *, debug: bool = False) -> DaemonStatus:
+        """The daemon's status; ``debug`` adds each engine worker's last log lines."""
+        return convert.status_from_pb(
+            await self._call(self._stub.Status, pb.StatusRequest(debug=debug), 10.0)
+        )
 
     async def list_sessions(self) -> list[SessionSummary]:
         resp = await self._call(self._stub.ListSessions, pb.ListSessionsRequest(), 10.0)

@@ -150,8 +150,9 @@ class Client:
 
     # --- observers ------------------------------------------------------------------------
 
-    def status(self) -> DaemonStatus:
-        return convert.status_from_pb(self._call(self._stub.Status, pb.StatusRequest(), 10.0))
+    def status(self, *, debug: bool = False) -> DaemonStatus:
+        """The daemon's status; ``debug`` adds each engine worker's last log lines."""
+        return convert.status_from_pb(self._call(self._stub.Status, pb.StatusRequest(debug=debug), 10.0))
 
     def list_sessions(self) -> list[SessionSummary]:
         resp = self._call(self._stub.ListSessions, pb.ListSessionsRequest(), 10.0)

@@ -68,6 +68,7 @@ log = logging.getLogger("modeld.llama")
 
 PENALTY_LAST_N = 64
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
+_GGML_LOG_INFO = 2
 _GGML_LOG_WARN = 3
 _GGML_LOG_ERROR = 4
 
@@ -76,12 +77,15 @@ _initialized = False
 
 
 def _log(level: int, text: bytes | None, _data: Any) -> None:
-    """llama.cpp's log lines go to the worker's log: warnings and errors at WARNING, the rest DEBUG."""
+    """llama.cpp's log lines go to the worker's log (its ring buffer in the daemon): warnings and
+    errors at WARNING, information (what it loaded, how) at INFO, the rest at DEBUG."""
     if text:
         message = text.decode("utf-8", errors="replace").rstrip()
         if message:
-            severe = level in (_GGML_LOG_WARN, _GGML_LOG_ERROR)
-            log.log(logging.WARNING if severe else logging.DEBUG, "%s", message)
+            if level in (_GGML_LOG_WARN, _GGML_LOG_ERROR):
+                log.warning("%s", message)
+            else:
+                log.log(logging.INFO if level == _GGML_LOG_INFO else logging.DEBUG, "%s", message)
 
 
 _log_callback: Any = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_log)

@@ -679,15 +679,18 @@ class ModelCache:
 
     def kv_tokens(self, slot: SessionSlot, tokens: Sequence[int]) -> int:
         """How many of a session's tokens its warm context holds in the KV pool now."""
-        with self._lock:
-            context = slot.context
-            if context is None or self._contexts.get(context.seq) is not context:
-                return 0
-            return common_prefix_len(context.tokens, list(tokens))
+        context = slot.context
+        if context is None or self._contexts.get(context.seq) is not context:
+            return 0
+        return common_prefix_len(list(context.tokens), list(tokens))
 
     def views(self) -> list[ContextView]:
+        """Every warm context, for status and explain-context. Never waits long: an operation
+        holds the lock across engine calls, and a hung engine must not hang ``modeld status``
+        (past 0.2 s the view is read without the lock, a moment's state)."""
         per_token = self.layout.kv_bytes_per_token
-        with self._lock:
+        locked = self._lock.acquire(timeout=0.2)
+        try:
             out = [
                 ContextView(
                     id=c.id,
@@ -701,8 +704,11 @@ class ModelCache:
                     session=c.owner.session_id if c.owner is not None else "",
                     seq=c.seq,
                 )
-                for c in sorted(self._contexts.values(), key=lambda c: c.seq)
+                for c in sorted(list(self._contexts.values()), key=lambda c: c.seq)
             ]
+        finally:
+            if locked:
+                self._lock.release()
         if self.tiers is not None:
             for e in self.tiers.entries(self.model_digest):
                 out.append(
@@ -721,8 +727,12 @@ class ModelCache:
         return out
 
     def used_cells(self) -> int:
-        with self._lock:
+        locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
+        try:
             return self._ledger.used()
+        finally:
+            if locked:
+                self._lock.release()
 
 
 class _NoRoom(Exception):  # noqa: N818 - internal control flow

@@ -460,6 +460,7 @@ class Engine:
             settings={
                 **self.residency.as_dict(),
                 **{f"timeout_{k}": str(v) for k, v in _fields(self.timeouts).items()},
+                **{f"restart_{k}": str(v) for k, v in _fields(self.restart).items()},
             },
         )
 

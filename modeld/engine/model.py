@@ -119,7 +119,11 @@ class LoadedModel:
             settings=cache_settings,
         )
         self.admission = Admission(
-            slots or self.layout.n_seq, max_queue=max_queue, wait_seconds=wait_seconds, name=name
+            slots or self.layout.n_seq,
+            max_queue=max_queue,
+            wait_seconds=wait_seconds,
+            name=name,
+            on_wait=on_wait,
         )
 
     @property

@@ -20,16 +20,32 @@ meaning is the same, under a ``modeld_`` prefix (counters get ``_total`` on expo
 ``modeld_requests_total{finish_reason}``    decodes finished
 ``modeld_time_to_first_token_seconds``      turn start (its first operation) to first token
 ``modeld_inter_token_latency_seconds``      between generated tokens
-``modeld_sessions_open``                    open sessions (from the engine's status)
-``modeld_models_loaded``, ``modeld_resident_tokens{model,backend}``
 ``modeld_queue_wait_seconds``               waits for a busy model, as the engine reports them
 ``modeld_worker_restarts_total``            engine worker restarts, as the engine reports them
 ==========================================  ==================================================
 
-Every series but the last three gauges carries ``model`` (the model's name, never a path, at
-most :data:`MAX_MODELS` distinct values; beyond, ``other``). The engine reports queue waits
-and worker restarts through :class:`EngineEvents`; an engine without a queue or workers never
-calls it, and those series stay at zero.
+Read from ``DaemonStatus`` at scrape time (a collector; always current):
+
+==========================================  ==================================================
+``modeld_sessions_open``, ``modeld_models_loaded``, ``modeld_resident_tokens{model,backend}``
+``modeld_worker_state{model,state}``        1 for the state each model's worker is in (loading,
+                                            ready, busy, restarting, failed), else 0
+``modeld_worker_rss_bytes{model}``          the worker process's resident memory
+``modeld_slots{model}``, ``modeld_slots_busy{model}``, ``modeld_queue_length{model}``
+``modeld_warm_contexts{model,tier}``        warm contexts of a loaded model, by tier
+``modeld_warm_context_bytes{model,tier}``   their bytes (a shared prefix counted once)
+``modeld_tier_bytes{tier}``, ``modeld_tier_entries{tier}``, ``modeld_tier_budget_bytes{tier}``
+``modeld_evictions_total{model,to}``        warm contexts evicted from the KV pool, to ``ram``,
+                                            ``disk`` or ``dropped`` (per loaded model: restart
+                                            at 0 when a model is loaded again)
+``modeld_snapshots_rejected_total{model}``  snapshots refused (corrupt, stale, refused by the engine)
+==========================================  ==================================================
+
+Every per-model series carries ``model`` (the model's name, never a path, at most
+:data:`MAX_MODELS` distinct values; beyond, ``other``; loaded models sharing a label are
+summed). The engine reports queue waits and worker restarts through :class:`EngineEvents`
+(the daemon subscribes :class:`Metrics` with ``Engine.add_observer``); an engine without a
+queue or workers never calls it, and those series stay at zero.
 
 What not: no per-session or per-conversation labels (unbounded), no timing inside the engine.
 """
@@ -44,7 +60,7 @@ from types import TracebackType
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
 from modeld.contract import (
@@ -63,7 +79,15 @@ from modeld.contract import (
 )
 from modeld.manifest import ContextManifest
 
-__all__ = ["MAX_MODELS", "EngineEvents", "Metrics", "ObservedSession", "model_label", "source_of"]
+__all__ = [
+    "MAX_MODELS",
+    "WORKER_STATES",
+    "EngineEvents",
+    "Metrics",
+    "ObservedSession",
+    "model_label",
+    "source_of",
+]
 
 log = logging.getLogger("modeld.metrics")
 
@@ -71,11 +95,20 @@ MAX_MODELS = 32
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk"}
+_TIERS = ("ram", "disk")
+WORKER_STATES = ("loading", "ready", "busy", "restarting", "failed")
 
 
 def source_of(status: PrefixStatus) -> str:
-    """Where a prefix's reused tokens came from: ``kv`` unless the engine restored a tier."""
-    return _SOURCES.get(status.reuse.reason, "kv")
+    """Where a prefix's reused tokens came from: ``ram`` or ``disk`` when the engine restored a
+    snapshot from that tier (``restored_from_ram``/``_disk``, or a partial reuse of a restored
+    snapshot, whose ``tier`` says so), else ``kv`` (they were resident)."""
+    decision = status.reuse
+    if decision.reason in _SOURCES:
+        return _SOURCES[decision.reason]
+    if decision.outcome != "cold" and decision.tier in _TIERS:
+        return decision.tier
+    return "kv"
 
 
 def model_label(name: str) -> str:
@@ -85,11 +118,15 @@ def model_label(name: str) -> str:
 
 
 class EngineEvents(Protocol):
-    """What an engine reports as it happens (a queue for a busy model, supervised workers)."""
+    """What an engine reports as it happens (a queue for a busy model, supervised workers):
+    the shape of ``modeld.engine.EngineObserver``, so the server subscribes without importing
+    the engine."""
 
     def queue_waited(self, seconds: float) -> None: ...
 
     def worker_restarted(self) -> None: ...
+
+    def model_state(self, model_name: str, state: str) -> None: ...
 
 
 class Metrics:
@@ -167,6 +204,11 @@ class Metrics:
     def worker_restarted(self) -> None:
         self.restarts.inc()
 
+    def model_state(self, model_name: str, state: str) -> None:
+        """Nothing to count: the worker state gauge is read from the status at scrape time,
+        which is always current (events may arrive after a newer state)."""
+        del model_name, state
+
     # --- observing sessions ---------------------------------------------------------------
 
     def label(self, model_name: str) -> str:
@@ -209,12 +251,99 @@ class _StatusCollector:
             return
         yield GaugeMetricFamily("modeld_sessions_open", "Open sessions.", value=status.sessions)
         yield GaugeMetricFamily("modeld_models_loaded", "Models loaded.", value=len(status.models))
-        resident = GaugeMetricFamily(
-            "modeld_resident_tokens", "Tokens resident in a loaded model's KV.", labels=["model", "backend"]
-        )
+        resident = _Sums()
+        state = _Sums()
+        rss = _Sums()
+        slots, busy, queued = _Sums(), _Sums(), _Sums()
+        contexts, context_bytes = _Sums(), _Sums()
+        evictions, rejected = _Sums(), _Sums()
         for m in status.models:
-            resident.add_metric([self._label(m.model_name), m.backend], m.resident_tokens)
-        yield resident
+            name = self._label(m.model_name)
+            resident.add((name, m.backend), m.resident_tokens)
+            slots.add((name,), m.slots)
+            busy.add((name,), m.busy_slots)
+            queued.add((name,), m.queued)
+            worker = m.worker
+            for each in WORKER_STATES:
+                state.add((name, each), 1 if worker is not None and worker.state == each else 0)
+            if worker is not None:
+                rss.add((name,), worker.rss_bytes)
+            for c in m.contexts:
+                contexts.add((name, c.tier), 1)
+                context_bytes.add((name, c.tier), c.bytes)
+            for to in ("ram", "disk", "dropped"):
+                evictions.add(
+                    (name, to),
+                    m.counters.get(f"evicted_to_{to}" if to != "dropped" else "evicted_dropped", 0),
+                )
+            rejected.add((name,), m.counters.get("snapshots_rejected", 0))
+        yield resident.gauge(
+            "modeld_resident_tokens", "Tokens resident in a loaded model's KV.", ["model", "backend"]
+        )
+        yield state.gauge(
+            "modeld_worker_state",
+            "1 for the state a model's engine worker is in (loading, ready, busy, restarting, failed).",
+            ["model", "state"],
+        )
+        yield rss.gauge("modeld_worker_rss_bytes", "Resident memory of a model's engine worker.", ["model"])
+        yield slots.gauge("modeld_slots", "Operations a model runs at once.", ["model"])
+        yield busy.gauge("modeld_slots_busy", "Slots running an operation.", ["model"])
+        yield queued.gauge("modeld_queue_length", "Operations waiting for a slot.", ["model"])
+        yield contexts.gauge(
+            "modeld_warm_contexts", "Warm contexts of a loaded model, by tier.", ["model", "tier"]
+        )
+        yield context_bytes.gauge(
+            "modeld_warm_context_bytes",
+            "Bytes of a loaded model's warm contexts, by tier (a shared prefix counted once).",
+            ["model", "tier"],
+        )
+        yield evictions.counter(
+            "modeld_evictions",
+            "Warm contexts evicted from the KV pool, by where they went (ram, disk, dropped).",
+            ["model", "to"],
+        )
+        yield rejected.counter(
+            "modeld_snapshots_rejected",
+            "Snapshots refused (corrupt, stale, refused by the engine).",
+            ["model"],
+        )
+        tiers = status.tiers
+        if tiers is not None:
+            tier_bytes = GaugeMetricFamily("modeld_tier_bytes", "Bytes held by a tier.", labels=["tier"])
+            entries = GaugeMetricFamily("modeld_tier_entries", "Snapshots held by a tier.", labels=["tier"])
+            budget = GaugeMetricFamily(
+                "modeld_tier_budget_bytes", "A tier's byte budget (0: off).", labels=["tier"]
+            )
+            for tier, held, count, limit in (
+                ("ram", tiers.ram_bytes, tiers.ram_entries, tiers.ram_budget),
+                ("disk", tiers.disk_bytes, tiers.disk_entries, tiers.disk_budget),
+            ):
+                tier_bytes.add_metric([tier], held)
+                entries.add_metric([tier], count)
+                budget.add_metric([tier], limit)
+            yield from (tier_bytes, entries, budget)
+
+
+class _Sums:
+    """Values by label tuple, summed (loaded models may share a label)."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def add(self, labels: tuple[str, ...], value: float) -> None:
+        self.values[labels] = self.values.get(labels, 0) + value
+
+    def gauge(self, name: str, documentation: str, labels: list[str]) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, documentation, labels=labels)
+        for key, value in self.values.items():
+            family.add_metric(list(key), value)
+        return family
+
+    def counter(self, name: str, documentation: str, labels: list[str]) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, documentation, labels=labels)
+        for key, value in self.values.items():
+            family.add_metric(list(key), value)
+        return family
 
 
 class ObservedSession:

@@ -7,6 +7,8 @@ can read it) and sent by clients as ``authorization: Bearer <token>`` metadata
 (``runtime_client`` reads the file like it reads the address). Health checks and reflection
 stay open: they reveal liveness and the public schema, nothing else.
 
+The interceptor is ``grpc.aio``'s (the daemon's server is asyncio: ``modeld/server/daemon.py``).
+
 What not: TLS. Off loopback (``--allow-remote``) the token travels in clear text; put a TLS
 terminator or an SSH tunnel in front.
 """
@@ -17,7 +19,7 @@ import contextlib
 import hmac
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,31 +69,32 @@ def bearer_matches(header: str, secret: str) -> bool:
     return hmac.compare_digest(value.strip().encode(), secret.encode())
 
 
-class TokenInterceptor(grpc.ServerInterceptor):
+class TokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without the token (UNAUTHENTICATED, reason ``unauthenticated``)."""
 
     def __init__(self, token: str) -> None:
         self._token = token
 
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
-    ) -> Any:
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        details = handler_call_details
         service = details.method.lstrip("/").split("/", 1)[0]
         if service in _OPEN_SERVICES:
-            return continuation(details)
+            return await continuation(details)
         header = ""
         for key, value in details.invocation_metadata or ():
             if key == "authorization" and isinstance(value, str):
                 header = value
-        if header and bearer_matches(header, self._token):
-            return continuation(details)
-        handler = continuation(details)
-        if handler is None:
-            return None
+        handler = await continuation(details)
+        if handler is None or (header and bearer_matches(header, self._token)):
+            return handler
         return _refusal(handler, bool(header))
 
 
-def _refusal(handler: Any, had_header: bool) -> grpc.RpcMethodHandler[Any, Any]:
+def _refusal(handler: grpc.RpcMethodHandler[Any, Any], had_header: bool) -> grpc.RpcMethodHandler[Any, Any]:
     error = UnauthenticatedError(
         "the token is wrong"
         if had_header
@@ -100,12 +103,8 @@ def _refusal(handler: Any, had_header: bool) -> grpc.RpcMethodHandler[Any, Any]:
     )
     status = to_grpc_status(error)
 
-    def unary(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort_with_status(status)
-
-    def streaming(_request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        context.abort_with_status(status)
-        yield  # pragma: no cover - abort raises
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort_with_status(status)
 
     if handler.response_streaming:
         make = (
@@ -113,10 +112,10 @@ def _refusal(handler: Any, had_header: bool) -> grpc.RpcMethodHandler[Any, Any]:
             if handler.request_streaming
             else grpc.unary_stream_rpc_method_handler
         )
-        return make(streaming)
+        return make(refuse)
     make = (
         grpc.stream_unary_rpc_method_handler
         if handler.request_streaming
         else grpc.unary_unary_rpc_method_handler
     )
-    return make(unary)
+    return make(refuse)

@@ -10,6 +10,7 @@ releases the lease and removes its socket. Both listeners reach the engine throu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import ipaddress
@@ -20,25 +21,26 @@ import socket
 import stat
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from modeld import __version__
 from modeld.errors import ModeldError
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
-from modeld.observe.metrics import Metrics
+from modeld.observe.metrics import EngineEvents, Metrics
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.auth import TokenInterceptor, ensure_token
 from modeld.server.gateway import Gateway, ServedEngine
+from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.server.servicer import SERVICE_NAME, ModeldServicer, add_to_server
-from modeld.settings import Residency, Timeouts
+from modeld.server.servicer import DESCRIBE_TIMEOUT_SECONDS, SERVICE_NAME, ModeldServicer, add_to_server
+from modeld.settings import Residency, RestartPolicy, Timeouts
 
 if TYPE_CHECKING:
     from modeld.engine.limits import Limits
@@ -52,12 +54,16 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_OWNED = 3
 
+_T = TypeVar("_T")
+
 MIN_CLIENT_PING_INTERVAL_MS = 10_000
 """The most often a client may ping the daemon while nothing else is sent."""
 
 
 class LifecycleEngine(ServedEngine, Protocol):
-    """What the daemon needs beyond the gateway's view: stopping it."""
+    """What the daemon needs beyond the gateway's view: its events, and stopping it."""
+
+    def add_observer(self, observer: EngineEvents) -> None: ...
 
     def begin_shutdown(self) -> None: ...
 
@@ -144,10 +150,14 @@ def _prepare_unix_socket(path: Path) -> None:
 
 
 class Server:
-    """The gRPC server for an engine, with health checking and reflection (v1 and v1alpha).
+    """The gRPC server for an engine, with health checking (per model too) and reflection.
 
-    ``token``: require it as ``authorization: Bearer`` metadata (TCP listeners; see
-    :mod:`modeld.server.auth`). ``metrics``: share a registry with the HTTP listener.
+    A ``grpc.aio`` server on an event loop of its own thread: the loop only waits, and every
+    engine call runs on the servicer's pools (``modeld/server/servicer.py``), so a Session
+    stream holds no thread while it waits and ``Status`` always has one. ``token``: require it
+    as ``authorization: Bearer`` metadata (TCP listeners; :mod:`modeld.server.auth`).
+    ``metrics``: share a registry with the HTTP listener. The engine's events reach the metrics
+    and the per-model health (:mod:`modeld.server.health`).
     """
 
     def __init__(
@@ -159,48 +169,54 @@ class Server:
         min_ping_interval_ms: int = MIN_CLIENT_PING_INTERVAL_MS,
         token: str = "",
         metrics: Metrics | None = None,
+        describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS,
     ) -> None:
         self.engine = engine
         self.address = address
         self.limits = limits
         self.gateway = Gateway(engine, limits, metrics)
-        workers = self.limits.max_sessions + 16
-        self._grpc = grpc.server(
-            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc"),
-            interceptors=[TokenInterceptor(token)] if token else None,
-            options=[
-                ("grpc.max_receive_message_length", self.limits.max_message_bytes),
-                ("grpc.max_send_message_length", self.limits.max_message_bytes),
-                ("grpc.so_reuseport", 0),
-                ("grpc.keepalive_time_ms", 60_000),
-                ("grpc.keepalive_timeout_ms", 20_000),
-                ("grpc.keepalive_permit_without_calls", 1),
-                # Clients ping every 30 s (runtime_client.channel_options); a prefill can run for
-                # minutes without a message, and gRPC's default (5 min) would answer those pings
-                # with GOAWAY "too_many_pings" and kill the session.
-                ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
-            ],
-            maximum_concurrent_rpcs=workers,
-        )
-        self.servicer = ModeldServicer(self.gateway)
-        add_to_server(self.servicer, self._grpc)
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._grpc)
-        enable_reflection(self._grpc, (SERVICE_NAME, health.SERVICE_NAME))
+        self.servicer = ModeldServicer(self.gateway, describe_timeout=describe_timeout)
+        self.health = ModelHealth()
+        self._token = token
+        self._options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", self.limits.max_message_bytes),
+            ("grpc.max_send_message_length", self.limits.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 60_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            # Clients ping every 30 s (runtime_client.channel_options); a prefill can run for
+            # minutes without a message, and gRPC's default (5 min) would answer those pings
+            # with GOAWAY "too_many_pings" and kill the session.
+            ("grpc.http2.min_ping_interval_without_data_ms", min_ping_interval_ms),
+        ]
+        # Streams hold no thread: the bound is on calls in flight, generous beyond the streams.
+        self.max_concurrent_rpcs = self.servicer.max_streams + 2 * self.limits.max_sessions + 64
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._grpc: grpc.aio.Server | None = None
         self.endpoint = ""
+        engine.add_observer(self.gateway.metrics)
+        engine.add_observer(self.health)
+
+    def _run(self, coroutine: Coroutine[Any, Any, _T], timeout: float | None = None) -> _T:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def start(self) -> str:
         """Bind and start; returns the endpoint clients should dial."""
         if self.address.unix_path is not None:
             _prepare_unix_socket(self.address.unix_path)
-        old_umask = os.umask(0o177)  # the socket is created 0600: no window with wider access
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True)
+        self._thread.start()
+        self.health.bind(loop)
         try:
-            port = self._grpc.add_insecure_port(self.address.grpc_target)
-            if port == 0:
-                raise ServeError(f"could not listen on {self.address.grpc_target}")
-            self._grpc.start()
-        finally:
-            os.umask(old_umask)
+            port = self._run(self._start())
+        except BaseException:
+            self._stop_loop()
+            raise
         if self.address.unix_path is not None:
             os.chmod(self.address.unix_path, 0o600)
             self.endpoint = f"unix:{self.address.unix_path}"
@@ -208,9 +224,31 @@ class Server:
             host = f"[{self.address.host}]" if ":" in self.address.host else self.address.host
             self.endpoint = f"{host}:{port}"
         self.engine.endpoint = self.endpoint
-        for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.health.serving(("", SERVICE_NAME))
         return self.endpoint
+
+    async def _start(self) -> int:
+        server = grpc.aio.server(
+            interceptors=[TokenInterceptor(self._token)] if self._token else None,
+            options=self._options,
+            maximum_concurrent_rpcs=self.max_concurrent_rpcs,
+        )
+        add_to_server(self.servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        enable_reflection(server, (SERVICE_NAME, health.SERVICE_NAME))
+        old_umask = os.umask(0o177)  # the socket is created 0600: no window with wider access
+        try:
+            try:
+                port = server.add_insecure_port(self.address.grpc_target)
+            except RuntimeError:  # grpc.aio raises where the sync server returned 0
+                port = 0
+            if port == 0:
+                raise ServeError(f"could not listen on {self.address.grpc_target} (is it in use?)")
+            await server.start()
+        finally:
+            os.umask(old_umask)
+        self._grpc = server
+        return port
 
     def reap_unattached(self) -> None:
         """Close sessions that were opened but never attached within the attach timeout."""
@@ -218,15 +256,41 @@ class Server:
 
     def stop(self, grace: float = 3.0) -> None:
         """Stop accepting, end every session (their streams end with shutting_down), stop."""
-        self.health.enter_graceful_shutdown()
-        self.engine.begin_shutdown()
-        time.sleep(min(grace, 0.5))  # let open streams deliver their final status
-        self._grpc.stop(grace).wait()
-        self.servicer.close()
+        if self._loop is not None and self._grpc is not None:
+            self.health.shutting_down()
+            self.engine.begin_shutdown()
+            time.sleep(min(grace, 0.5))  # let open streams deliver their final status
+            with contextlib.suppress(Exception):
+                self._run(self._grpc.stop(grace), timeout=grace + 10)
+        # The engine first: workers die with the thread that started them (PR_SET_PDEATHSIG is
+        # per thread), and a pool thread may have started one; it must live to persist.
         self.engine.shutdown()
+        self.servicer.close()
+        self._stop_loop()
         if self.address.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.address.unix_path.unlink()
+
+    def _stop_loop(self) -> None:
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._run(_finish_tasks(), timeout=5)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        if not thread.is_alive():
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+
+async def _finish_tasks() -> None:
+    """Cancel what still runs on the loop (readers of ended streams) and let it finish."""
+    current = asyncio.current_task()
+    tasks = [t for t in asyncio.all_tasks() if t is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @dataclass
@@ -247,6 +311,8 @@ class ServeOptions:
     num_ctx: int = 0  # context window of HTTP sessions (0: the contract's default)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS
     worker_log_level: str = "INFO"
 
 
@@ -326,6 +392,7 @@ def run(options: ServeOptions) -> int:
             limits=limits,
             residency=options.residency,
             timeouts=options.timeouts,
+            restart=options.restart,
             data_dir=options.data_dir,
             worker_log_level=options.worker_log_level,
         )
@@ -334,7 +401,7 @@ def run(options: ServeOptions) -> int:
         lease.release()
         return EXIT_USAGE
     token = ensure_token(options.data_dir) if address.unix_path is None and options.require_token else ""
-    server = Server(engine, address, limits, token=token)
+    server = Server(engine, address, limits, token=token, describe_timeout=options.describe_timeout)
     listener: Any = None
     try:
         endpoint = server.start()

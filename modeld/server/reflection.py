@@ -60,10 +60,11 @@ def _add_v1_to_default_pool() -> None:
         _added = True
 
 
-def enable_reflection(server: grpc.Server, service_names: Iterable[str]) -> None:
-    """Serve reflection (v1 and v1alpha) for ``service_names`` and the reflection services."""
+def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> None:
+    """Serve reflection (v1 and v1alpha) for ``service_names`` and the reflection services, on
+    an asyncio server."""
     _add_v1_to_default_pool()
-    servicer = reflection.ReflectionServicer((*service_names, V1ALPHA_SERVICE, V1_SERVICE))
+    servicer = reflection.aio.ReflectionServicer((*service_names, V1ALPHA_SERVICE, V1_SERVICE))
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     handler = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,

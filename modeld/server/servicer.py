@@ -2,37 +2,65 @@
 
 Thin by design: no engine logic here, and no engine import: it reaches the engine only through
 :class:`~modeld.server.gateway.Gateway` (the contract plus observers), the same path the HTTP
-endpoint takes. What it adds is what only this transport knows about:
+endpoint takes. It runs on a ``grpc.aio`` server (``modeld/server/daemon.py``): the event loop
+only waits; every call into the engine runs on one of four thread pools (:class:`Pools`), so
+what one kind of call does to its pool never starves the others:
+
+* ``sessions``: the Session stream's operations (prefills, the decode pump, close);
+* ``calls``: OpenSession and CountTokens (which may load a model: minutes, no server timeout);
+* ``probes``: Describe, which reads model files, with a timeout (``describe_seconds``): a hung
+  file system costs at most this pool, and its callers a clear ``model_load_failed``;
+* ``observers``: Status, ListSessions, ExplainContext, Metrics. So ``Status`` answers while
+  every session is busy, while describes of slow paths pile up, and while streams wait.
+
+A Session stream holds no thread while it waits: not for its attach message (a stream that
+never attaches is ended after ``attach_timeout_seconds``), not between operations. What only
+this transport knows about:
 
 * the Session stream's life: attach first, one stream per session, the session closed when
   the stream ends for any reason (the client closes it, disconnects, or the daemon stops);
   the stream ends at once when the session ends elsewhere (a takeover revoked its epoch, the
   daemon is stopping): the gateway's end notification puts that error in the stream's inbox;
-* ``cancel_decode`` read concurrently with a running decode (a reader thread feeds an inbox,
-  so a cancel reaches the engine within one token step);
+* ``cancel_decode`` read concurrently with a running decode (a reader task feeds the inbox and
+  delivers cancels directly), so the engine stops within one step;
 * malformed messages (which fail to parse) answered with INVALID_ARGUMENT instead of gRPC's
   generic INTERNAL, and every other failure mapped through the error table.
+
+What not: blocking the event loop. Only quick, non-blocking calls run on it (attach
+bookkeeping, ``DecodeStream.cancel``, ``interrupt``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import logging
-import queue
 import threading
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from modeld.contract import DecodeStream, PrefillProgress, ProgressCallback
+from modeld.contract import (
+    DecodeStream,
+    PrefillProgress,
+    PrefixStatus,
+    ProgressCallback,
+    StreamChunk,
+    SuffixStatus,
+)
 from modeld.errors import (
+    BusyError,
     InternalError,
     InvalidArgumentError,
+    LimitExceededError,
     ModeldError,
+    ModelLoadError,
     NotOwnerError,
     SessionClosedError,
     ShuttingDownError,
@@ -43,17 +71,63 @@ from modeld.v1 import modeld_pb2 as pb
 from modeld.wire import convert
 from modeld.wire.status import to_grpc_status, to_status
 
-__all__ = ["SERVICE_NAME", "ModeldServicer", "add_to_server"]
+__all__ = [
+    "DESCRIBE_TIMEOUT_SECONDS",
+    "OBSERVER_TIMEOUT_SECONDS",
+    "SERVICE_NAME",
+    "ModeldServicer",
+    "Pools",
+    "add_to_server",
+    "max_streams",
+]
 
 log = logging.getLogger("modeld.server")
 
 SERVICE_NAME = "modeld.v1.Modeld"
+DESCRIBE_TIMEOUT_SECONDS = 30.0
+"""How long Describe waits for the engine to read a model file before answering
+``model_load_failed`` (a hung network file system must not hang the caller)."""
+OBSERVER_TIMEOUT_SECONDS = 5.0
+"""How long Status, ListSessions, ExplainContext and Metrics wait for the engine before
+answering ``busy``."""
+OBSERVER_THREADS = 4
+PROBE_THREADS = 16
+
 _FATAL = (StaleFenceError, NotOwnerError, ShuttingDownError, SessionClosedError)
 """Errors after which a Session stream cannot continue: it ends with that status."""
 
+_T = TypeVar("_T")
 _Req = TypeVar("_Req", bound=Message)
-_In = TypeVar("_In")
-_Out = TypeVar("_Out")
+
+
+def max_streams(max_sessions: int) -> int:
+    """Session streams open at once: one per session, once more while sessions change hands,
+    plus 16 waiting to attach. Beyond it a new stream is refused at once (``limit_exceeded``)."""
+    return 2 * max_sessions + 16
+
+
+@dataclass(frozen=True, slots=True)
+class Pools:
+    """The thread pools the servicer runs engine calls on (see the module docstring)."""
+
+    sessions: ThreadPoolExecutor
+    calls: ThreadPoolExecutor
+    probes: ThreadPoolExecutor
+    observers: ThreadPoolExecutor
+
+    @classmethod
+    def for_sessions(cls, max_sessions: int) -> Pools:
+        """Pools sized for ``max_sessions`` (threads are started only when needed)."""
+        return cls(
+            sessions=ThreadPoolExecutor(max_workers=max_sessions + 8, thread_name_prefix="session-op"),
+            calls=ThreadPoolExecutor(max_workers=max_sessions + 16, thread_name_prefix="grpc-call"),
+            probes=ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="grpc-describe"),
+            observers=ThreadPoolExecutor(max_workers=OBSERVER_THREADS, thread_name_prefix="grpc-observe"),
+        )
+
+    def shutdown(self) -> None:
+        for pool in (self.sessions, self.calls, self.probes, self.observers):
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +145,13 @@ class _Ended:
     error: ModeldError
 
 
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    error: BaseException
+
+
 _EOF = object()
+_DONE = object()
 
 
 def _safe(cls: type[_Req]) -> Callable[[bytes], _Req | _Malformed]:
@@ -100,42 +180,139 @@ def _internal(exc: BaseException, where: str) -> InternalError:
     )
 
 
+def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], item: object) -> None:
+    """Put ``item`` in an asyncio queue from any thread (dropped once the loop is closed)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as seen (its caller may have gone away)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _offload(
+    pool: ThreadPoolExecutor,
+    fn: Callable[..., _T],
+    *args: Any,
+    timeout: float | None = None,
+    on_timeout: Callable[[], ModeldError] | None = None,
+    abandoned: Callable[[_T], None] | None = None,
+) -> _T:
+    """Run ``fn(*args)`` on ``pool`` and wait for it without holding the event loop.
+
+    ``timeout``: give up waiting (the thread finishes on its own) and raise ``on_timeout()``.
+    ``abandoned``: called with the result if the caller stopped waiting (cancelled or timed
+    out) and ``fn`` still succeeded, so what it made (an opened session) is not leaked."""
+    inner = pool.submit(fn, *args)
+    future = asyncio.wrap_future(inner)
+    future.add_done_callback(_retrieve)
+    try:
+        if timeout is None:
+            return await future
+        return await asyncio.wait_for(asyncio.shield(future), timeout)
+    except BaseException as exc:
+        if not inner.done():
+            inner.cancel()  # never started: it never will
+            if abandoned is not None:
+                inner.add_done_callback(lambda f: _abandon(f, abandoned))
+        if isinstance(exc, TimeoutError) and on_timeout is not None:
+            raise on_timeout() from None
+        raise
+
+
+def _abandon(future: concurrent.futures.Future[_T], abandoned: Callable[[_T], None]) -> None:
+    if future.cancelled() or future.exception() is not None:
+        return
+    try:
+        abandoned(future.result())
+    except Exception:
+        log.exception("cleaning up after an abandoned call failed")
+
+
 class ModeldServicer:
     """Implements modeld.v1.Modeld over a :class:`~modeld.server.gateway.Gateway`."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        pools: Pools | None = None,
+        *,
+        describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS,
+        observer_timeout: float = OBSERVER_TIMEOUT_SECONDS,
+    ) -> None:
         self.gateway = gateway
-        # Session operations run here while the stream's thread sends their progress reports.
-        self._ops = ThreadPoolExecutor(
-            max_workers=gateway.limits.max_sessions + 4, thread_name_prefix="session-op"
-        )
+        self.pools = pools or Pools.for_sessions(gateway.limits.max_sessions)
+        self.describe_timeout = describe_timeout
+        self.observer_timeout = observer_timeout
+        self.max_streams = max_streams(gateway.limits.max_sessions)
+        self._streams = 0  # touched on the event loop only
 
     # --- unary ----------------------------------------------------------------------------
 
-    def _unary(
-        self, name: str, fn: Callable[[Any], Message], request: Any, context: grpc.ServicerContext
+    async def _unary(
+        self,
+        name: str,
+        call: Callable[[], Any],
+        request: object,
+        context: grpc.aio.ServicerContext[Any, Any],
     ) -> Message:
         try:
             _check(request)
-            return fn(request)
+            result: Message = await call()
+            return result
         except ModeldError as exc:
-            context.abort_with_status(to_grpc_status(exc))
+            await context.abort_with_status(to_grpc_status(exc))
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
-            context.abort_with_status(to_grpc_status(_internal(exc, name)))
+            await context.abort_with_status(to_grpc_status(_internal(exc, name)))
         raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
-    def Describe(self, request: Any, context: grpc.ServicerContext) -> Message:
-        def run(req: pb.DescribeRequest) -> Message:
-            info = self.gateway.describe(convert.open_request_from_pb(req.model))
+    async def _observe(self, fn: Callable[[], _T], what: str) -> _T:
+        def late() -> ModeldError:
+            return BusyError(
+                f"the engine did not answer {what} within {self.observer_timeout:g}s "
+                "(an engine worker may be stalled; it is killed after the stall timeout)"
+            )
+
+        return await _offload(self.pools.observers, fn, timeout=self.observer_timeout, on_timeout=late)
+
+    async def Describe(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            model = convert.open_request_from_pb(request.model)
+
+            def late() -> ModeldError:
+                return ModelLoadError(
+                    f"describing the model took longer than {self.describe_timeout:g}s (a slow or "
+                    "hung file system?); the daemon stopped waiting",
+                    path=model.path[:200],
+                    timeout="describe_seconds",
+                )
+
+            info = await _offload(
+                self.pools.probes,
+                self.gateway.describe,
+                model,
+                timeout=self.describe_timeout,
+                on_timeout=late,
+            )
             return pb.DescribeResponse(
                 info=convert.model_info_to_pb(info), machine=convert.machine_to_pb(self.gateway.machine())
             )
 
-        return self._unary("Describe", run, request, context)
+        return await self._unary("Describe", run, request, context)
 
-    def OpenSession(self, request: Any, context: grpc.ServicerContext) -> Message:
-        def run(req: pb.OpenSessionRequest) -> Message:
-            hosted = self.gateway.open(convert.open_request_from_pb(req), "grpc")
+    async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            hosted = await _offload(
+                self.pools.calls,
+                self.gateway.open,
+                convert.open_request_from_pb(request),
+                "grpc",
+                abandoned=_close_later,
+            )
             session = hosted.session
             owner = self.gateway.owner
             return pb.OpenSessionResponse(
@@ -146,86 +323,95 @@ class ModeldServicer:
                 identity=convert.manifest_to_pb(session.identity),
             )
 
-        return self._unary("OpenSession", run, request, context)
+        return await self._unary("OpenSession", run, request, context)
 
-    def ExplainContext(self, request: Any, context: grpc.ServicerContext) -> Message:
-        def run(req: pb.ExplainContextRequest) -> Message:
-            report = self.gateway.explain(req.session_id)
+    async def ExplainContext(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            report = await self._observe(lambda: self.gateway.explain(request.session_id), "ExplainContext")
             return pb.ExplainContextResponse(report=convert.report_to_pb(report))
 
-        return self._unary("ExplainContext", run, request, context)
+        return await self._unary("ExplainContext", run, request, context)
 
-    def ListSessions(self, request: Any, context: grpc.ServicerContext) -> Message:
-        def run(req: pb.ListSessionsRequest) -> Message:
-            sessions = [convert.summary_to_pb(s) for s in self.gateway.list_sessions()]
-            return pb.ListSessionsResponse(sessions=sessions)
+    async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            sessions = await self._observe(self.gateway.list_sessions, "ListSessions")
+            return pb.ListSessionsResponse(sessions=[convert.summary_to_pb(s) for s in sessions])
 
-        return self._unary("ListSessions", run, request, context)
+        return await self._unary("ListSessions", run, request, context)
 
-    def Status(self, request: Any, context: grpc.ServicerContext) -> Message:
-        return self._unary(
-            "Status",
-            lambda req: convert.status_to_pb(self.gateway.status(debug=req.debug)),
-            request,
-            context,
-        )
+    async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            status = await self._observe(lambda: self.gateway.status(debug=request.debug), "Status")
+            return convert.status_to_pb(status)
 
-    def CountTokens(self, request: Any, context: grpc.ServicerContext) -> Message:
-        def run(req: pb.CountTokensRequest) -> Message:
-            model, text, with_ids = convert.count_tokens_request_from_pb(req)
-            ids = self.gateway.tokenize(model, text)
+        return await self._unary("Status", run, request, context)
+
+    async def CountTokens(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            model, text, with_ids = convert.count_tokens_request_from_pb(request)
+            ids = await _offload(self.pools.calls, self.gateway.tokenize, model, text)
             return pb.CountTokensResponse(count=len(ids), token_ids=ids if with_ids else ())
 
-        return self._unary("CountTokens", run, request, context)
+        return await self._unary("CountTokens", run, request, context)
 
-    def Metrics(self, request: Any, context: grpc.ServicerContext) -> Message:
-        def run(_req: pb.MetricsRequest) -> Message:
-            text, content_type = self.gateway.metrics_text()
+    async def Metrics(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            text, content_type = await self._observe(self.gateway.metrics_text, "Metrics")
             return pb.MetricsResponse(text=text.decode("utf-8"), content_type=content_type)
 
-        return self._unary("Metrics", run, request, context)
+        return await self._unary("Metrics", run, request, context)
 
     # --- the Session stream ---------------------------------------------------------------
 
-    def Session(
-        self, request_iterator: Iterator[Any], context: grpc.ServicerContext
-    ) -> Iterator[pb.SessionResponse]:
-        inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+    async def Session(
+        self, request_iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.SessionResponse]:
+        if self._streams >= self.max_streams:
+            error = LimitExceededError(
+                f"{self._streams} Session streams are open; the limit is {self.max_streams}",
+                limit="max_streams",
+                value=self._streams + 1,
+                maximum=self.max_streams,
+            )
+            await context.abort_with_status(to_grpc_status(error))
+        self._streams += 1
+        inbox: asyncio.Queue[object] = asyncio.Queue()
         state = _StreamState()
-
-        def reader() -> None:
-            try:
-                for req in request_iterator:
-                    if isinstance(req, pb.SessionRequest) and req.WhichOneof("op") == "cancel_decode":
-                        state.cancel(req.request_id)
-                        continue
-                    inbox.put(req)
-            except Exception:  # the RPC ended (client gone or cancelled)
-                pass
-            inbox.put(_EOF)
-
-        threading.Thread(target=reader, name="session-reader", daemon=True).start()
+        reader = asyncio.create_task(_read(request_iterator, inbox, state))
         failure: ModeldError | None = None
         try:
-            yield from self._session_stream(inbox, state, context)
+            async with contextlib.aclosing(self._session_stream(inbox, state, context)) as responses:
+                async for response in responses:
+                    yield response
         except ModeldError as exc:
             failure = exc
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
             failure = _internal(exc, "Session")
         finally:
-            hosted = state.hosted
-            if hosted is not None:
-                threading.Thread(target=hosted.close, name="session-close", daemon=True).start()
+            self._streams -= 1
+            reader.cancel()
+            state.cancel(0)  # a decode still running has nobody to stream to
+            if state.hosted is not None:
+                _close_later(state.hosted, state)
         if failure is not None:
-            context.abort_with_status(to_grpc_status(failure))  # raises: ends the stream
+            await context.abort_with_status(to_grpc_status(failure))  # raises: ends the stream
 
-    def _session_stream(
-        self, inbox: queue.SimpleQueue[object], state: _StreamState, context: grpc.ServicerContext
-    ) -> Iterator[pb.SessionResponse]:
+    async def _session_stream(
+        self,
+        inbox: asyncio.Queue[object],
+        state: _StreamState,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncGenerator[pb.SessionResponse, None]:
+        loop = asyncio.get_running_loop()
+        timeout = self.gateway.limits.attach_timeout_seconds
         try:
-            first = inbox.get(timeout=self.gateway.limits.attach_timeout_seconds)
-        except queue.Empty:
-            raise InvalidArgumentError("no attach message arrived in time", field="attach") from None
+            first = await asyncio.wait_for(inbox.get(), timeout)
+        except TimeoutError:
+            raise InvalidArgumentError(
+                f"no attach message arrived within {timeout:g}s (attach_timeout_seconds)", field="attach"
+            ) from None
         if first is _EOF:
             return
         _check(first)
@@ -239,14 +425,16 @@ class ModeldServicer:
                 field="attach.session_id",
             )
         state.hosted = hosted
-        hosted.on_end(lambda error: inbox.put(_Ended(error)))
-        context.add_callback(lambda: _on_rpc_done(hosted))
+        hosted.on_end(lambda error: _post(loop, inbox, _Ended(error)))
+        # (grpc-stubs declare the callback as a class, not a protocol)
+        context.add_done_callback(lambda _context: _on_rpc_done(hosted, state))  # type: ignore[arg-type]
         session = hosted.session
         yield pb.SessionResponse(
             request_id=first.request_id, attached=pb.Attached(session_id=hosted.session_id)
         )
+        pool = self.pools.sessions
         while True:
-            item = inbox.get()
+            item = await inbox.get()
             if item is _EOF:
                 return
             if isinstance(item, _Ended):
@@ -265,30 +453,27 @@ class ModeldServicer:
             try:
                 if op == "ensure_prefix":
                     prefix = convert.prefix_input_from_pb(item.ensure_prefix)
-                    status = yield from self._reporting(rid, session.ensure_prefix, prefix)
-                    yield pb.SessionResponse(
-                        request_id=rid, prefix_status=convert.prefix_status_to_pb(status)
-                    )
+                    async for response in self._reporting(rid, session.ensure_prefix, prefix, _prefix_done):
+                        yield response
                 elif op == "prefill_suffix":
                     suffix = convert.suffix_input_from_pb(item.prefill_suffix)
-                    sstatus = yield from self._reporting(rid, session.prefill_suffix, suffix)
-                    yield pb.SessionResponse(
-                        request_id=rid, suffix_status=convert.suffix_status_to_pb(sstatus)
-                    )
+                    async for response in self._reporting(rid, session.prefill_suffix, suffix, _suffix_done):
+                        yield response
                 elif op == "decode":
-                    stream = session.decode(convert.decode_config_from_pb(item.decode))
+                    config = convert.decode_config_from_pb(item.decode)
+                    stream = await _offload(pool, session.decode, config, abandoned=_cancel_stream)
                     state.start(rid, stream)
                     try:
                         yield pb.SessionResponse(request_id=rid, decode_started=pb.DecodeStarted())
-                        for chunk in stream:
+                        async for chunk in _chunks(pool, stream, state):
                             yield pb.SessionResponse(request_id=rid, chunk=convert.chunk_to_pb(chunk))
                     finally:
                         state.finish(stream)
                 elif op == "explain_context":
-                    report = session.explain_context()
+                    report = await _offload(pool, session.explain_context)
                     yield pb.SessionResponse(request_id=rid, context=convert.report_to_pb(report))
                 elif op == "close":
-                    session.close()
+                    await _offload(pool, session.close)
                     yield pb.SessionResponse(request_id=rid, closed=pb.Closed())
                     return
                 elif op == "attach":
@@ -302,40 +487,85 @@ class ModeldServicer:
             except Exception as exc:
                 yield _error(rid, _internal(exc, f"Session.{op}"))
 
-    def _reporting(
-        self, rid: int, operation: Callable[[_In, ProgressCallback], _Out], argument: _In
-    ) -> Generator[pb.SessionResponse, None, _Out]:
-        """Run a prefill on the operation pool, sending its progress reports on this stream;
-        return its result (or raise its error)."""
-        out: queue.SimpleQueue[pb.SessionResponse | _Outcome[_Out]] = queue.SimpleQueue()
+    async def _reporting(
+        self,
+        rid: int,
+        operation: Callable[[Any, ProgressCallback], _T],
+        argument: Any,
+        respond: Callable[[int, _T], pb.SessionResponse],
+    ) -> AsyncIterator[pb.SessionResponse]:
+        """Run a prefill on the sessions pool, sending its progress reports on this stream,
+        then its answer (or raise its error)."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[object] = asyncio.Queue()
 
         def report(progress: PrefillProgress) -> None:
-            out.put(pb.SessionResponse(request_id=rid, progress=convert.progress_to_pb(progress)))
+            _post(loop, out, pb.SessionResponse(request_id=rid, progress=convert.progress_to_pb(progress)))
 
-        def work() -> None:
-            try:
-                out.put(_Outcome(operation(argument, report), None))
-            except BaseException as exc:
-                out.put(_Outcome(None, exc))
-
-        self._ops.submit(work)
+        future = asyncio.wrap_future(self.pools.sessions.submit(operation, argument, report))
+        future.add_done_callback(_retrieve)
+        future.add_done_callback(lambda _f: out.put_nowait(_DONE))
         while True:
-            item = out.get()
-            if isinstance(item, _Outcome):
-                if item.error is not None:
-                    raise item.error
-                assert item.value is not None
-                return item.value
+            item = await out.get()
+            if item is _DONE:
+                yield respond(rid, future.result())
+                return
+            assert isinstance(item, pb.SessionResponse)
             yield item
 
     def close(self) -> None:
-        self._ops.shutdown(wait=False, cancel_futures=True)
+        self.pools.shutdown()
 
 
-@dataclass(frozen=True, slots=True)
-class _Outcome(Generic[_Out]):
-    value: _Out | None
-    error: BaseException | None
+async def _read(
+    request_iterator: AsyncIterator[Any], inbox: asyncio.Queue[object], state: _StreamState
+) -> None:
+    """Feed a stream's inbox; deliver ``cancel_decode`` at once (a decode is running)."""
+    try:
+        async for req in request_iterator:
+            if isinstance(req, pb.SessionRequest) and req.WhichOneof("op") == "cancel_decode":
+                state.cancel(req.request_id)
+                continue
+            inbox.put_nowait(req)
+    except asyncio.CancelledError:
+        return
+    except Exception:  # the RPC ended (client gone, cancelled, aborted)
+        pass
+    inbox.put_nowait(_EOF)
+
+
+async def _chunks(
+    pool: ThreadPoolExecutor, stream: DecodeStream, state: _StreamState
+) -> AsyncIterator[StreamChunk]:
+    """A decode's chunks, read on a pool thread which alone iterates the stream (the session
+    is closed only once it has finished: :meth:`_StreamState.idle`)."""
+    loop = asyncio.get_running_loop()
+    out: asyncio.Queue[object] = asyncio.Queue()
+    done = state.pumping()
+
+    def pump() -> None:
+        try:
+            for chunk in stream:
+                _post(loop, out, chunk)
+            _post(loop, out, _EOF)
+        except BaseException as exc:
+            _post(loop, out, _Failed(exc))
+        finally:
+            done.set()
+
+    try:
+        pool.submit(pump)
+    except BaseException:
+        done.set()
+        raise
+    while True:
+        item = await out.get()
+        if item is _EOF:
+            return
+        if isinstance(item, _Failed):
+            raise item.error
+        assert isinstance(item, StreamChunk)
+        yield item
 
 
 class _StreamState:
@@ -345,16 +575,31 @@ class _StreamState:
         self.hosted: Hosted | None = None
         self._lock = threading.Lock()
         self._decode: tuple[int, DecodeStream] | None = None
+        self._pump: threading.Event | None = None
+
+    def pumping(self) -> threading.Event:
+        """A decode's pump starts: the event is set when it stops reading the stream."""
+        self._pump = threading.Event()
+        return self._pump
+
+    def idle(self, timeout: float) -> None:
+        """Wait until no pump reads a decode of this stream (a decode stream is not for
+        concurrent readers, and closing the session reads what is left of it)."""
+        pump = self._pump
+        if pump is not None:
+            pump.wait(timeout)
 
     def start(self, request_id: int, stream: DecodeStream) -> None:
         with self._lock:
             self._decode = (request_id, stream)
 
     def finish(self, stream: DecodeStream) -> None:
+        """The stream stopped streaming this decode: a decode still running is cancelled (its
+        pump thread reads it to its end)."""
         with self._lock:
             if self._decode is not None and self._decode[1] is stream:
                 self._decode = None
-        stream.close()
+        stream.cancel()
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
@@ -363,18 +608,46 @@ class _StreamState:
             current[1].cancel()
 
 
-def _on_rpc_done(hosted: Hosted) -> None:
-    """The RPC ended (any reason): stop the session's work and close it off gRPC's thread."""
+_PUMP_WAIT_SECONDS = 30.0
+
+
+def _close_later(hosted: Hosted, state: _StreamState | None = None) -> None:
+    """Close a session off the event loop (closing waits for its running operation), once the
+    stream's decode pump, if any, has stopped reading."""
+
+    def close() -> None:
+        if state is not None:
+            state.idle(_PUMP_WAIT_SECONDS)
+        hosted.close()
+
+    threading.Thread(target=close, name="session-close", daemon=True).start()
+
+
+def _cancel_stream(stream: DecodeStream) -> None:
+    """A decode started after its stream went away: stop it and read it to its end."""
+    threading.Thread(target=stream.close, name="decode-close", daemon=True).start()
+
+
+def _on_rpc_done(hosted: Hosted, state: _StreamState) -> None:
+    """The RPC ended (any reason): stop the session's work and close it off the event loop."""
     if hosted.ended is None:
         hosted.interrupt()
-        threading.Thread(target=hosted.close, name="session-close", daemon=True).start()
+        _close_later(hosted, state)
+
+
+def _prefix_done(request_id: int, status: PrefixStatus) -> pb.SessionResponse:
+    return pb.SessionResponse(request_id=request_id, prefix_status=convert.prefix_status_to_pb(status))
+
+
+def _suffix_done(request_id: int, status: SuffixStatus) -> pb.SessionResponse:
+    return pb.SessionResponse(request_id=request_id, suffix_status=convert.suffix_status_to_pb(status))
 
 
 def _error(request_id: int, exc: ModeldError) -> pb.SessionResponse:
     return pb.SessionResponse(request_id=request_id, error=to_status(exc))
 
 
-def add_to_server(servicer: ModeldServicer, server: grpc.Server) -> None:
+def add_to_server(servicer: ModeldServicer, server: grpc.aio.Server) -> None:
     """Register the service with safe deserializers (malformed input -> INVALID_ARGUMENT)."""
 
     def unary(fn: Any, req: type[Message], resp: type[Message]) -> grpc.RpcMethodHandler[Any, Any]:

@@ -1,0 +1,184 @@
+"""``modeld serve`` has a flag for every setting, sizes and durations are read the way people
+write them, a bad value is one clear line (exit 2), and the values reach the engine: ``modeld
+status`` shows them from a real daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+from daemon_proc import modeld, start_serve, stop, wait_serving
+
+import runtime_client as rc
+from modeld.cli import parse_duration, parse_size
+from modeld.contract import OpenSessionRequest, PrefixInput
+
+pytestmark = pytest.mark.wire
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("4096", 4096),
+        ("512M", 512 << 20),
+        ("512m", 512 << 20),
+        ("8G", 8 << 30),
+        ("8GiB", 8 << 30),
+        ("8GB", 8 << 30),
+        ("1.5G", 3 << 29),
+        ("64K", 64 << 10),
+        ("2T", 2 << 40),
+        ("0", 0),
+        ("auto", -1),
+        ("AUTO", -1),
+    ],
+)
+def test_sizes(text: str, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["12Q", "-1", "", "M", "1..5G", "nan", "inf", "9" * 80, "1e30T"])
+def test_bad_sizes_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90.0), ("90s", 90.0), ("2.5m", 150.0), ("1h", 3600.0), ("0", 0.0), ("0.25", 0.25)],
+)
+def test_durations(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["-5", "5x", "", "s", "inf", "nan", "1d"])
+def test_bad_durations_are_refused(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--ram-tier-bytes", "12Q"],
+            "modeld serve: error: argument --ram-tier-bytes: invalid size '12Q': give bytes with an "
+            "optional K, M, G or T suffix (512M, 8G), 0 for off, or auto (see modeld serve --help)",
+        ),
+        (
+            ["--sequences", "0"],
+            "modeld serve: error: argument --sequences: 0 is out of range (1 to 256) (see modeld serve --help)",
+        ),
+        (
+            ["--stall-timeout", "soon"],
+            "modeld serve: error: argument --stall-timeout: invalid duration 'soon': give seconds, or a "
+            "number with s, m or h (90, 2.5m, 1h) (see modeld serve --help)",
+        ),
+        (
+            ["--kv-pool-tokens", "4096"],
+            "modeld serve: error: --kv-pool-tokens sizes the unified KV pool: add --kv-unified",
+        ),
+        (
+            ["--max-text-bytes", "16M"],
+            "modeld serve: error: --max-message-bytes must exceed --max-text-bytes by at least 64 KiB "
+            "(room for the manifest)",
+        ),
+        (
+            ["--memory-budget", "0"],
+            "modeld serve: error: --memory-budget 0 leaves no room for any model (use auto for the default)",
+        ),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    out = modeld("serve", "--backend", "memory", *args, data_dir=Path(tempfile.mkdtemp(prefix="mdf")))
+    assert out.returncode == 2
+    assert out.stderr == message + "\n"
+
+
+def test_a_bad_choice_is_one_line_and_exit_2() -> None:
+    out = modeld("serve", "--isolation", "thread", data_dir=Path(tempfile.mkdtemp(prefix="mdf")))
+    assert out.returncode == 2
+    assert out.stderr.startswith("modeld serve: error: argument --isolation: invalid choice: 'thread'")
+    assert out.stderr.endswith(" (see modeld serve --help)\n")
+    assert out.stderr.count("\n") == 1
+
+
+def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
+    data = Path(tempfile.mkdtemp(prefix="mdf"))
+    flags = [
+        *("--sequences", "2", "--kv-unified", "--kv-pool-tokens", "3000"),
+        *("--ram-tier-bytes", "64M", "--disk-tier-bytes", "0", "--memory-budget", "4G"),
+        *("--isolation", "inline", "--slots", "1", "--max-queue", "3"),
+        *("--snapshot-min-tokens", "32", "--persist-min-tokens", "256"),
+        *("--load-timeout", "90", "--stall-timeout", "2m", "--idle-stream-timeout", "45s"),
+        *("--operation-timeout", "1h", "--queue-wait", "12", "--attach-timeout", "9"),
+        *("--restart-backoff", "0.25", "--restart-backoff-max", "4", "--crash-limit", "3"),
+        *("--crash-window", "10m", "--describe-timeout", "20", "--max-sessions", "10"),
+    ]
+    proc = start_serve(data, data / "s.sock", *flags)
+    try:
+        wait_serving(data, proc.pid)
+        with (
+            rc.connect(data_dir=data) as client,
+            client.open_session(OpenSessionRequest(type="memory", path="tiny", model_name="coder")) as s,
+        ):
+            s.ensure_prefix(PrefixInput(text="hello\n"))
+            status = json.loads(modeld("status", "--json", data_dir=data).stdout)
+            human = modeld("status", data_dir=data).stdout
+        assert status["settings"] == {
+            "sequences": "2",
+            "kv_unified": "True",
+            "pool_tokens": "3000",
+            "ram_tier_bytes": str(64 << 20),
+            "disk_tier_bytes": "0",
+            "memory_budget_bytes": str(4 << 30),
+            "isolation": "inline",
+            "slots": "1",
+            "max_queue": "3",
+            "snapshot_min_tokens": "32",
+            "persist_min_tokens": "256",
+            "timeout_load_seconds": "90.0",
+            "timeout_stall_seconds": "120.0",
+            "timeout_idle_stream_seconds": "45.0",
+            "timeout_operation_seconds": "3600.0",
+        }
+        assert status["limits"]["model_wait_seconds"] == 12
+        assert status["limits"]["attach_timeout_seconds"] == 9
+        assert status["limits"]["max_sessions"] == 10
+        tiers = status["tiers"]
+        assert (tiers["ram_budget"], tiers["disk_budget"], tiers["memory_budget"]) == (64 << 20, 0, 4 << 30)
+        (model,) = status["models"]
+        assert (model["sequences"], model["pool_tokens"], model["slots"]) == (2, 3000, 1)
+        assert model["worker"]["isolation"] == "inline"
+        assert "ram_tier_bytes=64.00 MiB" in human
+        assert "disk_tier_bytes=off" in human
+        assert "memory_budget_bytes=4.00 GiB" in human
+        assert "tiers     ram   0 snapshots, 0 B of 64.00 MiB" in human
+        assert "          disk  off (budget 0)" in human
+    finally:
+        stop(proc)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def test_a_port_in_use_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = modeld(
+            "serve",
+            "--backend",
+            "memory",
+            "--listen",
+            f"127.0.0.1:{port}",
+            data_dir=Path(tempfile.mkdtemp(prefix="mdf")),
+        )
+    assert out.returncode == 1
+    assert f"could not listen on 127.0.0.1:{port} (is it in use?)" in out.stderr
+    assert "Traceback" not in out.stderr
