@@ -145,6 +145,10 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
             "timeout_stall_seconds": "120.0",
             "timeout_idle_stream_seconds": "45.0",
             "timeout_operation_seconds": "3600.0",
+            "restart_backoff_initial": "0.25",
+            "restart_backoff_max": "4.0",
+            "restart_crash_limit": "3",
+            "restart_crash_window": "600.0",
         }
         assert status["limits"]["model_wait_seconds"] == 12
         assert status["limits"]["attach_timeout_seconds"] == 9
