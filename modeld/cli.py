@@ -439,6 +439,12 @@ def _format_report(r: ContextReport) -> str:
             )
     else:
         out.append("last ensure_prefix: none yet")
+    for c in r.changing_segments:
+        out.append(
+            f"likely cause of repeated misses: stable segment {c.kind!r} #{c.position} (segment {c.index}) "
+            f"changed on each of the last {c.turns} prefixes; move what changes (a timestamp, a request id) "
+            "into the volatile suffix"
+        )
     out.extend(_warm_state_lines(r))
     return "\n".join(out)
 

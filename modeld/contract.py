@@ -46,6 +46,15 @@ __all__ = [
     "AsyncService",
     "AsyncSession",
     "BackendType",
+    "CONSTRAINT_KINDS",
+    "TOOL_CHOICES",
+    "TOOL_FORMATS",
+    "Constraint",
+    "SpecialToken",
+    "TokenLogprob",
+    "TopLogprob",
+    "ToolCall",
+    "ToolCallDelta",
     "DaemonStatus",
     "LoadedModelSummary",
     "Machine",
@@ -60,6 +69,7 @@ __all__ = [
     "Capabilities",
     "Config",
     "ContextReport",
+    "ChangingSegment",
     "DecodeConfig",
     "DecodeStream",
     "ErrorDetail",
@@ -81,8 +91,42 @@ __all__ = [
 BackendType = Literal["llama", "openvino", "memory"]
 BACKEND_TYPES: tuple[str, ...] = ("llama", "openvino", "memory")
 
-FinishReason = Literal["stop", "length", "stop_sequence", "canceled", "error"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "stop_sequence", "canceled", "error")
+FinishReason = Literal[
+    "stop",
+    "length",
+    "stop_sequence",
+    "canceled",
+    "error",
+    "tool_calls",
+    "malformed_tool_call",
+    "signal",
+    "constraint_failed",
+    "repeated_line",
+]
+FINISH_REASONS: tuple[str, ...] = (
+    "stop",  # the model ended its turn
+    "length",  # max_tokens or the context window
+    "stop_sequence",  # a stop string appeared (it is not in the text)
+    "canceled",  # the client cancelled
+    "error",  # see StreamChunk.error
+    "tool_calls",  # the model called tools: StreamChunk.tool_calls on the final chunk
+    "malformed_tool_call",  # the model started a tool call that does not parse (the text keeps it)
+    "signal",  # the model called an exit tool: StreamChunk.signal on the final chunk
+    "constraint_failed",  # the constraint could no longer be satisfied (the output is not valid)
+    "repeated_line",  # the same long line repeated too often in a row (DecodeConfig.repeated_line_*)
+)
+
+CONSTRAINT_KINDS: tuple[str, ...] = ("json", "json_schema", "regex", "grammar")
+"""``json``: any JSON object. ``json_schema``: a JSON document valid under the schema in ``value``.
+``regex``: text that the regular expression matches in full. ``grammar``: a GBNF grammar (llama.cpp
+syntax) with a ``root`` rule. ``blueprints/0018-constraints-and-tool-calls.md`` lists what each
+backend honours."""
+
+TOOL_CHOICES: tuple[str, ...] = ("auto", "none", "required")
+"""``DecodeConfig.tool_choice``: these, or the name of one tool (forced)."""
+
+TOOL_FORMATS: tuple[str, ...] = ("", "hermes", "llama3", "mistral", "none")
+"""How tool calls look in a model's output. ``""``: recognised from the chat template."""
 
 KV_CACHE_TYPES: tuple[str, ...] = ("f16", "f32", "bf16", "q8_0", "q4_0")
 PROMPT_FORMATS: tuple[str, ...] = ("raw", "chat")
@@ -161,7 +205,8 @@ class Capabilities:
     memory, where reuse falls back to a cold prefill). ``reuse``: ``exact`` when modeld controls
     the KV directly, ``engine`` when the engine reuses blocks itself and modeld tracks the
     logical reuse. ``sampling``: the DecodeConfig fields honoured; others are refused.
-    ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts.
+    ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts. ``constraints``: the
+    :data:`CONSTRAINT_KINDS` it can enforce (others are refused with ``unsupported``).
     """
 
     truncation: bool = True
@@ -169,6 +214,16 @@ class Capabilities:
     sampling: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()
     prompt_formats: tuple[str, ...] = ("raw",)
+    constraints: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialToken:
+    """A control token of the vocabulary. ``kind``: bos, eos, eot (ends a turn), or control."""
+
+    id: int
+    text: str
+    kind: str = "control"
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +249,8 @@ class ModelInfo:
     bos_token: str = ""  # the text of the BOS token (for chat templates)
     eos_token: str = ""  # the text of the end-of-turn token (for chat templates)
     capabilities: Capabilities = field(default_factory=Capabilities)
+    special_tokens: tuple[SpecialToken, ...] = ()  # control tokens (vocab_size counts every token)
+    tool_format: str = ""  # how the chat template writes tool calls (TOOL_FORMATS); "" unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,12 +333,44 @@ class SuffixStatus:
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must be. ``kind`` is one of :data:`CONSTRAINT_KINDS`; ``value`` is the JSON
+    schema (JSON text), the regular expression or the GBNF grammar (empty for ``json``).
+
+    An invalid value is ``invalid_argument`` with the position of the error; a constraint the
+    backend cannot enforce is ``unsupported``; a decode whose constraint can no longer be met ends
+    with finish reason ``constraint_failed``, never with invalid output reported as success.
+    """
+
+    kind: str
+    value: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """Sampling and stopping. ``temperature == 0`` is greedy.
 
     ``top_k == 0`` and ``top_p == 1`` and ``min_p == 0`` and ``repeat_penalty == 1`` disable
     those samplers. ``seed`` None means a random seed. ``extra`` is passed to the backend; keys it
     does not know are refused with :class:`~modeld.errors.UnsupportedError`.
+
+    Constrained output and tools (``blueprints/0018-constraints-and-tool-calls.md``):
+
+    * ``constraint``: the output must match it (see :class:`Constraint`).
+    * ``tool_choice``: ``auto`` (parse calls out of the output), ``none`` (do not parse), ``required``
+      (the output is forced to be a call of one of the tools), or a tool's name (forced call of
+      it). Forcing is a constraint, so it cannot be combined with ``constraint``.
+    * ``tools_json``: the tools the output may call (a JSON array of OpenAI-style definitions);
+      empty means the prefix's ``tools_json``. ``exit_tools_json``: exit tools (same shape); a
+      call of one is returned as ``StreamChunk.signal`` with no tool-result round trip, and with
+      ``stop_on_signal`` it ends generation at once. ``tool_format``: one of
+      :data:`TOOL_FORMATS` (``""``: recognised from the chat template).
+    * ``repeated_line_min_chars`` / ``repeated_line_max``: a line of at least that many
+      characters (whitespace stripped) repeated ``repeated_line_max`` times in a row ends the
+      decode with ``repeated_line``; 0 in either turns the guard off.
+    * ``logit_bias`` (token id -> added logit), ``presence_penalty``, ``frequency_penalty`` (as
+      OpenAI defines them), ``logprobs`` and ``top_logprobs``: honoured where the backend lists
+      them in ``Capabilities.sampling``, refused otherwise.
     """
 
     max_tokens: int = 256
@@ -294,6 +383,19 @@ class DecodeConfig:
     repeat_penalty: float = 1.0
     extra: Mapping[str, str] = field(default_factory=dict)
     no_wait: bool | None = None  # None: the session's choice (OpenSessionRequest.no_wait)
+    constraint: Constraint | None = None
+    tool_choice: str = "auto"
+    tools_json: str = ""
+    exit_tools_json: str = ""
+    stop_on_signal: bool = True
+    tool_format: str = ""
+    repeated_line_min_chars: int = 16
+    repeated_line_max: int = 8
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,14 +419,69 @@ class ErrorDetail:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A complete tool call parsed out of the output. ``arguments`` is JSON text (an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A piece of the ``index``-th tool call, as it is parsed: the first delta of a call has its
+    ``id`` and ``name``; ``arguments`` pieces concatenate to the call's arguments JSON."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely alternatives (``top``).
+
+    ``text`` is the token's bytes as UTF-8, or ``bytes:\\xNN...`` for a token that is not
+    whole UTF-8 on its own (OpenAI's convention); filled by the daemon."""
+
+    token: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    """One of the most likely tokens at a step (``TokenLogprob.top``), best first."""
+
+    token: int
+    logprob: float
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class StreamChunk:
-    """A text delta (whole UTF-8 characters). The last chunk has finish_reason and usage."""
+    """A text delta (whole UTF-8 characters). The last chunk has finish_reason and usage.
+
+    Tool calls: the text of a call is not in ``text``; it arrives as ``tool_call_deltas`` and
+    the final chunk lists the complete calls in ``tool_calls`` (finish reason ``tool_calls``),
+    or the exit tool's call in ``signal`` (finish reason ``signal``). A call that does not
+    parse ends with ``malformed_tool_call`` and its raw text in ``text``. ``tool_text`` (final
+    chunk) is the calls' text exactly as generated: ``text`` + ``tool_text`` is the assistant
+    turn to append to the history so that the next turn reuses the generated tokens.
+    """
 
     text: str = ""
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
     error: ErrorDetail | None = None
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
+    signal: ToolCall | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    tool_text: str = ""  # final chunk: the calls' text as the model wrote it (to append to history)
 
     @property
     def final(self) -> bool:
@@ -367,6 +524,22 @@ class ContextReport:
     queue_wait_seconds: float = 0.0  # how long it has waited (or waited last)
     pinned: bool = False
     keep_alive_seconds: float = 0.0
+    changing_segments: tuple[ChangingSegment, ...] = ()
+    """Stable segments whose text changed on each of the session's last prefixes (see
+    :class:`ChangingSegment`): the likely cause of a prefix that is cold every turn."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChangingSegment:
+    """A stable segment that changed on each of the last ``turns`` ensure_prefix calls of a
+    session, at the same place: the ``position``-th stable segment of its ``kind`` (``index`` in
+    the current manifest). A timestamp or a request id in the system prompt does this; move it
+    into the volatile suffix (``ContextBuilder.runtime``) and the prefix stays warm."""
+
+    kind: str
+    position: int
+    index: int
+    turns: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,16 @@ Digest = NewType("Digest", str)
 """A 32-character lowercase hex xxh3-128 digest."""
 
 SegmentKind = Literal[
-    "system", "tools", "repo_rules", "repo_map", "pinned", "history", "diff", "terminal", "user_turn"
+    "system",
+    "tools",
+    "repo_rules",
+    "repo_map",
+    "pinned",
+    "history",
+    "diff",
+    "terminal",
+    "user_turn",
+    "runtime",
 ]
 SEGMENT_KINDS: tuple[str, ...] = get_args(SegmentKind)
 STABLE_KINDS: frozenset[str] = frozenset({"system", "tools", "repo_rules", "repo_map", "pinned", "history"})
@@ -75,6 +84,7 @@ DEFAULT_CACHE_CLASS: dict[str, str] = {
     "diff": "turn",
     "terminal": "turn",
     "user_turn": "turn",
+    "runtime": "turn",
 }
 """How long a segment of each kind is expected to stay unchanged (informational)."""
 
@@ -89,6 +99,7 @@ DEFAULT_ROLE: dict[str, str] = {
     "diff": "user",
     "terminal": "user",
     "user_turn": "user",
+    "runtime": "user",
 }
 """The chat role of a segment whose ``role`` is empty (prompt_format ``chat``)."""
 

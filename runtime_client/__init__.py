@@ -11,6 +11,11 @@
         for chunk in session.decode(rc.DecodeConfig(max_tokens=256)):
             print(chunk.text, end="")
 
+Constrained output and tools: ``DecodeConfig(constraint=rc.Constraint("json_schema", schema))``
+always yields a document valid under the schema; ``tool_choice="required"`` (or a tool's name)
+always yields a well-formed call; :func:`run_tools` runs a whole tool loop, prefilling only what
+each round adds.
+
 The client implements the same Service/Session contract as the in-process engine and raises
 the same typed errors (:mod:`modeld.errors`, every one of them exported here). It imports nothing from the daemon's engine or
 backends, so it installs without the native engines.
@@ -18,6 +23,7 @@ backends, so it installs without the native engines.
 
 from modeld.contract import (
     Config,
+    Constraint,
     ContextReport,
     DaemonStatus,
     DecodeConfig,
@@ -32,6 +38,8 @@ from modeld.contract import (
     StreamChunk,
     SuffixInput,
     SuffixStatus,
+    ToolCall,
+    ToolCallDelta,
     Usage,
     WarmContextInfo,
 )
@@ -67,6 +75,7 @@ from runtime_client.aio import AsyncClient, AsyncClientSession, aconnect
 from runtime_client.builder import BuiltContext, ContextBuilder
 from runtime_client.client import Client, ClientDecodeStream, ClientSession, connect
 from runtime_client.discovery import Endpoint, discover
+from runtime_client.tools import AsyncToolRunner, ToolLoopResult, ToolRound, ToolRunner, arun_tools, run_tools
 
 __all__ = [
     "AsyncClient",
@@ -79,6 +88,7 @@ __all__ = [
     "ClientDecodeStream",
     "ClientSession",
     "Config",
+    "Constraint",
     "ContextBuilder",
     "ContextManifest",
     "ContextOverflowError",
@@ -117,11 +127,19 @@ __all__ = [
     "StreamChunk",
     "SuffixInput",
     "SuffixStatus",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolLoopResult",
+    "ToolRound",
+    "ToolRunner",
+    "AsyncToolRunner",
     "UnauthenticatedError",
     "UnsupportedError",
     "Usage",
     "WarmContextInfo",
     "aconnect",
+    "arun_tools",
     "connect",
     "discover",
+    "run_tools",
 ]

@@ -9,11 +9,24 @@ which is what makes the prefix reusable. It records each segment's byte range an
 
 Put nothing that changes every turn (a timestamp, a request id) into a stable segment: it
 makes every turn cold from that byte on. ``modeld explain-context`` shows the segment where a
-prefix first diverged when that happens.
+prefix first diverged when that happens, and a builder reused across turns notices it itself:
+:attr:`BuiltContext.warnings` names a stable segment whose text changed on each of the last
+:data:`CHURN_TURNS` builds.
+
+Run-time metadata (the "BIOS" a worker prepends: platform instructions, the current date and
+time, remaining budgets) goes through :meth:`ContextBuilder.runtime`: the instructions, which do
+not change, become a stable ``system`` segment in the prefix; the values, which change every
+turn, become a volatile ``runtime`` segment at the start of the suffix (role ``user``, so in
+chat format it joins the user's turn). A timestamp then costs only its own tokens each turn.
+
+Tool loops (:mod:`runtime_client.tools`) grow the conversation with :meth:`ContextBuilder.next_turn`:
+the volatile segments (except run-time values) become history, then the assistant's turn and
+the tool results are appended as history, so each round's prefix extends the last one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from modeld.contract import PrefixInput, SuffixInput
@@ -21,6 +34,7 @@ from modeld.errors import InvalidArgumentError
 from modeld.manifest import (
     CACHE_CLASSES,
     DEFAULT_CACHE_CLASS,
+    DEFAULT_ROLE,
     ROLES,
     SEGMENT_KINDS,
     STABLE_KINDS,
@@ -29,7 +43,10 @@ from modeld.manifest import (
     bytes_hash,
 )
 
-__all__ = ["BuiltContext", "ContextBuilder"]
+__all__ = ["CHURN_TURNS", "BuiltContext", "ContextBuilder"]
+
+CHURN_TURNS = 3
+"""A stable segment whose text changed on this many consecutive builds is flagged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +57,7 @@ class BuiltContext:
     suffix_text: str
     manifest: ContextManifest
     tools_json: str = ""
+    warnings: tuple[str, ...] = ()  # e.g. a stable segment that changes every turn
 
     def prefix_input(self) -> PrefixInput:
         return PrefixInput(text=self.prefix_text, manifest=self.manifest, tools_json=self.tools_json)
@@ -69,6 +87,7 @@ class ContextBuilder:
     profile_id: str = ""
     tools_json: str = ""
     _parts: list[_Part] = field(default_factory=list)
+    _seen: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict, repr=False)
 
     def add(
         self, kind: str, text: str, *, stable: bool | None = None, cache_class: str = "", role: str = ""
@@ -126,8 +145,47 @@ class ContextBuilder:
     def user_turn(self, text: str) -> ContextBuilder:
         return self.add("user_turn", text)
 
+    def runtime(self, instructions: str, values: Mapping[str, str]) -> ContextBuilder:
+        """Run-time metadata: ``instructions`` (stable: how to read the values) in the prefix, the
+        ``values`` (date, time, budgets, ...) as a volatile segment. Replaces earlier values."""
+        self._parts = [p for p in self._parts if p.kind != "runtime"]
+        if instructions:
+            self.add("system", instructions)
+        lines = "".join(f"{k}: {v}\n" for k, v in values.items())
+        if lines:
+            self.add("runtime", "Run-time values:\n" + lines)
+        return self
+
+    def assistant(self, text: str) -> ContextBuilder:
+        """An assistant turn in the history (e.g. the text and tool calls it generated)."""
+        return self.add("history", text, role="assistant")
+
+    def tool_result(self, text: str) -> ContextBuilder:
+        """A tool's result in the history (role ``tool``)."""
+        return self.add("history", text, role="tool")
+
+    def copy(self) -> ContextBuilder:
+        twin = ContextBuilder(identity=self.identity, profile_id=self.profile_id, tools_json=self.tools_json)
+        twin._parts = [replace(p) for p in self._parts]
+        twin._seen = dict(self._seen)
+        return twin
+
+    def next_turn(self) -> ContextBuilder:
+        """The conversation so far, made stable: volatile segments (the user's turn, the diff, the
+        terminal output) become history in their order; run-time values stay volatile."""
+        stable = [p for p in self._parts if p.stable]
+        moved = [
+            _Part("history", p.text, True, "conversation", p.role or DEFAULT_ROLE[p.kind])
+            for p in self._parts
+            if not p.stable and p.kind != "runtime"
+        ]
+        runtime = [p for p in self._parts if not p.stable and p.kind == "runtime"]
+        self._parts = stable + moved + runtime
+        return self
+
     def build(self) -> BuiltContext:
         ordered = [p for p in self._parts if p.stable] + [p for p in self._parts if not p.stable]
+        warnings = self._churn(ordered)
         segments: list[Segment] = []
         prefix: list[str] = []
         suffix: list[str] = []
@@ -160,4 +218,26 @@ class ContextBuilder:
             volatile_token_hash="",
             segments=tuple(segments),
         )
-        return BuiltContext(prefix_text, suffix_text, manifest, self.tools_json)
+        return BuiltContext(prefix_text, suffix_text, manifest, self.tools_json, warnings)
+
+    def _churn(self, ordered: list[_Part]) -> tuple[str, ...]:
+        """Stable segments (by kind and position among that kind) whose text changed on each of
+        the last CHURN_TURNS builds: the likely cause of a prefix that is cold every turn."""
+        out: list[str] = []
+        counts: dict[str, int] = {}
+        for part in ordered:
+            if not part.stable or part.kind == "history":
+                continue
+            n = counts.get(part.kind, 0)
+            counts[part.kind] = n + 1
+            digest = bytes_hash(part.text)
+            before = self._seen.get((part.kind, n))
+            streak = 0 if before is None else (before[1] + 1 if before[0] != digest else 0)
+            self._seen[(part.kind, n)] = (digest, streak)
+            if streak >= CHURN_TURNS:
+                out.append(
+                    f"stable segment {part.kind!r} #{n} changed on each of the last {streak} turns: "
+                    "move what changes (a timestamp, an id) into the volatile suffix "
+                    "(ContextBuilder.runtime), or every turn is cold from there"
+                )
+        return tuple(out)

@@ -49,7 +49,8 @@ def test_public_names_are_pinned() -> None:
         OperationTimeoutError PrefillProgress PrefixInput PrefixRequiredError PrefixStatus ReuseDecision
         Segment SessionClosedError SessionNotFoundError SessionSummary ShuttingDownError StaleFenceError
         StallTimeoutError StreamChunk SuffixInput SuffixStatus UnauthenticatedError UnsupportedError Usage
-        WarmContextInfo aconnect connect discover""".split()
+        WarmContextInfo aconnect connect discover Constraint ToolCall ToolCallDelta ToolLoopResult ToolRound
+        ToolRunner AsyncToolRunner arun_tools run_tools""".split()
     )
     for name in runtime_client.__all__:
         assert hasattr(runtime_client, name)
@@ -97,3 +98,15 @@ def test_implementations_conform_to_the_protocols() -> None:
         with session.decode(__import__("modeld.contract").contract.DecodeConfig(max_tokens=1)) as stream:
             assert isinstance(stream, DecodeStream)
     engine.shutdown()
+
+
+def test_decoding_imports_no_wire_http_or_native_engine() -> None:
+    code = (
+        "import sys, modeld.decoding.output, modeld.decoding.constraints, modeld.decoding.toolcalls\n"
+        "bad = [m for m in sys.modules if m.startswith(('grpc', 'google.protobuf', 'modeld.v1', 'modeld.wire',"
+        " 'modeld.server', 'modeld.engine', 'modeld.backends', 'llama_cpp', 'openvino', 'llguidance', 'fastapi',"
+        " 'starlette', 'httpx'))]\n"
+        "print(','.join(bad))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

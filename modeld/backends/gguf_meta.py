@@ -39,7 +39,7 @@ from typing import Any, Final
 import xxhash
 
 from modeld.backends.gguf_checks import HYBRID_ARCHS, RECURRENT_ARCHS, check
-from modeld.backends.gguf_header import ARRAY, LIMITS, STRING, GGUFFormatError, Header
+from modeld.backends.gguf_header import ARRAY, INTEGERS, LIMITS, STRING, GGUFFormatError, Header
 from modeld.backends.probe import MAX_SHOWN_PATH, FileIdentity, ModelFile, open_model_file, show_path
 from modeld.errors import BackendMismatchError, ModelLoadError
 from modeld.manifest import bytes_hash
@@ -116,6 +116,7 @@ class GGUFInfo:
     weights_bytes: int
     file_type: int
     tokenizer_model: str = ""  # gpt2 (byte-level BPE), llama (SentencePiece), ...
+    special_tokens: tuple[tuple[int, str, str], ...] = ()  # (id, text, kind): see special_tokens()
     identity: FileIdentity | None = None  # the file when it was described (see probe.changed)
 
     @property
@@ -282,8 +283,32 @@ def _describe(f: ModelFile, digest: str) -> GGUFInfo:
         weights_bytes=h.weights_bytes,
         file_type=int(h.py("general.file_type", -1) or -1),
         tokenizer_model=model_kind,
+        special_tokens=special_tokens(h, tokens),
         identity=f.identity,
     )
+
+
+MAX_SPECIAL_TOKENS = 1024
+"""Control tokens listed at most (a vocabulary with more lists the first ones)."""
+_CONTROL = 3  # llama.cpp's LLAMA_TOKEN_TYPE_CONTROL in tokenizer.ggml.token_type
+
+
+def special_tokens(h: Header, tokens: list[bytes]) -> tuple[tuple[int, str, str], ...]:
+    """The vocabulary's control tokens as ``(id, text, kind)``: ``kind`` is bos, eos or eot
+    (the tokenizer's ids for them) or control (``token_type`` CONTROL). For ``ModelInfo``."""
+    kinds: dict[int, str] = {}
+    for kind in ("bos", "eos", "eot"):
+        value = h.get(f"tokenizer.ggml.{kind}_token_id")
+        if value is not None and value.type in INTEGERS and 0 <= int(value.scalar) < len(tokens):
+            kinds.setdefault(int(value.scalar), kind)
+    types = h.integers("tokenizer.ggml.token_type") if "tokenizer.ggml.token_type" in h.kvs else None
+    ids = set(kinds)
+    for token, token_type in enumerate(types or []):
+        if token_type == _CONTROL and token < len(tokens):
+            ids.add(token)
+            if len(ids) >= MAX_SPECIAL_TOKENS:
+                break
+    return tuple((t, _token(tokens, t), kinds.get(t, "control")) for t in sorted(ids))
 
 
 def _token(tokens: list[bytes], index: Any) -> str:

@@ -17,7 +17,8 @@ import psutil
 from modeld.backends.base import LoadOptions, ModelRuntime
 from modeld.backends.gguf_meta import kv_bytes_per_token, read_gguf
 from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
-from modeld.contract import Capabilities, ModelInfo, OpenSessionRequest
+from modeld.contract import CONSTRAINT_KINDS, Capabilities, ModelInfo, OpenSessionRequest, SpecialToken
+from modeld.decoding.tools import detect_format
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
 __all__ = ["OVERHEAD_BYTES", "SAMPLING_FIELDS", "LlamaBackend", "backend_version"]
@@ -25,7 +26,19 @@ __all__ = ["OVERHEAD_BYTES", "SAMPLING_FIELDS", "LlamaBackend", "backend_version
 OVERHEAD_BYTES = 512 << 20
 """Memory set aside for llama.cpp's compute buffers and the process when sizing the context."""
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+)
 QUANTIZED_KV = ("q8_0", "q4_0")
 
 
@@ -105,7 +118,10 @@ class LlamaBackend:
                 sampling=SAMPLING_FIELDS,
                 extra=(),
                 prompt_formats=("raw", "chat") if meta.chat_template else ("raw",),
+                constraints=CONSTRAINT_KINDS,
             ),
+            special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),
+            tool_format=detect_format(meta.chat_template),
         )
 
     def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> ModelRuntime:

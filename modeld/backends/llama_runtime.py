@@ -23,6 +23,12 @@ matter for correctness:
   kept nothing (the daemon evaluates everything again).
 * **Restores are verified**: llama.cpp returning 0 empties the sequence; a restore whose
   position range does not match the tokens it claims is undone (llama.cpp #26676).
+* **Constraints and the extra samplers** (``blueprints/0018``): a constrained decode masks the
+  logits in the context's own buffer (llguidance's token mask over the compiled GBNF,
+  :mod:`modeld.backends.llama_constraints`), then ``logit_bias`` and presence/frequency
+  penalties are applied there (``modeld.decoding.sampling``), then the usual choice reads the
+  buffer: the bare ``argmax`` when greedy (unchanged without a constraint), else the sampler
+  chain. A dead end of the constraint ends the job cleanly (``constraint_failed``).
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ import numpy as np
 
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.gguf_meta import GGUFInfo
+from modeld.backends.llama_constraints import LlamaConstraints, TokenConstraint
 from modeld.contract import Config, DecodeConfig, ModelInfo
+from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
+from modeld.decoding.sampling import SampledToken, adjust_array, logit_bias_of, logprob_array
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
 # OpenMP's threads spin after every llama_decode by default; on a small machine they take the
@@ -182,6 +191,7 @@ class LlamaRuntime:
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._fresh = -1  # the sequence whose last token's logits are in the context, or -1
         self._pieces: tuple[bytes, ...] | None = None
+        self._constraints: LlamaConstraints | None = None  # made on the first constrained decode
 
     # --- loading ----------------------------------------------------------------------------
 
@@ -324,6 +334,7 @@ class LlamaRuntime:
         held = self._seq(seq)
         if not held:
             raise EngineError("nothing resident to decode from")
+        compiled = runtime_constraint(config)
         if self._fresh != seq:
             # Re-evaluate the last tokens (two, so the batch is not a lone token) for fresh logits.
             back = min(2, len(held)) if self._layout.can_truncate else 0
@@ -333,16 +344,45 @@ class LlamaRuntime:
             self._cut(seq, len(held) - back)
             self._decode(seq, tail)
         sampler = self._sampler(config, held)
+        bias = logit_bias_of(config.logit_bias)
+        penalties = bool(config.presence_penalty or config.frequency_penalty)
+        counts: dict[int, int] = {}
+        tc: TokenConstraint | None = None
         try:
+            if compiled is not None:
+                if self._constraints is None:
+                    self._constraints = LlamaConstraints(self._vocab, self._n_vocab)
+                tc = self._constraints.start(compiled)
             for produced in range(max_tokens):
-                if sampler is None:
+                logits = None
+                if tc is not None or bias or penalties or config.logprobs or sampler is None:
+                    # The context's own logits buffer: masked and adjusted in place, so the
+                    # sampler chain (which reads the same buffer) sees the result too.
                     logits = np.ctypeslib.as_array(
                         _llama.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,)
                     )
+                    if tc is not None:
+                        tc.apply(logits)
+                    if bias or penalties:
+                        adjust_array(
+                            logits,
+                            counts=counts,
+                            logit_bias=bias,
+                            presence_penalty=config.presence_penalty,
+                            frequency_penalty=config.frequency_penalty,
+                        )
+                if sampler is None:
+                    assert logits is not None
                     token = int(np.argmax(logits))
                 else:
                     token = int(_llama.llama_sampler_sample(sampler, self._ctx, -1))
-                yield token
+                if tc is not None:
+                    tc.accept(token)
+                counts[token] = counts.get(token, 0) + 1
+                if config.logprobs and logits is not None:
+                    yield SampledToken(token, logprob_array(logits, token, config.top_logprobs))
+                else:
+                    yield token
                 if (
                     _llama.llama_vocab_is_eog(self._vocab, token)
                     or produced + 1 >= max_tokens
@@ -351,9 +391,19 @@ class LlamaRuntime:
                     return
                 # The consumer resumed: the token is evaluated (becomes resident).
                 self._decode(seq, [token])
+        except ConstraintFailed as exc:
+            # A dead end of the constraint: end the job cleanly (the daemon reports
+            # constraint_failed; the sequence holds what was evaluated).
+            log.info("a constrained decode of sequence %d cannot go on: %s", seq, exc)
         finally:
             if sampler is not None:
                 _llama.llama_sampler_free(sampler)
+            if tc is not None:
+                tc.close()
+            if (tc is not None or bias or penalties) and self._fresh == seq:
+                # The buffer holds masked/adjusted logits of the last step: not fresh for the
+                # next decode of this sequence (it re-evaluates its last tokens).
+                self._fresh = -1
 
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)

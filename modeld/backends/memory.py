@@ -21,9 +21,17 @@ The model (documented in ``blueprints/0004-memory-backend.md``):
   cold by construction, and a changed suffix changes the reply): first an echo of the resident
   text's last line, ``[..tail..] `` (up to 24 bytes), then ``16 + h % 48`` pseudo-random
   characters drawn from a small alphabet (with multi-byte ones, to exercise UTF-8 safe
-  streaming), then EOS. The free characters are sampled from real logits (derived from an
-  xxh3 chain) with every DecodeConfig sampler honoured: temperature, top_k, top_p, min_p,
-  repeat_penalty, seed. Greedy decoding (temperature 0) is deterministic.
+  streaming), then EOS. The free characters are sampled byte by byte from real logits (an
+  xxh3 chain gives each character a logit; a byte's logit is the log of the summed
+  probabilities of the characters it leads to) with every DecodeConfig sampler honoured:
+  temperature, top_k, top_p, min_p, repeat_penalty, seed, and ``logit_bias``,
+  ``presence_penalty``, ``frequency_penalty``, ``logprobs`` (``modeld.decoding.sampling``: a
+  forced byte has probability 1). Greedy decoding (temperature 0) is deterministic.
+* **Constraints** (every kind, ``blueprints/0018``): under a constraint there is no echo and
+  no character budget; at each step every byte the grammar allows (the byte matcher of
+  ``modeld.decoding``) competes with an xxh3 logit, EOS too where the grammar accepts, and the
+  same samplers choose. When no byte is allowed the job ends (the daemon reports
+  ``constraint_failed``).
 """
 
 from __future__ import annotations
@@ -41,7 +49,18 @@ import xxhash
 
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.probe import ModelFile, open_model_file
-from modeld.contract import Capabilities, Config, DecodeConfig, ModelInfo, OpenSessionRequest
+from modeld.contract import (
+    CONSTRAINT_KINDS,
+    Capabilities,
+    Config,
+    DecodeConfig,
+    ModelInfo,
+    OpenSessionRequest,
+    SpecialToken,
+    TokenLogprob,
+)
+from modeld.decoding.constraints import runtime_constraint
+from modeld.decoding.sampling import SampledToken, adjust, logit_bias_of, logprob
 from modeld.errors import InvalidArgumentError, ModelLoadError, UnsupportedError
 from modeld.manifest import bytes_hash
 
@@ -85,7 +104,19 @@ _ALPHABET: tuple[bytes, ...] = tuple(
 )
 _ECHO_BYTES = 24
 _REPEAT_WINDOW = 64
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+)
 EXTRA_KEYS = ("delay_ms",)
 _MAX_DELAY_MS = 10_000
 
@@ -149,7 +180,10 @@ class MemoryBackend:
                 sampling=SAMPLING_FIELDS,
                 extra=EXTRA_KEYS,
                 prompt_formats=("raw", "chat"),
+                constraints=CONSTRAINT_KINDS,
             ),
+            special_tokens=(SpecialToken(BOS, "", "bos"), SpecialToken(EOS, "", "eos")),
+            tool_format="hermes",
         )
 
     def mark_loaded(self, digest: str, loaded: bool) -> None:
@@ -236,28 +270,38 @@ class MemoryRuntime:
         data = bytes(t for t in held if t < 256)
         state = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(held)}I", *held))
         rng = random.Random(config.seed if config.seed is not None else int.from_bytes(os.urandom(8)))
-        forced = list(_echo(data))
+        constraint = runtime_constraint(config)
+        matcher = constraint.byte_matcher() if constraint is not None else None
+        steps = _Steps(config)
+        forced = list(_echo(data)) if matcher is None else []
         free = 16 + state % 48
-        recent: list[int] = []
+        char: list[tuple[bytes, float]] = []  # the character being written: its candidates' logits
+        partial = b""
         delay = int(config.extra.get("delay_ms", "0")) / 1000.0
         for produced in range(max_tokens):
             if delay:
                 time.sleep(delay)
-            if forced:
-                token = forced.pop(0)
-            elif free <= 0:
-                token = EOS
+            if matcher is not None:
+                # Constrained: every byte the grammar allows competes, EOS where it accepts.
+                allowed = sorted(matcher.allowed_bytes()) + ([EOS] if matcher.accepting() else [])
+                if not allowed:
+                    return  # the constraint cannot go on: the daemon reports constraint_failed
+                token = steps.choose({i: _logit(state, i) for i in allowed}, rng)
+                if token != EOS:
+                    matcher.advance(token)
+            elif forced:
+                token = steps.choose({forced[0]: 0.0}, rng)
+                forced.pop(0)
+            elif free <= 0 and not partial:
+                token = steps.choose({EOS: 0.0}, rng)
             else:
-                logits = {
-                    i: 5.0 * xxhash.xxh3_64_intdigest(struct.pack("<QI", state, i)) / 2.0**64
-                    for i in range(len(_ALPHABET))
-                }
-                choice = sample(logits, config, rng, recent)
-                piece = _ALPHABET[choice]
-                token, forced = piece[0], list(piece[1:])
-                recent = [*recent, choice][-_REPEAT_WINDOW:]
-                free -= 1
-            yield token
+                if not partial:  # a new character: the alphabet's logits at this state
+                    char = [(piece, _logit(state, i)) for i, piece in enumerate(_ALPHABET)]
+                token = steps.choose(_next_bytes(char, partial), rng)
+                partial += bytes((token,))
+                if partial in _ALPHABET:
+                    partial, free = b"", free - 1
+            yield steps.token(token)
             if token == EOS or produced + 1 >= max_tokens or len(held) >= self._layout.window:
                 return
             # The consumer resumed: the token is evaluated (becomes resident).
@@ -297,6 +341,60 @@ class MemoryRuntime:
     def close(self) -> None:
         for held in self._seqs:
             held.clear()
+
+
+def _logit(state: int, i: int) -> float:
+    return 5.0 * xxhash.xxh3_64_intdigest(struct.pack("<QI", state, i)) / 2.0**64
+
+
+def _next_bytes(char: list[tuple[bytes, float]], partial: bytes) -> dict[int, float]:
+    """The logits of the next byte of a character that starts with ``partial``: each byte's is
+    the log of the summed probabilities of the characters it leads to (exact byte-level
+    semantics for multi-byte characters; a byte with one continuation has probability 1)."""
+    grouped: dict[int, list[float]] = {}
+    n = len(partial)
+    for piece, value in char:
+        if len(piece) > n and piece.startswith(partial):
+            grouped.setdefault(piece[n], []).append(value)
+    out: dict[int, float] = {}
+    for byte, values in grouped.items():
+        top = max(values)
+        out[byte] = top + math.log(sum(math.exp(v - top) for v in values))
+    return out
+
+
+class _Steps:
+    """One decode's choices: logit bias and presence/frequency penalties on the candidates
+    (``modeld.decoding.sampling``), the samplers (:func:`sample`), log-probabilities."""
+
+    def __init__(self, config: DecodeConfig) -> None:
+        self._config = config
+        self._bias = logit_bias_of(config.logit_bias)
+        self._counts: dict[int, int] = {}
+        self._recent: list[int] = []
+        self._extra = bool(self._bias or config.presence_penalty or config.frequency_penalty)
+        self._logprob: TokenLogprob | None = None
+
+    def choose(self, logits: dict[int, float], rng: random.Random) -> int:
+        config = self._config
+        if self._extra:
+            logits = adjust(
+                logits,
+                counts=self._counts,
+                logit_bias=self._bias,
+                presence_penalty=config.presence_penalty,
+                frequency_penalty=config.frequency_penalty,
+            )
+        token = sample(logits, config, rng, self._recent) if len(logits) > 1 else next(iter(logits))
+        self._recent = [*self._recent, token][-_REPEAT_WINDOW:]
+        self._counts[token] = self._counts.get(token, 0) + 1
+        if config.logprobs:
+            self._logprob = logprob(logits, token, config.top_logprobs)
+        return token
+
+    def token(self, token: int) -> int:
+        """The token to yield: with its log-probabilities when the decode asked for them."""
+        return SampledToken(token, self._logprob) if self._logprob is not None else token
 
 
 def _echo(data: bytes) -> bytes:

@@ -36,7 +36,15 @@ from modeld.backends.base import LoadOptions, ModelRuntime
 from modeld.backends.gguf_meta import KV_TYPE_BYTES, read_gguf
 from modeld.backends.probe import open_model_file, probe_model_path
 from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
-from modeld.contract import Capabilities, Config, ModelInfo, OpenSessionRequest
+from modeld.contract import (
+    CONSTRAINT_KINDS,
+    Capabilities,
+    Config,
+    ModelInfo,
+    OpenSessionRequest,
+    SpecialToken,
+)
+from modeld.decoding.tools import detect_format
 from modeld.errors import InvalidArgumentError, ModelLoadError, UnsupportedError, error_from_reason
 from modeld.manifest import bytes_hash
 
@@ -47,7 +55,18 @@ __all__ = ["OpenVINOBackend", "split_for_tokenizer"]
 
 log = logging.getLogger("modeld.openvino")
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+"""What the runtime maps onto ``GenerationConfig``. Not ``logit_bias`` (GenAI has none) and not
+``logprobs`` (the streamer sees token ids only): both are refused by name."""
 KV_PRECISIONS = {"f32": "f32", "f16": "f16", "bf16": "bf16"}
 PRECISIONS = ("f32", "bf16", "f16")
 OVERHEAD_BYTES = 512 << 20
@@ -213,6 +232,13 @@ def _read_source(raw: str) -> _Source:
     )
 
 
+def _special_tokens(source: _Source) -> tuple[SpecialToken, ...]:
+    """A GGUF file's control tokens (an IR directory's are not read: none listed)."""
+    if source.kind != "gguf":
+        return ()
+    return tuple(SpecialToken(i, text, kind) for i, text, kind in read_gguf(source.path).special_tokens)
+
+
 def _device(config: Config) -> str:
     """CPU by default; ``MODELD_OPENVINO_DEVICE`` (CPU, GPU, NPU, GPU.1, ...) names another one,
     and ``num_gpu_layers > 0`` asks for the GPU. A device this machine lacks is refused (the
@@ -293,7 +319,12 @@ class OpenVINOBackend:
                 sampling=SAMPLING_FIELDS,
                 extra=(),
                 prompt_formats=("raw", "chat") if source.chat_template else ("raw",),
+                # StructuredOutputConfig (xgrammar) takes the compiled GBNF: openvino-genai
+                # 2026.4.1, the pinned version, has it (openvino_constraints.py).
+                constraints=CONSTRAINT_KINDS,
             ),
+            special_tokens=_special_tokens(source),
+            tool_format=detect_format(source.chat_template),
         )
 
     def mark_loaded(self, digest: str, loaded: bool) -> None:

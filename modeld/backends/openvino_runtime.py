@@ -49,7 +49,9 @@ from modeld.backends.openvino import (
     _Source,
     split_for_tokenizer,
 )
+from modeld.backends.openvino_constraints import apply_sampling
 from modeld.contract import Config, DecodeConfig, ModelInfo
+from modeld.decoding.constraints import runtime_constraint
 from modeld.errors import EngineError, InvalidArgumentError, ModeldError, ModelLoadError, UnsupportedError
 
 try:
@@ -276,6 +278,7 @@ class OpenVINORuntime:
         stop = threading.Event()
         streamer = _Streamer(out, stop)
         gen = self._generation_config(config, max_new=min(max_tokens, self._layout.window - len(held)))
+        apply_sampling(gen, config, runtime_constraint(config))  # penalties, the compiled grammar
         prompt = ov.Tensor(np.array([held], dtype=np.int64))
         result: dict[str, Any] = {}
 

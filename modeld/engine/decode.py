@@ -2,9 +2,13 @@
 
 :class:`EngineDecodeStream` reads a generate job's replies on the caller's own thread (no
 producer thread): each ``Tokens`` reply is turned into UTF-8-safe text by
-:class:`~modeld.engine.text.TextAssembler`, stop strings are cut, and the final chunk carries the
-finish reason and usage. The engine stops by itself at an end-of-generation token, at
-``max_tokens`` and at the window; for a stop string, a cancel, an interrupted session or a
+:class:`~modeld.engine.text.TextAssembler`, stop strings are cut, and the text goes through the
+decode's :class:`~modeld.decoding.output.OutputProcessor` (tool calls parsed out of the text
+into deltas, exit-tool signals, the repeated-line guard, the constraint's check); the final
+chunk carries the finish reason, the calls and usage. The engine stops by itself at an
+end-of-generation token, at ``max_tokens``, at the window, and when its constraint cannot go
+on (it ends the job early: ``constraint_failed``); for a stop string, a processor stop
+(``repeated_line``, ``signal``, ``malformed_tool_call``), a cancel, an interrupted session or a
 timeout the stream sends a cancel message and reads on until the engine reports what its
 sequence holds, so the warm-state cache always records the truth.
 """
@@ -14,10 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from modeld.contract import DecodeConfig, ErrorDetail, StreamChunk, Usage
+from modeld.contract import DecodeConfig, ErrorDetail, StreamChunk, TokenLogprob, ToolCallDelta, Usage
+from modeld.decoding.output import DecodePlan, OutputProcessor
 from modeld.engine.text import TextAssembler
 from modeld.errors import ModeldError, OperationTimeoutError
 from modeld.workers.host import Call
@@ -43,6 +49,8 @@ class DecodeRun:
         call: Call,
         vocab: Vocab,
         config: DecodeConfig,
+        plan: DecodePlan,
+        requested: int,
         prompt: int,
         cached: int,
         prefill_ms: float,
@@ -55,6 +63,11 @@ class DecodeRun:
         self.call = call
         self.vocab = vocab
         self.config = config
+        self.plan = plan
+        self.requested = requested
+        """How many tokens the generate job may sample (max_tokens, or less if the window is
+        nearer): a job that ends sooner without an end-of-generation token met a dead end of
+        its constraint."""
         self.prompt = prompt
         self.cached = cached
         self.prefill_ms = prefill_ms
@@ -73,9 +86,12 @@ class EngineDecodeStream:
     def __init__(self, run: DecodeRun) -> None:
         self._run = run
         self._assembler = TextAssembler(run.config.stop)
+        self._processor = OutputProcessor(run.config, run.plan)
         self._emitted: list[int] = []
         self._sampled: list[int] = []
         self._pending: list[int] = []
+        self._pending_logprobs: list[TokenLogprob] = []
+        self._deltas: list[ToolCallDelta] = []
         self._finish: str | None = None  # decided, not yet reported
         self._error: ErrorDetail | None = None
         self._canceled = False
@@ -129,18 +145,18 @@ class EngineDecodeStream:
         except ModeldError as exc:
             return self._final(False, None, exc)
         if isinstance(event, Tokens):
-            return self._tokens(event.tokens)
+            return self._tokens(event.tokens, event.logprobs)
         if isinstance(event, Finished):
             return self._final(event.canceled, event.resident, None)
         return None
 
-    def _tokens(self, tokens: tuple[int, ...]) -> StreamChunk | None:
+    def _tokens(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StreamChunk | None:
         now = time.monotonic()
         if self._first_at is None:
             self._first_at = now
         self._last_at = now
         out: list[str] = []
-        for token in tokens:
+        for i, token in enumerate(tokens):
             self._sampled.append(token)
             if self._finish is not None:
                 continue  # generated after a stop condition: not part of the answer
@@ -149,17 +165,37 @@ class EngineDecodeStream:
                 continue
             self._emitted.append(token)
             self._pending.append(token)
-            out.append(self._assembler.feed(self._run.vocab.piece(token)))
+            if i < len(logprobs):
+                self._pending_logprobs.append(self._named(logprobs[i]))
+            text = self._assembler.feed(self._run.vocab.piece(token))
+            if text:
+                step = self._processor.feed(text)
+                out.append(step.text)
+                self._deltas.extend(step.deltas)
+                if step.stop:
+                    self._stop(step.stop)
+                    continue
             if self._assembler.stopped:
                 self._stop("stop_sequence")
             elif len(self._emitted) >= self._run.config.max_tokens:
                 self._finish = "length"  # the engine stops at max_tokens by itself
         text = "".join(out)
-        if text or (self._pending and self._assembler.stopped):
-            chunk = StreamChunk(text=text, token_ids=tuple(self._pending))
-            self._pending = []
+        if text or self._deltas or (self._pending and self._assembler.stopped):
+            chunk = StreamChunk(
+                text=text,
+                token_ids=tuple(self._pending),
+                tool_call_deltas=tuple(self._deltas),
+                logprobs=tuple(self._pending_logprobs),
+            )
+            self._pending, self._pending_logprobs, self._deltas = [], [], []
             return chunk
         return None
+
+    def _named(self, lp: TokenLogprob) -> TokenLogprob:
+        """The worker's log-probabilities with each token's text (the daemon has the vocabulary)."""
+        piece = self._run.vocab.piece
+        top = tuple(replace(t, text=piece_text(piece(t.token))) for t in lp.top)
+        return replace(lp, text=piece_text(piece(lp.token)), top=top)
 
     def _stop(self, finish: str, error: ErrorDetail | None = None) -> None:
         if self._finish is None:
@@ -174,9 +210,17 @@ class EngineDecodeStream:
         error = self._error
         if exc is not None:
             finish, error = "error", _detail(exc)
+        elif finish is None and canceled:
+            finish = "canceled"
+        elif finish is None and run.plan.constraint is not None and len(self._sampled) < run.requested:
+            finish = "stop"  # the engine met a dead end of the constraint: the check decides
         elif finish is None:
-            finish = "canceled" if canceled else "length"
+            finish = "length"
         text = "" if finish == "error" and exc is not None else self._assembler.flush()
+        step = self._processor.feed(text)
+        result = self._processor.finish(step.stop or finish)
+        if result.finish_reason == "malformed_tool_call":
+            log.info("a decode ended with a malformed tool call: %s", self._processor.malformed_reason)
         run.finish(self._emitted, self._sampled, resident, exc)
         decode_ms = (self._last_at - self._first_at) * 1000.0 if self._first_at and self._last_at else 0.0
         usage = Usage(
@@ -188,9 +232,18 @@ class EngineDecodeStream:
             decode_ms=decode_ms,
         )
         chunk = StreamChunk(
-            text=text, token_ids=tuple(self._pending), finish_reason=finish, usage=usage, error=error
+            text=step.text + result.text,
+            token_ids=tuple(self._pending),
+            finish_reason=result.finish_reason,
+            usage=usage,
+            error=error,
+            tool_call_deltas=(*self._deltas, *step.deltas, *result.deltas),
+            tool_calls=result.tool_calls,
+            signal=result.signal,
+            tool_text=result.tool_text,
+            logprobs=tuple(self._pending_logprobs),
         )
-        self._pending = []
+        self._pending, self._pending_logprobs, self._deltas = [], [], []
         return chunk
 
     def cancel(self) -> None:
@@ -222,6 +275,15 @@ class EngineDecodeStream:
     def __del__(self) -> None:
         if not self._done:
             self._run.call.cancel()
+
+
+def piece_text(piece: bytes) -> str:
+    """A token's bytes as text: UTF-8, or ``bytes:\\xNN...`` when not whole UTF-8 (OpenAI's
+    convention for log-probabilities)."""
+    try:
+        return piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
 def _detail(exc: ModeldError) -> ErrorDetail:

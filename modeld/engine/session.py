@@ -46,13 +46,15 @@ from modeld.contract import (
     SuffixStatus,
     WarmContextInfo,
 )
+from modeld.decoding.output import plan_decode
 from modeld.engine.admission import Ticket
+from modeld.engine.churn import SegmentChurn
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
 from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import ChatState, identity_of, prepare_prefix, prepare_suffix
-from modeld.engine.validate import validate_decode
+from modeld.engine.validate import validate_decode, validate_logit_bias
 from modeld.errors import (
     BusyError,
     EngineRestartedError,
@@ -132,6 +134,8 @@ class EngineSession:
         self._n_suffix = 0
         self._manifest: ContextManifest | None = None
         self._chat: ChatState | None = None
+        self._tools_json = ""  # the chat prefix's tools (what a decode's tool calls may name)
+        self._churn = SegmentChurn()
         self._prefix_status: PrefixStatus | None = None
         self._turn_computed = 0
         self._turn_prefill_ms = 0.0
@@ -200,6 +204,8 @@ class EngineSession:
             self._n_prefix, self._n_suffix = len(tokens), 0
             self._manifest = prep.manifest
             self._chat = prep.chat
+            self._tools_json = prefix.tools_json if prep.chat is not None else ""
+            self._churn.observe(prep.manifest)
             self._turn_computed = len(tokens) - lease.keep
             self._turn_prefill_ms = prefill_ms
             self._turn_restore_ms = lease.restore_ms
@@ -266,10 +272,18 @@ class EngineSession:
         with self._operation(no_wait, keep_ticket=True) as ticket:
             model = self.model
             validate_decode(config, self._service.limits, self._info.capabilities, self._window)
+            validate_logit_bias(config, self._info.vocab_size)
             if self._manifest is None or not self._tokens:
                 raise PrefixRequiredError("decode needs a resident context: call ensure_prefix first")
+            chat = self._chat is not None
+            plan = plan_decode(  # tools, tool_choice, the constraint compiled (cached by digest)
+                config,
+                prefix_tools_json=self._tools_json,
+                chat_template=self._info.chat_template if chat else "",
+            )
+            engine_config = plan.engine_config(config)
             host = model.host()
-            host.check_decode(config)
+            host.check_decode(engine_config)
             tokens = list(self._tokens)
             room = max(0, min(config.max_tokens, self._window - len(tokens)))
             lease = model.cache.begin(
@@ -277,7 +291,7 @@ class EngineSession:
             )
             try:
                 _, prefill_ms = self._sync(lease, tokens, "decode", None)
-                call = host.start_generate(lease.context.seq, config, room)
+                call = host.start_generate(lease.context.seq, engine_config, room)
             except BaseException:
                 model.cache.release(lease)
                 raise
@@ -290,6 +304,8 @@ class EngineSession:
                 call=call,
                 vocab=model.vocab,
                 config=config,
+                plan=plan,
+                requested=room,
                 prompt=len(tokens),
                 cached=max(0, len(tokens) - self._turn_computed),
                 prefill_ms=round(self._turn_prefill_ms, 3),
@@ -342,6 +358,7 @@ class EngineSession:
             queue_wait_seconds=round(waited if position else self._last_wait, 3),
             pinned=self.slot.pinned,
             keep_alive_seconds=self.slot.keep_alive or 0.0,
+            changing_segments=self._churn.changing(),
         )
 
     def interrupt(self) -> None:

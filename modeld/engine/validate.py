@@ -23,10 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from modeld.contract import (
+    CONSTRAINT_KINDS,
     KV_CACHE_TYPES,
     PROMPT_FORMATS,
+    TOOL_FORMATS,
     Capabilities,
     Config,
+    Constraint,
     DecodeConfig,
     OpenSessionRequest,
 )
@@ -40,6 +43,7 @@ __all__ = [
     "encode_text",
     "validate_config",
     "validate_decode",
+    "validate_logit_bias",
     "validate_manifest_size",
     "validate_request",
     "validate_session_id",
@@ -314,10 +318,103 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
                 f"(supported: {', '.join(capabilities.extra) or 'none'})",
                 field=f"extra.{key[:MAX_WORD_BYTES]}",
             )
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repeat_penalty"):
+    _validate_decoding(config, limits, capabilities)
+    for name in SAMPLING_FIELDS:
         if getattr(config, name) != getattr(_DEFAULTS, name) and name not in capabilities.sampling:
             raise UnsupportedError(
                 f"this backend cannot honour DecodeConfig.{name}; leave it at its default",
                 field=name,
             )
     return config
+
+
+SAMPLING_FIELDS: tuple[str, ...] = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "repeat_penalty",
+    "logit_bias",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+)
+"""DecodeConfig fields a backend honours only if it lists them in ``Capabilities.sampling``."""
+
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_TOP_LOGPROBS = 20
+MAX_REPEATED_LINE = 1 << 20
+
+
+def _validate_decoding(config: DecodeConfig, limits: Limits, capabilities: Capabilities) -> None:
+    """The constraint, tool and guard fields, and the extra sampling parameters (shapes and
+    ranges; the constraint itself is compiled by the decode, see ``modeld.decoding``)."""
+    constraint = config.constraint
+    if constraint is not None:
+        if not isinstance(constraint, Constraint):
+            raise InvalidArgumentError("constraint must be a Constraint", field="constraint")
+        if constraint.kind not in CONSTRAINT_KINDS:
+            raise InvalidArgumentError(
+                f"constraint.kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {constraint.kind!r}",
+                field="constraint.kind",
+            )
+        encode_text(constraint.value, "constraint.value", limits)
+        if constraint.kind not in capabilities.constraints:
+            raise UnsupportedError(
+                f"this backend cannot enforce a {constraint.kind!r} constraint "
+                f"(supported: {', '.join(capabilities.constraints) or 'none'})",
+                field="constraint.kind",
+            )
+    validate_string(config.tool_choice, "tool_choice", limits)
+    if not config.tool_choice:
+        raise InvalidArgumentError(
+            "tool_choice must be auto, none, required or a tool's name", field="tool_choice"
+        )
+    if config.tool_choice not in ("auto", "none") and "grammar" not in capabilities.constraints:
+        raise UnsupportedError(
+            f"tool_choice {config.tool_choice!r} forces a call with a grammar, which this backend cannot enforce",
+            field="tool_choice",
+        )
+    encode_text(config.tools_json, "tools_json", limits)
+    encode_text(config.exit_tools_json, "exit_tools_json", limits)
+    if not isinstance(config.stop_on_signal, bool):
+        raise InvalidArgumentError("stop_on_signal must be a boolean", field="stop_on_signal")
+    if config.tool_format not in TOOL_FORMATS:
+        raise InvalidArgumentError(
+            f"tool_format must be one of {', '.join(repr(f) for f in TOOL_FORMATS)}, got {config.tool_format!r}",
+            field="tool_format",
+        )
+    _int_in(config.repeated_line_min_chars, "repeated_line_min_chars", 0, MAX_REPEATED_LINE)
+    _int_in(config.repeated_line_max, "repeated_line_max", 0, MAX_REPEATED_LINE)
+    if len(config.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise LimitExceededError(
+            f"{len(config.logit_bias)} logit_bias entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}",
+            limit="max_logit_bias_entries",
+            value=len(config.logit_bias),
+            maximum=MAX_LOGIT_BIAS_ENTRIES,
+        )
+    for token, bias in config.logit_bias.items():
+        _int_in(token, "logit_bias token", 0, (1 << 31) - 1)
+        _float_in(bias, f"logit_bias[{token}]", -100.0, 100.0)
+    _float_in(config.presence_penalty, "presence_penalty", -2.0, 2.0)
+    _float_in(config.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    if not isinstance(config.logprobs, bool):
+        raise InvalidArgumentError("logprobs must be a boolean", field="logprobs")
+    _int_in(config.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if config.top_logprobs and not config.logprobs:
+        raise InvalidArgumentError("top_logprobs needs logprobs", field="top_logprobs")
+
+
+def validate_logit_bias(config: DecodeConfig, vocab_size: int) -> None:
+    """Every ``logit_bias`` token must be in the model's vocabulary (``ModelInfo.vocab_size``;
+    0 = unknown, then the backend's range check is all there is)."""
+    if vocab_size <= 0:
+        return
+    for token in config.logit_bias:
+        if token >= vocab_size:
+            raise InvalidArgumentError(
+                f"logit_bias names token {token}; this model's vocabulary has {vocab_size} tokens (0-{vocab_size - 1})",
+                field="logit_bias",
+            )

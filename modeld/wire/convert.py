@@ -23,7 +23,9 @@ from google.rpc import error_details_pb2
 from modeld.contract import (
     Accelerator,
     Capabilities,
+    ChangingSegment,
     Config,
+    Constraint,
     ContextReport,
     DaemonStatus,
     DecodeConfig,
@@ -38,10 +40,15 @@ from modeld.contract import (
     PrefixStatus,
     ReuseDecision,
     SessionSummary,
+    SpecialToken,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
     TierStatus,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    TopLogprob,
     Usage,
     WarmContextInfo,
     WorkerInfo,
@@ -98,6 +105,11 @@ _FINISH_TO_PB = {
     "stop_sequence": pb.FINISH_REASON_STOP_SEQUENCE,
     "canceled": pb.FINISH_REASON_CANCELED,
     "error": pb.FINISH_REASON_ERROR,
+    "tool_calls": pb.FINISH_REASON_TOOL_CALLS,
+    "malformed_tool_call": pb.FINISH_REASON_MALFORMED_TOOL_CALL,
+    "signal": pb.FINISH_REASON_SIGNAL,
+    "constraint_failed": pb.FINISH_REASON_CONSTRAINT_FAILED,
+    "repeated_line": pb.FINISH_REASON_REPEATED_LINE,
 }
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
@@ -293,22 +305,51 @@ def suffix_input_from_pb(msg: pb.SuffixInput) -> SuffixInput:
     return SuffixInput(text=msg.text, manifest=manifest, no_wait=no_wait)
 
 
+_DECODE_OPTIONAL = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repeat_penalty",
+    "tool_choice",
+    "stop_on_signal",
+    "repeated_line_min_chars",
+    "repeated_line_max",
+)
+
+
 @_guard("decode config")
 def decode_config_to_pb(config: DecodeConfig) -> pb.DecodeConfig:
-    return _to_pb(config, pb.DecodeConfig())
+    msg = _to_pb(config, pb.DecodeConfig(), skip=("constraint", "logit_bias"))
+    if config.constraint is not None:
+        msg.constraint.CopyFrom(pb.Constraint(kind=config.constraint.kind, value=config.constraint.value))
+    for token, bias in config.logit_bias.items():
+        msg.logit_bias[token] = bias
+    return msg
 
 
 @_guard("decode config")
 def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
     defaults = DecodeConfig()
     values: dict[str, Any] = {}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repeat_penalty"):
+    for name in _DECODE_OPTIONAL:
         values[name] = getattr(msg, name) if msg.HasField(name) else getattr(defaults, name)
+    constraint = Constraint(msg.constraint.kind, msg.constraint.value) if msg.HasField("constraint") else None
     return DecodeConfig(
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
         extra=dict(msg.extra),
         no_wait=msg.no_wait if msg.HasField("no_wait") else None,
+        constraint=constraint,
+        tools_json=msg.tools_json,
+        exit_tools_json=msg.exit_tools_json,
+        tool_format=msg.tool_format,
+        logit_bias=dict(msg.logit_bias),
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
         **values,
     )
 
@@ -318,15 +359,17 @@ def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
 
 @_guard("model info")
 def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
-    msg = _to_pb(info, pb.ModelInfo(), skip=("capabilities",))
+    msg = _to_pb(info, pb.ModelInfo(), skip=("capabilities", "special_tokens"))
     msg.capabilities.CopyFrom(_to_pb(info.capabilities, pb.Capabilities()))
+    msg.special_tokens.extend(_to_pb(t, pb.SpecialToken()) for t in info.special_tokens)
     return msg
 
 
 @_guard("model info")
 def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
     caps = _from_pb(msg.capabilities, Capabilities)
-    return _from_pb(msg, ModelInfo, capabilities=caps)
+    special = tuple(_from_pb(t, SpecialToken) for t in msg.special_tokens)
+    return _from_pb(msg, ModelInfo, capabilities=caps, special_tokens=special)
 
 
 def _reuse_to_pb(decision: ReuseDecision) -> pb.ReuseDecision:
@@ -363,6 +406,7 @@ def suffix_status_from_pb(msg: pb.SuffixStatus) -> SuffixStatus:
 def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
     msg = pb.StreamChunk(
         text=chunk.text,
+        tool_text=chunk.tool_text,
         token_ids=chunk.token_ids,
         finish_reason=_FINISH_TO_PB[chunk.finish_reason],
     )
@@ -371,6 +415,19 @@ def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
     if chunk.error is not None:
         info = error_details_pb2.ErrorInfo(reason=chunk.error.reason, domain="modeld")
         msg.error.CopyFrom(pb.ErrorDetail(reason=chunk.error.reason, message=chunk.error.message, info=info))
+    msg.tool_call_deltas.extend(_to_pb(d, pb.ToolCallDelta()) for d in chunk.tool_call_deltas)
+    msg.tool_calls.extend(_to_pb(c, pb.ToolCall()) for c in chunk.tool_calls)
+    if chunk.signal is not None:
+        msg.signal.CopyFrom(_to_pb(chunk.signal, pb.ToolCall()))
+    for lp in chunk.logprobs:
+        msg.logprobs.append(
+            pb.TokenLogprob(
+                token=lp.token,
+                logprob=lp.logprob,
+                top=[pb.TopLogprob(token=t.token, logprob=t.logprob, text=t.text) for t in lp.top],
+                text=lp.text,
+            )
+        )
     return msg
 
 
@@ -379,10 +436,20 @@ def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
     finish = _FINISH_FROM_PB.get(msg.finish_reason, "error")
     return StreamChunk(
         text=msg.text,
+        tool_text=msg.tool_text,
         token_ids=tuple(msg.token_ids),
         finish_reason=finish,
         usage=_from_pb(msg.usage, Usage) if msg.HasField("usage") else None,
         error=ErrorDetail(msg.error.reason, msg.error.message) if msg.HasField("error") else None,
+        tool_call_deltas=tuple(_from_pb(d, ToolCallDelta) for d in msg.tool_call_deltas),
+        tool_calls=tuple(_from_pb(c, ToolCall) for c in msg.tool_calls),
+        signal=_from_pb(msg.signal, ToolCall) if msg.HasField("signal") else None,
+        logprobs=tuple(
+            TokenLogprob(
+                lp.token, lp.logprob, tuple(TopLogprob(t.token, t.logprob, t.text) for t in lp.top), lp.text
+            )
+            for lp in msg.logprobs
+        ),
     )
 
 
@@ -406,8 +473,13 @@ def progress_from_pb(msg: pb.PrefillProgress) -> PrefillProgress:
 
 @_guard("context report")
 def report_to_pb(report: ContextReport) -> pb.ContextReport:
-    msg = _to_pb(report, pb.ContextReport(), skip=("manifest", "last_reuse", "last_prefix", "contexts"))
+    msg = _to_pb(
+        report,
+        pb.ContextReport(),
+        skip=("manifest", "last_reuse", "last_prefix", "contexts", "changing_segments"),
+    )
     msg.contexts.extend(_contexts_to_pb(report.contexts))
+    msg.changing_segments.extend(_to_pb(c, pb.ChangingSegment()) for c in report.changing_segments)
     if report.manifest is not None:
         msg.manifest.CopyFrom(manifest_to_pb(report.manifest))
     if report.last_reuse is not None:
@@ -426,6 +498,7 @@ def report_from_pb(msg: pb.ContextReport) -> ContextReport:
         last_reuse=_reuse_from_pb(msg.last_reuse) if msg.HasField("last_reuse") else None,
         last_prefix=prefix_status_from_pb(msg.last_prefix) if msg.HasField("last_prefix") else None,
         contexts=_contexts_from_pb(msg.contexts),
+        changing_segments=tuple(_from_pb(c, ChangingSegment) for c in msg.changing_segments),
     )
 
 

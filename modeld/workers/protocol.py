@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
-from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
+from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest, TokenLogprob
 
 __all__ = [
     "MAX_FRAME",
@@ -106,12 +106,28 @@ class Sync(Message):
 
 @dataclass(frozen=True)
 class Generate(Message):
-    """Job: sample up to ``max_tokens`` tokens after what ``seq`` holds."""
+    """Job: sample up to ``max_tokens`` tokens after what ``seq`` holds.
+
+    A constraint travels compiled: ``config.constraint`` is ``Constraint("grammar", gbnf)``
+    (the daemon turned a schema, regex or forced tool call into GBNF once); the worker parses
+    it once per digest (``modeld.decoding.constraints``, an LRU in the worker). A job whose
+    constraint can no longer be met ends early and cleanly: ``Finished`` before ``max_tokens``
+    with no end-of-generation token, which the daemon reports as ``constraint_failed``.
+    """
 
     kind: ClassVar[str] = "generate"
     seq: int
     config: DecodeConfig
     max_tokens: int
+
+    def __post_init__(self) -> None:
+        bias = self.config.logit_bias
+        if any(not isinstance(k, int) for k in bias):  # a JSON object's keys are strings
+            try:
+                fixed = {int(k): float(v) for k, v in bias.items()}
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(f"Generate.config.logit_bias: {exc}") from exc
+            object.__setattr__(self, "config", dataclasses.replace(self.config, logit_bias=fixed))
 
 
 @dataclass(frozen=True)
@@ -231,10 +247,12 @@ class Progress(Message):
 
 @dataclass(frozen=True)
 class Tokens(Message):
-    """Tokens a generate job sampled (in order)."""
+    """Tokens a generate job sampled (in order); ``logprobs`` one per token when the decode
+    asked for them (``DecodeConfig.logprobs``), else empty."""
 
     kind: ClassVar[str] = "tokens"
     tokens: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

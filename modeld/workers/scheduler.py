@@ -200,7 +200,8 @@ class Scheduler:
             job.kept = item.kept
             self._send(job.op, Progress(item.kept, item.evaluated, item.total))
         else:
-            self._send(job.op, Tokens((int(item),)))
+            logprob = getattr(item, "logprob", None)  # a SampledToken (DecodeConfig.logprobs)
+            self._send(job.op, Tokens((int(item),), (logprob,) if logprob is not None else ()))
         self._jobs.append(job)
 
     def _finish(self, job: _Job, *, canceled: bool) -> None:

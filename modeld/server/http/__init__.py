@@ -7,7 +7,7 @@ turn pays only for what changed, and every response reports the reused tokens as
 ``usage.prompt_tokens_details.cached_tokens``. Design record: ``blueprints/0014-openai-http.md``.
 
 Modules: ``models`` (registered model names), ``openai`` (request parsing and response
-shapes, no web framework), ``features`` (what is refused until another issue lands),
+shapes, no web framework; constrained output and tool calls too),
 ``conversations`` (affinity: one warm session per conversation), ``turns`` (one request run
 on a session), ``app`` (the Starlette routes, auth), ``listener`` (uvicorn in the daemon).
 Only ``app`` and ``listener`` import Starlette/uvicorn (the ``http`` extra).

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from modeld.contract import Config, OpenSessionRequest, StreamChunk
+from modeld.contract import Config, OpenSessionRequest, StreamChunk, TokenLogprob
 from modeld.errors import echo, error_from_reason
 from modeld.server.auth import bearer_matches
 from modeld.server.gateway import Gateway
@@ -44,9 +44,13 @@ from modeld.server.http.openai import (
     Turn,
     api_error,
     chat_chunk,
+    chat_delta,
+    chat_logprobs,
     chat_response,
     completion_chunk,
+    completion_logprobs,
     completion_response,
+    finish_reason,
     modeld_info,
     models_response,
     parse_chat,
@@ -269,12 +273,14 @@ class HttpService:
 
     async def _collect(self, turn: Turn, started: Started, events: asyncio.Queue[Event]) -> Response:
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         while True:
             event = await events.get()
             if isinstance(event, Failed):
                 return _error(self._failed(event))
             assert isinstance(event, StreamChunk)
             parts.append(event.text)
+            logprobs.extend(event.logprobs)
             if event.final:
                 break
         if event.finish_reason == "error" and event.error is not None:
@@ -282,9 +288,9 @@ class HttpService:
         extension = modeld_info(started.session_id, started.status, started.diverged_message)
         text = "".join(parts)
         body = (
-            chat_response(turn, text, event, extension)
+            chat_response(turn, text, event, extension, tuple(logprobs))
             if turn.kind == "chat"
-            else completion_response(turn, text, event, extension)
+            else completion_response(turn, text, event, extension, tuple(logprobs))
         )
         return JSONResponse(body, headers={"X-Modeld-Session": started.session_id})
 
@@ -299,6 +305,7 @@ class HttpService:
         chat = turn.kind == "chat"
         extension = modeld_info(started.session_id, started.status, started.diverged_message)
         done = False
+        offset = 0  # completions: characters sent so far (logprobs' text_offset)
         try:
             if chat:
                 yield _sse(chat_chunk(turn, {"role": "assistant", "content": ""}))
@@ -309,19 +316,24 @@ class HttpService:
                     yield _sse(self._failed(event).body())
                     return
                 assert isinstance(event, StreamChunk)
-                if event.text:
+                if chat:
+                    delta = chat_delta(turn, event)
+                    if delta is not None or event.logprobs:
+                        yield _sse(chat_chunk(turn, delta or {}, logprobs=chat_logprobs(event.logprobs)))
+                elif event.text or event.logprobs:
                     yield _sse(
-                        chat_chunk(turn, {"content": event.text})
-                        if chat
-                        else completion_chunk(turn, event.text)
+                        completion_chunk(
+                            turn, event.text, logprobs=completion_logprobs(event.logprobs, offset)
+                        )
                     )
+                    offset += len(event.text)
                 if not event.final:
                     continue
                 done = True
                 if event.finish_reason == "error" and event.error is not None:
                     yield _sse(self._chunk_error(event).body())
                     return
-                finish = "length" if event.finish_reason == "length" else "stop"
+                finish = finish_reason(event)
                 tail = None if turn.include_usage else extension
                 last = _sse(
                     chat_chunk(turn, {}, finish, extension=tail)

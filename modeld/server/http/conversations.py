@@ -12,6 +12,11 @@ or, without one, a digest of the conversation's first system and user messages. 
 room, and one idle for ``idle_seconds`` is closed by :meth:`Conversations.sweep`. A request for
 a conversation whose session is busy with another request runs on a session of its own,
 closed when it finishes (sessions are not for concurrent use).
+
+It also remembers the exact text of the tool calls it returned (the last
+:data:`REMEMBERED_CALLS` replies, by their call ids), so when a tool sends those calls back in
+the history they are written as the model generated them and the next turn reuses every
+generated token (``blueprints/0018``).
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from modeld.contract import OpenSessionRequest
 from modeld.errors import LimitExceededError, ModeldError
 from modeld.server.gateway import Gateway, Hosted
 
-__all__ = ["Conversations"]
+__all__ = ["REMEMBERED_CALLS", "Conversations"]
+
+REMEMBERED_CALLS = 256
+"""Replies with tool calls whose exact text is kept (a few KiB each at most)."""
 
 log = logging.getLogger("modeld.http")
 
@@ -49,6 +57,7 @@ class Conversations:
         self.idle_seconds = idle_seconds
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
+        self._calls: OrderedDict[tuple[str, ...], str] = OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
@@ -106,6 +115,21 @@ class Conversations:
                 with self._lock:
                     entry.busy = False
                     entry.last_used = time.monotonic()
+
+    def remember_calls(self, ids: tuple[str, ...], text: str) -> None:
+        """The calls ``ids`` of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
+        if not ids or not text:
+            return
+        with self._lock:
+            self._calls[ids] = text
+            self._calls.move_to_end(ids)
+            while len(self._calls) > REMEMBERED_CALLS:
+                self._calls.popitem(last=False)
+
+    def recall_calls(self, ids: tuple[str, ...]) -> str | None:
+        """The generated text of the calls ``ids`` (in order, as returned), if remembered."""
+        with self._lock:
+            return self._calls.get(ids)
 
     def sweep(self) -> int:
         """Close conversations idle for longer than ``idle_seconds``; returns how many."""

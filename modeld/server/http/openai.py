@@ -4,10 +4,20 @@ No web framework here: plain dicts in, :class:`Turn` (what to run on a session) 
 dicts back. Rules (``blueprints/0014-openai-http.md``):
 
 * Every field is accounted for. Fields modeld honours are mapped; OpenAI fields it cannot
-  honour are refused by name with a 400 (``n`` other than 1, ``logprobs``, penalties other
-  than 0, audio, ...), never ignored; what waits for another issue is refused in
-  ``features.py``. A few fields are accepted and documented as having no effect here because
-  they describe the hosted service (``store`` false, ``service_tier``, ``safety_identifier``).
+  honour are refused by name with a 400 (``n`` other than 1, audio, ...), never ignored.
+  ``logit_bias``, the presence and
+  frequency penalties and ``logprobs`` go to the backend, which refuses by name what it cannot
+  honour. A few fields are accepted and documented as having no effect here because they
+  describe the hosted service (``store`` false, ``service_tier``, ``safety_identifier``).
+* Constrained output and tools (``blueprints/0018-constraints-and-tool-calls.md``):
+  ``response_format`` ``json_object`` / ``json_schema`` become a constraint; ``tool_choice``
+  ``required`` or a named function forces a well-formed call (a constraint too); calls are
+  parsed out of the output into ``tool_calls`` (streamed as deltas), finish reason
+  ``tool_calls``; a malformed call keeps its raw text as content (finish ``stop``);
+  ``constraint_failed`` and ``repeated_line`` are passed through as finish reasons (the output
+  is not valid, so never ``stop``). ``parallel_tool_calls: false`` returns the first call only.
+  Assistant messages with ``tool_calls`` are written back into the history in the model's
+  format (the exact generated text when this daemon produced those calls).
 * Unknown fields are extensions: ``top_k``, ``min_p`` and ``repeat_penalty`` map to the
   DecodeConfig samplers; any other scalar goes to ``DecodeConfig.extra``, which the backend
   accepts or refuses by name (the memory backend's ``delay_ms``, for example).
@@ -26,21 +36,37 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import xxhash
 
-from modeld.contract import DecodeConfig, PrefixInput, PrefixStatus, StreamChunk, SuffixInput, Usage
+from modeld.contract import (
+    Constraint,
+    DecodeConfig,
+    PrefixInput,
+    PrefixStatus,
+    StreamChunk,
+    SuffixInput,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from modeld.decoding.tools import format_calls
 from modeld.errors import ModeldError, echo
 from modeld.manifest import ContextManifest, Segment
-from modeld.server.http.features import not_yet_supported
 
 __all__ = [
     "ApiError",
+    "ChatMessage",
     "Turn",
     "api_error",
+    "chat_delta",
+    "chat_logprobs",
+    "completion_logprobs",
+    "finish_reason",
     "chat_chunk",
     "chat_response",
     "completion_chunk",
@@ -49,11 +75,16 @@ __all__ = [
     "parse_chat",
     "parse_completion",
     "usage_dict",
+    "with_tool_format",
 ]
 
 MAX_KEY_CHARS = 256
 """Longest conversation key (header, prompt_cache_key or user) kept as given."""
 MAX_MESSAGES = 4096
+MAX_TOOL_CALLS = 256
+"""Tool calls in one assistant message at most."""
+MAX_LOGIT_BIAS = 1024
+MAX_TOP_LOGPROBS = 20
 ROLE_OF = {
     "system": "system",
     "developer": "system",
@@ -89,6 +120,19 @@ def _unsupported(param: str, message: str) -> ApiError:
 
 
 @dataclass(frozen=True)
+class ChatMessage:
+    """One chat message: its role, text and (assistant) the tool calls it made."""
+
+    role: str
+    content: str
+    calls: tuple[ToolCall, ...] = ()
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self.calls)
+
+
+@dataclass(frozen=True)
 class Turn:
     """One request mapped onto the session contract."""
 
@@ -103,6 +147,10 @@ class Turn:
     include_usage: bool
     conversation: str  # the affinity key; "" = none given
     roles: tuple[str, ...] = ()  # per prefix segment, for naming where a prefix diverged
+    messages: tuple[ChatMessage, ...] = ()  # chat: what the prefix and suffix were built from
+    split: int = 0  # chat: how many messages form the prefix
+    parallel_tool_calls: bool = True  # False: the first call only
+    logprobs: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -118,11 +166,6 @@ _NO_EFFECT: dict[str, tuple[object, ...]] = {
 # Fields OpenAI defines that modeld cannot honour unless they have these (neutral) values.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
     "n": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "logit_bias": (None, {}),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -152,6 +195,11 @@ _CHAT_MAPPED = {
     "response_format",
     "user",
     "prompt_cache_key",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "frequency_penalty",
+    "presence_penalty",
 }
 _COMPLETION_MAPPED = {
     "model",
@@ -165,6 +213,10 @@ _COMPLETION_MAPPED = {
     "seed",
     "user",
     "prompt_cache_key",
+    "logprobs",
+    "logit_bias",
+    "frequency_penalty",
+    "presence_penalty",
 }
 _CHAT_ONLY_NEUTRAL = {"best_of", "echo", "suffix"}
 _COMPLETION_ONLY_NEUTRAL = {
@@ -178,7 +230,7 @@ _COMPLETION_ONLY_NEUTRAL = {
     "functions",
     "function_call",
 }
-_SAMPLER_EXTENSIONS = ("top_k", "min_p", "repeat_penalty")
+_SAMPLER_EXTENSIONS = ("top_k", "min_p", "repeat_penalty", "repeated_line_max", "repeated_line_min_chars")
 
 
 def _check_neutral(body: Mapping[str, Any], skip: set[str]) -> None:
@@ -228,9 +280,9 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     raise _bad("stop", "stop must be a string or an array of strings")
 
 
-def _decode(body: Mapping[str, Any], mapped: set[str], max_tokens: int | None) -> DecodeConfig:
+def _decode(body: Mapping[str, Any], mapped: set[str], max_tokens: int | None, **given: Any) -> DecodeConfig:
     """Samplers, stop strings and extension fields; max_tokens 0 stands for "the window"."""
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(given)
     temperature = _number(body, "temperature")
     if temperature is not None:
         if not 0 <= temperature <= 2:
@@ -246,10 +298,22 @@ def _decode(body: Mapping[str, Any], mapped: set[str], max_tokens: int | None) -
         values["seed"] = seed
     if "top_k" in body and body["top_k"] is not None:
         values["top_k"] = _int(body, "top_k", 0, 1 << 30)
+    for name in ("repeated_line_max", "repeated_line_min_chars"):
+        if body.get(name) is not None:
+            values[name] = _int(body, name, 0, 1 << 20)
     for name in ("min_p", "repeat_penalty"):
         number = _number(body, name)
         if number is not None:
             values[name] = number
+    for name in ("presence_penalty", "frequency_penalty"):
+        number = _number(body, name)
+        if number is not None:
+            if not -2 <= number <= 2:
+                raise _bad(name, f"{name} must be between -2 and 2, got {number:g}")
+            values[name] = number
+    bias = _logit_bias(body)
+    if bias:
+        values["logit_bias"] = bias
     extra: dict[str, str] = {}
     known = mapped | set(_NEUTRAL) | set(_NO_EFFECT) | set(_SAMPLER_EXTENSIONS)
     for name, value in body.items():
@@ -262,6 +326,74 @@ def _decode(body: Mapping[str, Any], mapped: set[str], max_tokens: int | None) -
         else:
             raise _unsupported(name, f"unknown field {echo(name)} with a non-scalar value is not supported")
     return DecodeConfig(max_tokens=max_tokens or 1, stop=_stop(body), extra=extra, **values)
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` (string keys, -100..100) as token id -> bias."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"logit_bias has {len(value)} entries; the limit is {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
+            raise _bad("logit_bias", f"logit_bias keys must be token ids, got {echo(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise _bad("logit_bias", f"logit_bias[{key}] must be a number from -100 to 100, got {echo(bias)}")
+        out[int(key)] = float(bias)
+    return out
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("logprobs", "logprobs must be a boolean")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+    return {"logprobs": True, "top_logprobs": top or 0} if logprobs else {}
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Completions' ``logprobs`` is how many alternatives to list per token (0-5)."""
+    value = body.get("logprobs")
+    if value is None or value is False:
+        return {}
+    top = _int(body, "logprobs", 0, 5)
+    return {"logprobs": True, "top_logprobs": top or 0}
+
+
+def _response_format(body: Mapping[str, Any]) -> Constraint | None:
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _bad("response_format", 'response_format must be an object such as {"type": "json_object"}')
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("response_format.json_schema", "response_format.json_schema must be an object")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise _bad("response_format.json_schema.strict", "strict must be a boolean")
+        schema = spec.get("schema")
+        if schema is None:
+            return Constraint("json")  # no schema: any JSON object
+        if not isinstance(schema, dict):
+            raise _bad("response_format.json_schema.schema", "the schema must be a JSON object")
+        return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))  # always strict
+    raise _bad(
+        "response_format",
+        f"response_format type must be text, json_object or json_schema, got {echo(kind)}",
+    )
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -336,13 +468,13 @@ def _content(message: Mapping[str, Any], where: str) -> str:
     return "".join(parts)
 
 
-def _messages(body: Mapping[str, Any]) -> list[tuple[str, str]]:
+def _messages(body: Mapping[str, Any]) -> list[ChatMessage]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "messages must be a non-empty array", code="missing_required_parameter")
     if len(messages) > MAX_MESSAGES:
         raise _bad("messages", f"{len(messages)} messages; the limit is {MAX_MESSAGES}")
-    out: list[tuple[str, str]] = []
+    out: list[ChatMessage] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -360,85 +492,130 @@ def _messages(body: Mapping[str, Any]) -> list[tuple[str, str]]:
             if key == "refusal" and role == "assistant":
                 continue
             raise _unsupported(f"{where}.{key}", f"{where}.{echo(key)} is not supported")
-        out.append((role, _content(message, where)))
+        calls = _message_calls(message.get("tool_calls"), f"{where}.tool_calls", role)
+        out.append(ChatMessage(role, _content(message, where), calls))
     return out
 
 
-def _tools(body: Mapping[str, Any]) -> str:
+def _message_calls(value: Any, where: str, role: str) -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls`` (what an earlier turn returned)."""
+    if value is None or value == []:
+        return ()
+    if role != "assistant":
+        raise _bad(where, f"{where} is only allowed on assistant messages")
+    if not isinstance(value, list) or len(value) > MAX_TOOL_CALLS:
+        raise _bad(where, f"{where} must be an array of at most {MAX_TOOL_CALLS} tool calls")
+    calls: list[ToolCall] = []
+    for j, call in enumerate(value):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(call, dict)
+            or call.get("type", "function") != "function"
+            or not isinstance(function, dict)
+        ):
+            raise _bad(at, f'{at} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}')
+        call_id, name, arguments = call.get("id", ""), function.get("name"), function.get("arguments", "{}")
+        if not isinstance(call_id, str) or len(call_id) > MAX_KEY_CHARS:
+            raise _bad(f"{at}.id", f"{at}.id must be a string of at most {MAX_KEY_CHARS} characters")
+        if not isinstance(name, str) or not name or len(name) > MAX_KEY_CHARS:
+            raise _bad(f"{at}.function.name", f"{at}.function.name must be a non-empty string")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else None
+        except (ValueError, RecursionError):
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise _bad(
+                f"{at}.function.arguments", f"{at}.function.arguments must be a JSON object as a string"
+            )
+        calls.append(ToolCall(call_id, name, arguments))
+    return tuple(calls)
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[str, str]:
+    """(tools JSON for the template, DecodeConfig.tool_choice)."""
     tools = body.get("tools")
     choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none", "required") and not isinstance(choice, dict):
-        raise _bad(
-            "tool_choice", f"tool_choice must be 'auto', 'none', 'required' or an object, got {echo(choice)}"
-        )
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise _bad("parallel_tool_calls", "parallel_tool_calls must be a boolean")
+    if choice is None or choice in ("auto", "none", "required"):
+        mode = choice or "auto"
+    elif isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str) or not name:
+            raise _bad(
+                "tool_choice",
+                'tool_choice as an object must be {"type": "function", "function": {"name": ...}}',
+            )
+        if len(name) > MAX_KEY_CHARS:
+            raise _bad("tool_choice", f"tool_choice names a function of {len(name)} characters")
+        mode = name
+    else:
+        raise _bad(
+            "tool_choice", f"tool_choice must be 'auto', 'none', 'required' or an object, got {echo(choice)}"
+        )
     if tools is None or tools == []:
-        return ""
+        if mode not in ("auto", "none"):
+            raise _bad("tool_choice", f"tool_choice {echo(choice)} needs tools, and none were given")
+        return "", "auto"
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise _bad("tools", "tools must be an array of tool objects")
-    if choice == "none":
-        return ""  # the model is not shown tools it may not call
-    return json.dumps(tools, ensure_ascii=False)
+    if mode == "none":
+        return "", "none"  # the model is not shown tools it may not call
+    return json.dumps(tools, ensure_ascii=False), mode
 
 
-def _split(messages: list[tuple[str, str]]) -> int:
+def _split(messages: list[ChatMessage]) -> int:
     """How many messages form the stable prefix: through the last assistant message, else the
     leading system messages, and at least the first message (templates index messages[0])."""
-    last_assistant = max((i for i, (role, _) in enumerate(messages) if role == "assistant"), default=-1)
+    last_assistant = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
     if last_assistant >= 0:
         return last_assistant + 1
     k = 0
-    while k < len(messages) and messages[k][0] == "system":
+    while k < len(messages) and messages[k].role == "system":
         k += 1
     return max(k, 1)
 
 
-def _auto_key(model: str, messages: list[tuple[str, str]]) -> str:
+def _auto_key(model: str, messages: list[ChatMessage]) -> str:
     """A conversation's identity when the client names none: its first system and user message."""
     h = xxhash.xxh3_64(model.encode())
     seen: set[str] = set()
-    for role, content in messages:
-        if role in ("system", "user") and role not in seen:
-            seen.add(role)
-            h.update(f"\0{role}\0".encode())
-            h.update(content.encode("utf-8", errors="surrogatepass"))
+    for m in messages:
+        if m.role in ("system", "user") and m.role not in seen:
+            seen.add(m.role)
+            h.update(f"\0{m.role}\0".encode())
+            h.update(m.content.encode("utf-8", errors="surrogatepass"))
         if seen == {"system", "user"}:
             break
     return f"auto:{h.hexdigest()}"
 
 
-def parse_chat(body: Mapping[str, Any], *, conversation_header: str = "") -> Turn:
-    """A ``/v1/chat/completions`` body as a Turn (raises :class:`ApiError`)."""
-    model = _model(body)
-    refusal = not_yet_supported(dict(body))
-    if refusal is not None:
-        raise _unsupported(*refusal)
-    _check_neutral(body, _CHAT_ONLY_NEUTRAL)
-    for name in _CHAT_ONLY_NEUTRAL:
-        if body.get(name) is not None:
-            raise _unsupported(name, f"{name} is a /v1/completions field")
-    stream, include_usage = _stream_options(body)
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _bad("response_format", 'response_format must be an object such as {"type": "text"}')
-    max_tokens = _int(body, "max_completion_tokens", 1, 1 << 30)
-    if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, 1 << 30)
-    messages = _messages(body)
-    tools_json = _tools(body)
-    k = _split(messages)
+Recall = Callable[[tuple[str, ...]], str | None]
+"""The exact generated text of calls this daemon returned, by their ids (None: not known)."""
+
+
+def _chat_inputs(
+    messages: tuple[ChatMessage, ...], k: int, tools_json: str, fmt: str, recall: Recall | None
+) -> tuple[PrefixInput, SuffixInput]:
+    """The prefix (messages before ``k``) and suffix, one manifest segment per message; an
+    assistant message's tool calls follow its content, written in the model's format ``fmt``."""
     prefix_parts: list[bytes] = []
     suffix_parts: list[bytes] = []
     segments: list[Segment] = []
     offset = 0
-    for i, (role, content) in enumerate(messages):
-        data = content.encode("utf-8", errors="surrogatepass")
+    for i, m in enumerate(messages):
+        text = m.content
+        if m.calls:
+            known = recall(tuple(c.id for c in m.calls)) if recall is not None else None
+            text += known if known is not None else (("\n" if text else "") + format_calls(fmt, m.calls))
+        data = text.encode("utf-8", errors="surrogatepass")
         stable = i < k
-        kind = "system" if i == 0 and role == "system" and stable else "history"
+        kind = "system" if i == 0 and m.role == "system" and stable else "history"
         segments.append(
-            Segment(kind=kind, byte_start=offset, byte_end=offset + len(data), stable=stable, role=role)
+            Segment(kind=kind, byte_start=offset, byte_end=offset + len(data), stable=stable, role=m.role)
         )
         (prefix_parts if stable else suffix_parts).append(data)
         offset += len(data)
@@ -453,19 +630,57 @@ def parse_chat(body: Mapping[str, Any], *, conversation_header: str = "") -> Tur
         total_bytes=offset,
         segments=tuple(segments),
     )
-    key = _key(body, conversation_header) or _auto_key(model, messages)
+    return (
+        PrefixInput(text=prefix_text, manifest=manifest, tools_json=tools_json),
+        SuffixInput(text=suffix_text, manifest=manifest),
+    )
+
+
+def with_tool_format(turn: Turn, fmt: str, recall: Recall | None) -> Turn:
+    """The turn with its history's tool calls written in the model's format (``ModelInfo.
+    tool_format``; hermes when the template's is not known), the exact text where recalled."""
+    if not any(m.has_calls for m in turn.messages):
+        return turn
+    prefix, suffix = _chat_inputs(turn.messages, turn.split, turn.prefix.tools_json, fmt or "hermes", recall)
+    return replace(turn, prefix=prefix, suffix=suffix)
+
+
+def parse_chat(body: Mapping[str, Any], *, conversation_header: str = "") -> Turn:
+    """A ``/v1/chat/completions`` body as a Turn (raises :class:`ApiError`)."""
+    model = _model(body)
+    _check_neutral(body, _CHAT_ONLY_NEUTRAL)
+    for name in _CHAT_ONLY_NEUTRAL:
+        if body.get(name) is not None:
+            raise _unsupported(name, f"{name} is a /v1/completions field")
+    stream, include_usage = _stream_options(body)
+    constraint = _response_format(body)
+    max_tokens = _int(body, "max_completion_tokens", 1, 1 << 30)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, 1 << 30)
+    messages = tuple(_messages(body))
+    tools_json, tool_choice = _tools(body)
+    k = _split(list(messages))
+    prefix, suffix = _chat_inputs(messages, k, tools_json, "hermes", None)
+    key = _key(body, conversation_header) or _auto_key(model, list(messages))
+    logprobs = _chat_logprobs(body)
     return Turn(
         kind="chat",
         model=model,
         prompt_format="chat",
-        prefix=PrefixInput(text=prefix_text, manifest=manifest, tools_json=tools_json),
-        suffix=SuffixInput(text=suffix_text, manifest=manifest),
-        decode=_decode(body, _CHAT_MAPPED, max_tokens),
+        prefix=prefix,
+        suffix=suffix,
+        decode=_decode(
+            body, _CHAT_MAPPED, max_tokens, constraint=constraint, tool_choice=tool_choice, **logprobs
+        ),
         max_tokens_given=max_tokens is not None,
         stream=stream,
         include_usage=include_usage,
         conversation=key,
-        roles=tuple(role for role, _ in messages[:k]),
+        roles=tuple(m.role for m in messages[:k]),
+        messages=messages,
+        split=k,
+        parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        logprobs=bool(logprobs),
     )
 
 
@@ -486,17 +701,19 @@ def parse_completion(body: Mapping[str, Any], *, conversation_header: str = "") 
         raise _bad("prompt", "prompt is required and must be a string", code="missing_required_parameter")
     max_tokens = _int(body, "max_tokens", 1, 1 << 30)
     key = _key(body, conversation_header) or "completions"
+    logprobs = _completion_logprobs(body)
     return Turn(
         kind="completion",
         model=model,
         prompt_format="raw",
         prefix=PrefixInput(text=prompt),
         suffix=None,
-        decode=_decode(body, _COMPLETION_MAPPED, 16 if max_tokens is None else max_tokens),
+        decode=_decode(body, _COMPLETION_MAPPED, 16 if max_tokens is None else max_tokens, **logprobs),
         max_tokens_given=True,
         stream=stream,
         include_usage=include_usage,
         conversation=key,
+        logprobs=bool(logprobs),
     )
 
 
@@ -531,8 +748,32 @@ def api_error(exc: ModeldError, incident: str) -> ApiError:
         )
     else:
         message = exc.message
-    param = exc.details.get("field") or exc.details.get("limit") or None
+    field = exc.details.get("field")
+    param = _PARAMS.get(field, field) if field else exc.details.get("limit") or None
+    if status < 500:
+        message += _position(exc.details, message)
     return ApiError(status, message, type=kind, code=_CODES.get(exc.reason, exc.reason), param=param)
+
+
+_PARAMS = {
+    "constraint": "response_format",
+    "constraint.kind": "response_format",
+    "constraint.value": "response_format",
+    "tools_json": "tools",
+}
+"""Contract fields as the OpenAI request names them (a schema error is the response_format's)."""
+
+
+def _position(details: Mapping[str, str], message: str) -> str:
+    """Where a schema, regex or grammar error is (the error's details), if the message does not
+    say it already."""
+    if "line" in details and f"line {details['line']}" in message:
+        return ""
+    for key in ("pointer", "offset"):
+        value = details.get(key)
+        if value and value not in message:
+            return f" ({key} {value})"
+    return ""
 
 
 # --- responses -----------------------------------------------------------------------------------
@@ -556,8 +797,105 @@ def usage_dict(usage: Usage | None) -> dict[str, Any]:
     }
 
 
+_FINISH = {
+    "length": "length",
+    "tool_calls": "tool_calls",
+    "signal": "tool_calls",  # to an OpenAI client an exit tool is a tool
+    "constraint_failed": "constraint_failed",  # not "stop": the output is not valid
+    "repeated_line": "repeated_line",
+}
+
+
 def finish_reason(chunk: StreamChunk) -> str:
-    return "length" if chunk.finish_reason == "length" else "stop"
+    """OpenAI's finish reason: stop, length, tool_calls, or modeld's constraint_failed and
+    repeated_line (the output is not what was asked for, so never "stop"). A malformed call is
+    "stop" with its raw text as the content."""
+    return _FINISH.get(chunk.finish_reason or "", "stop")
+
+
+def _calls(turn: Turn, final: StreamChunk) -> tuple[ToolCall, ...]:
+    calls = final.tool_calls + ((final.signal,) if final.signal is not None else ())
+    return calls if turn.parallel_tool_calls else calls[:1]
+
+
+def tool_calls_dicts(turn: Turn, final: StreamChunk) -> list[dict[str, Any]]:
+    """``message.tool_calls`` of a complete response."""
+    return [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in _calls(turn, final)
+    ]
+
+
+def chat_delta(turn: Turn, chunk: StreamChunk) -> dict[str, Any] | None:
+    """The streamed ``delta`` for a chunk's content and tool-call deltas (None: nothing to send).
+
+    A call's first delta has its id, type and name (arguments ""), its arguments follow in one
+    delta when the call is complete; with ``parallel_tool_calls`` false only call 0 is sent.
+    """
+    delta: dict[str, Any] = {}
+    if chunk.text:
+        delta["content"] = chunk.text
+    calls = [d for d in chunk.tool_call_deltas if turn.parallel_tool_calls or d.index == 0]
+    if calls:
+        delta["tool_calls"] = [_tool_delta(d) for d in calls]
+    return delta or None
+
+
+def _tool_delta(d: ToolCallDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": d.index}
+    if d.id or d.name:
+        out["id"] = d.id
+        out["type"] = "function"
+        out["function"] = {"name": d.name, "arguments": d.arguments}
+    else:
+        out["function"] = {"arguments": d.arguments}
+    return out
+
+
+def _token_bytes(text: str) -> list[int]:
+    """The bytes of a token's text (``bytes:\\xNN...`` spells out a partial UTF-8 token)."""
+    if text.startswith("bytes:\\x"):
+        try:
+            return list(bytes.fromhex(text[6:].replace("\\x", "")))
+        except ValueError:
+            pass
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
+    """``choices[].logprobs`` of a chat response or chunk (``{"content": [...]}``)."""
+    if not logprobs:
+        return None
+    content = []
+    for lp in logprobs:
+        content.append(
+            {
+                "token": lp.text,
+                "logprob": lp.logprob,
+                "bytes": _token_bytes(lp.text),
+                "top_logprobs": [
+                    {"token": t.text, "logprob": t.logprob, "bytes": _token_bytes(t.text)} for t in lp.top
+                ],
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any] | None:
+    """The legacy ``choices[].logprobs`` of /v1/completions (``offset``: text before these)."""
+    if not logprobs:
+        return None
+    offsets: list[int] = []
+    at = offset
+    for lp in logprobs:
+        offsets.append(at)
+        at += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in logprobs],
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
 
 
 def modeld_info(session_id: str, status: PrefixStatus, message: int | None) -> dict[str, Any]:
@@ -577,7 +915,21 @@ def modeld_info(session_id: str, status: PrefixStatus, message: int | None) -> d
     return info
 
 
-def chat_response(turn: Turn, text: str, final: StreamChunk, extension: dict[str, Any]) -> dict[str, Any]:
+def chat_response(
+    turn: Turn,
+    text: str,
+    final: StreamChunk,
+    extension: dict[str, Any],
+    logprobs: tuple[TokenLogprob, ...] = (),
+) -> dict[str, Any]:
+    calls = tool_calls_dicts(turn, final)
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": text or (None if calls else ""),
+        "refusal": None,
+    }
+    if calls:
+        message["tool_calls"] = calls
     return {
         "id": f"chatcmpl-{turn.id}",
         "object": "chat.completion",
@@ -586,8 +938,8 @@ def chat_response(turn: Turn, text: str, final: StreamChunk, extension: dict[str
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
+                "message": message,
+                "logprobs": chat_logprobs(logprobs),
                 "finish_reason": finish_reason(final),
             }
         ],
@@ -603,6 +955,7 @@ def chat_chunk(
     finish: str | None = None,
     usage: Usage | None = None,
     extension: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; with ``delta`` None, the usage-only last chunk."""
     chunk: dict[str, Any] = {
@@ -613,7 +966,7 @@ def chat_chunk(
         "system_fingerprint": None,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
     if turn.include_usage:
         chunk["usage"] = usage_dict(usage) if delta is None else None
@@ -623,14 +976,25 @@ def chat_chunk(
 
 
 def completion_response(
-    turn: Turn, text: str, final: StreamChunk, extension: dict[str, Any]
+    turn: Turn,
+    text: str,
+    final: StreamChunk,
+    extension: dict[str, Any],
+    logprobs: tuple[TokenLogprob, ...] = (),
 ) -> dict[str, Any]:
     return {
         "id": f"cmpl-{turn.id}",
         "object": "text_completion",
         "created": turn.created,
         "model": turn.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(final)}],
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": completion_logprobs(logprobs, 0),
+                "finish_reason": finish_reason(final),
+            }
+        ],
         "usage": usage_dict(final.usage),
         "system_fingerprint": None,
         "modeld": extension,
@@ -643,6 +1007,7 @@ def completion_chunk(
     finish: str | None = None,
     usage: Usage | None = None,
     extension: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": f"cmpl-{turn.id}",
@@ -652,7 +1017,7 @@ def completion_chunk(
         "system_fingerprint": None,
         "choices": []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}],
+        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
     }
     if turn.include_usage:
         chunk["usage"] = usage_dict(usage) if text is None else None

@@ -18,7 +18,7 @@ from modeld.contract import DecodeStream, OpenSessionRequest, PrefixStatus, Sess
 from modeld.errors import InternalError, ModeldError, SessionClosedError
 from modeld.server.gateway import Hosted
 from modeld.server.http.conversations import Conversations
-from modeld.server.http.openai import Turn
+from modeld.server.http.openai import Turn, with_tool_format
 
 __all__ = ["Failed", "Job", "Started"]
 
@@ -105,6 +105,8 @@ class Job:
                 self._hosted = hosted
             try:
                 session = hosted.session
+                if turn.kind == "chat":  # calls in the history, in the model's format
+                    turn = with_tool_format(turn, session.info.tool_format, self._conversations.recall_calls)
                 status = session.ensure_prefix(turn.prefix)
                 if turn.suffix is not None:
                     session.prefill_suffix(turn.suffix)
@@ -134,6 +136,9 @@ class Job:
                 self._emit(Started(hosted.session_id, status, message))
                 with stream:
                     for chunk in stream:
+                        if chunk.tool_calls:
+                            ids = tuple(c.id for c in chunk.tool_calls)
+                            self._conversations.remember_calls(ids, chunk.tool_text)
                         self._emit(chunk)
             finally:
                 with self._lock:
