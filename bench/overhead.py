@@ -4,8 +4,9 @@ The memory backend computes nothing, so what a turn costs is modeld itself: vali
 manifest checks and hashing, tokenizing (one token per byte), reuse planning, the engine's
 threads, and for the daemon, gRPC over the unix socket. Each turn: ensure_prefix on an unchanged
 8k-token prefix (with a manifest of segments, as a tool sends it), a 64-token suffix, a 32-token
-decode. Measured in process (the engine) and over the wire (daemon + runtime_client), so the
-wire's share is the difference.
+decode. Measured in process (the engine), over the wire (daemon + runtime_client) with the engine
+inline, and over the wire with the engine in a worker process: the wire's share and the worker's
+IPC cost are the differences.
 """
 
 from __future__ import annotations
@@ -68,24 +69,11 @@ def _turns(session: Any, turns: int) -> dict[str, float]:
     }
 
 
-def run_overhead(turns: int) -> dict[str, dict[str, float]]:
-    request = rc.OpenSessionRequest(type="memory", path="bench", config=rc.Config(num_ctx=16384))
-    with Engine(backends=("memory",)) as engine:
-        in_process = _turns(engine.open_session(request), turns)
+def _daemon(request: rc.OpenSessionRequest, turns: int, isolation: str) -> dict[str, float]:
     tmp = Path(tempfile.mkdtemp(prefix="mdo"))
+    args = ["--data-dir", str(tmp), "serve", "--backend", "memory", "--listen", f"unix:{tmp}/s.sock"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "modeld.cli",
-            "--data-dir",
-            str(tmp),
-            "serve",
-            "--backend",
-            "memory",
-            "--listen",
-            f"unix:{tmp}/s.sock",
-        ],
+        [sys.executable, "-m", "modeld.cli", *args, "--isolation", isolation],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -97,9 +85,22 @@ def run_overhead(turns: int) -> dict[str, dict[str, float]]:
             time.sleep(0.05)
         with rc.connect(data_dir=tmp) as client:
             session = client.open_session(request)
-            wire = _turns(session, turns)
+            out = _turns(session, turns)
             session.close()
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return {"in_process": in_process, "over_the_wire": wire}
+    return out
+
+
+def run_overhead(turns: int) -> dict[str, dict[str, float]]:
+    """In process, over the wire with the engine inline in the daemon, and over the wire with the
+    engine in a worker process: the last two differ by the worker's IPC (blueprint 0017)."""
+    request = rc.OpenSessionRequest(type="memory", path="bench", config=rc.Config(num_ctx=16384))
+    with Engine(backends=("memory",)) as engine:
+        in_process = _turns(engine.open_session(request), turns)
+    return {
+        "in_process": in_process,
+        "over_the_wire": _daemon(request, turns, "inline"),
+        "worker_process": _daemon(request, turns, "process"),
+    }
