@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import random
 
-from modeld.backends.base import LoadOptions
+from modeld.backends.base import LoadOptions, ModelRuntime
 from modeld.backends.llama import LlamaBackend
 from modeld.contract import Config, OpenSessionRequest
 from modeld.testmodels import REALISTIC, ensure_model
@@ -30,12 +30,12 @@ from modeld.testmodels import REALISTIC, ensure_model
 HEAD, TAIL, AGENTS = 2048, 1024, 3
 
 
-def _run(runtime: object, tokens: list[list[int]]) -> None:
-    for _ in runtime.sync(0, 0, tokens[0]):  # type: ignore[attr-defined]
+def _run(runtime: ModelRuntime, tokens: list[list[int]]) -> None:
+    for _ in runtime.sync(0, 0, tokens[0]):
         pass
     for seq in range(1, AGENTS):
-        runtime.copy(0, seq, HEAD)  # type: ignore[attr-defined]
-        for _ in runtime.sync(seq, HEAD, tokens[seq][HEAD:]):  # type: ignore[attr-defined]
+        runtime.copy(0, seq, HEAD)
+        for _ in runtime.sync(seq, HEAD, tokens[seq][HEAD:]):
             pass
 
 
