@@ -176,3 +176,47 @@ def test_min_p_drops_unlikely_candidates(min_p: float) -> None:
         sample(logits, DecodeConfig(temperature=1.0, min_p=min_p), random.Random(s), []) for s in range(50)
     }
     assert picks == {0}
+
+
+# --- the token memo -----------------------------------------------------------------------------
+
+
+def test_the_token_memo_keeps_long_texts_apart_by_text_and_bos_and_stays_in_its_bound() -> None:
+    from modeld.engine.model import TokenMemo
+
+    memo = TokenMemo()
+    assert memo.key("short prefix", add_bos=True) is None  # not worth a digest
+    long_a, long_b = "a" * TokenMemo.MIN_CHARS, "a" * (TokenMemo.MIN_CHARS - 1) + "b"
+    ka, kb, ka_nobos = memo.key(long_a, True), memo.key(long_b, True), memo.key(long_a, False)
+    assert ka is not None and kb is not None and ka_nobos is not None
+    assert len({ka, kb, ka_nobos}) == 3
+    memo.put(ka, [1, 2, 3])
+    assert memo.get(ka) == [1, 2, 3] and memo.get(kb) is None and memo.get(ka_nobos) is None
+
+    # Over the bound the least recently used entry goes first.
+    memo.MAX_TOKENS = 5
+    memo.put(kb, [4, 5])  # 3 + 2 tokens: at the bound
+    assert memo.get(ka) == [1, 2, 3]  # ka is now the most recently used
+    memo.put(ka_nobos, [6])  # 6 tokens: kb, the least recently used, is dropped
+    assert memo.get(kb) is None and memo.get(ka) == [1, 2, 3] and memo.get(ka_nobos) == [6]
+    memo.put(kb, list(range(6)))  # longer than the whole bound: never kept
+    assert memo.get(kb) is None
+    memo.clear()
+    assert memo.get(ka) is None
+
+
+def test_a_warm_turn_through_a_worker_tokenizes_its_long_prefix_as_the_worker_does() -> None:
+    import runtime_client as rc
+    from modeld.engine import Engine
+    from modeld.settings import Residency
+
+    request = rc.OpenSessionRequest(type="memory", path="memo", config=rc.Config(num_ctx=8192))
+    prefix = "".join(f"src/pkg/module_{i}.py: handler_{i}()\n" for i in range(120))
+    with Engine(backends=("memory",), residency=Residency(isolation="process")) as engine:
+        session = engine.open_session(request)
+        first = session.ensure_prefix(rc.PrefixInput(text=prefix))
+        again = session.ensure_prefix(rc.PrefixInput(text=prefix))  # answered from the memo
+        changed = session.ensure_prefix(rc.PrefixInput(text=prefix[:-2] + "X\n"))
+    assert first.prefix_tokens == again.prefix_tokens == len(prefix.encode()) + 1  # one per byte + BOS
+    assert again.reuse.reason == "full_match" and again.stable_token_hash == first.stable_token_hash
+    assert changed.reuse.outcome == "partial" and changed.prefilled_tokens == 2

@@ -11,9 +11,13 @@ loaded the model, so the daemon turns tokens into text itself.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import threading
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +35,58 @@ from modeld.workers.protocol import Load
 from modeld.workers.proxy import WorkerHost
 from modeld.workers.supervisor import Supervisor
 
-__all__ = ["LoadedModel", "ModelKey"]
+__all__ = ["LoadedModel", "ModelKey", "TokenMemo"]
+
+
+class TokenMemo:
+    """The tokens of the longest texts tokenized recently, keyed by a digest of the text.
+
+    A warm turn resends its unchanged prefix; tokenizing it in the worker costs a round trip
+    carrying the text and every token id (about 12 ms for 8k tokens before the protocol's fast
+    path, 1.3 ms after: ``bench`` overhead rows). Texts shorter than ``MIN_CHARS`` are not worth
+    a digest. Bounded by ``MAX_TOKENS`` in all (4 bytes each, least recently used dropped first).
+    Tokenizing is a pure function of the model, so the only invalidation is a worker restart."""
+
+    MIN_CHARS = 2048
+    MAX_TOKENS = 4 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, array[int]] = OrderedDict()
+        self._total = 0
+
+    def key(self, text: str, add_bos: bool) -> bytes | None:
+        if len(text) < self.MIN_CHARS:
+            return None
+        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=20)
+        digest.update(b"\x01" if add_bos else b"\x00")
+        return digest.digest()
+
+    def get(self, key: bytes) -> list[int] | None:
+        with self._lock:
+            tokens = self._entries.get(key)
+            if tokens is None:
+                return None
+            self._entries.move_to_end(key)
+            return tokens.tolist()
+
+    def put(self, key: bytes, tokens: list[int]) -> None:
+        if len(tokens) > self.MAX_TOKENS:
+            return
+        packed = array("I", tokens)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            self._total -= len(old) if old is not None else 0
+            self._entries[key] = packed
+            self._total += len(packed)
+            while self._total > self.MAX_TOKENS:
+                _, dropped = self._entries.popitem(last=False)
+                self._total -= len(dropped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._total = 0
 
 
 def _identity_of(path: str) -> FileIdentity | None:
@@ -83,6 +138,7 @@ class LoadedModel:
         self.loaded_at = time.time()
         self.last_used_at = self.loaded_at
         self._renderer: ChatRenderer | None = None
+        self._tokens = TokenMemo()
         self._on_restart = on_restart
         name = f"{Path(info.path).name or info.backend}"[:40]
         self._file_identity = _identity_of(info.path)
@@ -142,10 +198,19 @@ class LoadedModel:
         return self._renderer
 
     def tokenize(self, text: str, add_bos: bool) -> list[int]:
-        return self.host().tokenize(text, add_bos=add_bos)
+        """The model's tokens for ``text``; a long text seen recently (the unchanged prefix of a
+        warm turn) is answered from the memo, without a round trip to the worker."""
+        key = self._tokens.key(text, add_bos)
+        if key is not None and (known := self._tokens.get(key)) is not None:
+            return known
+        tokens = self.host().tokenize(text, add_bos=add_bos)
+        if key is not None:
+            self._tokens.put(key, tokens)
+        return tokens
 
     def _reset(self, error: ModeldError) -> None:
         """The worker died: whatever its KV held is gone (the tiers are not)."""
+        self._tokens.clear()  # a worker restarted on a file changed in place may tokenize otherwise
         self.cache.reset(error)
         if self._on_restart is not None:
             self._on_restart(self, error)

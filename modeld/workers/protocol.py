@@ -309,6 +309,8 @@ def to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
+        if all(type(v) is int for v in value):  # token lists: thousands of items, the hot path
+            return list(value)
         return [to_jsonable(v) for v in value]
     if isinstance(value, Mapping):
         return {str(k): to_jsonable(v) for k, v in value.items()}
@@ -346,6 +348,8 @@ def _build(tp: Any, data: Any, where: str) -> Any:
         if not isinstance(data, list):
             raise ProtocolError(f"{where}: expected a list")
         item = args[0] if args else Any
+        if item is int and all(type(v) is int for v in data):  # token lists: the hot path
+            return tuple(data)
         return tuple(_build(item, v, f"{where}[]") for v in data)
     if origin in (dict, Mapping, typing.Mapping) or tp in (dict, Mapping):
         if not isinstance(data, dict):
