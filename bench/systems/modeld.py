@@ -129,6 +129,7 @@ class ModeldSystem:
         # re-prefilled because another session displaced them in between.
         prefilled = p.prefilled_tokens + s.suffix_tokens + s.restored_tokens
         cached = usage.cached_tokens if usage is not None else None
+        restore_ms = p.restore_ms + s.restore_ms  # the daemon's own account of the turn's restores
         return TurnResult(
             self.name,
             workload,
@@ -141,6 +142,7 @@ class ModeldSystem:
             prompt,
             cached,
             f"{p.reuse.outcome}/{p.reuse.reason}",
+            restore_s=restore_ms / 1000 or None,
             token_ids=ids,
         )
 
