@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama_cpp loads
 from modeld.decoding.constraints import CompiledConstraint, ConstraintFailed
 from modeld.errors import UnsupportedError
 

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama_cpp loads
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.gguf_meta import GGUFInfo
 from modeld.backends.llama_constraints import LlamaConstraints, TokenConstraint
@@ -49,13 +50,6 @@ from modeld.contract import Config, DecodeConfig, ModelInfo
 from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
 from modeld.decoding.sampling import SampledToken, adjust_array, logit_bias_of, logprob_array
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
-
-# OpenMP's threads spin after every llama_decode by default; on a small machine they take the
-# cores the daemon needs to relay each token (measured on 2 cores: 240 ms per token instead of
-# 0.5 ms with the engine on a thread of the daemon, 4 tok/s in the benchmark's worker runs).
-# Passive waiting costs one wake-up per compute. Set before libgomp loads; the operator's own
-# setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 try:
     import llama_cpp as _llama
