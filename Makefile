@@ -33,7 +33,7 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
-# Benchmarks: every system on the same prompts in one run (~35 minutes on 2 cores, plus ~10 to
+# Benchmarks: every system on the same prompts in one run (~25 minutes on 2 cores, plus ~10 to
 # build llama-server the first time); the report in bench/results/ merges the two newest runs.
 # WORKLOAD=name[,name] runs only those (and what they continue); its report stays in its run dir.
 BENCH_ARGS = $(if $(WORKLOAD),--workload $(WORKLOAD),) $(if $(SYSTEMS),--systems $(SYSTEMS),)
