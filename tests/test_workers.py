@@ -342,10 +342,23 @@ def test_a_decode_with_no_token_for_too_long_stops_with_timeout() -> None:
 def test_a_long_prefill_reports_its_progress(tiny_copy: str) -> None:
     reports: list[PrefillProgress] = []
     with Engine(backends=("llama",)) as engine:
-        s = engine.open_session(_llama(tiny_copy, num_ctx=8192, num_batch=8))
-        status = s.ensure_prefix(PrefixInput(text=TEXT * 6), progress=reports.append)
+        # 7.7k tokens two at a time: about 2.6 s on 2 cores (a bigger batch is done in 0.2 s)
+        s = engine.open_session(_llama(tiny_copy, num_ctx=8192, num_batch=2))
+        status = s.ensure_prefix(PrefixInput(text=TEXT * 16), progress=reports.append)
     assert reports, "a prefill of several seconds reports progress"
     assert all(r.stage == "prefix" and r.total == status.prefilled_tokens for r in reports)
     assert [r.done for r in reports] == sorted(r.done for r in reports)
     # "at most every 0.5 s" (both figures come from the daemon's monotonic clock)
     assert all(b.elapsed_ms - a.elapsed_ms >= 499.9 for a, b in itertools.pairwise(reports))
+
+
+@pytest.mark.llama
+def test_a_batch_smaller_than_the_number_of_sequences_loads_and_computes(tiny_copy: str) -> None:
+    # llama.cpp aborted while reserving its graphs when n_ubatch < n_seq_max (4 by default): the
+    # worker died at load and the session failed with engine_restarted.
+    with Engine(backends=("llama",)) as engine:
+        s = engine.open_session(_llama(tiny_copy, num_batch=1))
+        status = s.ensure_prefix(PrefixInput(text=TEXT))
+        assert status.prefilled_tokens == status.prefix_tokens > 100
+        assert engine.status().models[0].worker.restarts == 0
+

@@ -208,8 +208,9 @@ class LlamaRuntime:
         config = self._config
         params = _llama.llama_context_default_params()
         params.n_ctx = n_ctx
-        params.n_batch = config.num_batch
-        params.n_ubatch = config.num_batch
+        # llama.cpp aborts (SIGABRT while reserving its graphs) when a micro-batch is smaller than
+        # the number of sequences; modeld still feeds at most num_batch tokens per decode.
+        params.n_batch = params.n_ubatch = max(config.num_batch, n_seq)
         params.n_seq_max = n_seq
         params.kv_unified = unified
         params.n_threads = threads
