@@ -361,4 +361,3 @@ def test_a_batch_smaller_than_the_number_of_sequences_loads_and_computes(tiny_co
         status = s.ensure_prefix(PrefixInput(text=TEXT))
         assert status.prefilled_tokens == status.prefix_tokens > 100
         assert engine.status().models[0].worker.restarts == 0
-
