@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print("bench: daemon overhead (memory backend)", flush=True)
         overhead = run_overhead(turns=5 if args.quick else 20)
+        from bench.openai_overhead import run_openai_overhead
+
+        print("bench: OpenAI endpoint overhead through the openai SDK (memory backend)", flush=True)
+        overhead["openai"] = run_openai_overhead(turns=5 if args.quick else 20)
 
     machine["load_average_end"] = os.getloadavg()
     machine["duration_s"] = round(time.time() - started, 1)

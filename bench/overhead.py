@@ -93,7 +93,7 @@ def _daemon(request: rc.OpenSessionRequest, turns: int, isolation: str) -> dict[
     return out
 
 
-def run_overhead(turns: int) -> dict[str, dict[str, float]]:
+def run_overhead(turns: int) -> dict[str, Any]:
     """In process, over the wire with the engine inline in the daemon, and over the wire with the
     engine in a worker process: the last two differ by the worker's IPC (blueprint 0017)."""
     request = rc.OpenSessionRequest(type="memory", path="bench", config=rc.Config(num_ctx=16384))

@@ -254,6 +254,25 @@ def write_report(out: Path, docs: list[Doc]) -> None:
                 "(medians of one run; the memory backend computes nothing, so this is all protocol).",
             ]
         lines.append("")
+        sdk = overhead.get("openai")
+        if sdk:
+            lines += [
+                "## OpenAI endpoint overhead (memory backend, `bench/openai_overhead.py`)",
+                "",
+                f"The coding loop ({int(sdk['turns'])} turns, a growing chat, 32 streamed tokens a turn) over gRPC "
+                "(`runtime_client`), over plain HTTP (`/v1/chat/completions`, streamed) and through the official "
+                "`openai` SDK, on one daemon. Medians, ms. Goal (issue 10): the facade adds at most 5 ms a turn.",
+                "",
+                "| | TTFT | whole turn |",
+                "|---|---|---|",
+                f"| gRPC | {sdk['grpc_ttft_ms']:.1f} | {sdk['grpc_turn_ms']:.1f} |",
+                f"| HTTP | {sdk['http_ttft_ms']:.1f} | {sdk['http_turn_ms']:.1f} |",
+                f"| `openai` SDK | {sdk['sdk_ttft_ms']:.1f} | {sdk['sdk_turn_ms']:.1f} |",
+                "",
+                f"The facade (HTTP minus gRPC): {sdk['facade_turn_ms']:+.1f} ms a turn; through the SDK "
+                f"{sdk['sdk_turn_overhead_ms']:+.1f} ms (the SDK's own client-side work included).",
+                "",
+            ]
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
         "`make bench WORKLOAD=name` (one workload), `make bench-quick` (tiny model, the CI smoke run), "
