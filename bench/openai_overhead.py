@@ -17,17 +17,14 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import openai
 
 import runtime_client as rc
-from modeld.lease import read_lease
+from bench.daemon import serve
 from modeld.server.http.openai import parse_chat
 
 __all__ = ["run_openai_overhead"]
@@ -125,46 +122,16 @@ def _http_loop(client: openai.OpenAI, turns: list[list[dict[str, str]]]) -> tupl
 
 def run_openai_overhead(turns: int = 20) -> dict[str, float]:
     """Median per-turn times (ms) of both loops and the facade's overhead (their difference)."""
-    tmp = Path(tempfile.mkdtemp(prefix="mdb"))
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "modeld.cli",
-            "--data-dir",
-            str(tmp),
-            "serve",
-            "--backend",
-            "memory",
-            "--listen",
-            f"unix:{tmp}/s.sock",
-            "--http",
-            "127.0.0.1:0",
-            "--num-ctx",
-            "32768",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while (record := read_lease(tmp)) is None or record.state != "serving":
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the memory daemon did not start")
-            time.sleep(0.05)
-        conversation = _conversation(turns + 2)
-        with rc.connect(data_dir=tmp) as grpc_client:
-            _grpc_loop(grpc_client, conversation[:2])  # warm both paths up
-            grpc_ttft, grpc_total = _grpc_loop(grpc_client, conversation[2:])
+    conversation = _conversation(turns + 2)
+    with serve("memory", "--http", "127.0.0.1:0", "--num-ctx", "32768") as (grpc_client, record):
+        _grpc_loop(grpc_client, conversation[:2])  # warm both paths up
+        grpc_ttft, grpc_total = _grpc_loop(grpc_client, conversation[2:])
         _raw_loop(record.http_endpoint, conversation[:2])
         raw_ttft, raw_total = _raw_loop(record.http_endpoint, conversation[2:])
         sdk = openai.OpenAI(base_url=f"{record.http_endpoint}/v1", api_key="unused", max_retries=0)
         _http_loop(sdk, conversation[:2])
         http_ttft, http_total = _http_loop(sdk, conversation[2:])
         sdk.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     med = statistics.median
     return {
         "turns": float(turns),

@@ -12,16 +12,12 @@ IPC cost are the differences.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import runtime_client as rc
+from bench.daemon import serve
 from modeld.engine import Engine
-from modeld.lease import read_lease
 
 __all__ = ["run_overhead"]
 
@@ -70,26 +66,10 @@ def _turns(session: Any, turns: int) -> dict[str, float]:
 
 
 def _daemon(request: rc.OpenSessionRequest, turns: int, isolation: str) -> dict[str, float]:
-    tmp = Path(tempfile.mkdtemp(prefix="mdo"))
-    args = ["--data-dir", str(tmp), "serve", "--backend", "memory", "--listen", f"unix:{tmp}/s.sock"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "modeld.cli", *args, "--isolation", isolation],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while (record := read_lease(tmp)) is None or record.state != "serving":
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the memory daemon did not start")
-            time.sleep(0.05)
-        with rc.connect(data_dir=tmp) as client:
-            session = client.open_session(request)
-            out = _turns(session, turns)
-            session.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with serve("memory", "--isolation", isolation) as (client, _):
+        session = client.open_session(request)
+        out = _turns(session, turns)
+        session.close()
     return out
 
 
