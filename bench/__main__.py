@@ -30,6 +30,7 @@ from bench.report import write_report
 from bench.runner import run
 from bench.systems import ALL_SYSTEMS, factories
 from bench.workloads import Workload, make_workloads, workload_names
+from modeld.settings import Timeouts
 
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
@@ -193,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         "id": time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
         "quick": args.quick,
         "partial": bool(wanted),
-        "model": {"name": spec.name, "file": Path(model).name, "max_tokens": max_tokens},
+        "model": {
+            "name": spec.name,
+            "file": Path(model).name,
+            "max_tokens": max_tokens,
+            "stream_interval_s": Timeouts().stream_interval_seconds,  # modeld's default, in force
+        },
         "machine": machine,
         "systems": names,
         "workloads": [w.describe() for w in loads],

@@ -198,7 +198,13 @@ def write_report(out: Path, docs: list[Doc]) -> None:
         f"Written {time.strftime('%Y-%m-%d %H:%M', time.localtime())} from run(s) "
         + ", ".join(f"{d['id']} ({d['machine']['duration_s'] / 60:.1f} min)" for d in docs)
         + f". Model: generated `{model['name']}` ({model['file']}), greedy decode of {model['max_tokens']} tokens "
-        f"per turn, {m['threads']} threads for every system, flash attention off.",
+        f"per turn, {m['threads']} threads for every system, flash attention off"
+        + (
+            f"; modeld streams tokens that come within {model['stream_interval_s'] * 1000:.0f} ms "
+            "together (`--stream-interval`, its default)."
+            if "stream_interval_s" in model
+            else "."
+        ),
         f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; {m['platform']}; "
         + ", ".join(f"{k} {v}" for k, v in m["versions"].items())
         + ". Load average at start / end per run: "

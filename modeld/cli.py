@@ -84,7 +84,7 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
 # --- values of flags ------------------------------------------------------------------------
 
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 MAX_FLAG_CHARS = 64
 
 
@@ -112,9 +112,9 @@ def parse_size(text: str) -> int:
 
 
 def parse_duration(text: str) -> float:
-    """Seconds: ``90``, ``90s``, ``2.5m``, ``1h``; ``0`` switches a timeout off."""
+    """Seconds: ``90``, ``90s``, ``2.5m``, ``1h``, ``50ms``; ``0`` switches a timeout off."""
     raw = text.strip()
-    unit = raw[-1:].lower() if raw[-1:].lower() in ("s", "m", "h") else ""
+    unit = next((u for u in ("ms", "s", "m", "h") if raw.lower().endswith(u)), "")
     number = raw[: len(raw) - len(unit)]
     try:
         value = float(number)
@@ -122,7 +122,7 @@ def parse_duration(text: str) -> float:
         value = -1.0
     if not number or value < 0 or value != value or value == float("inf") or len(raw) > MAX_FLAG_CHARS:
         raise argparse.ArgumentTypeError(
-            f"invalid duration {raw[:MAX_FLAG_CHARS]!r}: give seconds, or a number with s, m or h (90, 2.5m, 1h)"
+            f"invalid duration {raw[:MAX_FLAG_CHARS]!r}: give seconds, or a number with ms, s, m or h (90, 2.5m, 1h, 50ms)"
         )
     return value * _DURATION_UNITS[unit]
 
@@ -224,7 +224,10 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         stall_seconds=args.stall_timeout,
         idle_stream_seconds=args.idle_stream_timeout,
         operation_seconds=args.operation_timeout,
+        stream_interval_seconds=args.stream_interval,
     )
+    if timeouts.stream_interval_seconds > 10:
+        raise ValueError("--stream-interval is at most 10s (a held token is that much late)")
     restart = pick(
         RestartPolicy(),
         backoff_initial=args.restart_backoff,
@@ -635,6 +638,12 @@ def _serve_settings(s: argparse.ArgumentParser) -> None:
     )
     t.add_argument(
         "--operation-timeout", type=parse_duration, metavar="DURATION", help="any one operation (default off)"
+    )
+    t.add_argument(
+        "--stream-interval",
+        type=parse_duration,
+        metavar="DURATION",
+        help="a decode's tokens that come faster than this are streamed together (50ms; 0: each token alone)",
     )
     t.add_argument(
         "--queue-wait",

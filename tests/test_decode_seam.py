@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import threading
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -28,7 +29,18 @@ from modeld.contract import (
 from modeld.decoding.output import plan_decode
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
 from modeld.workers.host import InlineHost
-from modeld.workers.protocol import Generate, Load, ProtocolError, Tokens, decode_frame, encode_frame
+from modeld.workers.protocol import (
+    Close,
+    Finished,
+    Generate,
+    Load,
+    Message,
+    ProtocolError,
+    Tokens,
+    decode_frame,
+    encode_frame,
+)
+from modeld.workers.scheduler import Scheduler
 
 
 def roundtrip(message: Generate | Tokens) -> object:
@@ -125,3 +137,58 @@ def test_a_dead_end_of_the_constraint_is_constraint_failed_and_the_engine_goes_o
     assert chunks[-1].finish_reason == "length"
     chunks, _ = run(host, prompt, DecodeConfig(max_tokens=8))  # free text still decodes
     assert chunks[-1].finish_reason == "length"
+
+
+def generate_replies(host: InlineHost, max_tokens: int, interval: float) -> list[Message]:
+    host.sync(0, 0, [256, *b"Count with me.\n"])
+    return list(host.start_generate(0, DecodeConfig(max_tokens=max_tokens), max_tokens, interval).events())
+
+
+def test_tokens_that_come_faster_than_the_stream_interval_travel_together(host: InlineHost) -> None:
+    each = generate_replies(host, 20, 0.0)
+    assert [len(m.tokens) for m in each if isinstance(m, Tokens)] == [1] * 20
+    held = generate_replies(host, 20, 9.0)
+    # The first token goes at once (time to first token), the rest within the interval together.
+    assert [len(m.tokens) for m in held if isinstance(m, Tokens)] == [1, 19]
+    assert isinstance(held[-1], Finished) and isinstance(each[-1], Finished)
+    tokens = [[t for m in replies if isinstance(m, Tokens) for t in m.tokens] for replies in (each, held)]
+    assert tokens[0] == tokens[1]
+
+
+def test_a_token_is_not_held_while_another_job_waits_its_turn() -> None:
+    """Two decodes share the engine: neither holds a token across the other's step (a prefill
+    batch of another session could keep it for seconds); the one left alone holds again."""
+    request = OpenSessionRequest(type="memory", path="two")
+    info = MemoryBackend().describe(request)
+    options = LoadOptions(n_seq=2, window=4096, pool_tokens=8192)
+    runtime = MemoryRuntime(info, request.config, options)
+    for seq in (0, 1):
+        list(runtime.sync(seq, 0, [256, *f"Sequence {seq}.\n".encode()]))
+    replies: dict[int, list[Message]] = {1: [], 2: []}
+    both_done = threading.Event()
+
+    def send(op: int, message: Message) -> None:
+        if op in replies:
+            replies[op].append(message)
+            if all(r and isinstance(r[-1], Finished) for r in replies.values()):
+                both_done.set()
+
+    scheduler = Scheduler(send, lambda load: runtime)
+    scheduler.submit(0, Load("memory", request, info, options))
+    scheduler.submit(1, Generate(0, DecodeConfig(max_tokens=5), 5, 9.0))
+    scheduler.submit(2, Generate(1, DecodeConfig(max_tokens=20), 20, 9.0))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()  # every request is queued before the engine thread takes the first
+    assert both_done.wait(30)
+    scheduler.submit(3, Close())
+    thread.join(30)
+    short = [len(m.tokens) for m in replies[1] if isinstance(m, Tokens)]
+    long = [len(m.tokens) for m in replies[2] if isinstance(m, Tokens)]
+    assert short == [1] * 5
+    assert long[:5] == [1] * 5 and sum(long) == 20 and len(long) < 20
+
+
+@pytest.mark.parametrize("interval", [-1.0, 10.5, float("nan")])
+def test_a_stream_interval_out_of_range_is_a_protocol_error(interval: float) -> None:
+    with pytest.raises(ProtocolError):
+        Generate(0, DecodeConfig(), 4, interval)

@@ -49,13 +49,22 @@ def test_bad_sizes_are_refused(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90", 90.0), ("90s", 90.0), ("2.5m", 150.0), ("1h", 3600.0), ("0", 0.0), ("0.25", 0.25)],
+    [
+        ("90", 90.0),
+        ("90s", 90.0),
+        ("2.5m", 150.0),
+        ("1h", 3600.0),
+        ("0", 0.0),
+        ("0.25", 0.25),
+        ("50ms", 0.05),
+        ("20MS", 0.02),
+    ],
 )
 def test_durations(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["-5", "5x", "", "s", "inf", "nan", "1d"])
+@pytest.mark.parametrize("text", ["-5", "5x", "", "s", "ms", "5mss", "inf", "nan", "1d"])
 def test_bad_durations_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration(text)
@@ -76,7 +85,11 @@ def test_bad_durations_are_refused(text: str) -> None:
         (
             ["--stall-timeout", "soon"],
             "modeld serve: error: argument --stall-timeout: invalid duration 'soon': give seconds, or a "
-            "number with s, m or h (90, 2.5m, 1h) (see modeld serve --help)",
+            "number with ms, s, m or h (90, 2.5m, 1h, 50ms) (see modeld serve --help)",
+        ),
+        (
+            ["--stream-interval", "11s"],
+            "modeld serve: error: --stream-interval is at most 10s (a held token is that much late)",
         ),
         (
             ["--kv-pool-tokens", "4096"],
@@ -116,6 +129,7 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
         *("--snapshot-min-tokens", "32", "--persist-min-tokens", "256"),
         *("--load-timeout", "90", "--stall-timeout", "2m", "--idle-stream-timeout", "45s"),
         *("--operation-timeout", "1h", "--queue-wait", "12", "--attach-timeout", "9"),
+        *("--stream-interval", "20ms"),
         *("--restart-backoff", "0.25", "--restart-backoff-max", "4", "--crash-limit", "3"),
         *("--crash-window", "10m", "--describe-timeout", "20", "--max-sessions", "10"),
     ]
@@ -145,6 +159,7 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
             "timeout_stall_seconds": "120.0",
             "timeout_idle_stream_seconds": "45.0",
             "timeout_operation_seconds": "3600.0",
+            "timeout_stream_interval_seconds": "0.02",
             "restart_backoff_initial": "0.25",
             "restart_backoff_max": "4.0",
             "restart_crash_limit": "3",

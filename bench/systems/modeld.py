@@ -112,12 +112,14 @@ class ModeldSystem:
         s = session.prefill_suffix(ctx.suffix_input())
         first = last = 0.0
         ids: list[int] = []
+        in_first = 0  # tokens of the first chunk (the daemon streams fast tokens together)
         usage = None
         with session.decode(rc.DecodeConfig(max_tokens=max_tokens)) as stream:
             for chunk in stream:
                 now = time.perf_counter()
                 if chunk.token_ids:
-                    first = first or now
+                    if not first:
+                        first, in_first = now, len(chunk.token_ids)
                     last = now
                 ids.extend(chunk.token_ids)
                 if chunk.error is not None:
@@ -137,7 +139,7 @@ class ModeldSystem:
             first - started,
             last - started,
             n,
-            (n - 1) / (last - first) if n > 1 and last > first else 0.0,
+            (n - in_first) / (last - first) if last > first else 0.0,
             prefilled,
             prompt,
             cached,

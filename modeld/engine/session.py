@@ -291,7 +291,9 @@ class EngineSession:
             )
             try:
                 _, prefill_ms = self._sync(lease, tokens, "decode", None)
-                call = host.start_generate(lease.context.seq, engine_config, room)
+                call = host.start_generate(
+                    lease.context.seq, engine_config, room, self._service.timeouts.stream_interval_seconds
+                )
             except BaseException:
                 model.cache.release(lease)
                 raise

@@ -238,8 +238,9 @@ class Host:
             raise EngineError(f"the engine answered sync with {type(final).__name__}")
         return final
 
-    def start_generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Call:
-        return self.call(Generate(seq, config, max_tokens))
+    def start_generate(self, seq: int, config: DecodeConfig, max_tokens: int, interval: float = 0.0) -> Call:
+        """A generate job; tokens that come faster than ``interval`` seconds arrive together."""
+        return self.call(Generate(seq, config, max_tokens, interval))
 
     def copy(self, src: int, dst: int, n: int) -> None:
         self.call(Copy(src, dst, n)).result(Result)

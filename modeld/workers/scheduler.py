@@ -18,9 +18,11 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from modeld.backends.base import ModelRuntime, SyncStep
 from modeld.errors import EngineError, ModeldError
@@ -62,6 +64,11 @@ class _Job:
     generate: bool
     kept: int = 0
     canceled: threading.Event = field(default_factory=threading.Event)
+    interval: float = 0.0
+    """Generate: seconds within which sampled tokens are sent together (``Generate.interval``)."""
+    held: list[int] = field(default_factory=list)
+    held_logprobs: list[Any] = field(default_factory=list)
+    sent_at: float = float("-inf")
 
 
 class Scheduler:
@@ -126,7 +133,7 @@ class Scheduler:
                 self._start(_Job(op, message.seq, steps, generate=False, kept=message.keep))
             elif isinstance(message, Generate):
                 tokens = runtime.generate(message.seq, message.config, message.max_tokens)
-                self._start(_Job(op, message.seq, tokens, generate=True))
+                self._start(_Job(op, message.seq, tokens, generate=True, interval=message.interval))
             elif isinstance(message, Tokenize):
                 self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
             elif isinstance(message, CheckDecode):
@@ -188,10 +195,12 @@ class Scheduler:
             self._finish(job, canceled=False)
             return
         except ModeldError as exc:
+            self._flush(job, 0.0)
             self._forget(job)
             self._send(job.op, Failed(exc.reason, exc.message, dict(exc.details)))
             return
         except Exception as exc:
+            self._flush(job, 0.0)
             self._forget(job)
             log.exception("a %s job failed in the engine", "generate" if job.generate else "sync")
             self._send(job.op, Failed("engine_error", f"the engine failed: {exc!r}"))
@@ -200,11 +209,26 @@ class Scheduler:
             job.kept = item.kept
             self._send(job.op, Progress(item.kept, item.evaluated, item.total))
         else:
+            job.held.append(int(item))
             logprob = getattr(item, "logprob", None)  # a SampledToken (DecodeConfig.logprobs)
-            self._send(job.op, Tokens((int(item),), (logprob,) if logprob is not None else ()))
+            if logprob is not None:
+                job.held_logprobs.append(logprob)
+            now = time.monotonic()
+            # Hold the token only until this job's next step, and only if that step comes next:
+            # another job's step (a prefill batch) could keep it for seconds.
+            if self._jobs or now - job.sent_at >= job.interval:
+                self._flush(job, now)
         self._jobs.append(job)
 
+    def _flush(self, job: _Job, now: float) -> None:
+        """Send the tokens ``job`` holds (one ``Tokens`` message)."""
+        if job.held:
+            self._send(job.op, Tokens(tuple(job.held), tuple(job.held_logprobs)))
+            job.held, job.held_logprobs = [], []
+        job.sent_at = now
+
     def _finish(self, job: _Job, *, canceled: bool) -> None:
+        self._flush(job, 0.0)
         close = getattr(job.steps, "close", None)
         if close is not None:
             close()  # a generator's cleanup (evaluates nothing more)
