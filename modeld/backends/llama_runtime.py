@@ -37,6 +37,7 @@ import ctypes
 import logging
 import os
 import threading
+import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -425,14 +426,18 @@ class LlamaRuntime:
     def snapshot(self, seq: int) -> bytes:
         self._seq(seq)
         size = int(_llama.llama_state_seq_get_size(self._ctx, seq))
-        buf = (ctypes.c_uint8 * size)()
+        out = bytearray(size)  # written in place: a KV snapshot is tens of megabytes
+        buf = (ctypes.c_uint8 * size).from_buffer(out)
         got = int(_llama.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        del buf  # releases the buffer, so ``out`` may be cut
         if got <= 0 or got > size:
             raise EngineError(f"llama.cpp could not save sequence {seq} ({got} of {size} bytes)")
-        raw = bytes(memoryview(buf)[:got])
-        return self._one_stream(raw, seq) if self._portable else raw
+        del out[got:]
+        if self._portable:
+            return self._one_stream(memoryview(out), seq)
+        return typing.cast(bytes, out)  # nobody writes to it: bytes without another copy
 
-    def _one_stream(self, raw: bytes, seq: int) -> bytes:
+    def _one_stream(self, raw: memoryview, seq: int) -> bytes:
         """A split blob as if its context had one stream. The blob is llama.cpp's ``u32 magic,
         i32 source sequence``, then the KV cache's ``u32 n_stream`` and, per stream, a ``u32``
         cell count followed (when not 0) by that stream's cells. Only the sequence's own stream
@@ -446,25 +451,32 @@ class LlamaRuntime:
             or (after and any(raw[len(raw) - after :]))
         ):
             raise EngineError(f"llama.cpp saved sequence {seq} in an unexpected form ({len(raw)} bytes)")
-        return raw[:4] + bytes(4) + (1).to_bytes(4, "little") + raw[head + before : len(raw) - after]
+        return b"".join((raw[:4], bytes(4), (1).to_bytes(4, "little"), raw[head + before : len(raw) - after]))
 
-    def _all_streams(self, blob: bytes) -> bytes:
+    def _all_streams(self, blob: bytes) -> bytearray:
         """The inverse of :meth:`_one_stream` for this context: llama.cpp reads a sequence's cells
         into the destination's stream whichever stream position they are listed at (and ignores
         the source sequence id)."""
         if len(blob) < 16 or int.from_bytes(blob[8:12], "little") != 1:
-            return b""
+            return bytearray()
         n = self._n_stream
-        return blob[:8] + n.to_bytes(4, "little") + blob[12:] + bytes(4 * (n - 1))
+        out = bytearray(len(blob) + 4 * (n - 1))  # the other streams' zero cell counts at the end
+        out[:8] = blob[:8]
+        out[8:12] = n.to_bytes(4, "little")
+        out[12 : len(blob)] = memoryview(blob)[12:]
+        return out
 
     def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
         self._cut(seq, 0)
         if self._portable:
-            blob = self._all_streams(blob)
+            blob = typing.cast(bytes, self._all_streams(blob))
         if not blob or len(tokens) > self._layout.window:
             return False
-        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        if isinstance(blob, bytearray):  # read from the socket, or rebuilt above: no copy
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        else:
+            buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         read = int(_llama.llama_state_seq_set_data(self._ctx, buf, len(blob), seq))
         if read <= 0:  # llama.cpp emptied the sequence
             return False

@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+import typing
 
 from modeld.backends.base import ModelRuntime
 from modeld.errors import InvalidArgumentError
@@ -60,7 +61,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def read_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None at EOF."""
+    """``n`` bytes, or None at EOF. A ``bytearray`` nobody writes to, used as ``bytes``: a KV
+    snapshot's tens of megabytes are not copied again (and the engine restores from it in place)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -69,7 +71,7 @@ def read_exact(sock: socket.socket, n: int) -> bytes | None:
         if k == 0:
             return None
         got += k
-    return bytes(buf)
+    return typing.cast(bytes, buf)
 
 
 def read_frame(sock: socket.socket) -> tuple[int, Message] | None:
