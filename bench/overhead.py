@@ -6,7 +6,8 @@ threads, and for the daemon, gRPC over the unix socket. Each turn: ensure_prefix
 8k-token prefix (with a manifest of segments, as a tool sends it), a 64-token suffix, a 32-token
 decode. Measured in process (the engine), over the wire (daemon + runtime_client) with the engine
 inline, and over the wire with the engine in a worker process: the wire's share and the worker's
-IPC cost are the differences.
+IPC cost are the differences. Every token travels on its own (``--stream-interval 0``): the
+cost per generated token is the cost of one streamed message, the most a decode can pay.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import runtime_client as rc
 from bench.daemon import serve
 from modeld.engine import Engine
+from modeld.settings import Timeouts
 
 __all__ = ["run_overhead"]
 
@@ -66,7 +68,7 @@ def _turns(session: Any, turns: int) -> dict[str, float]:
 
 
 def _daemon(request: rc.OpenSessionRequest, turns: int, isolation: str) -> dict[str, float]:
-    with serve("memory", "--isolation", isolation) as (client, _):
+    with serve("memory", "--isolation", isolation, "--stream-interval", "0") as (client, _):
         session = client.open_session(request)
         out = _turns(session, turns)
         session.close()
@@ -77,7 +79,7 @@ def run_overhead(turns: int) -> dict[str, Any]:
     """In process, over the wire with the engine inline in the daemon, and over the wire with the
     engine in a worker process: the last two differ by the worker's IPC (blueprint 0017)."""
     request = rc.OpenSessionRequest(type="memory", path="bench", config=rc.Config(num_ctx=16384))
-    with Engine(backends=("memory",)) as engine:
+    with Engine(backends=("memory",), timeouts=Timeouts(stream_interval_seconds=0.0)) as engine:
         in_process = _turns(engine.open_session(request), turns)
     return {
         "in_process": in_process,

@@ -240,8 +240,8 @@ def write_report(out: Path, docs: list[Doc]) -> None:
             "## Daemon overhead (memory backend: no engine cost)",
             "",
             f"Each turn: ensure_prefix on an unchanged {int(ip['prefix_tokens'])}-token prefix with a segmented "
-            "manifest, a 64-token suffix, a 32-token decode. Medians. Goal (issue 9): an unchanged 8k prefix's "
-            "ensure_prefix under 2 ms of daemon time.",
+            "manifest, a 64-token suffix, a 32-token decode, every token streamed on its own (`--stream-interval 0`). "
+            "Medians. Goal (issue 9): an unchanged 8k prefix's ensure_prefix under 2 ms of daemon time.",
             "",
             "| | ensure_prefix ms | prefill_suffix ms | TTFT ms | per generated token µs |",
             "|---|---|---|---|---|",
