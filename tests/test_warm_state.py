@@ -9,6 +9,8 @@ under concurrency, evictions that say where they went, pins, keep-alive, restart
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shutil
 import signal
@@ -24,7 +26,7 @@ from daemon_proc import start_serve, stop, wait_serving
 import runtime_client as rc
 from modeld.backends.base import LoadOptions
 from modeld.cache.snapfile import FORMAT_VERSION, SUFFIX, write_atomic
-from modeld.cache.tiers import entry_key
+from modeld.cache.tiers import WRITER_NICE, Tiers, entry_key
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.engine.session import EngineSession
@@ -482,6 +484,26 @@ def test_a_snapshot_the_engine_refuses_falls_back_to_a_full_prefill(persisted: t
         assert again.reuse.outcome == "warm"  # the engine is fine afterwards
     finally:
         engine.shutdown()
+
+
+def _nice_by_thread() -> dict[int, int]:
+    """This process's threads and their nice values, as the kernel schedules them."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = int(fields[16])  # stat field 19: nice
+    return out
+
+
+def test_the_disk_writer_yields_the_cpu_to_serving(tmp_path: Path) -> None:
+    before = _nice_by_thread()
+    tiers = Tiers(data_dir=tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 30)
+    try:
+        assert _wait(lambda: any(n == WRITER_NICE for t, n in _nice_by_thread().items() if t not in before), 10)
+        assert os.getpriority(os.PRIO_PROCESS, 0) == before[threading.get_native_id()]  # only the writer
+    finally:
+        tiers.close()
 
 
 @pytest.mark.llama

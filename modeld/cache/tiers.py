@@ -103,6 +103,12 @@ def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Se
     return f"{model_digest[:16]}-{identity[:12]}-{fmt}-{token_hash(tokens)[:20]}"
 
 
+WRITER_NICE = 19
+"""The disk writer's scheduling priority (Linux ``nice`` is per thread): write-behind of a prefix
+just computed runs while that turn's suffix and decode compute, and its hashing and copying into
+the page cache took CPU from the engine's threads on a small machine (blueprint 0016)."""
+
+
 class Tiers:
     """The daemon's RAM and disk tiers (see the module docstring). Thread-safe."""
 
@@ -331,6 +337,8 @@ class Tiers:
         self._writes.put((entry, blob))
 
     def _write_loop(self) -> None:
+        with contextlib.suppress(OSError):  # lowering one's own priority needs no privilege
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         while True:
             item = self._writes.get()
             if item is None:
