@@ -500,7 +500,9 @@ def test_the_disk_writer_yields_the_cpu_to_serving(tmp_path: Path) -> None:
     before = _nice_by_thread()
     tiers = Tiers(data_dir=tmp_path, ram_bytes=1 << 20, disk_bytes=1 << 30)
     try:
-        assert _wait(lambda: any(n == WRITER_NICE for t, n in _nice_by_thread().items() if t not in before), 10)
+        assert _wait(
+            lambda: any(n == WRITER_NICE for t, n in _nice_by_thread().items() if t not in before), 10
+        )
         assert os.getpriority(os.PRIO_PROCESS, 0) == before[threading.get_native_id()]  # only the writer
     finally:
         tiers.close()
