@@ -460,10 +460,13 @@ class LlamaRuntime:
         if len(blob) < 16 or int.from_bytes(blob[8:12], "little") != 1:
             return bytearray()
         n = self._n_stream
-        out = bytearray(len(blob) + 4 * (n - 1))  # the other streams' zero cell counts at the end
-        out[:8] = blob[:8]
+        # A bytearray was read from the daemon's socket for this restore alone (in-process, the
+        # tiers hand over the bytes that snapshot() returned for this format, or bytes read from
+        # a file): rewritten in place. Copying 100 MB into fresh pages cost ~90 ms of a 102 ms
+        # restore.
+        out = blob if isinstance(blob, bytearray) else bytearray(blob)
         out[8:12] = n.to_bytes(4, "little")
-        out[12 : len(blob)] = memoryview(blob)[12:]
+        out.extend(bytes(4 * (n - 1)))  # the other streams' zero cell counts at the end
         return out
 
     def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
