@@ -25,12 +25,21 @@ from daemon_proc import start_serve, stop, wait_serving
 
 import runtime_client as rc
 from modeld.backends.base import LoadOptions
-from modeld.cache.snapfile import FORMAT_VERSION, SUFFIX, write_atomic
+from modeld.cache.snapfile import (
+    FORMAT_VERSION,
+    SUFFIX,
+    SnapshotError,
+    SnapshotHeader,
+    open_verified,
+    read_header,
+    write_atomic,
+)
 from modeld.cache.tiers import WRITER_NICE, Tiers, entry_key
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.engine.session import EngineSession
 from modeld.settings import Residency
+from modeld.workers.protocol import ProtocolError, Restore, decode_frame, encode_frame
 
 testmodels = pytest.importorskip("modeld.testmodels")
 
@@ -461,8 +470,6 @@ def test_a_snapshot_the_engine_refuses_falls_back_to_a_full_prefill(persisted: t
     a broken engine): llama.cpp empties the sequence, the snapshot is removed, the turn prefills."""
     data, tiny, size = persisted
     path = _only_file(data)
-    from modeld.cache.snapfile import read_header
-
     header, tokens = read_header(path)
     path.unlink()
     key = entry_key(header.model_digest, header.identity, header.snapshot_format, tokens)
@@ -484,6 +491,94 @@ def test_a_snapshot_the_engine_refuses_falls_back_to_a_full_prefill(persisted: t
         assert again.reuse.outcome == "warm"  # the engine is fine afterwards
     finally:
         engine.shutdown()
+
+
+def _strip_padding(path: Path) -> None:
+    """Rewrite a split snapshot file as stored before the padding: one stream listed."""
+    header, tokens = read_header(path)
+    with open_verified(path, header) as view:
+        payload = bytes(view)
+    listed = int.from_bytes(payload[8:12], "little")
+    empty = 4 * (listed - 1)
+    assert listed == 256 and not any(payload[len(payload) - empty :])
+    path.unlink()
+    write_atomic(
+        path,
+        model_digest=header.model_digest,
+        identity=header.identity,
+        snapshot_format=header.snapshot_format,
+        tokens=tokens,
+        prefix_tokens=header.prefix_tokens,
+        payload=payload[:8] + (1).to_bytes(4, "little") + payload[12 : len(payload) - empty],
+    )
+
+
+@pytest.mark.llama
+@pytest.mark.parametrize("stored", ["as_written", "one_stream_listed"])
+def test_a_snapshot_comes_back_into_a_context_with_another_number_of_sequences(
+    persisted: tuple[Path, str, int], stored: str
+) -> None:
+    """Written from a split context of 4 sequences (the fixture), restored into one of 3 from
+    the mapped file, edited in place (the file stays as it was), or, stored before the padding,
+    copied once; the output equals a fresh evaluation."""
+    data, tiny, size = persisted
+    path = _only_file(data)
+    if stored == "one_stream_listed":
+        _strip_padding(path)
+    before = path.read_bytes()
+    engine = Engine(backends=("llama",), data_dir=data, residency=Residency(sequences=3))
+    reference = Reference(tiny)
+    try:
+        session = engine.open_session(_request(tiny))
+        st = session.ensure_prefix(PrefixInput(text=WORKSPACES[1]))
+        assert (st.reuse.reason, st.reused_tokens) == ("restored_from_disk", size)
+        session.prefill_suffix(SuffixInput(text=SUFFIXES[0]))
+        assert _greedy(session, 8) == reference.greedy(WORKSPACES[1], SUFFIXES[0], 8)
+    finally:
+        engine.shutdown()
+        reference.close()
+    assert path.read_bytes() == before
+
+
+def test_a_mapped_payload_is_verified_and_private(tmp_path: Path) -> None:
+    path = tmp_path / f"x{SUFFIX}"
+    payload = bytes(range(256)) * 64
+    write_atomic(
+        path,
+        model_digest="m",
+        identity="i",
+        snapshot_format="f",
+        tokens=[1, 2],
+        prefix_tokens=2,
+        payload=payload,
+    )
+    header, _ = read_header(path)
+    with open_verified(path, header) as view:
+        assert bytes(view) == payload and not view.readonly
+        view[:4] = b"edit"  # a restore's in-place edit: never reaches the file
+    with open_verified(path, header) as view:
+        assert bytes(view) == payload
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(raw)
+    with pytest.raises(SnapshotError, match="checksum"), open_verified(path, header):
+        pass
+    with (
+        pytest.raises(SnapshotError, match="changed since it was indexed"),
+        open_verified(path, replace(header, created=header.created + 1)),
+    ):
+        pass
+
+
+def test_a_restore_from_a_file_names_its_header_and_carries_no_bytes() -> None:
+    header = SnapshotHeader("m", "i", "f", 1, "t", 1, 4, "p", 0.0)
+    with pytest.raises(ProtocolError):
+        Restore(0, (1,), path="x.kvs")
+    with pytest.raises(ProtocolError):
+        Restore(0, (1,), path="x.kvs", header=header, payload=b"abcd")
+    message = Restore(0, (1,), path="x.kvs", header=header)
+    _, head, payload = encode_frame(3, message)
+    assert decode_frame(bytes(head), bytes(payload)) == (3, message)
 
 
 def _nice_by_thread() -> dict[int, int]:

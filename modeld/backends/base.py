@@ -152,9 +152,12 @@ class ModelRuntime(Protocol):
         """The state of ``seq`` as an opaque blob (``Layout.snapshots`` must be True)."""
         ...
 
-    def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
+    def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         """Load a blob taken from a sequence that held ``tokens``; False (and ``seq`` empty) if
-        the engine refused it."""
+        the engine refused it. A writable blob (``bytearray``, or a writable ``memoryview``: read
+        from the worker's socket, or a private mapping of a snapshot file) exists for this call
+        alone: the runtime may rewrite it in place instead of copying it. It is valid only
+        during the call."""
         ...
 
     def close(self) -> None:

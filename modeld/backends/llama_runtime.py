@@ -61,6 +61,10 @@ __all__ = ["LlamaRuntime", "chunk_sizes"]
 
 log = logging.getLogger("modeld.llama")
 
+_LISTED = 256
+"""Streams a stored split snapshot lists (``--sequences`` goes up to 256): a split context of up
+to this many sequences restores one without copying it."""
+
 PENALTY_LAST_N = 64
 _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 _GGML_LOG_INFO = 2
@@ -438,10 +442,15 @@ class LlamaRuntime:
         return typing.cast(bytes, out)  # nobody writes to it: bytes without another copy
 
     def _one_stream(self, raw: memoryview, seq: int) -> bytes:
-        """A split blob as if its context had one stream. The blob is llama.cpp's ``u32 magic,
-        i32 source sequence``, then the KV cache's ``u32 n_stream`` and, per stream, a ``u32``
-        cell count followed (when not 0) by that stream's cells. Only the sequence's own stream
-        (``seq``) holds cells; the others are 4 zero bytes each, before and after it."""
+        """A split blob in a form any split context can load. The blob is llama.cpp's ``u32
+        magic, i32 source sequence``, then the KV cache's ``u32 n_stream`` and, per stream, a
+        ``u32`` cell count followed (when not 0) by that stream's cells. Only the sequence's own
+        stream (``seq``) holds cells; the others are 4 zero bytes each, before and after it.
+
+        Stored: the sequence's cells first, then ``_LISTED - 1`` empty streams (1 KB). A context
+        with ``n`` streams loads it after one in-place edit, ``n_stream := n``: llama.cpp reads a
+        sequence's cells into the destination's stream whichever position they are listed at,
+        ignores the source sequence id, and stops after ``n`` streams (the rest is not read)."""
         n = self._n_stream
         head, before, after = 12, 4 * seq, 4 * (n - seq - 1)
         if (
@@ -451,36 +460,56 @@ class LlamaRuntime:
             or (after and any(raw[len(raw) - after :]))
         ):
             raise EngineError(f"llama.cpp saved sequence {seq} in an unexpected form ({len(raw)} bytes)")
-        return b"".join((raw[:4], bytes(4), (1).to_bytes(4, "little"), raw[head + before : len(raw) - after]))
+        return b"".join(
+            (
+                raw[:4],
+                bytes(4),
+                _LISTED.to_bytes(4, "little"),
+                raw[head + before : len(raw) - after],
+                bytes(4 * (_LISTED - 1)),
+            )
+        )
 
-    def _all_streams(self, blob: bytes) -> bytearray:
-        """The inverse of :meth:`_one_stream` for this context: llama.cpp reads a sequence's cells
-        into the destination's stream whichever stream position they are listed at (and ignores
-        the source sequence id)."""
-        if len(blob) < 16 or int.from_bytes(blob[8:12], "little") != 1:
-            return bytearray()
+    def _all_streams(self, blob: bytes | bytearray | memoryview) -> bytearray | memoryview | None:
+        """The inverse of :meth:`_one_stream` for this context (None: not such a blob). A
+        writable blob exists for this restore alone and is edited in place: copying 100 MB
+        into fresh pages cost ~90 ms of a 102 ms restore. A blob listing fewer streams than this
+        context has (stored before the padding, or ``--sequences`` over ``_LISTED``) is copied
+        once, with the missing empty streams appended."""
+        view = memoryview(blob)
         n = self._n_stream
-        # A bytearray was read from the daemon's socket for this restore alone (in-process, the
-        # tiers hand over the bytes that snapshot() returned for this format, or bytes read from
-        # a file): rewritten in place. Copying 100 MB into fresh pages cost ~90 ms of a 102 ms
-        # restore.
-        out = blob if isinstance(blob, bytearray) else bytearray(blob)
+        listed = int.from_bytes(view[8:12], "little") if len(view) >= 16 else 0
+        empty = 4 * (listed - 1)
+        if listed < 1 or len(view) < 16 + empty or (empty and any(view[len(view) - empty :])):
+            return None
+        if n > listed:
+            out: bytearray | memoryview = bytearray(view)
+            typing.cast(bytearray, out).extend(bytes(4 * (n - listed)))
+        else:
+            out = bytearray(view) if view.readonly else view
         out[8:12] = n.to_bytes(4, "little")
-        out.extend(bytes(4 * (n - 1)))  # the other streams' zero cell counts at the end
         return out
 
-    def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
+    def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
         self._cut(seq, 0)
         if self._portable:
-            blob = typing.cast(bytes, self._all_streams(blob))
-        if not blob or len(tokens) > self._layout.window:
+            rewritten = self._all_streams(blob)
+            if rewritten is None:
+                return False
+            blob = rewritten
+        view = memoryview(blob)
+        if not view.nbytes or len(tokens) > self._layout.window:
             return False
-        if isinstance(blob, bytearray):  # read from the socket, or rebuilt above: no copy
-            buf = (ctypes.c_uint8 * len(blob)).from_buffer(blob)
+        size = view.nbytes
+        # Read in place from a writable blob (the socket's bytearray, a private file mapping).
+        if view.readonly:
+            buf = (ctypes.c_uint8 * size).from_buffer_copy(view)
         else:
-            buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        read = int(_llama.llama_state_seq_set_data(self._ctx, buf, len(blob), seq))
+            buf = (ctypes.c_uint8 * size).from_buffer(view)
+        read = int(_llama.llama_state_seq_set_data(self._ctx, buf, size, seq))
+        del buf  # releases the caller's buffer (a mapping is closed after this call)
+        view.release()
         if read <= 0:  # llama.cpp emptied the sequence
             return False
         lo = int(_llama.llama_memory_seq_pos_min(self._mem, seq))

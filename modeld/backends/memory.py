@@ -321,9 +321,10 @@ class MemoryRuntime:
         body = struct.pack(f"<I{len(held)}I", len(held), *held)
         return _SNAPSHOT_MAGIC + body + xxhash.xxh3_64_digest(body)
 
-    def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
+    def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
         held.clear()
+        blob = bytes(blob)  # a few bytes per token: a copy costs nothing here
         if len(blob) < 16 or blob[:4] != _SNAPSHOT_MAGIC:
             return False
         body, check = blob[4:-8], blob[-8:]

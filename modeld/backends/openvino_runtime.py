@@ -322,7 +322,7 @@ class OpenVINORuntime:
     def snapshot(self, seq: int) -> bytes:
         raise UnsupportedError("the openvino backend cannot snapshot a sequence (its engine owns the cache)")
 
-    def restore(self, seq: int, blob: bytes, tokens: Sequence[int]) -> bool:
+    def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         raise UnsupportedError("the openvino backend cannot restore a sequence (its engine owns the cache)")
 
     def close(self) -> None:

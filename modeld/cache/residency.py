@@ -51,7 +51,7 @@ from modeld.engine.reuse import Candidate, Loss, classify, common_prefix_len
 from modeld.errors import BusyError, ModeldError
 from modeld.manifest import ContextManifest
 from modeld.workers.host import Host
-from modeld.workers.protocol import Result
+from modeld.workers.protocol import REFUSED, Result
 
 __all__ = ["CacheSettings", "ContextView", "Lease", "ModelCache", "SessionSlot", "WarmContext"]
 
@@ -351,13 +351,14 @@ class ModelCache:
             self.counters["snapshots_rejected"] += 1
             slot.loss = Loss("snapshot_rejected", str(exc))
             return None
-        ok = host.restore(dst.seq, entry.tokens, blob)
+        refused = host.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
-        if not ok:
-            self.counters["restore_failures"] += 1
+        if refused:
+            if refused == REFUSED:
+                self.counters["restore_failures"] += 1
             self.counters["snapshots_rejected"] += 1
-            self.tiers.reject(entry, "the engine refused to restore it")
-            slot.loss = Loss("snapshot_rejected", "the engine refused to restore it")
+            self.tiers.reject(entry, refused)
+            slot.loss = Loss("snapshot_rejected", refused)
             dst.tokens = []
             self._ledger.drop(dst.seq)
             return None

@@ -15,7 +15,7 @@ Layout (``blueprints/0014``)::
 (what makes reuse valid, blueprint 0002); ``snapshot_format`` names the engine build and KV
 layout the blob fits (a blob is never handed to an engine that reports another one);
 ``token_hash`` is xxh3-128 of the tokens and ``payload_hash`` xxh3-128 of the payload. A file is
-used only if every one of these checks passes (:func:`read_verified`); otherwise the caller
+used only if every one of these checks passes (:func:`open_verified`); otherwise the caller
 removes it with the logged reason.
 
 Writing is atomic: a hidden temporary file in the same directory, written, fsync'd, renamed
@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import struct
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotHeader",
     "read_header",
-    "read_verified",
+    "open_verified",
     "write_atomic",
 ]
 
@@ -190,17 +191,35 @@ def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
     return header, tokens
 
 
-def read_verified(path: Path, expected: SnapshotHeader) -> bytes:
-    """The payload of a snapshot file, after checking it is still the file that was indexed
-    (same header) and that the payload matches its hash."""
+@contextlib.contextmanager
+def open_verified(path: Path, expected: SnapshotHeader) -> Iterator[memoryview]:
+    """The payload of a snapshot file, mapped (never read into a copy), after checking it is
+    still the file that was indexed (same header) and that the payload matches its hash.
+
+    The view is private and writable (copy on write: a restore may rewrite a few bytes of its
+    header in place; the file never changes) and valid inside the ``with`` block only. Mapping
+    instead of reading: 100 MB read into fresh memory costs ~50 ms of page faults and copying,
+    mapped and hashed ~4 ms, and the engine copies from the mapping into its own cache anyway.
+    Raises ``SnapshotError`` (or ``OSError``)."""
     with path.open("rb") as f:
         header = _read_fixed(f, path)
         if header != expected:
             raise SnapshotError("the file changed since it was indexed")
-        f.seek(4 * header.n_tokens, os.SEEK_CUR)
-        payload = f.read(header.payload_bytes)
-    if len(payload) != header.payload_bytes:
-        raise SnapshotError("truncated inside the payload")
-    if payload_hash(payload) != header.payload_hash:
-        raise SnapshotError("the payload does not match its checksum (corrupt)")
-    return payload
+        start = f.tell() + 4 * header.n_tokens
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except ValueError as exc:  # emptied since the size check
+            raise SnapshotError(f"truncated ({exc})") from exc
+    try:
+        view = memoryview(mapped)[start : start + header.payload_bytes]
+        try:
+            if len(view) != header.payload_bytes:
+                raise SnapshotError("truncated inside the payload")
+            if payload_hash(view) != header.payload_hash:
+                raise SnapshotError("the payload does not match its checksum (corrupt)")
+            yield view
+        finally:
+            view.release()
+    finally:
+        with contextlib.suppress(BufferError):  # a consumer still holds a view: freed with it
+            mapped.close()

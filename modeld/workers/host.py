@@ -22,12 +22,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 from modeld.backends.base import Layout, ModelRuntime, SyncStep, Vocab
+from modeld.cache.snapfile import SnapshotHeader
 from modeld.contract import DecodeConfig
 from modeld.errors import EngineError, ModeldError, error_from_reason
 from modeld.workers.protocol import (
+    REFUSED,
     Cancel,
     CheckDecode,
     Close,
@@ -254,8 +257,16 @@ class Host:
     def start_snapshot(self, seq: int) -> Call:
         return self.call(Snapshot(seq))
 
-    def restore(self, seq: int, tokens: Sequence[int], blob: bytes) -> bool:
-        return self.call(Restore(seq, tuple(tokens), blob)).result(Result).ok
+    def restore(self, seq: int, tokens: Sequence[int], blob: bytes | tuple[Path, SnapshotHeader]) -> str:
+        """Load a snapshot into ``seq``: a RAM blob, or a snapshot file the worker maps and
+        verifies itself. Returns "" when restored, else why not (``seq`` is then empty)."""
+        if isinstance(blob, tuple):
+            path, header = blob
+            message = Restore(seq, tuple(tokens), path=str(path), header=header)
+        else:
+            message = Restore(seq, tuple(tokens), payload=blob)
+        result = self.call(message).result(Result)
+        return "" if result.ok else result.detail or REFUSED
 
     def close(self) -> None:
         """Free the model and end the host (never raises)."""

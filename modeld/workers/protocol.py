@@ -28,10 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
+from modeld.cache.snapfile import SnapshotHeader
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest, TokenLogprob
 
 __all__ = [
     "MAX_FRAME",
+    "REFUSED",
     "Cancel",
     "CheckDecode",
     "Close",
@@ -164,10 +166,24 @@ class Snapshot(Message):
 
 @dataclass(frozen=True)
 class Restore(Message):
+    """Load a snapshot into ``seq``: from ``payload`` (the RAM tier's blob), or, when ``path``
+    is set, from that snapshot file, which the worker maps and verifies against ``header``
+    itself (the daemon never reads the payload; a refused file is named in ``Result.detail``)."""
+
     kind: ClassVar[str] = "restore"
     seq: int
     tokens: tuple[int, ...]
+    path: str = ""
+    header: SnapshotHeader | None = None
     payload: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.path and (self.header is None or self.payload):
+            raise ProtocolError("Restore from a file takes its header and no payload")
+
+
+REFUSED = "the engine refused to restore it"
+"""``Result.detail`` of a restore whose blob passed every check but the engine would not load."""
 
 
 @dataclass(frozen=True)
@@ -229,12 +245,13 @@ class Loaded(Message):
 
 @dataclass(frozen=True)
 class Result(Message):
-    """The answer to an atomic request: ``tokens`` (tokenize, resident), ``ok`` (restore),
-    ``payload`` (snapshot)."""
+    """The answer to an atomic request: ``tokens`` (tokenize, resident), ``ok`` (restore; when
+    False, ``detail`` says why), ``payload`` (snapshot)."""
 
     kind: ClassVar[str] = "result"
     tokens: tuple[int, ...] = ()
     ok: bool = True
+    detail: str = ""
     payload: bytes = b""
 
 

@@ -22,11 +22,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from modeld.backends.base import ModelRuntime, SyncStep
+from modeld.cache.snapfile import SnapshotError, open_verified
 from modeld.errors import EngineError, ModeldError
 from modeld.workers.protocol import (
+    REFUSED,
     Cancel,
     CheckDecode,
     Close,
@@ -148,8 +151,7 @@ class Scheduler:
             elif isinstance(message, Snapshot):
                 self._send(op, Result(payload=runtime.snapshot(message.seq)))
             elif isinstance(message, Restore):
-                ok = runtime.restore(message.seq, message.payload, message.tokens)
-                self._send(op, Result(ok=ok))
+                self._send(op, _restore(runtime, message))
             elif isinstance(message, Resident):
                 self._send(op, Result(tokens=tuple(runtime.resident(message.seq))))
             elif isinstance(message, Close):
@@ -249,3 +251,19 @@ class Scheduler:
             self._runtime.close()
             self._runtime = None
         self._closed = True
+
+
+def _restore(runtime: ModelRuntime, message: Restore) -> Result:
+    """A restore from the RAM tier's blob, or from a snapshot file mapped and verified here."""
+    if not message.path:
+        ok = runtime.restore(message.seq, message.payload, message.tokens)
+        return Result(ok=ok, detail="" if ok else REFUSED)
+    assert message.header is not None  # Restore checks it
+    try:
+        with open_verified(Path(message.path), message.header) as blob:
+            ok = runtime.restore(message.seq, blob, message.tokens)
+    except SnapshotError as exc:
+        return Result(ok=False, detail=str(exc))
+    except OSError as exc:
+        return Result(ok=False, detail=f"unreadable ({exc.strerror or exc})")
+    return Result(ok=ok, detail="" if ok else REFUSED)
