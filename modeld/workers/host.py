@@ -262,7 +262,7 @@ class Host:
         verifies itself. Returns "" when restored, else why not (``seq`` is then empty)."""
         if isinstance(blob, tuple):
             path, header = blob
-            message = Restore(seq, tuple(tokens), path=str(path), header=header)
+            message = Restore(seq, tuple(tokens), path=str(path.absolute()), header=header)
         else:
             message = Restore(seq, tuple(tokens), payload=blob)
         result = self.call(message).result(Result)
