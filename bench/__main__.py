@@ -186,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print("bench: OpenAI endpoint overhead through the openai SDK (memory backend)", flush=True)
         overhead["openai"] = run_openai_overhead(turns=5 if args.quick else 20)
+        if not args.quick:  # the realistic model: issue 9's decode goal, measured paired
+            from bench.decode_pairs import describe, run_decode_pairs
+
+            print("bench: decode through the worker against the limit, paired", flush=True)
+            overhead["decode_pairs"] = run_decode_pairs(log=lambda s: print(s, flush=True))
+            print(f"  {describe(overhead['decode_pairs'])}", flush=True)
 
     machine["load_average_end"] = os.getloadavg()
     machine["duration_s"] = round(time.time() - started, 1)

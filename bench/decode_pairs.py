@@ -8,7 +8,8 @@ the limit (``bench.direct.Driver`` in this process) and ``modeld serve --backend
 gRPC (the engine in its worker, default flags: 50 ms stream interval) back to back, the order
 swapped every pair, ``--pairs`` pairs. Both rates are taken the same way: tokens after the
 first over the time from the first to the last (modeld's from the client's receive times).
-Blueprint 0017 quotes it.
+``make bench`` runs it after the workloads (the report's "Decode through the worker, paired");
+blueprint 0017 quotes it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import runtime_client as rc
 from bench.daemon import serve
@@ -46,12 +48,10 @@ def _modeld_rate(session: rc.ClientSession, prefix: str, suffix: str, n: int) ->
     return (sum(counts) - counts[0]) / (times[-1] - times[0])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.decode_pairs")
-    parser.add_argument("--pairs", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
+def run_decode_pairs(
+    pairs: int = 10, tokens: int = 128, log: Callable[[str], None] = print
+) -> dict[str, float]:
+    """The paired measurement (see the module docstring); the figures as a dict."""
     model = str(ensure_model(REALISTIC))
     prefix = _prefix()
     driver = Driver(model, CONTEXT, 512, 2)
@@ -60,37 +60,53 @@ def main() -> None:
     )
     limit: list[float] = []
     modeld: list[float] = []
-    with serve("llama") as (client, _), client.open_session(request) as session:
-        _modeld_rate(session, prefix, " warm up", 8)  # loads the model, computes the prefix
-        driver.turn("a", prefix, " warm up", 8, False)
-        for i in range(args.pairs):
-            suffix = f" question {i}: what does line {i * 7} do?"
-            first_modeld = i % 2 == 1
-            if first_modeld:
-                modeld.append(_modeld_rate(session, prefix, suffix, args.tokens))
-            out = driver.turn("a", prefix, suffix, args.tokens, False)
-            if out["completion_tokens"] < args.tokens:
-                raise RuntimeError(f"the limit decoded {out['completion_tokens']} of {args.tokens} tokens")
-            limit.append(out["decode_tps"])
-            if not first_modeld:
-                modeld.append(_modeld_rate(session, prefix, suffix, args.tokens))
-            print(f"pair {i}: limit {limit[-1]:.1f} tok/s, modeld {modeld[-1]:.1f} tok/s", flush=True)
+    try:
+        with serve("llama") as (client, _), client.open_session(request) as session:
+            _modeld_rate(session, prefix, " warm up", 8)  # loads the model, computes the prefix
+            driver.turn("a", prefix, " warm up", 8, False)
+            for i in range(pairs):
+                suffix = f" question {i}: what does line {i * 7} do?"
+                first_modeld = i % 2 == 1
+                if first_modeld:
+                    modeld.append(_modeld_rate(session, prefix, suffix, tokens))
+                out = driver.turn("a", prefix, suffix, tokens, False)
+                if out["completion_tokens"] < tokens:
+                    raise RuntimeError(f"the limit decoded {out['completion_tokens']} of {tokens} tokens")
+                limit.append(out["decode_tps"])
+                if not first_modeld:
+                    modeld.append(_modeld_rate(session, prefix, suffix, tokens))
+                log(f"  decode pair {i}: limit {limit[-1]:.1f} tok/s, modeld {modeld[-1]:.1f} tok/s")
+    finally:
+        driver.close()
     ratios = [m / lim for m, lim in zip(modeld, limit, strict=True)]
-    result = {
-        "pairs": args.pairs,
-        "tokens": args.tokens,
+    return {
+        "pairs": pairs,
+        "tokens": tokens,
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "limit_tps_median": statistics.median(limit),
         "modeld_tps_median": statistics.median(modeld),
     }
-    print(
+
+
+def describe(result: dict[str, float]) -> str:
+    return (
         f"decode modeld / limit: median {result['ratio_median']:.3f} "
-        f"(range {result['ratio_min']:.3f}-{result['ratio_max']:.3f}, {args.pairs} pairs of "
-        f"{args.tokens} tokens); limit {result['limit_tps_median']:.1f} tok/s, "
+        f"(range {result['ratio_min']:.3f}-{result['ratio_max']:.3f}, {int(result['pairs'])} pairs of "
+        f"{int(result['tokens'])} tokens); limit {result['limit_tps_median']:.1f} tok/s, "
         f"modeld {result['modeld_tps_median']:.1f} tok/s"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_pairs")
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    result = run_decode_pairs(args.pairs, args.tokens)
+    print(describe(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -55,6 +55,15 @@ class Driver:
         self.contexts: dict[str, tuple[Any, list[int]]] = {}
         self.saved: dict[str, str] = {}  # workspace -> state file written by restart()
 
+    def close(self) -> None:
+        """Free every context and the model."""
+        for ctx, _ in self.contexts.values():
+            lc.llama_free(ctx)
+        self.contexts.clear()
+        if self.model:
+            lc.llama_model_free(self.model)
+            self.model = None
+
     def restart(self, directory: str) -> int:
         """Save every hot context to a file and free it; returns the bytes written."""
         written = 0
