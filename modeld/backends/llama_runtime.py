@@ -495,9 +495,11 @@ class LlamaRuntime:
         empty = 4 * (listed - 1)
         if listed < 1 or len(view) < 16 + empty or (empty and any(view[len(view) - empty :])):
             return None
+        out: bytearray | memoryview
         if n > listed:
-            out: bytearray | memoryview = bytearray(view)
-            typing.cast(bytearray, out).extend(bytes(4 * (n - listed)))
+            grown = bytearray(view)  # one copy, extended in place
+            grown.extend(bytes(4 * (n - listed)))
+            out = grown
         else:
             out = bytearray(view) if view.readonly else view
         out[8:12] = n.to_bytes(4, "little")

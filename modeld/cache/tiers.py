@@ -265,7 +265,7 @@ class Tiers:
     def load(self, entry: TierEntry) -> bytes | tuple[Path, SnapshotHeader]:
         """The entry's blob from RAM, or the file and header to restore it from (the engine
         worker maps and verifies the file itself: ``snapfile.open_verified``; a 100 MB payload
-        read here and sent over the worker's socket cost 130-300 ms, mapped there ~15 ms).
+        read here and sent over the worker's socket cost 130-300 ms, mapped there ~18 ms).
         Raises ``SnapshotError`` when neither is left."""
         with self._lock:
             entry.last_used = time.time()

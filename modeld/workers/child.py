@@ -61,8 +61,9 @@ def _die_with_parent(parent: int) -> None:
 
 
 def read_exact(sock: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes, or None at EOF. A ``bytearray`` nobody writes to, used as ``bytes``: a KV
-    snapshot's tens of megabytes are not copied again (and the engine restores from it in place)."""
+    """``n`` bytes, or None at EOF. A ``bytearray`` typed as ``bytes``: a KV snapshot's tens of
+    megabytes are not copied again; the message it lands in is used once, so a restore may edit
+    it in place (``ModelRuntime.restore``)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
