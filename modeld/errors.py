@@ -5,36 +5,46 @@ the stable, machine-readable name; the message is for people and may change. ``d
 holds string key/value pairs (they travel as ``google.rpc.ErrorInfo.metadata`` on the wire);
 subclasses expose the ones that matter as typed properties.
 
-The tree::
+The tree (HTTP: the status every HTTP API answers with; see below)::
 
-    ModeldError                      reason                grpc status
-    ├── InvalidArgumentError         invalid_argument      INVALID_ARGUMENT
-    │   └── UnsupportedError         unsupported           INVALID_ARGUMENT
-    ├── LimitExceededError           limit_exceeded        RESOURCE_EXHAUSTED
-    ├── SessionNotFoundError         session_not_found     NOT_FOUND
-    ├── ModelLoadError               model_load_failed     FAILED_PRECONDITION
-    ├── NotOwnerError                not_owner             FAILED_PRECONDITION
-    ├── StaleFenceError              stale_fence           FAILED_PRECONDITION
-    ├── SessionClosedError           session_closed        FAILED_PRECONDITION
-    ├── PrefixRequiredError          prefix_required       FAILED_PRECONDITION
-    ├── BackendMismatchError         backend_mismatch      FAILED_PRECONDITION
-    ├── BackendUnavailableError      backend_unavailable   FAILED_PRECONDITION
-    ├── ManifestMismatchError        manifest_mismatch     FAILED_PRECONDITION
-    ├── ContextOverflowError         context_overflow      OUT_OF_RANGE
-    ├── BusyError                    busy                  UNAVAILABLE
-    ├── NoSlotAvailableError         no_slot_available     RESOURCE_EXHAUSTED
-    ├── EngineRestartedError         engine_restarted      UNAVAILABLE
-    ├── StallTimeoutError            stall_timeout         UNAVAILABLE
-    ├── OperationTimeoutError        timeout               DEADLINE_EXCEEDED
-    ├── ShuttingDownError            shutting_down         UNAVAILABLE
-    ├── DaemonUnavailableError       unavailable           UNAVAILABLE        (client side)
-    ├── DeadlineExceededError        deadline_exceeded     DEADLINE_EXCEEDED  (client side)
-    ├── UnauthenticatedError         unauthenticated       UNAUTHENTICATED
-    ├── EngineError                  engine_error          INTERNAL
-    └── InternalError                internal              INTERNAL
+    ModeldError                      reason                grpc status          HTTP
+    ├── InvalidArgumentError         invalid_argument      INVALID_ARGUMENT     400
+    │   └── UnsupportedError         unsupported           INVALID_ARGUMENT     400
+    ├── LimitExceededError           limit_exceeded        RESOURCE_EXHAUSTED   429 capacity, 400 request
+    ├── SessionNotFoundError         session_not_found     NOT_FOUND            404
+    ├── ModelLoadError               model_load_failed     FAILED_PRECONDITION  500
+    ├── NotOwnerError                not_owner             FAILED_PRECONDITION  503
+    ├── StaleFenceError              stale_fence           FAILED_PRECONDITION  503
+    ├── SessionClosedError           session_closed        FAILED_PRECONDITION  503
+    ├── PrefixRequiredError          prefix_required       FAILED_PRECONDITION  400
+    ├── BackendMismatchError         backend_mismatch      FAILED_PRECONDITION  400
+    ├── BackendUnavailableError      backend_unavailable   FAILED_PRECONDITION  500
+    ├── ManifestMismatchError        manifest_mismatch     FAILED_PRECONDITION  400
+    ├── ContextOverflowError         context_overflow      OUT_OF_RANGE         400
+    ├── BusyError                    busy                  UNAVAILABLE          503
+    ├── NoSlotAvailableError         no_slot_available     RESOURCE_EXHAUSTED   429
+    ├── EngineRestartedError         engine_restarted      UNAVAILABLE          503
+    ├── StallTimeoutError            stall_timeout         UNAVAILABLE          503
+    ├── OperationTimeoutError        timeout               DEADLINE_EXCEEDED    504
+    ├── ShuttingDownError            shutting_down         UNAVAILABLE          503
+    ├── DaemonUnavailableError       unavailable           UNAVAILABLE          503 (client side)
+    ├── DeadlineExceededError        deadline_exceeded     DEADLINE_EXCEEDED    504 (client side)
+    ├── UnauthenticatedError         unauthenticated       UNAUTHENTICATED      401
+    ├── EngineError                  engine_error          INTERNAL             500
+    └── InternalError                internal              INTERNAL             500
 
 The mapping to gRPC lives in :mod:`modeld.wire.status`; this module imports nothing outside
 the standard library so that every layer (backends, engine, client) can use it.
+
+HTTP: every error's status is derived from its gRPC code by the standard ``google.rpc``
+mapping (:data:`HTTP_STATUS_OF_CODE`: INVALID_ARGUMENT, FAILED_PRECONDITION and OUT_OF_RANGE
+400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, INTERNAL
+500, ...), except where a class says otherwise (``http``) because the reason is about the
+daemon, not the request: ``not_owner``, ``stale_fence`` and ``session_closed`` are 503 (ask
+another daemon, or this one again), ``model_load_failed`` and ``backend_unavailable`` 500,
+and a request-size ``limit_exceeded`` 400 (only capacity limits are 429). A 429 or 503 carries
+:attr:`ModeldError.retry_after`. Every HTTP API takes its status from here and keeps only its
+own error type words.
 """
 
 from __future__ import annotations
@@ -69,6 +79,8 @@ __all__ = [
     "StallTimeoutError",
     "UnauthenticatedError",
     "UnsupportedError",
+    "CAPACITY_LIMITS",
+    "HTTP_STATUS_OF_CODE",
     "echo",
     "error_from_reason",
 ]
@@ -92,11 +104,44 @@ def echo(value: object, limit: int = ECHO_CHARS) -> str:
 _E = TypeVar("_E", bound="ModeldError")
 
 
+HTTP_STATUS_OF_CODE: Mapping[str, int] = {
+    "CANCELLED": 499,
+    "UNKNOWN": 500,
+    "INVALID_ARGUMENT": 400,
+    "DEADLINE_EXCEEDED": 504,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "PERMISSION_DENIED": 403,
+    "UNAUTHENTICATED": 401,
+    "RESOURCE_EXHAUSTED": 429,
+    "FAILED_PRECONDITION": 400,
+    "ABORTED": 409,
+    "OUT_OF_RANGE": 400,
+    "UNIMPLEMENTED": 501,
+    "INTERNAL": 500,
+    "UNAVAILABLE": 503,
+    "DATA_LOSS": 500,
+}
+"""The standard ``google.rpc.Code`` -> HTTP status mapping (``google/rpc/code.proto``)."""
+
+CAPACITY_LIMITS = frozenset(
+    {"max_sessions", "max_loaded_models", "max_queue", "max_streams", "max_inflight_bytes"}
+)
+"""``LimitExceededError.limit`` values that are about the daemon's capacity, not the request:
+retrying later may succeed (HTTP 429 with Retry-After). Every other limit is on the request
+itself (HTTP 400: the same request fails again)."""
+
+RETRY_AFTER_SECONDS = 1
+"""What a 429 or 503 answer's ``Retry-After`` says."""
+
+
 class ModeldError(Exception):
-    """Base of every contract error. ``reason`` is the stable token, ``status`` the gRPC code name."""
+    """Base of every contract error. ``reason`` is the stable token, ``status`` the gRPC code
+    name, ``http`` the HTTP status when it is not the standard mapping of ``status``."""
 
     reason: ClassVar[str] = "internal"
     status: ClassVar[str] = "INTERNAL"
+    http: ClassVar[int] = 0
 
     def __init__(self, message: str, **details: DetailValue) -> None:
         super().__init__(message)
@@ -116,6 +161,16 @@ class ModeldError(Exception):
         ModeldError.__init__(err, message)
         err.details = dict(details)
         return err
+
+    @property
+    def http_status(self) -> int:
+        """The HTTP status every HTTP API answers this error with (one table, module docstring)."""
+        return self.http or HTTP_STATUS_OF_CODE.get(self.status, 500)
+
+    @property
+    def retry_after(self) -> int | None:
+        """Seconds an HTTP client should wait before retrying (429 and 503), else None."""
+        return RETRY_AFTER_SECONDS if self.http_status in (429, 503) else None
 
     def _int(self, key: str) -> int:
         try:
@@ -164,6 +219,10 @@ class LimitExceededError(ModeldError):
         return self.details.get("limit", "")
 
     @property
+    def http_status(self) -> int:
+        return 429 if self.limit in CAPACITY_LIMITS else 400
+
+    @property
     def value(self) -> int:
         return self._int("value")
 
@@ -187,6 +246,7 @@ class ModelLoadError(ModeldError):
 
     reason = "model_load_failed"
     status = "FAILED_PRECONDITION"
+    http = 500
 
     def __init__(self, message: str, *, path: str, **details: DetailValue) -> None:
         super().__init__(message, path=path, **details)
@@ -201,6 +261,7 @@ class NotOwnerError(ModeldError):
 
     reason = "not_owner"
     status = "FAILED_PRECONDITION"
+    http = 503
 
 
 class StaleFenceError(ModeldError):
@@ -208,6 +269,7 @@ class StaleFenceError(ModeldError):
 
     reason = "stale_fence"
     status = "FAILED_PRECONDITION"
+    http = 503
 
 
 class SessionClosedError(ModeldError):
@@ -215,6 +277,7 @@ class SessionClosedError(ModeldError):
 
     reason = "session_closed"
     status = "FAILED_PRECONDITION"
+    http = 503
 
 
 class PrefixRequiredError(ModeldError):
@@ -236,6 +299,7 @@ class BackendUnavailableError(ModeldError):
 
     reason = "backend_unavailable"
     status = "FAILED_PRECONDITION"
+    http = 500
 
 
 class ManifestMismatchError(ModeldError):

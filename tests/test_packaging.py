@@ -68,7 +68,7 @@ def test_transports_reach_the_engine_only_through_the_gateway() -> None:
     imports no transport (the daemon, the composition root, is the one place that builds both)."""
     code = (
         "import sys\n"
-        "import modeld.server.servicer, modeld.server.gateway, modeld.server.http.app\n"
+        "import modeld.server.grpc.servicer, modeld.server.gateway, modeld.server.http.app\n"
         "bad = [m for m in sys.modules if m.startswith(('modeld.engine', 'modeld.backends', 'llama_cpp', 'openvino'))]\n"
         "print(','.join(sorted(bad)))"
     )

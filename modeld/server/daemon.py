@@ -36,10 +36,11 @@ from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
 from modeld.observe.metrics import EngineEvents, Metrics
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.auth import TokenInterceptor, ensure_token
+from modeld.server.bridge import Bridge, Pools
 from modeld.server.gateway import Gateway, ServedEngine
+from modeld.server.grpc.servicer import DESCRIBE_TIMEOUT_SECONDS, SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.server.servicer import DESCRIBE_TIMEOUT_SECONDS, SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.settings import Residency, RestartPolicy, Timeouts
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ class Server:
     """The gRPC server for an engine, with health checking (per model too) and reflection.
 
     A ``grpc.aio`` server on an event loop of its own thread: the loop only waits, and every
-    engine call runs on the servicer's pools (``modeld/server/servicer.py``), so a Session
+    engine call runs on the bridge's pools (``modeld/server/bridge.py``), so a Session
     stream holds no thread while it waits and ``Status`` always has one. ``token``: require it
     as ``authorization: Bearer`` metadata (TCP listeners; :mod:`modeld.server.auth`).
     ``metrics``: share a registry with the HTTP listener. The engine's events reach the metrics
@@ -175,7 +176,8 @@ class Server:
         self.address = address
         self.limits = limits
         self.gateway = Gateway(engine, limits, metrics)
-        self.servicer = ModeldServicer(self.gateway, describe_timeout=describe_timeout)
+        self.bridge = Bridge(Pools.for_sessions(limits.max_sessions))
+        self.servicer = ModeldServicer(self.gateway, self.bridge, describe_timeout=describe_timeout)
         self.health = ModelHealth()
         self._token = token
         self._options: list[tuple[str, Any]] = [

@@ -3,15 +3,11 @@
 Thin by design: no engine logic here, and no engine import: it reaches the engine only through
 :class:`~modeld.server.gateway.Gateway` (the contract plus observers), the same path the HTTP
 endpoint takes. It runs on a ``grpc.aio`` server (``modeld/server/daemon.py``): the event loop
-only waits; every call into the engine runs on one of four thread pools (:class:`Pools`), so
-what one kind of call does to its pool never starves the others:
-
-* ``sessions``: the Session stream's operations (prefills, the decode pump, close);
-* ``calls``: OpenSession and CountTokens (which may load a model: minutes, no server timeout);
-* ``probes``: Describe, which reads model files, with a timeout (``describe_seconds``): a hung
-  file system costs at most this pool, and its callers a clear ``model_load_failed``;
-* ``observers``: Status, ListSessions, ExplainContext, Metrics. So ``Status`` answers while
-  every session is busy, while describes of slow paths pile up, and while streams wait.
+only waits; every call into the engine goes through the one asyncio bridge
+(:mod:`modeld.server.bridge`), which the HTTP APIs share: Session operations on the
+``sessions`` pool, OpenSession and CountTokens on ``calls`` (a model load: no timeout),
+Describe on ``probes`` (``describe_seconds``), Status, ListSessions, ExplainContext and Metrics
+on ``observers`` (``busy`` after the observer timeout).
 
 A Session stream holds no thread while it waits: not for its attach message (a stream that
 never attaches is ended after ``attach_timeout_seconds``), not between operations. What only
@@ -33,29 +29,19 @@ bookkeeping, ``DecodeStream.cancel``, ``interrupt``).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import threading
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
-from modeld.contract import (
-    DecodeStream,
-    PrefillProgress,
-    PrefixStatus,
-    ProgressCallback,
-    StreamChunk,
-    SuffixStatus,
-)
+from modeld.contract import PrefillProgress, PrefixStatus, SuffixStatus
 from modeld.errors import (
-    BusyError,
     InternalError,
     InvalidArgumentError,
     LimitExceededError,
@@ -66,6 +52,7 @@ from modeld.errors import (
     ShuttingDownError,
     StaleFenceError,
 )
+from modeld.server.bridge import Bridge, BridgedSession, BridgedStream, Pools
 from modeld.server.gateway import Gateway, Hosted
 from modeld.v1 import modeld_pb2 as pb
 from modeld.wire import convert
@@ -73,10 +60,8 @@ from modeld.wire.status import to_grpc_status, to_status
 
 __all__ = [
     "DESCRIBE_TIMEOUT_SECONDS",
-    "OBSERVER_TIMEOUT_SECONDS",
     "SERVICE_NAME",
     "ModeldServicer",
-    "Pools",
     "add_to_server",
     "max_streams",
 ]
@@ -87,11 +72,6 @@ SERVICE_NAME = "modeld.v1.Modeld"
 DESCRIBE_TIMEOUT_SECONDS = 30.0
 """How long Describe waits for the engine to read a model file before answering
 ``model_load_failed`` (a hung network file system must not hang the caller)."""
-OBSERVER_TIMEOUT_SECONDS = 5.0
-"""How long Status, ListSessions, ExplainContext and Metrics wait for the engine before
-answering ``busy``."""
-OBSERVER_THREADS = 4
-PROBE_THREADS = 16
 
 _FATAL = (StaleFenceError, NotOwnerError, ShuttingDownError, SessionClosedError)
 """Errors after which a Session stream cannot continue: it ends with that status."""
@@ -104,30 +84,6 @@ def max_streams(max_sessions: int) -> int:
     """Session streams open at once: one per session, once more while sessions change hands,
     plus 16 waiting to attach. Beyond it a new stream is refused at once (``limit_exceeded``)."""
     return 2 * max_sessions + 16
-
-
-@dataclass(frozen=True, slots=True)
-class Pools:
-    """The thread pools the servicer runs engine calls on (see the module docstring)."""
-
-    sessions: ThreadPoolExecutor
-    calls: ThreadPoolExecutor
-    probes: ThreadPoolExecutor
-    observers: ThreadPoolExecutor
-
-    @classmethod
-    def for_sessions(cls, max_sessions: int) -> Pools:
-        """Pools sized for ``max_sessions`` (threads are started only when needed)."""
-        return cls(
-            sessions=ThreadPoolExecutor(max_workers=max_sessions + 8, thread_name_prefix="session-op"),
-            calls=ThreadPoolExecutor(max_workers=max_sessions + 16, thread_name_prefix="grpc-call"),
-            probes=ThreadPoolExecutor(max_workers=PROBE_THREADS, thread_name_prefix="grpc-describe"),
-            observers=ThreadPoolExecutor(max_workers=OBSERVER_THREADS, thread_name_prefix="grpc-observe"),
-        )
-
-    def shutdown(self) -> None:
-        for pool in (self.sessions, self.calls, self.probes, self.observers):
-            pool.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,13 +101,7 @@ class _Ended:
     error: ModeldError
 
 
-@dataclass(frozen=True, slots=True)
-class _Failed:
-    error: BaseException
-
-
 _EOF = object()
-_DONE = object()
 
 
 def _safe(cls: type[_Req]) -> Callable[[bytes], _Req | _Malformed]:
@@ -181,54 +131,8 @@ def _internal(exc: BaseException, where: str) -> InternalError:
 
 
 def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], item: object) -> None:
-    """Put ``item`` in an asyncio queue from any thread (dropped once the loop is closed)."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(queue.put_nowait, item)
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """Mark a future's exception as seen (its caller may have gone away)."""
-    if not future.cancelled():
-        future.exception()
-
-
-async def _offload(
-    pool: ThreadPoolExecutor,
-    fn: Callable[..., _T],
-    *args: Any,
-    timeout: float | None = None,
-    on_timeout: Callable[[], ModeldError] | None = None,
-    abandoned: Callable[[_T], None] | None = None,
-) -> _T:
-    """Run ``fn(*args)`` on ``pool`` and wait for it without holding the event loop.
-
-    ``timeout``: give up waiting (the thread finishes on its own) and raise ``on_timeout()``.
-    ``abandoned``: called with the result if the caller stopped waiting (cancelled or timed
-    out) and ``fn`` still succeeded, so what it made (an opened session) is not leaked."""
-    inner = pool.submit(fn, *args)
-    future = asyncio.wrap_future(inner)
-    future.add_done_callback(_retrieve)
-    try:
-        if timeout is None:
-            return await future
-        return await asyncio.wait_for(asyncio.shield(future), timeout)
-    except BaseException as exc:
-        if not inner.done():
-            inner.cancel()  # never started: it never will
-            if abandoned is not None:
-                inner.add_done_callback(lambda f: _abandon(f, abandoned))
-        if isinstance(exc, TimeoutError) and on_timeout is not None:
-            raise on_timeout() from None
-        raise
-
-
-def _abandon(future: concurrent.futures.Future[_T], abandoned: Callable[[_T], None]) -> None:
-    if future.cancelled() or future.exception() is not None:
-        return
-    try:
-        abandoned(future.result())
-    except Exception:
-        log.exception("cleaning up after an abandoned call failed")
 
 
 class ModeldServicer:
@@ -237,15 +141,13 @@ class ModeldServicer:
     def __init__(
         self,
         gateway: Gateway,
-        pools: Pools | None = None,
+        bridge: Bridge | None = None,
         *,
         describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS,
-        observer_timeout: float = OBSERVER_TIMEOUT_SECONDS,
     ) -> None:
         self.gateway = gateway
-        self.pools = pools or Pools.for_sessions(gateway.limits.max_sessions)
+        self.bridge = bridge or Bridge(Pools.for_sessions(gateway.limits.max_sessions))
         self.describe_timeout = describe_timeout
-        self.observer_timeout = observer_timeout
         self.max_streams = max_streams(gateway.limits.max_sessions)
         self._streams = 0  # touched on the event loop only
 
@@ -270,15 +172,6 @@ class ModeldServicer:
             await context.abort_with_status(to_grpc_status(_internal(exc, name)))
         raise AssertionError("unreachable")  # pragma: no cover - abort raises
 
-    async def _observe(self, fn: Callable[[], _T], what: str) -> _T:
-        def late() -> ModeldError:
-            return BusyError(
-                f"the engine did not answer {what} within {self.observer_timeout:g}s "
-                "(an engine worker may be stalled; it is killed after the stall timeout)"
-            )
-
-        return await _offload(self.pools.observers, fn, timeout=self.observer_timeout, on_timeout=late)
-
     async def Describe(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
             model = convert.open_request_from_pb(request.model)
@@ -291,12 +184,8 @@ class ModeldServicer:
                     timeout="describe_seconds",
                 )
 
-            info = await _offload(
-                self.pools.probes,
-                self.gateway.describe,
-                model,
-                timeout=self.describe_timeout,
-                on_timeout=late,
+            info = await self.bridge.probe(
+                self.gateway.describe, model, timeout=self.describe_timeout, late=late
             )
             return pb.DescribeResponse(
                 info=convert.model_info_to_pb(info), machine=convert.machine_to_pb(self.gateway.machine())
@@ -306,12 +195,8 @@ class ModeldServicer:
 
     async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
-            hosted = await _offload(
-                self.pools.calls,
-                self.gateway.open,
-                convert.open_request_from_pb(request),
-                "grpc",
-                abandoned=_close_later,
+            hosted = await self.bridge.call(
+                self.gateway.open, convert.open_request_from_pb(request), "grpc", abandoned=_close_soon
             )
             session = hosted.session
             owner = self.gateway.owner
@@ -327,21 +212,23 @@ class ModeldServicer:
 
     async def ExplainContext(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
-            report = await self._observe(lambda: self.gateway.explain(request.session_id), "ExplainContext")
+            report = await self.bridge.observe(
+                lambda: self.gateway.explain(request.session_id), "ExplainContext"
+            )
             return pb.ExplainContextResponse(report=convert.report_to_pb(report))
 
         return await self._unary("ExplainContext", run, request, context)
 
     async def ListSessions(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
-            sessions = await self._observe(self.gateway.list_sessions, "ListSessions")
+            sessions = await self.bridge.observe(self.gateway.list_sessions, "ListSessions")
             return pb.ListSessionsResponse(sessions=[convert.summary_to_pb(s) for s in sessions])
 
         return await self._unary("ListSessions", run, request, context)
 
     async def Status(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
-            status = await self._observe(lambda: self.gateway.status(debug=request.debug), "Status")
+            status = await self.bridge.observe(lambda: self.gateway.status(debug=request.debug), "Status")
             return convert.status_to_pb(status)
 
         return await self._unary("Status", run, request, context)
@@ -349,14 +236,14 @@ class ModeldServicer:
     async def CountTokens(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
             model, text, with_ids = convert.count_tokens_request_from_pb(request)
-            ids = await _offload(self.pools.calls, self.gateway.tokenize, model, text)
+            ids = await self.bridge.call(self.gateway.tokenize, model, text)
             return pb.CountTokensResponse(count=len(ids), token_ids=ids if with_ids else ())
 
         return await self._unary("CountTokens", run, request, context)
 
     async def Metrics(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
-            text, content_type = await self._observe(self.gateway.metrics_text, "Metrics")
+            text, content_type = await self.bridge.observe(self.gateway.metrics_text, "Metrics")
             return pb.MetricsResponse(text=text.decode("utf-8"), content_type=content_type)
 
         return await self._unary("Metrics", run, request, context)
@@ -393,8 +280,8 @@ class ModeldServicer:
             self._streams -= 1
             reader.cancel()
             state.cancel(0)  # a decode still running has nobody to stream to
-            if state.hosted is not None:
-                _close_later(state.hosted, state)
+            if state.session is not None:
+                _close_when_idle(state.session)
         if failure is not None:
             await context.abort_with_status(to_grpc_status(failure))  # raises: ends the stream
 
@@ -424,15 +311,14 @@ class ModeldServicer:
                 f"session {hosted.session_id} is already attached to another stream",
                 field="attach.session_id",
             )
-        state.hosted = hosted
+        session = self.bridge.session(hosted)
+        state.session = session
         hosted.on_end(lambda error: _post(loop, inbox, _Ended(error)))
         # (grpc-stubs declare the callback as a class, not a protocol)
-        context.add_done_callback(lambda _context: _on_rpc_done(hosted, state))  # type: ignore[arg-type]
-        session = hosted.session
+        context.add_done_callback(lambda _context: _on_rpc_done(session))  # type: ignore[arg-type]
         yield pb.SessionResponse(
             request_id=first.request_id, attached=pb.Attached(session_id=hosted.session_id)
         )
-        pool = self.pools.sessions
         while True:
             item = await inbox.get()
             if item is _EOF:
@@ -453,27 +339,34 @@ class ModeldServicer:
             try:
                 if op == "ensure_prefix":
                     prefix = convert.prefix_input_from_pb(item.ensure_prefix)
-                    async for response in self._reporting(rid, session.ensure_prefix, prefix, _prefix_done):
-                        yield response
+                    async for step in session.reporting(session.ensure_prefix, prefix):
+                        yield (
+                            _reported(rid, step)
+                            if isinstance(step, PrefillProgress)
+                            else _prefix_done(rid, step)
+                        )
                 elif op == "prefill_suffix":
                     suffix = convert.suffix_input_from_pb(item.prefill_suffix)
-                    async for response in self._reporting(rid, session.prefill_suffix, suffix, _suffix_done):
-                        yield response
+                    async for sstep in session.reporting(session.prefill_suffix, suffix):
+                        yield (
+                            _reported(rid, sstep)
+                            if isinstance(sstep, PrefillProgress)
+                            else _suffix_done(rid, sstep)
+                        )
                 elif op == "decode":
-                    config = convert.decode_config_from_pb(item.decode)
-                    stream = await _offload(pool, session.decode, config, abandoned=_cancel_stream)
+                    stream = await session.decode(convert.decode_config_from_pb(item.decode))
                     state.start(rid, stream)
                     try:
                         yield pb.SessionResponse(request_id=rid, decode_started=pb.DecodeStarted())
-                        async for chunk in _chunks(pool, stream, state):
+                        async for chunk in stream:
                             yield pb.SessionResponse(request_id=rid, chunk=convert.chunk_to_pb(chunk))
                     finally:
-                        state.finish(stream)
+                        await state.finish(stream)
                 elif op == "explain_context":
-                    report = await _offload(pool, session.explain_context)
+                    report = await session.explain_context()
                     yield pb.SessionResponse(request_id=rid, context=convert.report_to_pb(report))
                 elif op == "close":
-                    await _offload(pool, session.close)
+                    await session.close()
                     yield pb.SessionResponse(request_id=rid, closed=pb.Closed())
                     return
                 elif op == "attach":
@@ -487,34 +380,8 @@ class ModeldServicer:
             except Exception as exc:
                 yield _error(rid, _internal(exc, f"Session.{op}"))
 
-    async def _reporting(
-        self,
-        rid: int,
-        operation: Callable[[Any, ProgressCallback], _T],
-        argument: Any,
-        respond: Callable[[int, _T], pb.SessionResponse],
-    ) -> AsyncIterator[pb.SessionResponse]:
-        """Run a prefill on the sessions pool, sending its progress reports on this stream,
-        then its answer (or raise its error)."""
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[object] = asyncio.Queue()
-
-        def report(progress: PrefillProgress) -> None:
-            _post(loop, out, pb.SessionResponse(request_id=rid, progress=convert.progress_to_pb(progress)))
-
-        future = asyncio.wrap_future(self.pools.sessions.submit(operation, argument, report))
-        future.add_done_callback(_retrieve)
-        future.add_done_callback(lambda _f: out.put_nowait(_DONE))
-        while True:
-            item = await out.get()
-            if item is _DONE:
-                yield respond(rid, future.result())
-                return
-            assert isinstance(item, pb.SessionResponse)
-            yield item
-
     def close(self) -> None:
-        self.pools.shutdown()
+        self.bridge.shutdown()
 
 
 async def _read(
@@ -534,105 +401,52 @@ async def _read(
     inbox.put_nowait(_EOF)
 
 
-async def _chunks(
-    pool: ThreadPoolExecutor, stream: DecodeStream, state: _StreamState
-) -> AsyncIterator[StreamChunk]:
-    """A decode's chunks, read on a pool thread which alone iterates the stream (the session
-    is closed only once it has finished: :meth:`_StreamState.idle`)."""
-    loop = asyncio.get_running_loop()
-    out: asyncio.Queue[object] = asyncio.Queue()
-    done = state.pumping()
-
-    def pump() -> None:
-        try:
-            for chunk in stream:
-                _post(loop, out, chunk)
-            _post(loop, out, _EOF)
-        except BaseException as exc:
-            _post(loop, out, _Failed(exc))
-        finally:
-            done.set()
-
-    try:
-        pool.submit(pump)
-    except BaseException:
-        done.set()
-        raise
-    while True:
-        item = await out.get()
-        if item is _EOF:
-            return
-        if isinstance(item, _Failed):
-            raise item.error
-        assert isinstance(item, StreamChunk)
-        yield item
-
-
 class _StreamState:
     """The session a stream is attached to and the decode it is running (for cancel_decode)."""
 
     def __init__(self) -> None:
-        self.hosted: Hosted | None = None
+        self.session: BridgedSession | None = None
         self._lock = threading.Lock()
-        self._decode: tuple[int, DecodeStream] | None = None
-        self._pump: threading.Event | None = None
+        self._decode: tuple[int, BridgedStream] | None = None
 
-    def pumping(self) -> threading.Event:
-        """A decode's pump starts: the event is set when it stops reading the stream."""
-        self._pump = threading.Event()
-        return self._pump
-
-    def idle(self, timeout: float) -> None:
-        """Wait until no pump reads a decode of this stream (a decode stream is not for
-        concurrent readers, and closing the session reads what is left of it)."""
-        pump = self._pump
-        if pump is not None:
-            pump.wait(timeout)
-
-    def start(self, request_id: int, stream: DecodeStream) -> None:
+    def start(self, request_id: int, stream: BridgedStream) -> None:
         with self._lock:
             self._decode = (request_id, stream)
 
-    def finish(self, stream: DecodeStream) -> None:
+    async def finish(self, stream: BridgedStream) -> None:
         """The stream stopped streaming this decode: a decode still running is cancelled (its
-        pump thread reads it to its end)."""
+        pump reads it to its end)."""
         with self._lock:
             if self._decode is not None and self._decode[1] is stream:
                 self._decode = None
-        stream.cancel()
+        await stream.aclose()
 
     def cancel(self, request_id: int) -> None:
         with self._lock:
             current = self._decode
         if current is not None and (request_id == 0 or request_id == current[0]):
-            current[1].cancel()
+            current[1].cancel_now()
 
 
-_PUMP_WAIT_SECONDS = 30.0
+def _close_soon(hosted: Hosted) -> None:
+    """Close a session off the event loop (closing waits for its running operation)."""
+    threading.Thread(target=hosted.close, name="session-close", daemon=True).start()
 
 
-def _close_later(hosted: Hosted, state: _StreamState | None = None) -> None:
-    """Close a session off the event loop (closing waits for its running operation), once the
-    stream's decode pump, if any, has stopped reading."""
-
-    def close() -> None:
-        if state is not None:
-            state.idle(_PUMP_WAIT_SECONDS)
-        hosted.close()
-
-    threading.Thread(target=close, name="session-close", daemon=True).start()
+def _close_when_idle(session: BridgedSession) -> None:
+    """Close a session once no operation or decode pump of it runs any more."""
+    session.when_idle(lambda: _close_soon(session.hosted))
 
 
-def _cancel_stream(stream: DecodeStream) -> None:
-    """A decode started after its stream went away: stop it and read it to its end."""
-    threading.Thread(target=stream.close, name="decode-close", daemon=True).start()
-
-
-def _on_rpc_done(hosted: Hosted, state: _StreamState) -> None:
+def _on_rpc_done(session: BridgedSession) -> None:
     """The RPC ended (any reason): stop the session's work and close it off the event loop."""
-    if hosted.ended is None:
-        hosted.interrupt()
-        _close_later(hosted, state)
+    if session.hosted.ended is None:
+        session.interrupt()
+        _close_when_idle(session)
+
+
+def _reported(request_id: int, progress: PrefillProgress) -> pb.SessionResponse:
+    return pb.SessionResponse(request_id=request_id, progress=convert.progress_to_pb(progress))
 
 
 def _prefix_done(request_id: int, status: PrefixStatus) -> pb.SessionResponse:
