@@ -19,13 +19,15 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import httpx
 import openai
 
 import runtime_client as rc
 from bench.daemon import serve
-from modeld.server.http.openai import parse_chat
+from modeld.server.http.openai_chat import parse_chat
+from modeld.server.http.turn import chat_inputs, split_point
 
 __all__ = ["run_openai_overhead"]
 
@@ -55,13 +57,17 @@ def _grpc_loop(client: rc.Client, turns: list[list[dict[str, str]]]) -> tuple[li
     ttft, total = [], []
     with client.open_session(request) as session:
         for messages in turns:
-            turn = parse_chat({"model": MODEL, "messages": messages, "max_tokens": 32, "temperature": 0})
-            assert turn.suffix is not None
+            turn, _ = parse_chat(
+                {"model": MODEL, "messages": messages, "max_tokens": 32, "temperature": 0}, {}
+            )
+            prefix, suffix = chat_inputs(
+                turn.messages, split_point(turn.messages), turn.tools_json, "hermes", None, "http.openai.chat"
+            )
             t0 = time.perf_counter()
-            session.ensure_prefix(turn.prefix)
-            session.prefill_suffix(turn.suffix)
+            session.ensure_prefix(prefix)
+            session.prefill_suffix(suffix)
             first = 0.0
-            with session.decode(turn.decode) as stream:
+            with session.decode(replace(turn.decode, max_tokens=32)) as stream:
                 for chunk in stream:
                     if chunk.token_ids and not first:
                         first = time.perf_counter()

@@ -278,11 +278,12 @@ def test_openai_shaped_errors_name_the_field(daemon: Daemon) -> None:
         assert isinstance(body, dict), fields
         assert (body["param"], body["code"], body["type"]) == (param, code, "invalid_request_error"), fields
         assert body["message"], fields
-    too_long = [{"role": "user", "content": "x" * 5000}]
+    too_long = [{"role": "user", "content": "x" * 33000}]  # the memory model's window is 32768
     with pytest.raises(openai.BadRequestError) as err:
         daemon.client.chat.completions.create(model="modeld-tiny", messages=too_long)
     assert err.value.body["code"] == "context_length_exceeded"  # type: ignore[index]
-    raw = httpx.post(f"{daemon.url}/v1/chat/completions", content=b"{not json", timeout=10)
+    json_type = {"Content-Type": "application/json"}
+    raw = httpx.post(f"{daemon.url}/v1/chat/completions", content=b"{not json", headers=json_type, timeout=10)
     assert raw.status_code == 400 and raw.json()["error"]["code"] == "invalid_json"
     assert httpx.get(f"{daemon.url}/v1/nothing", timeout=10).json()["error"]["code"] == "not_found"
 

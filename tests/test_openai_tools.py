@@ -22,7 +22,7 @@ import pytest
 from daemon_proc import serve_http, stop
 
 from modeld.contract import StreamChunk
-from modeld.server.http.openai import finish_reason
+from modeld.server.http.openai_chat import finish_reason
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -315,7 +315,7 @@ def test_logprobs_and_logit_bias(daemon: Daemon) -> None:
 
 def test_finish_reasons_map_to_openai() -> None:
     def reason(finish: str) -> str:
-        return finish_reason(StreamChunk(finish_reason=finish))  # type: ignore[arg-type]
+        return finish_reason(finish)
 
     assert [reason(f) for f in ("stop", "stop_sequence", "length", "tool_calls", "signal")] == [
         "stop",

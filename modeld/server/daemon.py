@@ -408,7 +408,7 @@ def run(options: ServeOptions) -> int:
     try:
         endpoint = server.start()
         if http is not None:
-            listener = _start_http(server.gateway, http, options, limits)
+            listener = _start_http(server.gateway, server.bridge, http, options, limits)
     except Exception as exc:
         log.error("%s", exc)
         if listener is not None:
@@ -452,9 +452,8 @@ def run(options: ServeOptions) -> int:
 
 
 def _start_http(
-    gateway: Gateway, http: tuple[ListenAddress, Any], options: ServeOptions, limits: Limits
+    gateway: Gateway, bridge: Bridge, http: tuple[ListenAddress, Any], options: ServeOptions, limits: Limits
 ) -> Any:
-    from modeld.contract import Config
     from modeld.server.http.app import HttpService, HttpSettings
     from modeld.server.http.listener import HttpListener
 
@@ -464,11 +463,11 @@ def _start_http(
         api_key=options.api_key,
         loopback=is_loopback(address.host),
         bound_host=address.host,
-        num_ctx=options.num_ctx or Config().num_ctx,
+        num_ctx=options.num_ctx,
         max_body_bytes=limits.max_message_bytes,
     )
     listener = HttpListener(
-        HttpService(gateway, registry, settings), address.host, address.port, grace=options.grace
+        HttpService(gateway, registry, settings, bridge), address.host, address.port, grace=options.grace
     )
     listener.start()
     return listener

@@ -1,18 +1,26 @@
-"""The Starlette application: routes, access control, streaming.
+"""The Starlette application: access, bodies, errors, and the routes of every HTTP API.
 
-Routes (each also without the ``/v1`` prefix, as llama-server accepts them):
-``GET /v1/models``, ``GET /v1/models/{name}``, ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /health`` (never needs a key), ``GET /metrics``.
+Routes: OpenAI (``GET /v1/models[/{name}]``, ``POST /v1/chat/completions``, ``POST
+/v1/completions``, ``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}``; the OpenAI routes
+also without ``/v1``, as llama-server accepts them), Anthropic (``POST /v1/messages``, ``POST
+/v1/messages/count_tokens``), Ollama (``/api/...``), the SGLang gateway's worker routes
+(``/server_info``, ``/model_info``, ``/get_load``, ...), ``GET /health`` (never needs a key)
+and ``GET /metrics``. Each API is a thin adapter over the one conversation layer
+(:mod:`modeld.server.http.conversations`); this module owns what they share.
 
-Access (``blueprints/0014-openai-http.md``): with an API key every route but ``/health``
-needs ``Authorization: Bearer <key>``, and off loopback a key is mandatory (``serve`` refuses
-to start without one). On loopback without a key, as local OpenAI servers do, anyone on the
-machine may call it; it exposes registered model names only, never paths or other sessions'
-data. What a web page in a browser could send is refused there: a ``Host`` that is not a
-loopback name (DNS rebinding) and a cross-site ``Origin``.
+Access (``blueprints/0014-openai-http.md``): with an API key every route but ``/health`` needs
+``Authorization: Bearer <key>`` or ``x-api-key: <key>`` (Anthropic's header); off loopback a key
+is mandatory (``serve`` refuses to start without one). What a web page in a browser could send
+is refused everywhere: a ``Host`` that is not a loopback name or the bound address (DNS
+rebinding); any ``Origin`` that is not a loopback ``http(s)`` origin or on the allow-list
+(``--allow-origin``), so ``Origin: null`` (sandboxed frames, ``file://`` pages) and extension
+origins are refused; and a POST whose ``Content-Type`` is not JSON, so a page cannot send a
+"simple" cross-site request that needs no preflight.
 
-A request's turn runs on a worker thread (:mod:`turns`); its events reach the event loop
-through a queue. A client that goes away cancels the decode within one token step.
+Bounds: a body is at most ``max_body_bytes``; the bodies of requests in flight together at most
+``max_inflight_bytes`` (beyond it 503 with ``Retry-After``, ``limit_exceeded``); every string a
+client sends is checked at the edge (a lone surrogate is a 400). Any unexpected exception is the
+API's JSON error with an incident id (the traceback goes to the log, never to the client).
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ import contextlib
 import ipaddress
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,38 +39,25 @@ from urllib.parse import urlsplit
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
-from modeld.contract import Config, OpenSessionRequest, StreamChunk, TokenLogprob
-from modeld.errors import echo, error_from_reason
+from modeld.contract import Config, ModelInfo, OpenSessionRequest
+from modeld.errors import ModeldError, ModelLoadError, echo
 from modeld.server.auth import bearer_matches
+from modeld.server.bridge import Bridge
 from modeld.server.gateway import Gateway
-from modeld.server.http.conversations import Conversations
-from modeld.server.http.models import ModelRegistry
-from modeld.server.http.openai import (
-    ApiError,
-    Turn,
-    api_error,
-    chat_chunk,
-    chat_delta,
-    chat_logprobs,
-    chat_response,
-    completion_chunk,
-    completion_logprobs,
-    completion_response,
-    finish_reason,
-    modeld_info,
-    models_response,
-    parse_chat,
-    parse_completion,
-)
-from modeld.server.http.turns import Event, Failed, Job, Started
+from modeld.server.http.conversations import Collected, Conversations, Event, Started, collect, first_event
+from modeld.server.http.errors import ErrorStyle, HttpError, from_modeld, incident_id
+from modeld.server.http.fields import check_strings
+from modeld.server.http.models import ModelEntry, ModelRegistry
+from modeld.server.http.openai_chat import openai_error
+from modeld.server.http.turn import Turn
 
-__all__ = ["HttpService", "HttpSettings", "build_app"]
+__all__ = ["HttpService", "HttpSettings", "build_app", "is_loopback_host"]
 
 log = logging.getLogger("modeld.http")
 
-_NDJSON = {"separators": (",", ":"), "ensure_ascii": False}
+DESCRIBE_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -71,22 +66,16 @@ class HttpSettings:
     api_key: str = ""
     loopback: bool = True
     bound_host: str = "127.0.0.1"
-    num_ctx: int = Config().num_ctx
+    num_ctx: int = 0  # 0: the model's own window, as large as the memory budget allows
     max_body_bytes: int = 16 << 20
+    max_inflight_bytes: int = 64 << 20
     max_conversations: int = 16
     idle_seconds: float = 600.0
+    allowed_origins: tuple[str, ...] = ()
+    data_dir: str = ""
 
 
-def _sse(obj: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, **_NDJSON).encode() + b"\n\n"  # type: ignore[arg-type]
-
-
-def _error(error: ApiError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-def _is_loopback_host(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
     name = host.strip()
     if name.startswith("["):
         name = name[1 : name.find("]")] if "]" in name else name[1:]
@@ -100,296 +89,342 @@ def _is_loopback_host(host: str) -> bool:
         return False
 
 
-class HttpService:
-    """The endpoint's state: the gateway, the model names, the conversations, a thread pool."""
+def error_response(error: HttpError, style: ErrorStyle) -> JSONResponse:
+    return JSONResponse(style(error), status_code=error.status, headers=error.headers())
 
-    def __init__(self, gateway: Gateway, registry: ModelRegistry, settings: HttpSettings) -> None:
+
+Shape = Callable[[Turn, Collected], dict[str, Any]]
+Stream = Callable[[Turn, Started, AsyncIterator[Event]], AsyncIterator[bytes]]
+
+
+class HttpService:
+    """The endpoint's state: the gateway, the bridge, model names, conversations, byte budget."""
+
+    def __init__(
+        self, gateway: Gateway, registry: ModelRegistry, settings: HttpSettings, bridge: Bridge | None = None
+    ) -> None:
+        from modeld.server.bridge import Pools
+
         self.gateway = gateway
         self.registry = registry
         self.settings = settings
+        self.bridge = bridge or Bridge(Pools.for_sessions(gateway.limits.max_sessions))
+        self._own_bridge = bridge is None
         self.conversations = Conversations(
-            gateway, max_conversations=settings.max_conversations, idle_seconds=settings.idle_seconds
+            gateway,
+            self.bridge,
+            max_conversations=settings.max_conversations,
+            idle_seconds=settings.idle_seconds,
         )
-        self.pool = ThreadPoolExecutor(
-            max_workers=gateway.limits.max_sessions, thread_name_prefix="http-turn"
-        )
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self._infos: dict[tuple[str, float], ModelInfo] = {}
+        self.draining = False
 
     def close(self) -> None:
         self.conversations.close_all()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_bridge:
+            self.bridge.shutdown()
 
     # --- access -----------------------------------------------------------------------------
 
-    def denied(self, request: Request) -> Response | None:
+    def denied(self, request: Request) -> HttpError | None:
+        """Why this request may not be served (None: it may)."""
+        origin = request.headers.get("origin")
+        if origin is not None and not self._origin_allowed(origin):
+            return HttpError(
+                403,
+                f"requests from the web page at Origin {echo(origin)} are refused (only loopback http(s) "
+                "origins, or those given to modeld serve --allow-origin)",
+                code="forbidden_origin",
+            )
         if self.settings.api_key:
+            given = request.headers.get("x-api-key")
+            if given is not None and given == self.settings.api_key:
+                return None
             if bearer_matches(request.headers.get("authorization", ""), self.settings.api_key):
                 return None
-            return _error(
-                ApiError(
-                    401,
-                    "a valid API key is required: send 'Authorization: Bearer <key>' (the key given to "
-                    "modeld serve with --api-key or MODELD_API_KEY)",
-                    code="invalid_api_key",
-                )
+            return HttpError(
+                401,
+                "a valid API key is required: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' (the key "
+                "given to modeld serve with --api-key or MODELD_API_KEY)",
+                code="invalid_api_key",
             )
         host = request.headers.get("host", "")
-        if not (_is_loopback_host(host) or host.split(":")[0] == self.settings.bound_host):
-            return _error(ApiError(403, f"Host {echo(host)} is not a loopback name", code="forbidden_host"))
-        origin = request.headers.get("origin")
-        if origin:
-            parts = urlsplit(origin)
-            if parts.scheme in ("http", "https") and not _is_loopback_host(parts.netloc):
-                return _error(
-                    ApiError(
-                        403,
-                        f"cross-site requests (Origin {echo(origin)}) are refused",
-                        code="forbidden_origin",
-                    )
-                )
+        if not (is_loopback_host(host) or host.split(":")[0] == self.settings.bound_host):
+            return HttpError(403, f"Host {echo(host)} is not a loopback name", code="forbidden_host")
         return None
 
-    async def _body(self, request: Request) -> dict[str, Any]:
+    def _origin_allowed(self, origin: str) -> bool:
+        if origin in self.settings.allowed_origins:
+            return True
+        parts = urlsplit(origin)
+        return parts.scheme in ("http", "https") and bool(parts.netloc) and is_loopback_host(parts.netloc)
+
+    @contextlib.asynccontextmanager
+    async def body(self, request: Request) -> AsyncIterator[dict[str, Any]]:
+        """The request's JSON object, its bytes counted against the in-flight budget while the
+        request is handled."""
+        if request.method == "POST":
+            kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+            if kind != "application/json" and not kind.endswith("+json"):
+                raise HttpError(
+                    415,
+                    f"the request body must be JSON: send 'Content-Type: application/json' (got {echo(kind or 'none')})",
+                    code="unsupported_media_type",
+                )
         limit = self.settings.max_body_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            raise ApiError(
+            raise HttpError(
                 413, f"the request body is {length} bytes; the limit is {limit}", code="limit_exceeded"
             )
-        parts: list[bytes] = []
-        size = 0
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise ApiError(413, f"the request body exceeds {limit} bytes", code="limit_exceeded")
-            parts.append(part)
+        held = 0
         try:
-            body = json.loads(b"".join(parts))
-        except (ValueError, RecursionError) as exc:
-            raise ApiError(
-                400, f"the request body is not valid JSON ({str(exc)[:120]})", code="invalid_json"
-            ) from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-        return body
+            parts: list[bytes] = []
+            async for part in request.stream():
+                held += len(part)
+                self._hold(len(part))
+                if held > limit:
+                    raise HttpError(413, f"the request body exceeds {limit} bytes", code="limit_exceeded")
+                parts.append(part)
+            data = b"".join(parts)
+            try:
+                body = json.loads(data) if data else {}
+            except (ValueError, RecursionError) as exc:
+                raise HttpError(
+                    400, f"the request body is not valid JSON ({str(exc)[:120]})", code="invalid_json"
+                ) from None
+            if not isinstance(body, dict):
+                raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
+            check_strings(body)
+            yield body
+        finally:
+            with self._inflight_lock:
+                self._inflight -= held
 
-    # --- routes -------------------------------------------------------------------------------
+    def _hold(self, size: int) -> None:
+        with self._inflight_lock:
+            if self._inflight + size > self.settings.max_inflight_bytes:
+                raise HttpError(
+                    503,
+                    f"the daemon is reading {self._inflight} bytes of requests; the limit is "
+                    f"{self.settings.max_inflight_bytes} (max_inflight_bytes): retry shortly",
+                    code="limit_exceeded",
+                    param="max_inflight_bytes",
+                    retry_after=1,
+                )
+            self._inflight += size
 
-    async def health(self, _request: Request) -> Response:
-        lost = ""
-        try:
-            lost = self.gateway.status().owner_lost
-        except Exception:
-            lost = "status unavailable"
-        if self.gateway.stopping or lost:
-            return JSONResponse({"status": "unavailable", "reason": lost or "shutting down"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+    # --- models -----------------------------------------------------------------------------
 
-    async def metrics(self, request: Request) -> Response:
-        denied = self.denied(request)
-        if denied is not None:
-            return denied
-        text, content_type = self.gateway.metrics_text(request.headers.get("accept", ""))
-        return Response(text, media_type=content_type)
-
-    async def models(self, request: Request) -> Response:
-        denied = self.denied(request)
-        if denied is not None:
-            return denied
-        entries = await asyncio.to_thread(self.registry.entries)
-        return JSONResponse(models_response([(e.name, e.created) for e in entries]))
-
-    async def model(self, request: Request) -> Response:
-        denied = self.denied(request)
-        if denied is not None:
-            return denied
-        name = request.path_params["name"]
-        entry = await asyncio.to_thread(self.registry.get, name)
+    def entry(self, name: str) -> ModelEntry:
+        entry = self.registry.get(name)
         if entry is None:
-            return _error(_no_model(name))
-        return JSONResponse(
-            {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "modeld"}
-        )
+            raise HttpError(
+                404,
+                f"the model {echo(name)} does not exist (GET /v1/models lists them)",
+                code="model_not_found",
+                param="model",
+            )
+        return entry
 
-    async def chat(self, request: Request) -> Response:
-        return await self._serve(request, parse_chat)
-
-    async def completions(self, request: Request) -> Response:
-        return await self._serve(request, parse_completion)
-
-    # --- running a turn ---------------------------------------------------------------------
-
-    async def _serve(self, request: Request, parse: Callable[..., Turn]) -> Response:
-        denied = self.denied(request)
-        if denied is not None:
-            return denied
-        try:
-            body = await self._body(request)
-            turn = parse(body, conversation_header=request.headers.get("x-modeld-conversation", ""))
-            entry = self.registry.get(turn.model)
-            if entry is None:
-                raise _no_model(turn.model)
-        except ApiError as exc:
-            return _error(exc)
-        open_request = OpenSessionRequest(
+    def open_request(self, entry: ModelEntry, turn: Turn) -> OpenSessionRequest:
+        num_ctx = turn.num_ctx or self.settings.num_ctx or self.gateway.limits.max_context_tokens
+        return OpenSessionRequest(
             model_name=entry.name,
             type=self.settings.backend,
             path=entry.path,
-            config=Config(num_ctx=self.settings.num_ctx, prompt_format=turn.prompt_format),
+            config=Config(num_ctx=num_ctx, prompt_format="chat" if turn.chat else "raw"),
         )
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
 
-        def emit(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
+    async def describe(self, entry: ModelEntry) -> ModelInfo | None:
+        """What the model can do here (cached per file version); None if it cannot be read."""
+        key = (entry.path, float(entry.created))
+        info = self._infos.get(key)
+        if info is not None:
+            return info
+        request = OpenSessionRequest(
+            model_name=entry.name,
+            type=self.settings.backend,
+            path=entry.path,
+            config=Config(num_ctx=self.settings.num_ctx or self.gateway.limits.max_context_tokens),
+        )
 
-        job = Job(turn, open_request, self.conversations, emit)
-        watcher = asyncio.create_task(_watch_disconnect(request, job))
-        self.pool.submit(job.run)
+        def late() -> ModeldError:
+            return ModelLoadError(f"describing took longer than {DESCRIBE_SECONDS:g}s", path=entry.name)
+
         try:
-            first = await events.get()
-            if isinstance(first, Failed):
-                return _error(self._failed(first))
-            assert isinstance(first, Started)
+            info = await self.bridge.probe(
+                self.gateway.describe, request, timeout=DESCRIBE_SECONDS, late=late
+            )
+        except ModeldError as exc:
+            log.info("describing %s: %s", entry.name, exc)
+            return None
+        if len(self._infos) > 256:
+            self._infos.clear()
+        self._infos[key] = info
+        return info
+
+    # --- running a turn ---------------------------------------------------------------------
+
+    async def turn(
+        self,
+        request: Request,
+        turn: Turn,
+        complete: Shape,
+        stream: Stream,
+        style: ErrorStyle,
+        media_type: str = "text/event-stream",
+        headers: Mapping[str, str] | None = None,
+    ) -> Response:
+        """Run ``turn`` and answer it: a stream (``stream``) or one JSON body (``complete``)."""
+        entry = self.entry(turn.model)
+        events = self.conversations.run(turn, self.open_request(entry, turn))
+        task = asyncio.current_task()
+        watcher = asyncio.create_task(_watch_disconnect(request, task))
+        try:
+            started = await first_event(events)
+            answer_headers = {"X-Modeld-Session": started.session_id, **(headers or {})}
             if turn.stream:
-                watcher.cancel()  # StreamingResponse watches for the disconnect from here on
-                headers = {"Cache-Control": "no-cache", "X-Modeld-Session": first.session_id}
+                watcher.cancel()  # the streaming response watches for the disconnect from here on
+                answer_headers["Cache-Control"] = "no-cache"
                 return StreamingResponse(
-                    self._stream(turn, first, events, job), media_type="text/event-stream", headers=headers
+                    _closing(stream(turn, started, events), events, style),
+                    media_type=media_type,
+                    headers=answer_headers,
                 )
-            return await self._collect(turn, first, events)
+            async with contextlib.aclosing(events):
+                done = await collect(started, events)
+            if done.finished.error is not None:
+                return error_response(done.finished.error, style)
+            return JSONResponse(complete(turn, done), headers=answer_headers)
+        except BaseException:
+            await events.aclose()
+            raise
         finally:
             watcher.cancel()
 
-    def _failed(self, failed: Failed) -> ApiError:
-        error = api_error(failed.error, failed.incident)
-        if error.status >= 500:
-            log.error(
-                "request failed (incident %s): %s [%s]",
-                failed.incident,
-                failed.error.message,
-                failed.error.reason,
-            )
-        return error
+    # --- shared routes ----------------------------------------------------------------------
 
-    async def _collect(self, turn: Turn, started: Started, events: asyncio.Queue[Event]) -> Response:
-        parts: list[str] = []
-        logprobs: list[TokenLogprob] = []
-        while True:
-            event = await events.get()
-            if isinstance(event, Failed):
-                return _error(self._failed(event))
-            assert isinstance(event, StreamChunk)
-            parts.append(event.text)
-            logprobs.extend(event.logprobs)
-            if event.final:
-                break
-        if event.finish_reason == "error" and event.error is not None:
-            return _error(self._chunk_error(event))
-        extension = modeld_info(started.session_id, started.status, started.diverged_message)
-        text = "".join(parts)
-        body = (
-            chat_response(turn, text, event, extension, tuple(logprobs))
-            if turn.kind == "chat"
-            else completion_response(turn, text, event, extension, tuple(logprobs))
-        )
-        return JSONResponse(body, headers={"X-Modeld-Session": started.session_id})
-
-    def _chunk_error(self, chunk: StreamChunk) -> ApiError:
-        assert chunk.error is not None
-        error = error_from_reason(chunk.error.reason, chunk.error.message, {})
-        return self._failed(Failed(error, "decode"))
-
-    async def _stream(
-        self, turn: Turn, started: Started, events: asyncio.Queue[Event], job: Job
-    ) -> AsyncIterator[bytes]:
-        chat = turn.kind == "chat"
-        extension = modeld_info(started.session_id, started.status, started.diverged_message)
-        done = False
-        offset = 0  # completions: characters sent so far (logprobs' text_offset)
+    async def health(self, _request: Request) -> Response:
+        """200 when the daemon serves; 503 while it stops, drains or lost its ownership."""
         try:
-            if chat:
-                yield _sse(chat_chunk(turn, {"role": "assistant", "content": ""}))
-            while True:
-                event = await events.get()
-                if isinstance(event, Failed):
-                    done = True
-                    yield _sse(self._failed(event).body())
-                    return
-                assert isinstance(event, StreamChunk)
-                if chat:
-                    delta = chat_delta(turn, event)
-                    if delta is not None or event.logprobs:
-                        yield _sse(chat_chunk(turn, delta or {}, logprobs=chat_logprobs(event.logprobs)))
-                elif event.text or event.logprobs:
-                    yield _sse(
-                        completion_chunk(
-                            turn, event.text, logprobs=completion_logprobs(event.logprobs, offset)
-                        )
-                    )
-                    offset += len(event.text)
-                if not event.final:
-                    continue
-                done = True
-                if event.finish_reason == "error" and event.error is not None:
-                    yield _sse(self._chunk_error(event).body())
-                    return
-                finish = finish_reason(event)
-                tail = None if turn.include_usage else extension
-                last = _sse(
-                    chat_chunk(turn, {}, finish, extension=tail)
-                    if chat
-                    else completion_chunk(turn, "", finish, extension=tail)
-                )
-                if turn.include_usage:
-                    last += _sse(
-                        chat_chunk(turn, None, usage=event.usage, extension=extension)
-                        if chat
-                        else completion_chunk(turn, None, usage=event.usage, extension=extension)
-                    )
-                yield last + b"data: [DONE]\n\n"  # the last events in one write
-                return
-        finally:
-            if not done:
-                job.cancel()
+            status = await self.bridge.observe(self.gateway.status, "health")
+            lost = status.owner_lost
+        except ModeldError:
+            lost = "status unavailable"
+        if self.gateway.stopping or self.draining or lost:
+            reason = lost or ("draining" if self.draining else "shutting down")
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        text, content_type = await self.bridge.observe(
+            lambda: self.gateway.metrics_text(request.headers.get("accept", "")), "metrics"
+        )
+        return Response(text, media_type=content_type)
 
 
-def _no_model(name: str) -> ApiError:
-    return ApiError(
-        404,
-        f"the model {echo(name)} does not exist (GET /v1/models lists them)",
-        code="model_not_found",
-        param="model",
-    )
+async def _closing(
+    body: AsyncIterator[bytes], events: AsyncGenerator[Event, None], style: ErrorStyle
+) -> AsyncIterator[bytes]:
+    """A streamed answer that always closes its turn (the client went away: the decode stops)
+    and writes an unexpected failure as the API's error event instead of a broken stream."""
+    try:
+        async for part in body:
+            yield part
+    except (HttpError, ModeldError) as exc:
+        error = exc if isinstance(exc, HttpError) else from_modeld(exc, incident_id())
+        yield b"data: " + json.dumps(style(error)).encode() + b"\n\n"
+    except Exception as exc:
+        incident = incident_id()
+        log.error("internal error while streaming (incident %s)", incident, exc_info=exc)
+        error = HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
+        yield b"data: " + json.dumps(style(error)).encode() + b"\n\n"
+    finally:
+        await events.aclose()
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """Cancel the job when the client disconnects before its answer is complete."""
+async def _watch_disconnect(request: Request, task: asyncio.Task[Any] | None) -> None:
+    """Cancel the request's task when the client disconnects before its answer is complete."""
     with contextlib.suppress(asyncio.CancelledError):
         while True:
             message = await request.receive()
             if message["type"] == "http.disconnect":
-                job.cancel()
+                if task is not None:
+                    task.cancel()
                 return
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def guarded(service: HttpService, handler: Handler, style: ErrorStyle) -> Handler:
+    """``handler`` behind the access checks, with every failure as the API's JSON error."""
+
+    async def run(request: Request) -> Response:
+        denied = service.denied(request)
+        if denied is not None:
+            return error_response(denied, style)
+        try:
+            return await handler(request)
+        except HttpError as exc:
+            return error_response(exc, style)
+        except ModeldError as exc:
+            return error_response(from_modeld(exc, incident_id()), style)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            incident = incident_id()
+            log.error(
+                "internal error serving %s %s (incident %s)",
+                request.method,
+                request.url.path,
+                incident,
+                exc_info=exc,
+            )
+            error = HttpError(
+                500, f"internal error (incident {incident}; see the daemon's log)", code="internal"
+            )
+            return error_response(error, style)
+
+    return run
+
+
 def build_app(service: HttpService) -> Starlette:
-    routes: list[Route] = []
-    for prefix in ("/v1", ""):
-        routes += [
-            Route(f"{prefix}/models", service.models, methods=["GET"]),
-            Route(f"{prefix}/models/{{name:path}}", service.model, methods=["GET"]),
-            Route(f"{prefix}/chat/completions", service.chat, methods=["POST"]),
-            Route(f"{prefix}/completions", service.completions, methods=["POST"]),
-        ]
+    from modeld.server.http import anthropic, gateway_routes, ollama, openai_routes, responses
+
+    routes: list[BaseRoute] = []
+    routes += openai_routes.routes(service)
+    routes += responses.routes(service)
+    routes += anthropic.routes(service)
+    routes += ollama.routes(service)
+    routes += gateway_routes.routes(service)
     routes += [
-        Route("/health", service.health, methods=["GET"]),
-        Route("/metrics", service.metrics, methods=["GET"]),
+        Route("/health", service.health, methods=["GET", "HEAD"]),
+        Route("/metrics", guarded(service, service.metrics, openai_error), methods=["GET"]),
     ]
 
-    async def not_found(_request: Request, _exc: Exception) -> Response:
-        return _error(ApiError(404, "no such route", code="not_found"))
+    def style_of(path: str) -> ErrorStyle:
+        if path.startswith("/v1/messages"):
+            return anthropic.anthropic_error
+        if path.startswith("/api/"):
+            return ollama.ollama_error
+        return openai_error
 
-    async def not_allowed(_request: Request, _exc: Exception) -> Response:
-        return _error(ApiError(405, "method not allowed", code="method_not_allowed"))
+    async def not_found(request: Request, _exc: Exception) -> Response:
+        return error_response(HttpError(404, "no such route", code="not_found"), style_of(request.url.path))
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})
+    async def not_allowed(request: Request, _exc: Exception) -> Response:
+        return error_response(
+            HttpError(405, "method not allowed", code="method_not_allowed"), style_of(request.url.path)
+        )
+
+    async def crashed(request: Request, exc: Exception) -> Response:
+        incident = incident_id()
+        log.error("internal error serving %s (incident %s)", request.url.path, incident, exc_info=exc)
+        error = HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
+        return error_response(error, style_of(request.url.path))
+
+    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: crashed})

@@ -1,22 +1,35 @@
-"""Conversation affinity: the same warm session for the same conversation, bounded.
+"""The one conversation layer under every HTTP API: a turn in, its events out.
 
-A tool resends its whole conversation every turn. Reuse does not depend on the session (the
-engine reuses the longest common token prefix of whatever is resident), but keeping one
-session per conversation makes a conversation one line in ``modeld explain-context``, with
-the last turn's reuse and its miss explanation, and it will let the warm-state cache keep a
-context per conversation.
+:class:`Conversations` runs a :class:`~modeld.server.http.turn.Turn` on its conversation's
+warm session, through the one asyncio bridge (:mod:`modeld.server.bridge`): ``ensure_prefix``,
+``prefill_suffix``, ``decode``. It yields :class:`Started` (which session, how much of the
+prompt was reused and why), then :class:`Delta` events (answer text, reasoning, tool-call
+pieces, logprobs) and one :class:`Finished` (the contract's finish reason, the complete calls,
+:class:`TurnUsage`). Every API adapter shapes these same events, so warm mapping, tool-call
+parsing, reasoning, usage accounting and errors are written once. A failure before
+:class:`Started` raises :class:`~modeld.server.http.errors.HttpError` (the API answers with its
+status); after it, the stream's :class:`Finished` carries ``error``.
 
-The key is the client's (``X-Modeld-Conversation`` header, ``prompt_cache_key`` or ``user``)
-or, without one, a digest of the conversation's first system and user messages. At most
+Conversation affinity: a tool resends its whole conversation every turn. Reuse does not depend
+on the session (the engine reuses the longest common token prefix of whatever is resident), but
+one session per conversation makes a conversation one line in ``modeld explain-context`` with
+its last turn's reuse and miss explanation, and keeps it on its own warm KV sequence. At most
 ``max_conversations`` sessions are kept; the least recently used idle one is closed to make
 room, and one idle for ``idle_seconds`` is closed by :meth:`Conversations.sweep`. A request for
-a conversation whose session is busy with another request runs on a session of its own,
-closed when it finishes (sessions are not for concurrent use).
+a conversation whose session is busy runs on a session of its own, closed when it finishes
+(sessions are not for concurrent use). A session goes back to its conversation only once the
+engine has really stopped working on it (a cancelled request interrupts the engine first).
 
 It also remembers the exact text of the tool calls it returned (the last
 :data:`REMEMBERED_CALLS` replies, by their call ids), so when a tool sends those calls back in
 the history they are written as the model generated them and the next turn reuses every
 generated token (``blueprints/0018``).
+
+Usage (:class:`TurnUsage`), the same numbers on every API: ``prompt_tokens`` the turn's whole
+prompt; ``cached_tokens`` those not computed this turn (reused from warm state: the KV, or a
+snapshot restored from a tier); ``created_tokens`` the stable prefix's tokens computed this turn
+(newly made reusable); ``uncached_tokens`` the rest of the prompt computed this turn (the
+volatile suffix, and anything another session displaced).
 """
 
 from __future__ import annotations
@@ -26,19 +39,101 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, replace
 
-from modeld.contract import OpenSessionRequest
-from modeld.errors import LimitExceededError, ModeldError
+from modeld.contract import (
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixInput,
+    PrefixStatus,
+    StreamChunk,
+    TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning
+from modeld.errors import LimitExceededError, ModeldError, SessionClosedError, error_from_reason
+from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, Hosted
+from modeld.server.http.errors import HttpError, from_modeld, incident_id
+from modeld.server.http.turn import Turn, chat_inputs, split_point
 
-__all__ = ["REMEMBERED_CALLS", "Conversations"]
+__all__ = [
+    "REMEMBERED_CALLS",
+    "Collected",
+    "Conversations",
+    "Delta",
+    "Event",
+    "Finished",
+    "Started",
+    "TurnUsage",
+    "collect",
+    "first_event",
+]
 
 REMEMBERED_CALLS = 256
 """Replies with tool calls whose exact text is kept (a few KiB each at most)."""
 
 log = logging.getLogger("modeld.http")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnUsage:
+    """A turn's token counts (module docstring), the same on every API."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    created_tokens: int
+    completion_tokens: int
+    reasoning_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0
+
+    @property
+    def uncached_tokens(self) -> int:
+        return max(0, self.prompt_tokens - self.cached_tokens - self.created_tokens)
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens computed this turn (created + uncached)."""
+        return self.prompt_tokens - self.cached_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """The decode started: which session serves the turn, and its prefix's reuse."""
+
+    session_id: str
+    status: PrefixStatus
+    diverged_message: int | None  # the message (index) where the prefix diverged, when known
+    info: ModelInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Delta:
+    """A piece of the output: answer text, reasoning, tool-call pieces, logprobs."""
+
+    text: str = ""
+    reasoning: str = ""
+    calls: tuple[ToolCallDelta, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The turn ended. ``finish``: the contract's finish reason (``error`` with ``error`` set);
+    ``calls``: the complete tool calls (the first only when the request said so)."""
+
+    finish: str
+    usage: TurnUsage
+    calls: tuple[ToolCall, ...] = ()
+    error: HttpError | None = None
+    tool_text: str = ""
+
+
+Event = Started | Delta | Finished
 
 
 @dataclass
@@ -49,10 +144,18 @@ class _Entry:
 
 
 class Conversations:
-    """The table of conversation sessions (thread-safe)."""
+    """The table of conversation sessions and the turn runner (thread-safe)."""
 
-    def __init__(self, gateway: Gateway, *, max_conversations: int = 16, idle_seconds: float = 600.0) -> None:
+    def __init__(
+        self,
+        gateway: Gateway,
+        bridge: Bridge,
+        *,
+        max_conversations: int = 16,
+        idle_seconds: float = 600.0,
+    ) -> None:
         self._gateway = gateway
+        self._bridge = bridge
         self.max_conversations = max_conversations
         self.idle_seconds = idle_seconds
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
@@ -62,6 +165,8 @@ class Conversations:
     def __len__(self) -> int:
         with self._lock:
             return len(self._table)
+
+    # --- sessions ---------------------------------------------------------------------------
 
     def _open(self, request: OpenSessionRequest) -> Hosted:
         try:
@@ -73,12 +178,11 @@ class Conversations:
         self.close_idle()
         return self._gateway.open(request, "http", attached=True)
 
-    @contextlib.contextmanager
-    def session(self, key: str, request: OpenSessionRequest) -> Iterator[Hosted]:
+    @contextlib.asynccontextmanager
+    async def session(self, key: str, request: OpenSessionRequest) -> AsyncIterator[BridgedSession]:
         """The conversation's session for one request (its own if the conversation is busy)."""
         k = (key, request.model_name, request.config.prompt_format)
         entry: _Entry | None = None
-        evicted: list[Hosted] = []
         with self._lock:
             found = self._table.get(k)
             if found is not None and found.hosted.ended is not None:
@@ -90,31 +194,43 @@ class Conversations:
                 entry = found
             shared = found is None
         if entry is None:
-            hosted = self._open(request)
+            hosted = await self._bridge.call(self._open, request, abandoned=_close_soon)
             if shared:
-                with self._lock:
-                    if k not in self._table:
-                        while len(self._table) >= self.max_conversations:
-                            idle = next((key_ for key_, e in self._table.items() if not e.busy), None)
-                            if idle is None:
-                                break
-                            evicted.append(self._table.pop(idle).hosted)
-                        if len(self._table) < self.max_conversations:
-                            entry = _Entry(hosted, True, time.monotonic())
-                            self._table[k] = entry
-            for old in evicted:
-                _close(old)
+                entry = self._adopt(k, hosted)
         else:
             hosted = entry.hosted
+        bridged = self._bridge.session(hosted)
         try:
-            yield hosted
+            yield bridged
         finally:
             if entry is None:
-                _close(hosted)
+                bridged.when_idle(lambda: _close_soon(hosted))
             else:
-                with self._lock:
-                    entry.busy = False
-                    entry.last_used = time.monotonic()
+                bridged.when_idle(lambda: self._release(entry))
+
+    def _adopt(self, k: tuple[str, str, str], hosted: Hosted) -> _Entry | None:
+        """Keep a new session as the conversation's, making room (None: no room, or a racing
+        request already keeps one)."""
+        evicted: list[Hosted] = []
+        entry: _Entry | None = None
+        with self._lock:
+            if k not in self._table:
+                while len(self._table) >= self.max_conversations:
+                    idle = next((key_ for key_, e in self._table.items() if not e.busy), None)
+                    if idle is None:
+                        break
+                    evicted.append(self._table.pop(idle).hosted)
+                if len(self._table) < self.max_conversations:
+                    entry = _Entry(hosted, True, time.monotonic())
+                    self._table[k] = entry
+        for old in evicted:
+            _close_soon(old)
+        return entry
+
+    def _release(self, entry: _Entry) -> None:
+        with self._lock:
+            entry.busy = False
+            entry.last_used = time.monotonic()
 
     def remember_calls(self, ids: tuple[str, ...], text: str) -> None:
         """The calls ``ids`` of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
@@ -155,9 +271,184 @@ class Conversations:
         for hosted in closing:
             _close(hosted)
 
+    def busy_sessions(self) -> int:
+        """Conversations with a request running now."""
+        with self._lock:
+            return sum(1 for e in self._table.values() if e.busy)
+
+    # --- running a turn ---------------------------------------------------------------------
+
+    async def run(self, turn: Turn, request: OpenSessionRequest) -> AsyncGenerator[Event, None]:
+        """Run ``turn`` on its conversation's session: Started, Deltas, Finished.
+
+        Closing the iterator early (the client went away) cancels the decode within one token
+        step, or interrupts the prefill it waits for."""
+        try:
+            async with self.session(turn.conversation(), request) as session:
+                async for event in self._run(turn, session):
+                    yield event
+        except ModeldError as exc:
+            raise from_modeld(exc, incident_id()) from None
+
+    async def _run(self, turn: Turn, session: BridgedSession) -> AsyncIterator[Event]:
+        info = session.info
+        if turn.chat:
+            fmt = info.tool_format or "hermes"  # calls in the history, in the model's format
+            prefix, suffix = chat_inputs(
+                turn.messages,
+                split_point(turn.messages),
+                turn.tools_json,
+                fmt,
+                self.recall_calls,
+                f"http.{turn.api}",
+            )
+            status = await session.ensure_prefix(prefix)
+            await session.prefill_suffix(suffix)
+        else:
+            status = await session.ensure_prefix(PrefixInput(text=turn.prompt or ""))
+        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context)
+        message = await self._diverged_message(session, status) if turn.chat else None
+        if status.reuse.diverged_at_token is not None:
+            log.info(
+                "%s: %s prefix (%s), reused %d of %d tokens; diverged at token %d, message %s",
+                turn.conversation(),
+                status.reuse.outcome,
+                status.reuse.reason,
+                status.reused_tokens,
+                status.prefix_tokens,
+                status.reuse.diverged_at_token,
+                "?" if message is None else message,
+            )
+        stream = await session.decode(config)
+        try:
+            yield Started(session.session_id, status, message, info)
+            fmt_reasoning = detect_reasoning(info.chat_template) if turn.chat else None
+            splitter = ReasoningSplitter(fmt_reasoning) if fmt_reasoning is not None else None
+            reasoning_tokens = 0
+            async for chunk in stream:
+                delta, thought = _delta(chunk, splitter)
+                reasoning_tokens += thought
+                if delta.text or delta.reasoning or delta.calls or delta.logprobs:
+                    yield delta
+                if chunk.final:
+                    if splitter is not None:
+                        thinking, text = splitter.finish()
+                        if thinking or text:
+                            yield Delta(text=text, reasoning=thinking)
+                    yield self._finished(turn, chunk, status, reasoning_tokens)
+                    return
+        finally:
+            await stream.aclose()
+
+    async def _diverged_message(self, session: BridgedSession, status: PrefixStatus) -> int | None:
+        """The index of the message holding the first token that differed from what was resident."""
+        token = status.reuse.diverged_at_token
+        if token is None:
+            return None
+        manifest = (await session.explain_context()).manifest
+        if manifest is None:
+            return None
+        for index, seg in enumerate(manifest.segments):
+            if seg.token_end is not None and seg.token_end > token:
+                return index
+        return None
+
+    def _finished(
+        self, turn: Turn, chunk: StreamChunk, status: PrefixStatus, reasoning_tokens: int
+    ) -> Finished:
+        usage = _usage(chunk.usage, status, reasoning_tokens)
+        if chunk.finish_reason == "error":
+            detail = chunk.error
+            error = (
+                error_from_reason(detail.reason, detail.message, {})
+                if detail
+                else SessionClosedError("failed")
+            )
+            return Finished("error", usage, error=from_modeld(error, incident_id()))
+        calls = chunk.tool_calls + ((chunk.signal,) if chunk.signal is not None else ())
+        if not turn.parallel_tool_calls:
+            calls = calls[:1]
+        if chunk.tool_calls:
+            self.remember_calls(tuple(c.id for c in chunk.tool_calls), chunk.tool_text)
+        return Finished(chunk.finish_reason or "stop", usage, calls, tool_text=chunk.tool_text)
+
+
+def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delta, int]:
+    """A chunk as a Delta (answer and reasoning split), and how many of its tokens were reasoning
+    (a chunk that carries the end of the thinking splits its tokens by characters)."""
+    if splitter is None or not chunk.text:
+        return Delta(text=chunk.text, calls=chunk.tool_call_deltas, logprobs=chunk.logprobs), 0
+    thinking, text = splitter.feed(chunk.text)
+    n = len(chunk.token_ids)
+    if not thinking:
+        thought = 0
+    elif not text and splitter.thinking:
+        thought = n
+    else:
+        thought = round(n * len(thinking) / max(1, len(thinking) + len(text)))
+    return Delta(
+        text=text, reasoning=thinking, calls=chunk.tool_call_deltas, logprobs=chunk.logprobs
+    ), thought
+
+
+def _usage(usage: Usage | None, status: PrefixStatus, reasoning_tokens: int) -> TurnUsage:
+    if usage is None:
+        usage = Usage(status.prefix_tokens, status.reused_tokens, 0)
+    created = min(status.prefilled_tokens, max(0, usage.prompt_tokens - usage.cached_tokens))
+    return TurnUsage(
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        created_tokens=created,
+        completion_tokens=usage.completion_tokens,
+        reasoning_tokens=min(reasoning_tokens, usage.completion_tokens),
+        prefill_ms=usage.prefill_ms,
+        decode_ms=usage.decode_ms,
+    )
+
 
 def _close(hosted: Hosted) -> None:
     try:
         hosted.close()
     except ModeldError as exc:
         log.debug("closing session %s: %s", hosted.session_id, exc)
+
+
+def _close_soon(hosted: Hosted) -> None:
+    """Close a session off the caller's thread (the event loop must not wait for it)."""
+    threading.Thread(target=_close, args=(hosted,), name="session-close", daemon=True).start()
+
+
+async def first_event(events: AsyncIterator[Event]) -> Started:
+    """The turn's Started (its errors raise here, before an API answers anything)."""
+    try:
+        event = await anext(events)
+    except StopAsyncIteration:
+        raise HttpError(500, "the turn ended before it started", code="internal") from None
+    assert isinstance(event, Started)
+    return event
+
+
+@dataclass(frozen=True, slots=True)
+class Collected:
+    """A whole turn, folded from its events (what a non-streamed answer is made of, so it
+    always says what the stream said)."""
+
+    started: Started
+    text: str
+    reasoning: str
+    logprobs: tuple[TokenLogprob, ...]
+    finished: Finished
+
+
+async def collect(started: Started, events: AsyncIterator[Event]) -> Collected:
+    text: list[str] = []
+    reasoning: list[str] = []
+    logprobs: list[TokenLogprob] = []
+    async for event in events:
+        if isinstance(event, Delta):
+            text.append(event.text)
+            reasoning.append(event.reasoning)
+            logprobs.extend(event.logprobs)
+        elif isinstance(event, Finished):
+            return Collected(started, "".join(text), "".join(reasoning), tuple(logprobs), event)
+    raise HttpError(500, "the turn ended without a final event", code="internal")

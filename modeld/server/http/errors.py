@@ -1,0 +1,116 @@
+"""HTTP errors, API-neutral: one status table for every API, each API its own error words.
+
+:class:`HttpError` is what a request handler raises or answers with: the HTTP status, a message
+for people, the parameter at fault and a stable code. Contract errors become one through
+:func:`from_modeld`, whose status comes from the one error table
+(:attr:`modeld.errors.ModeldError.http_status`, the ``google.rpc`` mapping): so
+``no_slot_available`` is 429 with ``Retry-After``, ``engine_restarted`` 503, ``timeout`` 504,
+on every API alike. An API only decides how the error is written (:class:`ErrorStyle`: OpenAI's
+``{"error": {"message", "type", "param", "code"}}``, Anthropic's ``{"type": "error", "error":
+{"type", "message"}}``, Ollama's ``{"error": "..."}``).
+
+Server-side failures (5xx) keep their reason and an incident id, never the message: it may name
+paths the HTTP endpoint never shows. The daemon logs the message under the incident id.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from modeld.errors import ModeldError
+
+__all__ = ["ErrorStyle", "HttpError", "bad", "from_modeld", "incident_id", "unsupported"]
+
+log = logging.getLogger("modeld.http")
+
+
+def incident_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass
+class HttpError(Exception):
+    """An error answer. ``code``: a stable token (a contract reason, or the API's own such as
+    ``model_not_found``); ``param``: the request field at fault, when one is."""
+
+    status: int
+    message: str
+    code: str = "invalid_value"
+    param: str | None = None
+    retry_after: int | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+    def headers(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.retry_after is not None:
+            out["Retry-After"] = str(self.retry_after)
+        if self.status == 401:
+            out["WWW-Authenticate"] = "Bearer"
+        return out
+
+
+def bad(param: str, message: str, code: str = "invalid_value") -> HttpError:
+    """A 400 naming the field at fault."""
+    return HttpError(400, message, code=code, param=param)
+
+
+def unsupported(param: str, message: str) -> HttpError:
+    """A 400 for a field modeld cannot honour (refused by name, never ignored)."""
+    return HttpError(400, message, code="unsupported_parameter", param=param)
+
+
+_CODES = {
+    "context_overflow": "context_length_exceeded",
+    "unsupported": "unsupported_parameter",
+    "invalid_argument": "invalid_value",
+}
+_PARAMS = {
+    "constraint": "response_format",
+    "constraint.kind": "response_format",
+    "constraint.value": "response_format",
+    "tools_json": "tools",
+}
+"""Contract fields as the requests name them (a schema error is the response format's)."""
+
+
+def from_modeld(exc: ModeldError, incident: str) -> HttpError:
+    """The HTTP error for a contract error (status and Retry-After from the one table)."""
+    status = exc.http_status
+    if status >= 500 and exc.reason not in ("busy", "shutting_down", "no_slot_available"):
+        message = (
+            f"modeld could not serve this request ({exc.reason}; incident {incident}, see the daemon's log)"
+        )
+        log.error("request failed (incident %s): %s [%s]", incident, exc.message, exc.reason)
+    else:
+        message = exc.message
+    field = exc.details.get("field")
+    param = _PARAMS.get(field, field) if field else exc.details.get("limit") or None
+    if status < 500:
+        message += _position(exc.details, message)
+    return HttpError(
+        status, message, code=_CODES.get(exc.reason, exc.reason), param=param, retry_after=exc.retry_after
+    )
+
+
+def _position(details: Mapping[str, str], message: str) -> str:
+    """Where a schema, regex or grammar error is (the error's details), if the message does not
+    say it already."""
+    if "line" in details and f"line {details['line']}" in message:
+        return ""
+    for key in ("pointer", "offset"):
+        value = details.get(key)
+        if value and value not in message:
+            return f" ({key} {value})"
+    return ""
+
+
+class ErrorStyle(Protocol):
+    """How one API writes an error body."""
+
+    def __call__(self, error: HttpError) -> dict[str, Any]: ...

@@ -1,0 +1,180 @@
+"""Reading request fields, the same way for every API: typed, bounded, refused by name.
+
+Every reader takes the body (a JSON object), a field name and its bounds, and returns the value
+or None when the field is absent (or null); a wrong type or a value out of range is a 400 that
+names the field (``param``). :func:`check_strings` refuses a lone surrogate anywhere in a body
+(``json.loads`` accepts ``"\\ud800"``, which no UTF-8 encoder does), so nothing downstream ever
+meets one. Limits on strings and arrays are explicit here (:data:`MAX_KEY_CHARS`, ...), and the
+engine's own limits (text bytes, segments) apply after.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from modeld.errors import echo
+from modeld.server.http.errors import HttpError, bad, unsupported
+
+__all__ = [
+    "MAX_KEY_CHARS",
+    "MAX_LOGIT_BIAS",
+    "MAX_MESSAGES",
+    "MAX_STOP",
+    "MAX_TOOL_CALLS",
+    "MAX_TOOLS",
+    "boolean",
+    "check_strings",
+    "integer",
+    "logit_bias",
+    "number",
+    "obj",
+    "stop_list",
+    "string",
+]
+
+MAX_KEY_CHARS = 256
+"""Longest id-like string kept as given: conversation keys, call ids, tool and model names."""
+MAX_MESSAGES = 4096
+"""Messages (or input items, content blocks) in one request."""
+MAX_TOOL_CALLS = 256
+"""Tool calls in one assistant message."""
+MAX_TOOLS = 512
+"""Tool definitions in one request."""
+MAX_STOP = 16
+"""Stop strings in one request."""
+MAX_STOP_CHARS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_DEPTH = 128
+"""Nesting of a request body (JSON) at most."""
+
+
+def check_strings(value: Any, depth: int = 0) -> None:
+    """Refuse a body that holds a lone surrogate (in a key or a value) or nests too deep."""
+    if depth > MAX_DEPTH:
+        raise HttpError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
+    if isinstance(value, str):
+        _encodable(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _encodable(key)
+            if isinstance(item, dict | list | str):
+                check_strings(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, dict | list | str):
+                check_strings(item, depth + 1)
+
+
+def _encodable(text: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise HttpError(
+            400,
+            "the request body holds a lone surrogate (text that is not valid Unicode)",
+            code="invalid_json",
+        ) from None
+
+
+def obj(body: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad(name, f"{name} must be an object")
+    return value
+
+
+def string(body: Mapping[str, Any], name: str, *, limit: int = MAX_KEY_CHARS, param: str = "") -> str | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    where = param or name
+    if not isinstance(value, str):
+        raise bad(where, f"{where} must be a string, got {echo(value)}")
+    if len(value) > limit:
+        raise bad(where, f"{where} is {len(value)} characters; the limit is {limit}")
+    return value
+
+
+def boolean(body: Mapping[str, Any], name: str, *, param: str = "") -> bool | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise bad(param or name, f"{param or name} must be a boolean, got {echo(value)}")
+    return value
+
+
+def integer(body: Mapping[str, Any], name: str, lo: int, hi: int, *, param: str = "") -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    where = param or name
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise bad(where, f"{where} must be an integer, got {echo(value)}")
+    if not lo <= value <= hi:
+        raise bad(where, f"{where} must be between {lo} and {hi}, got {value}")
+    return int(value)
+
+
+def number(body: Mapping[str, Any], name: str, lo: float, hi: float, *, param: str = "") -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    where = param or name
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(where, f"{where} must be a number, got {echo(value)}")
+    if not lo <= value <= hi:
+        raise bad(where, f"{where} must be between {lo:g} and {hi:g}, got {value:g}")
+    return float(value)
+
+
+def stop_list(body: Mapping[str, Any], name: str = "stop", *, param: str = "") -> tuple[str, ...]:
+    value = body.get(name)
+    where = param or name
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad(where, f"{where} must be a string or an array of strings")
+    if len(value) > MAX_STOP:
+        raise bad(where, f"{where} has {len(value)} strings; the limit is {MAX_STOP}")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise bad(where, f"a stop string is longer than {MAX_STOP_CHARS} characters")
+    return tuple(s for s in value if s)
+
+
+def logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` (string keys, -100..100) as token id -> bias."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"logit_bias has {len(value)} entries; the limit is {MAX_LOGIT_BIAS}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
+            raise bad("logit_bias", f"logit_bias keys must be token ids, got {echo(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
+            raise bad("logit_bias", f"logit_bias[{key}] must be a number from -100 to 100, got {echo(bias)}")
+        out[int(key)] = float(bias)
+    return out
+
+
+def refuse_unknown(body: Mapping[str, Any], known: set[str] | frozenset[str], where: str = "") -> None:
+    """A 400 naming the first field that is not in ``known`` (and not null)."""
+    for name, value in body.items():
+        if name not in known and value is not None:
+            path = f"{where}.{name}" if where else name
+            raise unsupported(path, f"{echo(path)} is not supported by modeld")
