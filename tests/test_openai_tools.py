@@ -21,7 +21,6 @@ import openai
 import pytest
 from daemon_proc import serve_http, stop
 
-from modeld.contract import StreamChunk
 from modeld.server.http.openai_chat import finish_reason
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -37,13 +37,16 @@ from modeld.contract import (
     Machine,
     ModelInfo,
     OpenSessionRequest,
+    PrefixInput,
     SessionSummary,
+    SuffixInput,
     TierStatus,
     WorkerInfo,
 )
 from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
+from modeld.engine.prepare import identity_of, prepare_prefix, prepare_suffix
 from modeld.engine.session import EngineSession, warm_contexts
 from modeld.engine.validate import encode_text, validate_request
 from modeld.errors import (
@@ -245,6 +248,53 @@ class Engine:
         model = self._model_for(kind, replace(request, config=config), info)
         try:
             return model.tokenize(text, False)
+        finally:
+            with self._lock:
+                model.sessions -= 1
+
+    def count_tokens(
+        self, request: OpenSessionRequest, prefix: PrefixInput, suffix: SuffixInput | None = None
+    ) -> int:
+        """How many tokens ``prefix`` (and ``suffix`` after it) take once rendered and
+        tokenized as a session would (chat templates and BOS included), whatever the window.
+        Opens no session and changes nothing resident (Anthropic's count_tokens)."""
+        request = validate_request(request, self.limits)
+        if self._stopping:
+            raise ShuttingDownError("the daemon is shutting down")
+        kind = self._resolve_type(request)
+        info = self.backend(kind).describe(request)
+        config = replace(request.config, num_ctx=info.effective_context)
+        model = self._model_for(kind, replace(request, config=config), info)
+        try:
+            identity = identity_of(info, config)
+            unbounded = 1 << 40  # counting: no window applies
+            prep = prepare_prefix(
+                prefix,
+                identity=identity,
+                config=config,
+                info=info,
+                limits=self.limits,
+                window=unbounded,
+                vocab=model.vocab,
+                renderer=model.chat_renderer,
+                tokenize=model.tokenize,
+            )
+            count = len(prep.tokens)
+            if suffix is not None:
+                tail = prepare_suffix(
+                    suffix,
+                    current=prep.manifest,
+                    chat=prep.chat,
+                    n_prefix=count,
+                    identity=identity,
+                    limits=self.limits,
+                    window=unbounded,
+                    vocab=model.vocab,
+                    renderer=model.chat_renderer,
+                    tokenize=model.tokenize,
+                )
+                count += len(tail.tokens)
+            return count
         finally:
             with self._lock:
                 model.sessions -= 1

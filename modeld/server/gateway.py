@@ -35,8 +35,10 @@ from modeld.contract import (
     Machine,
     ModelInfo,
     OpenSessionRequest,
+    PrefixInput,
     Session,
     SessionSummary,
+    SuffixInput,
 )
 from modeld.errors import ModeldError, SessionNotFoundError
 from modeld.observe.metrics import Metrics, ObservedSession
@@ -85,6 +87,10 @@ class ServedEngine(Protocol):
     def open_session(self, request: OpenSessionRequest) -> HostableSession: ...
 
     def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]: ...
+
+    def count_tokens(
+        self, request: OpenSessionRequest, prefix: PrefixInput, suffix: SuffixInput | None = None
+    ) -> int: ...
 
     def explain(self, session_id: str) -> ContextReport: ...
 
@@ -200,6 +206,11 @@ class Gateway:
 
     def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
         return self.engine.tokenize(request, text)
+
+    def count_tokens(
+        self, request: OpenSessionRequest, prefix: PrefixInput, suffix: SuffixInput | None = None
+    ) -> int:
+        return self.engine.count_tokens(request, prefix, suffix)
 
     # --- observers ------------------------------------------------------------------------
 

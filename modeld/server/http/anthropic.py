@@ -1,21 +1,622 @@
-"""(being written)"""
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``): what
+Claude Code speaks.
+
+A thin adapter over the conversation layer: the request becomes a Turn, the turn's events
+become a ``message`` or its SSE stream (``message_start``, ``content_block_start``,
+``content_block_delta`` with ``text_delta`` / ``input_json_delta`` / ``thinking_delta``,
+``content_block_stop``, ``message_delta`` with the stop reason and usage, ``message_stop``;
+``ping`` after the start). Field by field (``blueprints/0019-agent-apis.md``):
+
+* ``system`` (a string or text blocks) is the first system message; messages' content blocks:
+  ``text``; an assistant's ``tool_use`` (a call, written back in the model's tool-call
+  format) and ``thinking``/``redacted_thinking`` (accepted in history; the template decides
+  what the model sees again); a user's ``tool_result`` (a string or text blocks; ``is_error``
+  prefixes ``Error:``), which becomes a ``tool`` message. ``image`` and ``document`` are refused
+  by name: the models modeld serves read text. Claude Code's billing header block (the first
+  system block, ``x-anthropic-billing-header: ...``) changes on every request and means
+  nothing to a model: it is left out of the prompt, so the system prompt stays warm.
+* ``tools`` (``input_schema``; ``defer_loading``, ``strict``, ``cache_control`` accepted)
+  become function tools; Anthropic's server tools (a ``type`` such as ``web_search_...``) cannot
+  run here and are left out of the prompt. ``tool_choice`` ``auto``, ``any`` (a call is
+  forced), ``tool`` (that call is forced), ``none``; ``disable_parallel_tool_use`` keeps the
+  first call. ``output_config.format`` (``json_schema``) is a constraint.
+* ``stop_sequences``, ``temperature`` (0-1), ``top_p``, ``top_k``, ``max_tokens`` (0: only
+  prefill, the documented way to warm the prompt cache). ``thinking``: with a reasoning model
+  the thinking is shown as ``thinking`` blocks (``display: omitted`` sends them empty); without
+  one it is accepted and yields none. Accepted with no effect (they describe the hosted
+  service): ``metadata`` (its ``user_id`` names the conversation: Claude Code puts a
+  ``session_id`` in it), ``context_management``, ``output_config.effort``, ``service_tier``,
+  ``cache_control``, ``container``, ``inference_geo``, ``speed``, ``diagnostics``, and the
+  ``anthropic-beta`` / ``anthropic-version`` headers.
+* Stop reasons: ``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``. Usage is
+  truthful about the cache: ``cache_read_input_tokens`` = prompt tokens reused from warm state,
+  ``cache_creation_input_tokens`` = stable-prefix tokens computed this turn (now reusable),
+  ``input_tokens`` = the rest of the prompt computed this turn; the three add up to the prompt.
+"""
 
 from __future__ import annotations
 
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modeld.server.http.errors import HttpError
+from modeld.contract import DecodeConfig, ToolCall
+from modeld.errors import echo
+from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
+from modeld.server.http.errors import HttpError, bad, unsupported
+from modeld.server.http.fields import MAX_MESSAGES, MAX_TOOLS, integer, number, obj, refuse_unknown, stop_list
+from modeld.server.http.openai_chat import extension, response_format
+from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 
+__all__ = ["anthropic_error", "parse_messages", "routes"]
 
-def routes(service: Any) -> list[Route]:
-    return []
+BILLING_HEADER = "x-anthropic-billing-header:"
+"""Claude Code's first system block: a per-request attribution line, not an instruction."""
+
+_TOP_LEVEL = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "metadata",
+        "thinking",
+        "output_config",
+        # accepted, no effect here (the hosted service's features)
+        "context_management",
+        "service_tier",
+        "cache_control",
+        "container",
+        "inference_geo",
+        "speed",
+        "diagnostics",
+        "mcp_servers",
+        "betas",
+    }
+)
+_TOOL_FIELDS = frozenset(
+    {
+        "name",
+        "description",
+        "input_schema",
+        "type",
+        "cache_control",
+        "defer_loading",
+        "strict",
+        "eager_input_streaming",
+        "input_examples",
+        "allowed_callers",
+    }
+)
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
 
 
 def anthropic_error(error: HttpError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": "api_error", "message": error.message}}
+    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _STATUS_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-def ollama_error(error: HttpError) -> dict[str, Any]:
-    return {"error": error.message}
+# --- the request ----------------------------------------------------------------------------------
+
+
+def _text_blocks(value: Any, where: str, *, allow: frozenset[str] = frozenset({"text"})) -> list[str]:
+    """A string, or an array of blocks of which only ``text`` carries text."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise bad(where, f"{where} must be a string or an array of content blocks")
+    out: list[str] = []
+    for j, block in enumerate(value):
+        at = f"{where}[{j}]"
+        if not isinstance(block, dict):
+            raise bad(at, f"{at} must be an object")
+        kind = block.get("type")
+        if kind == "text":
+            text = block.get("text")
+            if not isinstance(text, str):
+                raise bad(f"{at}.text", f"{at}.text must be a string")
+            out.append(text)
+        elif kind in ("image", "document"):
+            raise unsupported(f"{at}.type", f"{at} is an {kind}: the models modeld serves read text only")
+        elif kind not in allow:
+            raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported here")
+    return out
+
+
+def _system(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        kept = [
+            b
+            for b in value
+            if not (
+                isinstance(b, dict)
+                and isinstance(b.get("text"), str)
+                and b["text"].startswith(BILLING_HEADER)
+            )
+        ]
+        return "\n\n".join(_text_blocks(kept, "system"))
+    return "\n\n".join(_text_blocks(value, "system"))
+
+
+def _tool_result(block: Mapping[str, Any], at: str) -> Message:
+    call_id = block.get("tool_use_id")
+    if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
+        raise bad(
+            f"{at}.tool_use_id", f"{at}.tool_use_id must be a non-empty string of at most 256 characters"
+        )
+    content = block.get("content")
+    text = "" if content is None else "\n".join(_text_blocks(content, f"{at}.content"))
+    is_error = block.get("is_error")
+    if is_error is not None and not isinstance(is_error, bool):
+        raise bad(f"{at}.is_error", f"{at}.is_error must be a boolean")
+    return Message("tool", f"Error: {text}" if is_error else text)
+
+
+def _messages(body: Mapping[str, Any]) -> list[Message]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "messages must be a non-empty array")
+    if len(messages) > MAX_MESSAGES:
+        raise bad("messages", f"{len(messages)} messages; the limit is {MAX_MESSAGES}")
+    out: list[Message] = []
+    for i, message in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(message, dict):
+            raise bad(where, f"{where} must be an object")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise bad(f"{where}.role", f"{where}.role must be user or assistant, got {echo(role)}")
+        refuse_unknown(message, frozenset({"role", "content"}), where)
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append(Message(role, content))
+            continue
+        if not isinstance(content, list):
+            raise bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
+        if len(content) > MAX_MESSAGES:
+            raise bad(f"{where}.content", f"{len(content)} content blocks; the limit is {MAX_MESSAGES}")
+        if role == "assistant":
+            out.append(_assistant(content, where))
+        else:
+            out.extend(_user(content, where))
+    return out
+
+
+def _assistant(content: list[Any], where: str) -> Message:
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content.{j}"
+        if not isinstance(block, dict):
+            raise bad(at, f"{at} must be an object")
+        kind = block.get("type")
+        if kind == "text":
+            text.extend(_text_blocks([block], at))
+        elif kind == "tool_use":
+            call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
+            if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
+                raise bad(f"{at}.id", f"{at}.id must be a non-empty string of at most 256 characters")
+            if not isinstance(name, str) or not name or len(name) > 256:
+                raise bad(f"{at}.name", f"{at}.name must be a non-empty string of at most 256 characters")
+            if not isinstance(arguments, dict):
+                raise bad(f"{at}.input", f"{at}.input must be an object")
+            calls.append(ToolCall(call_id, name, json.dumps(arguments, ensure_ascii=False)))
+        elif kind == "thinking":
+            thought = block.get("thinking", "")
+            if not isinstance(thought, str):
+                raise bad(f"{at}.thinking", f"{at}.thinking must be a string")
+            reasoning.append(thought)
+        elif kind == "redacted_thinking":
+            continue  # opaque to modeld: nothing to show the model
+        else:
+            _text_blocks([block], at)  # refuses images, documents and unknown blocks by name
+    return Message("assistant", "".join(text), tuple(calls), "".join(reasoning))
+
+
+def _user(content: list[Any], where: str) -> list[Message]:
+    """A user turn: its tool results as ``tool`` messages, its text as one user message."""
+    out: list[Message] = []
+    text: list[str] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content.{j}"
+        if not isinstance(block, dict):
+            raise bad(at, f"{at} must be an object")
+        if block.get("type") == "tool_result":
+            if text:
+                out.append(Message("user", "".join(text)))
+                text = []
+            out.append(_tool_result(block, at))
+        else:
+            text.extend(_text_blocks([block], at))
+    if text or not out:
+        out.append(Message("user", "".join(text)))
+    return out
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...], list[str]]:
+    """(tools JSON, hosted tool types left out, tool names)."""
+    tools = body.get("tools")
+    if tools is None:
+        return "", (), []
+    if not isinstance(tools, list):
+        raise bad("tools", "tools must be an array")
+    if len(tools) > MAX_TOOLS:
+        raise bad("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    functions: list[dict[str, object]] = []
+    hosted: list[str] = []
+    for i, tool in enumerate(tools):
+        where = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise bad(where, f"{where} must be an object")
+        kind = tool.get("type")
+        if kind not in (None, "custom"):
+            if not isinstance(kind, str) or len(kind) > 256:
+                raise bad(f"{where}.type", f"{where}.type must be a string")
+            hosted.append(kind)  # a server tool (web search, code execution...): not runnable here
+            continue
+        refuse_unknown(tool, _TOOL_FIELDS, where)
+        functions.append(
+            function_tool(tool.get("name"), tool.get("description"), tool.get("input_schema"), where)
+        )
+    names = [str(f["function"]["name"]) for f in functions]  # type: ignore[index]
+    return tools_json_of(functions), tuple(hosted), names
+
+
+def _tool_choice(body: Mapping[str, Any], names: list[str]) -> tuple[str, bool]:
+    """(DecodeConfig.tool_choice, parallel calls allowed)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto", True
+    if not isinstance(choice, dict):
+        raise bad("tool_choice", 'tool_choice must be an object such as {"type": "auto"}')
+    refuse_unknown(choice, frozenset({"type", "name", "disable_parallel_tool_use"}), "tool_choice")
+    kind = choice.get("type")
+    parallel = choice.get("disable_parallel_tool_use")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("tool_choice.disable_parallel_tool_use", "disable_parallel_tool_use must be a boolean")
+    if kind == "none":
+        return "none", not parallel
+    if kind in ("auto", "any") or kind == "tool":
+        if kind != "auto" and not names:
+            raise bad("tool_choice", f"tool_choice {kind} needs tools, and none were given")
+        if kind == "tool":
+            name = choice.get("name")
+            if not isinstance(name, str) or name not in names:
+                raise bad(
+                    "tool_choice.name", f"tool_choice.name must name one of the tools, got {echo(name)}"
+                )
+            return name, not parallel
+        return ("required" if kind == "any" else "auto"), not parallel
+    raise bad("tool_choice.type", f"tool_choice.type must be auto, any, tool or none, got {echo(kind)}")
+
+
+def _thinking(body: Mapping[str, Any]) -> str:
+    """What to do with a reasoning model's thinking: ``show``, ``omit`` (empty blocks), ``drop``."""
+    thinking = obj(body, "thinking")
+    if thinking is None:
+        return "drop"
+    kind = thinking.get("type")
+    if kind not in ("enabled", "adaptive", "disabled", "between_tools"):
+        raise bad("thinking.type", f"thinking.type must be enabled, adaptive or disabled, got {echo(kind)}")
+    refuse_unknown(thinking, frozenset({"type", "budget_tokens", "display"}), "thinking")
+    integer(thinking, "budget_tokens", 0, 1 << 30, param="thinking.budget_tokens")
+    display = thinking.get("display")
+    if display not in (None, "summarized", "omitted"):
+        raise bad("thinking.display", f"thinking.display must be summarized or omitted, got {echo(display)}")
+    if kind == "disabled":
+        return "drop"
+    return "omit" if display == "omitted" else "show"
+
+
+MAX_USER_ID_CHARS = 4096
+
+
+def _session(metadata: Mapping[str, Any] | None) -> str:
+    """The conversation named by ``metadata.user_id``: Claude Code's JSON there holds a
+    ``session_id``; any other string is the user's own id."""
+    if metadata is None:
+        return ""
+    refuse_unknown(metadata, frozenset({"user_id"}), "metadata")
+    user = metadata.get("user_id")
+    if user is None or user == "":
+        return ""
+    if not isinstance(user, str) or len(user) > MAX_USER_ID_CHARS:
+        raise bad(
+            "metadata.user_id", f"metadata.user_id must be a string of at most {MAX_USER_ID_CHARS} characters"
+        )
+    if user.startswith("{"):
+        try:
+            parsed = json.loads(user)
+        except (ValueError, RecursionError):
+            parsed = None
+        if isinstance(parsed, dict) and isinstance(parsed.get("session_id"), str) and parsed["session_id"]:
+            return key_value("metadata.user_id.session_id", parsed["session_id"])
+    return key_value("metadata.user_id", user)
+
+
+def parse_messages(
+    body: Mapping[str, Any], headers: Mapping[str, str], *, count_only: bool = False
+) -> tuple[Turn, str]:
+    """A Messages request as a Turn, and what to do with thinking (``show``, ``omit``, ``drop``)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required (one of the names GET /v1/models lists)")
+    if len(model) > 256:
+        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    refuse_unknown(body, _TOP_LEVEL)
+    max_tokens = 1 if count_only else integer(body, "max_tokens", 0, 1 << 30)
+    if max_tokens is None:
+        raise bad("max_tokens", "max_tokens is required")
+    system = _system(body.get("system"))
+    messages = ([Message("system", system)] if system else []) + _messages(body)
+    tools_json, hosted, names = _tools(body)
+    choice, parallel = _tool_choice(body, names)
+    if choice == "none":
+        tools_json = ""  # the model is not shown tools it may not call
+    output = obj(body, "output_config") or {}
+    refuse_unknown(output, frozenset({"effort", "format"}), "output_config")
+    constraint = response_format(output.get("format"), "output_config.format")
+    values: dict[str, Any] = {"tool_choice": choice, "constraint": constraint}
+    temperature = number(body, "temperature", 0, 1)
+    if temperature is not None:
+        values["temperature"] = temperature
+    top_p = number(body, "top_p", 0, 1)
+    if top_p is not None and top_p > 0:
+        values["top_p"] = top_p
+    top_k = integer(body, "top_k", 0, 1 << 30)
+    if top_k is not None:
+        values["top_k"] = top_k
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad("stream", "stream must be a boolean")
+    metadata = obj(body, "metadata")
+    turn = Turn(
+        api="anthropic.messages",
+        model=model,
+        decode=DecodeConfig(stop=stop_list(body, "stop_sequences"), **values),
+        keys=Keys(
+            header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
+            routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
+            session=_session(metadata),
+        ),
+        stream=bool(stream),
+        messages=tuple(messages),
+        tools_json=tools_json,
+        max_tokens=max_tokens,
+        parallel_tool_calls=parallel,
+        omitted_tools=hosted,
+    )
+    return turn, _thinking(body)
+
+
+# --- the answer ------------------------------------------------------------------------------------
+
+
+def _stop_reason(finish: str) -> str:
+    if finish == "length":
+        return "max_tokens"
+    if finish == "stop_sequence":
+        return "stop_sequence"
+    if finish in ("tool_calls", "signal"):
+        return "tool_use"
+    return "end_turn"
+
+
+def _stop_sequence(turn: Turn, finish: str) -> str | None:
+    """Which stop sequence ended the answer, when that is certain (one was given)."""
+    if finish == "stop_sequence" and len(turn.decode.stop) == 1:
+        return turn.decode.stop[0]
+    return None
+
+
+def usage_dict(usage: TurnUsage, *, output: int | None = None) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.uncached_tokens,
+        "cache_creation_input_tokens": usage.created_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "output_tokens": usage.completion_tokens if output is None else output,
+    }
+
+
+def _message_id(turn: Turn) -> str:
+    return f"msg_{turn.id}"
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments) if call.arguments else {}
+    except ValueError:
+        arguments = {}
+    return {
+        "type": "tool_use",
+        "id": call.id,
+        "name": call.name,
+        "input": arguments if isinstance(arguments, dict) else {},
+    }
+
+
+def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if done.reasoning and thinking != "drop":
+        content.append(
+            {"type": "thinking", "thinking": done.reasoning if thinking == "show" else "", "signature": ""}
+        )
+    if done.text:
+        content.append({"type": "text", "text": done.text})
+    content += [_tool_use(c) for c in done.finished.calls]
+    finish = done.finished.finish
+    return {
+        "id": _message_id(turn),
+        "type": "message",
+        "role": "assistant",
+        "model": turn.model,
+        "content": content,
+        "stop_reason": _stop_reason(finish),
+        "stop_sequence": _stop_sequence(turn, finish),
+        "usage": usage_dict(done.finished.usage),
+        "modeld": {
+            **extension(done.started),
+            "finish_reason": finish,
+            "omitted_tools": list(turn.omitted_tools),
+        },
+    }
+
+
+def _event(kind: str, data: Mapping[str, Any]) -> bytes:
+    return (
+        f"event: {kind}\ndata: ".encode()
+        + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        + b"\n\n"
+    )
+
+
+class _Blocks:
+    """The content blocks of a streamed message, opened and closed in order."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind = ""
+        self.calls: dict[int, int] = {}  # tool-call index -> block index
+
+    def open(self, kind: str, block: Mapping[str, Any]) -> bytes:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        return out + _event(
+            "content_block_start",
+            {"type": "content_block_start", "index": self.index, "content_block": block},
+        )
+
+    def close(self) -> bytes:
+        if self.kind == "":
+            return b""
+        self.kind = ""
+        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def delta(self, delta: Mapping[str, Any]) -> bytes:
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+        )
+
+
+async def message_stream(
+    turn: Turn, started: Started, events: AsyncIterator[Event], thinking: str
+) -> AsyncIterator[bytes]:
+    start_usage = usage_dict(started.usage, output=0)
+    yield _event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": _message_id(turn),
+                "type": "message",
+                "role": "assistant",
+                "model": turn.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": start_usage,
+            },
+        },
+    ) + _event("ping", {"type": "ping"})
+    blocks = _Blocks()
+    async for event in events:
+        if isinstance(event, Delta):
+            out = b""
+            if event.reasoning and thinking != "drop":
+                if blocks.kind != "thinking":
+                    out += blocks.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                if thinking == "show":
+                    out += blocks.delta({"type": "thinking_delta", "thinking": event.reasoning})
+            if event.text:
+                if blocks.kind != "text":
+                    out += blocks.open("text", {"type": "text", "text": ""})
+                out += blocks.delta({"type": "text_delta", "text": event.text})
+            for piece in event.calls:
+                if not turn.parallel_tool_calls and piece.index > 0:
+                    continue
+                if piece.id or piece.name:
+                    out += blocks.open(
+                        "tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+                    )
+                    blocks.calls[piece.index] = blocks.index
+                if piece.arguments and blocks.calls.get(piece.index) == blocks.index:
+                    out += blocks.delta({"type": "input_json_delta", "partial_json": piece.arguments})
+            if out:
+                yield out
+        elif isinstance(event, Finished):
+            if event.error is not None:
+                yield blocks.close() + _event("error", anthropic_error(event.error))
+                return
+            out = blocks.close()
+            out += _event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": _stop_reason(event.finish),
+                        "stop_sequence": _stop_sequence(turn, event.finish),
+                    },
+                    "usage": usage_dict(event.usage),
+                },
+            )
+            yield out + _event("message_stop", {"type": "message_stop"})
+            return
+
+
+def count_tokens_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A count_tokens request is a Messages request without max_tokens (it is ignored)."""
+    return {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
+
+
+def routes(service: HttpService) -> list[Route]:
+    async def messages(request: Request) -> Response:
+        async with service.body(request) as body:
+            turn, thinking = parse_messages(body, request.headers)
+            return await service.turn(
+                request,
+                turn,
+                lambda t, done: message_complete(t, done, thinking),
+                lambda t, s, e: message_stream(t, s, e, thinking),
+                anthropic_error,
+                headers={"request-id": f"req_{uuid.uuid4().hex[:24]}"},
+            )
+
+    async def count_tokens(request: Request) -> Response:
+        async with service.body(request) as body:
+            turn, _ = parse_messages(count_tokens_body(body), request.headers, count_only=True)
+            count = await service.count_tokens(turn)
+        return JSONResponse({"input_tokens": count})
+
+    return [
+        Route("/v1/messages", guarded(service, messages, anthropic_error), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(service, count_tokens, anthropic_error), methods=["POST"]),
+    ]

@@ -305,6 +305,16 @@ class HttpService:
         finally:
             watcher.cancel()
 
+    async def count_tokens(self, turn: Turn) -> int:
+        """How many tokens the turn's prompt takes on its model (nothing is computed)."""
+        entry = self.entry(turn.model)
+        info = await self.describe(entry)
+        if info is None:
+            raise HttpError(500, f"the model {echo(turn.model)} could not be read", code="model_load_failed")
+        prefix, suffix = self.conversations.inputs(turn, info)
+        request = self.open_request(entry, turn)
+        return await self.bridge.call(self.gateway.count_tokens, request, prefix, suffix)
+
     # --- shared routes ----------------------------------------------------------------------
 
     async def health(self, _request: Request) -> Response:

@@ -48,6 +48,7 @@ from modeld.contract import (
     PrefixInput,
     PrefixStatus,
     StreamChunk,
+    SuffixInput,
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
@@ -109,6 +110,7 @@ class Started:
     status: PrefixStatus
     diverged_message: int | None  # the message (index) where the prefix diverged, when known
     info: ModelInfo
+    usage: TurnUsage  # the prompt's counts (completion 0): what the final usage says of the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,23 +292,32 @@ class Conversations:
         except ModeldError as exc:
             raise from_modeld(exc, incident_id()) from None
 
+    def inputs(self, turn: Turn, info: ModelInfo) -> tuple[PrefixInput, SuffixInput | None]:
+        """The turn as the contract's prefix and suffix for this model (its tool-call format)."""
+        if not turn.chat:
+            return PrefixInput(text=turn.prompt or ""), None
+        fmt = info.tool_format or "hermes"  # calls in the history, in the model's format
+        return chat_inputs(
+            turn.messages,
+            split_point(turn.messages),
+            turn.tools_json,
+            fmt,
+            self.recall_calls,
+            f"http.{turn.api}",
+        )
+
     async def _run(self, turn: Turn, session: BridgedSession) -> AsyncIterator[Event]:
         info = session.info
-        if turn.chat:
-            fmt = info.tool_format or "hermes"  # calls in the history, in the model's format
-            prefix, suffix = chat_inputs(
-                turn.messages,
-                split_point(turn.messages),
-                turn.tools_json,
-                fmt,
-                self.recall_calls,
-                f"http.{turn.api}",
-            )
-            status = await session.ensure_prefix(prefix)
-            await session.prefill_suffix(suffix)
-        else:
-            status = await session.ensure_prefix(PrefixInput(text=turn.prompt or ""))
-        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context)
+        prefix, suffix = self.inputs(turn, info)
+        status = await session.ensure_prefix(prefix)
+        restored = 0
+        suffix_tokens = 0
+        if suffix is not None:
+            after = await session.prefill_suffix(suffix)
+            restored, suffix_tokens = after.restored_tokens, after.suffix_tokens
+        prompt = status.prefix_tokens + suffix_tokens
+        cached = max(0, status.reused_tokens - restored)
+        usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
         message = await self._diverged_message(session, status) if turn.chat else None
         if status.reuse.diverged_at_token is not None:
             log.info(
@@ -319,9 +330,15 @@ class Conversations:
                 status.reuse.diverged_at_token,
                 "?" if message is None else message,
             )
+        started = Started(session.session_id, status, message, info, usage)
+        if turn.max_tokens == 0:  # only the prompt: warm it, generate nothing
+            yield started
+            yield Finished("length", usage)
+            return
+        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context)
         stream = await session.decode(config)
         try:
-            yield Started(session.session_id, status, message, info)
+            yield started
             fmt_reasoning = detect_reasoning(info.chat_template) if turn.chat else None
             splitter = ReasoningSplitter(fmt_reasoning) if fmt_reasoning is not None else None
             reasoning_tokens = 0
@@ -335,7 +352,7 @@ class Conversations:
                         thinking, text = splitter.finish()
                         if thinking or text:
                             yield Delta(text=text, reasoning=thinking)
-                    yield self._finished(turn, chunk, status, reasoning_tokens)
+                    yield self._finished(turn, chunk, usage, reasoning_tokens)
                     return
         finally:
             await stream.aclose()
@@ -354,9 +371,9 @@ class Conversations:
         return None
 
     def _finished(
-        self, turn: Turn, chunk: StreamChunk, status: PrefixStatus, reasoning_tokens: int
+        self, turn: Turn, chunk: StreamChunk, started: TurnUsage, reasoning_tokens: int
     ) -> Finished:
-        usage = _usage(chunk.usage, status, reasoning_tokens)
+        usage = _usage(chunk.usage, started, reasoning_tokens)
         if chunk.finish_reason == "error":
             detail = chunk.error
             error = (
@@ -391,10 +408,12 @@ def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delt
     ), thought
 
 
-def _usage(usage: Usage | None, status: PrefixStatus, reasoning_tokens: int) -> TurnUsage:
+def _usage(usage: Usage | None, started: TurnUsage, reasoning_tokens: int) -> TurnUsage:
+    """The final usage: the engine's counts (a displaced prefix restored during the decode is
+    computed too), the stable prefix's computed tokens as when the decode started."""
     if usage is None:
-        usage = Usage(status.prefix_tokens, status.reused_tokens, 0)
-    created = min(status.prefilled_tokens, max(0, usage.prompt_tokens - usage.cached_tokens))
+        return started
+    created = min(started.created_tokens, max(0, usage.prompt_tokens - usage.cached_tokens))
     return TurnUsage(
         prompt_tokens=usage.prompt_tokens,
         cached_tokens=usage.cached_tokens,
