@@ -465,6 +465,7 @@ def _start_http(
         bound_host=address.host,
         num_ctx=options.num_ctx,
         max_body_bytes=limits.max_message_bytes,
+        data_dir=str(options.data_dir),
     )
     listener = HttpListener(
         HttpService(gateway, registry, settings, bridge), address.host, address.port, grace=options.grace

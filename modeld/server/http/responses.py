@@ -1,21 +1,689 @@
-"""(being written)"""
+"""OpenAI's Responses API (``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}``): what
+Codex CLI speaks.
+
+A thin adapter over the conversation layer. Field by field (``blueprints/0019-agent-apis.md``):
+
+* ``input`` (a string, or items: ``message`` with ``input_text``/``output_text`` parts and roles
+  user, assistant, system, developer; ``function_call`` and ``function_call_output``;
+  ``reasoning``, accepted in history) and ``instructions`` (the first system message; not
+  carried over by ``previous_response_id``, as OpenAI defines it).
+* ``tools``: ``function`` tools are flat (``name``/``parameters`` at the top level);
+  ``namespace`` tools are flattened into their functions; hosted tools that cannot run here
+  (``web_search``, ``file_search``, ``computer_use``, image generation, ...) are left out of the
+  prompt and listed in the response's ``modeld.omitted_tools``, never a 400. ``tool_choice``,
+  ``parallel_tool_calls`` (every call parsed), ``text.format`` (``json_schema``,
+  ``json_object``), ``max_output_tokens``, ``temperature``, ``top_p``, ``top_logprobs``.
+* ``previous_response_id`` continues a stored conversation on its warm session, so a client
+  may send only the new input; ``store`` (default true) keeps the response (retrievable, and
+  continuable) in the data directory; with ``store: false`` the client resends everything and
+  the longest common prefix still makes it warm. ``prompt_cache_key`` names the conversation.
+* Accepted, no effect here (the hosted service's features): ``reasoning``, ``include``,
+  ``metadata``, ``client_metadata``, ``safety_identifier``, ``service_tier``, ``truncation``,
+  ``prompt_cache_retention``, ``stream_options``, ``user`` (a conversation key), ``background``
+  false. Refused by name: ``prompt`` (stored prompt templates), ``conversation`` (the
+  Conversations API), ``background`` true, ``max_tool_calls``.
+* Events, each with a ``sequence_number``: ``response.created``, ``response.in_progress``,
+  ``response.output_item.added``, ``response.content_part.added``,
+  ``response.output_text.delta`` / ``.done``, ``response.content_part.done``,
+  ``response.function_call_arguments.delta`` / ``.done``, ``response.reasoning_text.delta`` /
+  ``.done``, ``response.output_item.done``, and ``response.completed`` (``response.incomplete``
+  when cut off at ``max_output_tokens``, ``response.failed`` and ``error`` on failure).
+* Usage: ``input_tokens`` the prompt, ``input_tokens_details.cached_tokens`` reused from warm
+  state, ``input_tokens_details.cache_write_tokens`` the stable prefix computed this turn,
+  ``output_tokens`` and ``output_tokens_details.reasoning_tokens``.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modeld.server.http.errors import HttpError
+from modeld.contract import DecodeConfig, ToolCall
+from modeld.errors import echo
+from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
+from modeld.server.http.errors import HttpError, bad, unsupported
+from modeld.server.http.fields import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    boolean,
+    integer,
+    number,
+    obj,
+    refuse_unknown,
+    string,
+)
+from modeld.server.http.openai_chat import (
+    chat_logprobs,
+    checked_call,
+    extension,
+    openai_error,
+    response_format,
+    tool_choice,
+)
+from modeld.server.http.responses_store import ResponseStore, Stored
+from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
+
+__all__ = ["parse_response_request", "routes"]
+
+_TOP_LEVEL = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "text",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "top_logprobs",
+        "stream",
+        "store",
+        "previous_response_id",
+        "prompt_cache_key",
+        "user",
+        # accepted, no effect here
+        "reasoning",
+        "include",
+        "metadata",
+        "client_metadata",
+        "safety_identifier",
+        "service_tier",
+        "truncation",
+        "prompt_cache_retention",
+        "stream_options",
+        "background",
+    }
+)
+_REFUSED = {
+    "prompt": "stored prompt templates are a hosted feature modeld does not have",
+    "conversation": "the Conversations API is a hosted feature; continue with previous_response_id instead",
+    "max_tool_calls": "modeld cannot cap the number of tool calls across a response",
+}
+_HOSTED = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_2025_08_26",
+        "file_search",
+        "computer_use",
+        "computer_use_preview",
+        "computer",
+        "image_generation",
+        "code_interpreter",
+        "mcp",
+        "local_shell",
+        "tool_search",
+    }
+)
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-def routes(service: Any) -> list[Route]:
-    return []
+# --- the request ----------------------------------------------------------------------------------
 
 
-def anthropic_error(error: HttpError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": "api_error", "message": error.message}}
+def _parts(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(where, f"{where} must be a string or an array of content parts")
+    out: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        if not isinstance(part, dict):
+            raise bad(at, f"{at} must be an object")
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad(f"{at}.text", f"{at}.text must be a string")
+            out.append(text)
+        elif kind == "refusal":
+            out.append(str(part.get("refusal", "")))
+        else:
+            raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported (text parts only)")
+    return "".join(out)
 
 
-def ollama_error(error: HttpError) -> dict[str, Any]:
-    return {"error": error.message}
+def input_messages(value: Any, where: str = "input") -> list[Message]:
+    """The ``input`` items as the conversation's messages (calls join their assistant turn)."""
+    if isinstance(value, str):
+        return [Message("user", value)]
+    if not isinstance(value, list):
+        raise bad(where, f"{where} must be a string or an array of items")
+    if len(value) > MAX_MESSAGES:
+        raise bad(where, f"{len(value)} input items; the limit is {MAX_MESSAGES}")
+    out: list[Message] = []
+    for i, item in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise bad(at, f"{at} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise bad(f"{at}.role", f"{at}.role must be user, assistant, system or developer")
+            out.append(Message(role, _parts(item.get("content"), f"{at}.content")))
+        elif kind == "function_call":
+            call = checked_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), at)
+            if out and out[-1].role == "assistant":  # parallel calls: one assistant turn
+                last = out[-1]
+                out[-1] = replace(last, calls=(*last.calls, call))
+            else:
+                out.append(Message("assistant", "", (call,)))
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
+                raise bad(
+                    f"{at}.call_id", f"{at}.call_id must be a non-empty string of at most 256 characters"
+                )
+            output = item.get("output")
+            out.append(Message("tool", output if isinstance(output, str) else _parts(output, f"{at}.output")))
+        elif kind == "reasoning":
+            thought = _parts(item.get("content") or item.get("summary") or [], f"{at}.content")
+            if out and out[-1].role == "assistant" and not out[-1].content:
+                out[-1] = replace(out[-1], reasoning=out[-1].reasoning + thought)
+            else:
+                out.append(Message("assistant", "", (), thought))
+        elif kind == "item_reference":
+            raise unsupported(f"{at}.type", f"{at}: item references are not supported; send the item itself")
+        else:
+            raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported")
+    return [m for m in out if m.role != "assistant" or m.content or m.calls or m.reasoning]
+
+
+def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[str]]:
+    if not isinstance(tools, list):
+        raise bad(where, f"{where} must be an array")
+    functions: list[dict[str, object]] = []
+    hosted: list[str] = []
+    for i, tool in enumerate(tools):
+        at = f"{where}[{i}]"
+        if not isinstance(tool, dict):
+            raise bad(at, f"{at} must be an object")
+        kind = tool.get("type")
+        if kind == "function":
+            refuse_unknown(
+                tool, frozenset({"type", "name", "description", "parameters", "strict", "defer_loading"}), at
+            )
+            functions.append(
+                function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), at)
+            )
+        elif kind == "namespace":
+            inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools")
+            functions += inner
+            hosted += inner_hosted
+        elif isinstance(kind, str) and len(kind) <= 256:
+            hosted.append(kind)  # a hosted or custom tool modeld cannot run: left out of the prompt
+        else:
+            raise bad(f"{at}.type", f"{at}.type must be a string")
+    return functions, hosted
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...], list[str]]:
+    tools = body.get("tools")
+    if tools is None:
+        return "", (), []
+    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
+        raise bad("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    functions, hosted = _functions(tools, "tools")
+    names = [str(f["function"]["name"]) for f in functions]  # type: ignore[index]
+    return tools_json_of(functions), tuple(hosted), names
+
+
+def _choice(body: Mapping[str, Any], names: list[str]) -> str:
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") in _HOSTED:
+        raise unsupported(
+            "tool_choice",
+            f"tool_choice forces the hosted tool {echo(choice.get('type'))}, which modeld cannot run",
+        )
+    mode = tool_choice(choice)
+    if mode not in ("auto", "none") and not names:
+        raise bad("tool_choice", f"tool_choice {echo(choice)} needs function tools, and none were given")
+    if mode not in ("auto", "none", "required") and mode not in names:
+        raise bad("tool_choice", f"tool_choice names {echo(mode)}, which is not one of the tools")
+    return mode
+
+
+def parse_response_request(
+    body: Mapping[str, Any], headers: Mapping[str, str], previous: Stored | None
+) -> tuple[Turn, bool, tuple[Message, ...]]:
+    """A Responses request as a Turn, whether to store it, and its new input messages."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad(
+            "model",
+            "model is required (one of the names GET /v1/models lists)",
+            code="missing_required_parameter",
+        )
+    if len(model) > 256:
+        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    for name, why in _REFUSED.items():
+        if body.get(name) is not None:
+            raise unsupported(name, f"{name} is not supported: {why}")
+    if body.get("background"):
+        raise unsupported(
+            "background", "background responses are not supported: modeld answers while you wait"
+        )
+    refuse_unknown(body, _TOP_LEVEL)
+    if "input" not in body or body["input"] is None:
+        raise bad("input", "input is required", code="missing_required_parameter")
+    new = input_messages(body["input"])
+    instructions = string(body, "instructions", limit=1 << 24) or ""
+    history = list(previous.history) if previous is not None else []
+    system = [Message("system", instructions)] if instructions else []
+    messages = tuple(system + history + new)
+    if not messages:
+        raise bad("input", "the conversation is empty")
+    tools_json, hosted, names = _tools(body)
+    choice = _choice(body, names)
+    if choice == "none":
+        tools_json = ""
+    text = obj(body, "text") or {}
+    refuse_unknown(text, frozenset({"format", "verbosity"}), "text")
+    values: dict[str, Any] = {
+        "tool_choice": choice,
+        "constraint": response_format(text.get("format"), "text.format"),
+    }
+    temperature = number(body, "temperature", 0, 2)
+    if temperature is not None:
+        values["temperature"] = temperature
+    top_p = number(body, "top_p", 0, 1)
+    if top_p is not None and top_p > 0:
+        values["top_p"] = top_p
+    top_logprobs = integer(body, "top_logprobs", 0, 20)
+    include = body.get("include") or []
+    if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
+        raise bad("include", "include must be an array of strings")
+    if "message.output_text.logprobs" in include or top_logprobs:
+        values["logprobs"], values["top_logprobs"] = True, top_logprobs or 0
+    stream = boolean(body, "stream") or False
+    store = boolean(body, "store")
+    parallel = boolean(body, "parallel_tool_calls")
+    key = key_value("prompt_cache_key", body.get("prompt_cache_key"))
+    turn = Turn(
+        api="openai.responses",
+        model=model,
+        decode=DecodeConfig(**values),
+        keys=Keys(
+            header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
+            routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
+            prompt_cache_key=key or (previous.conversation if previous is not None else ""),
+            user=key_value("user", body.get("user")),
+        ),
+        stream=stream,
+        messages=messages,
+        tools_json=tools_json,
+        max_tokens=integer(body, "max_output_tokens", 1, 1 << 30),
+        parallel_tool_calls=parallel is not False,
+        omitted_tools=hosted,
+    )
+    return turn, store is not False, tuple(new)
+
+
+# --- the answer ------------------------------------------------------------------------------------
+
+
+def usage_dict(usage: TurnUsage) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {
+            "cached_tokens": usage.cached_tokens,
+            "cache_write_tokens": usage.created_tokens,
+        },
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+class _Shape:
+    """One response's identity and the fields every snapshot of it repeats."""
+
+    def __init__(self, turn: Turn, body: Mapping[str, Any], previous: str | None, store: bool) -> None:
+        self.turn = turn
+        self.id = f"resp_{turn.id}"
+        self.created_at = time.time()
+        self.previous = previous
+        self.store = store
+        self.body = body
+        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
+        self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
+
+    def response(
+        self,
+        status: str,
+        output: list[dict[str, Any]],
+        usage: TurnUsage | None,
+        started: Started | None,
+        *,
+        finish: str = "",
+        error: HttpError | None = None,
+    ) -> dict[str, Any]:
+        body = self.body
+        turn = self.turn
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "model": turn.model,
+            "output": output,
+            "error": None if error is None else {"code": error.code, "message": error.message},
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "parallel_tool_calls": turn.parallel_tool_calls,
+            "previous_response_id": self.previous,
+            "reasoning": body.get("reasoning"),
+            "store": self.store,
+            "temperature": turn.decode.temperature,
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice") or "auto",
+            "tools": body.get("tools") or [],
+            "top_p": turn.decode.top_p,
+            "truncation": body.get("truncation") or "disabled",
+            "usage": usage_dict(usage) if usage is not None else None,
+            "metadata": body.get("metadata") or {},
+        }
+        if started is not None:
+            out["modeld"] = {
+                **extension(started),
+                "finish_reason": finish or None,
+                "omitted_tools": list(turn.omitted_tools),
+            }
+        return out
+
+    def message_item(self, text: str, status: str, logprobs: Any = None) -> dict[str, Any]:
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if logprobs is not None:
+            part["logprobs"] = logprobs
+        return {
+            "type": "message",
+            "id": self.message_id,
+            "status": status,
+            "role": "assistant",
+            "content": [part] if status != "in_progress" else [],
+        }
+
+    def reasoning_item(self, text: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": self.reasoning_id,
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+    @staticmethod
+    def call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        return {
+            "type": "function_call",
+            "id": f"fc_{call.id.removeprefix('call_')}",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": status,
+        }
+
+    def output(self, done: Collected) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        if done.reasoning:
+            items.append(self.reasoning_item(done.reasoning))
+        status = "incomplete" if done.finished.finish == "length" else "completed"
+        if done.text or not done.finished.calls:
+            logprobs = (chat_logprobs(done.logprobs) or {}).get("content") if done.logprobs else None
+            items.append(self.message_item(done.text, status, logprobs))
+        items += [self.call_item(c) for c in done.finished.calls]
+        return items
+
+
+def _status(finish: str) -> str:
+    return "incomplete" if finish == "length" else "completed"
+
+
+def _complete(shape: _Shape, done: Collected) -> dict[str, Any]:
+    finished = done.finished
+    return shape.response(
+        _status(finished.finish), shape.output(done), finished.usage, done.started, finish=finished.finish
+    )
+
+
+def _history(done: Collected) -> Message:
+    """The response's output as the assistant turn the next request continues."""
+    return Message("assistant", done.text, done.finished.calls, done.reasoning)
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.n, **fields}
+        self.n += 1
+        return (
+            f"event: {kind}\ndata: ".encode()
+            + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+            + b"\n\n"
+        )
+
+
+async def _stream(
+    shape: _Shape, started: Started, events: AsyncIterator[Event], keep: Any
+) -> AsyncIterator[bytes]:
+    emit = _Events()
+    head = shape.response("in_progress", [], None, started)
+    yield emit("response.created", response=head) + emit("response.in_progress", response=head)
+    items: list[dict[str, Any]] = []
+    text: list[str] = []
+    reasoning: list[str] = []
+    logprobs: list[Any] = []
+    open_kind = ""  # "reasoning" | "message" | "call"
+    calls: dict[int, dict[str, Any]] = {}  # call index -> its item (as streamed)
+
+    def close() -> bytes:
+        nonlocal open_kind
+        out = b""
+        index = len(items) - 1
+        if open_kind == "reasoning":
+            whole = "".join(reasoning)
+            out += emit(
+                "response.reasoning_text.done",
+                item_id=shape.reasoning_id,
+                output_index=index,
+                content_index=0,
+                text=whole,
+            )
+            items[index] = shape.reasoning_item(whole)
+            out += emit("response.output_item.done", output_index=index, item=items[index])
+        elif open_kind == "message":
+            whole = "".join(text)
+            part = {"type": "output_text", "text": whole, "annotations": []}
+            out += emit(
+                "response.output_text.done",
+                item_id=shape.message_id,
+                output_index=index,
+                content_index=0,
+                text=whole,
+                logprobs=logprobs,
+            )
+            out += emit(
+                "response.content_part.done",
+                item_id=shape.message_id,
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
+            items[index] = {**shape.message_item(whole, "completed"), "content": [part]}
+            out += emit("response.output_item.done", output_index=index, item=items[index])
+        open_kind = ""
+        return out
+
+    async for event in events:
+        if isinstance(event, Delta):
+            out = b""
+            if event.reasoning:
+                if open_kind != "reasoning":
+                    out += close()
+                    items.append({**shape.reasoning_item(""), "content": []})
+                    out += emit("response.output_item.added", output_index=len(items) - 1, item=items[-1])
+                    open_kind = "reasoning"
+                reasoning.append(event.reasoning)
+                out += emit(
+                    "response.reasoning_text.delta",
+                    item_id=shape.reasoning_id,
+                    output_index=len(items) - 1,
+                    content_index=0,
+                    delta=event.reasoning,
+                )
+            if event.text:
+                if open_kind != "message":
+                    out += close()
+                    items.append(shape.message_item("", "in_progress"))
+                    index = len(items) - 1
+                    out += emit("response.output_item.added", output_index=index, item=items[-1])
+                    part = {"type": "output_text", "text": "", "annotations": []}
+                    out += emit(
+                        "response.content_part.added",
+                        item_id=shape.message_id,
+                        output_index=index,
+                        content_index=0,
+                        part=part,
+                    )
+                    open_kind = "message"
+                text.append(event.text)
+                lp = (chat_logprobs(event.logprobs) or {}).get("content", []) if event.logprobs else []
+                logprobs.extend(lp)
+                out += emit(
+                    "response.output_text.delta",
+                    item_id=shape.message_id,
+                    output_index=len(items) - 1,
+                    content_index=0,
+                    delta=event.text,
+                    logprobs=lp,
+                )
+            for piece in event.calls:
+                if not shape.turn.parallel_tool_calls and piece.index > 0:
+                    continue
+                if piece.id or piece.name:
+                    out += close()
+                    item = shape.call_item(ToolCall(piece.id, piece.name, ""), "in_progress")
+                    items.append(item)
+                    calls[piece.index] = item
+                    out += emit("response.output_item.added", output_index=len(items) - 1, item=item)
+                    open_kind = "call"
+                if piece.arguments and piece.index in calls:
+                    item = calls[piece.index]
+                    item["arguments"] += piece.arguments
+                    out += emit(
+                        "response.function_call_arguments.delta",
+                        item_id=item["id"],
+                        output_index=items.index(item),
+                        delta=piece.arguments,
+                    )
+            if out:
+                yield out
+        elif isinstance(event, Finished):
+            out = close()
+            if event.error is not None:
+                failed = shape.response(
+                    "failed", items, event.usage, started, finish="error", error=event.error
+                )
+                yield (
+                    out
+                    + emit(
+                        "error", code=event.error.code, message=event.error.message, param=event.error.param
+                    )
+                    + emit("response.failed", response=failed)
+                )
+                return
+            status = _status(event.finish)
+            by_id = {c.id: c for c in event.calls}
+            for index, item in enumerate(items):
+                if item["type"] != "function_call":
+                    continue
+                call = by_id.get(item["call_id"])
+                final = shape.call_item(call) if call is not None else {**item, "status": "incomplete"}
+                items[index] = final
+                out += emit(
+                    "response.function_call_arguments.done",
+                    item_id=final["id"],
+                    output_index=index,
+                    arguments=final["arguments"],
+                    name=final["name"],
+                )
+                out += emit("response.output_item.done", output_index=index, item=final)
+            if not items:  # an empty answer is still a message
+                items.append(shape.message_item("", status))
+                out += emit("response.output_item.added", output_index=0, item=items[0]) + emit(
+                    "response.output_item.done", output_index=0, item=items[0]
+                )
+            whole = shape.response(status, items, event.usage, started, finish=event.finish)
+            keep(Collected(started, "".join(text), "".join(reasoning), (), event), whole)
+            yield out + emit(
+                "response.incomplete" if status == "incomplete" else "response.completed", response=whole
+            )
+            return
+
+
+def routes(service: HttpService) -> list[Route]:
+    directory = service.settings.data_dir
+    store = ResponseStore(Path(directory) / "responses") if directory else None
+
+    def stored(response_id: str) -> Stored:
+        found = store.get(response_id) if store is not None else None
+        if found is None:
+            raise HttpError(
+                404, f"no stored response {echo(response_id)}", code="not_found", param="previous_response_id"
+            )
+        return found
+
+    async def create(request: Request) -> Response:
+        async with service.body(request) as body:
+            previous_id = string(body, "previous_response_id")
+            previous = stored(previous_id) if previous_id else None
+            turn, keep_it, new = parse_response_request(body, request.headers, previous)
+            shape = _Shape(turn, body, previous_id, keep_it and store is not None)
+
+            def keep(done: Collected, response: dict[str, Any]) -> None:
+                if shape.store and store is not None and done.finished.error is None:
+                    history = (*(previous.history if previous else ()), *new, _history(done))
+                    store.put(Stored(shape.id, response, history, turn.conversation(), shape.created_at))
+
+            def complete(_turn: Turn, done: Collected) -> dict[str, Any]:
+                response = _complete(shape, done)
+                keep(done, response)
+                return response
+
+            return await service.turn(
+                request, turn, complete, lambda _t, s, e: _stream(shape, s, e, keep), openai_error
+            )
+
+    async def fetch(request: Request) -> Response:
+        return JSONResponse(stored(request.path_params["id"]).response)
+
+    async def delete(request: Request) -> Response:
+        response_id = request.path_params["id"]
+        if store is None or not store.delete(response_id):
+            raise HttpError(404, f"no stored response {echo(response_id)}", code="not_found")
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    out: list[Route] = []
+    for prefix in ("/v1", ""):
+        out += [
+            Route(f"{prefix}/responses", guarded(service, create, openai_error), methods=["POST"]),
+            Route(f"{prefix}/responses/{{id}}", guarded(service, fetch, openai_error), methods=["GET"]),
+            Route(f"{prefix}/responses/{{id}}", guarded(service, delete, openai_error), methods=["DELETE"]),
+        ]
+    return out
