@@ -251,6 +251,7 @@ class ModelInfo:
     capabilities: Capabilities = field(default_factory=Capabilities)
     special_tokens: tuple[SpecialToken, ...] = ()  # control tokens (vocab_size counts every token)
     tool_format: str = ""  # how the chat template writes tool calls (TOOL_FORMATS); "" unknown
+    architecture: str = ""  # the model's architecture (GGUF ``general.architecture``); "" unknown
 
 
 @dataclass(frozen=True, slots=True)

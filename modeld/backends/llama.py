@@ -122,6 +122,7 @@ class LlamaBackend:
             ),
             special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),
             tool_format=detect_format(meta.chat_template),
+            architecture=meta.architecture,
         )
 
     def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> ModelRuntime:

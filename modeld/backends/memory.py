@@ -157,6 +157,7 @@ class MemoryBackend:
         fits = max(0, (free - weights) // KV_BYTES_PER_TOKEN)
         return ModelInfo(
             backend="memory",
+            architecture="memory",
             backend_version=BACKEND_VERSION,
             path=name,
             model_name=request.model_name or name,

@@ -125,6 +125,7 @@ class _Source:
     name: str
     context_length: int
     layers: int
+    architecture: str
     kv_values_per_token: int  # sum over layers of kv_heads * (key_length + value_length)
     vocab_size: int
     tokenizer_digest: str
@@ -220,6 +221,7 @@ def _read_source(raw: str) -> _Source:
         digest=meta.digest,
         name=meta.name,
         context_length=meta.context_length,
+        architecture=meta.architecture,
         layers=meta.layers,
         kv_values_per_token=sum(kv * (meta.key_length + meta.value_length) for kv in meta.kv_heads),
         vocab_size=meta.vocab_size,
@@ -296,6 +298,7 @@ class OpenVINOBackend:
         )
         return ModelInfo(
             backend="openvino",
+            architecture=source.architecture,
             backend_version=_version(),
             path=request.path,
             model_name=request.model_name or source.name,

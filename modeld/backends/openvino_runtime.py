@@ -114,6 +114,7 @@ def read_ir(raw: str) -> _Source:
         name=str(config.get("_name_or_path") or path.name),
         context_length=int(config.get("max_position_embeddings") or 0),
         layers=int(config.get("num_hidden_layers") or len(states) // 2),
+        architecture=str(config.get("model_type") or ""),
         kv_values_per_token=values,
         vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
         tokenizer_digest=tok_hash.hexdigest(),

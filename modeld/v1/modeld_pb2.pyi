@@ -130,7 +130,7 @@ class SpecialToken(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format")
+    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format", "architecture")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     backend_version: str
     path: str
@@ -173,7 +174,8 @@ class ModelInfo(_message.Message):
     eos_token: str
     special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
     tool_format: str
-    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ...) -> None: ...
+    architecture: str
+    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("info", "machine")

@@ -229,14 +229,22 @@ class HttpService:
             )
         return entry
 
-    def open_request(self, entry: ModelEntry, turn: Turn) -> OpenSessionRequest:
+    def open_request(
+        self, entry: ModelEntry, turn: Turn, keep_alive: float | None = None
+    ) -> OpenSessionRequest:
         num_ctx = turn.num_ctx or self.settings.num_ctx or self.gateway.limits.max_context_tokens
         return OpenSessionRequest(
             model_name=entry.name,
             type=self.settings.backend,
             path=entry.path,
             config=Config(num_ctx=num_ctx, prompt_format="chat" if turn.chat else "raw"),
+            keep_alive_seconds=keep_alive or 0.0,
         )
+
+    async def load(self, turn: Turn) -> None:
+        """Load the turn's model (count its prompt: nothing is computed or kept)."""
+        entry = self.entry(turn.model)
+        await self.bridge.call(self.gateway.tokenize, self.open_request(entry, turn), "")
 
     async def describe(self, entry: ModelEntry) -> ModelInfo | None:
         """What the model can do here (cached per file version); None if it cannot be read."""
@@ -277,10 +285,11 @@ class HttpService:
         style: ErrorStyle,
         media_type: str = "text/event-stream",
         headers: Mapping[str, str] | None = None,
+        keep_alive: float | None = None,
     ) -> Response:
         """Run ``turn`` and answer it: a stream (``stream``) or one JSON body (``complete``)."""
         entry = self.entry(turn.model)
-        events = self.conversations.run(turn, self.open_request(entry, turn))
+        events = self.conversations.run(turn, self.open_request(entry, turn, keep_alive))
         task = asyncio.current_task()
         watcher = asyncio.create_task(_watch_disconnect(request, task))
         try:
@@ -290,7 +299,9 @@ class HttpService:
                 watcher.cancel()  # the streaming response watches for the disconnect from here on
                 answer_headers["Cache-Control"] = "no-cache"
                 return StreamingResponse(
-                    _closing(stream(turn, started, events), events, style),
+                    _closing(
+                        stream(turn, started, events), events, style, ndjson=media_type != "text/event-stream"
+                    ),
                     media_type=media_type,
                     headers=answer_headers,
                 )
@@ -337,21 +348,26 @@ class HttpService:
 
 
 async def _closing(
-    body: AsyncIterator[bytes], events: AsyncGenerator[Event, None], style: ErrorStyle
+    body: AsyncIterator[bytes], events: AsyncGenerator[Event, None], style: ErrorStyle, *, ndjson: bool
 ) -> AsyncIterator[bytes]:
     """A streamed answer that always closes its turn (the client went away: the decode stops)
     and writes an unexpected failure as the API's error event instead of a broken stream."""
+
+    def frame(error: HttpError) -> bytes:
+        data = json.dumps(style(error)).encode()
+        return data + b"\n" if ndjson else b"data: " + data + b"\n\n"
+
     try:
         async for part in body:
             yield part
     except (HttpError, ModeldError) as exc:
-        error = exc if isinstance(exc, HttpError) else from_modeld(exc, incident_id())
-        yield b"data: " + json.dumps(style(error)).encode() + b"\n\n"
+        yield frame(exc if isinstance(exc, HttpError) else from_modeld(exc, incident_id()))
     except Exception as exc:
         incident = incident_id()
         log.error("internal error while streaming (incident %s)", incident, exc_info=exc)
-        error = HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
-        yield b"data: " + json.dumps(style(error)).encode() + b"\n\n"
+        yield frame(
+            HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
+        )
     finally:
         await events.aclose()
 
