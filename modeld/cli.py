@@ -250,6 +250,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         models=tuple(args.model or ()),
         models_dir=Path(args.models_dir) if args.models_dir else None,
         num_ctx=args.num_ctx or 0,
+        allowed_origins=tuple(args.allow_origin or ()),
         residency=residency,
         timeouts=timeouts,
         restart=restart,
@@ -715,7 +716,19 @@ def _parser() -> argparse.ArgumentParser:
         help="a model the HTTP API serves under NAME (repeatable; default: the generated tiny model)",
     )
     s.add_argument("--models-dir", metavar="DIR", help="serve every model file in DIR under its file name")
-    s.add_argument("--num-ctx", type=int, default=0, help="context window of HTTP sessions (default 4096)")
+    s.add_argument(
+        "--num-ctx",
+        type=int,
+        default=0,
+        help="context window of HTTP sessions (default: the model's own, as large as the memory budget allows)",
+    )
+    s.add_argument(
+        "--allow-origin",
+        action="append",
+        metavar="ORIGIN",
+        help="a web origin (e.g. https://app.example) whose pages may call the HTTP API (repeatable; "
+        "loopback http(s) origins always may, others never)",
+    )
     s.add_argument(
         "--no-token",
         action="store_true",

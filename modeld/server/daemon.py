@@ -310,7 +310,8 @@ class ServeOptions:
     api_key: str = ""
     models: tuple[str, ...] = ()  # NAME=PATH
     models_dir: Path | None = None
-    num_ctx: int = 0  # context window of HTTP sessions (0: the contract's default)
+    num_ctx: int = 0  # context window of HTTP sessions (0: the model's own, as the memory budget allows)
+    allowed_origins: tuple[str, ...] = ()  # web origins (besides loopback ones) the HTTP API serves
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -327,6 +328,12 @@ def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, A
     address = parse_listen(options.http, allow_remote=options.allow_remote, option="--http")
     if address.unix_path is not None:
         raise ServeError("--http wants HOST:PORT (a TCP address)")
+    for origin in options.allowed_origins:
+        if not origin or origin == "null" or "://" not in origin or origin.endswith("/"):
+            raise ServeError(
+                f"--allow-origin {origin!r}: give an origin as a browser sends it, e.g. https://example.com "
+                "(scheme and host, no path; 'null' is never allowed)"
+            )
     if not is_loopback(address.host) and not options.api_key:
         raise ServeError(
             f"--http {options.http} listens off loopback: an API key is required "
@@ -363,6 +370,11 @@ def run(options: ServeOptions) -> int:
             options.listen or f"unix:{default_socket_path(options.data_dir)}",
             allow_remote=options.allow_remote,
         )
+        if address.unix_path is None and not is_loopback(address.host) and not options.require_token:
+            raise ServeError(
+                f"--listen {options.listen} is off loopback: --no-token would let anyone who can reach "
+                "it drive the daemon; keep the token (it is created in the data directory)"
+            )
         http = _http_setup(options, limits)
     except ServeError as exc:
         log.error("%s", exc)
@@ -406,9 +418,11 @@ def run(options: ServeOptions) -> int:
     server = Server(engine, address, limits, token=token, describe_timeout=options.describe_timeout)
     listener: Any = None
     try:
-        endpoint = server.start()
+        # Every listener is bound before the daemon says it serves (gRPC health, the lease):
+        # a client that saw one never finds the other refusing connections.
         if http is not None:
             listener = _start_http(server.gateway, server.bridge, http, options, limits)
+        endpoint = server.start()
     except Exception as exc:
         log.error("%s", exc)
         if listener is not None:
@@ -466,6 +480,7 @@ def _start_http(
         num_ctx=options.num_ctx,
         max_body_bytes=limits.max_message_bytes,
         data_dir=str(options.data_dir),
+        allowed_origins=options.allowed_origins,
     )
     listener = HttpListener(
         HttpService(gateway, registry, settings, bridge), address.host, address.port, grace=options.grace

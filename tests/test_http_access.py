@@ -1,0 +1,246 @@
+"""What a web page, a careless client or a fuzzer can send to the HTTP APIs, against a real
+``modeld serve --http`` (memory backend).
+
+A page in a browser can send a "simple" cross-site POST (``text/plain``, a form) with no
+preflight, from an origin that may be ``null`` (sandboxed frames, ``file://``) or an
+extension's: every route refuses any Origin that is not a loopback http(s) origin or allowed by
+``--allow-origin``, and every POST that is not JSON. Bodies with a lone surrogate, deep nesting,
+wrong types or junk bytes get the API's JSON 4xx, never a 5xx and never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from daemon_proc import modeld, serve_http, stop
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.wire
+
+MODEL = "modeld-tiny"
+POSTS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/api/chat",
+    "/api/generate",
+    "/api/show",
+]
+GETS = [
+    "/v1/models",
+    "/api/tags",
+    "/api/ps",
+    "/api/version",
+    "/server_info",
+    "/model_info",
+    "/get_load",
+    "/metrics",
+]
+GOOD = {
+    "/v1/chat/completions": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+    },
+    "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+    "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 1, "store": False},
+    "/v1/messages": {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+    "/api/chat": {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "options": {"num_predict": 1},
+    },
+    "/api/generate": {"model": MODEL, "prompt": "hi", "stream": False, "options": {"num_predict": 1}},
+    "/api/show": {"model": MODEL},
+}
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    tmp = Path(tempfile.mkdtemp(prefix="mdx"))
+    proc, record = serve_http(tmp, "--allow-origin", "https://app.example")
+    try:
+        yield record.http_endpoint
+    finally:
+        _, err = stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert "Traceback" not in err, err[-3000:]
+
+
+def test_every_route_refuses_web_origins_that_are_not_loopback(url: str) -> None:
+    for origin in ("null", "file://", "https://evil.example", "chrome-extension://abcdef", "http://10.0.0.1"):
+        for path in POSTS:
+            r = httpx.post(url + path, json=GOOD[path], headers={"Origin": origin}, timeout=30)
+            assert r.status_code == 403, (origin, path, r.status_code)
+        for path in GETS:
+            assert httpx.get(url + path, headers={"Origin": origin}, timeout=30).status_code == 403, (
+                origin,
+                path,
+            )
+    for origin in ("http://localhost:3000", "http://127.0.0.1:9", "https://app.example"):
+        for path in POSTS:
+            r = httpx.post(url + path, json=GOOD[path], headers={"Origin": origin}, timeout=60)
+            assert r.status_code == 200, (origin, path, r.text[:300])
+
+
+def test_a_post_must_be_json(url: str) -> None:
+    """text/plain, a form or no type at all: the "simple" requests a page can send unseen."""
+    for path in POSTS:
+        data = json.dumps(GOOD[path])
+        for kind in (
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "multipart/form-data; boundary=x",
+            None,
+        ):
+            headers = {"Content-Type": kind} if kind else {}
+            r = httpx.post(url + path, content=data, headers=headers, timeout=30)
+            assert r.status_code == 415, (path, kind, r.status_code)
+        ok = httpx.post(
+            url + path, content=data, headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60
+        )
+        assert ok.status_code == 200, (path, ok.text[:300])
+
+
+def test_a_lone_surrogate_is_a_clean_400_on_every_route(url: str) -> None:
+    for path in POSTS:
+        for body in (
+            '{"model": "\\ud800"}',
+            '{"model": "x", "\\udfff": 1}',
+            '{"messages": [{"content": "a\\ud83d"}]}',
+        ):
+            r = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+            assert r.status_code == 400, (path, body, r.status_code)
+            assert "surrogate" in r.text
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=40),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+    max_leaves=20,
+)
+_fields = st.sampled_from(
+    [
+        "model",
+        "messages",
+        "input",
+        "prompt",
+        "max_tokens",
+        "tools",
+        "tool_choice",
+        "stream",
+        "system",
+        "options",
+        "format",
+        "response_format",
+        "temperature",
+        "stop",
+        "n",
+        "metadata",
+        "thinking",
+        "previous_response_id",
+        "text",
+    ]
+)
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    path=st.sampled_from(POSTS),
+    changes=st.dictionaries(_fields, _json, max_size=4),
+    junk=st.booleans(),
+    raw=st.binary(max_size=64),
+)
+def test_fuzzed_bodies_never_get_a_5xx(
+    url: str, path: str, changes: dict[str, Any], junk: bool, raw: bytes
+) -> None:
+    if junk:
+        content = raw
+    else:
+        try:
+            content = json.dumps({**GOOD[path], **changes}, allow_nan=True).encode()
+        except (ValueError, OverflowError):
+            return
+    r = httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code < 500, (path, content[:300], r.status_code, r.text[:300])
+    assert "Traceback" not in r.text
+
+
+def test_no_token_off_loopback_is_refused() -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="mdn"))
+    try:
+        done = modeld(
+            "serve",
+            "--backend",
+            "memory",
+            "--listen",
+            "0.0.0.0:0",
+            "--allow-remote",
+            "--no-token",
+            data_dir=tmp,
+        )
+        assert done.returncode == 2 and "--no-token" in done.stderr
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_request_bytes_in_flight_are_bounded() -> None:
+    """Large bodies that arrive together beyond ``max_inflight_bytes`` get a 503 with
+    Retry-After (they used to take the daemon to 768 MB); once the first is answered the next
+    is served. In process, on the memory backend, with a slow decode holding the first."""
+    import asyncio
+
+    from modeld.engine import Engine, Limits
+    from modeld.server.gateway import Gateway
+    from modeld.server.http.app import HttpService, HttpSettings, build_app
+    from modeld.server.http.models import ModelRegistry, default_model
+
+    engine = Engine(backends=("memory",))
+    service = HttpService(
+        Gateway(engine, Limits()),
+        ModelRegistry("memory", fallback=default_model("memory")),
+        HttpSettings(backend="memory", max_inflight_bytes=3 << 20),
+    )
+    app = build_app(service)
+    padding = {"note": "x" * (2 << 20)}  # metadata: accepted, never tokenized
+
+    async def scenario() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
+            slow = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "metadata": padding,
+                "max_tokens": 20,
+                "delay_ms": 50,
+            }
+            first = asyncio.create_task(client.post("/v1/chat/completions", json=slow, timeout=60))
+            await asyncio.sleep(0.5)  # the first is decoding, its 2 MiB still held
+            second = await client.post("/v1/chat/completions", json={**slow, "max_tokens": 1}, timeout=60)
+            done = await first
+            third = await client.post("/v1/chat/completions", json={**slow, "max_tokens": 1}, timeout=60)
+            assert second.headers.get("retry-after") == "1", second.text
+            assert second.json()["error"]["param"] == "max_inflight_bytes"
+            return [done.status_code, second.status_code, third.status_code]
+
+    try:
+        assert asyncio.run(scenario()) == [200, 503, 200]
+    finally:
+        service.close()
+        engine.shutdown()
