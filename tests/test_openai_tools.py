@@ -361,3 +361,45 @@ def test_the_generated_llama_model_always_writes_a_well_formed_call() -> None:
     finally:
         d.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_forced_call_cut_off_by_max_tokens_never_leaks_markup(daemon: Daemon) -> None:
+    """At every cut-off point of a forced call: no template markup in the content, the call in
+    tool_calls as far as it got (once its name is written), finish_reason length, and the
+    stream says what the response says."""
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "messages": ask("Open the config.\n"),
+        "tools": [READ_FILE],
+        "tool_choice": {"type": "function", "function": {"name": "read_file"}},
+    }
+    full = daemon.client.chat.completions.create(**request)
+    assert full.choices[0].finish_reason == "tool_calls" and full.usage is not None
+    length = full.usage.completion_tokens
+    for cut in range(1, length):
+        done = daemon.client.chat.completions.create(**request, max_tokens=cut)
+        choice = done.choices[0]
+        assert choice.finish_reason == "length", cut
+        content = choice.message.content or ""
+        assert "<tool_call>" not in content and "read_file" not in content, (cut, content)
+        calls = choice.message.tool_calls or []
+        assert len(calls) <= 1 and all(c.function.name == "read_file" for c in calls), cut
+        chunks = list(daemon.client.chat.completions.create(**request, max_tokens=cut, stream=True))
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == content, cut
+        names = [
+            d.function.name
+            for c in chunks
+            if c.choices
+            for d in c.choices[0].delta.tool_calls or []
+            if d.function and d.function.name
+        ]
+        args = "".join(
+            d.function.arguments or ""
+            for c in chunks
+            if c.choices
+            for d in c.choices[0].delta.tool_calls or []
+            if d.function
+        )
+        assert names == [c.function.name for c in calls], cut
+        assert args == "".join(c.function.arguments for c in calls), cut

@@ -195,10 +195,18 @@ class OutputProcessor:
             return OutputFinal(held, finish_reason, tuple(parser.calls) if parser else (), self._signal, [])
         if parser is not None:
             if self._stopped is None:
+                open_call = parser.open_call()
                 rest = parser.finish()
                 text, deltas = rest.text, rest.deltas
                 if rest.malformed and finish_reason == "length":
-                    text += parser.raw  # cut off inside a call: report the truth, length
+                    # Cut off inside a call: the call as far as it got, still a call (its
+                    # markup never becomes content); the finish reason stays length.
+                    partial = parser.cut_off(open_call) if open_call else None
+                    done = tuple(c for c in parser.calls if c.name not in self._exits)
+                    if partial is None:
+                        return OutputFinal(text, "length", done, self._signal, deltas, parser.raw)
+                    call, more = partial
+                    return OutputFinal(text, "length", (*done, call), self._signal, [*deltas, *more], parser.raw)
                 elif rest.malformed:
                     self._malformed = rest.malformed
                     reason = "malformed_tool_call"

@@ -122,6 +122,34 @@ class ToolCallParser:
         self._run(step, final=False)
         return step
 
+    def open_call(self) -> str:
+        """The text of a call still open (the output may be cut off inside it), else ""."""
+        return self._buf if self._in_call else ""
+
+    def cut_off(self, body: str) -> tuple[ToolCall, list[ToolCallDelta]] | None:
+        """The call that ``body`` (an open call's text, :meth:`open_call`) began, as far as it
+        got: its name and the arguments text written so far (not always whole JSON), with the
+        deltas that complete what the stream already sent. None when its name was not written."""
+        m = _NAME_RE.search(body)
+        if m is None:
+            return None
+        try:
+            name = json.loads(f'"{m.group(1)}"')
+        except ValueError:
+            return None
+        arguments = ""
+        keys = re.search(r'"(?:' + "|".join(self.args_keys) + r')"\s*:\s*', body)
+        if keys is not None:
+            arguments = body[keys.end() :].rstrip()
+        index = len(self.calls)
+        if self._named:
+            call_id = self._pending_id
+            deltas = [ToolCallDelta(index=index, arguments=arguments)]
+        else:
+            call_id = new_call_id()
+            deltas = [ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments)]
+        return ToolCall(call_id, name, arguments), deltas
+
     def finish(self) -> ParseStep:
         step = ParseStep()
         self._run(step, final=True)
