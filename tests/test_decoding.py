@@ -192,7 +192,8 @@ def test_an_invalid_schema_says_where() -> None:
 @pytest.mark.parametrize(
     ("schema", "pointer"),
     [
-        ({"oneOf": [{"type": "string"}]}, "/oneOf"),
+        ({"oneOf": [{"type": "string"}], "type": "string"}, ""),
+        ({"type": "integer", "minimum": 10**16}, "/minimum"),
         ({"type": "number", "minimum": 0}, "/minimum"),
         ({"type": "object", "patternProperties": {"a": {}}}, "/patternProperties"),
         ({"properties": {"x": {"not": {}}}}, "/properties/x/not"),
@@ -203,6 +204,56 @@ def test_keywords_that_cannot_be_enforced_are_unsupported(schema: object, pointe
     with pytest.raises(UnsupportedError) as err:
         compile_constraint(Constraint("json_schema", json.dumps(schema)))
     assert err.value.details["pointer"] == pointer
+
+
+# What agents send: opencode's Zod tools bound integers by +-(2^53 - 1) ("any safe integer"),
+# Qwen Code's agent tool chooses between shapes with oneOf.
+AGENT_SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {
+            "filePath": {"type": "string", "maxLength": 30},
+            "offset": {"type": "integer", "minimum": -9007199254740991, "maximum": 9007199254740991},
+            "limit": {"type": "integer", "exclusiveMinimum": 0, "maximum": 9007199254740991},
+        },
+        "required": ["filePath", "offset", "limit"],
+        "additionalProperties": False,
+        "$schema": "http://json-schema.org/draft-07/schema#",
+    },
+    {
+        "type": "object",
+        "properties": {
+            "task": {
+                "oneOf": [
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "search"}, "query": {"type": "string", "maxLength": 12}},
+                        "required": ["kind", "query"],
+                        "additionalProperties": False,
+                    },
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "edit"}, "line": {"type": "integer", "minimum": 1}},
+                        "required": ["kind", "line"],
+                        "additionalProperties": False,
+                    },
+                    {"type": "string", "enum": ["stop"]},
+                ]
+            }
+        },
+        "required": ["task"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.mark.parametrize("schema", AGENT_SCHEMAS, ids=["zod-safe-integers", "one-of"])
+def test_schemas_as_agents_write_them_compile_and_every_output_validates(schema: dict[str, object]) -> None:
+    compiled = compile_constraint(Constraint("json_schema", json.dumps(schema)))
+    for seed in range(100):
+        out, finish = walk(compiled.byte_matcher(), seed)
+        assert finish == "stop", (seed, out)
+        jsonschema.validate(json.loads(out.decode("utf-8")), schema)  # oneOf: exactly one matches
 
 
 def test_invalid_regexes_and_unsupported_features_say_where() -> None:

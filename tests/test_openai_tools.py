@@ -123,7 +123,7 @@ def test_json_schema_answers_always_validate(daemon: Daemon) -> None:
 
 
 def test_a_bad_schema_is_a_400_that_says_where(daemon: Daemon) -> None:
-    bad = {"type": "object", "properties": {"a": {"oneOf": [{"type": "null"}]}}}
+    bad = {"type": "object", "properties": {"a": {"not": {"type": "null"}}}}
     with pytest.raises(openai.BadRequestError) as err:
         daemon.client.chat.completions.create(
             model=MODEL,
@@ -133,7 +133,7 @@ def test_a_bad_schema_is_a_400_that_says_where(daemon: Daemon) -> None:
     body = err.value.body
     assert isinstance(body, dict)
     assert (body["param"], body["code"]) == ("response_format", "unsupported_parameter")
-    assert "/properties/a/oneOf" in body["message"]
+    assert "/properties/a/not" in body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         daemon.client.chat.completions.create(
             model=MODEL,

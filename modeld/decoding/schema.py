@@ -14,16 +14,18 @@ a schema that is not valid JSON or has a keyword of the wrong shape is ``invalid
 with its position (line and column) or pointer.
 
 The subset (``blueprints/0018-constraints-and-tool-calls.md``): ``type`` (one or a list),
-``enum``, ``const``, ``anyOf``, ``allOf`` of one schema, local ``$ref`` (``#``, ``#/$defs/..``,
+``enum``, ``const``, ``anyOf``, ``oneOf`` (as their union, as llama.cpp compiles it: exact when
+the alternatives exclude each other), ``allOf`` of one schema, local ``$ref`` (``#``, ``#/$defs/..``,
 ``#/definitions/..``, recursion allowed); strings with ``minLength``/``maxLength`` or a
 ``pattern`` (the regex subset of :mod:`modeld.decoding.regex`, full matches, no characters that
 JSON escapes); integers with
-``minimum``/``maximum``/``exclusiveMinimum``/``exclusiveMaximum``; numbers without bounds;
+``minimum``/``maximum``/``exclusiveMinimum``/``exclusiveMaximum`` (a bound beyond 10^15, such as
+Zod's +-(2^53 - 1), means "any integer of up to 15 digits"); numbers without bounds;
 booleans; null; arrays with ``items``, ``minItems``, ``maxItems``; objects with
 ``properties``, ``required``, ``additionalProperties`` (false, true, absent, or a schema when
 there are no properties). Annotations (``title``, ``description``, ``default``, ``examples``,
 ``format``, ``$schema``, ``$id``, ``$comment``, ``deprecated``, ``readOnly``, ``writeOnly``) are
-ignored; ``format`` is an annotation in JSON Schema 2020-12. Everything else (``oneOf``,
+ignored; ``format`` is an annotation in JSON Schema 2020-12. Everything else (
 ``not``, ``if``, ``patternProperties``, ``multipleOf``, number bounds, ``uniqueItems``, ...) is
 ``unsupported``.
 """
@@ -38,6 +40,10 @@ from typing import Any
 from modeld.decoding.gbnf import MAX_REPETITION, gbnf_literal
 from modeld.decoding.regex import regex_to_gbnf_expr
 from modeld.errors import InvalidArgumentError, UnsupportedError
+
+_BIG = 10**15
+"""Integer bounds this far out are "any safe integer" (Zod writes +-(2^53 - 1))."""
+_INT_BOUNDS = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
 
 __all__ = ["JSON_PRIMITIVES", "json_object_gbnf", "load_schema", "schema_to_gbnf"]
 
@@ -190,6 +196,21 @@ class _Converter:
                 + " | ".join(self.visit(a, _pointer(path, "anyOf", i)) for i, a in enumerate(alts))
                 + " )"
             )
+        if "oneOf" in schema:
+            # As llama.cpp compiles it: the union of the alternatives. Exact when they exclude
+            # each other (a discriminating const or enum, distinct types), which is how tool
+            # schemas use it; otherwise an output may match more than one (blueprint 0018).
+            alts = schema["oneOf"]
+            if not isinstance(alts, list) or not alts:
+                raise self.invalid(_pointer(path, "oneOf"), "oneOf must be a non-empty array")
+            rest = {k: v for k, v in schema.items() if k != "oneOf" and k not in _ANNOTATIONS}
+            if rest:
+                raise self.unsupported(path, "oneOf beside other keywords")
+            return (
+                "( "
+                + " | ".join(self.visit(a, _pointer(path, "oneOf", i)) for i, a in enumerate(alts))
+                + " )"
+            )
         if "allOf" in schema:
             alts = schema["allOf"]
             if not isinstance(alts, list) or len(alts) != 1:
@@ -295,7 +316,12 @@ class _Converter:
             v = schema[key]
             if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
                 raise self.invalid(_pointer(path, key), f"{key} must be a number")
-            if abs(v) >= 10**15:
+            if abs(v) >= _BIG:
+                # Zod and TypeScript write "any safe integer" as +-(2^53 - 1): a bound that far
+                # out is no bound, and the grammar keeps integers to 15 digits (all safe, all
+                # within it). A bound that far *in* (minimum 10^16) cannot be met that way.
+                if (key in ("minimum", "exclusiveMinimum")) == (v < 0):
+                    continue
                 raise self.unsupported(_pointer(path, key), f"{key} beyond 10^15")
             if key == "minimum":
                 bound = math.ceil(v)
@@ -309,6 +335,10 @@ class _Converter:
             else:
                 bound = math.ceil(v) - 1
                 hi = bound if hi is None else min(hi, bound)
+        wide = any(isinstance(schema.get(k), int | float) and abs(schema[k]) >= _BIG for k in _INT_BOUNDS)
+        if wide:
+            lo = -(_BIG - 1) if lo is None else lo
+            hi = _BIG - 1 if hi is None else hi
         if lo is None and hi is None:
             return "json-integer"
         if lo is not None and hi is not None and hi < lo:
@@ -406,6 +436,7 @@ _KNOWN = frozenset(
         "enum",
         "const",
         "anyOf",
+        "oneOf",
         "allOf",
         "$ref",
         "minLength",
