@@ -74,12 +74,15 @@ class Shape:
 
     ``drop_events`` names SSE event types never sent (e.g. "ping", "response.in_progress");
     ``drop_fields`` names fields removed from every event payload at any depth (e.g.
-    "sequence_number", "usage"); ``sse_event_lines`` False leaves out the ``event:`` lines.
+    "sequence_number", "usage"); ``sse_event_lines`` False leaves out the ``event:`` lines;
+    ``tool_input_in_start`` puts a ``tool_use`` block's whole input in its
+    ``content_block_start`` and sends no ``input_json_delta``.
     """
 
     drop_events: frozenset[str] = frozenset()
     drop_fields: frozenset[str] = frozenset()
     sse_event_lines: bool = True
+    tool_input_in_start: bool = False
 
 
 @dataclass
@@ -141,7 +144,9 @@ def _rough_tokens(body: Any) -> int:
     return max(1, len(json.dumps(body, ensure_ascii=False)) // 4)
 
 
-def anthropic_events(reply: Text | ToolCall, model: str, input_tokens: int) -> list[dict[str, Any]]:
+def anthropic_events(
+    reply: Text | ToolCall, model: str, input_tokens: int, tool_input_in_start: bool = False
+) -> list[dict[str, Any]]:
     """The Messages API stream for one reply, as event payloads (each has its ``type``)."""
     usage = {
         "input_tokens": input_tokens,
@@ -194,11 +199,11 @@ def anthropic_events(reply: Text | ToolCall, model: str, input_tokens: int) -> l
                     "type": "tool_use",
                     "id": f"toolu_{uuid.uuid4().hex[:24]}",
                     "name": reply.name,
-                    "input": {},
+                    "input": reply.arguments if tool_input_in_start else {},
                 },
             }
         )
-        for piece in _pieces(json.dumps(reply.arguments), 3):
+        for piece in [] if tool_input_in_start else _pieces(json.dumps(reply.arguments), 3):
             events.append(
                 {
                     "type": "content_block_delta",
@@ -563,7 +568,8 @@ class CaptureServer:
         model = str(body.get("model", self.model))
         tokens = _rough_tokens(body)
         if body.get("stream"):
-            return self._sse(anthropic_events(reply, model, tokens), numbered=False)
+            events = anthropic_events(reply, model, tokens, self.shape.tool_input_in_start)
+            return self._sse(events, numbered=False)
         return JSONResponse(_strip(anthropic_message(reply, model, tokens), self.shape.drop_fields))
 
     async def _count_tokens(self, request: Request) -> Response:

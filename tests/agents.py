@@ -198,11 +198,14 @@ def claude_env(
     token: str = "modeld-test",
     max_retries: int | None = None,
     proxy: str | None = None,
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Environment for a headless Claude Code run against ``base_url`` (no login needed).
 
     ``max_retries`` sets CLAUDE_CODE_MAX_RETRIES (Claude Code 2.1.328 retries a 429/5xx ten
-    times by default, backing off to about 40 s: about 3 minutes before it gives up)."""
+    times by default, backing off to about 40 s: about 3 minutes before it gives up). ``extra``
+    adds or overrides variables (e.g. CLAUDE_CODE_ATTRIBUTION_HEADER=0 drops the first system
+    block, whose text changes with the first prompt)."""
     small = small_model or model
     home.mkdir(parents=True, exist_ok=True)
     retries = {"CLAUDE_CODE_MAX_RETRIES": str(max_retries)} if max_retries is not None else {}
@@ -224,6 +227,7 @@ def claude_env(
         "DISABLE_BUG_COMMAND": "1",
         "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1",
         "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+        **(extra or {}),
     }
 
 
