@@ -237,6 +237,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     )
     if restart.backoff_max < restart.backoff_initial:
         raise ValueError("--restart-backoff-max must be at least --restart-backoff")
+    if args.max_output_tokens < 0 or args.num_ctx < 0:
+        raise ValueError("--max-output-tokens and --num-ctx take a number of tokens (0: the default)")
     options = ServeOptions(
         backend=args.backend,
         listen=args.listen or "",
@@ -251,6 +253,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         models_dir=Path(args.models_dir) if args.models_dir else None,
         num_ctx=args.num_ctx or 0,
         allowed_origins=tuple(args.allow_origin or ()),
+        max_output_tokens=args.max_output_tokens,
         residency=residency,
         timeouts=timeouts,
         restart=restart,
@@ -721,6 +724,14 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="context window of HTTP sessions (default: the model's own, as large as the memory budget allows)",
+    )
+    s.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the output limit of an HTTP request that sets none (llama-server's -n; Codex CLI sends none); "
+        "default: up to the window",
     )
     s.add_argument(
         "--allow-origin",

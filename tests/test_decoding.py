@@ -227,7 +227,10 @@ AGENT_SCHEMAS = [
                 "oneOf": [
                     {
                         "type": "object",
-                        "properties": {"kind": {"const": "search"}, "query": {"type": "string", "maxLength": 12}},
+                        "properties": {
+                            "kind": {"const": "search"},
+                            "query": {"type": "string", "maxLength": 12},
+                        },
                         "required": ["kind", "query"],
                         "additionalProperties": False,
                     },

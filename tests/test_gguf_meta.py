@@ -90,7 +90,7 @@ def test_the_tiny_models_digests_are_pinned(tiny: Path) -> None:
     assert info.tokenizer_digest == "2e7ffa0a5b5e983e335b438f70b3d4dc"
     assert info.template_digest == "86b8ec9e998c4062293f4c3c2f57ce4d"
     assert (info.layers, info.kv_heads, info.key_length, info.value_length) == (2, (2, 2), 32, 32)
-    assert (info.vocab_size, info.context_length, info.weights_bytes) == (4096, 8192, 2886144)
+    assert (info.vocab_size, info.context_length, info.weights_bytes) == (4096, 32768, 2886144)
     assert (info.bos_token, info.eos_token, info.add_bos) == ("<|endoftext|>", "<|im_end|>", True)
     assert info.identity is not None and info.identity.size == tiny.stat().st_size
 

@@ -206,7 +206,9 @@ class OutputProcessor:
                     if partial is None:
                         return OutputFinal(text, "length", done, self._signal, deltas, parser.raw)
                     call, more = partial
-                    return OutputFinal(text, "length", (*done, call), self._signal, [*deltas, *more], parser.raw)
+                    return OutputFinal(
+                        text, "length", (*done, call), self._signal, [*deltas, *more], parser.raw
+                    )
                 elif rest.malformed:
                     self._malformed = rest.malformed
                     reason = "malformed_tool_call"

@@ -312,6 +312,7 @@ class ServeOptions:
     models_dir: Path | None = None
     num_ctx: int = 0  # context window of HTTP sessions (0: the model's own, as the memory budget allows)
     allowed_origins: tuple[str, ...] = ()  # web origins (besides loopback ones) the HTTP API serves
+    max_output_tokens: int = 0  # the HTTP output limit of a request that sets none (0: the window)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -481,6 +482,7 @@ def _start_http(
         max_body_bytes=limits.max_message_bytes,
         data_dir=str(options.data_dir),
         allowed_origins=options.allowed_origins,
+        max_output_tokens=options.max_output_tokens,
     )
     listener = HttpListener(
         HttpService(gateway, registry, settings, bridge), address.host, address.port, grace=options.grace

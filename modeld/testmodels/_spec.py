@@ -156,7 +156,9 @@ TINY: Final = ModelSpec(
     kv_heads=2,
     ff=384,
     vocab_size=4096,
-    context_length=8192,
+    # A coding agent's first request is 12-20k tokens of this vocabulary (Claude Code's, Codex's):
+    # the default model's window holds one with room for a conversation (KV: 512 B per token).
+    context_length=32768,
     dtype="f16",
     tied_embeddings=False,
     seed=0,

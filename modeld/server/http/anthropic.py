@@ -7,7 +7,9 @@ become a ``message`` or its SSE stream (``message_start``, ``content_block_start
 ``content_block_stop``, ``message_delta`` with the stop reason and usage, ``message_stop``;
 ``ping`` after the start). Field by field (``blueprints/0019-agent-apis.md``):
 
-* ``system`` (a string or text blocks) is the first system message; messages' content blocks:
+* ``system`` (a string or text blocks) is the first system message; a ``system`` message inside
+  ``messages`` (Claude Code sends its environment so, after the first user message) is a system
+  message where it stands; messages' content blocks:
   ``text``; an assistant's ``tool_use`` (a call, written back in the model's tool-call
   format) and ``thinking``/``redacted_thinking`` (accepted in history; the template decides
   what the model sees again); a user's ``tool_result`` (a string or text blocks; ``is_error``
@@ -191,12 +193,15 @@ def _messages(body: Mapping[str, Any]) -> list[Message]:
         if not isinstance(message, dict):
             raise bad(where, f"{where} must be an object")
         role = message.get("role")
-        if role not in ("user", "assistant"):
-            raise bad(f"{where}.role", f"{where}.role must be user or assistant, got {echo(role)}")
+        if role not in ("user", "assistant", "system"):
+            raise bad(f"{where}.role", f"{where}.role must be user, assistant or system, got {echo(role)}")
         refuse_unknown(message, frozenset({"role", "content"}), where)
         content = message.get("content")
         if isinstance(content, str):
             out.append(Message(role, content))
+            continue
+        if role == "system":  # Claude Code sends its environment as a system message (text blocks)
+            out.append(Message("system", "".join(_text_blocks(content, f"{where}.content"))))
             continue
         if not isinstance(content, list):
             raise bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")

@@ -32,7 +32,7 @@ import json
 import logging
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -67,6 +67,7 @@ class HttpSettings:
     loopback: bool = True
     bound_host: str = "127.0.0.1"
     num_ctx: int = 0  # 0: the model's own window, as large as the memory budget allows
+    max_output_tokens: int = 0  # a request that sets no output limit gets this one (0: the window)
     max_body_bytes: int = 16 << 20
     max_inflight_bytes: int = 64 << 20
     max_conversations: int = 16
@@ -289,6 +290,8 @@ class HttpService:
     ) -> Response:
         """Run ``turn`` and answer it: a stream (``stream``) or one JSON body (``complete``)."""
         entry = self.entry(turn.model)
+        if turn.max_tokens is None and self.settings.max_output_tokens:
+            turn = replace(turn, max_tokens=self.settings.max_output_tokens)
         events = self.conversations.run(turn, self.open_request(entry, turn, keep_alive))
         task = asyncio.current_task()
         watcher = asyncio.create_task(_watch_disconnect(request, task))
