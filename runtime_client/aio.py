@@ -241,6 +241,7 @@ class AsyncClientSession:
         self._resumes: list[Resume] = []
         self._id = ""
         self._failure: ModeldError | None = None
+        self._call: Any = None  # the Session stream (a grpc.aio stream-stream call)
 
     @property
     def session_id(self) -> str:
@@ -272,6 +273,8 @@ class AsyncClientSession:
         self._instance = opened.owner_instance_id
         self._ids = itertools.count(1)
         self._failure = None
+        if self._call is not None:
+            self._call.cancel()  # the stream of the session this one replaces
         self._call = self._client._stub.Session(metadata=self._client.endpoint.metadata)
         resp = await self._request(pb.SessionRequest(attach=pb.Attach(session_id=self._id)))
         if resp.WhichOneof("result") != "attached":
@@ -368,7 +371,6 @@ class AsyncClientSession:
         started = time.monotonic()
         cause = self._lost
         old = (self._id, self._instance, self.epoch)
-        self._call.cancel()
         deadline = started + client.resume_timeout
         while True:
             try:

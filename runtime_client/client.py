@@ -345,6 +345,8 @@ class ClientSession:
         self, session_id: str, info: ModelInfo, identity: ContextManifest, epoch: int, instance_id: str
     ) -> None:
         """Open a Session stream for the open session ``session_id`` and attach to it."""
+        if hasattr(self, "_outbox"):
+            self._drop_stream()  # the stream of the session this one replaces
         self._id = session_id
         self._info = info
         self._identity = identity
@@ -482,7 +484,6 @@ class ClientSession:
         started = time.monotonic()
         cause = self._lost
         old = (self._id, self._instance, self.epoch)
-        self._drop_stream()
         deadline = started + client.resume_timeout
         while True:
             try:
