@@ -91,6 +91,19 @@ def _decode_with_fault(
                 fault()
 
 
+def _persisted(data: Path, n_tokens: int) -> bool:
+    """A complete snapshot file of ``n_tokens`` tokens is in the disk tier."""
+    from modeld.cache.snapfile import SnapshotError, read_header
+
+    for path in (data / "kv").glob("*.kvs") if (data / "kv").is_dir() else ():
+        try:
+            if read_header(path)[0].n_tokens == n_tokens:
+                return True
+        except (OSError, SnapshotError):
+            continue
+    return False
+
+
 def _tokens(chunks: list[StreamChunk]) -> list[int]:
     assert chunks[-1].finish_reason in ("length", "stop"), chunks[-1]
     return [t for c in chunks for t in c.token_ids]
@@ -334,12 +347,13 @@ def test_the_tool_loop_runs_a_turn_lost_in_a_restart_once_more_and_completes(dat
             assert [r.finish_reason for r in reference.rounds] == ["tool_calls", "length"]
 
             def fault() -> None:
-                _wait(lambda: _snapshots(data) >= 1)  # the reference wrote these prefixes through
+                # The reference computed round two's prefix; wait until it is written through.
+                _wait(lambda: _persisted(data, reference.rounds[1].prefix.prefix_tokens))
                 daemon.restart(signal.SIGKILL)
 
             session = client.open_session(CHAT)
             faulty = KillInDecode(session, 2, fault)
-            result = rc.run_tools(faulty, _builder(session), _read_file, first, after_first=later)  # type: ignore[arg-type]
+            result = rc.run_tools(faulty, _builder(session), _read_file, first, after_first=later)
             assert faulty.decodes == 3  # round one, round two, round two again
             one, two = result.rounds
             assert (one.retry_reason, two.retry_reason) == ("", "engine_restarted")
@@ -358,7 +372,7 @@ def test_the_tool_loop_runs_a_turn_lost_in_a_restart_once_more_and_completes(dat
 
             again = _Twice(session, kill)
             with pytest.raises(rc.EngineRestartedError):
-                rc.run_tools(again, _builder(session), _read_file, DecodeConfig(max_tokens=60, extra=SLOW))  # type: ignore[arg-type]
+                rc.run_tools(again, _builder(session), _read_file, DecodeConfig(max_tokens=60, extra=SLOW))
             assert again.decodes == 2
             for timer in timers:
                 timer.join()
@@ -565,8 +579,12 @@ def test_an_asyncio_session_resumes_and_its_tool_loop_retries(data: Path) -> Non
                 assert resumed.prefix is not None and resumed.prefix.reuse.reason == "restored_from_disk"
 
                 # A decode in flight: engine_restarted inside the loop, which runs the turn again.
-                faulty = AsyncKillInDecode(session, 2, lambda: daemon.restart(signal.SIGKILL))
-                result = await rc.arun_tools(faulty, _builder(session), _read_file, first, after_first=later)  # type: ignore[arg-type]
+                def fault() -> None:
+                    _wait(lambda: _persisted(data, reference.rounds[1].prefix.prefix_tokens))
+                    daemon.restart(signal.SIGKILL)
+
+                faulty = AsyncKillInDecode(session, 2, fault)
+                result = await rc.arun_tools(faulty, _builder(session), _read_file, first, after_first=later)
                 assert faulty.decodes == 3
                 assert [r.retry_reason for r in result.rounds] == ["", "engine_restarted"]
                 assert result.text == reference.text
