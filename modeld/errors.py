@@ -366,7 +366,9 @@ class NoSlotAvailableError(ModeldError):
 class EngineRestartedError(ModeldError):
     """The engine worker died during the operation (a crash, a signal, a changed model file)
     and is being restarted; nothing was replayed. Details: ``signal`` or ``exit_code``, and
-    ``why`` when modeld knows more (``model file changed``)."""
+    ``why`` when modeld knows more (``model file changed``). ``runtime_client`` raises it too,
+    with ``daemon="lost"`` and ``cause`` (unavailable, shutting_down), for a decode whose daemon
+    went away: the session resumes at its next call (``runtime_client/resume.py``)."""
 
     reason = "engine_restarted"
     status = "UNAVAILABLE"

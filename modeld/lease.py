@@ -6,7 +6,8 @@ Protocol (``blueprints/0005-owner-lease.md``). Files in the data directory:
   releases it when the process dies, so a crashed owner never blocks the next one.
 * ``owner.json`` -- the record: instance id, epoch, pid, endpoint (gRPC), http_endpoint (the
   OpenAI-compatible endpoint, when served), started_at, renewed_at, state (``starting`` |
-  ``serving`` | ``released``). Written only by the lock holder, atomically (temp file +
+  ``serving`` | ``released``), takeover_epoch (the epoch of the latest owner that took the lease
+  from a live holder, carried forward by every later owner; 0 if none ever did). Written only by the lock holder, atomically (temp file +
   rename), and only when it changes: renewal touches the file's mtime instead of rewriting and
   fsyncing an unchanged record every 2 s, and readers take ``renewed_at`` as the later of the
   recorded value and the mtime. It survives release so that epochs only ever grow.
@@ -63,6 +64,12 @@ class LeaseRecord:
     version: str = ""
     hostname: str = ""
     http_endpoint: str = ""
+    takeover_epoch: int = 0
+    """The epoch of the latest owner that took the lease by ``--takeover`` from a live holder
+    (carried forward by every later owner; 0: never). A session opened at epoch E survived only
+    restarts, never a takeover, iff ``takeover_epoch <= E``: how ``runtime_client`` tells a
+    daemon that restarted (it resumes its sessions) from one that was taken over (they end with
+    ``stale_fence``)."""
 
     @property
     def alive(self) -> bool:
@@ -157,6 +164,7 @@ def read_lease(data_dir: Path) -> LeaseRecord | None:
             version=str(data.get("version", "")),
             hostname=str(data.get("hostname", "")),
             http_endpoint=str(data.get("http_endpoint", "")),
+            takeover_epoch=int(data.get("takeover_epoch", 0)),  # type: ignore[call-overload]
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -218,15 +226,18 @@ class Lease:
         """
         kill_timeout = min(5.0, takeover_timeout)
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        took_over = False
         if not self._try_lock():
             if not takeover:
                 raise AlreadyOwnedError(self._wait_for_record())
             self._take_over(takeover_timeout, kill_timeout)
+            took_over = True  # someone held the lock: its sessions are fenced for good
         previous = read_lease(self.data_dir)
         now = time.time()
+        epoch = (previous.epoch if previous else 0) + 1
         self.record = LeaseRecord(
             instance_id=self.instance_id,
-            epoch=(previous.epoch if previous else 0) + 1,
+            epoch=epoch,
             pid=os.getpid(),
             endpoint="",
             started_at=now,
@@ -234,6 +245,7 @@ class Lease:
             state="starting",
             version=self.version,
             hostname=socket.gethostname(),
+            takeover_epoch=epoch if took_over else (previous.takeover_epoch if previous else 0),
         )
         self._write()
         request = _read_json(self.takeover_path)

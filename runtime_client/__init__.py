@@ -16,6 +16,10 @@ always yields a document valid under the schema; ``tool_choice="required"`` (or 
 always yields a well-formed call; :func:`run_tools` runs a whole tool loop, prefilling only what
 each round adds.
 
+When the daemon restarts (not a takeover), open sessions resume at their next call: the session
+is reopened on the new daemon and its context restored from the disk tier
+(:mod:`runtime_client.resume`; ``connect(resume=False)`` turns it off).
+
 The client implements the same Service/Session contract as the in-process engine and raises
 the same typed errors (:mod:`modeld.errors`, every one of them exported here). It imports nothing from the daemon's engine or
 backends, so it installs without the native engines.
@@ -75,6 +79,7 @@ from runtime_client.aio import AsyncClient, AsyncClientSession, aconnect
 from runtime_client.builder import BuiltContext, ContextBuilder
 from runtime_client.client import Client, ClientDecodeStream, ClientSession, connect
 from runtime_client.discovery import Endpoint, discover
+from runtime_client.resume import Resume
 from runtime_client.tools import AsyncToolRunner, ToolLoopResult, ToolRound, ToolRunner, arun_tools, run_tools
 
 __all__ = [
@@ -116,6 +121,7 @@ __all__ = [
     "PrefixInput",
     "PrefixRequiredError",
     "PrefixStatus",
+    "Resume",
     "ReuseDecision",
     "Segment",
     "SessionClosedError",

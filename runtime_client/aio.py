@@ -1,18 +1,22 @@
 """The asyncio runtime client: the same shape as :mod:`runtime_client.client`, awaitable.
 
-``async with await aconnect() as client`` gives an :class:`AsyncClient`; its sessions have
-``await session.ensure_prefix(...)``, ``await session.prefill_suffix(...)``, and
-``stream = await session.decode(...)`` followed by ``async for chunk in stream``. Errors are
-the same typed exceptions as everywhere else.
+``async with aconnect() as client`` (or ``client = await aconnect()``) gives an
+:class:`AsyncClient`; its sessions have ``await session.ensure_prefix(...)``,
+``await session.prefill_suffix(...)``, and ``stream = await session.decode(...)`` followed by
+``async for chunk in stream``. Errors are the same typed exceptions as everywhere else, and
+sessions resume across a daemon restart the same way (:mod:`runtime_client.resume`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import replace
+from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -32,32 +36,135 @@ from modeld.contract import (
     SuffixInput,
     SuffixStatus,
 )
-from modeld.errors import InternalError, InvalidArgumentError, ModeldError, SessionClosedError
+from modeld.errors import (
+    DaemonUnavailableError,
+    InternalError,
+    InvalidArgumentError,
+    ModeldError,
+    NotOwnerError,
+    SessionClosedError,
+    StaleFenceError,
+    error_from_reason,
+)
 from modeld.manifest import ContextManifest
 from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
 from modeld.wire import convert
 from modeld.wire.status import from_rpc_error, from_status
 from runtime_client.client import DEFAULT_MESSAGE_BYTES, channel_options, check_size, decode_chunk
-from runtime_client.discovery import Endpoint, discover
+from runtime_client.discovery import Discovery, Endpoint
+from runtime_client.resume import (
+    LOST_REASONS,
+    POLL_SECONDS,
+    PROBE_TIMEOUT,
+    RESUME_TIMEOUT,
+    Resume,
+    check_follow,
+    continuation_lost,
+    decode_lost,
+)
 
-__all__ = ["AsyncClient", "AsyncClientDecodeStream", "AsyncClientSession", "aconnect"]
+__all__ = ["AsyncClient", "AsyncClientDecodeStream", "AsyncClientSession", "AsyncConnect", "aconnect"]
+
+_Result = TypeVar("_Result")
 
 
 class AsyncClient:
-    """Implements the AsyncService contract over a grpc.aio channel."""
+    """Implements the AsyncService contract over a grpc.aio channel. ``resume``: as
+    :class:`~runtime_client.client.Client`."""
 
-    def __init__(self, endpoint: Endpoint, *, max_message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        *,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        resume: bool = True,
+        resume_timeout: float = RESUME_TIMEOUT,
+        discovery: Discovery | None = None,
+    ) -> None:
+        if not resume_timeout >= 0:
+            raise InvalidArgumentError("resume_timeout must be >= 0 seconds", field="resume_timeout")
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
-        self._channel = grpc.aio.insecure_channel(endpoint.target, options=channel_options(max_message_bytes))
+        self.resume = resume
+        self.resume_timeout = resume_timeout
+        self._discovery = discovery or Discovery(address=endpoint.target, token=endpoint.token)
+        self._auto_fence = bool(endpoint.instance_id)
+        self._follow_lock = asyncio.Lock()
+        self._retired: list[grpc.aio.Channel] = []
+        self._channel = self._dial(endpoint.target)
         self._stub = pb_grpc.ModeldStub(self._channel)
+
+    def _dial(self, target: str) -> grpc.aio.Channel:
+        return grpc.aio.insecure_channel(target, options=channel_options(self.max_message_bytes))
 
     async def _call(self, method: Any, request: Any, timeout: float) -> Any:
         try:
             return await method(request, timeout=timeout, metadata=self.endpoint.metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
+
+    # --- following a restarted daemon -------------------------------------------------------
+
+    def _fenced(self, request: OpenSessionRequest) -> tuple[OpenSessionRequest, bool]:
+        if not request.fence.owner_instance_id and self._auto_fence and self.endpoint.instance_id:
+            return replace(request, fence=Fence(self.endpoint.instance_id)), True
+        return request, False
+
+    async def _follow(self, old_instance: str, old_epoch: int, *, fenced: bool, deadline: float) -> None:
+        """As :meth:`runtime_client.client.Client._follow`."""
+        async with self._follow_lock:
+            while True:
+                try:
+                    await self._find(old_instance, old_epoch, fenced=fenced)
+                    return
+                except ModeldError as exc:
+                    if exc.reason not in (*LOST_REASONS, "deadline_exceeded"):
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise DaemonUnavailableError(
+                            f"the daemon went away and none served again within "
+                            f"{self.resume_timeout:g}s (resume_timeout): {exc.message}",
+                            resume_timeout=f"{self.resume_timeout:g}",
+                        ) from None
+                await asyncio.sleep(POLL_SECONDS)
+
+    async def _find(self, old_instance: str, old_epoch: int, *, fenced: bool) -> None:
+        endpoint = self._discovery.find()
+        record = self._discovery.owner_record(endpoint)
+        channel = self._dial(endpoint.target)
+        try:
+            try:
+                status = await pb_grpc.ModeldStub(channel).Status(
+                    pb.StatusRequest(), timeout=PROBE_TIMEOUT, metadata=endpoint.metadata
+                )
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, endpoint.target) from None
+            if endpoint.source == "lease" and record is not None and record.instance_id != status.instance_id:
+                raise DaemonUnavailableError("the owner changed while it was being looked up")
+            check_follow(old_instance, old_epoch, status.instance_id, record, fenced=fenced)
+        except BaseException:
+            await channel.close()
+            raise
+        if status.instance_id == self.endpoint.instance_id and endpoint.target == self.endpoint.target:
+            await channel.close()
+            return
+        self._retired.append(self._channel)
+        self._channel, self._stub = channel, pb_grpc.ModeldStub(channel)
+        self.endpoint = replace(endpoint, instance_id=status.instance_id, epoch=int(status.epoch))
+
+    async def _open(self, request: OpenSessionRequest) -> tuple[Any, bool]:
+        sent, auto = self._fenced(request)
+        try:
+            return await self._call(self._stub.OpenSession, convert.open_request_to_pb(sent), 600.0), auto
+        except StaleFenceError:
+            if not (self.resume and auto):
+                raise
+        await self._follow(sent.fence.owner_instance_id, self.endpoint.epoch, fenced=True, deadline=0.0)
+        sent, auto = self._fenced(request)
+        return await self._call(self._stub.OpenSession, convert.open_request_to_pb(sent), 600.0), auto
+
+    # --- Service --------------------------------------------------------------------------
 
     async def describe(self, request: OpenSessionRequest) -> ModelInfo:
         msg = pb.DescribeRequest(model=convert.open_request_to_pb(request))
@@ -66,17 +173,9 @@ class AsyncClient:
     async def open_session(self, request: OpenSessionRequest) -> AsyncClientSession:
         if not isinstance(request, OpenSessionRequest):
             raise InvalidArgumentError("expected an OpenSessionRequest", field="request")
-        if not request.fence.owner_instance_id and self.endpoint.instance_id:
-            request = replace(request, fence=Fence(self.endpoint.instance_id))
-        resp = await self._call(self._stub.OpenSession, convert.open_request_to_pb(request), 600.0)
-        session = AsyncClientSession(
-            self,
-            session_id=resp.session_id,
-            info=convert.model_info_from_pb(resp.info),
-            identity=convert.manifest_from_pb(resp.identity),
-            epoch=resp.owner_epoch,
-        )
-        await session._attach()
+        resp, auto = await self._open(request)
+        session = AsyncClientSession(self, request=request, auto_fenced=auto)
+        await session._attach(resp)
         return session
 
     async def status(self, *, debug: bool = False) -> DaemonStatus:
@@ -105,7 +204,9 @@ class AsyncClient:
         return str((await self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0)).text)
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in (*self._retired, self._channel):
+            await channel.close()
+        self._retired.clear()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -120,22 +221,27 @@ class AsyncClient:
 
 
 class AsyncClientSession:
-    """A session over one Session stream (asyncio). Operations are serialized by a lock."""
+    """A session over one Session stream (asyncio). Operations are serialized by a lock.
+    Resumes across a daemon restart as :class:`~runtime_client.client.ClientSession` does."""
 
     def __init__(
-        self, client: AsyncClient, *, session_id: str, info: ModelInfo, identity: ContextManifest, epoch: int
+        self, client: AsyncClient, *, request: OpenSessionRequest, auto_fenced: bool = False
     ) -> None:
         self._client = client
-        self._id = session_id
-        self._info = info
-        self._identity = identity
-        self.epoch = epoch
-        self._ids = itertools.count(1)
+        self._made = request
+        self._auto_fenced = auto_fenced
         self._lock = asyncio.Lock()
-        self._call = client._stub.Session(metadata=client.endpoint.metadata)
         self._stream: AsyncClientDecodeStream | None = None
-        self._failure: ModeldError | None = None
         self._closed = False
+        self._prefix: PrefixInput | None = None
+        self._suffix: SuffixInput | None = None
+        self._continued = False
+        self._generated_lost = False
+        self._lost = ""
+        self._resumes: list[Resume] = []
+        self._id = ""
+        self._failure: ModeldError | None = None
+        self._call: Any = None  # the Session stream (a grpc.aio stream-stream call)
 
     @property
     def session_id(self) -> str:
@@ -149,10 +255,37 @@ class AsyncClientSession:
     def identity(self) -> ContextManifest:
         return self._identity
 
-    async def _attach(self) -> None:
+    @property
+    def resumes(self) -> tuple[Resume, ...]:
+        """Every resume of this session across a daemon restart, oldest first."""
+        return tuple(self._resumes)
+
+    @property
+    def last_resume(self) -> Resume | None:
+        return self._resumes[-1] if self._resumes else None
+
+    async def _attach(self, opened: Any) -> None:
+        """Open a Session stream for the freshly opened session and attach to it."""
+        self._id = opened.session_id
+        self._info = convert.model_info_from_pb(opened.info)
+        self._identity: ContextManifest = convert.manifest_from_pb(opened.identity)
+        self.epoch = int(opened.owner_epoch)
+        self._instance = opened.owner_instance_id
+        self._ids = itertools.count(1)
+        self._failure = None
+        if self._call is not None:
+            self._call.cancel()  # the stream of the session this one replaces
+        self._call = self._client._stub.Session(metadata=self._client.endpoint.metadata)
         resp = await self._request(pb.SessionRequest(attach=pb.Attach(session_id=self._id)))
         if resp.WhichOneof("result") != "attached":
             raise InternalError(f"unexpected answer to attach: {resp.WhichOneof('result')}")
+
+    def _note(self, failure: ModeldError) -> ModeldError:
+        """Record how the stream ended (resumable when its daemon went away)."""
+        self._failure = failure
+        if self._client.resume and not self._closed and failure.reason in LOST_REASONS:
+            self._lost = failure.reason
+        return failure
 
     async def _send(self, request: pb.SessionRequest, rid: int | None = None) -> int:
         request.request_id = next(self._ids) if rid is None else rid
@@ -160,8 +293,7 @@ class AsyncClientSession:
         try:
             await self._call.write(request)
         except grpc.RpcError as exc:
-            self._failure = from_rpc_error(exc, self._client.endpoint.target)
-            raise self._failure from None
+            raise self._note(from_rpc_error(exc, self._client.endpoint.target)) from None
         except asyncio.InvalidStateError:  # the stream already ended: report how
             while True:
                 await self._receive()  # raises the status that ended it (or EOF)
@@ -173,8 +305,7 @@ class AsyncClientSession:
         try:
             resp = await self._call.read()
         except grpc.RpcError as exc:
-            self._failure = from_rpc_error(exc, self._client.endpoint.target)
-            raise self._failure from None
+            raise self._note(from_rpc_error(exc, self._client.endpoint.target)) from None
         if resp is grpc.aio.EOF:
             self._failure = SessionClosedError(
                 f"session {self._id}: the daemon ended the stream", session_id=self._id
@@ -182,6 +313,11 @@ class AsyncClientSession:
             raise self._failure
         assert isinstance(resp, pb.SessionResponse)
         return resp
+
+    def _mark_lost(self, reason: str, message: str) -> None:
+        self._lost = reason
+        if self._failure is None:
+            self._failure = error_from_reason(reason, message, {"session_id": self._id})
 
     async def _request(
         self, request: pb.SessionRequest, progress: ProgressCallback | None = None
@@ -208,6 +344,86 @@ class AsyncClientSession:
             await self._stream.aclose()
             self._stream = None
 
+    async def _ensure(self, prefix: PrefixInput, progress: ProgressCallback | None) -> PrefixStatus:
+        msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
+        return convert.prefix_status_from_pb((await self._request(msg, progress)).prefix_status)
+
+    async def _prefill(self, suffix: SuffixInput, progress: ProgressCallback | None) -> SuffixStatus:
+        msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
+        return convert.suffix_status_from_pb((await self._request(msg, progress)).suffix_status)
+
+    # --- resuming across a daemon restart ----------------------------------------------------
+
+    async def _resumable(
+        self, operation: Callable[[], Awaitable[_Result]], replay: int
+    ) -> tuple[_Result, Resume | None]:
+        resumed = await self._resume(replay) if self._lost else None
+        try:
+            return await operation(), resumed
+        except ModeldError:
+            if resumed is not None or not self._lost:
+                raise
+        resumed = await self._resume(replay)
+        return await operation(), resumed
+
+    async def _resume(self, replay: int) -> Resume:
+        client = self._client
+        started = time.monotonic()
+        cause = self._lost
+        old = (self._id, self._instance, self.epoch)
+        deadline = started + client.resume_timeout
+        while True:
+            try:
+                await client._follow(self._instance, self.epoch, fenced=self._auto_fenced, deadline=deadline)
+                sent = self._made
+                if self._auto_fenced:
+                    sent = replace(sent, fence=Fence(client.endpoint.instance_id))
+                opened = await client._call(client._stub.OpenSession, convert.open_request_to_pb(sent), 600.0)
+                await self._attach(opened)
+                break
+            except (StaleFenceError, NotOwnerError) as exc:
+                self._lost, self._failure = "", exc
+                raise
+            except ModeldError as exc:
+                if exc.reason not in LOST_REASONS or time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(POLL_SECONDS)
+        self._lost = ""
+        if self._continued:
+            self._generated_lost = True
+        self._continued = False
+        prefix_status: PrefixStatus | None = None
+        suffix_status: SuffixStatus | None = None
+        try:
+            if replay >= 1 and self._prefix is not None:
+                prefix_status = await self._ensure(self._prefix, None)
+                if replay >= 2 and self._suffix is not None:
+                    suffix_status = await self._prefill(self._suffix, None)
+        except ModeldError:
+            if not self._lost:
+                self._prefix = self._suffix = None
+            raise
+        if suffix_status is None:
+            self._suffix = None
+        if prefix_status is None and replay >= 1:
+            self._prefix = None
+        record = Resume(
+            cause=cause,
+            old_session_id=old[0],
+            session_id=self._id,
+            old_instance_id=old[1],
+            instance_id=self._instance,
+            old_epoch=old[2],
+            epoch=self.epoch,
+            prefix=prefix_status,
+            suffix=suffix_status,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        self._resumes.append(record)
+        return record
+
+    # --- contract ---------------------------------------------------------------------------
+
     async def ensure_prefix(
         self, prefix: PrefixInput, progress: ProgressCallback | None = None
     ) -> PrefixStatus:
@@ -215,8 +431,10 @@ class AsyncClientSession:
             raise InvalidArgumentError("expected a PrefixInput", field="prefix")
         async with self._lock:
             await self._finish_stream()
-            msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
-            return convert.prefix_status_from_pb((await self._request(msg, progress)).prefix_status)
+            status, _ = await self._resumable(lambda: self._ensure(prefix, progress), 0)
+            self._prefix, self._suffix = prefix, None
+            self._continued = self._generated_lost = False
+            return status
 
     async def prefill_suffix(
         self, suffix: SuffixInput, progress: ProgressCallback | None = None
@@ -225,15 +443,34 @@ class AsyncClientSession:
             raise InvalidArgumentError("expected a SuffixInput", field="suffix")
         async with self._lock:
             await self._finish_stream()
-            msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
-            return convert.suffix_status_from_pb((await self._request(msg, progress)).suffix_status)
+            status, resumed = await self._resumable(lambda: self._prefill(suffix, progress), 1)
+            self._suffix = suffix
+            self._continued = self._generated_lost = False
+            if resumed is not None and resumed.prefix is not None:
+                replayed = resumed.prefix
+                status = replace(
+                    status,
+                    restored_tokens=status.restored_tokens + replayed.prefilled_tokens,
+                    prefill_ms=round(status.prefill_ms + replayed.prefill_ms, 3),
+                    restore_ms=round(status.restore_ms + replayed.restore_ms, 3),
+                )
+            return status
 
     async def decode(self, config: DecodeConfig) -> AsyncClientDecodeStream:
         if not isinstance(config, DecodeConfig):
             raise InvalidArgumentError("expected a DecodeConfig", field="decode")
         async with self._lock:
             await self._finish_stream()
-            started = await self._request(pb.SessionRequest(decode=convert.decode_config_to_pb(config)))
+            msg = pb.SessionRequest(decode=convert.decode_config_to_pb(config))
+
+            async def start() -> pb.SessionResponse:
+                if self._generated_lost:
+                    self._generated_lost = False
+                    last = self.last_resume
+                    raise continuation_lost(self._id, last.cause if last else "")
+                return await self._request(msg)
+
+            started, _ = await self._resumable(start, 2)
             if started.WhichOneof("result") != "decode_started":
                 raise InternalError(f"unexpected answer to decode: {started.WhichOneof('result')}")
             self._stream = AsyncClientDecodeStream(self, started.request_id)
@@ -245,7 +482,8 @@ class AsyncClientSession:
                 return await self._client.explain_context(self._id)
             await self._finish_stream()
             msg = pb.SessionRequest(explain_context=pb.ExplainContextRequest())
-            return convert.report_from_pb((await self._request(msg)).context)
+            report, _ = await self._resumable(lambda: self._request(msg), 2)
+            return convert.report_from_pb(report.context)
 
     async def close(self) -> None:
         async with self._lock:
@@ -260,6 +498,7 @@ class AsyncClientSession:
                 pass
             finally:
                 self._closed = True
+                self._lost = ""
                 self._call.cancel()
 
     async def __aenter__(self) -> AsyncClientSession:
@@ -289,15 +528,26 @@ class AsyncClientDecodeStream:
     async def __anext__(self) -> StreamChunk:
         if self._done:
             raise StopAsyncIteration
+        session = self._session
         while True:
             try:
-                chunk = decode_chunk(await self._session._receive(), self._rid)
-            except ModeldError:
+                chunk = decode_chunk(await session._receive(), self._rid)
+            except ModeldError as exc:
                 self._done = True
+                if session._lost:
+                    raise decode_lost(exc, session.session_id) from None
                 raise
-            if chunk is not None:
-                self._done = chunk.final
-                return chunk
+            if chunk is None:
+                continue
+            self._done = chunk.final
+            if chunk.final and chunk.finish_reason == "error":
+                error = chunk.error
+                if error is not None and error.reason in LOST_REASONS and session._client.resume:
+                    session._mark_lost(error.reason, error.message)
+                    raise decode_lost(error_from_reason(error.reason, error.message, {}), session.session_id)
+            elif chunk.final:
+                session._continued = True
+            return chunk
 
     async def cancel(self) -> None:
         if self._done or self._cancel_sent:
@@ -308,17 +558,64 @@ class AsyncClientDecodeStream:
     async def aclose(self) -> None:
         if self._done:
             return
-        await self.cancel()
-        async for _ in self:
-            pass
+        try:
+            await self.cancel()
+            async for _ in self:
+                pass
+        except ModeldError:
+            pass  # the stream's daemon went away: its session has recorded why
 
 
-async def aconnect(
+class AsyncConnect:
+    """What :func:`aconnect` returns: await it for an :class:`AsyncClient`, or use it as
+    ``async with aconnect(...) as client`` (closed on exit)."""
+
+    def __init__(self, make: Callable[[], AsyncClient]) -> None:
+        self._make = make
+        self._client: AsyncClient | None = None
+
+    async def _connect(self) -> AsyncClient:
+        return self._make()
+
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        return self._connect().__await__()
+
+    async def __aenter__(self) -> AsyncClient:
+        self._client = self._make()
+        return self._client
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+def aconnect(
     address: str | None = None,
     *,
     data_dir: Any = None,
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
     token: str | None = None,
-) -> AsyncClient:
-    """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect."""
-    return AsyncClient(discover(address, data_dir, token), max_message_bytes=max_message_bytes)
+    resume: bool = True,
+    resume_timeout: float = RESUME_TIMEOUT,
+) -> AsyncConnect:
+    """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect: the
+    asyncio twin of :func:`~runtime_client.client.connect`. ``async with aconnect() as client``
+    and ``client = await aconnect()`` both work."""
+    where = Discovery(address, Path(data_dir) if data_dir is not None else None, token)
+
+    def make() -> AsyncClient:
+        return AsyncClient(
+            where.find(),
+            max_message_bytes=max_message_bytes,
+            resume=resume,
+            resume_timeout=resume_timeout,
+            discovery=where,
+        )
+
+    return AsyncConnect(make)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -37,18 +39,32 @@ from modeld.contract import (
     SuffixStatus,
 )
 from modeld.errors import (
+    DaemonUnavailableError,
     InternalError,
     InvalidArgumentError,
     LimitExceededError,
     ModeldError,
+    NotOwnerError,
     SessionClosedError,
+    StaleFenceError,
+    error_from_reason,
 )
 from modeld.manifest import ContextManifest
 from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
 from modeld.wire import convert
 from modeld.wire.status import from_rpc_error, from_status
-from runtime_client.discovery import Endpoint, discover
+from runtime_client.discovery import Discovery, Endpoint
+from runtime_client.resume import (
+    LOST_REASONS,
+    POLL_SECONDS,
+    PROBE_TIMEOUT,
+    RESUME_TIMEOUT,
+    Resume,
+    check_follow,
+    continuation_lost,
+    decode_lost,
+)
 
 __all__ = [
     "Client",
@@ -102,6 +118,10 @@ class Client:
     Timeouts: ``describe`` 60 s, ``open_session`` 600 s (it may load a model), observer calls
     10 s. Session operations have no deadline (a long prefill is legitimate); close the session
     to abandon one.
+
+    ``resume`` (default on): when the daemon restarts, open sessions resume on the new one at
+    their next call and new sessions open there (:mod:`runtime_client.resume`); a takeover is
+    never followed. Off: a session whose daemon went away fails for good, as before.
     """
 
     def __init__(
@@ -110,13 +130,28 @@ class Client:
         *,
         max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
         keepalive_ms: int = KEEPALIVE_MS,
+        resume: bool = True,
+        resume_timeout: float = RESUME_TIMEOUT,
+        discovery: Discovery | None = None,
     ) -> None:
+        if not resume_timeout >= 0:
+            raise InvalidArgumentError("resume_timeout must be >= 0 seconds", field="resume_timeout")
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes
-        self._channel = grpc.insecure_channel(
-            endpoint.target, options=channel_options(max_message_bytes, keepalive_ms)
-        )
+        self.resume = resume
+        self.resume_timeout = resume_timeout
+        self._keepalive_ms = keepalive_ms
+        self._discovery = discovery or Discovery(address=endpoint.target, token=endpoint.token)
+        self._auto_fence = bool(endpoint.instance_id)  # found through the lease: fence sessions to it
+        self._follow_lock = threading.Lock()
+        self._retired: list[grpc.Channel] = []
+        self._channel = self._dial(endpoint.target)
         self._stub = pb_grpc.ModeldStub(self._channel)
+
+    def _dial(self, target: str) -> grpc.Channel:
+        return grpc.insecure_channel(
+            target, options=channel_options(self.max_message_bytes, self._keepalive_ms)
+        )
 
     @property
     def target(self) -> str:
@@ -128,6 +163,73 @@ class Client:
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
+    # --- following a restarted daemon -------------------------------------------------------
+
+    def _fenced(self, request: OpenSessionRequest) -> tuple[OpenSessionRequest, bool]:
+        """The request as sent: fenced to the owner found through the lease, unless it names one."""
+        if not request.fence.owner_instance_id and self._auto_fence and self.endpoint.instance_id:
+            return replace(request, fence=Fence(self.endpoint.instance_id)), True
+        return request, False
+
+    def _follow(self, old_instance: str, old_epoch: int, *, fenced: bool, deadline: float) -> None:
+        """Find the daemon serving now and talk to it from now on, if a session of
+        ``old_instance`` at ``old_epoch`` may follow it (:func:`check_follow`: raises
+        :class:`StaleFenceError` after a takeover). Waits until ``deadline`` (monotonic) while
+        none serves, then raises :class:`DaemonUnavailableError`."""
+        with self._follow_lock:
+            while True:
+                try:
+                    self._find(old_instance, old_epoch, fenced=fenced)
+                    return
+                except ModeldError as exc:
+                    if exc.reason not in (*LOST_REASONS, "deadline_exceeded"):
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise DaemonUnavailableError(
+                            f"the daemon went away and none served again within "
+                            f"{self.resume_timeout:g}s (resume_timeout): {exc.message}",
+                            resume_timeout=f"{self.resume_timeout:g}",
+                        ) from None
+                time.sleep(POLL_SECONDS)
+
+    def _find(self, old_instance: str, old_epoch: int, *, fenced: bool) -> None:
+        endpoint = self._discovery.find()
+        record = self._discovery.owner_record(endpoint)
+        channel = self._dial(endpoint.target)
+        try:
+            try:
+                status = pb_grpc.ModeldStub(channel).Status(
+                    pb.StatusRequest(), timeout=PROBE_TIMEOUT, metadata=endpoint.metadata
+                )
+            except grpc.RpcError as exc:
+                raise from_rpc_error(exc, endpoint.target) from None
+            if endpoint.source == "lease" and record is not None and record.instance_id != status.instance_id:
+                raise DaemonUnavailableError("the owner changed while it was being looked up")
+            check_follow(old_instance, old_epoch, status.instance_id, record, fenced=fenced)
+        except BaseException:
+            channel.close()
+            raise
+        if status.instance_id == self.endpoint.instance_id and endpoint.target == self.endpoint.target:
+            channel.close()  # already talking to it (another session followed first)
+            return
+        # Sessions still streaming on the old channel keep it until the client closes.
+        self._retired.append(self._channel)
+        self._channel, self._stub = channel, pb_grpc.ModeldStub(channel)
+        self.endpoint = replace(endpoint, instance_id=status.instance_id, epoch=int(status.epoch))
+
+    def _open(self, request: OpenSessionRequest) -> tuple[pb.OpenSessionResponse, bool]:
+        sent, auto = self._fenced(request)
+        try:
+            return self._call(self._stub.OpenSession, convert.open_request_to_pb(sent), 600.0), auto
+        except StaleFenceError:
+            if not (self.resume and auto):
+                raise
+        # Our fence names an owner that is gone: follow the one serving now if it restarted
+        # (never after a takeover), once.
+        self._follow(sent.fence.owner_instance_id, self.endpoint.epoch, fenced=True, deadline=0.0)
+        sent, auto = self._fenced(request)
+        return self._call(self._stub.OpenSession, convert.open_request_to_pb(sent), 600.0), auto
+
     # --- Service --------------------------------------------------------------------------
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
@@ -137,16 +239,8 @@ class Client:
     def open_session(self, request: OpenSessionRequest) -> ClientSession:
         if not isinstance(request, OpenSessionRequest):
             raise InvalidArgumentError("expected an OpenSessionRequest", field="request")
-        if not request.fence.owner_instance_id and self.endpoint.instance_id:
-            request = replace(request, fence=Fence(self.endpoint.instance_id))
-        resp = self._call(self._stub.OpenSession, convert.open_request_to_pb(request), 600.0)
-        return ClientSession(
-            self,
-            session_id=resp.session_id,
-            info=convert.model_info_from_pb(resp.info),
-            identity=convert.manifest_from_pb(resp.identity),
-            epoch=resp.owner_epoch,
-        )
+        resp, auto = self._open(request)
+        return ClientSession._opened(self, resp, request, auto)
 
     # --- observers ------------------------------------------------------------------------
 
@@ -177,7 +271,9 @@ class Client:
         return str(self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0).text)
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in (*self._retired, self._channel):
+            channel.close()
+        self._retired.clear()
 
     def __enter__(self) -> Client:
         return self
@@ -191,25 +287,76 @@ class Client:
         self.close()
 
 
+_Result = TypeVar("_Result")
+
+
 class ClientSession:
-    """A session over one Session stream. Not for concurrent use by several threads."""
+    """A session over one Session stream. Not for concurrent use by several threads.
+
+    With the client's ``resume`` on, the session remembers its last prefix and suffix (the
+    inputs, not the tokens) so that it can resume on a restarted daemon: ``session_id``,
+    ``epoch`` and ``identity`` are then the new session's, and :attr:`resumes` lists what
+    happened."""
 
     def __init__(
-        self, client: Client, *, session_id: str, info: ModelInfo, identity: ContextManifest, epoch: int
+        self,
+        client: Client,
+        *,
+        session_id: str,
+        info: ModelInfo,
+        identity: ContextManifest,
+        epoch: int,
+        instance_id: str = "",
+        request: OpenSessionRequest | None = None,
+        auto_fenced: bool = False,
     ) -> None:
+        """Attach to the open session ``session_id``. ``request`` (what opened it) lets it be
+        reopened on a restarted daemon; without it the session does not resume."""
         self._client = client
+        self._made = request  # as the caller asked (its fence as given): reopened the same way
+        self._auto_fenced = auto_fenced
+        self._lock = threading.RLock()
+        self._stream: ClientDecodeStream | None = None
+        self._closed = False
+        self._prefix: PrefixInput | None = None  # the inputs a resume replays
+        self._suffix: SuffixInput | None = None
+        self._continued = False  # a decode's tokens follow the suffix
+        self._generated_lost = False  # ... and a resume could not bring them back
+        self._lost = ""  # why the stream's daemon went away (a resumable end), else ""
+        self._resumes: list[Resume] = []
+        self._attach(session_id, info, identity, epoch, instance_id)
+
+    @classmethod
+    def _opened(
+        cls, client: Client, resp: pb.OpenSessionResponse, request: OpenSessionRequest, auto_fenced: bool
+    ) -> ClientSession:
+        return cls(
+            client,
+            session_id=resp.session_id,
+            info=convert.model_info_from_pb(resp.info),
+            identity=convert.manifest_from_pb(resp.identity),
+            epoch=int(resp.owner_epoch),
+            instance_id=resp.owner_instance_id,
+            request=request,
+            auto_fenced=auto_fenced,
+        )
+
+    def _attach(
+        self, session_id: str, info: ModelInfo, identity: ContextManifest, epoch: int, instance_id: str
+    ) -> None:
+        """Open a Session stream for the open session ``session_id`` and attach to it."""
+        if hasattr(self, "_outbox"):
+            self._drop_stream()  # the stream of the session this one replaces
         self._id = session_id
         self._info = info
         self._identity = identity
         self.epoch = epoch
+        self._instance = instance_id
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count(1)
-        self._lock = threading.RLock()
-        self._stream: ClientDecodeStream | None = None
         self._failure: ModeldError | None = None
-        self._closed = False
-        self._responses: Iterator[pb.SessionResponse] = client._stub.Session(
-            iter(self._outbox.get, _END), metadata=client.endpoint.metadata
+        self._responses: Iterator[pb.SessionResponse] = self._client._stub.Session(
+            iter(self._outbox.get, _END), metadata=self._client.endpoint.metadata
         )
         attached = self._request(pb.SessionRequest(attach=pb.Attach(session_id=session_id)))
         if attached.WhichOneof("result") != "attached":
@@ -226,6 +373,15 @@ class ClientSession:
     @property
     def identity(self) -> ContextManifest:
         return self._identity
+
+    @property
+    def resumes(self) -> tuple[Resume, ...]:
+        """Every resume of this session across a daemon restart, oldest first."""
+        return tuple(self._resumes)
+
+    @property
+    def last_resume(self) -> Resume | None:
+        return self._resumes[-1] if self._resumes else None
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -247,7 +403,15 @@ class ClientSession:
             )
         except grpc.RpcError as exc:
             self._failure = from_rpc_error(exc, self._client.target)
+            if self._client.resume and not self._closed and self._failure.reason in LOST_REASONS:
+                self._lost = self._failure.reason
         raise self._failure
+
+    def _mark_lost(self, reason: str, message: str) -> None:
+        """The daemon said it is going away (a decode ended ``shutting_down``): resume next time."""
+        self._lost = reason
+        if self._failure is None:
+            self._failure = error_from_reason(reason, message, {"session_id": self._id})
 
     def _request(
         self, request: pb.SessionRequest, progress: ProgressCallback | None = None
@@ -279,6 +443,104 @@ class ClientSession:
             stream.close()
             self._stream = None
 
+    def _drop_stream(self) -> None:
+        """Let go of a stream whose daemon is gone."""
+        self._outbox.put(_END)
+        cancel = getattr(self._responses, "cancel", None)
+        if callable(cancel):
+            cancel()
+
+    def _ensure(self, prefix: PrefixInput, progress: ProgressCallback | None) -> PrefixStatus:
+        msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
+        return convert.prefix_status_from_pb(self._request(msg, progress).prefix_status)
+
+    def _prefill(self, suffix: SuffixInput, progress: ProgressCallback | None) -> SuffixStatus:
+        msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
+        return convert.suffix_status_from_pb(self._request(msg, progress).suffix_status)
+
+    # --- resuming across a daemon restart ----------------------------------------------------
+
+    def _resumable(self, operation: Callable[[], _Result], replay: int) -> tuple[_Result, Resume | None]:
+        """Run ``operation``, resuming first if the daemon went away (at most once per call).
+        ``replay``: what the operation needs back: 0 nothing, 1 the prefix, 2 prefix and suffix."""
+        resumed = self._resume(replay) if self._lost else None
+        try:
+            return operation(), resumed
+        except ModeldError:
+            if resumed is not None or not self._lost:
+                raise
+        resumed = self._resume(replay)
+        return operation(), resumed
+
+    def _resume(self, replay: int) -> Resume:
+        client = self._client
+        if self._made is None:  # attached by id: there is nothing to reopen it with
+            self._lost, self._failure = (
+                "",
+                self._failure
+                or SessionClosedError(f"session {self._id}: its daemon went away", session_id=self._id),
+            )
+            raise self._failure
+        started = time.monotonic()
+        cause = self._lost
+        old = (self._id, self._instance, self.epoch)
+        deadline = started + client.resume_timeout
+        while True:
+            try:
+                client._follow(self._instance, self.epoch, fenced=self._auto_fenced, deadline=deadline)
+                sent: OpenSessionRequest = self._made
+                if self._auto_fenced:
+                    sent = replace(sent, fence=Fence(client.endpoint.instance_id))
+                opened = client._call(client._stub.OpenSession, convert.open_request_to_pb(sent), 600.0)
+                self._attach(
+                    opened.session_id,
+                    convert.model_info_from_pb(opened.info),
+                    convert.manifest_from_pb(opened.identity),
+                    int(opened.owner_epoch),
+                    opened.owner_instance_id,
+                )
+                break
+            except (StaleFenceError, NotOwnerError) as exc:
+                self._lost, self._failure = "", exc  # a takeover: the session ends here
+                raise
+            except ModeldError as exc:
+                if exc.reason not in LOST_REASONS or time.monotonic() >= deadline:
+                    raise  # still lost: the next call tries again
+                time.sleep(POLL_SECONDS)
+        self._lost = ""
+        if self._continued:
+            self._generated_lost = True
+        self._continued = False
+        prefix_status: PrefixStatus | None = None
+        suffix_status: SuffixStatus | None = None
+        try:
+            if replay >= 1 and self._prefix is not None:
+                prefix_status = self._ensure(self._prefix, None)
+                if replay >= 2 and self._suffix is not None:
+                    suffix_status = self._prefill(self._suffix, None)
+        except ModeldError:
+            if not self._lost:  # not lost again: the new session has nothing; the caller rebuilds
+                self._prefix = self._suffix = None
+            raise
+        if suffix_status is None:
+            self._suffix = None
+        if prefix_status is None and replay >= 1:
+            self._prefix = None
+        record = Resume(
+            cause=cause,
+            old_session_id=old[0],
+            session_id=self._id,
+            old_instance_id=old[1],
+            instance_id=self._instance,
+            old_epoch=old[2],
+            epoch=self.epoch,
+            prefix=prefix_status,
+            suffix=suffix_status,
+            seconds=round(time.monotonic() - started, 3),
+        )
+        self._resumes.append(record)
+        return record
+
     # --- contract ---------------------------------------------------------------------------
 
     def ensure_prefix(self, prefix: PrefixInput, progress: ProgressCallback | None = None) -> PrefixStatus:
@@ -288,24 +550,47 @@ class ClientSession:
             raise InvalidArgumentError("expected a PrefixInput", field="prefix")
         with self._lock:
             self._finish_stream()
-            msg = pb.SessionRequest(ensure_prefix=convert.prefix_input_to_pb(prefix))
-            return convert.prefix_status_from_pb(self._request(msg, progress).prefix_status)
+            status, _ = self._resumable(lambda: self._ensure(prefix, progress), 0)
+            self._prefix, self._suffix = prefix, None
+            self._continued = self._generated_lost = False
+            return status
 
     def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
+        """Make the context prefix + ``suffix``. After a resume, ``restored_tokens`` counts the
+        prefix tokens the new daemon had to compute again (``last_resume.prefix`` says why)."""
         if not isinstance(suffix, SuffixInput):
             raise InvalidArgumentError("expected a SuffixInput", field="suffix")
         with self._lock:
             self._finish_stream()
-            msg = pb.SessionRequest(prefill_suffix=convert.suffix_input_to_pb(suffix))
-            return convert.suffix_status_from_pb(self._request(msg, progress).suffix_status)
+            status, resumed = self._resumable(lambda: self._prefill(suffix, progress), 1)
+            self._suffix = suffix
+            self._continued = self._generated_lost = False
+            if resumed is not None and resumed.prefix is not None:
+                replayed = resumed.prefix
+                status = replace(
+                    status,
+                    restored_tokens=status.restored_tokens + replayed.prefilled_tokens,
+                    prefill_ms=round(status.prefill_ms + replayed.prefill_ms, 3),
+                    restore_ms=round(status.restore_ms + replayed.restore_ms, 3),
+                )
+            return status
 
     def decode(self, config: DecodeConfig) -> ClientDecodeStream:
+        """Generate (see the contract). If the daemon goes away mid-stream, the stream raises
+        :class:`EngineRestartedError` (``details["daemon"] == "lost"``) and the next call resumes."""
         if not isinstance(config, DecodeConfig):
             raise InvalidArgumentError("expected a DecodeConfig", field="decode")
         with self._lock:
             self._finish_stream()
             msg = pb.SessionRequest(decode=convert.decode_config_to_pb(config))
-            started = self._request(msg)
+
+            def start() -> pb.SessionResponse:
+                if self._generated_lost:
+                    self._generated_lost = False
+                    raise continuation_lost(self._id, self.last_resume.cause if self.last_resume else "")
+                return self._request(msg)
+
+            started, _ = self._resumable(start, 2)
             if started.WhichOneof("result") != "decode_started":
                 raise InternalError(f"unexpected answer to decode: {started.WhichOneof('result')}")
             self._stream = ClientDecodeStream(self, started.request_id)
@@ -317,7 +602,8 @@ class ClientSession:
                 return self._client.explain_context(self._id)
             self._finish_stream()
             msg = pb.SessionRequest(explain_context=pb.ExplainContextRequest())
-            return convert.report_from_pb(self._request(msg).context)
+            report, _ = self._resumable(lambda: self._request(msg), 2)
+            return convert.report_from_pb(report.context)
 
     def close(self) -> None:
         with self._lock:
@@ -331,10 +617,8 @@ class ClientSession:
                 pass  # closing a broken session: nothing more to say
             finally:
                 self._closed = True
-                self._outbox.put(_END)
-                cancel = getattr(self._responses, "cancel", None)
-                if callable(cancel):
-                    cancel()
+                self._lost = ""
+                self._drop_stream()
 
     def __enter__(self) -> ClientSession:
         return self
@@ -380,15 +664,26 @@ class ClientDecodeStream:
     def __next__(self) -> StreamChunk:
         if self._done:
             raise StopIteration
+        session = self._session
         while True:
             try:
-                chunk = decode_chunk(self._session._receive(), self._rid)
-            except ModeldError:
+                chunk = decode_chunk(session._receive(), self._rid)
+            except ModeldError as exc:
                 self._done = True
+                if session._lost:  # the daemon went away: the output is lost, the session is not
+                    raise decode_lost(exc, session.session_id) from None
                 raise
-            if chunk is not None:
-                self._done = chunk.final
-                return chunk
+            if chunk is None:
+                continue
+            self._done = chunk.final
+            if chunk.final and chunk.finish_reason == "error":
+                error = chunk.error
+                if error is not None and error.reason in LOST_REASONS and session._client.resume:
+                    session._mark_lost(error.reason, error.message)
+                    raise decode_lost(error_from_reason(error.reason, error.message, {}), session.session_id)
+            elif chunk.final:
+                session._continued = True  # the generated tokens are resident
+            return chunk
 
     def cancel(self) -> None:
         """Ask the engine to stop; the stream then ends with a ``canceled`` chunk."""
@@ -398,11 +693,15 @@ class ClientDecodeStream:
         self._session._outbox.put(pb.SessionRequest(request_id=self._rid, cancel_decode=pb.CancelDecode()))
 
     def close(self) -> None:
-        """Cancel if still running and read up to the final chunk."""
+        """Cancel if still running and read up to the final chunk (a stream whose daemon went
+        away just ends: its session has recorded why)."""
         if self._done:
             return
         self.cancel()
-        for _ in self:
+        try:
+            for _ in self:
+                pass
+        except ModeldError:
             pass
 
     def __enter__(self) -> ClientDecodeStream:
@@ -423,9 +722,20 @@ def connect(
     data_dir: Any = None,
     max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
     token: str | None = None,
+    resume: bool = True,
+    resume_timeout: float = RESUME_TIMEOUT,
 ) -> Client:
     """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect to it.
 
     A TCP endpoint's token comes from ``token``, else ``MODELD_TOKEN``, else the data directory.
+    ``resume``: follow a restarted daemon (sessions resume at their next call, waiting up to
+    ``resume_timeout`` seconds for it), never a takeover (:mod:`runtime_client.resume`).
     """
-    return Client(discover(address, data_dir, token), max_message_bytes=max_message_bytes)
+    where = Discovery(address, Path(data_dir) if data_dir is not None else None, token)
+    return Client(
+        where.find(),
+        max_message_bytes=max_message_bytes,
+        resume=resume,
+        resume_timeout=resume_timeout,
+        discovery=where,
+    )

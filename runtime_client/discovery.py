@@ -5,6 +5,10 @@ endpoint and the owner's instance id; a client that found the daemon that way fe
 sessions with that instance id, so a takeover in between makes ``open_session`` fail with
 ``stale_fence`` instead of talking to a daemon the caller did not mean.
 
+After the daemon restarts, a client with ``resume`` on (the default) finds the new one the same
+way (:class:`Discovery` keeps what ``connect`` was given) and reads the owner record again to
+tell a restart from a takeover (``blueprints/0005-owner-lease.md``, "Resuming across a restart").
+
 A TCP endpoint needs the daemon's token (``blueprints/0005-owner-lease.md``): the explicit
 argument, then ``MODELD_TOKEN``, then the file ``grpc.token`` in the data directory, read the
 same way as the lease. A unix socket needs none (its permissions are the access control).
@@ -17,10 +21,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modeld.errors import DaemonUnavailableError
-from modeld.lease import read_lease
+from modeld.lease import LeaseRecord, read_lease
 from modeld.paths import default_data_dir, token_path
 
-__all__ = ["Endpoint", "discover", "normalize_address", "read_token"]
+__all__ = ["Discovery", "Endpoint", "discover", "normalize_address", "read_token"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +33,7 @@ class Endpoint:
     instance_id: str = ""  # the owner, when known from the lease
     source: str = ""  # argument | MODELD_ADDRESS | lease
     token: str = ""  # sent as authorization metadata (TCP endpoints)
+    epoch: int = 0  # the owner's epoch, when known from the lease
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -89,5 +94,28 @@ def discover(
             f"{record.state!r} (pid {record.pid}); start one with `modeld serve`",
             data_dir=str(directory),
         )
-    found = Endpoint(record.endpoint, instance_id=record.instance_id, source="lease")
+    found = Endpoint(record.endpoint, instance_id=record.instance_id, source="lease", epoch=record.epoch)
     return _with_token(found, token, directory)
+
+
+@dataclass(frozen=True, slots=True)
+class Discovery:
+    """What ``connect`` was given, kept to find the daemon again after a restart."""
+
+    address: str | None = None
+    data_dir: Path | None = None
+    token: str | None = None
+
+    def find(self) -> Endpoint:
+        """The endpoint serving now (raises :class:`DaemonUnavailableError` while none is)."""
+        return discover(self.address, self.data_dir, self.token)
+
+    def owner_record(self, endpoint: Endpoint) -> LeaseRecord | None:
+        """The owner record that names ``endpoint``: the one it was found through, or for an
+        address given directly, the data directory's record if it names that address."""
+        record = read_lease(self.data_dir or default_data_dir())
+        if record is None or not record.endpoint:
+            return None
+        if endpoint.source == "lease" or normalize_address(record.endpoint) == endpoint.target:
+            return record
+        return None

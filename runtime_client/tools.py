@@ -14,7 +14,14 @@ calls exactly as generated, ``StreamChunk.tool_text``) and the tool results are 
 history; the next ``ensure_prefix`` then reuses everything resident, generated tokens included,
 and prefills only the tool results and the template's glue (:attr:`ToolRound.prefix` shows it).
 
-What not: no retries, no parallel tool execution (calls of one round run in order), no
+Retries: a model turn that lost its operation to a restart -- the engine worker's
+(``engine_restarted``, ``stall_timeout``, raised or as the final chunk's error) or the daemon's
+(the runtime client raises ``engine_restarted`` for a decode in flight when its daemon goes away,
+and resumes the session at the next call: :mod:`runtime_client.resume`) -- is run once more from
+its ``ensure_prefix``, which restores the context from the tiers. :attr:`ToolRound.retry_reason`
+says it happened. Tools are never run twice: a round's calls run after its decode succeeded.
+
+What not: no other retries, no parallel tool execution (calls of one round run in order), no
 validation of arguments (a forced ``tool_choice`` already guarantees their shape).
 """
 
@@ -30,8 +37,9 @@ from typing import Protocol
 
 from modeld.contract import AsyncSession as AsyncSessionProtocol
 from modeld.contract import DecodeConfig, PrefixStatus, Session, StreamChunk, SuffixStatus, ToolCall, Usage
-from modeld.errors import InvalidArgumentError
+from modeld.errors import InvalidArgumentError, ModeldError
 from runtime_client.builder import BuiltContext, ContextBuilder
+from runtime_client.resume import RETRY_REASONS
 
 __all__ = [
     "AsyncToolRunner",
@@ -72,6 +80,7 @@ class ToolRound:
     results: tuple[str, ...] = ()
     first_chunk_seconds: float = 0.0  # from ensure_prefix to the first chunk (the round's TTFT)
     context: BuiltContext | None = field(default=None, repr=False)  # what was sent this round
+    retry_reason: str = ""  # why the turn ran twice (engine_restarted, stall_timeout), "" if once
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,94 @@ def _is_async(runner: object) -> bool:
     )
 
 
+def _retryable(final: StreamChunk) -> str:
+    """The reason to run a turn again that ended with this final chunk, or ""."""
+    if final.finish_reason == "error" and final.error is not None and final.error.reason in RETRY_REASONS:
+        return final.error.reason
+    return ""
+
+
+@dataclass(frozen=True)
+class _Turn:
+    prefix: PrefixStatus
+    suffix: SuffixStatus
+    text: str
+    final: StreamChunk
+    first: float
+    retry_reason: str
+
+
+def _turn(session: Session, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
+    """One model turn (ensure_prefix, prefill_suffix, decode), run again once if a restart lost it."""
+    retry_reason = ""
+    while True:
+        try:
+            started = time.perf_counter()
+            prefix = session.ensure_prefix(ctx.prefix_input())
+            suffix = session.prefill_suffix(ctx.suffix_input())
+            with session.decode(config) as stream:
+                chunks, first = _read(stream, started)
+        except ModeldError as exc:
+            if retry_reason or exc.reason not in RETRY_REASONS:
+                raise
+            retry_reason = exc.reason
+            continue
+        text, final = _collect(chunks)
+        again = _retryable(final)
+        if again and not retry_reason:
+            retry_reason = again
+            continue
+        return _Turn(prefix, suffix, text, final, first, retry_reason)
+
+
+async def _aturn(session: AsyncSessionProtocol, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
+    """The asyncio shape of :func:`_turn`."""
+    retry_reason = ""
+    while True:
+        chunks: list[StreamChunk] = []
+        first = 0.0
+        try:
+            started = time.perf_counter()
+            prefix = await session.ensure_prefix(ctx.prefix_input())
+            suffix = await session.prefill_suffix(ctx.suffix_input())
+            stream = await session.decode(config)
+            try:
+                async for chunk in stream:
+                    if not chunks:
+                        first = time.perf_counter() - started
+                    chunks.append(chunk)
+            finally:
+                await stream.aclose()
+        except ModeldError as exc:
+            if retry_reason or exc.reason not in RETRY_REASONS:
+                raise
+            retry_reason = exc.reason
+            continue
+        text, final = _collect(chunks)
+        again = _retryable(final)
+        if again and not retry_reason:
+            retry_reason = again
+            continue
+        return _Turn(prefix, suffix, text, final, first, retry_reason)
+
+
+def _round(
+    turn: _Turn, reason: str, calls: tuple[ToolCall, ...], results: tuple[str, ...], ctx: BuiltContext
+) -> ToolRound:
+    return ToolRound(
+        turn.prefix,
+        turn.suffix,
+        turn.text,
+        reason,
+        turn.final.usage,
+        calls,
+        results,
+        turn.first,
+        ctx,
+        turn.retry_reason,
+    )
+
+
 def _grow(builder: ContextBuilder, text: str, final: StreamChunk, results: list[str]) -> None:
     builder.next_turn()
     builder.assistant(text + final.tool_text)
@@ -152,16 +249,12 @@ def run_tools(
         config = decode
         while True:
             ctx = builder.build()
-            started = time.perf_counter()
-            prefix = session.ensure_prefix(ctx.prefix_input())
-            suffix = session.prefill_suffix(ctx.suffix_input())
-            with session.decode(config) as stream:
-                chunks, first = _read(stream, started)
-            text, final = _collect(chunks)
+            turn = _turn(session, ctx, config)
+            text, final = turn.text, turn.final
             reason = final.finish_reason or "error"
             calls = final.tool_calls
             if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-                rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, (), first, ctx))
+                rounds.append(_round(turn, reason, calls, (), ctx))
                 ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
                 pending = calls if ended == "max_tool_iterations" else ()
                 return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
@@ -178,9 +271,7 @@ def run_tools(
                     )
                 except Exception as exc:
                     results.append(f"error: the tool {call.name!r} failed: {exc}")
-            rounds.append(
-                ToolRound(prefix, suffix, text, reason, final.usage, calls, tuple(results), first, ctx)
-            )
+            rounds.append(_round(turn, reason, calls, tuple(results), ctx))
             _grow(builder, text, final, results)
             config = later
     finally:
@@ -205,21 +296,12 @@ async def arun_tools(
     config = decode
     while True:
         ctx = builder.build()
-        started = time.perf_counter()
-        prefix = await session.ensure_prefix(ctx.prefix_input())
-        suffix = await session.prefill_suffix(ctx.suffix_input())
-        stream = await session.decode(config)
-        chunks: list[StreamChunk] = []
-        first = 0.0
-        async for chunk in stream:
-            if not chunks:
-                first = time.perf_counter() - started
-            chunks.append(chunk)
-        text, final = _collect(chunks)
+        turn = await _aturn(session, ctx, config)
+        text, final = turn.text, turn.final
         reason = final.finish_reason or "error"
         calls = final.tool_calls
         if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-            rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, (), first, ctx))
+            rounds.append(_round(turn, reason, calls, (), ctx))
             ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
             pending = calls if ended == "max_tool_iterations" else ()
             return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
@@ -236,6 +318,6 @@ async def arun_tools(
                 results.append(f"error: the tool {call.name!r} did not finish within {tool_timeout:g} s")
             except Exception as exc:
                 results.append(f"error: the tool {call.name!r} failed: {exc}")
-        rounds.append(ToolRound(prefix, suffix, text, reason, final.usage, calls, tuple(results), first, ctx))
+        rounds.append(_round(turn, reason, calls, tuple(results), ctx))
         _grow(builder, text, final, results)
         config = later

@@ -46,7 +46,7 @@ def test_public_names_are_pinned() -> None:
         ContextReport DaemonStatus DaemonUnavailableError DeadlineExceededError DecodeConfig Endpoint EngineError
         EngineRestartedError Fence InternalError InvalidArgumentError LimitExceededError ManifestMismatchError
         ModelInfo ModelLoadError ModeldError NoSlotAvailableError NotOwnerError OpenSessionRequest
-        OperationTimeoutError PrefillProgress PrefixInput PrefixRequiredError PrefixStatus ReuseDecision
+        OperationTimeoutError PrefillProgress PrefixInput PrefixRequiredError PrefixStatus Resume ReuseDecision
         Segment SessionClosedError SessionNotFoundError SessionSummary ShuttingDownError StaleFenceError
         StallTimeoutError StreamChunk SuffixInput SuffixStatus UnauthenticatedError UnsupportedError Usage
         WarmContextInfo aconnect connect discover Constraint ToolCall ToolCallDelta ToolLoopResult ToolRound
