@@ -129,9 +129,11 @@ def copying_problems(spec: ModelSpec) -> list[str]:
     if spec.ff < _FFN_UNITS_NEEDED:
         problems.append(f"copying weights need ff >= {_FFN_UNITS_NEEDED}")
     if not spec.tied_embeddings:
-        problems.append("copying weights are built for tied embeddings")
+        problems.append("copying weights need tied embeddings (the output reads the token codes)")
     if spec.context_length > 32768:
-        problems.append("copying weights are solved for contexts up to 32768 tokens")
+        problems.append(
+            "copying weights need context_length <= 32768 (what the position heads are solved for)"
+        )
     return problems
 
 
