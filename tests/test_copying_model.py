@@ -47,7 +47,7 @@ SMALL = replace(
     dtype="f16",
 )
 SMALL_LINES = 36  # held-out lines in SMALL's rewrite: ~1400 tokens in all
-COPYING_LINES = 96  # ~3500 tokens
+COPYING_LINES = 64  # ~2300 tokens
 
 # Measured (blueprint 0008): teacher-forced 0.994 (SMALL, 48 lines) and 0.996 (COPYING,
 # 120 lines); free-running greedy 1.0 on both engines. The thresholds leave room for another
@@ -98,7 +98,7 @@ def test_a_spec_that_cannot_carry_the_circuit_is_rejected(change: dict[str, Any]
         replace(COPYING, **change)
 
 
-@pytest.mark.parametrize("offset", [1, 2, 4, 8])
+@pytest.mark.parametrize("offset", [1, 2, 4, 8, 16])
 def test_a_previous_token_head_peaks_at_its_offset_over_the_whole_context(offset: int) -> None:
     """The position weights (constants in _copying) against every distance up to 32768."""
     weights = np.array(circuit._POS_WEIGHTS)
@@ -122,7 +122,7 @@ def test_token_codes_are_signs_and_the_hash_permutations_have_no_fixed_point() -
     overlap = codes @ codes.T / circuit.CODE_DIM
     np.fill_diagonal(overlap, 0)
     assert np.abs(overlap).max() < 0.6  # near-orthogonal: the copy decodes to one token
-    for name in ("h2", "h4", "h8", "h16", "fallback"):
+    for name in ("h2", "h4", "h8", "h16", "h32", "fallback"):
         perm = circuit._derangement(0, f"copying.perm.{name}", circuit.CODE_DIM)
         assert sorted(perm) == list(range(circuit.CODE_DIM))
         assert not np.any(perm == np.arange(circuit.CODE_DIM))
@@ -270,6 +270,7 @@ def test_copying_file_is_realistic_sized_q8_0_and_byte_identical_to_the_pinned_g
 
 @pytest.mark.slow
 @pytest.mark.llama
+@pytest.mark.timeout(900)  # ~25 s on an idle 2-core box; 230 s seen with the cores shared 5 ways
 def test_copying_copies_a_rewritten_file_in_llama_cpp(copying_path: Path) -> None:
     driver = LlamaDriver(copying_path, n_ctx=8192, threads=2)
     try:
@@ -299,4 +300,14 @@ def test_openvino_loads_copying_and_copies(copying_path: Path) -> None:
     _assert_openvino_copies(copying_path, case)
 
 
-COPYING_SHA256 = "to be measured"
+# sha256 of COPYING's file, pinned like TINY's (tests/test_testmodels.py): a change here on another machine
+# or with other NumPy, gguf or tokenizers versions is a determinism bug; an intended change of
+# the construction bumps GENERATOR_VERSION and updates it.
+COPYING_SHA256 = "2bdacdfa9330c9a3294cecf0d9f93d87309c05c0d67efd75f3d7e72857bbf001"
+
+
+def test_the_construction_version_renames_copying_files_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = (COPYING.digest(), TINY.digest(), REALISTIC.digest())
+    monkeypatch.setattr(circuit, "COPYING_VERSION", circuit.COPYING_VERSION + 1)
+    assert COPYING.digest() != before[0]
+    assert (TINY.digest(), REALISTIC.digest()) == before[1:]

@@ -10,16 +10,16 @@ How (details and measurements in ``blueprints/0008-test-models.md``):
 
 * Every token has a random sign code ``e_t`` (entries +-1, :data:`CODE_DIM` of them). The
   residual stream is cut into a constant block and code-sized slots.
-* *Previous-token heads* read a code through V and write it, one position later (or 2, 4, 8),
+* *Previous-token heads* read a code through V and write it, one position later (or 2, 4, 8, 16),
   into a slot. Their q and k come from a constant coordinate only and are set so that every
   low-index RoPE frequency pair is in phase at the wanted offset; a large ``rope.freq_base``
   leaves the other pairs nearly rotation-free.
 * *Hashing FFNs* multiply two codes element-wise (a pair of SwiGLU units computes
   ``silu(z)*y + silu(-z)*(-y) = z*y`` exactly), giving a code of the n-gram ending at each
-  position: ``h2 = e_i * P(e_{i-1})``, ``h4 = h2_i * P(h2_{i-2})``, ``h8``, ``h16`` (``P`` a fixed
+  position: ``h2 = e_i * P(e_{i-1})``, ``h4 = h2_i * P(h2_{i-2})``, ``h8``, ``h16``, ``h32`` (``P`` a fixed
   signed derangement per level). Equal n-grams get equal codes; different ones nearly
   orthogonal codes (an XOR hash), so a partial match earns nothing.
-* *Induction heads*, one per level L in (2, 4, 8, 16), compare the query's ``h_L`` with the key
+* *Induction heads*, one per level L in (2, 4, 8, 16, 32), compare the query's ``h_L`` with the key
   ``h_L(j-1)`` (moved one position by a previous-token head) in the rotation-free pairs, and
   copy the token code of position ``j`` into the output slot. A sink at BOS absorbs the
   attention when nothing matches. Longer levels write with larger gains, so the longest
@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # _spec imports this module to validate a copying spec
 __all__ = [
     "CIRCUIT_LAYERS",
     "CODE_DIM",
+    "COPYING_VERSION",
     "LEVELS",
     "ROPE_FREQ_BASE",
     "copying_problems",
@@ -59,6 +60,10 @@ __all__ = [
 ]
 
 F32 = npt.NDArray[np.float32]
+
+# Bump whenever the bytes written for an unchanged copying spec could change: it enters the
+# spec's digest (and so the cache name) of copying specs only.
+COPYING_VERSION: Final = 1
 
 # The construction is solved for this head width and RoPE base: pairs 0-7 (theta 1 ... 7e-5
 # per token) are the position pairs, pairs 8-62 (theta <= 1.6e-5, < 0.53 rad over 32k
@@ -69,19 +74,19 @@ _POS_PAIRS: Final = 8
 _SINK_PAIR: Final = 63
 CODE_DIM: Final = 2 * (_SINK_PAIR - _POS_PAIRS)  # 110
 # Weights of the position pairs in a previous-token head's score (sum 1). Chosen (max-min over
-# offsets 1, 2, 4, 8 and every distance up to 32768) so that the score at the wanted offset
+# offsets 1-16 and every distance up to 32768) so that the score at the wanted offset
 # beats every other distance by at least 0.147 of the peak (0.152 at the neighbours).
 _POS_WEIGHTS: Final = (0.32, 0.13, 0.13, 0.08, 0.09, 0.11, 0.06, 0.08)
 # n-gram lengths of the induction heads and the gain each writes the copied code with: the
 # longest match dominates, shorter ones take over where it finds nothing.
-LEVELS: Final = (2, 4, 8, 16)
-_GAINS: Final = {2: 0.15, 4: 0.2, 8: 0.3, 16: 0.4}
-_FALLBACK_GAIN: Final = 0.15
+LEVELS: Final = (2, 4, 8, 16, 32)
+_GAINS: Final = {2: 0.1, 4: 0.15, 8: 0.2, 16: 0.3, 32: 0.45}
+_FALLBACK_GAIN: Final = 0.1
 
 # Residual stream: dims 0-31 hold the constant, the BOS flag and the control-token flag; then
 # code slots of CODE_DIM dims each.
 _CONST_DIM, _BOS_DIM, _CONTROL_DIM = 0, 1, 2
-_CONST: Final = 40.0  # dominates the norm, so RMSNorm is nearly a fixed scale
+_CONST: Final = 60.0  # dominates the norm, so RMSNorm is nearly a fixed scale
 _CONTROL_FLAG: Final = 1.0
 _BOS_FLAG: Final = math.sqrt(CODE_DIM - _CONTROL_FLAG**2)  # BOS (no code) has a token's norm
 _CONTROL_BIAS: Final = -1.0  # the control dim's value from layer 0 on
@@ -92,14 +97,14 @@ _SLOT0: Final = 32
 # an induction match (the sink scores half of it).
 _POS_SCORE: Final = 200.0
 _MATCH_SCORE: Final = 60.0
-# Output: logit = _OUT_SCALE * (normalised output slot . e_t); control tokens lose
+# Output: a copy on which every level agrees scores _COPY_LOGIT; control tokens lose
 # _CONTROL_PENALTY logits.
-_OUT_SCALE: Final = 0.5
+_COPY_LOGIT: Final = 40.0
 _CONTROL_PENALTY: Final = 8.0
 # Filler layers: RMS of each block's output per residual dimension (the residual's is ~1.5).
 _FILLER_GAIN: Final = 2e-3
 
-CIRCUIT_LAYERS: Final = 9
+CIRCUIT_LAYERS: Final = 11
 
 
 def slot(name: str) -> slice:
@@ -202,7 +207,7 @@ _SCHEDULE: Final = (
     ),
     # 1: K2 = h2_{i-1} -> A, h2_{i-2} -> C; h4 = h2 * P(h2_{i-2}) -> D; the fallback code into E.
     (_Attn("B", (_Move(1, "A"), _Move(2, "C"))), _Ffn((("D", "B", "C", "h4"),), ("C",), fallback_from="B")),
-    # 2: induction on bigrams (query h2, key K2, value the token code X) into E.
+    # 2: induction on 2-grams (query h2, key K2, value the token code X) into E.
     (_Attn("X", induction=("B", "A", 2)), _Ffn(erase=("A", "B"))),
     # 3: K4 -> A, h4_{i-4} -> C; h8 -> B.
     (_Attn("D", (_Move(1, "A"), _Move(4, "C"))), _Ffn((("B", "D", "C", "h8"),), ("C",))),
@@ -212,10 +217,14 @@ _SCHEDULE: Final = (
     (_Attn("B", (_Move(1, "A"), _Move(8, "C"))), _Ffn((("D", "B", "C", "h16"),), ("C",))),
     # 6: induction on 8-grams.
     (_Attn("X", induction=("B", "A", 8)), _Ffn(erase=("A", "B"))),
-    # 7: K16 -> A.
-    (_Attn("D", (_Move(1, "A"),)), _Ffn()),
-    # 8: induction on 16-grams; afterwards only X (and the output in E) remain.
+    # 7: K16 -> A, h16_{i-16} -> C; h32 -> B.
+    (_Attn("D", (_Move(1, "A"), _Move(16, "C"))), _Ffn((("B", "D", "C", "h32"),), ("C",))),
+    # 8: induction on 16-grams.
     (_Attn("X", induction=("D", "A", 16)), _Ffn(erase=("A", "D"))),
+    # 9: K32 -> A.
+    (_Attn("B", (_Move(1, "A"),)), _Ffn()),
+    # 10: induction on 32-grams; afterwards only X (and the output in E) remain.
+    (_Attn("X", induction=("B", "A", 32)), _Ffn(erase=("A", "B"))),
 )
 assert len(_SCHEDULE) == CIRCUIT_LAYERS
 
@@ -304,7 +313,7 @@ def _output_norm(spec: ModelSpec) -> F32:
     """The final RMSNorm weights: the logits read only the output slot and the control dim."""
     gain = math.sqrt(spec.hidden / (_CONST**2 + CODE_DIM + _CONTROL_BIAS**2))
     out = np.zeros(spec.hidden, dtype=np.float32)
-    out[slot("E")] = _OUT_SCALE
+    out[slot("E")] = _COPY_LOGIT / (gain * CODE_DIM * sum(_GAINS.values()))
     out[_CONTROL_DIM] = _CONTROL_PENALTY / (_CONTROL_FLAG * -_CONTROL_BIAS * gain)
     return out
 

@@ -142,12 +142,15 @@ class ModelSpec:
         return -(-self.hidden // 16) if self.arch == "mamba" else 0
 
     def digest(self) -> str:
-        """A short hex digest of ``(spec, GENERATOR_VERSION)``: the cache identity of the file."""
-        payload = json.dumps(
-            {"generator_version": GENERATOR_VERSION, "spec": self._identity()},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        """A short hex digest of ``(spec, GENERATOR_VERSION)``: the cache identity of the file.
+        For constructed weights it also covers their construction's own version
+        (``_copying.COPYING_VERSION``), so changing the construction renames only those files."""
+        identity: dict[str, Any] = {"generator_version": GENERATOR_VERSION, "spec": self._identity()}
+        if self.weights == "copying":
+            from modeld.testmodels._copying import COPYING_VERSION
+
+            identity["copying_version"] = COPYING_VERSION
+        payload = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
     def _identity(self) -> dict[str, Any]:
