@@ -9,7 +9,7 @@ token. A long prefill draws a progress bar from the daemon's progress reports
 (``ensure_prefix(..., progress=callback)``). Turn 3 edits the repo map, so part of the prefix is
 recomputed and explain-context says where.
 
-``--model`` takes a GGUF path, or ``tiny`` / ``realistic`` for the models the project generates
+``--model`` takes a GGUF path, or ``tiny`` / ``realistic`` / ``copying`` for the models the project generates
 (``modeld.testmodels``). With the memory backend the model is a name.
 """
 
@@ -62,10 +62,10 @@ def _repo_map(root: Path, limit_bytes: int) -> str:
 def _resolve_model(backend: str, model: str) -> str:
     if backend == "memory":
         return model or "demo"
-    if model in ("", "tiny", "realistic"):
+    if model in ("", "tiny", "realistic", "copying"):
         from modeld import testmodels
 
-        spec = testmodels.REALISTIC if model == "realistic" else testmodels.TINY
+        spec = {"realistic": testmodels.REALISTIC, "copying": testmodels.COPYING}.get(model, testmodels.TINY)
         print(f"demo: using the generated {spec.name} model (generating it on first use)...")
         return str(testmodels.ensure_model(spec))
     return model
@@ -167,7 +167,7 @@ def _table(rows: list[tuple[str, TurnResult]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="modeld-demo", description=__doc__)
     parser.add_argument("--backend", default="llama", choices=["memory", "llama", "openvino"])
-    parser.add_argument("--model", default="", help="GGUF path, or tiny / realistic (generated)")
+    parser.add_argument("--model", default="", help="GGUF path, or tiny / realistic / copying (generated)")
     parser.add_argument("--prefix-bytes", type=int, default=6000, help="size of the repo map")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--num-ctx", type=int, default=8192)

@@ -109,6 +109,7 @@ def field(reader: GGUFReader, key: str) -> Any:
 def test_public_api_is_pinned() -> None:
     assert sorted(testmodels.__all__) == sorted(
         [
+            "COPYING",
             "GENERATOR_VERSION",
             "REALISTIC",
             "RECURRENT",
@@ -163,6 +164,9 @@ def test_realistic_has_the_shape_of_a_half_billion_parameter_gqa_model() -> None
         {"arch": "gpt2"},
         {"ssm_state": 16},  # SSM sizes belong to mamba
         {"arch": "mamba"},  # with TINY's heads and ff, and no SSM sizes
+        {"weights": "trained"},
+        {"weights": "copying"},  # TINY cannot carry the circuit (see test_copying_model.py)
+        {"rope_freq_base": 0.0},
     ],
 )
 def test_inconsistent_specs_are_rejected(change: dict[str, Any]) -> None:
@@ -182,6 +186,7 @@ def test_fields_added_later_enter_the_digest_only_when_not_at_their_default() ->
     assert REALISTIC.digest() == "2e77b3a63855"
     assert replace(RECURRENT, ssm_state=8).digest() != RECURRENT.digest()
     assert replace(RECURRENT, ssm_conv=3).digest() != RECURRENT.digest()
+    assert replace(TINY, rope_freq_base=1e6).digest() != TINY.digest()
 
 
 def test_file_name_is_spec_name_plus_digest_of_spec_and_generator_version(
@@ -753,4 +758,6 @@ def test_model_spec_fields_are_exactly_the_documented_ones() -> None:
         "arch",
         "ssm_state",
         "ssm_conv",
+        "weights",
+        "rope_freq_base",
     ]

@@ -32,9 +32,10 @@ from pathlib import Path
 from filelock import FileLock
 
 from modeld.testmodels._gguf import write_gguf
-from modeld.testmodels._spec import GENERATOR_VERSION, REALISTIC, RECURRENT, TINY, ModelSpec
+from modeld.testmodels._spec import COPYING, GENERATOR_VERSION, REALISTIC, RECURRENT, TINY, ModelSpec
 
 __all__ = [
+    "COPYING",
     "GENERATOR_VERSION",
     "REALISTIC",
     "RECURRENT",

@@ -1,4 +1,4 @@
-"""``python -m modeld.testmodels tiny|realistic|recurrent [--cache-dir DIR] [--seed N]``.
+"""``python -m modeld.testmodels tiny|realistic|recurrent|copying [--cache-dir DIR] [--seed N]``.
 
 Generates the model if it is not cached yet and prints the path of its GGUF file (and nothing
 else on stdout), so scripts can use ``MODEL=$(python -m modeld.testmodels tiny)``.
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from modeld.testmodels import (
+    COPYING,
     REALISTIC,
     RECURRENT,
     TINY,
@@ -21,13 +22,13 @@ from modeld.testmodels import (
     ensure_model,
 )
 
-_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (TINY, REALISTIC, RECURRENT)}
+_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (TINY, REALISTIC, RECURRENT, COPYING)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m modeld.testmodels",
-        description="Generate (or find in the cache) a random-weight GGUF test model and print its path.",
+        description="Generate (or find in the cache) a GGUF test model and print its path.",
     )
     parser.add_argument("model", choices=sorted(_SPECS), help="which spec to generate")
     parser.add_argument(

@@ -36,6 +36,7 @@ import gguf
 import numpy as np
 import numpy.typing as npt
 
+from modeld.testmodels._copying import copying_values, filler_gain
 from modeld.testmodels._spec import GENERATOR_VERSION, ModelSpec
 from modeld.testmodels._template import CHATML_TOOLS_TEMPLATE
 from modeld.testmodels._tokenizer import TOKEN_TYPE_NORMAL, Vocabulary, build_vocabulary
@@ -44,7 +45,6 @@ __all__ = ["SPEC_DIGEST_KEY", "WeightRecipe", "recipe_for", "write_gguf"]
 
 SPEC_DIGEST_KEY: Final = "modeld.testmodels.spec_digest"
 _RMS_EPS: Final = 1e-6
-_ROPE_FREQ_BASE: Final = 10000.0
 _FILE_TYPE: Final = {
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
@@ -106,6 +106,9 @@ def recipe_for(spec: ModelSpec) -> WeightRecipe:
     logits (std 1.5). The rule below gives 0.069 for REALISTIC and scales with depth and width.
     """
     recipe = WeightRecipe()
+    if spec.weights == "copying":
+        # Only the filler layers are random; their outputs barely touch the residual stream.
+        return replace(recipe, attention_gain=filler_gain(), ffn_gain=filler_gain())
     if not spec.tied_embeddings:
         return recipe
     if spec.arch == "mamba":
@@ -203,6 +206,10 @@ def _uniform(seed: int, name: str, shape: tuple[int, ...], std: float) -> npt.ND
 
 
 def _values(spec: ModelSpec, vocab: Vocabulary, t: _Tensor) -> npt.NDArray[np.float32]:
+    if spec.weights == "copying":
+        constructed = copying_values(spec, vocab, t.name, t.shape)
+        if constructed is not None:
+            return constructed
     if t.fill == "ones":
         return np.ones(t.shape, dtype=np.float32)
     if t.fill == "ssm_a":
@@ -260,10 +267,16 @@ def write_gguf(spec: ModelSpec, path: Path, recipe: WeightRecipe | None = None) 
 
 def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocabulary) -> None:
     writer.add_name(f"modeld-test-{spec.name}")
-    writer.add_description(
-        f"Random weights for tests; modeld.testmodels generator {GENERATOR_VERSION}, "
-        f"seed {spec.seed}. Not a language model."
-    )
+    if spec.weights == "copying":
+        writer.add_description(
+            f"Constructed n-gram induction circuit that copies earlier context, for tests; "
+            f"modeld.testmodels generator {GENERATOR_VERSION}, seed {spec.seed}. Not a language model."
+        )
+    else:
+        writer.add_description(
+            f"Random weights for tests; modeld.testmodels generator {GENERATOR_VERSION}, "
+            f"seed {spec.seed}. Not a language model."
+        )
     # Provenance: the cache identity of this file, readable without knowing its name.
     writer.add_string(SPEC_DIGEST_KEY, spec.digest())
     writer.add_file_type(_FILE_TYPE[spec.dtype])
@@ -288,7 +301,7 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocabulary) -
         writer.add_head_count_kv(spec.kv_heads)
         writer.add_layer_norm_rms_eps(_RMS_EPS)
         writer.add_rope_dimension_count(spec.head_dim)
-        writer.add_rope_freq_base(_ROPE_FREQ_BASE)
+        writer.add_rope_freq_base(spec.rope_freq_base)
 
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")

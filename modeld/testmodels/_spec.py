@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
-__all__ = ["GENERATOR_VERSION", "REALISTIC", "RECURRENT", "TINY", "ModelSpec"]
+__all__ = ["COPYING", "GENERATOR_VERSION", "REALISTIC", "RECURRENT", "TINY", "ModelSpec"]
 
 # Bump whenever the bytes written for an unchanged spec could change (corpus, tokenizer layout,
 # weight recipe, metadata, template). The cache file name includes it.
@@ -29,7 +29,8 @@ _Q8_0_BLOCK: Final = 32
 # Fields added after GENERATOR_VERSION 1's specs were published. They enter the digest only when
 # they differ from their default, so TINY and REALISTIC keep their digests and (since the digest
 # is written into the file) their bytes.
-_LATER_FIELDS: Final = ("arch", "ssm_state", "ssm_conv")
+_LATER_FIELDS: Final = ("arch", "ssm_state", "ssm_conv", "weights", "rope_freq_base")
+_WEIGHTS: Final = ("random", "copying")
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class ModelSpec:
     arch: str = "llama"
     ssm_state: int = 0
     ssm_conv: int = 0
+    weights: str = "random"
+    rope_freq_base: float = 10000.0
 
     def __post_init__(self) -> None:
         problems = []
@@ -86,6 +89,14 @@ class ModelSpec:
             problems.append("context_length must be positive")
         if not 0 <= self.seed < 2**63:
             problems.append("seed must be in [0, 2**63)")
+        if not self.rope_freq_base > 0:
+            problems.append("rope_freq_base must be positive")
+        if self.weights not in _WEIGHTS:
+            problems.append(f"weights {self.weights!r} is not one of {_WEIGHTS}")
+        elif self.weights == "copying" and not problems:
+            from modeld.testmodels._copying import copying_problems
+
+            problems += copying_problems(self)
         if problems:
             raise ValueError(f"invalid ModelSpec {self.name!r}: " + "; ".join(problems))
 
@@ -131,12 +142,15 @@ class ModelSpec:
         return -(-self.hidden // 16) if self.arch == "mamba" else 0
 
     def digest(self) -> str:
-        """A short hex digest of ``(spec, GENERATOR_VERSION)``: the cache identity of the file."""
-        payload = json.dumps(
-            {"generator_version": GENERATOR_VERSION, "spec": self._identity()},
-            sort_keys=True,
-            separators=(",", ":"),
-        )
+        """A short hex digest of ``(spec, GENERATOR_VERSION)``: the cache identity of the file.
+        For constructed weights it also covers their construction's own version
+        (``_copying.COPYING_VERSION``), so changing the construction renames only those files."""
+        identity: dict[str, Any] = {"generator_version": GENERATOR_VERSION, "spec": self._identity()}
+        if self.weights == "copying":
+            from modeld.testmodels._copying import COPYING_VERSION
+
+            identity["copying_version"] = COPYING_VERSION
+        payload = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
     def _identity(self) -> dict[str, Any]:
@@ -197,4 +211,25 @@ RECURRENT: Final = ModelSpec(
     arch="mamba",
     ssm_state=16,
     ssm_conv=4,
+)
+
+# REALISTIC's size and per-token cost with constructed weights that copy earlier context (an
+# n-gram induction circuit, ``_copying.py``). 7 query heads of width 128 sharing one KV head
+# instead of 14 of width 64 sharing two: the same parameters, KV bytes per token and attention
+# FLOPs, but the content match gets 110 rotation-free dimensions per head instead of ~50.
+# rope_freq_base 1e38 leaves RoPE pairs 8-63 nearly rotation-free over 32k tokens.
+COPYING: Final = ModelSpec(
+    name="copying",
+    hidden=896,
+    layers=24,
+    heads=7,
+    kv_heads=1,
+    ff=4864,
+    vocab_size=32000,
+    context_length=32768,
+    dtype="q8_0",
+    tied_embeddings=True,
+    seed=0,
+    weights="copying",
+    rope_freq_base=1e38,
 )
