@@ -1,7 +1,9 @@
 """The coding agents people run, unchanged, against a real ``modeld serve --http``: Claude Code
 (Anthropic Messages API) and Codex CLI (Responses API), installed from npm (pinned, cached by
 scripts/install_agents.sh), each run headless twice in a small git repository against the
-generated tiny model (llama backend, a 32k window). Both runs complete without an API error, and
+generated model that answers briefly and ends its turn (``modeld-reply``: TINY's size, a 32k window;
+an agent treats an answer cut off at its output limit as an API error, and random weights never end
+a turn). Both runs complete without an API error, and
 the second run's prompt is served from warm state, as ``/metrics`` counts it.
 
 Before them, without npm: every request those agents were recorded sending
@@ -19,12 +21,14 @@ from typing import Any
 
 import httpx
 import pytest
+from agents import ensure_agents, make_repo, run_claude, run_codex, write_codex_config
 from daemon_proc import serve_http, stop
 from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = [pytest.mark.wire, pytest.mark.llama, pytest.mark.slow]
 
 MODEL = "modeld-tiny"
+AGENT_MODEL = "modeld-reply"  # answers every turn and ends it: an agent treats a cut-off answer as an error
 FIXTURES = Path(__file__).parent / "fixtures" / "agents"
 
 
@@ -89,3 +93,57 @@ def test_every_recorded_codex_request_is_answered(daemon: tuple[str, Path], name
         kinds
     )
     assert "response.output_item.done" in kinds
+
+
+def test_claude_code_runs_twice_and_the_second_run_is_warm(daemon: tuple[str, Path]) -> None:
+    url, tmp = daemon
+    agents = ensure_agents()
+    repo = make_repo(tmp / "claude-repo")
+    home = tmp / "claude-home"
+    runs = []
+    for _ in range(2):
+        before = counters(url)
+        run = run_claude(
+            agents.claude, "What does calc.py do?", cwd=repo, home=home, base_url=url, model=AGENT_MODEL,
+            max_output_tokens=48, max_retries=0, timeout=600,
+        )  # fmt: skip
+        after = counters(url)
+        assert run.returncode == 0 and not run.timed_out, (run.stderr[-2000:], run.stdout[-2000:])
+        assert isinstance(run.result, dict) and not run.result.get("is_error"), run.result
+        assert run.result["result"] == "Understood."  # what modeld-reply answers
+        runs.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
+    prompt, cached = runs[1]["modeld_prompt_tokens_total"], runs[1]["modeld_prompt_tokens_cached_total"]
+    assert prompt > 10_000, runs  # Claude Code's first request: system prompt, 12 tools, environment
+    assert cached / prompt > 0.5, runs  # its system prompt and tools served from warm state
+
+
+def test_codex_runs_twice_and_the_second_run_is_warm(daemon: tuple[str, Path]) -> None:
+    url, tmp = daemon
+    agents = ensure_agents()
+    repo = make_repo(tmp / "codex-repo")
+    codex_home = tmp / "codex-home"
+    write_codex_config(codex_home, f"{url}/v1", AGENT_MODEL, context_window=32768)
+    runs = []
+    for _ in range(2):
+        before = counters(url)
+        run = run_codex(
+            agents.codex, "What does calc.py do?", cwd=repo, codex_home=codex_home, home=tmp / "codex-user",
+            timeout=600,
+        )  # fmt: skip
+        after = counters(url)
+        assert run.returncode == 0 and not run.timed_out, (run.stderr[-2000:], run.stdout[-2000:])
+        events = run.result or []
+        kinds = [e.get("type") for e in events if isinstance(e, dict)]
+        assert "turn.completed" in kinds and "turn.failed" not in kinds and "error" not in kinds, events
+        answers = [
+            e["item"]["text"]
+            for e in events
+            if e.get("type") == "item.completed" and e["item"].get("type") == "agent_message"
+        ]
+        assert answers == ["Understood."], (
+            events
+        )  # Codex warns that it has no metadata for the model: not an error
+        runs.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
+    prompt, cached = runs[1]["modeld_prompt_tokens_total"], runs[1]["modeld_prompt_tokens_cached_total"]
+    assert prompt > 5_000, runs
+    assert cached / prompt > 0.5, runs

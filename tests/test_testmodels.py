@@ -44,7 +44,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # sha256 of TINY's file. It pins cross-machine determinism: if this changes on another machine,
 # Python, NumPy, gguf or tokenizers version, the generator is not deterministic there (fix it);
 # if it changes because the generator changed on purpose, bump GENERATOR_VERSION and update it.
-TINY_SHA256 = "6f7f8e2f5cfdf9357dba1d427469fee8ead632aa91367e4e570899f53795988e"
+TINY_SHA256 = (
+    "351efe475afe933a180be942e22ad6fcba96cf76bbe6b49dd3275074d45a784c"  # context_length 32768 (agents)
+)
 RECURRENT_SHA256 = "efa711150a899d505f5a207bff4c6813da614c2c086b0fdc215ee8920a123d18"
 
 BOS_ID, IM_START_ID, EOS_ID = 4093, 4094, 4095  # control tokens are the last three ids
@@ -113,6 +115,7 @@ def test_public_api_is_pinned() -> None:
             "GENERATOR_VERSION",
             "REALISTIC",
             "RECURRENT",
+            "REPLY",
             "TINY",
             "ModelSpec",
             "default_cache_dir",
@@ -181,8 +184,9 @@ def test_inconsistent_mamba_specs_are_rejected(change: dict[str, Any]) -> None:
 
 
 def test_fields_added_later_enter_the_digest_only_when_not_at_their_default() -> None:
-    # TINY's and REALISTIC's digests (and so their files) predate arch/ssm_*; pinned values.
-    assert TINY.digest() == "b8af0f51dbb0"
+    # TINY's and REALISTIC's digests (and so their files) predate arch/ssm_*; pinned values
+    # (TINY's window grew to 32768 for the agents, a change of its spec, not of the generator).
+    assert TINY.digest() == "7b643ad8499d"
     assert REALISTIC.digest() == "2e77b3a63855"
     assert replace(RECURRENT, ssm_state=8).digest() != RECURRENT.digest()
     assert replace(RECURRENT, ssm_conv=3).digest() != RECURRENT.digest()
@@ -761,3 +765,30 @@ def test_model_spec_fields_are_exactly_the_documented_ones() -> None:
         "weights",
         "rope_freq_base",
     ]
+
+
+@pytest.mark.llama
+def test_reply_answers_every_chat_turn_briefly_and_ends_it() -> None:
+    """REPLY's whole point: greedy or sampled, after any conversation, the answer is REPLY_TEXT
+    and the end-of-turn token (an agent treats a turn cut off at its limit as an error)."""
+    import llama_cpp
+
+    from modeld.testmodels import REPLY
+    from modeld.testmodels._reply import REPLY_TEXT
+
+    llm = llama_cpp.Llama(model_path=str(ensure_model(REPLY)), n_ctx=8192, verbose=False)
+    try:
+        prompts = [
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\n"
+            + "def f(x):\n    return x\n" * 200
+            + "<|im_end|>\n<|im_start|>assistant\n",
+            "<|im_start|>user\n<tool_response>\nsetup.py\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+        ]
+        for prompt in prompts:
+            for temperature, seed in ((0.0, 0), (1.0, 7), (1.0, 8)):
+                out = llm.create_completion(prompt, max_tokens=32, temperature=temperature, seed=seed)
+                choice = out["choices"][0]
+                assert (choice["text"], choice["finish_reason"]) == (REPLY_TEXT, "stop"), (prompt[:40], seed)
+    finally:
+        llm.close()

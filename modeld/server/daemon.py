@@ -345,7 +345,7 @@ def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, A
         raise ServeError(
             f"--http needs the http extra ({', '.join(missing)} missing): pip install 'modeld[http]'"
         )
-    from modeld.server.http.models import ModelRegistry, RegistryError, default_model, parse_model_option
+    from modeld.server.http.models import ModelRegistry, RegistryError, default_models, parse_model_option
 
     try:
         entries = {}
@@ -354,7 +354,7 @@ def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, A
             if entry.name in entries:
                 raise RegistryError(f"--model {entry.name} is given twice")
             entries[entry.name] = entry
-        fallback = default_model(options.backend) if not entries and options.models_dir is None else None
+        fallback = default_models(options.backend) if not entries and options.models_dir is None else None
         registry = ModelRegistry(options.backend, entries, options.models_dir, fallback)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None

@@ -32,13 +32,14 @@ from pathlib import Path
 from filelock import FileLock
 
 from modeld.testmodels._gguf import write_gguf
-from modeld.testmodels._spec import COPYING, GENERATOR_VERSION, REALISTIC, RECURRENT, TINY, ModelSpec
+from modeld.testmodels._spec import COPYING, GENERATOR_VERSION, REALISTIC, RECURRENT, REPLY, TINY, ModelSpec
 
 __all__ = [
     "COPYING",
     "GENERATOR_VERSION",
     "REALISTIC",
     "RECURRENT",
+    "REPLY",
     "TINY",
     "ModelSpec",
     "default_cache_dir",

@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from modeld.testmodels._copying import copying_values, filler_gain
+from modeld.testmodels._reply import BLOCK_GAIN, reply_output
 from modeld.testmodels._spec import GENERATOR_VERSION, ModelSpec
 from modeld.testmodels._template import CHATML_TOOLS_TEMPLATE
 from modeld.testmodels._tokenizer import TOKEN_TYPE_NORMAL, Vocabulary, build_vocabulary
@@ -109,6 +110,9 @@ def recipe_for(spec: ModelSpec) -> WeightRecipe:
     if spec.weights == "copying":
         # Only the filler layers are random; their outputs barely touch the residual stream.
         return replace(recipe, attention_gain=filler_gain(), ffn_gain=filler_gain())
+    if spec.weights == "reply":
+        # Faint blocks: they read the context, the current token's embedding leads (_reply.py).
+        recipe = replace(recipe, attention_gain=BLOCK_GAIN, ffn_gain=BLOCK_GAIN)
     if not spec.tied_embeddings:
         return recipe
     if spec.arch == "mamba":
@@ -223,6 +227,11 @@ def _values(spec: ModelSpec, vocab: Vocabulary, t: _Tensor) -> npt.NDArray[np.fl
     if t.name == ("token_embd.weight" if spec.tied_embeddings else "output.weight"):
         special = np.array([ty != TOKEN_TYPE_NORMAL for ty in vocab.token_types])
         values[special] *= np.float32(_SPECIAL_ROW_SCALE)
+    if spec.weights == "reply" and t.name == "output.weight":
+        embedding = _uniform(
+            spec.seed, "token_embd.weight", (spec.vocab_size, spec.hidden), recipe_for(spec).embedding_rms
+        )
+        values = reply_output(values, embedding, vocab)
     return values
 
 

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
-__all__ = ["COPYING", "GENERATOR_VERSION", "REALISTIC", "RECURRENT", "TINY", "ModelSpec"]
+__all__ = ["COPYING", "GENERATOR_VERSION", "REALISTIC", "RECURRENT", "REPLY", "TINY", "ModelSpec"]
 
 # Bump whenever the bytes written for an unchanged spec could change (corpus, tokenizer layout,
 # weight recipe, metadata, template). The cache file name includes it.
@@ -30,7 +30,7 @@ _Q8_0_BLOCK: Final = 32
 # they differ from their default, so TINY and REALISTIC keep their digests and (since the digest
 # is written into the file) their bytes.
 _LATER_FIELDS: Final = ("arch", "ssm_state", "ssm_conv", "weights", "rope_freq_base")
-_WEIGHTS: Final = ("random", "copying")
+_WEIGHTS: Final = ("random", "copying", "reply")
 
 
 @dataclass(frozen=True)
@@ -232,4 +232,22 @@ COPYING: Final = ModelSpec(
     seed=0,
     weights="copying",
     rope_freq_base=1e38,
+)
+
+# TINY's shape and cost, answering every chat turn with a short reply and ending it (``_reply.py``):
+# what a coding agent needs of the model it talks to (it treats an answer cut off at its output
+# limit as an error). Faint random blocks, an output matrix with a token chain.
+REPLY: Final = ModelSpec(
+    name="reply",
+    hidden=128,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    ff=384,
+    vocab_size=4096,
+    context_length=32768,
+    dtype="f16",
+    tied_embeddings=False,
+    seed=0,
+    weights="reply",
 )

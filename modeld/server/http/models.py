@@ -1,5 +1,8 @@
 """The model names the HTTP endpoint serves: ``--model NAME=PATH``, ``--models-dir DIR``, or
-the project's generated default model when none is registered.
+the project's generated default models when none is registered: ``modeld-tiny`` (random
+weights: real compute, garbage text that never ends by itself) and, on GGUF backends,
+``modeld-reply`` (the same size, answering every chat turn briefly and ending it, which coding
+agents need: ``modeld.testmodels.REPLY``).
 
 A request's ``model`` field picks one by name; an unknown name is a 404. Clients see names
 only, never paths: ``/v1/models`` lists names, and errors about a model name it. Paths are
@@ -22,6 +25,7 @@ from pathlib import Path
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "REPLY_MODEL_NAME",
     "MAX_NAME_CHARS",
     "ModelEntry",
     "ModelRegistry",
@@ -30,6 +34,7 @@ __all__ = [
 ]
 
 DEFAULT_MODEL_NAME = "modeld-tiny"
+REPLY_MODEL_NAME = "modeld-reply"
 MAX_NAME_CHARS = 128
 _RESCAN_SECONDS = 1.0
 
@@ -95,19 +100,28 @@ def _scan(directory: Path, backend: str) -> dict[str, ModelEntry]:
     return found
 
 
-def default_model(backend: str) -> ModelEntry:
-    """The model served when none is registered: the project's generated tiny model."""
+def default_models(backend: str) -> tuple[ModelEntry, ...]:
+    """The models served when none is registered: the project's generated tiny model and, on
+    GGUF backends, the tiny model that answers and ends its turns (what agents need)."""
     if backend == "memory":
-        return ModelEntry(DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, int(time.time()))
+        return (ModelEntry(DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, int(time.time())),)
     try:
-        from modeld.testmodels import TINY, ensure_model
+        from modeld.testmodels import REPLY, TINY, ensure_model
     except ImportError as exc:
         raise RegistryError(
             f"no model is registered (--model NAME=PATH or --models-dir DIR) and the generated "
-            f"default model needs the models extra ({exc.name} is missing)"
+            f"default models need the models extra ({exc.name} is missing)"
         ) from None
-    path = ensure_model(TINY)
-    return ModelEntry(DEFAULT_MODEL_NAME, str(path), _created(path))
+    tiny, reply = ensure_model(TINY), ensure_model(REPLY)
+    return (
+        ModelEntry(DEFAULT_MODEL_NAME, str(tiny), _created(tiny)),
+        ModelEntry(REPLY_MODEL_NAME, str(reply), _created(reply)),
+    )
+
+
+def default_model(backend: str) -> ModelEntry:
+    """The first default model (``modeld-tiny``)."""
+    return default_models(backend)[0]
 
 
 class ModelRegistry:
@@ -118,20 +132,21 @@ class ModelRegistry:
         backend: str,
         models: Mapping[str, ModelEntry] | None = None,
         models_dir: Path | None = None,
-        fallback: ModelEntry | None = None,
+        fallback: ModelEntry | tuple[ModelEntry, ...] | None = None,
     ) -> None:
         self.backend = backend
         self._explicit = dict(models or {})
         self._dir = models_dir.resolve() if models_dir is not None else None
         self._scanned: dict[str, ModelEntry] = {}
         self._scanned_at = 0.0
-        self._fallback = fallback
+        fallbacks = (fallback,) if isinstance(fallback, ModelEntry) else (fallback or ())
+        self._fallback = {e.name: e for e in fallbacks}
         self._lock = threading.Lock()
         if self._dir is not None:
             if not self._dir.is_dir():
                 raise RegistryError(f"--models-dir {models_dir} is not a directory")
             self._rescan(force=True)
-        if not self._explicit and self._dir is None and fallback is None:
+        if not self._explicit and self._dir is None and not self._fallback:
             raise RegistryError("no model is registered")
 
     def _rescan(self, *, force: bool = False) -> None:
@@ -150,8 +165,8 @@ class ModelRegistry:
         self._rescan()
         with self._lock:
             merged = {**self._scanned, **self._explicit}
-        if not merged and self._fallback is not None:
-            merged = {self._fallback.name: self._fallback}
+        if not merged:
+            merged = dict(self._fallback)
         return sorted(merged.values(), key=lambda e: e.name)
 
     def get(self, name: str) -> ModelEntry | None:
@@ -164,6 +179,6 @@ class ModelRegistry:
                 empty = not self._explicit and not self._scanned
         else:
             empty = False
-        if entry is None and empty and self._fallback is not None and name == self._fallback.name:
-            return self._fallback
+        if entry is None and empty:
+            return self._fallback.get(name)
         return entry
