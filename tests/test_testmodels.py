@@ -116,6 +116,7 @@ def test_public_api_is_pinned() -> None:
             "REALISTIC",
             "RECURRENT",
             "REPLY",
+            "THINK",
             "TINY",
             "ModelSpec",
             "default_cache_dir",

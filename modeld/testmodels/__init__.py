@@ -32,7 +32,16 @@ from pathlib import Path
 from filelock import FileLock
 
 from modeld.testmodels._gguf import write_gguf
-from modeld.testmodels._spec import COPYING, GENERATOR_VERSION, REALISTIC, RECURRENT, REPLY, TINY, ModelSpec
+from modeld.testmodels._spec import (
+    COPYING,
+    GENERATOR_VERSION,
+    REALISTIC,
+    RECURRENT,
+    REPLY,
+    THINK,
+    TINY,
+    ModelSpec,
+)
 
 __all__ = [
     "COPYING",
@@ -40,6 +49,7 @@ __all__ = [
     "REALISTIC",
     "RECURRENT",
     "REPLY",
+    "THINK",
     "TINY",
     "ModelSpec",
     "default_cache_dir",

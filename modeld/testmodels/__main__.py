@@ -1,4 +1,4 @@
-"""``python -m modeld.testmodels tiny|realistic|recurrent|copying|reply [--cache-dir DIR] [--seed N]``.
+"""``python -m modeld.testmodels tiny|realistic|recurrent|copying|reply|think [--cache-dir DIR] [--seed N]``.
 
 Generates the model if it is not cached yet and prints the path of its GGUF file (and nothing
 else on stdout), so scripts can use ``MODEL=$(python -m modeld.testmodels tiny)``.
@@ -17,13 +17,16 @@ from modeld.testmodels import (
     REALISTIC,
     RECURRENT,
     REPLY,
+    THINK,
     TINY,
     ModelSpec,
     default_cache_dir,
     ensure_model,
 )
 
-_SPECS: dict[str, ModelSpec] = {spec.name: spec for spec in (TINY, REALISTIC, RECURRENT, COPYING, REPLY)}
+_SPECS: dict[str, ModelSpec] = {
+    spec.name: spec for spec in (TINY, REALISTIC, RECURRENT, COPYING, REPLY, THINK)
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

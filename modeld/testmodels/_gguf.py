@@ -39,7 +39,7 @@ import numpy.typing as npt
 from modeld.testmodels._copying import copying_values, filler_gain
 from modeld.testmodels._reply import BLOCK_GAIN, reply_output
 from modeld.testmodels._spec import GENERATOR_VERSION, ModelSpec
-from modeld.testmodels._template import CHATML_TOOLS_TEMPLATE
+from modeld.testmodels._template import CHATML_THINK_TEMPLATE, CHATML_TOOLS_TEMPLATE
 from modeld.testmodels._tokenizer import TOKEN_TYPE_NORMAL, Vocabulary, build_vocabulary
 
 __all__ = ["SPEC_DIGEST_KEY", "WeightRecipe", "recipe_for", "write_gguf"]
@@ -110,7 +110,7 @@ def recipe_for(spec: ModelSpec) -> WeightRecipe:
     if spec.weights == "copying":
         # Only the filler layers are random; their outputs barely touch the residual stream.
         return replace(recipe, attention_gain=filler_gain(), ffn_gain=filler_gain())
-    if spec.weights == "reply":
+    if spec.weights in ("reply", "think"):
         # Faint blocks: they read the context, the current token's embedding leads (_reply.py).
         recipe = replace(recipe, attention_gain=BLOCK_GAIN, ffn_gain=BLOCK_GAIN)
     if not spec.tied_embeddings:
@@ -227,11 +227,11 @@ def _values(spec: ModelSpec, vocab: Vocabulary, t: _Tensor) -> npt.NDArray[np.fl
     if t.name == ("token_embd.weight" if spec.tied_embeddings else "output.weight"):
         special = np.array([ty != TOKEN_TYPE_NORMAL for ty in vocab.token_types])
         values[special] *= np.float32(_SPECIAL_ROW_SCALE)
-    if spec.weights == "reply" and t.name == "output.weight":
+    if spec.weights in ("reply", "think") and t.name == "output.weight":
         embedding = _uniform(
             spec.seed, "token_embd.weight", (spec.vocab_size, spec.hidden), recipe_for(spec).embedding_rms
         )
-        values = reply_output(values, embedding, vocab)
+        values = reply_output(values, embedding, vocab, spec.weights)
     return values
 
 
@@ -322,4 +322,4 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocabulary) -
     writer.add_pad_token_id(vocab.pad_id)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_chat_template(CHATML_TOOLS_TEMPLATE)
+    writer.add_chat_template(CHATML_THINK_TEMPLATE if spec.weights == "think" else CHATML_TOOLS_TEMPLATE)

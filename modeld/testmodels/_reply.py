@@ -1,4 +1,4 @@
-"""REPLY: a generated model that answers a chat turn briefly and ends it, as agents need.
+"""REPLY and THINK: generated models that answer a chat turn briefly and end it, as agents need.
 
 Why: a coding agent (Claude Code, Codex CLI) treats an answer that stops at its output limit as
 an error, and a model with random weights never ends its turn (it would pick the end-of-turn
@@ -18,6 +18,11 @@ The chain is the canonical tokenization of the reply (the same BPE), so when an 
 answer back in its history it tokenizes to the tokens that were generated and stays warm.
 Each chain token occurs once (a bigram chain with a repeated token would loop).
 
+THINK is REPLY with a reasoning format (``CHATML_THINK_TEMPLATE``, as Qwen3's): its generation
+prompt opens ``<think>``, and the chain writes :data:`THOUGHT`, ``</think>``, then the reply. The
+template renders earlier assistant turns without their thinking, which is what the warm-reuse
+measurement of reasoning models needs.
+
 What not: no tool calls (an agent reads the reply as the final answer), no copying; where the
 chain does not apply (a forced tool call's grammar, a raw prompt) the output is TINY-like noise.
 """
@@ -33,10 +38,17 @@ import numpy.typing as npt
 
 from modeld.testmodels._tokenizer import QWEN2_PRETOKENIZER_REGEX, Vocabulary
 
-__all__ = ["BLOCK_GAIN", "CHAIN_LENGTH", "REPLY_TEXT", "reply_chain", "reply_output"]
+__all__ = ["BLOCK_GAIN", "CHAIN_LENGTH", "REPLY_TEXT", "THOUGHT", "reply_chain", "reply_output"]
 
 REPLY_TEXT: Final = "Understood."
 """What REPLY answers every chat turn with."""
+THOUGHT: Final = "Reading the request"
+"""What THINK thinks before it answers (inside ``<think>``)."""
+_OUTPUT: Final = {
+    "reply": ("assistant\n", REPLY_TEXT),
+    "think": ("assistant\n<think>\n", THOUGHT + "</think>" + REPLY_TEXT),
+}
+"""Per kind: how the generation prompt ends, and what the model writes after it."""
 BLOCK_GAIN: Final = 0.05
 """The attention and feed-forward blocks' gain, relative to TINY's recipe."""
 CHAIN_LENGTH: Final = 8.0
@@ -46,9 +58,10 @@ logits of standard deviation 6 (TINY's ``logit_std``): a margin no sampling temp
 overcomes."""
 
 
-@functools.lru_cache(maxsize=4)
-def reply_chain(vocab: Vocabulary) -> tuple[int, ...]:
-    """Token ids of ``"\\n"``, the reply's canonical tokenization, and ``<|im_end|>``."""
+@functools.lru_cache(maxsize=8)
+def reply_chain(vocab: Vocabulary, kind: str = "reply") -> tuple[int, ...]:
+    """Token ids of the generation prompt's last token, the output's canonical tokenization, and
+    ``<|im_end|>`` (``kind``: reply or think)."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
     index = {t: i for i, t in enumerate(vocab.tokens)}
@@ -60,20 +73,22 @@ def reply_chain(vocab: Vocabulary) -> tuple[int, ...]:
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
-    newline = bpe.encode("\n").ids
-    reply = bpe.encode(REPLY_TEXT).ids
-    chain = (*newline[-1:], *reply, vocab.eos_id)
+    prompt_end, text = _OUTPUT[kind]
+    chain = (bpe.encode(prompt_end).ids[-1], *bpe.encode(text).ids, vocab.eos_id)
     if len(set(chain)) != len(chain):
-        raise AssertionError(f"the reply {REPLY_TEXT!r} repeats a token: {chain}")
+        raise AssertionError(f"the output {text!r} repeats a token: {chain}")
     return chain
 
 
 def reply_output(
-    output: npt.NDArray[np.float32], embedding: npt.NDArray[np.float32], vocab: Vocabulary
+    output: npt.NDArray[np.float32],
+    embedding: npt.NDArray[np.float32],
+    vocab: Vocabulary,
+    kind: str = "reply",
 ) -> npt.NDArray[np.float32]:
-    """The output matrix ``output`` (vocab x hidden, random) with the reply's chain added."""
+    """The output matrix ``output`` (vocab x hidden, random) with the chain of ``kind`` added."""
     out = output.copy()
-    chain = reply_chain(vocab)
+    chain = reply_chain(vocab, kind)
     for before, after in itertools.pairwise(chain):
         e = embedding[before]
         out[after] += np.float32(CHAIN_LENGTH) * (e / np.float32(np.linalg.norm(e) + 1e-6))

@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
-__all__ = ["COPYING", "GENERATOR_VERSION", "REALISTIC", "RECURRENT", "REPLY", "TINY", "ModelSpec"]
+__all__ = ["COPYING", "GENERATOR_VERSION", "REALISTIC", "RECURRENT", "REPLY", "THINK", "TINY", "ModelSpec"]
 
 # Bump whenever the bytes written for an unchanged spec could change (corpus, tokenizer layout,
 # weight recipe, metadata, template). The cache file name includes it.
@@ -30,7 +30,7 @@ _Q8_0_BLOCK: Final = 32
 # they differ from their default, so TINY and REALISTIC keep their digests and (since the digest
 # is written into the file) their bytes.
 _LATER_FIELDS: Final = ("arch", "ssm_state", "ssm_conv", "weights", "rope_freq_base")
-_WEIGHTS: Final = ("random", "copying", "reply")
+_WEIGHTS: Final = ("random", "copying", "reply", "think")
 
 
 @dataclass(frozen=True)
@@ -250,4 +250,21 @@ REPLY: Final = ModelSpec(
     tied_embeddings=False,
     seed=0,
     weights="reply",
+)
+
+# REPLY with a reasoning format (Qwen3's shape of template): it thinks, then answers and ends the
+# turn; earlier turns' thinking is dropped by its template. For tests of reasoning output.
+THINK: Final = ModelSpec(
+    name="think",
+    hidden=128,
+    layers=2,
+    heads=4,
+    kv_heads=2,
+    ff=384,
+    vocab_size=4096,
+    context_length=32768,
+    dtype="f16",
+    tied_embeddings=False,
+    seed=0,
+    weights="think",
 )

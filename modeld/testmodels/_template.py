@@ -17,14 +17,17 @@ llama-cpp-python's ``Jinja2ChatFormatter`` and OpenVINO GenAI keep key order and
 escape). Pass pre-serialised JSON strings when the rendered bytes must not depend on the
 renderer, e.g. when they feed a cache key.
 
-What not: no reasoning/thinking blocks, no multimodal content parts, no ``tool_choice``.
+What not: no multimodal content parts, no ``tool_choice``. :data:`CHATML_THINK_TEMPLATE` is the
+same with a reasoning format, as Qwen3's: the generation prompt opens a ``<think>`` block (the
+model writes its thinking, ``</think>``, then its answer), and an assistant turn in the history
+is rendered without its thinking (whatever precedes ``</think>`` in its content is dropped).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["CHATML_TOOLS_TEMPLATE"]
+__all__ = ["CHATML_THINK_TEMPLATE", "CHATML_TOOLS_TEMPLATE"]
 
 CHATML_TOOLS_TEMPLATE: Final = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
@@ -87,5 +90,72 @@ CHATML_TOOLS_TEMPLATE: Final = r"""{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}
     {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+CHATML_THINK_TEMPLATE: Final = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {%- if tool is string %}
+            {{- tool }}
+        {%- else %}
+            {{- tool | tojson }}
+        {%- endif %}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" and not message.tool_calls %}
+        {{- '<|im_start|>assistant\n' + message.content.split('</think>')[-1].lstrip('\n') + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- set answer = message.content.split('</think>')[-1].lstrip('\n') %}
+        {%- if answer %}
+            {{- '\n' + answer }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {%- if tool_call.arguments is string %}
+                {{- tool_call.arguments }}
+            {%- else %}
+                {{- tool_call.arguments | tojson }}
+            {%- endif %}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n<think>\n' }}
 {%- endif %}
 """
