@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modeld.backends.memory import sample
+from modeld.cache.reuse import Candidate, Loss, classify, common_prefix_len
 from modeld.contract import DecodeConfig
-from modeld.engine.reuse import Candidate, Loss, classify, common_prefix_len
 from modeld.engine.text import TextAssembler
 from modeld.errors import (
     ERRORS_BY_REASON,

@@ -12,9 +12,9 @@ from harness import openvino_model, status_answers_during, wire_harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from modeld.cache.reuse import common_prefix_len
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
-from modeld.engine.reuse import common_prefix_len
 from modeld.errors import UnsupportedError
 
 pytestmark = pytest.mark.openvino

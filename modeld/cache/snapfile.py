@@ -1,6 +1,6 @@
 """The on-disk form of a KV snapshot: one self-describing, verified file per snapshot.
 
-Layout (``blueprints/0014``)::
+Layout (``blueprints/0016-warm-state.md``)::
 
     "MODELDKV"                      8 bytes, magic
     u16le version                   FORMAT_VERSION
@@ -44,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SUFFIX",
     "SnapshotError",
+    "SnapshotFile",
     "SnapshotHeader",
     "read_header",
     "open_verified",
@@ -72,6 +73,15 @@ class SnapshotHeader:
     payload_bytes: int
     payload_hash: str
     created: float
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotFile:
+    """A snapshot on disk and the header the daemon indexed: a restore sends both, and the
+    engine worker maps the file and checks it against that header itself."""
+
+    path: Path
+    header: SnapshotHeader
 
 
 def payload_hash(blob: bytes | memoryview) -> str:

@@ -16,7 +16,7 @@ an engine worker), so they survive a worker crash; the disk tier survives a daem
 
 A budget of 0 switches a tier off. Every rejected file is removed with its reason logged and
 kept in :attr:`Tiers.rejections` (``modeld status`` shows them; a cold turn that tried one says
-why). Design record: ``blueprints/0014``.
+why). Design record: ``blueprints/0016-warm-state.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 from modeld.cache.snapfile import (
     SUFFIX,
     SnapshotError,
+    SnapshotFile,
     SnapshotHeader,
     read_header,
     write_atomic,
@@ -262,7 +263,7 @@ class Tiers:
 
     # --- using ------------------------------------------------------------------------------------
 
-    def load(self, entry: TierEntry) -> bytes | tuple[Path, SnapshotHeader]:
+    def load(self, entry: TierEntry) -> bytes | SnapshotFile:
         """The entry's blob from RAM, or the file and header to restore it from (the engine
         worker maps and verifies the file itself: ``snapfile.open_verified``; a 100 MB payload
         read here and sent over the worker's socket cost 130-300 ms, mapped there ~18 ms).
@@ -275,7 +276,7 @@ class Tiers:
             return blob
         if path is None or header is None:
             raise SnapshotError("the snapshot is no longer available")
-        return path, header
+        return SnapshotFile(path, header)
 
     def persist(self, entry: TierEntry) -> None:
         """Write an entry that is only in RAM to the disk tier too (write-behind)."""

@@ -27,7 +27,8 @@ import psutil
 from modeld import __version__
 from modeld.backends import Backend, load_backend
 from modeld.backends.base import LoadOptions
-from modeld.cache.residency import CacheSettings
+from modeld.cache.pool import CacheSettings
+from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import (
     Accelerator,
@@ -44,7 +45,7 @@ from modeld.contract import (
 from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
-from modeld.engine.session import EngineSession, warm_contexts
+from modeld.engine.session import EngineSession
 from modeld.engine.validate import encode_text, validate_request
 from modeld.errors import (
     BackendMismatchError,
@@ -56,7 +57,7 @@ from modeld.errors import (
     ShuttingDownError,
     UnsupportedError,
 )
-from modeld.manifest import ContextManifest, config_runtime_digest
+from modeld.manifest import config_runtime_digest
 from modeld.settings import ISOLATIONS, Residency, RestartPolicy, Timeouts
 
 __all__ = ["Engine", "EngineObserver"]
@@ -136,7 +137,7 @@ class Engine:
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
         self._models: dict[ModelKey, LoadedModel] = {}
-        self._last_identity: dict[tuple[str, str], ContextManifest] = {}
+        self._history = RuntimeHistory()
         self._sessions: dict[str, EngineSession] = {}
         self._closed: OrderedDict[str, ContextReport] = OrderedDict()
         self._stopping = False
@@ -311,6 +312,7 @@ class Engine:
                 options,
                 isolation=self._isolation(kind),
                 tiers=self.tiers,
+                history=self._history,
                 cache_settings=CacheSettings(
                     snapshot_min_tokens=self.residency.snapshot_min_tokens,
                     persist_min_tokens=self.residency.persist_min_tokens,
@@ -384,7 +386,7 @@ class Engine:
         log.warning("engine worker of %s lost its state: %s", model.info.path, error.message)
         self._notify("worker_restarted")
 
-    # --- what sessions ask (SessionHost) -------------------------------------------------------
+    # --- what sessions ask (SessionService) ----------------------------------------------------
 
     def forget(self, session: EngineSession, report: ContextReport) -> None:
         with self._lock:
@@ -394,18 +396,6 @@ class Engine:
             self._closed[session.session_id] = report
             while len(self._closed) > self.limits.closed_reports_kept:
                 self._closed.popitem(last=False)
-
-    def changed(self, model: LoadedModel, identity: ContextManifest) -> tuple[str, str, str] | None:
-        with self._lock:
-            last = self._last_identity.get((model.key[0], model.key[1]))
-        if last is None:
-            return None
-        compat = last.compatible_runtime(identity)
-        return None if compat.ok else (compat.field, compat.ours, compat.theirs)
-
-    def touched(self, model: LoadedModel, identity: ContextManifest) -> None:
-        with self._lock:
-            self._last_identity[(model.key[0], model.key[1])] = identity
 
     # --- registry and observers ----------------------------------------------------------
 
@@ -509,7 +499,7 @@ class Engine:
             slots=model.admission.slots,
             busy_slots=model.admission.busy,
             queued=model.admission.queued,
-            contexts=warm_contexts(model),
+            contexts=model.warm_contexts(),
             counters=dict(model.cache.counters),
             worker=WorkerInfo(
                 pid=worker.pid,
