@@ -337,12 +337,6 @@ class LlamaRuntime:
             done = total - len(pending)
             yield SyncStep(kept, min(done, total), total)
 
-    def check_decode(self, config: DecodeConfig) -> None:
-        for key in config.extra:
-            raise UnsupportedError(
-                f"the llama backend accepts no DecodeConfig.extra keys (got {key!r})", field=f"extra.{key}"
-            )
-
     def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
         held = self._seq(seq)
         if not held:

@@ -92,7 +92,7 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     arr = array("I", tokens)
     if arr.itemsize != 4:  # pragma: no cover - every supported platform has 32-bit unsigned int
         raise SnapshotError("this platform's array('I') is not 32 bits")
-    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian host
+    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian machine
         arr.byteswap()
     return arr.tobytes()
 
@@ -193,7 +193,7 @@ def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
         raise SnapshotError("truncated inside the tokens")
     arr = array("I")
     arr.frombytes(raw)
-    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian host
+    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian machine
         arr.byteswap()
     tokens = arr.tolist()
     if token_hash(tokens) != header.token_hash:

@@ -93,8 +93,6 @@ class Rejection:
     at: float
     file: str
     reason: str
-    model_digest: str = ""
-    identity: str = ""
 
 
 def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Sequence[int]) -> str:
@@ -137,16 +135,6 @@ class Tiers:
                 self._writer.start()
 
     # --- state ------------------------------------------------------------------------------------
-
-    @property
-    def ram_used(self) -> int:
-        with self._lock:
-            return sum(e.nbytes for e in self._entries.values() if e.blob is not None)
-
-    @property
-    def disk_used(self) -> int:
-        with self._lock:
-            return sum(e.nbytes for e in self._entries.values() if e.path is not None)
 
     @property
     def disk_on(self) -> bool:
@@ -293,16 +281,9 @@ class Tiers:
         where = str(entry.path) if entry.path is not None else f"ram:{entry.key}"
         log.warning("removed KV snapshot %s: %s", where, reason)
         with self._lock:
-            self.rejections.append(Rejection(time.time(), where, reason, entry.model_digest, entry.identity))
+            self.rejections.append(Rejection(time.time(), where, reason))
             self.counters["rejected"] += 1
             self._remove(entry, "")
-
-    def rejected_for(self, model_digest: str, identity: str, since: float) -> Rejection | None:
-        with self._lock:
-            for r in reversed(self.rejections):
-                if r.at >= since and r.model_digest == model_digest and r.identity == identity:
-                    return r
-        return None
 
     def _remove(self, entry: TierEntry, why: str) -> None:
         self._entries.pop(entry.key, None)
@@ -313,17 +294,6 @@ class Tiers:
             entry.path = None
         if why:
             log.debug("removed KV snapshot %s: %s", entry.key, why)
-
-    def drop_model(self, model_digest: str, keep_disk: bool = True) -> None:
-        """Forget RAM copies of a model's entries (disk copies stay unless ``keep_disk`` is False)."""
-        with self._lock:
-            for e in list(self._entries.values()):
-                if e.model_digest != model_digest:
-                    continue
-                if e.path is not None and keep_disk:
-                    e.blob = None
-                elif not e.writing:
-                    self._remove(e, "model unloaded")
 
     # --- the disk ---------------------------------------------------------------------------------
 
@@ -445,9 +415,7 @@ class Tiers:
             if key != entry_key(header.model_digest, header.identity, header.snapshot_format, tokens):
                 reason = "its name does not match its contents"
                 log.warning("removed KV snapshot %s: %s", path, reason)
-                self.rejections.append(
-                    Rejection(time.time(), str(path), reason, header.model_digest, header.identity)
-                )
+                self.rejections.append(Rejection(time.time(), str(path), reason))
                 self.counters["rejected"] += 1
                 with contextlib.suppress(OSError):
                     path.unlink()

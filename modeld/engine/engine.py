@@ -27,6 +27,7 @@ import psutil
 from modeld import __version__
 from modeld.backends import Backend, load_backend
 from modeld.backends.base import LoadOptions
+from modeld.backends.sizing import default_memory_budget
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers, default_budgets
@@ -129,10 +130,8 @@ class Engine:
             ram_bytes=ram if self.residency.ram_tier_bytes < 0 else self.residency.ram_tier_bytes,
             disk_bytes=disk if self.residency.disk_tier_bytes < 0 else self.residency.disk_tier_bytes,
         )
-        total = psutil.virtual_memory().total
-        self.memory_budget = (
-            int(total * 0.9) if self.residency.memory_budget_bytes < 0 else self.residency.memory_budget_bytes
-        )
+        budget = self.residency.memory_budget_bytes
+        self.memory_budget = default_memory_budget() if budget < 0 else budget
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
@@ -179,7 +178,7 @@ class Engine:
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         request = validate_request(request, self.limits)
-        return self.backend(self._resolve_type(request)).describe(request)
+        return self.backend(self._resolve_type(request)).describe(request, memory_budget=self.memory_budget)
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
         request = validate_request(request, self.limits)
@@ -188,7 +187,7 @@ class Engine:
         epoch = self.owner.check_open(request.fence)
         kind = self._resolve_type(request)
         self._check_session_room()
-        info = self.backend(kind).describe(request)
+        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
         config = request.config
         if config.prompt_format not in info.capabilities.prompt_formats:
             raise UnsupportedError(
@@ -241,7 +240,7 @@ class Engine:
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
-        info = self.backend(kind).describe(request)
+        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
@@ -310,6 +309,7 @@ class Engine:
                 request,
                 info,
                 options,
+                backend=self.backend(kind),
                 isolation=self._isolation(kind),
                 tiers=self.tiers,
                 history=self._history,
@@ -329,7 +329,6 @@ class Engine:
             )
             model.cost = cost
             model.sessions = 1
-            self.backend(kind).mark_loaded(info.model_digest, True)
             with self._lock:
                 self._models[key] = model
             log.info(
@@ -377,7 +376,6 @@ class Engine:
                 del self._models[model.key]
         model.cache.retire(f"the model was unloaded: {why}")
         model.close(persist=False)
-        self.backend(model.key[0]).mark_loaded(model.info.model_digest, False)
         log.info("unloaded model %s: %s", model.info.path, why)
 
     def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
@@ -555,8 +553,6 @@ class Engine:
             self._models.clear()
         for model in models:
             model.close(persist=True)
-            with contextlib.suppress(ModeldError):
-                self.backend(model.key[0]).mark_loaded(model.info.model_digest, False)
         if not self.tiers.flush(persist_seconds):
             log.warning("the disk tier did not finish writing within %.0fs", persist_seconds)
         self.tiers.close()

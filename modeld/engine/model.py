@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from modeld.backends.base import Layout, LoadOptions, Vocab
+from modeld.backends.base import Backend, Layout, LoadOptions, Vocab
 from modeld.backends.probe import FileIdentity, identify
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
@@ -117,6 +117,7 @@ class LoadedModel:
         info: ModelInfo,
         options: LoadOptions,
         *,
+        backend: Backend,
         isolation: str,
         tiers: Tiers | None,
         history: RuntimeHistory,
@@ -132,6 +133,8 @@ class LoadedModel:
         on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self.key = key
+        self.backend = backend
+        """The daemon side of the model's backend (describes, checks a decode's extra values)."""
         self.info = info
         self.options = options
         self.isolation = isolation

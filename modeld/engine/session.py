@@ -30,6 +30,7 @@ from typing import Protocol
 
 from modeld.cache.pool import SessionSlot
 from modeld.cache.warm import Hold, Synced
+from modeld.context import SegmentChurn
 from modeld.contract import (
     Config,
     ContextReport,
@@ -45,7 +46,6 @@ from modeld.contract import (
 )
 from modeld.decoding.output import plan_decode
 from modeld.engine.admission import Ticket
-from modeld.engine.churn import SegmentChurn
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
 from modeld.engine.limits import Limits
@@ -173,7 +173,7 @@ class EngineSession:
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
             self._tools_json = prefix.tools_json if prep.chat is not None else ""
-            self._churn.observe(prep.manifest)
+            self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
             self._prefix_status = self._status(prep, hold, synced, dropped=max(0, before - hold.keep))
             return self._prefix_status
@@ -209,13 +209,13 @@ class EngineSession:
             model = self.model
             validate_decode(config, self._service.limits, self._info.capabilities, self._window)
             validate_logit_bias(config, self._info.vocab_size)
+            model.backend.check_decode(config)  # here, not in the worker: no round trip
             if self._manifest is None or not self._tokens:
                 raise PrefixRequiredError("decode needs a resident context: call ensure_prefix first")
             chat_template = self._info.chat_template if self._chat is not None else ""
             plan = plan_decode(config, prefix_tools_json=self._tools_json, chat_template=chat_template)
             engine_config = plan.engine_config(config)  # tools, tool_choice, the constraint compiled
             host = model.host()
-            host.check_decode(engine_config)
             tokens = list(self._tokens)
             room = max(0, min(config.max_tokens, self._window - len(tokens)))
             hold = model.cache.hold(

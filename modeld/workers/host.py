@@ -33,7 +33,6 @@ from modeld.errors import EngineError, ModeldError, error_from_reason
 from modeld.workers.protocol import (
     REFUSED,
     Cancel,
-    CheckDecode,
     Close,
     Copy,
     Drop,
@@ -44,7 +43,6 @@ from modeld.workers.protocol import (
     Loaded,
     Message,
     Progress,
-    Resident,
     Restore,
     Result,
     Snapshot,
@@ -211,12 +209,6 @@ class Host:
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self.call(Tokenize(text, add_bos)).result(Result).tokens)
-
-    def check_decode(self, config: DecodeConfig) -> None:
-        self.call(CheckDecode(config)).result(Result)
-
-    def resident(self, seq: int) -> list[int]:
-        return list(self.call(Resident(seq)).result(Result).tokens)
 
     def start_generate(self, seq: int, config: DecodeConfig, max_tokens: int, interval: float = 0.0) -> Call:
         """A generate job; tokens that come faster than ``interval`` seconds arrive together."""
