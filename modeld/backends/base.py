@@ -13,7 +13,9 @@ A backend has two halves:
 
 Everything else -- manifests, reuse decisions, which warm context lives in which sequence,
 tiers, accounting, stop strings, UTF-8 safe streaming -- is the daemon's, written once for
-every backend (``modeld/engine/``, ``modeld/cache/``). Design record: ``blueprints/0014``.
+every backend (``modeld/engine/``, ``modeld/cache/``). Design records: ``blueprints/0001-the-seam.md``
+(the seam), ``blueprints/0016-warm-state.md`` (the sequences and snapshots), ``blueprints/0017-workers.md``
+(the worker process).
 
 Step-wise work: :meth:`ModelRuntime.sync` and :meth:`ModelRuntime.generate` are generators, one
 engine step (a prefill batch, or one token) per ``next()``. The worker's scheduler advances the
