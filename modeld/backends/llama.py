@@ -14,7 +14,7 @@ import importlib.util
 
 from modeld.backends.base import LoadOptions, ModelRuntime
 from modeld.backends.gguf_meta import kv_bytes_per_token, read_gguf
-from modeld.backends.sizing import check_digest, model_info
+from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, check_digest, model_info
 from modeld.contract import (
     CONSTRAINT_KINDS,
     Capabilities,
@@ -26,10 +26,8 @@ from modeld.contract import (
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
-__all__ = ["OVERHEAD_BYTES", "LlamaBackend", "backend_version"]
+__all__ = ["LlamaBackend", "backend_version"]
 
-OVERHEAD_BYTES = 512 << 20
-"""Memory set aside for llama.cpp's compute buffers and the process when sizing the context."""
 
 QUANTIZED_KV = ("q8_0", "q4_0")
 
@@ -77,7 +75,6 @@ class LlamaBackend:
             version=backend_version(),
             kv_bytes_per_token=kv_bytes_per_token(meta, config.kv_cache_type),
             memory_budget=memory_budget,
-            overhead=OVERHEAD_BYTES,
             template_digest=meta.template_digest,
             device="gpu" if config.num_gpu_layers > 0 else "cpu",
             capabilities=Capabilities(
@@ -96,7 +93,7 @@ class LlamaBackend:
         if info.effective_context <= 0:
             raise ModelLoadError(
                 f"not enough memory for any context on {request.path!r}: the memory budget, less "
-                f"{info.weights_bytes} bytes of weights and {OVERHEAD_BYTES >> 20} MiB of buffers, holds no KV",
+                f"{info.weights_bytes} bytes of weights and {MODEL_OVERHEAD_BYTES >> 20} MiB of buffers, holds no KV",
                 path=request.path,
             )
         from modeld.backends.llama_runtime import LlamaRuntime

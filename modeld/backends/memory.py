@@ -49,7 +49,7 @@ import xxhash
 
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.probe import ModelFile, open_model_file
-from modeld.backends.sizing import default_memory_budget, effective_context
+from modeld.backends.sizing import effective_context
 from modeld.contract import (
     CONSTRAINT_KINDS,
     Capabilities,
@@ -145,10 +145,9 @@ class MemoryBackend:
         effective = effective_context(
             trained=MAX_CONTEXT,
             requested=request.config.num_ctx,
-            memory_budget=default_memory_budget() if memory_budget is None else memory_budget,
+            memory_budget=memory_budget,
             weights_bytes=weights,
             kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-            overhead=0,
         )
         return ModelInfo(
             backend="memory",

@@ -41,7 +41,6 @@ __all__ = ["OpenVINOBackend"]
 SAMPLING_FIELDS = tuple(n for n in SAMPLER_NAMES if n not in ("logit_bias", "logprobs", "top_logprobs"))
 """What the runtime maps onto ``GenerationConfig``. Not ``logit_bias`` (GenAI has none) and not
 ``logprobs`` (the streamer sees token ids only): both are refused by name."""
-OVERHEAD_BYTES = 512 << 20
 
 
 def _version() -> str:
@@ -84,7 +83,6 @@ class OpenVINOBackend:
             version=_version(),
             kv_bytes_per_token=kv_bytes(source.kv_values_per_token, config.kv_cache_type),
             memory_budget=memory_budget,
-            overhead=OVERHEAD_BYTES,
             template_digest=bytes_hash(source.chat_template) if source.chat_template else "",
             device=device(config).lower(),
             capabilities=Capabilities(

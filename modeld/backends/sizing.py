@@ -2,9 +2,11 @@
 the :class:`~modeld.contract.ModelInfo` of a model file (the llama and openvino backends).
 
 ``effective_context = min(trained context, requested num_ctx, (memory budget - weights -
-overhead) / kv_bytes_per_token)`` (blueprints/0009-llama-backend.md). The memory budget is the
-daemon's (``--memory-budget``; default :func:`default_memory_budget`), fixed for its life: the
-same request is described the same way whatever else the machine is doing. The effective
+MODEL_OVERHEAD_BYTES) / kv_bytes_per_token)`` (blueprints/0009-llama-backend.md): one sequence
+of that window fits in the budget the engine counts a loaded model against (weights, KV and
+the same overhead). The memory budget is the daemon's (``--memory-budget``; default
+:func:`default_memory_budget`), fixed for its life: the same request is described the same way
+whatever else the machine is doing. The effective
 context is part of a session's runtime identity, so a size taken from the free memory of the
 moment could turn a warm prefix cold when another process came or went, or when the model's own
 weights were mapped.
@@ -21,10 +23,20 @@ from modeld.contract import Capabilities, ModelInfo, OpenSessionRequest, Special
 from modeld.decoding.tools import detect_format
 from modeld.errors import ModelLoadError
 
-__all__ = ["ModelFacts", "check_digest", "default_memory_budget", "effective_context", "model_info"]
+__all__ = [
+    "MODEL_OVERHEAD_BYTES",
+    "ModelFacts",
+    "check_digest",
+    "default_memory_budget",
+    "effective_context",
+    "model_info",
+]
 
 BUDGET_SHARE = 0.9
 """The default memory budget: this share of the machine's RAM (``--memory-budget``)."""
+MODEL_OVERHEAD_BYTES = 256 << 20
+"""Memory counted per loaded model beyond its weights and KV (compute buffers, the worker
+process): by describe when it sizes the context, and by the engine when it loads the model."""
 
 
 def default_memory_budget() -> int:
@@ -47,16 +59,17 @@ def effective_context(
     *,
     trained: int,
     requested: int,
-    memory_budget: int,
+    memory_budget: int | None,
     weights_bytes: int,
     kv_bytes_per_token: int,
-    overhead: int,
 ) -> int:
-    """The context a session gets (see the module docstring)."""
+    """The context a session gets (see the module docstring; ``memory_budget`` None: the
+    default)."""
+    budget = default_memory_budget() if memory_budget is None else memory_budget
     if kv_bytes_per_token <= 0:
         fits = requested
     else:
-        fits = max(0, (memory_budget - weights_bytes - overhead) // kv_bytes_per_token)
+        fits = max(0, (budget - weights_bytes - MODEL_OVERHEAD_BYTES) // kv_bytes_per_token)
     return max(0, min(trained or requested, requested, fits))
 
 
@@ -93,7 +106,6 @@ def model_info(
     version: str,
     kv_bytes_per_token: int,
     memory_budget: int | None,
-    overhead: int,
     template_digest: str,
     device: str,
     capabilities: Capabilities,
@@ -102,14 +114,12 @@ def model_info(
     """The one assembly of a model file's description (``memory_budget`` None: the default)."""
     config = request.config
     trained = facts.context_length or config.num_ctx
-    budget = default_memory_budget() if memory_budget is None else memory_budget
     effective = effective_context(
         trained=trained,
         requested=config.num_ctx,
-        memory_budget=budget,
+        memory_budget=memory_budget,
         weights_bytes=facts.weights_bytes,
         kv_bytes_per_token=kv_bytes_per_token,
-        overhead=overhead,
     )
     return ModelInfo(
         backend=backend,

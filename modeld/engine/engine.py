@@ -27,7 +27,7 @@ import psutil
 from modeld import __version__
 from modeld.backends import Backend, load_backend
 from modeld.backends.base import LoadOptions
-from modeld.backends.sizing import default_memory_budget
+from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, default_memory_budget
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers, default_budgets
@@ -65,8 +65,6 @@ __all__ = ["Engine", "EngineObserver"]
 
 log = logging.getLogger("modeld.engine")
 
-_MODEL_OVERHEAD = 256 << 20
-"""Memory counted per loaded model beyond weights and KV (compute buffers, the worker)."""
 _JANITOR_SECONDS = 2.0
 
 
@@ -262,7 +260,7 @@ class Engine:
         if not unified and per_seq > 0:
             with self._lock:
                 used = sum(m.cost for m in self._models.values())
-            room = self.memory_budget - used - info.weights_bytes - _MODEL_OVERHEAD
+            room = self.memory_budget - used - info.weights_bytes - MODEL_OVERHEAD_BYTES
             n_seq = max(1, min(n_seq, room // per_seq))
             if n_seq < r.sequences:
                 log.warning(
@@ -301,7 +299,9 @@ class Engine:
                     return model
             options = self._options(kind, info, request.config.num_ctx, request.config.num_threads)
             cost = (
-                info.weights_bytes + options.pool_tokens * max(0, info.kv_bytes_per_token) + _MODEL_OVERHEAD
+                info.weights_bytes
+                + options.pool_tokens * max(0, info.kv_bytes_per_token)
+                + MODEL_OVERHEAD_BYTES
             )
             self._make_room_for_load(cost)
             model = LoadedModel(
