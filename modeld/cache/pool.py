@@ -27,8 +27,9 @@ from modeld.backends.base import Layout
 from modeld.cache.ledger import Ledger
 from modeld.cache.reuse import Loss, common_prefix_len
 from modeld.cache.tiers import Tiers
+from modeld.contract import WarmContextInfo
 
-__all__ = ["COUNTERS", "CacheSettings", "ContextView", "Pool", "SessionSlot", "WarmContext"]
+__all__ = ["COUNTERS", "CacheSettings", "Pool", "SessionSlot", "WarmContext"]
 
 COUNTERS = (
     "reused_kv",
@@ -88,22 +89,6 @@ class SessionSlot:
     context: WarmContext | None = None
     seen_generation: int = -1
     loss: Loss | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ContextView:
-    """A warm context as ``modeld status`` and ``explain-context`` show it."""
-
-    id: str
-    tier: str
-    tokens: int
-    prefix_tokens: int
-    bytes: int
-    shared_bytes: int
-    last_used: float
-    pinned: bool
-    session: str
-    seq: int = -1
 
 
 class Pool:
@@ -202,20 +187,20 @@ class Pool:
             return 0
         return common_prefix_len(list(context.tokens), tokens)
 
-    def views(self) -> list[ContextView]:
+    def views(self) -> list[WarmContextInfo]:
+        """Every context in the pool, by sequence, as status and explain-context show it."""
         per_token = self.layout.kv_bytes_per_token
         return [
-            ContextView(
+            WarmContextInfo(
                 id=c.id,
                 tier="kv",
                 tokens=len(c.tokens),
                 prefix_tokens=c.prefix_tokens,
                 bytes=self.ledger.unique(c.seq) * per_token,
                 shared_bytes=self.ledger.shared_with(c.seq) * per_token,
-                last_used=c.last_used,
+                last_used_at=c.last_used,
                 pinned=bool(c.owner is not None and c.owner.pinned),
-                session=c.owner.session_id if c.owner is not None else "",
-                seq=c.seq,
+                session_id=c.owner.session_id if c.owner is not None else "",
             )
             for c in sorted(list(self.contexts.values()), key=lambda c: c.seq)
         ]

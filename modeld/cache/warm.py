@@ -42,12 +42,12 @@ from types import TracebackType
 from modeld.backends.base import Layout, SyncStep
 from modeld.cache import eviction
 from modeld.cache.choice import Choice, choose
-from modeld.cache.pool import CacheSettings, ContextView, Pool, SessionSlot, WarmContext
+from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
 from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
 from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
-from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision
+from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
 from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError
 from modeld.manifest import ContextManifest
 
@@ -236,10 +236,6 @@ class ModelCache:
     @property
     def counters(self) -> dict[str, int]:
         return self._pool.counters
-
-    @property
-    def layout(self) -> Layout:
-        return self._pool.layout
 
     # --- sessions -------------------------------------------------------------------------------
 
@@ -479,7 +475,7 @@ class ModelCache:
         """How many of a session's tokens its warm context holds in the KV pool now."""
         return self._pool.kv_tokens(slot, tokens)
 
-    def views(self) -> list[ContextView]:
+    def views(self) -> tuple[WarmContextInfo, ...]:
         """Every warm context, for status and explain-context. Never waits long: an operation
         holds the lock across engine calls, and a hung engine must not hang ``modeld status``
         (past 0.2 s the view is read without the lock, a moment's state)."""
@@ -492,20 +488,20 @@ class ModelCache:
         tiers = self._pool.tiers
         if tiers is not None:
             out.extend(
-                ContextView(
+                WarmContextInfo(
                     id=e.key[-8:],
                     tier=e.tier,
                     tokens=len(e.tokens),
                     prefix_tokens=e.prefix_tokens,
                     bytes=e.nbytes,
                     shared_bytes=0,
-                    last_used=e.last_used,
+                    last_used_at=e.last_used,
                     pinned=False,
-                    session="",
+                    session_id="",
                 )
                 for e in tiers.entries(self._pool.model_digest)
             )
-        return out
+        return tuple(out)
 
     def used_cells(self) -> int:
         locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer

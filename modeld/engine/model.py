@@ -218,20 +218,7 @@ class LoadedModel:
 
     def warm_contexts(self) -> tuple[WarmContextInfo, ...]:
         """Every warm context of this model, in the KV and in the tiers."""
-        return tuple(
-            WarmContextInfo(
-                id=v.id,
-                tier=v.tier,
-                tokens=v.tokens,
-                prefix_tokens=v.prefix_tokens,
-                bytes=v.bytes,
-                shared_bytes=v.shared_bytes,
-                last_used_at=v.last_used,
-                pinned=v.pinned,
-                session_id=v.session,
-            )
-            for v in self.cache.views()
-        )
+        return self.cache.views()
 
     def _reset(self, error: ModeldError) -> None:
         """The worker died: whatever its KV held is gone (the tiers are not)."""
