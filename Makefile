@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) ./scripts/setup.sh
 	touch $@
 
-# Regenerate modeld/v1 from proto/ (committed; tests/test_proto.py fails if they drift).
+# Regenerate modeld/v1 from proto/ (committed; tests/test_packaging.py fails if they drift).
 proto: setup
 	$(PY) scripts/gen_proto.py
 

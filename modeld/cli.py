@@ -28,7 +28,7 @@ from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, ContextReport
 from modeld.errors import DaemonUnavailableError, ModeldError
 
 if TYPE_CHECKING:
-    from modeld.server.daemon import ServeOptions
+    from modeld.daemon import ServeOptions
 
 __all__ = ["main"]
 
@@ -162,8 +162,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from modeld.daemon import run
     from modeld.observe.logs import SafeFormatter
-    from modeld.server.daemon import run
 
     try:
         options = serve_options(args)
@@ -180,8 +180,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
     combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``
     and :class:`~modeld.engine.limits.Limits`."""
+    from modeld.daemon import ServeOptions
     from modeld.engine import Limits
-    from modeld.server.daemon import ServeOptions
     from modeld.settings import Residency, RestartPolicy, Timeouts
 
     def pick(defaults: Any, **flags: Any) -> Any:
@@ -468,7 +468,7 @@ _COLD_WHY = {
 
 def _warm_state_lines(r: ContextReport) -> list[str]:
     """Where the session's warm context lives, why its last turn was warm, restored or cold, its
-    place in the model's queue, pin and keep-alive, and the server-side timings (issue 8/9)."""
+    place in the model's queue, pin and keep-alive, and the server-side timings."""
     from modeld.observe.views import age, format_bytes, table
 
     now = time.time()

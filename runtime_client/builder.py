@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from modeld.context import CHURN_TURNS, Part, SegmentChurn, assemble
 from modeld.contract import PrefixInput, SuffixInput
 from modeld.errors import InvalidArgumentError
 from modeld.manifest import (
@@ -39,14 +40,10 @@ from modeld.manifest import (
     SEGMENT_KINDS,
     STABLE_KINDS,
     ContextManifest,
-    Segment,
     bytes_hash,
 )
 
 __all__ = ["CHURN_TURNS", "BuiltContext", "ContextBuilder"]
-
-CHURN_TURNS = 3
-"""A stable segment whose text changed on this many consecutive builds is flagged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +84,7 @@ class ContextBuilder:
     profile_id: str = ""
     tools_json: str = ""
     _parts: list[_Part] = field(default_factory=list)
-    _seen: dict[tuple[str, int], tuple[str, int]] = field(default_factory=dict, repr=False)
+    _churn: SegmentChurn = field(default_factory=SegmentChurn, repr=False)
 
     def add(
         self, kind: str, text: str, *, stable: bool | None = None, cache_class: str = "", role: str = ""
@@ -167,7 +164,7 @@ class ContextBuilder:
     def copy(self) -> ContextBuilder:
         twin = ContextBuilder(identity=self.identity, profile_id=self.profile_id, tools_json=self.tools_json)
         twin._parts = [replace(p) for p in self._parts]
-        twin._seen = dict(self._seen)
+        twin._churn = self._churn.copy()
         return twin
 
     def next_turn(self) -> ContextBuilder:
@@ -184,60 +181,24 @@ class ContextBuilder:
         return self
 
     def build(self) -> BuiltContext:
-        ordered = [p for p in self._parts if p.stable] + [p for p in self._parts if not p.stable]
-        warnings = self._churn(ordered)
-        segments: list[Segment] = []
-        prefix: list[str] = []
-        suffix: list[str] = []
-        offset = 0
-        for part in ordered:
-            data = part.text.encode("utf-8")
-            segments.append(
-                Segment(
-                    kind=part.kind,
-                    byte_start=offset,
-                    byte_end=offset + len(data),
-                    hash=bytes_hash(data),
-                    stable=part.stable,
-                    cache_class=part.cache_class,
-                    role=part.role,
-                )
-            )
-            offset += len(data)
-            (prefix if part.stable else suffix).append(part.text)
-        prefix_text, suffix_text = "".join(prefix), "".join(suffix)
-        stable_bytes = len(prefix_text.encode("utf-8"))
+        """Stable segments first (``modeld.context.assemble``); a stable segment whose text
+        changed on each of the last CHURN_TURNS builds is named in ``warnings``."""
+        laid = assemble(Part(p.kind, p.text, p.stable, p.cache_class, p.role) for p in self._parts)
+        warnings = tuple(
+            f"stable segment {c.kind!r} #{c.position} changed on each of the last {c.turns} turns: "
+            "move what changes (a timestamp, an id) into the volatile suffix "
+            "(ContextBuilder.runtime), or every turn is cold from there"
+            for c in self._churn.observe(laid.segments)
+        )
         base = self.identity if self.identity is not None else ContextManifest()
         manifest = replace(
             base,
             profile_id=self.profile_id,
-            stable_bytes=stable_bytes,
-            total_bytes=offset,
-            stable_byte_hash=bytes_hash(prefix_text),
+            stable_bytes=laid.stable_bytes,
+            total_bytes=laid.total_bytes,
+            stable_byte_hash=bytes_hash(laid.prefix_text),
             stable_token_hash="",
             volatile_token_hash="",
-            segments=tuple(segments),
+            segments=laid.segments,
         )
-        return BuiltContext(prefix_text, suffix_text, manifest, self.tools_json, warnings)
-
-    def _churn(self, ordered: list[_Part]) -> tuple[str, ...]:
-        """Stable segments (by kind and position among that kind) whose text changed on each of
-        the last CHURN_TURNS builds: the likely cause of a prefix that is cold every turn."""
-        out: list[str] = []
-        counts: dict[str, int] = {}
-        for part in ordered:
-            if not part.stable or part.kind == "history":
-                continue
-            n = counts.get(part.kind, 0)
-            counts[part.kind] = n + 1
-            digest = bytes_hash(part.text)
-            before = self._seen.get((part.kind, n))
-            streak = 0 if before is None else (before[1] + 1 if before[0] != digest else 0)
-            self._seen[(part.kind, n)] = (digest, streak)
-            if streak >= CHURN_TURNS:
-                out.append(
-                    f"stable segment {part.kind!r} #{n} changed on each of the last {streak} turns: "
-                    "move what changes (a timestamp, an id) into the volatile suffix "
-                    "(ContextBuilder.runtime), or every turn is cold from there"
-                )
-        return tuple(out)
+        return BuiltContext(laid.prefix_text, laid.suffix_text, manifest, self.tools_json, warnings)

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from modeld.contract import Config, OpenSessionRequest, Service, Session
+from modeld.daemon import Server, parse_listen
 from modeld.engine import Engine, Limits, LoadedModel
-from modeld.server.daemon import Server, parse_listen
 from modeld.settings import Residency
 
 TEST_LIMITS = Limits(

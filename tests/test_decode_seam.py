@@ -97,7 +97,7 @@ def host() -> Iterator[InlineHost]:
 def run(
     host: InlineHost, prompt: Sequence[int], config: DecodeConfig
 ) -> tuple[list[StreamChunk], list[int | None]]:
-    host.sync(0, 0, prompt)
+    host.sync(0, 0, prompt).wait()
     plan = plan_decode(config)
     call = host.start_generate(0, plan.engine_config(config), config.max_tokens)
     ended: list[int | None] = []
@@ -140,7 +140,7 @@ def test_a_dead_end_of_the_constraint_is_constraint_failed_and_the_engine_goes_o
 
 
 def generate_replies(host: InlineHost, max_tokens: int, interval: float) -> list[Message]:
-    host.sync(0, 0, [256, *b"Count with me.\n"])
+    host.sync(0, 0, [256, *b"Count with me.\n"]).wait()
     return list(host.start_generate(0, DecodeConfig(max_tokens=max_tokens), max_tokens, interval).events())
 
 

@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from modeld.backends.memory import sample
+from modeld.cache.reuse import Candidate, Loss, classify, common_prefix_len
 from modeld.contract import DecodeConfig
-from modeld.engine.reuse import Candidate, Loss, classify, common_prefix_len
 from modeld.engine.text import TextAssembler
 from modeld.errors import (
     ERRORS_BY_REASON,
@@ -220,3 +220,35 @@ def test_a_warm_turn_through_a_worker_tokenizes_its_long_prefix_as_the_worker_do
     assert first.prefix_tokens == again.prefix_tokens == len(prefix.encode()) + 1  # one per byte + BOS
     assert again.reuse.reason == "full_match" and again.stable_token_hash == first.stable_token_hash
     assert changed.reuse.outcome == "partial" and changed.prefilled_tokens == 2
+
+
+# --- the sampler table -------------------------------------------------------------------------
+
+
+def test_every_sampler_default_is_in_range_and_the_edges_are_refused_by_name() -> None:
+    from modeld.decoding.samplers import SAMPLERS, sampler
+    from modeld.errors import InvalidArgumentError, LimitExceededError
+
+    for s in SAMPLERS:
+        s.check(s.default)  # off is always a valid value
+    outside = {
+        "temperature": 100.5,
+        "top_p": 0.0,
+        "top_k": -1,
+        "min_p": 1.5,
+        "seed": 1 << 64,
+        "repeat_penalty": 0.0,
+        "logit_bias": {5: 100.5},
+        "presence_penalty": -2.5,
+        "frequency_penalty": 2.5,
+        "logprobs": 1,
+        "top_logprobs": 21,
+    }
+    assert set(outside) == {s.name for s in SAMPLERS}
+    for name, value in outside.items():
+        with pytest.raises(InvalidArgumentError) as err:
+            sampler(name).check(value)
+        assert err.value.field.startswith(name), (name, err.value.field)
+    with pytest.raises(LimitExceededError):
+        sampler("logit_bias").check(dict.fromkeys(range(1025), 1.0))
+    assert [s.name for s in SAMPLERS if not s.openai] == ["top_k", "min_p", "repeat_penalty"]

@@ -1,6 +1,6 @@
 """modeld as a worker of the SGLang model gateway: the routes it registers workers from, the
 load it places by, the fields its routers inject, and the routing key it routes on (a real
-``modeld serve --http``, memory backend; the fleet behind a real ``smg`` is tests/test_fleet.py)."""
+``modeld serve --http``, memory backend)."""
 
 from __future__ import annotations
 

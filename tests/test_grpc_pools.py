@@ -22,9 +22,9 @@ from harness import TEST_LIMITS, memory_model
 
 import runtime_client as rc
 from modeld.contract import ModelInfo, OpenSessionRequest, PrefixInput
+from modeld.daemon import Server, parse_listen
 from modeld.engine import Engine
 from modeld.errors import InvalidArgumentError, ModelLoadError
-from modeld.server.daemon import Server, parse_listen
 from modeld.wire.status import from_rpc_error
 
 pytestmark = pytest.mark.wire

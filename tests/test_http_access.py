@@ -208,8 +208,9 @@ def test_request_bytes_in_flight_are_bounded() -> None:
 
     from modeld.engine import Engine, Limits
     from modeld.server.gateway import Gateway
-    from modeld.server.http.app import HttpService, HttpSettings, build_app
+    from modeld.server.http.app import HttpService, HttpSettings
     from modeld.server.http.models import ModelRegistry, default_model
+    from modeld.server.http.routes import build_app
 
     engine = Engine(backends=("memory",))
     service = HttpService(

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from modeld.backends.base import LoadOptions
+from modeld.cache.reuse import common_prefix_len
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
-from modeld.engine.reuse import common_prefix_len
 from modeld.errors import BackendMismatchError, ModelLoadError, UnsupportedError
 
 pytestmark = pytest.mark.llama

@@ -12,14 +12,14 @@ from harness import openvino_model, status_answers_during, wire_harness
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from modeld.cache.reuse import common_prefix_len
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
-from modeld.engine.reuse import common_prefix_len
 from modeld.errors import UnsupportedError
 
 pytestmark = pytest.mark.openvino
 
-ov_backend = pytest.importorskip("modeld.backends.openvino")
+ov_runtime = pytest.importorskip("modeld.backends.openvino_runtime")
 testmodels = pytest.importorskip("modeld.testmodels")
 
 BASE = (
@@ -95,7 +95,7 @@ def test_long_text_is_tokenized_exactly_despite_the_tokenizer_limit(tiny: str) -
     with Engine(backends=("llama",)) as llama, Engine(backends=("openvino",)) as openvino:
         expected = llama.open_session(_request("llama", tiny)).model.tokenize(text, True)
         got = openvino.open_session(_request("openvino", tiny)).model.tokenize(text, True)
-    assert len(expected) > ov_backend.TOKENIZER_LIMIT
+    assert len(expected) > ov_runtime.TOKENIZER_LIMIT
     assert got == expected
 
 
@@ -111,7 +111,7 @@ def test_a_long_run_without_line_breaks_is_refused_not_truncated(tiny: str) -> N
     [("short\n", 100), ("line one\nline two\nline three\n" * 50, 64), ("x" * 500, 64), ("a\n1\n" * 100, 16)],
 )
 def test_split_for_tokenizer_only_cuts_before_a_letter_after_a_newline(text: str, limit: int) -> None:
-    pieces = ov_backend.split_for_tokenizer(text, limit)
+    pieces = ov_runtime.split_for_tokenizer(text, limit)
     assert "".join(pieces) == text
     for a, b in itertools.pairwise(pieces):
         assert a.endswith("\n")

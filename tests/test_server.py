@@ -15,6 +15,7 @@ from harness import Harness
 
 import runtime_client as rc
 from modeld.contract import DecodeConfig, PrefixInput, SuffixInput
+from modeld.daemon import Server
 from modeld.errors import (
     InvalidArgumentError,
     LimitExceededError,
@@ -23,7 +24,6 @@ from modeld.errors import (
     SessionNotFoundError,
     StaleFenceError,
 )
-from modeld.server.daemon import Server
 from modeld.v1 import modeld_pb2 as pb
 from modeld.wire.status import from_rpc_error
 
@@ -265,8 +265,8 @@ def test_a_long_quiet_operation_survives_client_keepalive_pings() -> None:
 
     from harness import TEST_LIMITS, memory_model
 
+    from modeld.daemon import Server, parse_listen
     from modeld.engine import Engine
-    from modeld.server.daemon import Server, parse_listen
 
     tmp = tempfile.mkdtemp(prefix="mdk")
     engine = Engine(backends=("memory",), limits=TEST_LIMITS)

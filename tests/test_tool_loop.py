@@ -163,7 +163,7 @@ def test_the_loop_stops_at_max_tool_iterations_and_reports_failing_and_slow_tool
 
 
 def test_the_asyncio_loop_over_the_wire(engine: Engine) -> None:
-    from modeld.server.daemon import Server, parse_listen
+    from modeld.daemon import Server, parse_listen
     from runtime_client import aconnect
 
     tmp = Path(tempfile.mkdtemp(prefix="mdt"))

@@ -24,7 +24,7 @@ from typing import Any
 from bench.systems.base import Unsupported, free_port
 from bench.systems.openai_http import HttpServerSystem, Streamed
 from bench.workloads import Turn, Workload
-from modeld.backends.llama import cpu_has_amx
+from modeld.backends.cpu import cpu_has_amx
 
 __all__ = ["CACHE_RAM_MIB", "LlamaServerSystem"]
 

@@ -13,7 +13,9 @@ A backend has two halves:
 
 Everything else -- manifests, reuse decisions, which warm context lives in which sequence,
 tiers, accounting, stop strings, UTF-8 safe streaming -- is the daemon's, written once for
-every backend (``modeld/engine/``, ``modeld/cache/``). Design record: ``blueprints/0014``.
+every backend (``modeld/engine/``, ``modeld/cache/``). Design records: ``blueprints/0001-the-seam.md``
+(the seam), ``blueprints/0016-warm-state.md`` (the sequences and snapshots), ``blueprints/0017-workers.md``
+(the worker process).
 
 Step-wise work: :meth:`ModelRuntime.sync` and :meth:`ModelRuntime.generate` are generators, one
 engine step (a prefill batch, or one token) per ``next()``. The worker's scheduler advances the
@@ -136,10 +138,6 @@ class ModelRuntime(Protocol):
         """
         ...
 
-    def check_decode(self, config: DecodeConfig) -> None:
-        """Raise ``UnsupportedError`` for anything in ``config`` this runtime cannot honour."""
-        ...
-
     def copy(self, src: int, dst: int, n: int) -> None:
         """Make ``dst`` hold the first ``n`` tokens of ``src`` (``dst`` is emptied first)."""
         ...
@@ -171,14 +169,17 @@ class Backend(Protocol):
     @property
     def name(self) -> str: ...
 
-    def describe(self, request: OpenSessionRequest) -> ModelInfo:
+    def describe(self, request: OpenSessionRequest, *, memory_budget: int | None = None) -> ModelInfo:
         """Read what the model is and what it can do here, without loading the weights and
-        without importing the native engine into the calling process."""
+        without importing the native engine into the calling process. The context is sized
+        from ``memory_budget`` (None: ``sizing.default_memory_budget``), never from the free
+        memory of the moment: the same request is described the same way every time."""
         ...
 
-    def mark_loaded(self, digest: str, loaded: bool) -> None:
-        """A worker mapped (or unmapped) this model's weights, so ``describe`` sizes the context
-        without counting them twice."""
+    def check_decode(self, config: DecodeConfig) -> None:
+        """Refuse what ``Capabilities`` cannot say (the values of this backend's
+        ``DecodeConfig.extra`` keys): the daemon checks a decode before it reaches the engine,
+        so no worker round trip is spent on it."""
         ...
 
     def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> ModelRuntime:

@@ -12,33 +12,23 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
-import psutil
-
 from modeld.backends.base import LoadOptions, ModelRuntime
 from modeld.backends.gguf_meta import kv_bytes_per_token, read_gguf
-from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
-from modeld.contract import CONSTRAINT_KINDS, Capabilities, ModelInfo, OpenSessionRequest, SpecialToken
-from modeld.decoding.tools import detect_format
+from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, check_digest, model_info
+from modeld.contract import (
+    CONSTRAINT_KINDS,
+    Capabilities,
+    DecodeConfig,
+    ModelInfo,
+    OpenSessionRequest,
+    SpecialToken,
+)
+from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
-__all__ = ["OVERHEAD_BYTES", "SAMPLING_FIELDS", "LlamaBackend", "backend_version", "cpu_has_amx"]
+__all__ = ["LlamaBackend", "backend_version"]
 
-OVERHEAD_BYTES = 512 << 20
-"""Memory set aside for llama.cpp's compute buffers and the process when sizing the context."""
 
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repeat_penalty",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-    "top_logprobs",
-)
 QUANTIZED_KV = ("q8_0", "q4_0")
 
 
@@ -54,45 +44,22 @@ def backend_version() -> str:
         ) from exc
 
 
-def cpu_has_amx() -> bool:
-    """Whether the CPU advertises Intel AMX (``amx_int8`` in ``/proc/cpuinfo``).
-
-    On such a CPU llama.cpp puts quantized weights in its AMX buffer type, and its AMX matmul
-    (``ggml_backend_amx_mul_mat``) dies of a general protection fault at ``ldtilecfg`` in this
-    build (measured on a Xeon with AMX: every q8_0 model crashed the process at its first
-    decode; llama.cpp #20824 reports the same crash with another GCC). So the runtime loads
-    weights without llama.cpp's extra buffer types there (``use_extra_bufts``; llama-server's
-    ``--no-repack``), which also skips CPU repacking."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return "amx_int8" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
-
-
 class LlamaBackend:
     """Describes GGUF models (here) and loads them into llama.cpp (in the worker)."""
 
     def __init__(self) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise ImportError("llama-cpp-python is not installed")
-        self._loaded = WeightsInUse()
 
     @property
     def name(self) -> str:
         return "llama"
 
-    def mark_loaded(self, digest: str, loaded: bool) -> None:
-        """A model's weights were mapped (or unmapped) by a worker: describe counts them once."""
-        if loaded:
-            self._loaded.add(digest)
-        else:
-            self._loaded.remove(digest)
+    def check_decode(self, config: DecodeConfig) -> None:
+        """Nothing beyond ``Capabilities``: no ``DecodeConfig.extra`` key is accepted, and the
+        daemon's validation refuses every one by name."""
 
-    def describe(self, request: OpenSessionRequest) -> ModelInfo:
+    def describe(self, request: OpenSessionRequest, *, memory_budget: int | None = None) -> ModelInfo:
         meta = read_gguf(request.path)
         check_digest(request.path, request.digest, meta.digest)
         config = request.config
@@ -101,55 +68,32 @@ class LlamaBackend:
                 f"a {config.kv_cache_type} KV cache needs flash_attn=True in llama.cpp",
                 field="config.kv_cache_type",
             )
-        per_token = kv_bytes_per_token(meta, config.kv_cache_type)
-        free = psutil.virtual_memory().available
-        trained = meta.context_length or config.num_ctx
-        effective = effective_context(
-            trained=trained,
-            requested=config.num_ctx,
-            free_bytes=free,
-            weights_bytes=0 if meta.digest in self._loaded else meta.weights_bytes,
-            kv_bytes_per_token=per_token,
-            overhead=OVERHEAD_BYTES,
-        )
-        return ModelInfo(
+        return model_info(
+            request,
+            meta,
             backend="llama",
-            backend_version=backend_version(),
-            path=request.path,
-            model_name=request.model_name or meta.name,
-            model_digest=meta.digest,
-            model_max_context=trained,
-            effective_context=effective,
-            kv_bytes_per_token=per_token,
-            free_bytes=free,
-            weights_bytes=meta.weights_bytes,
-            vocab_size=meta.vocab_size,
-            tokenizer_digest=meta.tokenizer_digest,
+            version=backend_version(),
+            kv_bytes_per_token=kv_bytes_per_token(meta, config.kv_cache_type),
+            memory_budget=memory_budget,
             template_digest=meta.template_digest,
-            chat_template=meta.chat_template,
-            add_bos=meta.add_bos,
-            bos_token=meta.bos_token,
-            eos_token=meta.eos_token,
             device="gpu" if config.num_gpu_layers > 0 else "cpu",
             capabilities=Capabilities(
                 truncation=meta.can_truncate,
                 reuse="exact",
-                sampling=SAMPLING_FIELDS,
+                sampling=SAMPLER_NAMES,
                 extra=(),
                 prompt_formats=("raw", "chat") if meta.chat_template else ("raw",),
                 constraints=CONSTRAINT_KINDS,
             ),
             special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),
-            tool_format=detect_format(meta.chat_template),
-            architecture=meta.architecture,
         )
 
     def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> ModelRuntime:
         """Load the model into llama.cpp (called in the engine worker)."""
         if info.effective_context <= 0:
             raise ModelLoadError(
-                f"not enough free memory for any context on {request.path!r} "
-                f"({info.free_bytes} bytes free, {info.weights_bytes} bytes of weights)",
+                f"not enough memory for any context on {request.path!r}: the memory budget, less "
+                f"{info.weights_bytes} bytes of weights and {MODEL_OVERHEAD_BYTES >> 20} MiB of buffers, holds no KV",
                 path=request.path,
             )
         from modeld.backends.llama_runtime import LlamaRuntime

@@ -45,8 +45,8 @@ import numpy as np
 
 from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama_cpp loads
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
+from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
-from modeld.backends.llama import cpu_has_amx
 from modeld.backends.llama_constraints import LlamaConstraints, TokenConstraint
 from modeld.contract import Config, DecodeConfig, ModelInfo
 from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
@@ -340,12 +340,6 @@ class LlamaRuntime:
             del pending[:size]
             done = total - len(pending)
             yield SyncStep(kept, min(done, total), total)
-
-    def check_decode(self, config: DecodeConfig) -> None:
-        for key in config.extra:
-            raise UnsupportedError(
-                f"the llama backend accepts no DecodeConfig.extra keys (got {key!r})", field=f"extra.{key}"
-            )
 
     def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
         held = self._seq(seq)

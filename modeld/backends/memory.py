@@ -49,6 +49,7 @@ import xxhash
 
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.probe import ModelFile, open_model_file
+from modeld.backends.sizing import effective_context
 from modeld.contract import (
     CONSTRAINT_KINDS,
     Capabilities,
@@ -60,8 +61,9 @@ from modeld.contract import (
     TokenLogprob,
 )
 from modeld.decoding.constraints import runtime_constraint
+from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.decoding.sampling import SampledToken, adjust, logit_bias_of, logprob
-from modeld.errors import InvalidArgumentError, ModelLoadError, UnsupportedError
+from modeld.errors import InvalidArgumentError, ModelLoadError
 from modeld.manifest import bytes_hash
 
 __all__ = [
@@ -104,19 +106,6 @@ _ALPHABET: tuple[bytes, ...] = tuple(
 )
 _ECHO_BYTES = 24
 _REPEAT_WINDOW = 64
-SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repeat_penalty",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-    "top_logprobs",
-)
 EXTRA_KEYS = ("delay_ms",)
 _MAX_DELAY_MS = 10_000
 
@@ -135,7 +124,7 @@ class MemoryBackend:
     def name(self) -> str:
         return "memory"
 
-    def describe(self, request: OpenSessionRequest) -> ModelInfo:
+    def describe(self, request: OpenSessionRequest, *, memory_budget: int | None = None) -> ModelInfo:
         name = request.path or request.model_name
         if not name:
             raise InvalidArgumentError("a model path (or name) is required", field="path")
@@ -153,8 +142,13 @@ class MemoryBackend:
                 expected=request.digest,
                 actual=digest,
             )
-        free = psutil.virtual_memory().available
-        fits = max(0, (free - weights) // KV_BYTES_PER_TOKEN)
+        effective = effective_context(
+            trained=MAX_CONTEXT,
+            requested=request.config.num_ctx,
+            memory_budget=memory_budget,
+            weights_bytes=weights,
+            kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        )
         return ModelInfo(
             backend="memory",
             architecture="memory",
@@ -163,9 +157,9 @@ class MemoryBackend:
             model_name=request.model_name or name,
             model_digest=digest,
             model_max_context=MAX_CONTEXT,
-            effective_context=min(MAX_CONTEXT, request.config.num_ctx, fits),
+            effective_context=effective,
             kv_bytes_per_token=KV_BYTES_PER_TOKEN,
-            free_bytes=free,
+            free_bytes=psutil.virtual_memory().available,
             weights_bytes=weights,
             vocab_size=VOCAB_SIZE,
             tokenizer_digest=TOKENIZER_DIGEST,
@@ -178,7 +172,7 @@ class MemoryBackend:
             capabilities=Capabilities(
                 truncation=True,
                 reuse="exact",
-                sampling=SAMPLING_FIELDS,
+                sampling=SAMPLER_NAMES,
                 extra=EXTRA_KEYS,
                 prompt_formats=("raw", "chat"),
                 constraints=CONSTRAINT_KINDS,
@@ -187,8 +181,14 @@ class MemoryBackend:
             tool_format="hermes",
         )
 
-    def mark_loaded(self, digest: str, loaded: bool) -> None:
-        """Nothing to count: a memory model has no weights to map."""
+    def check_decode(self, config: DecodeConfig) -> None:
+        """``extra.delay_ms`` is an integer from 0 to 10000 (validation refused other keys)."""
+        delay = config.extra.get("delay_ms")
+        if delay is not None and not (delay.isdigit() and int(delay) <= _MAX_DELAY_MS):
+            raise InvalidArgumentError(
+                f"extra.delay_ms must be an integer from 0 to {_MAX_DELAY_MS}, got {delay!r}",
+                field="extra.delay_ms",
+            )
 
     def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> MemoryRuntime:
         return MemoryRuntime(info, request.config, options)
@@ -249,20 +249,6 @@ class MemoryRuntime:
         for start in range(0, total, step):
             held.extend(tokens[start : start + step])
             yield SyncStep(kept, min(total, start + step), total)
-
-    def check_decode(self, config: DecodeConfig) -> None:
-        for key in config.extra:
-            if key not in EXTRA_KEYS:
-                raise UnsupportedError(
-                    f"the memory backend accepts DecodeConfig.extra keys {EXTRA_KEYS} (got {key!r})",
-                    field=f"extra.{key}",
-                )
-        delay = config.extra.get("delay_ms")
-        if delay is not None and not (delay.isdigit() and int(delay) <= _MAX_DELAY_MS):
-            raise InvalidArgumentError(
-                f"extra.delay_ms must be an integer from 0 to {_MAX_DELAY_MS}, got {delay!r}",
-                field="extra.delay_ms",
-            )
 
     def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
         held = self._seq(seq)

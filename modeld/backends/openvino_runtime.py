@@ -15,20 +15,13 @@ The seam absorbs the difference (``blueprints/0011-openvino-backend.md``, ``0016
   comes back at the limit is refused rather than trusted.
 * **Threads**: ``LLMPipeline.generate`` releases the GIL; generation runs on its own thread and
   tokens arrive through a streamer, which stops the engine within one step when asked.
-
-``python -m modeld.backends.openvino_runtime --describe PATH`` describes an IR directory for the
-daemon (which never imports OpenVINO) and prints JSON.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
 import math
 import os
 import queue
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -36,23 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
-from modeld.backends.openvino import (
-    BLOCK_TOKENS,
-    KV_PRECISIONS,
-    TOKENIZER_LIMIT,
-    _device,
-    _dir_digest,
-    _precision,
-    _Source,
-    split_for_tokenizer,
-)
 from modeld.backends.openvino_constraints import apply_sampling
+from modeld.backends.openvino_source import KV_PRECISIONS, device, precision
 from modeld.contract import Config, DecodeConfig, ModelInfo
 from modeld.decoding.constraints import runtime_constraint
-from modeld.errors import EngineError, InvalidArgumentError, ModeldError, ModelLoadError, UnsupportedError
+from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
 try:
     import openvino as ov
@@ -60,70 +43,35 @@ try:
 except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
     raise ImportError(f"openvino-genai is not installed: {exc}") from exc
 
-__all__ = ["OpenVINORuntime", "read_ir"]
+__all__ = ["OpenVINORuntime", "split_for_tokenizer"]
+
+TOKENIZER_LIMIT = 8192
+"""OpenVINO's GGUF tokenizer keeps at most this many tokens of one text."""
+PIECE_BYTES = 6000
+"""Text pieces given to the tokenizer at once: fewer bytes than the limit has tokens."""
+BLOCK_TOKENS = 32
+"""OpenVINO's CPU KV block: only full blocks are hashed and reused across requests."""
 
 
-def read_ir(raw: str) -> _Source:
-    """Describe an IR directory (needs OpenVINO: run in a child process, see ``__main__``)."""
-    path = Path(raw).expanduser()
-    model_xml = path / "openvino_model.xml"
-    if not model_xml.is_file():
-        raise ModelLoadError(f"{raw!r} is a directory without openvino_model.xml", path=raw)
-    if not (path / "openvino_tokenizer.xml").is_file():
-        raise ModelLoadError(f"{raw!r} has no openvino_tokenizer.xml (convert the tokenizer too)", path=raw)
-    config: dict[str, Any] = {}
-    if (path / "config.json").is_file():
-        try:
-            config = json.loads((path / "config.json").read_text())
-        except ValueError as exc:
-            raise ModelLoadError(f"{raw!r}: config.json is not valid JSON: {exc}", path=raw) from exc
-    try:
-        core = ov.Core()
-        model = core.read_model(str(model_xml))
-        tokenizer = og.Tokenizer(str(path))
-    except Exception as exc:
-        raise ModelLoadError(f"{raw!r} is not a readable OpenVINO IR: {exc}", path=raw) from exc
-    states = [op for op in model.get_ops() if op.get_type_name() == "ReadValue"]
-    values = 0
-    for state in states:
-        shape = state.get_output_partial_shape(0)
-        if shape.rank.get_length() == 4 and shape[1].is_static and shape[3].is_static:
-            values += shape[1].get_length() * shape[3].get_length()
-    template = tokenizer.chat_template or ""
-    if not template and (path / "tokenizer_config.json").is_file():
-        template = str(
-            json.loads((path / "tokenizer_config.json").read_text()).get("chat_template", "") or ""
-        )
-    with_special = list(tokenizer.encode("a", add_special_tokens=True).input_ids.data[0])
-    without = list(tokenizer.encode("a", add_special_tokens=False).input_ids.data[0])
-    bos_id = int(tokenizer.get_bos_token_id())
-    add_bos = len(with_special) > len(without) and with_special[0] == bos_id
-    tok_hash = xxhash.xxh3_128()
-    for name in (
-        "openvino_tokenizer.xml",
-        "openvino_tokenizer.bin",
-        "openvino_detokenizer.xml",
-        "openvino_detokenizer.bin",
-    ):
-        if (path / name).is_file():
-            tok_hash.update((path / name).read_bytes())
-    return _Source(
-        path=raw,
-        kind="ir",
-        digest=_dir_digest(path),
-        name=str(config.get("_name_or_path") or path.name),
-        context_length=int(config.get("max_position_embeddings") or 0),
-        layers=int(config.get("num_hidden_layers") or len(states) // 2),
-        architecture=str(config.get("model_type") or ""),
-        kv_values_per_token=values,
-        vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
-        tokenizer_digest=tok_hash.hexdigest(),
-        chat_template=template,
-        add_bos=add_bos,
-        bos_token=tokenizer.get_bos_token(),
-        eos_token=tokenizer.get_eos_token(),
-        weights_bytes=sum(p.stat().st_size for p in path.glob("openvino_model.bin")),
-    )
+def split_for_tokenizer(text: str, limit: int = PIECE_BYTES) -> list[str]:
+    """Pieces of ``text``, each at most ``limit`` UTF-8 bytes where possible, cut only just
+    before a letter that follows a newline: byte-level BPE pre-tokenizers (gpt2, llama3,
+    qwen2, ...) always split there, so the pieces' tokens concatenate to the whole text's."""
+    pieces: list[str] = []
+    start = 0
+    while len(text[start:].encode("utf-8")) > limit:
+        window = text[start : start + limit]
+        cut = -1
+        for i in range(len(window) - 1, 0, -1):
+            if window[i - 1] == "\n" and window[i].isalpha():
+                cut = i
+                break
+        if cut <= 0:
+            break  # no safe boundary: leave the rest whole; the truncation check guards it
+        pieces.append(text[start : start + cut])
+        start += cut
+    pieces.append(text[start:])
+    return [p for p in pieces if p]
 
 
 class _Streamer(og.StreamerBase):  # type: ignore[misc]
@@ -188,16 +136,14 @@ class OpenVINORuntime:
         kv_bytes = 2 * cache_tokens * max(1, self._info.kv_bytes_per_token)
         scheduler.cache_size = max(1, math.ceil(kv_bytes / (1 << 30)))
         properties: dict[str, Any] = {
-            "INFERENCE_PRECISION_HINT": _precision(),
+            "INFERENCE_PRECISION_HINT": precision(),
             "KV_CACHE_PRECISION": KV_PRECISIONS[config.kv_cache_type],
             "ATTENTION_BACKEND": "PA",
         }
         if threads > 0:
             properties["INFERENCE_NUM_THREADS"] = threads
         try:
-            return og.LLMPipeline(
-                self._load_path(), _device(config), scheduler_config=scheduler, **properties
-            )
+            return og.LLMPipeline(self._load_path(), device(config), scheduler_config=scheduler, **properties)
         except Exception as exc:
             raise ModelLoadError(
                 f"OpenVINO GenAI could not load {self._info.path!r}: {exc}", path=self._info.path
@@ -262,12 +208,6 @@ class OpenVINORuntime:
             self._warm_up(held)
             self._warm[seq] = len(held)
         yield SyncStep(kept, len(tokens), len(tokens))
-
-    def check_decode(self, config: DecodeConfig) -> None:
-        for key in config.extra:
-            raise UnsupportedError(
-                f"the openvino backend accepts no DecodeConfig.extra keys (got {key!r})", field=f"extra.{key}"
-            )
 
     def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
         held = self._seq(seq)
@@ -360,21 +300,3 @@ class OpenVINORuntime:
         gen.repetition_penalty = config.repeat_penalty
         gen.stop_token_ids = set(self._eog)
         return gen
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Describe an IR directory and print ``{"source": {...}}`` or ``{"error": {...}}`` as JSON."""
-    parser = argparse.ArgumentParser(prog="modeld.backends.openvino_runtime")
-    parser.add_argument("--describe", required=True)
-    args = parser.parse_args(argv)
-    try:
-        source = read_ir(args.describe)
-    except ModeldError as exc:
-        print(json.dumps({"error": {"reason": exc.reason, "message": exc.message, "details": exc.details}}))
-        return 0
-    print(json.dumps({"source": dataclasses.asdict(source)}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,16 @@
-"""Residency: the one owner of "what is warm where" (``blueprints/0014``).
+"""Warm state: the one owner of "what is warm where" (``blueprints/0016-warm-state.md``).
 
-* :mod:`modeld.cache.residency`: per loaded model, the warm contexts in its KV pool, the choice
-  of what a turn reuses, eviction, and the leases operations hold;
+* :mod:`modeld.cache.warm`: per loaded model, :class:`~modeld.cache.warm.ModelCache` and the
+  :class:`~modeld.cache.warm.Hold` a turn does its KV work through;
+* :mod:`modeld.cache.pool`: the state of one model's KV pool (warm contexts, sessions' slots);
+* :mod:`modeld.cache.choice`: what a turn reuses (pure: the longest common token prefix);
+* :mod:`modeld.cache.eviction`: which context goes to make room, its prefix saved first;
+* :mod:`modeld.cache.reuse`: why a turn was warm, partial or cold (the reasons people read);
 * :mod:`modeld.cache.tiers`: the daemon-wide RAM and disk tiers of KV snapshots;
 * :mod:`modeld.cache.snapfile`: the verified on-disk format of a snapshot;
-* :mod:`modeld.cache.ledger`: which KV cells each sequence uses (a shared prefix counts once).
+* :mod:`modeld.cache.ledger`: which KV cells each sequence uses (a shared prefix counts once);
+* :mod:`modeld.cache.runtime`: the protocol the cache reaches a loaded runtime through (copy,
+  drop, sync, snapshot, restore), implemented by ``modeld/workers/host.py``.
 
-No grpc, protobuf or HTTP here; the engine reaches a runtime only through
-``modeld.workers.host.Host``.
+Imports neither ``modeld.engine`` nor ``modeld.workers``, nor grpc, protobuf or HTTP.
 """

@@ -1,7 +1,7 @@
 """Which KV cells each sequence uses, so bytes are counted once and the pool never overflows.
 
 llama.cpp's unified KV lets sequences share cells: copying the first ``n`` tokens of a sequence
-only adds the destination to those cells' sequence sets (blueprint 0014, NEXT-FACTS §1), and a
+only adds the destination to those cells' sequence sets (blueprints/0016-warm-state.md, "KV layout"), and a
 cell is freed only when no sequence holds it any more. The ledger mirrors that exactly and
 cheaply: every run of cells created by one evaluation (or one restore) is a *group*; a sequence
 is a list of references to group prefixes; a group uses as many cells as its longest reference.

@@ -1,6 +1,6 @@
 """The on-disk form of a KV snapshot: one self-describing, verified file per snapshot.
 
-Layout (``blueprints/0014``)::
+Layout (``blueprints/0016-warm-state.md``)::
 
     "MODELDKV"                      8 bytes, magic
     u16le version                   FORMAT_VERSION
@@ -44,6 +44,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SUFFIX",
     "SnapshotError",
+    "SnapshotFile",
     "SnapshotHeader",
     "read_header",
     "open_verified",
@@ -74,6 +75,15 @@ class SnapshotHeader:
     created: float
 
 
+@dataclass(frozen=True, slots=True)
+class SnapshotFile:
+    """A snapshot on disk and the header the daemon indexed: a restore sends both, and the
+    engine worker maps the file and checks it against that header itself."""
+
+    path: Path
+    header: SnapshotHeader
+
+
 def payload_hash(blob: bytes | memoryview) -> str:
     return xxhash.xxh3_128(blob).hexdigest()
 
@@ -82,7 +92,7 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     arr = array("I", tokens)
     if arr.itemsize != 4:  # pragma: no cover - every supported platform has 32-bit unsigned int
         raise SnapshotError("this platform's array('I') is not 32 bits")
-    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian host
+    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian machine
         arr.byteswap()
     return arr.tobytes()
 
@@ -183,7 +193,7 @@ def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
         raise SnapshotError("truncated inside the tokens")
     arr = array("I")
     arr.frombytes(raw)
-    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian host
+    if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian machine
         arr.byteswap()
     tokens = arr.tolist()
     if token_hash(tokens) != header.token_hash:

@@ -16,7 +16,7 @@ an engine worker), so they survive a worker crash; the disk tier survives a daem
 
 A budget of 0 switches a tier off. Every rejected file is removed with its reason logged and
 kept in :attr:`Tiers.rejections` (``modeld status`` shows them; a cold turn that tried one says
-why). Design record: ``blueprints/0014``.
+why). Design record: ``blueprints/0016-warm-state.md``.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from pathlib import Path
 from modeld.cache.snapfile import (
     SUFFIX,
     SnapshotError,
+    SnapshotFile,
     SnapshotHeader,
     read_header,
     write_atomic,
@@ -92,8 +93,6 @@ class Rejection:
     at: float
     file: str
     reason: str
-    model_digest: str = ""
-    identity: str = ""
 
 
 def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Sequence[int]) -> str:
@@ -136,16 +135,6 @@ class Tiers:
                 self._writer.start()
 
     # --- state ------------------------------------------------------------------------------------
-
-    @property
-    def ram_used(self) -> int:
-        with self._lock:
-            return sum(e.nbytes for e in self._entries.values() if e.blob is not None)
-
-    @property
-    def disk_used(self) -> int:
-        with self._lock:
-            return sum(e.nbytes for e in self._entries.values() if e.path is not None)
 
     @property
     def disk_on(self) -> bool:
@@ -262,7 +251,7 @@ class Tiers:
 
     # --- using ------------------------------------------------------------------------------------
 
-    def load(self, entry: TierEntry) -> bytes | tuple[Path, SnapshotHeader]:
+    def load(self, entry: TierEntry) -> bytes | SnapshotFile:
         """The entry's blob from RAM, or the file and header to restore it from (the engine
         worker maps and verifies the file itself: ``snapfile.open_verified``; a 100 MB payload
         read here and sent over the worker's socket cost 130-300 ms, mapped there ~18 ms).
@@ -275,7 +264,7 @@ class Tiers:
             return blob
         if path is None or header is None:
             raise SnapshotError("the snapshot is no longer available")
-        return path, header
+        return SnapshotFile(path, header)
 
     def persist(self, entry: TierEntry) -> None:
         """Write an entry that is only in RAM to the disk tier too (write-behind)."""
@@ -292,16 +281,9 @@ class Tiers:
         where = str(entry.path) if entry.path is not None else f"ram:{entry.key}"
         log.warning("removed KV snapshot %s: %s", where, reason)
         with self._lock:
-            self.rejections.append(Rejection(time.time(), where, reason, entry.model_digest, entry.identity))
+            self.rejections.append(Rejection(time.time(), where, reason))
             self.counters["rejected"] += 1
             self._remove(entry, "")
-
-    def rejected_for(self, model_digest: str, identity: str, since: float) -> Rejection | None:
-        with self._lock:
-            for r in reversed(self.rejections):
-                if r.at >= since and r.model_digest == model_digest and r.identity == identity:
-                    return r
-        return None
 
     def _remove(self, entry: TierEntry, why: str) -> None:
         self._entries.pop(entry.key, None)
@@ -312,17 +294,6 @@ class Tiers:
             entry.path = None
         if why:
             log.debug("removed KV snapshot %s: %s", entry.key, why)
-
-    def drop_model(self, model_digest: str, keep_disk: bool = True) -> None:
-        """Forget RAM copies of a model's entries (disk copies stay unless ``keep_disk`` is False)."""
-        with self._lock:
-            for e in list(self._entries.values()):
-                if e.model_digest != model_digest:
-                    continue
-                if e.path is not None and keep_disk:
-                    e.blob = None
-                elif not e.writing:
-                    self._remove(e, "model unloaded")
 
     # --- the disk ---------------------------------------------------------------------------------
 
@@ -444,9 +415,7 @@ class Tiers:
             if key != entry_key(header.model_digest, header.identity, header.snapshot_format, tokens):
                 reason = "its name does not match its contents"
                 log.warning("removed KV snapshot %s: %s", path, reason)
-                self.rejections.append(
-                    Rejection(time.time(), str(path), reason, header.model_digest, header.identity)
-                )
+                self.rejections.append(Rejection(time.time(), str(path), reason))
                 self.counters["rejected"] += 1
                 with contextlib.suppress(OSError):
                     path.unlink()

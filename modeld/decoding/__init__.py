@@ -13,7 +13,9 @@ it. The modules:
 * :mod:`~modeld.decoding.toolcalls` parses tool calls out of a model's output, incrementally;
 * :mod:`~modeld.decoding.tools` reads tool definitions, builds the constraint that forces a
   call (``tool_choice``), and tells exit tools (signals) apart;
-* :mod:`~modeld.decoding.guard` stops a model that repeats one line.
+* :mod:`~modeld.decoding.guard` stops a model that repeats one line;
+* :mod:`~modeld.decoding.samplers` is the one sampler table (name, default, OpenAI name, range)
+  and :mod:`~modeld.decoding.sampling` the reference semantics of the extra samplers.
 
 The design record is ``blueprints/0018-constraints-and-tool-calls.md``.
 """

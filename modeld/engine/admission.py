@@ -57,8 +57,6 @@ class Admission:
         self._busy = 0
         self._queue: deque[Waiter] = deque()
         self._cond = threading.Condition()
-        self.waits_total = 0.0
-        self.waited_count = 0
         self._on_wait = on_wait
 
     def acquire(self, session_id: str, *, no_wait: bool, interrupted: Callable[[], bool]) -> Ticket:
@@ -100,8 +98,6 @@ class Admission:
                     self._cond.wait(min(left, 0.05))
                 self._busy += 1
                 waited = time.monotonic() - waiter.since
-                self.waits_total += waited
-                self.waited_count += 1
                 if self._on_wait is not None:
                     self._on_wait(waited)
                 return Ticket(session_id, waited)

@@ -27,7 +27,9 @@ import psutil
 from modeld import __version__
 from modeld.backends import Backend, load_backend
 from modeld.backends.base import LoadOptions
-from modeld.cache.residency import CacheSettings
+from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, default_memory_budget
+from modeld.cache.pool import CacheSettings
+from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import (
     Accelerator,
@@ -47,7 +49,7 @@ from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import identity_of, prepare_prefix, prepare_suffix
-from modeld.engine.session import EngineSession, warm_contexts
+from modeld.engine.session import EngineSession
 from modeld.engine.validate import encode_text, validate_request
 from modeld.errors import (
     BackendMismatchError,
@@ -59,15 +61,13 @@ from modeld.errors import (
     ShuttingDownError,
     UnsupportedError,
 )
-from modeld.manifest import ContextManifest, config_runtime_digest
+from modeld.manifest import config_runtime_digest
 from modeld.settings import ISOLATIONS, Residency, RestartPolicy, Timeouts
 
 __all__ = ["Engine", "EngineObserver"]
 
 log = logging.getLogger("modeld.engine")
 
-_MODEL_OVERHEAD = 256 << 20
-"""Memory counted per loaded model beyond weights and KV (compute buffers, the worker)."""
 _JANITOR_SECONDS = 2.0
 
 
@@ -131,15 +131,13 @@ class Engine:
             ram_bytes=ram if self.residency.ram_tier_bytes < 0 else self.residency.ram_tier_bytes,
             disk_bytes=disk if self.residency.disk_tier_bytes < 0 else self.residency.disk_tier_bytes,
         )
-        total = psutil.virtual_memory().total
-        self.memory_budget = (
-            int(total * 0.9) if self.residency.memory_budget_bytes < 0 else self.residency.memory_budget_bytes
-        )
+        budget = self.residency.memory_budget_bytes
+        self.memory_budget = default_memory_budget() if budget < 0 else budget
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
         self._models: dict[ModelKey, LoadedModel] = {}
-        self._last_identity: dict[tuple[str, str], ContextManifest] = {}
+        self._history = RuntimeHistory()
         self._sessions: dict[str, EngineSession] = {}
         self._closed: OrderedDict[str, ContextReport] = OrderedDict()
         self._stopping = False
@@ -181,7 +179,7 @@ class Engine:
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         request = validate_request(request, self.limits)
-        return self.backend(self._resolve_type(request)).describe(request)
+        return self.backend(self._resolve_type(request)).describe(request, memory_budget=self.memory_budget)
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
         request = validate_request(request, self.limits)
@@ -190,7 +188,7 @@ class Engine:
         epoch = self.owner.check_open(request.fence)
         kind = self._resolve_type(request)
         self._check_session_room()
-        info = self.backend(kind).describe(request)
+        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
         config = request.config
         if config.prompt_format not in info.capabilities.prompt_formats:
             raise UnsupportedError(
@@ -243,7 +241,7 @@ class Engine:
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
-        info = self.backend(kind).describe(request)
+        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
@@ -262,7 +260,7 @@ class Engine:
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
-        info = self.backend(kind).describe(request)
+        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
@@ -312,7 +310,7 @@ class Engine:
         if not unified and per_seq > 0:
             with self._lock:
                 used = sum(m.cost for m in self._models.values())
-            room = self.memory_budget - used - info.weights_bytes - _MODEL_OVERHEAD
+            room = self.memory_budget - used - info.weights_bytes - MODEL_OVERHEAD_BYTES
             n_seq = max(1, min(n_seq, room // per_seq))
             if n_seq < r.sequences:
                 log.warning(
@@ -351,7 +349,9 @@ class Engine:
                     return model
             options = self._options(kind, info, request.config.num_ctx, request.config.num_threads)
             cost = (
-                info.weights_bytes + options.pool_tokens * max(0, info.kv_bytes_per_token) + _MODEL_OVERHEAD
+                info.weights_bytes
+                + options.pool_tokens * max(0, info.kv_bytes_per_token)
+                + MODEL_OVERHEAD_BYTES
             )
             self._make_room_for_load(cost)
             model = LoadedModel(
@@ -359,8 +359,10 @@ class Engine:
                 request,
                 info,
                 options,
+                backend=self.backend(kind),
                 isolation=self._isolation(kind),
                 tiers=self.tiers,
+                history=self._history,
                 cache_settings=CacheSettings(
                     snapshot_min_tokens=self.residency.snapshot_min_tokens,
                     persist_min_tokens=self.residency.persist_min_tokens,
@@ -377,7 +379,6 @@ class Engine:
             )
             model.cost = cost
             model.sessions = 1
-            self.backend(kind).mark_loaded(info.model_digest, True)
             with self._lock:
                 self._models[key] = model
             log.info(
@@ -425,7 +426,6 @@ class Engine:
                 del self._models[model.key]
         model.cache.retire(f"the model was unloaded: {why}")
         model.close(persist=False)
-        self.backend(model.key[0]).mark_loaded(model.info.model_digest, False)
         log.info("unloaded model %s: %s", model.info.path, why)
 
     def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
@@ -434,7 +434,7 @@ class Engine:
         log.warning("engine worker of %s lost its state: %s", model.info.path, error.message)
         self._notify("worker_restarted")
 
-    # --- what sessions ask (SessionHost) -------------------------------------------------------
+    # --- what sessions ask (SessionService) ----------------------------------------------------
 
     def forget(self, session: EngineSession, report: ContextReport) -> None:
         with self._lock:
@@ -444,18 +444,6 @@ class Engine:
             self._closed[session.session_id] = report
             while len(self._closed) > self.limits.closed_reports_kept:
                 self._closed.popitem(last=False)
-
-    def changed(self, model: LoadedModel, identity: ContextManifest) -> tuple[str, str, str] | None:
-        with self._lock:
-            last = self._last_identity.get((model.key[0], model.key[1]))
-        if last is None:
-            return None
-        compat = last.compatible_runtime(identity)
-        return None if compat.ok else (compat.field, compat.ours, compat.theirs)
-
-    def touched(self, model: LoadedModel, identity: ContextManifest) -> None:
-        with self._lock:
-            self._last_identity[(model.key[0], model.key[1])] = identity
 
     # --- registry and observers ----------------------------------------------------------
 
@@ -559,7 +547,7 @@ class Engine:
             slots=model.admission.slots,
             busy_slots=model.admission.busy,
             queued=model.admission.queued,
-            contexts=warm_contexts(model),
+            contexts=model.warm_contexts(),
             counters=dict(model.cache.counters),
             worker=WorkerInfo(
                 pid=worker.pid,
@@ -615,8 +603,6 @@ class Engine:
             self._models.clear()
         for model in models:
             model.close(persist=True)
-            with contextlib.suppress(ModeldError):
-                self.backend(model.key[0]).mark_loaded(model.info.model_digest, False)
         if not self.tiers.flush(persist_seconds):
             log.warning("the disk tier did not finish writing within %.0fs", persist_seconds)
         self.tiers.close()

@@ -3,7 +3,7 @@
 One :class:`LoadedModel` exists per (backend, file, model digest, runtime config). Its engine
 runs in a worker process (or in-process for the memory backend), supervised
 (``modeld/workers/supervisor.py``); its warm contexts are owned by a
-:class:`~modeld.cache.residency.ModelCache`; its operations are admitted through
+:class:`~modeld.cache.warm.ModelCache`; its operations are admitted through
 :class:`~modeld.engine.admission.Admission`. The vocabulary arrives once, when the worker has
 loaded the model, so the daemon turns tokens into text itself.
 """
@@ -21,11 +21,13 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
-from modeld.backends.base import Layout, LoadOptions, Vocab
+from modeld.backends.base import Backend, Layout, LoadOptions, Vocab
 from modeld.backends.probe import FileIdentity, identify
-from modeld.cache.residency import CacheSettings, ModelCache
+from modeld.cache.pool import CacheSettings
+from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers
-from modeld.contract import LoadedModelSummary, ModelInfo, OpenSessionRequest
+from modeld.cache.warm import ModelCache
+from modeld.contract import LoadedModelSummary, ModelInfo, OpenSessionRequest, WarmContextInfo
 from modeld.engine.admission import Admission
 from modeld.engine.chat import ChatRenderer
 from modeld.errors import ModeldError
@@ -115,8 +117,10 @@ class LoadedModel:
         info: ModelInfo,
         options: LoadOptions,
         *,
+        backend: Backend,
         isolation: str,
         tiers: Tiers | None,
+        history: RuntimeHistory,
         cache_settings: CacheSettings,
         timeouts: Timeouts,
         restart: RestartPolicy,
@@ -129,6 +133,8 @@ class LoadedModel:
         on_wait: Callable[[float], None] | None = None,
     ) -> None:
         self.key = key
+        self.backend = backend
+        """The daemon side of the model's backend (describes, checks a decode's extra values)."""
         self.info = info
         self.options = options
         self.isolation = isolation
@@ -170,9 +176,11 @@ class LoadedModel:
             name=name,
             model_digest=info.model_digest,
             layout=self.layout,
-            host=self.supervisor.host,
+            runtime=self.supervisor.host,
             tiers=tiers,
             settings=cache_settings,
+            file_key=(key[0], key[1]),
+            history=history,
         )
         self.admission = Admission(
             slots or self.layout.n_seq,
@@ -207,6 +215,10 @@ class LoadedModel:
         if key is not None:
             self._tokens.put(key, tokens)
         return tokens
+
+    def warm_contexts(self) -> tuple[WarmContextInfo, ...]:
+        """Every warm context of this model, in the KV and in the tiers."""
+        return self.cache.views()
 
     def _reset(self, error: ModeldError) -> None:
         """The worker died: whatever its KV held is gone (the tiers are not)."""

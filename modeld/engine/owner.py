@@ -1,6 +1,6 @@
 """Owner fencing inside one process: which instance and epoch this engine serves under.
 
-The file-based lease (``modeld/engine/lease.py``) decides who owns the machine; this object is
+The file-based lease (``modeld/lease.py``) decides who owns the machine; this object is
 what the engine consults on every operation. A session is bound to the epoch it was opened
 under; once ownership is lost (a takeover), every session of that epoch fails with
 ``stale_fence`` and new sessions get ``not_owner``.

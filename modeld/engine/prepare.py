@@ -36,6 +36,7 @@ __all__ = [
     "ChatState",
     "PreparedPrefix",
     "PreparedSuffix",
+    "Preparer",
     "byte_ends",
     "identity_of",
     "prepare_prefix",
@@ -290,3 +291,46 @@ def prepare_suffix(
         manifest = _with_token_ranges(manifest, byte_ends(vocab, tokens, added_bos=False), spans, n_prefix)
     manifest = replace(manifest, volatile_token_hash=token_hash(tokens))
     return PreparedSuffix(tokens=tokens, manifest=manifest)
+
+
+@dataclass(frozen=True)
+class Preparer:
+    """One session's fixed inputs to :func:`prepare_prefix` and :func:`prepare_suffix`."""
+
+    identity: ContextManifest
+    config: Config
+    info: ModelInfo
+    limits: Limits
+    window: int
+    vocab: Vocab
+    renderer: Callable[[], ChatRenderer]
+    tokenize: Tokenize
+
+    def prefix(self, prefix: PrefixInput) -> PreparedPrefix:
+        return prepare_prefix(
+            prefix,
+            identity=self.identity,
+            config=self.config,
+            info=self.info,
+            limits=self.limits,
+            window=self.window,
+            vocab=self.vocab,
+            renderer=self.renderer,
+            tokenize=self.tokenize,
+        )
+
+    def suffix(
+        self, suffix: SuffixInput, *, current: ContextManifest, chat: ChatState | None, n_prefix: int
+    ) -> PreparedSuffix:
+        return prepare_suffix(
+            suffix,
+            current=current,
+            chat=chat,
+            n_prefix=n_prefix,
+            identity=self.identity,
+            limits=self.limits,
+            window=self.window,
+            vocab=self.vocab,
+            renderer=self.renderer,
+            tokenize=self.tokenize,
+        )

@@ -15,7 +15,6 @@ the backend sees "whatever the file is". modeld's own fingerprint is checked by 
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import threading
 from collections import OrderedDict
@@ -33,6 +32,7 @@ from modeld.contract import (
     DecodeConfig,
     OpenSessionRequest,
 )
+from modeld.decoding.samplers import SAMPLERS, check_float, check_int
 from modeld.engine.limits import Limits
 from modeld.errors import InvalidArgumentError, LimitExceededError, ModelLoadError, UnsupportedError, echo
 from modeld.manifest import ContextManifest
@@ -101,37 +101,19 @@ def encode_text(text: object, field: str, limits: Limits, extra_bytes: int = 0) 
     return data
 
 
-def _int_in(value: object, field: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{field} must be an integer", field=field)
-    if not lo <= value <= hi:
-        raise InvalidArgumentError(f"{field} must be between {lo} and {hi}, got {value}", field=field)
-    return value
-
-
-def _float_in(value: object, field: str, lo: float, hi: float, *, lo_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgumentError(f"{field} must be a number", field=field)
-    v = float(value)
-    if math.isnan(v) or v > hi or v < lo or (lo_open and v == lo):
-        bracket = "(" if lo_open else "["
-        raise InvalidArgumentError(f"{field} must be in {bracket}{lo}, {hi}], got {value}", field=field)
-    return v
-
-
 def validate_config(config: object, limits: Limits) -> Config:
     if not isinstance(config, Config):
         raise InvalidArgumentError("config must be a Config", field="config")
-    _int_in(config.num_ctx, "config.num_ctx", 1, limits.max_context_tokens)
-    _int_in(config.num_batch, "config.num_batch", 1, limits.max_context_tokens)
-    _int_in(config.num_threads, "config.num_threads", 0, 1024)
-    _int_in(config.num_gpu_layers, "config.num_gpu_layers", -1, 100_000)
+    check_int(config.num_ctx, "config.num_ctx", 1, limits.max_context_tokens)
+    check_int(config.num_batch, "config.num_batch", 1, limits.max_context_tokens)
+    check_int(config.num_threads, "config.num_threads", 0, 1024)
+    check_int(config.num_gpu_layers, "config.num_gpu_layers", -1, 100_000)
     if not isinstance(config.tensor_split, tuple) or len(config.tensor_split) > 64:
         raise InvalidArgumentError(
             "config.tensor_split must be at most 64 numbers", field="config.tensor_split"
         )
     for i, v in enumerate(config.tensor_split):
-        _float_in(v, f"config.tensor_split[{i}]", 0.0, 1e9)
+        check_float(v, f"config.tensor_split[{i}]", 0.0, 1e9)
     if not isinstance(config.flash_attn, bool):
         raise InvalidArgumentError("config.flash_attn must be a boolean", field="config.flash_attn")
     validate_string(config.kv_cache_type, "config.kv_cache_type", limits, MAX_WORD_BYTES)
@@ -274,21 +256,15 @@ def validate_manifest_size(manifest: ContextManifest | None, limits: Limits) -> 
         validate_string(seg.hash, f"segments[{i}].hash", limits, MAX_ID_BYTES)
 
 
-_DEFAULTS = DecodeConfig()
-
-
 def validate_decode(config: object, limits: Limits, capabilities: Capabilities, window: int) -> DecodeConfig:
     """Check ranges, limits, and that the backend honours every sampler that is switched on."""
     if not isinstance(config, DecodeConfig):
         raise InvalidArgumentError("expected a DecodeConfig", field="decode")
-    _int_in(config.max_tokens, "max_tokens", 1, max(1, window))
-    _float_in(config.temperature, "temperature", 0.0, 100.0)
-    _float_in(config.top_p, "top_p", 0.0, 1.0, lo_open=True)
-    _int_in(config.top_k, "top_k", 0, 1 << 30)
-    _float_in(config.min_p, "min_p", 0.0, 1.0)
-    _float_in(config.repeat_penalty, "repeat_penalty", 0.0, 100.0, lo_open=True)
-    if config.seed is not None:
-        _int_in(config.seed, "seed", 0, (1 << 64) - 1)
+    check_int(config.max_tokens, "max_tokens", 1, max(1, window))
+    for sampler in SAMPLERS:  # the one table: ranges, and what this backend honours
+        sampler.check(getattr(config, sampler.name))
+    if config.top_logprobs and not config.logprobs:
+        raise InvalidArgumentError("top_logprobs needs logprobs", field="top_logprobs")
     if not isinstance(config.stop, tuple):
         raise InvalidArgumentError("stop must be a tuple of strings", field="stop")
     if len(config.stop) > limits.max_stop_strings:
@@ -319,38 +295,21 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
                 field=f"extra.{key[:MAX_WORD_BYTES]}",
             )
     _validate_decoding(config, limits, capabilities)
-    for name in SAMPLING_FIELDS:
-        if getattr(config, name) != getattr(_DEFAULTS, name) and name not in capabilities.sampling:
+    for sampler in SAMPLERS:
+        if sampler.is_on(config) and sampler.name not in capabilities.sampling:
             raise UnsupportedError(
-                f"this backend cannot honour DecodeConfig.{name}; leave it at its default",
-                field=name,
+                f"this backend cannot honour DecodeConfig.{sampler.name}; leave it at its default",
+                field=sampler.name,
             )
     return config
 
 
-SAMPLING_FIELDS: tuple[str, ...] = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "repeat_penalty",
-    "logit_bias",
-    "presence_penalty",
-    "frequency_penalty",
-    "logprobs",
-    "top_logprobs",
-)
-"""DecodeConfig fields a backend honours only if it lists them in ``Capabilities.sampling``."""
-
-MAX_LOGIT_BIAS_ENTRIES = 1024
-MAX_TOP_LOGPROBS = 20
 MAX_REPEATED_LINE = 1 << 20
 
 
 def _validate_decoding(config: DecodeConfig, limits: Limits, capabilities: Capabilities) -> None:
-    """The constraint, tool and guard fields, and the extra sampling parameters (shapes and
-    ranges; the constraint itself is compiled by the decode, see ``modeld.decoding``)."""
+    """The constraint, tool and guard fields (shapes and ranges; the constraint itself is
+    compiled by the decode, see ``modeld.decoding``)."""
     constraint = config.constraint
     if constraint is not None:
         if not isinstance(constraint, Constraint):
@@ -386,25 +345,8 @@ def _validate_decoding(config: DecodeConfig, limits: Limits, capabilities: Capab
             f"tool_format must be one of {', '.join(repr(f) for f in TOOL_FORMATS)}, got {config.tool_format!r}",
             field="tool_format",
         )
-    _int_in(config.repeated_line_min_chars, "repeated_line_min_chars", 0, MAX_REPEATED_LINE)
-    _int_in(config.repeated_line_max, "repeated_line_max", 0, MAX_REPEATED_LINE)
-    if len(config.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise LimitExceededError(
-            f"{len(config.logit_bias)} logit_bias entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}",
-            limit="max_logit_bias_entries",
-            value=len(config.logit_bias),
-            maximum=MAX_LOGIT_BIAS_ENTRIES,
-        )
-    for token, bias in config.logit_bias.items():
-        _int_in(token, "logit_bias token", 0, (1 << 31) - 1)
-        _float_in(bias, f"logit_bias[{token}]", -100.0, 100.0)
-    _float_in(config.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _float_in(config.frequency_penalty, "frequency_penalty", -2.0, 2.0)
-    if not isinstance(config.logprobs, bool):
-        raise InvalidArgumentError("logprobs must be a boolean", field="logprobs")
-    _int_in(config.top_logprobs, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if config.top_logprobs and not config.logprobs:
-        raise InvalidArgumentError("top_logprobs needs logprobs", field="top_logprobs")
+    check_int(config.repeated_line_min_chars, "repeated_line_min_chars", 0, MAX_REPEATED_LINE)
+    check_int(config.repeated_line_max, "repeated_line_max", 0, MAX_REPEATED_LINE)
 
 
 def validate_logit_bias(config: DecodeConfig, vocab_size: int) -> None:

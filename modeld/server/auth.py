@@ -7,7 +7,7 @@ can read it) and sent by clients as ``authorization: Bearer <token>`` metadata
 (``runtime_client`` reads the file like it reads the address). Health checks and reflection
 stay open: they reveal liveness and the public schema, nothing else.
 
-The interceptor is ``grpc.aio``'s (the daemon's server is asyncio: ``modeld/server/daemon.py``).
+The interceptor is ``grpc.aio``'s (the daemon's server is asyncio: ``modeld/daemon.py``).
 
 What not: TLS. Off loopback (``--allow-remote``) the token travels in clear text; put a TLS
 terminator or an SSH tunnel in front.

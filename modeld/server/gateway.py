@@ -2,7 +2,7 @@
 
 What: :class:`Gateway` sees the engine only as the contract's Service plus the small observer
 protocol :class:`ServedEngine` (status, sessions, explain, tokenize; the engine satisfies it,
-checked in ``tests/test_gateway.py``). It never imports ``modeld.engine``. It keeps:
+checked by mypy where the daemon builds it, ``modeld/daemon.py``). It never imports ``modeld.engine``. It keeps:
 
 * the sessions opened through a transport (:class:`Hosted`) with the state only a transport
   has: which transport, whether a stream is attached, when it was opened. The engine's

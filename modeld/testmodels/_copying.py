@@ -38,16 +38,45 @@ from __future__ import annotations
 import functools
 import math
 import zlib
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import Final, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from modeld.testmodels._tokenizer import TOKEN_TYPE_NORMAL, Vocabulary
 
-if TYPE_CHECKING:  # _spec imports this module to validate a copying spec
-    from modeld.testmodels._spec import ModelSpec
+
+class ModelSpec(Hashable, Protocol):
+    """What the construction reads of a :class:`~modeld.testmodels._spec.ModelSpec` (``_spec``
+    imports this module to validate a copying spec, so this one does not import it back)."""
+
+    @property
+    def arch(self) -> str: ...
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def ff(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def rope_freq_base(self) -> float: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def tied_embeddings(self) -> bool: ...
+    @property
+    def vocab_size(self) -> int: ...
+
 
 __all__ = [
     "CIRCUIT_LAYERS",

@@ -8,6 +8,6 @@
   point;
 * :mod:`modeld.workers.supervisor`: death noticed at once, restarts with backoff, stall watchdog.
 
-Design record: ``blueprints/0015``. No grpc, protobuf or HTTP here, and nothing in the daemon
+Design record: ``blueprints/0017-workers.md``. No grpc, protobuf or HTTP here, and nothing in the daemon
 process imports llama_cpp or openvino_genai: only the worker does.
 """

@@ -1,8 +1,9 @@
 """The daemon side of the protocol: requests in flight, typed calls, and the in-process host.
 
-A :class:`Host` is one loaded runtime seen from the daemon. Callers (the engine's sessions and
-the warm-state cache) use its typed methods -- ``tokenize``, ``sync``, ``generate``, ``copy``,
-``drop``, ``snapshot``, ``restore`` -- from any thread; each is one protocol request with its
+A :class:`Host` is one loaded runtime seen from the daemon. Callers use its typed methods from
+any thread: the engine ``tokenize`` and ``start_generate``; the warm-state cache the KV
+operations of its own protocol (``modeld/cache/runtime.py``'s ``KVRuntime``: ``copy``, ``drop``,
+``sync``, ``snapshot``, ``restore``, with typed results). Each is one protocol request with its
 own operation id, so several sessions can have requests in flight at once and the engine side
 interleaves them (``modeld/workers/scheduler.py``). A job can be cancelled by message
 (:meth:`Call.cancel`).
@@ -22,17 +23,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from modeld.backends.base import Layout, ModelRuntime, SyncStep, Vocab
-from modeld.cache.snapfile import SnapshotHeader
+from modeld.cache.runtime import KVRuntime, Restored, SyncEnd
+from modeld.cache.snapfile import SnapshotFile
 from modeld.contract import DecodeConfig
 from modeld.errors import EngineError, ModeldError, error_from_reason
 from modeld.workers.protocol import (
     REFUSED,
     Cancel,
-    CheckDecode,
     Close,
     Copy,
     Drop,
@@ -43,7 +43,6 @@ from modeld.workers.protocol import (
     Loaded,
     Message,
     Progress,
-    Resident,
     Restore,
     Result,
     Snapshot,
@@ -53,7 +52,7 @@ from modeld.workers.protocol import (
 )
 from modeld.workers.scheduler import Scheduler
 
-__all__ = ["Call", "Host", "InlineHost"]
+__all__ = ["Call", "Host", "InlineHost", "SyncCall"]
 
 _M = TypeVar("_M", bound=Message)
 _FINAL = (Result, Finished, Failed, Loaded)
@@ -211,39 +210,11 @@ class Host:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self.call(Tokenize(text, add_bos)).result(Result).tokens)
 
-    def check_decode(self, config: DecodeConfig) -> None:
-        self.call(CheckDecode(config)).result(Result)
-
-    def resident(self, seq: int) -> list[int]:
-        return list(self.call(Resident(seq)).result(Result).tokens)
-
-    def start_sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Call:
-        return self.call(Sync(seq, keep, tuple(tokens)))
-
-    def sync(
-        self,
-        seq: int,
-        keep: int,
-        tokens: Sequence[int],
-        *,
-        on_call: Callable[[Call], None] | None = None,
-        on_progress: Callable[[SyncStep], None] | None = None,
-    ) -> Finished:
-        """Run a sync job to its end (``on_call`` receives the call, to cancel it from elsewhere)."""
-        call = self.start_sync(seq, keep, tokens)
-        if on_call is not None:
-            on_call(call)
-        final: Message | None = None
-        for final in call.events():
-            if isinstance(final, Progress) and on_progress is not None:
-                on_progress(final.step())
-        if not isinstance(final, Finished):
-            raise EngineError(f"the engine answered sync with {type(final).__name__}")
-        return final
-
     def start_generate(self, seq: int, config: DecodeConfig, max_tokens: int, interval: float = 0.0) -> Call:
         """A generate job; tokens that come faster than ``interval`` seconds arrive together."""
         return self.call(Generate(seq, config, max_tokens, interval))
+
+    # --- the cache's KV operations (modeld.cache.runtime.KVRuntime) ---------------------------------
 
     def copy(self, src: int, dst: int, n: int) -> None:
         self.call(Copy(src, dst, n)).result(Result)
@@ -251,26 +222,67 @@ class Host:
     def drop(self, seq: int) -> None:
         self.call(Drop(seq)).result(Result)
 
-    def snapshot(self, seq: int) -> bytes:
-        return self.start_snapshot(seq).result(Result).payload
+    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> SyncCall:
+        return SyncCall(self.call(Sync(seq, keep, tuple(tokens))))
 
-    def start_snapshot(self, seq: int) -> Call:
-        return self.call(Snapshot(seq))
+    def snapshot(self, seq: int) -> SnapshotCall:
+        return SnapshotCall(self.call(Snapshot(seq)))
 
-    def restore(self, seq: int, tokens: Sequence[int], blob: bytes | tuple[Path, SnapshotHeader]) -> str:
+    def restore(self, seq: int, tokens: Sequence[int], blob: bytes | SnapshotFile) -> Restored:
         """Load a snapshot into ``seq``: a RAM blob, or a snapshot file the worker maps and
-        verifies itself. Returns "" when restored, else why not (``seq`` is then empty)."""
-        if isinstance(blob, tuple):
-            path, header = blob
-            message = Restore(seq, tuple(tokens), path=str(path.absolute()), header=header)
+        verifies itself (``seq`` is empty when it was not restored)."""
+        if isinstance(blob, SnapshotFile):
+            message = Restore(seq, tuple(tokens), path=str(blob.path.absolute()), header=blob.header)
         else:
             message = Restore(seq, tuple(tokens), payload=blob)
         result = self.call(message).result(Result)
-        return "" if result.ok else result.detail or REFUSED
+        if result.ok:
+            return Restored(True)
+        return Restored(False, result.detail or REFUSED, refused=result.detail in ("", REFUSED))
 
     def close(self) -> None:
         """Free the model and end the host (never raises)."""
         raise NotImplementedError
+
+
+class SyncCall:
+    """A sync job in flight, read as the cache's typed events (``KVRuntime.sync``)."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def next_event(self, timeout: float | None = None) -> SyncStep | SyncEnd | None:
+        event = self.call.next_event(timeout)
+        if event is None:
+            return None
+        if isinstance(event, Progress):
+            return event.step()
+        if isinstance(event, Finished):
+            return SyncEnd(event.resident, event.kept, event.canceled)
+        raise EngineError(f"the engine answered sync with {type(event).__name__}")
+
+    def wait(self) -> SyncEnd:
+        final = self.call.result(Finished)
+        return SyncEnd(final.resident, final.kept, final.canceled)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+class SnapshotCall:
+    """A snapshot in flight (``KVRuntime.snapshot``): its request is already on its way."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def result(self) -> bytes:
+        return self.call.result(Result).payload
+
+
+if TYPE_CHECKING:
+
+    def _conformance(host: Host) -> KVRuntime:  # Host implements the cache's runtime protocol
+        return host
 
 
 class InlineHost(Host):

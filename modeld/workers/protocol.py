@@ -35,7 +35,6 @@ __all__ = [
     "MAX_FRAME",
     "REFUSED",
     "Cancel",
-    "CheckDecode",
     "Close",
     "Copy",
     "Drop",
@@ -47,7 +46,6 @@ __all__ = [
     "Message",
     "Progress",
     "ProtocolError",
-    "Resident",
     "Restore",
     "Result",
     "Snapshot",
@@ -139,12 +137,6 @@ class Generate(Message):
 
 
 @dataclass(frozen=True)
-class CheckDecode(Message):
-    kind: ClassVar[str] = "check_decode"
-    config: DecodeConfig
-
-
-@dataclass(frozen=True)
 class Copy(Message):
     kind: ClassVar[str] = "copy"
     src: int
@@ -184,12 +176,6 @@ class Restore(Message):
 
 REFUSED = "the engine refused to restore it"
 """``Result.detail`` of a restore whose blob passed every check but the engine would not load."""
-
-
-@dataclass(frozen=True)
-class Resident(Message):
-    kind: ClassVar[str] = "resident"
-    seq: int
 
 
 @dataclass(frozen=True)
@@ -245,7 +231,7 @@ class Loaded(Message):
 
 @dataclass(frozen=True)
 class Result(Message):
-    """The answer to an atomic request: ``tokens`` (tokenize, resident), ``ok`` (restore; when
+    """The answer to an atomic request: ``tokens`` (tokenize), ``ok`` (restore; when
     False, ``detail`` says why), ``payload`` (snapshot)."""
 
     kind: ClassVar[str] = "result"
@@ -306,12 +292,10 @@ _KINDS: dict[str, type[Message]] = {
         Tokenize,
         Sync,
         Generate,
-        CheckDecode,
         Copy,
         Drop,
         Snapshot,
         Restore,
-        Resident,
         Cancel,
         Close,
         Loaded,

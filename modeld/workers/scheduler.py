@@ -31,7 +31,6 @@ from modeld.errors import EngineError, ModeldError
 from modeld.workers.protocol import (
     REFUSED,
     Cancel,
-    CheckDecode,
     Close,
     Copy,
     Drop,
@@ -42,7 +41,6 @@ from modeld.workers.protocol import (
     Loaded,
     Message,
     Progress,
-    Resident,
     Restore,
     Result,
     Snapshot,
@@ -139,9 +137,6 @@ class Scheduler:
                 self._start(_Job(op, message.seq, tokens, generate=True, interval=message.interval))
             elif isinstance(message, Tokenize):
                 self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
-            elif isinstance(message, CheckDecode):
-                runtime.check_decode(message.config)
-                self._send(op, Result())
             elif isinstance(message, Copy):
                 runtime.copy(message.src, message.dst, message.n)
                 self._send(op, Result())
@@ -152,8 +147,6 @@ class Scheduler:
                 self._send(op, Result(payload=runtime.snapshot(message.seq)))
             elif isinstance(message, Restore):
                 self._send(op, _restore(runtime, message))
-            elif isinstance(message, Resident):
-                self._send(op, Result(tokens=tuple(runtime.resident(message.seq))))
             elif isinstance(message, Close):
                 self._close()
                 self._send(op, Result())

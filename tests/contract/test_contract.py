@@ -13,8 +13,8 @@ from dataclasses import replace
 import pytest
 from harness import Harness
 
+from modeld.cache.reuse import common_prefix_len
 from modeld.contract import DecodeConfig, PrefixInput, Session, StreamChunk, SuffixInput
-from modeld.engine.reuse import common_prefix_len
 from modeld.errors import (
     ContextOverflowError,
     InvalidArgumentError,

@@ -2,7 +2,7 @@
 
 Thin by design: no engine logic here, and no engine import: it reaches the engine only through
 :class:`~modeld.server.gateway.Gateway` (the contract plus observers), the same path the HTTP
-endpoint takes. It runs on a ``grpc.aio`` server (``modeld/server/daemon.py``): the event loop
+endpoint takes. It runs on a ``grpc.aio`` server (``modeld/daemon.py``): the event loop
 only waits; every call into the engine goes through the one asyncio bridge
 (:mod:`modeld.server.bridge`), which the HTTP APIs share: Session operations on the
 ``sessions`` pool, OpenSession and CountTokens on ``calls`` (a model load: no timeout),

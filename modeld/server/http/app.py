@@ -1,4 +1,4 @@
-"""The Starlette application: access, bodies, errors, and the routes of every HTTP API.
+"""What every HTTP API shares: access, bodies, errors, running a turn (the routes: ``routes.py``).
 
 Routes: OpenAI (``GET /v1/models[/{name}]``, ``POST /v1/chat/completions``, ``POST
 /v1/completions``, ``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}``; the OpenAI routes
@@ -36,10 +36,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
 
 from modeld.contract import Config, ModelInfo, OpenSessionRequest
 from modeld.errors import ModeldError, ModelLoadError, echo
@@ -50,10 +48,9 @@ from modeld.server.http.conversations import Collected, Conversations, Event, St
 from modeld.server.http.errors import ErrorStyle, HttpError, from_modeld, incident_id
 from modeld.server.http.fields import check_strings
 from modeld.server.http.models import ModelEntry, ModelRegistry
-from modeld.server.http.openai_chat import openai_error
 from modeld.server.http.turn import Turn
 
-__all__ = ["HttpService", "HttpSettings", "build_app", "is_loopback_host"]
+__all__ = ["HttpService", "HttpSettings", "error_response", "guarded", "is_loopback_host"]
 
 log = logging.getLogger("modeld.http")
 
@@ -419,41 +416,3 @@ def guarded(service: HttpService, handler: Handler, style: ErrorStyle) -> Handle
             return error_response(error, style)
 
     return run
-
-
-def build_app(service: HttpService) -> Starlette:
-    from modeld.server.http import anthropic, gateway_routes, ollama, openai_routes, responses
-
-    routes: list[BaseRoute] = []
-    routes += openai_routes.routes(service)
-    routes += responses.routes(service)
-    routes += anthropic.routes(service)
-    routes += ollama.routes(service)
-    routes += gateway_routes.routes(service)
-    routes += [
-        Route("/health", service.health, methods=["GET", "HEAD"]),
-        Route("/metrics", guarded(service, service.metrics, openai_error), methods=["GET"]),
-    ]
-
-    def style_of(path: str) -> ErrorStyle:
-        if path.startswith("/v1/messages"):
-            return anthropic.anthropic_error
-        if path.startswith("/api/"):
-            return ollama.ollama_error
-        return openai_error
-
-    async def not_found(request: Request, _exc: Exception) -> Response:
-        return error_response(HttpError(404, "no such route", code="not_found"), style_of(request.url.path))
-
-    async def not_allowed(request: Request, _exc: Exception) -> Response:
-        return error_response(
-            HttpError(405, "method not allowed", code="method_not_allowed"), style_of(request.url.path)
-        )
-
-    async def crashed(request: Request, exc: Exception) -> Response:
-        incident = incident_id()
-        log.error("internal error serving %s (incident %s)", request.url.path, incident, exc_info=exc)
-        error = HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
-        return error_response(error, style_of(request.url.path))
-
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed, Exception: crashed})

@@ -15,7 +15,8 @@ import time
 
 import uvicorn
 
-from modeld.server.http.app import HttpService, build_app
+from modeld.server.http.app import HttpService
+from modeld.server.http.routes import build_app
 
 __all__ = ["HttpListener", "ListenError"]
 

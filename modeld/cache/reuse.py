@@ -1,10 +1,11 @@
 """Why a turn was warm, restored, partial or cold: the words ``explain-context`` shows people.
 
-The warm-state cache (``modeld/cache/residency.py``) decides *what* to reuse: the candidate
-with the longest common token prefix among the compatible warm contexts in the KV pool and the
-snapshots in the RAM and disk tiers. This module turns that choice into a
-:class:`~modeld.contract.ReuseDecision`; it is a pure function of its inputs, so every reason a
-person can read is pinned by unit tests.
+The cache chooses *what* to reuse (``modeld/cache/choice.py``: the candidate with the longest
+common token prefix among the compatible warm contexts in the KV pool and the snapshots in the
+RAM and disk tiers). This module turns that choice into a
+:class:`~modeld.contract.ReuseDecision`; :func:`classify` is a pure function of its inputs, so
+every reason a person can read is pinned by unit tests. :class:`RuntimeHistory` remembers the
+runtime each model file was last warm under, for the ``manifest_changed`` reason.
 
 Outcomes: ``warm`` when the candidate's whole prefix was kept (``full_match``, ``extended``, or
 ``restored_from_ram`` / ``restored_from_disk`` when it came back from a tier); ``partial`` when
@@ -18,13 +19,14 @@ cannot be cut (``truncation_unsupported``), the text diverged at token 0, or not
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from modeld.contract import ReuseDecision
 from modeld.manifest import ContextManifest, Segment
 
-__all__ = ["Candidate", "Loss", "classify", "common_prefix_len", "segment_at"]
+__all__ = ["Candidate", "Loss", "RuntimeHistory", "classify", "common_prefix_len", "segment_at"]
 
 _CHUNK = 256
 
@@ -78,6 +80,30 @@ class Loss:
     kind: str = ""
     message: str = ""
     tier: str = ""
+
+
+class RuntimeHistory:
+    """The runtime each model file was last warm under (daemon-wide), so a cold turn names the
+    runtime field that changed (``manifest_changed``) although each runtime config is a loaded
+    model of its own, with a cache of its own. Keyed by (backend, path). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], ContextManifest] = {}
+
+    def changed(self, key: tuple[str, str], manifest: ContextManifest) -> tuple[str, str, str] | None:
+        """``(field, ours, theirs)`` when the file was last warm under another runtime."""
+        with self._lock:
+            last = self._last.get(key)
+        if last is None:
+            return None
+        compat = last.compatible_runtime(manifest)
+        return None if compat.ok else (compat.field, compat.ours, compat.theirs)
+
+    def record(self, key: tuple[str, str], manifest: ContextManifest) -> None:
+        """A prefix computed under ``manifest``'s runtime is now warm."""
+        with self._lock:
+            self._last[key] = manifest
 
 
 def classify(

@@ -1,0 +1,90 @@
+"""What a turn reuses: the longest common token prefix among the compatible candidates.
+
+:func:`choose` is a pure function of its inputs (as vLLM's ``find_longest_cache_hit``): it reads
+token lists and flags, changes nothing and calls no engine, so every rule is pinned by unit tests
+(``tests/test_cache_choice.py``):
+
+1. The session's own context, untouched since its last operation (``untouched``: its generation
+   counter is unchanged) and keeping its whole prefix, is taken without comparing anything else.
+2. Otherwise every candidate is compared: the session's own context, the other warm contexts of
+   the same identity (a busy one only up to its floor), and the tier snapshots. The longest
+   common prefix wins (SGLang's radix match, llama-server's slot similarity); at equal length
+   the KV beats a snapshot, and a snapshot must reuse ``restore_min_gain`` tokens more than the
+   best context in the KV to be worth a restore.
+3. Memory that cannot be cut (``can_truncate`` False: recurrent models) reuses a candidate only
+   whole; a shared prefix it could not use is reported (``blocked``) for the cold reason.
+
+Design record: ``blueprints/0016-warm-state.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from modeld.cache.pool import WarmContext
+from modeld.cache.reuse import common_prefix_len
+from modeld.cache.tiers import TierEntry
+
+__all__ = ["Choice", "choose"]
+
+
+@dataclass
+class Choice:
+    """The candidate to reuse: ``keep`` tokens of ``context`` (in the KV) or of ``entry`` (a
+    snapshot), or nothing (``keep`` 0). ``blocked``: a compatible context shared a prefix the
+    memory cannot be cut to; ``seen``: some compatible context or snapshot existed."""
+
+    keep: int = 0
+    context: WarmContext | None = None
+    entry: TierEntry | None = None
+    blocked: bool = False
+    seen: bool = False
+
+
+def usable(context: WarmContext, target: list[int], *, own: bool, can_truncate: bool) -> tuple[int, bool]:
+    """Tokens of ``context`` a turn may keep for ``target``, and whether the memory's inability
+    to be cut kept a shared prefix from being used."""
+    n = common_prefix_len(context.tokens, target)
+    if context.busy and not own:
+        n = min(n, context.floor)
+    if n < len(context.tokens) and not can_truncate:
+        return 0, n > 0
+    return n, False
+
+
+def choose(
+    target: list[int],
+    *,
+    own: WarmContext | None,
+    untouched: bool,
+    others: Iterable[WarmContext],
+    entries: Iterable[TierEntry],
+    can_truncate: bool,
+    restore_min_gain: int,
+) -> Choice:
+    """The candidate for ``target`` (see the module docstring). ``own`` is the session's context,
+    ``others`` the pool's other contexts of the same identity, ``entries`` the tier snapshots of
+    that identity and engine format."""
+    best = Choice()
+    if own is not None and not own.busy:
+        keep, blocked = usable(own, target, own=True, can_truncate=can_truncate)
+        best = Choice(keep, own, blocked=blocked, seen=True)
+        if untouched and keep > 0 and keep >= min(own.prefix_tokens, len(target)):
+            return best  # the session's own context, as it left it: nothing to compare
+    for context in others:
+        if context.busy and context.floor <= 0:
+            continue
+        keep, blocked = usable(context, target, own=False, can_truncate=can_truncate)
+        best.blocked = best.blocked or blocked
+        best.seen = True
+        if keep > best.keep:
+            best = Choice(keep, context, blocked=best.blocked, seen=True)
+    for entry in entries:
+        best.seen = True
+        n = common_prefix_len(entry.tokens, target)
+        if n < len(entry.tokens) and not can_truncate:
+            continue
+        if n > 0 and n - best.keep >= restore_min_gain:
+            best = Choice(n, None, entry, blocked=best.blocked, seen=True)
+    return best

@@ -1,0 +1,262 @@
+"""Room in the KV pool: which warm context goes, and its prefix saved to a tier before it does.
+
+* **Victim**: the least valuable context that is not busy and not pinned: the highest idle
+  seconds per 1k tokens it would cost to recompute (:func:`score`), a detached context (its
+  session closed) four times sooner.
+* **Save before evict**: an evicted context's prefix is snapshotted into the RAM tier (from there
+  it moves to disk) before its cells are freed, and its session's next turn says where it went
+  (``evicted`` with the tier). A session's own context about to be overwritten by something that
+  keeps less than half of its prefix is saved too (llama-server's ``f_keep < 0.5`` rule).
+* **Room**: a free sequence for a session that has none, and (unified pool) free cells for the
+  tokens a turn will add.
+* **Write-behind** (:class:`WriteBehind`): a long prefix just computed is snapshotted and written
+  to the disk tier in the background, so it survives a crash of the daemon, not only an orderly
+  stop; memory that cannot be cut keeps its state at the prefix boundary in the RAM tier.
+
+Every function takes the model's :class:`~modeld.cache.pool.Pool`, whose lock the caller holds,
+and reaches the engine through :class:`~modeld.cache.runtime.KVRuntime`. Design record:
+``blueprints/0016-warm-state.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from modeld.cache.pool import Pool, SessionSlot, WarmContext
+from modeld.cache.reuse import Loss
+from modeld.cache.runtime import KVRuntime
+from modeld.cache.tiers import TierEntry
+from modeld.errors import BusyError, ModeldError
+
+__all__ = [
+    "NoRoom",
+    "WriteBehind",
+    "evict",
+    "make_room",
+    "new_context",
+    "save",
+    "save_before_overwrite",
+    "score",
+    "store",
+    "victim",
+]
+
+log = logging.getLogger("modeld.cache")
+
+DETACHED_WEIGHT = 4.0
+"""A detached context (its session closed) serves nobody right now: it goes this much sooner."""
+
+
+class NoRoom(Exception):  # noqa: N818 - internal control flow
+    """No sequence can be freed except the one holding the chosen source."""
+
+
+def score(context: WarmContext, now: float) -> float:
+    """How little a context is worth keeping: idle seconds per 1k tokens of recompute."""
+    value = (now - context.last_used + 1.0) / (1.0 + len(context.tokens) / 1024.0)
+    return value * DETACHED_WEIGHT if context.owner is None else value
+
+
+def victim(pool: Pool, exclude: set[WarmContext]) -> WarmContext | None:
+    """The evictable context with the highest :func:`score` (never busy, pinned or excluded)."""
+    now = time.time()
+    best: WarmContext | None = None
+    best_score = -1.0
+    for context in pool.contexts.values():
+        if context in exclude or context.busy:
+            continue
+        if context.owner is not None and context.owner.pinned:
+            continue
+        value = score(context, now)
+        if value > best_score:
+            best, best_score = context, value
+    return best
+
+
+def new_context(
+    pool: Pool, slot: SessionSlot, runtime: KVRuntime, keep_away: WarmContext | None
+) -> WarmContext:
+    """A fresh context for a session that has none, on a free sequence or on an evicted one's.
+
+    Raises :class:`NoRoom` when the only sequence that could be freed is ``keep_away`` (the
+    source the turn wants to copy from), and ``busy`` when every sequence is busy or pinned."""
+    free = pool.free_seqs()
+    if not free:
+        chosen = victim(pool, exclude={keep_away} if keep_away is not None else set())
+        if chosen is None and keep_away is not None and victim(pool, exclude=set()) is keep_away:
+            raise NoRoom
+        if chosen is None:
+            raise BusyError(
+                f"all {pool.layout.n_seq} sequences of {pool.name} hold busy or pinned contexts; "
+                "try again when an operation ends",
+                sequences=pool.layout.n_seq,
+            )
+        evict(pool, chosen, runtime, "its sequence was needed by another session")
+        free = [chosen.seq]
+    return pool.add(slot, free[0])
+
+
+def make_room(pool: Pool, dst: WarmContext, new_cells: int, runtime: KVRuntime) -> None:
+    """Free cells for ``new_cells`` more tokens in ``dst`` (only a unified pool is shared)."""
+    layout = pool.layout
+    if not layout.shared_cells or not layout.explicit:
+        return
+    while pool.ledger.used() + max(0, new_cells) > layout.pool_tokens:
+        chosen = victim(pool, exclude={dst})
+        if chosen is None:
+            raise BusyError(
+                f"the KV pool of {pool.name} ({layout.pool_tokens} tokens) is full of busy or "
+                "pinned contexts; try again when an operation ends",
+                pool_tokens=layout.pool_tokens,
+            )
+        evict(pool, chosen, runtime, "its cells were needed by another session")
+
+
+def evict(pool: Pool, context: WarmContext, runtime: KVRuntime, why: str) -> None:
+    """Save a context's prefix to a tier, free its cells, and tell its session where it went."""
+    tier = save(pool, context, runtime)
+    runtime.drop(context.seq)
+    pool.remove(context)
+    pool.counters[f"evicted_to_{tier}" if tier else "evicted_dropped"] += 1
+    owner = context.owner
+    if owner is not None:
+        where = f"saved to the {tier} tier" if tier else "not saved: " + _no_save_reason(pool, context)
+        owner.loss = Loss("evicted", f"{why}; {where}", tier or "none")
+        owner.context = None
+    log.info(
+        "evicted warm context %s (%d tokens) from %s: %s", context.id, len(context.tokens), pool.name, why
+    )
+
+
+def _no_save_reason(pool: Pool, context: WarmContext) -> str:
+    if pool.tiers is None:
+        return "this backend has no snapshots" if not pool.layout.snapshots else "the tiers are off"
+    if len(context.tokens) < pool.settings.snapshot_min_tokens:
+        return f"shorter than {pool.settings.snapshot_min_tokens} tokens"
+    return "the tiers are full or off"
+
+
+def save(pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool = False) -> str:
+    """Snapshot a context's prefix into the tiers before its cells go; the tier, or "".
+
+    ``persist`` also writes it to the disk tier now (an orderly stop)."""
+    tiers = pool.tiers
+    if tiers is None or not context.tokens:
+        return ""
+    n = context.prefix_tokens or len(context.tokens)
+    if n < pool.settings.snapshot_min_tokens:
+        return ""
+    if context.saved_key:
+        for entry in tiers.entries(pool.model_digest):
+            covers = entry.tokens == context.tokens[: len(entry.tokens)] and len(entry.tokens) >= n
+            if entry.key == context.saved_key and covers:
+                if persist:
+                    tiers.persist(entry)
+                return entry.tier
+    if n < len(context.tokens):
+        if not pool.layout.can_truncate:
+            return ""
+        runtime.sync(context.seq, n, ()).wait()
+        pool.ledger.truncate(context.seq, n)
+        context.tokens = context.tokens[:n]
+        context.generation += 1
+    try:
+        blob = runtime.snapshot(context.seq).result()
+    except ModeldError as exc:
+        log.warning("could not snapshot warm context %s: %s", context.id, exc.message)
+        return ""
+    saved = store(pool, context, context.tokens, n, blob, persist=persist)
+    return saved.tier if saved is not None else ""
+
+
+def store(
+    pool: Pool, context: WarmContext, tokens: Sequence[int], prefix: int, blob: bytes, *, persist: bool
+) -> TierEntry | None:
+    """Put a snapshot of ``context`` (holding ``tokens``) into the tiers and count it."""
+    assert pool.tiers is not None
+    entry = pool.tiers.put(
+        model_digest=pool.model_digest,
+        identity=context.identity,
+        snapshot_format=pool.layout.snapshot_format,
+        tokens=tokens,
+        prefix_tokens=prefix,
+        blob=blob,
+        truncatable=pool.layout.can_truncate,
+        persist=persist,
+    )
+    if entry is not None:
+        pool.counters["snapshots_taken"] += 1
+        if context.tokens[: len(tokens)] == list(tokens):
+            context.saved_key = entry.key
+    return entry
+
+
+def save_before_overwrite(pool: Pool, own: WarmContext, keep: int, runtime: KVRuntime) -> None:
+    """llama-server's rule: a context about to lose more than half its prefix is saved first."""
+    prefix = own.prefix_tokens or len(own.tokens)
+    if prefix >= pool.settings.snapshot_min_tokens and keep < prefix // 2 and not own.busy:
+        save(pool, own, runtime)
+
+
+class WriteBehind:
+    """Snapshots of just-computed prefixes, stored into the tiers on a background thread."""
+
+    def __init__(self, pool: Pool, lock: threading.RLock) -> None:
+        self._pool = pool
+        self._lock = lock
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-save-{pool.name[:8]}")
+        self._pending: list[Future[None]] = []
+
+    def write_behind(self, context: WarmContext, computed: int, runtime: KVRuntime) -> None:
+        """After a prefix that computed ``computed`` tokens: snapshot it and store it (written to
+        disk at once when long enough).
+
+        The snapshot request reaches the engine before this returns, so the engine takes it
+        before any later job on the sequence: the blob is exactly the prefix."""
+        pool = self._pool
+        tiers = pool.tiers
+        if tiers is None or computed <= 0:
+            return
+        persist = tiers.disk_on and computed >= pool.settings.persist_min_tokens
+        # Memory that cannot be cut has no other way back to the prefix once a suffix or a
+        # decode extended it: its state at the prefix boundary is kept in the RAM tier.
+        boundary = not pool.layout.can_truncate
+        if not (persist or boundary):
+            return
+        tokens = list(context.tokens)
+        if len(tokens) < pool.settings.snapshot_min_tokens:
+            return
+        pending = runtime.snapshot(context.seq)
+        prefix = context.prefix_tokens
+
+        def finish() -> None:
+            try:
+                blob = pending.result()
+            except ModeldError as exc:
+                log.warning(
+                    "could not snapshot warm context %s for the disk tier: %s", context.id, exc.message
+                )
+                return
+            with self._lock:
+                store(pool, context, tokens, prefix, blob, persist=persist)
+
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(self._executor.submit(finish))
+
+    def settle(self) -> None:
+        """Wait for the snapshots on their way (a choice must see every tier entry)."""
+        with self._lock:
+            pending = [f for f in self._pending if not f.done()]
+        for future in pending:
+            with contextlib.suppress(Exception):
+                future.result(timeout=60)
+
+    def close(self) -> None:
+        """Finish every snapshot on its way; take no more."""
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,96 @@
+"""What the cache asks of a loaded runtime: five operations on its numbered KV sequences.
+
+The cache decides what is warm where; the runtime holds the KV. The cache reaches it only
+through :class:`KVRuntime`, a protocol this package owns, so nothing in ``modeld/cache/``
+imports the engine or the workers: ``modeld/workers/host.py``'s ``Host`` implements it (the
+runtime in a worker process or on a thread of the daemon), one protocol message per call.
+
+* :meth:`~KVRuntime.copy` and :meth:`~KVRuntime.drop` are atomic;
+* :meth:`~KVRuntime.sync` starts a job that reports :class:`~modeld.backends.base.SyncStep`
+  progress and ends with :class:`SyncEnd` (the engine's own counts: the truth after a cancel);
+* :meth:`~KVRuntime.snapshot` sends its request before it returns (so the engine takes the
+  snapshot before any later job on the sequence) and answers later (:class:`PendingSnapshot`);
+* :meth:`~KVRuntime.restore` answers :class:`Restored`.
+
+Every call raises the runtime's contract error (``engine_restarted`` when its worker died).
+Design record: ``blueprints/0016-warm-state.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from modeld.backends.base import SyncStep
+from modeld.cache.snapfile import SnapshotFile
+
+__all__ = ["KVRuntime", "PendingSnapshot", "Restored", "SyncEnd", "SyncJob"]
+
+
+@dataclass(frozen=True, slots=True)
+class SyncEnd:
+    """A sync job ended: its sequence holds ``resident`` tokens, of which the first ``kept`` were
+    kept before evaluating (fewer than asked when the memory could not be cut there);
+    ``canceled`` when it stopped before the target."""
+
+    resident: int
+    kept: int
+    canceled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """A restore's answer. When not ``ok`` the sequence is empty and ``detail`` says why;
+    ``refused`` when the blob passed every check and the engine itself would not load it."""
+
+    ok: bool
+    detail: str = ""
+    refused: bool = False
+
+
+class SyncJob(Protocol):
+    """A sync job in flight."""
+
+    def next_event(self, timeout: float | None = None) -> SyncStep | SyncEnd | None:
+        """The job's next step, its end, or None when nothing came within ``timeout`` seconds;
+        the error that ended the job is raised."""
+        ...
+
+    def wait(self) -> SyncEnd:
+        """Read the job to its end (progress is ignored)."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop the job before its next step (idempotent, never blocks)."""
+        ...
+
+
+class PendingSnapshot(Protocol):
+    def result(self) -> bytes:
+        """The blob (waits for the engine's answer)."""
+        ...
+
+
+class KVRuntime(Protocol):
+    """The KV operations of one loaded runtime (see the module docstring)."""
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """``dst`` := the first ``n`` tokens of ``src``."""
+        ...
+
+    def drop(self, seq: int) -> None:
+        """Empty ``seq``."""
+        ...
+
+    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> SyncJob:
+        """Start a job that keeps ``seq``'s first ``keep`` tokens, then evaluates ``tokens``."""
+        ...
+
+    def snapshot(self, seq: int) -> PendingSnapshot:
+        """Ask for ``seq``'s state as a blob (the request is on its way when this returns)."""
+        ...
+
+    def restore(self, seq: int, tokens: Sequence[int], blob: bytes | SnapshotFile) -> Restored:
+        """Load a RAM-tier blob, or a snapshot file the runtime maps and verifies itself."""
+        ...

@@ -1,0 +1,555 @@
+"""The one owner of "what is warm where" for a loaded model, and the hold a turn takes on it.
+
+:class:`ModelCache` knows, for one loaded runtime, every warm context in its KV pool
+(``pool.py``) and reaches the daemon-wide RAM and disk tiers (``tiers.py``) for the model's
+snapshots. Nothing else in modeld keeps a copy of that knowledge; sessions ask it.
+
+A session's operation (``ensure_prefix``, ``prefill_suffix``, ``decode``) does all its KV work
+through one :class:`Hold`::
+
+    with cache.hold(slot, target, stage="prefix", manifest=m) as h:
+        h.sync(progress, deadline)   # one sync job brings the sequence to the target
+        h.commit(prefix=len(target))  # the target is the session's prefix now
+
+1. **Choose** what to reuse (``choice.py``: the longest common token prefix among the session's
+   own context, the pool's other contexts and the tier snapshots).
+2. **Place**: the session keeps its own sequence (its operations never run on a sequence another
+   session is using). Another session's prefix is copied into it (with llama.cpp's unified KV
+   that only tags cells: the prefix is stored once); a detached context (its session closed) is
+   adopted as is; a snapshot is restored into it.
+3. **Make room** (``eviction.py``): a free sequence, and free cells for the new tokens, by
+   evicting the least valuable contexts, their prefixes saved to a tier first.
+4. **Classify** (``reuse.py``): why the turn is warm, partial or cold, for people.
+
+The hold marks the context busy; its ``floor`` is how many tokens the running operation will not
+touch, which other sessions may copy meanwhile. :meth:`Hold.sync` records what the engine
+reports after each job (the truth after a cancel or a failure), :meth:`Hold.commit` marks the
+prefix and writes it behind to the disk tier, :meth:`Hold.decoded` records a generate job, and
+leaving the ``with`` block (or :meth:`Hold.release`) ends the hold. Design record:
+``blueprints/0016-warm-state.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from modeld.backends.base import Layout, SyncStep
+from modeld.cache import eviction
+from modeld.cache.choice import Choice, choose
+from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
+from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
+from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
+from modeld.cache.snapfile import SnapshotError
+from modeld.cache.tiers import TierEntry, Tiers
+from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
+from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError
+from modeld.manifest import ContextManifest
+
+__all__ = ["PROGRESS_INTERVAL", "Hold", "ModelCache", "Synced"]
+
+log = logging.getLogger("modeld.cache")
+
+PROGRESS_INTERVAL = 0.5
+"""Seconds between two progress reports of a long prefill."""
+
+_DEAD = (EngineRestartedError, StallTimeoutError)
+"""Errors after which the engine's state is gone (the supervisor resets the cache)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    """What :meth:`Hold.sync` did: ``evaluated`` tokens in ``ms`` milliseconds; ``complete``
+    is False when the job was canceled before the target was resident (the caller says why)."""
+
+    evaluated: int
+    ms: float
+    complete: bool = True
+
+
+class Hold:
+    """One operation's hold on its session's warm context (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: ModelCache,
+        context: WarmContext,
+        target: list[int],
+        stage: str,
+        manifest: ContextManifest,
+    ) -> None:
+        self._cache = cache
+        self.context = context
+        self.target = target
+        self.stage = stage
+        self._manifest = manifest
+        self.keep = 0
+        """Tokens reused from the chosen candidate (the rest is evaluated by :meth:`sync`)."""
+        self.decision = _PENDING
+        self.restore_ms = 0.0
+        self.tier = "kv"
+        self.source: Candidate | None = None
+        self.evaluated = 0
+        """Tokens the engine evaluated for this hold (:meth:`sync`)."""
+        self._job: SyncJob | None = None
+        self._canceled = False
+        self._released = False
+
+    @property
+    def seq(self) -> int:
+        return self.context.seq
+
+    def sync(self, progress: ProgressCallback | None, deadline: float | None) -> Synced:
+        """Bring the sequence to the target with one sync job, reporting ``progress`` at most
+        every :data:`PROGRESS_INTERVAL` seconds; past ``deadline`` (monotonic) the job is
+        canceled and ``timeout`` raised. A failed job empties the sequence (its content is
+        unknown) and its error is raised."""
+        target = self.target
+        tokens = self.context.tokens
+        if self.keep >= len(target) and len(tokens) == len(target) and tokens == target:
+            return Synced(0, 0.0)
+        keep = self.keep
+        started = time.monotonic()
+        reporter = _Progress(self.stage, started, progress)
+        try:
+            runtime = self._cache.runtime()
+            for _attempt in range(2):
+                job = runtime.sync(self.context.seq, keep, target[keep:])
+                self._job = job
+                if self._canceled:
+                    job.cancel()
+                end = _wait(job, reporter, deadline)
+                with self._cache._lock:
+                    self._cache._pool.record_sync(self.context, end.kept, end.resident, target)
+                if not end.canceled and end.kept < keep:  # the memory could not be cut there
+                    keep = end.kept
+                    continue
+                break
+        except OperationTimeoutError:
+            raise
+        except ModeldError as exc:
+            self.fail(exc)
+            raise
+        finally:
+            self._job = None
+        complete = not end.canceled and end.resident >= len(target)
+        if not complete and deadline is not None and time.monotonic() >= deadline:
+            raise OperationTimeoutError(
+                f"the {self.stage} prefill ran past the operation timeout (operation_seconds): it was "
+                f"stopped after {end.resident} of {len(target)} tokens",
+                timeout="operation_seconds",
+            )
+        self.evaluated = len(target) - keep
+        return Synced(self.evaluated, (time.monotonic() - started) * 1000.0, complete)
+
+    def commit(self, *, prefix: int) -> None:
+        """The target's first ``prefix`` tokens are the session's prefix now: others may copy
+        them, a long one is written behind to the disk tier, and the model file is warm under
+        this runtime (:class:`~modeld.cache.reuse.RuntimeHistory`)."""
+        cache = self._cache
+        with cache._lock:
+            self.context.prefix_tokens = prefix
+            self.context.floor = 0
+        cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
+        cache._history.record(cache._file_key, self._manifest)
+
+    def decoded(self, sampled: Sequence[int], resident: int | None, error: ModeldError | None) -> None:
+        """A generate job ended: ``sampled`` tokens, of which the sequence holds ``resident``
+        in all (None: unknown after ``error``). Ends the hold."""
+        try:
+            if resident is not None:
+                with self._cache._lock:
+                    self._cache._pool.record_generate(self.context, sampled, resident)
+            elif error is not None:
+                self.fail(error)
+        finally:
+            self.release()
+
+    def fail(self, error: ModeldError) -> None:
+        """A job failed: what the sequence holds is unknown, so it is emptied (when the engine
+        died, its restart empties everything anyway: nothing is sent to it)."""
+        self._cache._failed(self.context, error, engine_alive=not isinstance(error, _DEAD))
+
+    def cancel(self) -> None:
+        """Stop the running sync job before its next step (and any this hold starts later)."""
+        self._canceled = True
+        job = self._job
+        if job is not None:
+            job.cancel()
+
+    def release(self) -> None:
+        """End the hold: the context is idle again (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        with self._cache._lock:
+            self.context.busy = False
+            self.context.floor = 0
+            self.context.last_used = time.time()
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class ModelCache:
+    """Warm contexts of one loaded runtime (see the module docstring). Thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model_digest: str,
+        layout: Layout,
+        runtime: Callable[[], KVRuntime],
+        tiers: Tiers | None,
+        settings: CacheSettings | None = None,
+        file_key: tuple[str, str] = ("", ""),
+        history: RuntimeHistory | None = None,
+    ) -> None:
+        self.runtime = runtime
+        """The live runtime (waits while its worker restarts; raises when it cannot)."""
+        self._pool = Pool(
+            name=name,
+            model_digest=model_digest,
+            layout=layout,
+            tiers=tiers,
+            settings=settings or CacheSettings(),
+        )
+        self._file_key = file_key
+        self._history = history or RuntimeHistory()
+        self._lock = threading.RLock()
+        self._saver = eviction.WriteBehind(self._pool, self._lock)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self._pool.counters
+
+    # --- sessions -------------------------------------------------------------------------------
+
+    def slot(
+        self, session_id: str, identity: str, *, pinned: bool = False, keep_alive: float | None = None
+    ) -> SessionSlot:
+        with self._lock:
+            slots = self._pool.slots
+            slot = slots.get(session_id)
+            if slot is None:
+                slot = slots[session_id] = SessionSlot(session_id, identity, pinned, keep_alive)
+            return slot
+
+    def forget_session(self, slot: SessionSlot) -> None:
+        """The session closed: its context stays warm, detached, for whoever needs it next."""
+        with self._lock:
+            if slot.context is not None and slot.context.owner is slot:
+                slot.context.owner = None
+            slot.context = None
+            self._pool.slots.pop(slot.session_id, None)
+
+    # --- a turn's hold --------------------------------------------------------------------------
+
+    def hold(
+        self,
+        slot: SessionSlot,
+        target: list[int],
+        *,
+        stage: str,
+        manifest: ContextManifest,
+        floor: int = 0,
+        extra_cells: int = 0,
+    ) -> Hold:
+        """Choose, place and make room for ``target`` (see the module docstring).
+
+        ``stage`` (prefix, suffix, decode) names the operation in progress and timeouts;
+        ``floor`` is how many leading tokens it will not change once they are in place (others
+        may copy them meanwhile); ``extra_cells`` the room needed beyond ``target`` (tokens a
+        decode may generate)."""
+        runtime = self.runtime()
+        changed = self._history.changed(self._file_key, manifest)
+        self._saver.settle()  # a choice must see every tier entry
+        pool = self._pool
+        with self._lock:
+            pool.counters["queries"] += len(target)
+            choice = self._choose(slot, target)
+            try:
+                dst = self._place(slot, choice, runtime)
+            except eviction.NoRoom:
+                # The only sequence that could be freed holds the best candidate: copying from
+                # it is impossible, so it is saved and freed, and this turn starts from nothing
+                # (or from its snapshot, found by choosing again).
+                assert choice.context is not None
+                eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
+                choice = self._choose(slot, target)
+                dst = self._place(slot, choice, runtime)
+            hold = Hold(self, dst, target, stage, manifest)
+            self._fill(slot, hold, choice, runtime)
+            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells, runtime)
+            dst.busy = True
+            dst.floor = max(0, min(floor, hold.keep - 2))
+            hold.decision = classify(
+                wanted=len(target),
+                keep=hold.keep,
+                candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
+                manifest=manifest,
+                loss=slot.loss if hold.keep == 0 else None,
+                changed=changed if hold.keep == 0 and not choice.seen else None,
+                truncation_blocked=choice.blocked and hold.keep == 0,
+            )
+            slot.loss = None
+            pool.counters[f"reused_{hold.tier}"] += hold.keep
+            pool.counters["prefilled"] += len(target) - hold.keep
+            return hold
+
+    def _choose(self, slot: SessionSlot, target: list[int]) -> Choice:
+        pool = self._pool
+        own = pool.own(slot)
+        tiers = pool.tiers
+        return choose(
+            target,
+            own=own,
+            untouched=own is not None and own.generation == slot.seen_generation,
+            others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
+            entries=tiers.candidates(pool.model_digest, slot.identity, pool.layout.snapshot_format)
+            if tiers is not None
+            else (),
+            can_truncate=pool.layout.can_truncate,
+            restore_min_gain=pool.settings.restore_min_gain,
+        )
+
+    def _place(self, slot: SessionSlot, choice: Choice, runtime: KVRuntime) -> WarmContext:
+        """The context this session's operation runs on (the session's own sequence)."""
+        own = self._pool.own(slot)
+        source = choice.context
+        if source is not None and source is not own and source.owner is None and not source.busy:
+            # A detached context (its session closed): adopt it; the session's previous
+            # context stays warm, detached, for whoever needs it next.
+            if own is not None:
+                own.owner = None
+            source.owner = slot
+            slot.context = source
+            return source
+        if own is None:
+            return eviction.new_context(self._pool, slot, runtime, keep_away=source)
+        if source is not own:
+            eviction.save_before_overwrite(self._pool, own, choice.keep, runtime)
+        return own
+
+    def _fill(self, slot: SessionSlot, hold: Hold, choice: Choice, runtime: KVRuntime) -> None:
+        """Bring the reused part into the hold's context: nothing to do, a copy, or a restore."""
+        dst = hold.context
+        source = choice.context
+        if source is dst:
+            own = source.owner is slot and slot.seen_generation == source.generation
+            hold.keep = choice.keep
+            hold.source = Candidate("kv", dst.id, dst.prefix_tokens, own=own or choice.keep == 0)
+        elif source is not None:
+            n = choice.keep
+            runtime.copy(source.seq, dst.seq, n)
+            self._pool.ledger.copy(source.seq, dst.seq, n)
+            dst.tokens = source.tokens[:n]
+            dst.prefix_tokens = min(source.prefix_tokens, n)
+            dst.generation += 1
+            dst.saved_key = ""
+            source.last_used = time.time()
+            self._pool.counters["copies"] += 1
+            hold.keep = n
+            hold.source = Candidate("kv", source.id, source.prefix_tokens, own=False)
+        elif choice.entry is not None:
+            self._restore(slot, hold, choice.entry, choice.keep, runtime)
+
+    def _restore(
+        self, slot: SessionSlot, hold: Hold, entry: TierEntry, keep: int, runtime: KVRuntime
+    ) -> None:
+        pool = self._pool
+        assert pool.tiers is not None
+        dst = hold.context
+        started = time.perf_counter()
+        try:
+            blob = pool.tiers.load(entry)
+        except SnapshotError as exc:
+            pool.counters["snapshots_rejected"] += 1
+            slot.loss = Loss("snapshot_rejected", str(exc))
+            return
+        restored = runtime.restore(dst.seq, entry.tokens, blob)
+        dst.generation += 1
+        if not restored.ok:
+            if restored.refused:
+                pool.counters["restore_failures"] += 1
+            pool.counters["snapshots_rejected"] += 1
+            pool.tiers.reject(entry, restored.detail)
+            slot.loss = Loss("snapshot_rejected", restored.detail)
+            dst.tokens = []
+            pool.ledger.drop(dst.seq)
+            return
+        dst.tokens = list(entry.tokens)
+        dst.prefix_tokens = entry.prefix_tokens
+        dst.saved_key = entry.key
+        pool.ledger.set(dst.seq, len(entry.tokens))
+        pool.tiers.touch(entry)
+        hold.keep = keep
+        hold.tier = entry.tier
+        hold.source = Candidate(entry.tier, entry.key[-8:], entry.prefix_tokens, own=False)
+        hold.restore_ms = (time.perf_counter() - started) * 1000.0
+
+    # --- what the engine reported -----------------------------------------------------------------
+
+    def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None:
+        with self._lock:
+            context.busy = False
+            if engine_alive and self._pool.holds(context):
+                with contextlib.suppress(ModeldError):
+                    self.runtime().drop(context.seq)
+            self._pool.record_failure(context, error.message)
+
+    # --- whole-pool events ------------------------------------------------------------------------
+
+    def reset(self, error: ModeldError) -> None:
+        """The engine lost every sequence (its worker died or the model was unloaded)."""
+        with self._lock:
+            for context in self._pool.contexts.values():
+                if context.owner is not None:
+                    context.owner.loss = Loss("engine_reset", error.message)
+                    context.owner.context = None
+            self._pool.clear()
+
+    def retire(self, why: str, kind: str = "evicted") -> None:
+        """Save every warm context to the tiers (as far as the budgets allow) and forget them:
+        the model is being unloaded or the daemon is stopping."""
+        runtime = self.runtime()
+        with self._lock:
+            for context in list(self._pool.contexts.values()):
+                if context.busy:
+                    continue
+                tier = ""
+                with contextlib.suppress(ModeldError):
+                    tier = eviction.save(self._pool, context, runtime)
+                if context.owner is not None:
+                    where = f"saved to the {tier} tier" if tier else "not saved"
+                    context.owner.loss = Loss(kind, f"{why}; {where}", tier or "none")
+                    context.owner.context = None
+            self._pool.clear()
+
+    def persist_all(self) -> None:
+        """Write every warm context's prefix to the disk tier (an orderly daemon stop)."""
+        tiers = self._pool.tiers
+        if tiers is None or not tiers.disk_on:
+            return
+        self._saver.close()  # earlier write-behind snapshots first
+        runtime = self.runtime()
+        with self._lock:
+            for context in list(self._pool.contexts.values()):
+                if not context.busy:
+                    with contextlib.suppress(ModeldError):
+                        eviction.save(self._pool, context, runtime, persist=True)
+
+    def expire(self, now: float) -> None:
+        """Evict contexts idle past their session's keep-alive (to the tiers)."""
+        runtime: KVRuntime | None = None
+        with self._lock:
+            for context in list(self._pool.contexts.values()):
+                owner = context.owner
+                if owner is None or owner.keep_alive is None or context.busy or owner.pinned:
+                    continue
+                if now - context.last_used > owner.keep_alive:
+                    runtime = runtime or self.runtime()
+                    why = f"idle for more than its keep-alive of {owner.keep_alive:g}s"
+                    eviction.evict(self._pool, context, runtime, why)
+
+    def close(self) -> None:
+        self._saver.close()
+
+    # --- observers ----------------------------------------------------------------------------
+
+    def kv_tokens(self, slot: SessionSlot, tokens: list[int]) -> int:
+        """How many of a session's tokens its warm context holds in the KV pool now."""
+        return self._pool.kv_tokens(slot, tokens)
+
+    def views(self) -> tuple[WarmContextInfo, ...]:
+        """Every warm context, for status and explain-context. Never waits long: an operation
+        holds the lock across engine calls, and a hung engine must not hang ``modeld status``
+        (past 0.2 s the view is read without the lock, a moment's state)."""
+        locked = self._lock.acquire(timeout=0.2)
+        try:
+            out = self._pool.views()
+        finally:
+            if locked:
+                self._lock.release()
+        tiers = self._pool.tiers
+        if tiers is not None:
+            out.extend(
+                WarmContextInfo(
+                    id=e.key[-8:],
+                    tier=e.tier,
+                    tokens=len(e.tokens),
+                    prefix_tokens=e.prefix_tokens,
+                    bytes=e.nbytes,
+                    shared_bytes=0,
+                    last_used_at=e.last_used,
+                    pinned=False,
+                    session_id="",
+                )
+                for e in tiers.entries(self._pool.model_digest)
+            )
+        return tuple(out)
+
+    def used_cells(self) -> int:
+        locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
+        try:
+            return self._pool.ledger.used()
+        finally:
+            if locked:
+                self._lock.release()
+
+
+class _Progress:
+    """Reports a long prefill at most every :data:`PROGRESS_INTERVAL` seconds."""
+
+    def __init__(self, stage: str, started: float, callback: ProgressCallback | None) -> None:
+        self.stage = stage
+        self.started = started
+        self.callback = callback
+        self.last = started
+
+    def __call__(self, step: SyncStep) -> None:
+        if self.callback is None:
+            return
+        now = time.monotonic()
+        if now - self.last < PROGRESS_INTERVAL:
+            return  # at most one report per interval (and none for a short prefill)
+        self.last = now
+        try:
+            self.callback(
+                PrefillProgress(self.stage, step.evaluated, step.total, (now - self.started) * 1000.0)
+            )
+        except Exception:
+            log.exception("a progress callback failed")
+
+
+def _wait(job: SyncJob, progress: _Progress, deadline: float | None) -> SyncEnd:
+    """Read a sync job's replies to its end, cancelling it at ``deadline``."""
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        event = job.next_event(timeout=timeout if timeout is None else max(timeout, 0.01))
+        if event is None:
+            job.cancel()
+            deadline = None
+            continue
+        if isinstance(event, SyncStep):
+            progress(event)
+        else:
+            return event
+
+
+_PENDING = ReuseDecision(outcome="cold", reason="empty_cache", message="")
+"""Placeholder until :meth:`ModelCache.hold` classifies the hold."""

@@ -1,0 +1,117 @@
+"""The cache's choice of what a turn reuses, alone: a pure function of token lists and flags
+(``modeld/cache/choice.py``). Each test narrates one rule of blueprint 0016 with exact counts."""
+
+from __future__ import annotations
+
+from modeld.cache.choice import Choice, choose
+from modeld.cache.pool import SessionSlot, WarmContext
+from modeld.cache.tiers import TierEntry
+
+TARGET = list(range(100))
+
+
+def context(
+    tokens: list[int], *, prefix: int = 0, busy: bool = False, floor: int = 0, seq: int = 0
+) -> WarmContext:
+    return WarmContext(
+        id=f"c{seq}", seq=seq, identity="id", tokens=tokens, prefix_tokens=prefix, busy=busy, floor=floor
+    )
+
+
+def entry(tokens: list[int]) -> TierEntry:
+    return TierEntry(
+        key=f"k{len(tokens)}",
+        model_digest="m",
+        identity="id",
+        snapshot_format="f",
+        tokens=tokens,
+        prefix_tokens=len(tokens),
+        nbytes=1,
+        blob=b"x",
+    )
+
+
+def pick(
+    *,
+    own: WarmContext | None = None,
+    untouched: bool = False,
+    others: tuple[WarmContext, ...] = (),
+    entries: tuple[TierEntry, ...] = (),
+    can_truncate: bool = True,
+    target: list[int] = TARGET,
+) -> Choice:
+    return choose(
+        target,
+        own=own,
+        untouched=untouched,
+        others=others,
+        entries=entries,
+        can_truncate=can_truncate,
+        restore_min_gain=16,
+    )
+
+
+def test_the_sessions_own_untouched_context_is_taken_without_comparing() -> None:
+    own = context(TARGET[:60], prefix=60)
+    longer = context(TARGET[:90], seq=1)
+    chosen = pick(own=own, untouched=True, others=(longer,))
+    assert (chosen.context, chosen.keep, chosen.seen) == (own, 60, True)
+
+
+def test_a_touched_own_context_competes_and_the_longest_common_prefix_wins() -> None:
+    own = context(TARGET[:60], prefix=60)
+    longer = context([*TARGET[:90], -1, -2], seq=1)
+    chosen = pick(own=own, untouched=False, others=(longer,))
+    assert (chosen.context, chosen.keep) == (longer, 90)
+    # Untouched but keeping less than its prefix (the target diverged inside it): compared too.
+    diverged = [*TARGET[:40], -5, *TARGET[41:]]
+    chosen = pick(own=own, untouched=True, others=(longer,), target=diverged)
+    assert (chosen.context, chosen.keep) == (own, 40)
+
+
+def test_a_busy_context_is_offered_only_up_to_its_floor() -> None:
+    busy = context(TARGET[:90], busy=True, floor=30, seq=1)
+    assert (pick(others=(busy,)).context, pick(others=(busy,)).keep) == (busy, 30)
+    running = context(TARGET[:90], busy=True, floor=0, seq=2)
+    chosen = pick(others=(running,))
+    assert (chosen.context, chosen.keep, chosen.seen) == (None, 0, False)
+    # The session's own context is never offered while busy (its operation is running).
+    assert pick(own=context(TARGET[:90], prefix=90, busy=True, floor=50), untouched=True).keep == 0
+
+
+def test_a_snapshot_must_beat_the_kv_by_the_restore_gain() -> None:
+    kv = context(TARGET[:50], seq=1)
+    assert pick(others=(kv,), entries=(entry(TARGET[:65]),)).context is kv  # 15 more: not worth it
+    chosen = pick(others=(kv,), entries=(entry(TARGET[:66]),))  # 16 more: restored
+    assert (chosen.context, chosen.entry is not None, chosen.keep) == (None, True, 66)
+    assert pick(others=(kv,), entries=(entry(TARGET[:50]),)).context is kv  # a tie: the KV
+
+
+def test_memory_that_cannot_be_cut_reuses_a_candidate_only_whole() -> None:
+    partial = context([*TARGET[:70], -1], seq=1)
+    chosen = pick(others=(partial,), can_truncate=False)
+    assert (chosen.keep, chosen.blocked, chosen.seen) == (0, True, True)
+    whole = context(TARGET[:40], seq=2)
+    chosen = pick(others=(partial, whole), can_truncate=False)
+    assert (chosen.context, chosen.keep, chosen.blocked) == (whole, 40, True)
+    assert pick(entries=(entry([*TARGET[:70], -1]),), can_truncate=False).entry is None
+
+
+def test_nothing_compatible_is_not_seen() -> None:
+    chosen = pick()
+    assert (chosen.keep, chosen.context, chosen.entry, chosen.seen, chosen.blocked) == (
+        0,
+        None,
+        None,
+        False,
+        False,
+    )
+    assert pick(entries=(entry([-1, -2]),)).seen  # a snapshot that shares nothing was still seen
+
+
+def test_the_choice_changes_nothing() -> None:
+    own = context(TARGET[:60], prefix=60)
+    own.owner = SessionSlot("s", "id", context=own)
+    before = (list(own.tokens), own.prefix_tokens, own.generation, own.busy, own.floor)
+    pick(own=own, untouched=False, others=(context(TARGET[:90], seq=1),))
+    assert (list(own.tokens), own.prefix_tokens, own.generation, own.busy, own.floor) == before
