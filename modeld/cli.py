@@ -213,7 +213,15 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         max_queue=args.max_queue,
         snapshot_min_tokens=args.snapshot_min_tokens,
         persist_min_tokens=args.persist_min_tokens,
+        shared_store=args.shared_store,
+        shared_store_bytes=args.shared_store_bytes,
     )
+    if residency.shared_store_bytes == 0:
+        raise ValueError(
+            "--shared-store-bytes 0 leaves the shared store no room (leave out --shared-store instead)"
+        )
+    if args.shared_store_bytes is not None and not residency.shared_store:
+        raise ValueError("--shared-store-bytes is the budget of --shared-store DIR: add it")
     if residency.pool_tokens and not residency.kv_unified:
         raise ValueError("--kv-pool-tokens sizes the unified KV pool: add --kv-unified")
     if residency.memory_budget_bytes == 0:
@@ -225,6 +233,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         idle_stream_seconds=args.idle_stream_timeout,
         operation_seconds=args.operation_timeout,
         stream_interval_seconds=args.stream_interval,
+        drain_seconds=args.drain_timeout,
     )
     if timeouts.stream_interval_seconds > 10:
         raise ValueError("--stream-interval is at most 10s (a held token is that much late)")
@@ -488,7 +497,9 @@ def _warm_state_lines(r: ContextReport) -> list[str]:
     out.append(f"  this session  {where} · {'pinned' if r.pinned else 'not pinned'} · {keep}")
     d, p = r.last_reuse, r.last_prefix
     if d is not None:
-        if d.reason in ("restored_from_ram", "restored_from_disk") or (
+        if d.reason == "restored_from_shared" or (d.outcome != "cold" and d.tier == "shared"):
+            turn = f"{d.outcome}: restored from the shared store (snapshot {d.context or '?'}, written by this or another box)"
+        elif d.reason in ("restored_from_ram", "restored_from_disk") or (
             d.outcome != "cold" and d.tier in ("ram", "disk")
         ):
             turn = f"{d.outcome}: restored from the {d.tier} tier (snapshot {d.context or '?'})"
@@ -501,7 +512,7 @@ def _warm_state_lines(r: ContextReport) -> list[str]:
             turn = f"cold: {_COLD_WHY.get(d.reason, d.reason)}"
         if p is not None:
             turn += f" · reused {p.reused_tokens} of {p.prefix_tokens} tokens · prefill {p.prefill_ms:.1f} ms"
-            if p.restore_ms or d.tier in ("ram", "disk"):
+            if p.restore_ms or d.tier in ("ram", "disk", "shared"):
                 turn += f" · restore {p.restore_ms:.1f} ms"
         out.append(f"  last turn     {turn}")
     if r.queue_position:
@@ -625,6 +636,27 @@ def _serve_settings(s: argparse.ArgumentParser) -> None:
         type=_count(0, 1 << 24),
         metavar="N",
         help="a prefix this long is written to the disk tier at once (512)",
+    )
+    f = s.add_argument_group("fleet (blueprints/0020)")
+    f.add_argument(
+        "--shared-store",
+        metavar="DIR",
+        help="a directory several daemons mount (NFS, a shared volume): persisted snapshots are "
+        "written through to it and a miss looks there, so a conversation moved to another box restores",
+    )
+    f.add_argument(
+        "--shared-store-bytes",
+        type=parse_size,
+        metavar=size,
+        help="the shared store's budget, the same on every daemon (default auto: a tenth of its free "
+        "space, at most 64 GiB)",
+    )
+    f.add_argument(
+        "--drain-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="on SIGTERM or modeld drain, how long running turns may finish before the daemon "
+        "persists its warm contexts and exits (60)",
     )
     t = s.add_argument_group("timeouts (0 switches one off; 90, 2.5m, 1h)")
     t.add_argument("--load-timeout", type=parse_duration, metavar="DURATION", help="loading a model (600)")

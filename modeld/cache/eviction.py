@@ -222,7 +222,7 @@ class WriteBehind:
         tiers = pool.tiers
         if tiers is None or computed <= 0:
             return
-        persist = tiers.disk_on and computed >= pool.settings.persist_min_tokens
+        persist = tiers.persistent and computed >= pool.settings.persist_min_tokens
         # Memory that cannot be cut has no other way back to the prefix once a suffix or a
         # decode extended it: its state at the prefix boundary is kept in the RAM tier.
         boundary = not pool.layout.can_truncate

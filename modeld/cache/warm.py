@@ -281,7 +281,7 @@ class ModelCache:
         pool = self._pool
         with self._lock:
             pool.counters["queries"] += len(target)
-            choice = self._choose(slot, target)
+            choice = self._choose(slot, target, remote=stage == "prefix")
             try:
                 dst = self._place(slot, choice, runtime)
             except eviction.NoRoom:
@@ -290,7 +290,7 @@ class ModelCache:
                 # (or from its snapshot, found by choosing again).
                 assert choice.context is not None
                 eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
-                choice = self._choose(slot, target)
+                choice = self._choose(slot, target, remote=stage == "prefix")
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
@@ -311,21 +311,33 @@ class ModelCache:
             pool.counters["prefilled"] += len(target) - hold.keep
             return hold
 
-    def _choose(self, slot: SessionSlot, target: list[int]) -> Choice:
+    def _choose(self, slot: SessionSlot, target: list[int], *, remote: bool = False) -> Choice:
+        """The choice among the KV and the local tiers; a prefix they do not cover whole is
+        looked up in the remote tier too (``remote``: the shared store, blueprint 0020), whose
+        snapshots come after the local ones (the local one wins at equal length)."""
         pool = self._pool
         own = pool.own(slot)
         tiers = pool.tiers
-        return choose(
-            target,
-            own=own,
-            untouched=own is not None and own.generation == slot.seen_generation,
-            others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
-            entries=tiers.candidates(pool.model_digest, slot.identity, pool.layout.snapshot_format)
-            if tiers is not None
-            else (),
-            can_truncate=pool.layout.can_truncate,
-            restore_min_gain=pool.settings.restore_min_gain,
-        )
+        fmt = pool.layout.snapshot_format
+        entries = tiers.candidates(pool.model_digest, slot.identity, fmt) if tiers is not None else []
+
+        def pick(candidates: list[TierEntry]) -> Choice:
+            return choose(
+                target,
+                own=own,
+                untouched=own is not None and own.generation == slot.seen_generation,
+                others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
+                entries=candidates,
+                can_truncate=pool.layout.can_truncate,
+                restore_min_gain=pool.settings.restore_min_gain,
+            )
+
+        choice = pick(entries)
+        if remote and tiers is not None and tiers.remote is not None and choice.keep < len(target):
+            shared = tiers.remote_candidates(pool.model_digest, slot.identity, fmt)
+            if shared:
+                choice = pick([*entries, *shared])
+        return choice
 
     def _place(self, slot: SessionSlot, choice: Choice, runtime: KVRuntime) -> WarmContext:
         """The context this session's operation runs on (the session's own sequence)."""
@@ -441,9 +453,10 @@ class ModelCache:
             self._pool.clear()
 
     def persist_all(self) -> None:
-        """Write every warm context's prefix to the disk tier (an orderly daemon stop)."""
+        """Write every warm context's prefix to the disk tier and through to the shared store
+        (an orderly daemon stop, a drain)."""
         tiers = self._pool.tiers
-        if tiers is None or not tiers.disk_on:
+        if tiers is None or not tiers.persistent:
             return
         self._saver.close()  # earlier write-behind snapshots first
         runtime = self.runtime()

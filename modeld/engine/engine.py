@@ -30,6 +30,7 @@ from modeld.backends.base import LoadOptions
 from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, default_memory_budget
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
+from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import (
     Accelerator,
@@ -131,6 +132,8 @@ class Engine:
             ram_bytes=ram if self.residency.ram_tier_bytes < 0 else self.residency.ram_tier_bytes,
             disk_bytes=disk if self.residency.disk_tier_bytes < 0 else self.residency.disk_tier_bytes,
         )
+        if self.residency.shared_store:
+            self.tiers.attach_remote(_shared_tier(self.residency))
         budget = self.residency.memory_budget_bytes
         self.memory_budget = default_memory_budget() if budget < 0 else budget
         self._backends: dict[str, Backend] = {}
@@ -509,7 +512,7 @@ class Engine:
             memory_budget=self.memory_budget,
             recent_rejections=tuple(
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.at))} {r.file}: {r.reason}"
-                for r in self.tiers.rejections
+                for r in self.tiers.recent_rejections()
             ),
         )
 
@@ -617,6 +620,25 @@ class Engine:
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+def _shared_tier(residency: Residency) -> SharedTier:
+    """The shared snapshot store of ``--shared-store`` (blueprint 0020); a directory that cannot
+    be used is a configuration error at start, not a silent miss on every turn."""
+    directory = Path(residency.shared_store).expanduser().absolute()
+    budget = residency.shared_store_bytes
+    if budget < 0:
+        budget = default_shared_budget(directory)
+    if budget <= 0:
+        raise InvalidArgumentError(
+            f"--shared-store: the budget of {directory} is 0 (give --shared-store-bytes, e.g. 50G)",
+            field="shared_store_bytes",
+        )
+    try:
+        store = DirectoryStore(directory, budget)
+    except StoreError as exc:
+        raise InvalidArgumentError(f"--shared-store: {exc}", field="shared_store") from None
+    return SharedTier(store)
 
 
 def _fields(obj: object) -> dict[str, object]:

@@ -94,15 +94,16 @@ log = logging.getLogger("modeld.metrics")
 MAX_MODELS = 32
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-_SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk"}
-_TIERS = ("ram", "disk")
+_SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk", "restored_from_shared": "shared"}
+_TIERS = ("ram", "disk", "shared")
 WORKER_STATES = ("loading", "ready", "busy", "restarting", "failed")
 
 
 def source_of(status: PrefixStatus) -> str:
-    """Where a prefix's reused tokens came from: ``ram`` or ``disk`` when the engine restored a
-    snapshot from that tier (``restored_from_ram``/``_disk``, or a partial reuse of a restored
-    snapshot, whose ``tier`` says so), else ``kv`` (they were resident)."""
+    """Where a prefix's reused tokens came from: ``ram``, ``disk`` or ``shared`` when the engine
+    restored a snapshot from that tier or the shared store (``restored_from_ram``/``_disk``/
+    ``_shared``, or a partial reuse of a restored snapshot, whose ``tier`` says so), else ``kv``
+    (they were resident)."""
     decision = status.reuse
     if decision.reason in _SOURCES:
         return _SOURCES[decision.reason]
@@ -145,7 +146,7 @@ class Metrics:
         )
         self.hits = Counter(
             "modeld_prefix_cache_hits",
-            "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk).",
+            "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk, shared).",
             ["model", "source"],
             registry=r,
         )
@@ -314,14 +315,33 @@ class _StatusCollector:
             budget = GaugeMetricFamily(
                 "modeld_tier_budget_bytes", "A tier's byte budget (0: off).", labels=["tier"]
             )
-            for tier, held, count, limit in (
+            rows = [
                 ("ram", tiers.ram_bytes, tiers.ram_entries, tiers.ram_budget),
                 ("disk", tiers.disk_bytes, tiers.disk_entries, tiers.disk_budget),
-            ):
+            ]
+            if tiers.shared_location:
+                rows.append(("shared", tiers.shared_bytes, tiers.shared_entries, tiers.shared_budget))
+            for tier, held, count, limit in rows:
                 tier_bytes.add_metric([tier], held)
                 entries.add_metric([tier], count)
                 budget.add_metric([tier], limit)
             yield from (tier_bytes, entries, budget)
+            if tiers.shared_location:
+                shared = CounterMetricFamily(
+                    "modeld_shared_store_snapshots",
+                    "Snapshots this daemon wrote through to the shared store, restored from it, saw "
+                    "refused there (corrupt, foreign: removed), failed to write, or found gone.",
+                    labels=["event"],
+                )
+                for event, value in (
+                    ("written", tiers.shared_written),
+                    ("restored", tiers.shared_restored),
+                    ("rejected", tiers.shared_rejected),
+                    ("write_failed", tiers.shared_write_failures),
+                    ("gone", tiers.shared_read_failures),
+                ):
+                    shared.add_metric([event], value)
+                yield shared
 
 
 class _Sums:
