@@ -558,6 +558,7 @@ class SharedTier:
                 "shared_entries": entries,
                 "shared_bytes": held,
                 "shared_budget": self.store.budget,
+                "shared_pending": self._pending,
                 **{f"shared_{k}": v for k, v in self.counters.items()},
             }
 

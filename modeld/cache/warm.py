@@ -452,19 +452,19 @@ class ModelCache:
                     context.owner.context = None
             self._pool.clear()
 
-    def persist_all(self) -> None:
-        """Write every warm context's prefix to the disk tier and through to the shared store
-        (an orderly daemon stop, a drain)."""
+    def persist_all(self, *, whole: bool = False) -> None:
+        """Write every warm context's prefix (``whole``: every resident token) to the disk tier
+        and through to the shared store (an orderly daemon stop; a drain saves them whole)."""
         tiers = self._pool.tiers
         if tiers is None or not tiers.persistent:
             return
-        self._saver.close()  # earlier write-behind snapshots first
+        self._saver.settle()  # earlier write-behind snapshots first
         runtime = self.runtime()
         with self._lock:
             for context in list(self._pool.contexts.values()):
                 if not context.busy:
                     with contextlib.suppress(ModeldError):
-                        eviction.save(self._pool, context, runtime, persist=True)
+                        eviction.save(self._pool, context, runtime, persist=True, whole=whole)
 
     def expire(self, now: float) -> None:
         """Evict contexts idle past their session's keep-alive (to the tiers)."""

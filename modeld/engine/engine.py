@@ -587,6 +587,20 @@ class Engine:
                 with contextlib.suppress(ModeldError):
                     model.cache.expire(now)
 
+    def running_operations(self) -> int:
+        """Operations running on a model's slots or waiting for one, now (a drain waits for
+        them: blueprint 0020)."""
+        return sum(m.admission.busy + m.admission.queued for m in self.models())
+
+    def persist_warm_state(self, timeout: float) -> bool:
+        """Write every idle warm context, whole (what was generated too), to the disk tier and
+        through to the shared store now, and wait for the writes (a drain, before the gateway
+        moves the conversations away); True when they all finished within ``timeout`` seconds."""
+        for model in self.models():
+            with contextlib.suppress(ModeldError):
+                model.cache.persist_all(whole=True)
+        return self.tiers.flush(timeout)
+
     def begin_shutdown(self) -> None:
         """Stop taking work and interrupt every session's running operation."""
         self._stopping = True

@@ -342,6 +342,11 @@ class _StatusCollector:
                 ):
                     shared.add_metric([event], value)
                 yield shared
+                yield GaugeMetricFamily(
+                    "modeld_shared_store_pending_writes",
+                    "Snapshots queued to be written to the shared store (a backlog: the store is slow).",
+                    value=tiers.shared_pending,
+                )
 
 
 class _Sums:

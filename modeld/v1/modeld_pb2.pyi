@@ -804,7 +804,7 @@ class Machine(_message.Message):
     def __init__(self, cpu_count: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., accelerators: _Optional[_Iterable[_Union[Accelerator, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Tiers(_message.Message):
-    __slots__ = ("ram_entries", "ram_bytes", "ram_budget", "disk_entries", "disk_bytes", "disk_budget", "disk_off_reason", "written", "write_failures", "spilled_to_disk", "dropped", "rejected", "memory_budget", "recent_rejections", "shared_location", "shared_entries", "shared_bytes", "shared_budget", "shared_written", "shared_write_failures", "shared_restored", "shared_rejected", "shared_lookups", "shared_read_failures")
+    __slots__ = ("ram_entries", "ram_bytes", "ram_budget", "disk_entries", "disk_bytes", "disk_budget", "disk_off_reason", "written", "write_failures", "spilled_to_disk", "dropped", "rejected", "memory_budget", "recent_rejections", "shared_location", "shared_entries", "shared_bytes", "shared_budget", "shared_written", "shared_write_failures", "shared_restored", "shared_rejected", "shared_lookups", "shared_read_failures", "shared_pending")
     RAM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     RAM_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -829,6 +829,7 @@ class Tiers(_message.Message):
     SHARED_REJECTED_FIELD_NUMBER: _ClassVar[int]
     SHARED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
     SHARED_READ_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PENDING_FIELD_NUMBER: _ClassVar[int]
     ram_entries: int
     ram_bytes: int
     ram_budget: int
@@ -853,7 +854,8 @@ class Tiers(_message.Message):
     shared_rejected: int
     shared_lookups: int
     shared_read_failures: int
-    def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ..., shared_location: _Optional[str] = ..., shared_entries: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., shared_budget: _Optional[int] = ..., shared_written: _Optional[int] = ..., shared_write_failures: _Optional[int] = ..., shared_restored: _Optional[int] = ..., shared_rejected: _Optional[int] = ..., shared_lookups: _Optional[int] = ..., shared_read_failures: _Optional[int] = ...) -> None: ...
+    shared_pending: int
+    def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ..., shared_location: _Optional[str] = ..., shared_entries: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., shared_budget: _Optional[int] = ..., shared_written: _Optional[int] = ..., shared_write_failures: _Optional[int] = ..., shared_restored: _Optional[int] = ..., shared_rejected: _Optional[int] = ..., shared_lookups: _Optional[int] = ..., shared_read_failures: _Optional[int] = ..., shared_pending: _Optional[int] = ...) -> None: ...
 
 class LoadedModel(_message.Message):
     __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker")
