@@ -1,4 +1,4 @@
-"""The ``modeld`` command line: serve, describe, explain-context, status, logs, metrics.
+"""The ``modeld`` command line: serve, drain, describe, explain-context, status, logs, metrics.
 
 Expected failures (no daemon, a bad model file, an unknown session) print one line to stderr
 and exit non-zero; a traceback only ever means a bug. Every command that reports something
@@ -273,6 +273,77 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     if args.data_dir:
         options.data_dir = Path(args.data_dir)
     return options
+
+
+# --- drain ----------------------------------------------------------------------------------
+
+DRAIN_WAIT_SECONDS = 180.0
+"""How long ``modeld drain`` waits by default: the daemon's drain timeout (60) and the time to
+write its warm contexts (at most 60), with room to spare."""
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent has too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state == "Z"
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    """Ask the daemon that owns the data directory to drain (SIGTERM) and wait for it to exit."""
+    import signal
+    import socket
+
+    from modeld.lease import read_lease
+    from modeld.paths import default_data_dir
+
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    record = read_lease(data_dir)
+    if record is None or not record.alive:
+        print(f"modeld drain: no daemon owns {data_dir}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if record.hostname and record.hostname != socket.gethostname():
+        print(
+            f"modeld drain: the owner of {data_dir} runs on {record.hostname}, not here: run modeld drain there",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    try:
+        cmdline = Path(f"/proc/{record.pid}/cmdline").read_bytes()
+    except OSError:
+        cmdline = b""
+    if b"modeld" not in cmdline:
+        print(f"modeld drain: pid {record.pid} of the owner record is not a modeld process", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    started = time.monotonic()
+    try:
+        os.kill(record.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        print(f"modeld drain: the owner (pid {record.pid}) exited meanwhile", file=sys.stderr)
+        return 0
+    print(
+        f"draining modeld pid {record.pid} (instance {record.instance_id}) ...", file=sys.stderr, flush=True
+    )
+    deadline = started + args.timeout
+    while not _gone(record.pid):
+        if time.monotonic() >= deadline:
+            print(
+                f"modeld drain: pid {record.pid} is still draining after {args.timeout:g}s (it goes on; run "
+                "modeld drain again to keep waiting; a SIGKILL loses the warm state not yet saved)",
+                file=sys.stderr,
+            )
+            return EXIT_ERROR
+        time.sleep(0.1)
+    print(f"drained: pid {record.pid} exited after {time.monotonic() - started:.1f}s")
+    return 0
 
 
 # --- describe -------------------------------------------------------------------------------
@@ -822,6 +893,21 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("model", nargs="?", help="a loaded model: its name, file name, path or digest prefix")
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(func=_cmd_logs)
+
+    dr = sub.add_parser(
+        "drain",
+        help="drain the daemon that owns the data directory (SIGTERM): new turns go elsewhere, "
+        "running ones finish, warm contexts are saved (and written to the shared store), then it exits",
+    )
+    _global_options(dr, top=False)
+    dr.add_argument(
+        "--timeout",
+        type=parse_duration,
+        default=DRAIN_WAIT_SECONDS,
+        metavar="DURATION",
+        help=f"how long to wait for the daemon to exit ({DRAIN_WAIT_SECONDS:g})",
+    )
+    dr.set_defaults(func=_cmd_drain)
 
     m = sub.add_parser("metrics", help="the daemon's metrics (Prometheus text format)")
     _global_options(m, top=False)
