@@ -1,0 +1,195 @@
+"""Three modeld daemons behind the real SGLang model gateway (``smg``, pinned, from PyPI) with one
+shared snapshot store, all on loopback (blueprints/0020-fleet.md).
+
+Six conversations of four turns, interleaved, each with its own routing key: every conversation
+stays on one daemon and every later turn is warm, on at least two daemons. After turn 2 the
+daemon holding the most conversations is lost (killed by PID, or drained with ``modeld drain``
+while the next turns arrive): no client sees an error (the gateway retries on another daemon),
+each moved conversation's next turn is ``restored_from_shared`` on its new daemon, and its greedy
+output equals a fresh evaluation of the same request. Memory backend, then llama on the tiny
+generated model. Skipped, with the reason, only when the package index is unreachable.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from bench.fleet import Gateway, Reply, SmgUnavailable, Worker, install_smg, start_modeld
+
+pytestmark = pytest.mark.slow
+
+MODEL = "modeld-tiny"
+SYSTEM = (
+    "You are the fleet test's assistant. You answer questions about a small repository in a few "
+    "words, and you never repeat the question."
+)
+CONVERSATIONS = 6
+TURNS = 4
+LOST_AFTER = 2
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def smg() -> str:
+    try:
+        return install_smg()
+    except SmgUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@dataclass
+class Conversation:
+    key: str
+    messages: list[dict[str, str]] = field(default_factory=lambda: [{"role": "system", "content": SYSTEM}])
+    replies: list[Reply] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+    def ask(self, gateway: Gateway, turn: int) -> Reply:
+        question = (
+            f"Conversation {self.key}, question {turn}: what does module {self.key}_{turn}.py do, "
+            f"and which test covers change number {turn * 7}?"
+        )
+        self.messages.append({"role": "user", "content": question})
+        body = {"model": MODEL, "messages": list(self.messages), "max_tokens": MAX_TOKENS, "temperature": 0}
+        reply = gateway.chat(self.key, body)
+        assert reply.status == 200, (self.key, turn, reply.status, reply.body)
+        self.bodies.append(body)
+        self.replies.append(reply)
+        self.messages.append({"role": "assistant", "content": reply.text})
+        return reply
+
+
+def _flags(store: Path) -> list[str]:
+    # Every prefix a turn computes is written through (the default 512 would keep these short
+    # test conversations off the store), and draining gives running turns 20 s.
+    return [
+        *("--shared-store", str(store), "--persist-min-tokens", "1", "--snapshot-min-tokens", "16"),
+        *("--drain-timeout", "20s", "--log-level", "info"),
+    ]
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="mdfl"))  # short: the daemons' unix sockets live there
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _start(names: list[str], workdir: Path, backend: str, flags: list[str]) -> list[Worker]:
+    return [start_modeld(n, workdir / n, backend=backend, flags=flags) for n in names]
+
+
+def _wait_written(worker: Worker, timeout: float = 60) -> None:
+    """Until the daemon has no snapshot queued for the shared store (what a SIGKILL would lose)."""
+    deadline = time.monotonic() + timeout
+    while worker.metric("modeld_shared_store_pending_writes") != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{worker.name} still has shared-store writes queued after {timeout:g}s")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("loss", ["kill", "drain"])
+@pytest.mark.parametrize("backend", ["memory", pytest.param("llama", marks=pytest.mark.llama)])
+def test_conversations_stay_warm_and_survive_losing_a_daemon(
+    smg: str, workdir: Path, backend: str, loss: str
+) -> None:
+    store = workdir / "store"
+    daemons = _start(["d1", "d2", "d3"], workdir, backend, _flags(store))
+    gateway: Gateway | None = None
+    drain: subprocess.Popen[str] | None = None
+    try:
+        gateway = Gateway(smg, daemons, workdir / "smg.log")
+        by_url = {d.url: d for d in daemons}
+        conversations = [Conversation(f"conv-{i}") for i in range(CONVERSATIONS)]
+        for turn in range(1, LOST_AFTER + 1):
+            for c in conversations:
+                c.ask(gateway, turn)
+        for c in conversations:
+            workers = {r.worker for r in c.replies}
+            assert len(workers) == 1 and workers <= set(by_url), (c.key, workers)
+            assert [r.modeld["reuse"] for r in c.replies[1:]] == ["warm"] * (LOST_AFTER - 1), c.key
+        placed = {c.key: c.replies[0].worker for c in conversations}
+        assert len(set(placed.values())) >= 2, placed
+        victim = by_url[max(set(placed.values()), key=lambda u: list(placed.values()).count(u))]
+        moved = [c for c in conversations if placed[c.key] == victim.url]
+        _wait_written(victim)
+
+        if loss == "kill":
+            victim.kill()
+        else:
+            drain = subprocess.Popen(
+                [sys.executable, "-m", "modeld.cli", "--data-dir", str(victim.data_dir), "drain", "--timeout", "60"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{victim.url}/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "the drained daemon never said it drains"
+                time.sleep(0.02)
+            assert httpx.get(f"{victim.url}/health", timeout=5).json()["reason"] == "draining"
+        # The next turns go on at once: the gateway learns of the loss from them and its health check.
+        for turn in range(LOST_AFTER + 1, TURNS + 1):
+            for c in conversations:
+                c.ask(gateway, turn)
+        if drain is not None:
+            out, err = drain.communicate(timeout=120)
+            assert drain.returncode == 0, (out, err, victim.log_tail())
+            assert "drained" in out
+            assert victim.proc.wait(timeout=30) == 0
+
+        for c in conversations:
+            after = c.replies[LOST_AFTER:]
+            assert len({r.worker for r in after}) == 1, (c.key, [r.worker for r in after])
+            if c in moved:
+                assert after[0].worker != victim.url
+                assert (after[0].modeld["reuse"], after[0].modeld["reason"]) == ("warm", "restored_from_shared"), (
+                    c.key,
+                    after[0].modeld,
+                )
+                assert after[0].modeld["tier"] == "shared"
+            else:
+                assert after[0].worker == placed[c.key]
+                assert after[0].modeld["reuse"] == "warm", (c.key, after[0].modeld)
+            assert after[1].modeld["reuse"] == "warm", (c.key, after[1].modeld)
+        restored = sum(
+            (d.metric("modeld_shared_store_snapshots_total", 'event="restored"') or 0)
+            for d in daemons
+            if d is not victim
+        )
+        assert restored >= len(moved)
+        # A fresh daemon (no store, nothing warm) evaluates each moved turn again: the same output.
+        fresh = start_modeld("fresh", workdir / "fresh", backend=backend)
+        try:
+            for c in moved:
+                body = c.bodies[LOST_AFTER]
+                r = httpx.post(f"{fresh.url}/v1/chat/completions", json=body, timeout=120)
+                assert r.status_code == 200, r.text
+                assert r.json()["modeld"]["reuse"] != "warm" or c is not moved[0]
+                assert r.json()["choices"][0]["message"]["content"] == c.replies[LOST_AFTER].text, c.key
+        finally:
+            fresh.stop()
+    except BaseException:
+        for d in daemons:
+            print(f"--- {d.name} ---\n{d.log_tail()}")
+        if gateway is not None:
+            print(f"--- smg ---\n{gateway.log.read_text(errors='replace')[-3000:]}")
+        raise
+    finally:
+        if drain is not None and drain.poll() is None:
+            drain.kill()
+        if gateway is not None:
+            gateway.close()
+        for d in daemons:
+            d.stop()
