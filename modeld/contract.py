@@ -321,7 +321,9 @@ ProgressCallback = Callable[[PrefillProgress], None]
 
 @dataclass(frozen=True, slots=True)
 class SuffixStatus:
-    """``restored_tokens``: prefix tokens re-prefilled because another session displaced them."""
+    """``restored_tokens``: prefix tokens re-prefilled because another session displaced them.
+    ``reused_tokens``: suffix tokens still resident from the session's last turn (the same
+    request sent again, a retry, a rerun with the same first message): not recomputed."""
 
     suffix_tokens: int
     prefix_tokens: int
@@ -331,6 +333,7 @@ class SuffixStatus:
     restored_tokens: int = 0
     prefill_ms: float = 0.0
     restore_ms: float = 0.0
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

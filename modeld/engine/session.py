@@ -202,6 +202,7 @@ class EngineSession:
                 restored_tokens=max(0, self._n_prefix - hold.keep),
                 prefill_ms=round(synced.ms, 3),
                 restore_ms=round(hold.restore_ms, 3),
+                reused_tokens=max(0, hold.keep - self._n_prefix),
             )
 
     def decode(self, config: DecodeConfig) -> EngineDecodeStream:

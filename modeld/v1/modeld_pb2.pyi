@@ -328,7 +328,7 @@ class SuffixInput(_message.Message):
     def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class SuffixStatus(_message.Message):
-    __slots__ = ("suffix_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "manifest_digest", "restored_tokens", "prefill_ms", "restore_ms")
+    __slots__ = ("suffix_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "manifest_digest", "restored_tokens", "prefill_ms", "restore_ms", "reused_tokens")
     SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,7 @@ class SuffixStatus(_message.Message):
     RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     suffix_tokens: int
     prefix_tokens: int
     resident_tokens: int
@@ -345,7 +346,8 @@ class SuffixStatus(_message.Message):
     restored_tokens: int
     prefill_ms: float
     restore_ms: float
-    def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ...) -> None: ...
+    reused_tokens: int
+    def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeConfig(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "no_wait", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
