@@ -496,7 +496,7 @@ def test_a_request_sent_again_reuses_its_suffix_too(daemon: Daemon) -> None:
     """A retry, or a rerun whose first message is the same (Qwen Code's headless rerun re-sent an
     8.5k-token first message): the new user turn is still resident from the last turn, so it is
     reused, not recomputed; the answer is the same."""
-    messages = conversation("suffix-again") + [{"role": "user", "content": "and again? " * 40}]
+    messages = [*conversation("suffix-again"), {"role": "user", "content": "and again? " * 40}]
     headers = {"X-Modeld-Conversation": "again"}
     answers = []
     for _ in range(2):

@@ -111,12 +111,15 @@ class Hold:
         unknown) and its error is raised."""
         target = self.target
         tokens = self.context.tokens
-        if self.keep >= len(target) and tokens[: len(target)] == target:
-            if len(tokens) == len(target) or self.stage == "prefix":
-                # Resident already. A prefix leaves whatever follows it in place until the next
-                # operation: when that is a suffix the last turn already computed (the same
-                # request again, a retry), it is reused instead of recomputed.
-                return Synced(0, 0.0)
+        if (
+            self.keep >= len(target)
+            and tokens[: len(target)] == target
+            and (len(tokens) == len(target) or self.stage == "prefix")
+        ):
+            # Resident already. A prefix leaves whatever follows it in place until the next
+            # operation: when that is a suffix the last turn already computed (the same request
+            # again, a retry), it is reused instead of recomputed.
+            return Synced(0, 0.0)
         keep = self.keep
         started = time.monotonic()
         reporter = _Progress(self.stage, started, progress)
