@@ -426,6 +426,11 @@ def _format_report(r: ContextReport) -> str:
                         _short(s.hash),
                     )
                 )
+            if r.tools_token_start is not None and r.tools_token_end is not None:
+                # Not a segment of the text: the template renders tools_json (often the largest part).
+                rows.append(
+                    ("  tools", f"{r.tools_token_start}-{r.tools_token_end}", "(template)", "yes", "-", "-")
+                )
             out.append("segments")
             out.append(_table(rows))
     if r.last_reuse is not None:

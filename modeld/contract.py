@@ -531,6 +531,10 @@ class ContextReport:
     changing_segments: tuple[ChangingSegment, ...] = ()
     """Stable segments whose text changed on each of the session's last prefixes (see
     :class:`ChangingSegment`): the likely cause of a prefix that is cold every turn."""
+    tools_token_start: int | None = None
+    """Where the chat template put the tool definitions (``tools_json``) in the prefix's tokens:
+    they are no segment of the text, but often its largest part."""
+    tools_token_end: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -132,6 +132,7 @@ class EngineSession:
         self._manifest: ContextManifest | None = None
         self._chat: ChatState | None = None
         self._tools_json = ""  # the chat prefix's tools (what a decode's tool calls may name)
+        self._tools_tokens: tuple[int, int] | None = None  # where the template put them
         self._churn = SegmentChurn()
         self._prefix_status: PrefixStatus | None = None
         self._turn = _Turn()
@@ -174,6 +175,7 @@ class EngineSession:
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
             self._tools_json = prefix.tools_json if prep.chat is not None else ""
+            self._tools_tokens = prep.tools
             self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
             self._prefix_status = self._status(
@@ -296,6 +298,8 @@ class EngineSession:
             pinned=self.slot.pinned,
             keep_alive_seconds=self.slot.keep_alive or 0.0,
             changing_segments=self._churn.changing(),
+            tools_token_start=self._tools_tokens[0] if self._tools_tokens else None,
+            tools_token_end=self._tools_tokens[1] if self._tools_tokens else None,
         )
 
     def interrupt(self) -> None:
