@@ -167,10 +167,10 @@ def test_streamed_chat_equals_the_non_streamed_answer_and_ends_with_usage(daemon
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens == tokens(chatml(messages))
     assert usage.completion_tokens == len(text.encode())
-    # A first turn's stable prefix is its system message; the user's turn is the suffix and is
-    # computed again (ensure_prefix drops what follows the prefix, as the contract says).
+    # The same request sent again reuses it all (ensure_prefix leaves the suffix the last turn
+    # computed in place).
     assert usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens == tokens(chatml(messages[:1], generation=False))
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
 
 
 def test_tools_are_rendered_by_the_models_template(daemon: Daemon) -> None:
