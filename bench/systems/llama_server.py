@@ -24,6 +24,7 @@ from typing import Any
 from bench.systems.base import Unsupported, free_port
 from bench.systems.openai_http import HttpServerSystem, Streamed
 from bench.workloads import Turn, Workload
+from modeld.backends.llama import cpu_has_amx
 
 __all__ = ["CACHE_RAM_MIB", "LlamaServerSystem"]
 
@@ -54,6 +55,7 @@ class LlamaServerSystem(HttpServerSystem):
             "-b", "512",
             "-ub", "512",
             "-fa", "off",
+            *(["--no-repack"] if cpu_has_amx() else []),  # as modeld: AMX crashes (blueprint 0009)
             *load.llama_server_flags,
         ]  # fmt: skip
         cwd = Path(tempfile.mkdtemp(prefix="bls"))

@@ -21,7 +21,7 @@ from modeld.contract import CONSTRAINT_KINDS, Capabilities, ModelInfo, OpenSessi
 from modeld.decoding.tools import detect_format
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
-__all__ = ["OVERHEAD_BYTES", "SAMPLING_FIELDS", "LlamaBackend", "backend_version"]
+__all__ = ["OVERHEAD_BYTES", "SAMPLING_FIELDS", "LlamaBackend", "backend_version", "cpu_has_amx"]
 
 OVERHEAD_BYTES = 512 << 20
 """Memory set aside for llama.cpp's compute buffers and the process when sizing the context."""
@@ -52,6 +52,25 @@ def backend_version() -> str:
             "install it with: pip install 'modeld[llama]'",
             backend="llama",
         ) from exc
+
+
+def cpu_has_amx() -> bool:
+    """Whether the CPU advertises Intel AMX (``amx_int8`` in ``/proc/cpuinfo``).
+
+    On such a CPU llama.cpp puts quantized weights in its AMX buffer type, and its AMX matmul
+    (``ggml_backend_amx_mul_mat``) dies of a general protection fault at ``ldtilecfg`` in this
+    build (measured on a Xeon with AMX: every q8_0 model crashed the process at its first
+    decode; llama.cpp #20824 reports the same crash with another GCC). So the runtime loads
+    weights without llama.cpp's extra buffer types there (``use_extra_bufts``; llama-server's
+    ``--no-repack``), which also skips CPU repacking."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return "amx_int8" in line.split(":", 1)[1].split()
+    except OSError:
+        pass
+    return False
 
 
 class LlamaBackend:

@@ -46,6 +46,7 @@ import numpy as np
 from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama_cpp loads
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.gguf_meta import GGUFInfo
+from modeld.backends.llama import cpu_has_amx
 from modeld.backends.llama_constraints import LlamaConstraints, TokenConstraint
 from modeld.contract import Config, DecodeConfig, ModelInfo
 from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
@@ -212,6 +213,9 @@ class LlamaRuntime:
         params = _llama.llama_model_default_params()
         params.n_gpu_layers = self._config.num_gpu_layers
         params.use_mmap = True
+        if cpu_has_amx():
+            log.info("the CPU has AMX: loading without llama.cpp's extra buffer types (AMX crashes here)")
+            params.use_extra_bufts = False
         if self._config.tensor_split:
             split = self._config.tensor_split
             self._split = (ctypes.c_float * len(split))(*split)  # kept alive
