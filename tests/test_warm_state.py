@@ -677,8 +677,8 @@ def test_an_idle_model_is_unloaded_beyond_the_budget_and_its_contexts_come_back(
     shutil.copyfile(testmodels.ensure_model(replace(testmodels.TINY, seed=77)), other)
     data = tmp_path / "data"
     with Engine(backends=("llama",), data_dir=data) as probe:
-        cost = max(probe.describe(_request(tiny)).weights_bytes, 1)
-    residency = Residency(memory_budget_bytes=(256 << 20) + 3 * cost + 2048 * 1024, persist_min_tokens=8)
+        cost = probe.describe(_request(tiny)).footprint.total_bytes  # weights, KV, compute, the worker
+    residency = Residency(memory_budget_bytes=cost * 3 // 2, persist_min_tokens=8)  # one model fits, not two
     with Engine(backends=("llama",), data_dir=data, residency=residency) as engine:
         a = engine.open_session(_request(tiny))
         size = a.ensure_prefix(PrefixInput(text=WORKSPACES[0])).prefix_tokens

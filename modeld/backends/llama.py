@@ -15,13 +15,28 @@ import importlib.util
 import psutil
 
 from modeld.backends.base import LoadOptions, ModelRuntime
-from modeld.backends.gguf_meta import kv_bytes_per_token, read_gguf
+from modeld.backends.gguf_meta import GGUFInfo, kv_bytes_per_token, read_gguf
 from modeld.backends.sizing import WeightsInUse, check_digest, effective_context
-from modeld.contract import CONSTRAINT_KINDS, Capabilities, ModelInfo, OpenSessionRequest, SpecialToken
+from modeld.contract import (
+    CONSTRAINT_KINDS,
+    Capabilities,
+    Config,
+    Footprint,
+    ModelInfo,
+    OpenSessionRequest,
+    SpecialToken,
+)
 from modeld.decoding.tools import detect_format
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
-__all__ = ["OVERHEAD_BYTES", "SAMPLING_FIELDS", "LlamaBackend", "backend_version", "cpu_has_amx"]
+__all__ = [
+    "OVERHEAD_BYTES",
+    "SAMPLING_FIELDS",
+    "LlamaBackend",
+    "backend_version",
+    "cpu_has_amx",
+    "model_footprint",
+]
 
 OVERHEAD_BYTES = 512 << 20
 """Memory set aside for llama.cpp's compute buffers and the process when sizing the context."""
@@ -40,6 +55,33 @@ SAMPLING_FIELDS = (
     "top_logprobs",
 )
 QUANTIZED_KV = ("q8_0", "q4_0")
+
+
+def model_footprint(meta: GGUFInfo, config: Config) -> Footprint:
+    """The model's own memory figures, from its header (``Footprint``'s first five fields).
+
+    The compute buffer is llama.cpp's worst-case graph for one micro-batch of ``b = num_batch``
+    tokens over ``c`` cells: with flash attention off, the attention scores and the mask
+    (``b x c x (heads + 1) x 4`` bytes) plus a feed-forward's activations
+    (``b x (ff + embedding) x 4``); with it on, the f16 mask (``b x c x 2``) plus
+    ``b x ff x 16``; never less than the output logits (``b x (vocab x 4 + embedding x 8)``).
+    Checked against llama.cpp's own "compute buffer size" (tests/test_describe_footprint.py):
+    within 4% on the test models from 2k to 32k cells, both settings."""
+    b = config.num_batch
+    ff, embd = meta.feed_forward_length, meta.embedding_length
+    if meta.recurrent:
+        per_token, fixed = 0, b * (ff + embd) * 4
+    elif config.flash_attn:
+        per_token, fixed = b * 2, b * ff * 16
+    else:
+        per_token, fixed = b * (meta.heads + 1) * 4, b * (ff + embd) * 4
+    return Footprint(
+        weights_bytes=meta.weights_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(meta, config.kv_cache_type),
+        compute_floor_bytes=b * (meta.vocab_size * 4 + embd * 8),
+        compute_fixed_bytes=fixed,
+        compute_bytes_per_token=per_token,
+    )
 
 
 def backend_version() -> str:
@@ -141,6 +183,7 @@ class LlamaBackend:
             ),
             special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),
             tool_format=detect_format(meta.chat_template),
+            footprint=model_footprint(meta, config),
         )
 
     def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> ModelRuntime:

@@ -201,6 +201,8 @@ class LlamaRuntime:
             explicit=True,
             snapshot_format=f"llama.cpp {_llama.__version__} {layout_name}",
             kv_bytes_per_token=info.kv_bytes_per_token,
+            exact=not unified,
+            name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._fresh = -1  # the sequence whose last token's logits are in the context, or -1

@@ -361,6 +361,8 @@ class EngineSession:
             pinned=self.slot.pinned,
             keep_alive_seconds=self.slot.keep_alive or 0.0,
             changing_segments=self._churn.changing(),
+            kv_layout=model.layout.name,
+            warm_exact=model.layout.exact,
         )
 
     def interrupt(self) -> None:

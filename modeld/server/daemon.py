@@ -309,6 +309,8 @@ class ServeOptions:
     models: tuple[str, ...] = ()  # NAME=PATH
     models_dir: Path | None = None
     num_ctx: int = 0  # context window of HTTP sessions (0: the contract's default)
+    kv_cache_type: str = "f16"  # KV precision of HTTP sessions (llama-server's -ctk/-ctv)
+    flash_attn: bool = False  # flash attention for HTTP sessions (on for a quantized KV cache)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -463,6 +465,8 @@ def _start_http(
         loopback=is_loopback(address.host),
         bound_host=address.host,
         num_ctx=options.num_ctx or Config().num_ctx,
+        kv_cache_type=options.kv_cache_type,
+        flash_attn=options.flash_attn,
         max_body_bytes=limits.max_message_bytes,
     )
     listener = HttpListener(

@@ -72,6 +72,8 @@ class HttpSettings:
     loopback: bool = True
     bound_host: str = "127.0.0.1"
     num_ctx: int = Config().num_ctx
+    kv_cache_type: str = Config().kv_cache_type
+    flash_attn: bool = Config().flash_attn
     max_body_bytes: int = 16 << 20
     max_conversations: int = 16
     idle_seconds: float = 600.0
@@ -234,7 +236,12 @@ class HttpService:
             model_name=entry.name,
             type=self.settings.backend,
             path=entry.path,
-            config=Config(num_ctx=self.settings.num_ctx, prompt_format=turn.prompt_format),
+            config=Config(
+                num_ctx=self.settings.num_ctx,
+                prompt_format=turn.prompt_format,
+                kv_cache_type=self.settings.kv_cache_type,
+                flash_attn=self.settings.flash_attn,
+            ),
         )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
