@@ -45,8 +45,12 @@ def pool_flags(load: Workload, notes: list[str]) -> list[str]:
     modeld's default KV is one unified pool of one window that every sequence may fill
     (blueprint 0016): a single-workspace workload needs no flag; with several workspaces the
     pool is ``--kv-pool-tokens`` cells, as llama-server's ``-c``. A modeld whose default is
-    split streams (before the unified default) gets ``--sequences`` windows instead."""
-    if load.workspaces <= 1 and not load.pool_tokens:
+    split streams (before the unified default) gets ``--sequences`` windows instead.
+    ``MODELD_BENCH_CAPACITY=default`` leaves modeld at its default capacity (one window, the rest
+    through the tiers) to measure what several workspaces cost there."""
+    if (load.workspaces <= 1 and not load.pool_tokens) or os.environ.get(
+        "MODELD_BENCH_CAPACITY"
+    ) == "default":
         return []
     pool = load.pool_tokens or load.workspaces * load.n_ctx
     help_text = serve_help()
