@@ -178,17 +178,20 @@ class LlamaRuntime:
         self._create_context(n_ctx, n_seq, unified, _threads(options.threads))
         total = int(_llama.llama_n_ctx(self._ctx))
         window = min(options.window, total) if unified else min(options.window, total // n_seq)
-        # A split context's sequence blob lists every stream (empty ones as a zero cell count);
-        # stored with the empty streams taken out, it fits a context with any number of streams,
-        # so changing --sequences (or the memory budget doing it) keeps the disk tier usable.
-        self._portable = not unified and not (recurrent or hybrid or swa > 0)
+        # A sequence's blob lists every stream of its context (empty ones as a zero cell count;
+        # a unified pool has one stream). Stored as its own cells followed by empty streams, it
+        # fits a context with any number of streams, split or unified: changing --sequences or
+        # --kv-unified (or the memory budget doing it) keeps the disk tier usable. The format
+        # string names that blob format ("split", as written before the unified default).
+        self._unified = unified
+        self._portable = not (recurrent or hybrid or swa > 0)
         self._n_stream = 1 if unified else n_seq
         if recurrent:
             layout_name = "recurrent"
-        elif unified:
-            layout_name = "unified"
         elif self._portable:
             layout_name = "split"
+        elif unified:
+            layout_name = "unified"
         else:
             layout_name = f"split/{n_seq}"
         self._layout = Layout(
@@ -457,14 +460,15 @@ class LlamaRuntime:
             raise EngineError(f"llama.cpp could not save sequence {seq} ({got} of {size} bytes)")
         del out[got:]
         if self._portable:
-            return self._one_stream(memoryview(out), seq)
+            return self._one_stream(memoryview(out), 0 if self._unified else seq)
         return typing.cast(bytes, out)  # nobody writes to it: bytes without another copy
 
     def _one_stream(self, raw: memoryview, seq: int) -> bytes:
-        """A split blob in a form any split context can load. The blob is llama.cpp's ``u32
-        magic, i32 source sequence``, then the KV cache's ``u32 n_stream`` and, per stream, a
-        ``u32`` cell count followed (when not 0) by that stream's cells. Only the sequence's own
-        stream (``seq``) holds cells; the others are 4 zero bytes each, before and after it.
+        """A sequence's blob in a form any split or unified context can load. The blob is
+        llama.cpp's ``u32 magic, i32 source sequence``, then the KV cache's ``u32 n_stream`` and,
+        per stream, a ``u32`` cell count followed (when not 0) by that stream's cells. Only the
+        sequence's own stream (index ``seq``: the sequence's stream in a split context, 0 in a
+        unified pool) holds cells; the others are 4 zero bytes each, before and after it.
 
         Stored: the sequence's cells first, then ``_LISTED - 1`` empty streams (1 KB). A context
         with ``n`` streams loads it after one in-place edit, ``n_stream := n``: llama.cpp reads a
