@@ -440,8 +440,9 @@ def _numerics(r: ContextReport) -> str:
     if r.warm_exact:
         return f"warm output is bit-identical to a fresh evaluation (KV layout {r.kv_layout})"
     return (
-        f"warm output can differ from a fresh evaluation at rounding level (KV layout {r.kv_layout}: "
-        "a unified pool; it is bit-identical while this context is alone in the pool; "
+        f"warm output can differ from a fresh evaluation (KV layout {r.kv_layout}: a unified pool; "
+        "the attention sums in another order when other contexts hold cells, enough to change greedy "
+        "tokens; bit-identical while this context is alone in the pool; "
         "`modeld serve --no-kv-unified` makes it exact by construction, at a window of memory per sequence)"
     )
 

@@ -573,8 +573,8 @@ class ContextReport:
     warm_exact: bool = True
     """Warm output is bit-identical to a fresh evaluation of the same tokens by construction.
     False on a unified pool: a context's cells can interleave with other contexts' there, and
-    its output can then differ from a fresh evaluation at rounding level (it is bit-identical
-    while the context is alone in the pool)."""
+    its output can then differ from a fresh evaluation (the attention sums in another order;
+    it is bit-identical while the context is alone in the pool)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,8 @@ class Residency:
     any sequence may grow to the whole pool, a copied prefix is stored once, and the pool is
     one window, so a model takes one window of KV however many sequences it keeps warm (more
     warm contexts live in the RAM and disk tiers). Warm output is bit-identical to a fresh
-    evaluation while a context is alone in the pool and can differ at rounding level when
-    contexts share it; ``explain-context`` says which. Off: each sequence has its own window of
+    evaluation while a context is alone in the pool and can differ when contexts share it (the
+    attention sums in another order); ``explain-context`` says which. Off: each sequence has its own window of
     cells (``sequences`` windows of memory), and warm output is bit-identical by construction.
     Chosen by measurement: blueprint 0016."""
     pool_tokens: int = 0

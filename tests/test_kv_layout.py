@@ -128,7 +128,7 @@ def test_explain_context_says_when_warm_output_can_differ() -> None:
         "split/4",
         True,
     )
-    assert "numerics  warm output can differ from a fresh evaluation at rounding level" in _format_report(
+    assert "numerics  warm output can differ from a fresh evaluation (KV layout unified/4:2048" in _format_report(
         unified
     )
     assert "--no-kv-unified" in _format_report(unified)

@@ -7,13 +7,14 @@ sequence's state in and out (``llama_state_seq_get_data`` / ``set_data``). Desig
 ``blueprints/0009-llama-backend.md`` and ``blueprints/0016-warm-state.md``. The points that
 matter for correctness:
 
-* **Two KV layouts.** *Split* (the default): every sequence has its own stream of ``window``
-  cells, so a sequence's tokens sit at the cells a fresh context would use and warm output is
-  bit-identical to a fresh evaluation; a copy is a state copy (get, set, cut). *Unified*
-  (``kv_unified``): one pool every sequence may fill; a copy only tags the shared cells, so a
-  prefix shared by sub-agents is stored once, but a sequence's cells land wherever the pool has
-  room, and attention then sums in another order: logits differ at rounding level from a fresh
-  evaluation (measured in the blueprint).
+* **Two KV layouts.** *Unified* (``kv_unified``, the default: one pool of one window): every
+  sequence may fill the pool; a copy only tags the shared cells, so a prefix shared by
+  sub-agents is stored once, but a sequence's cells land wherever the pool has room, and when
+  other sequences hold cells attention sums in another order: logits differ from a fresh
+  evaluation (measured in blueprint 0016; a sequence alone in the pool is bit-identical).
+  *Split*: every sequence has its own stream of ``window`` cells, so a sequence's tokens sit at
+  the cells a fresh context would use and warm output is bit-identical to a fresh evaluation; a
+  copy is a state copy (get, set, cut).
 * **Numerics of batches.** A *single-token* batch takes another kernel path (~1e-3 relative
   difference); prefill never evaluates a lone token when it can avoid it: a 1-token remainder
   borrows a token from the previous batch, and a 1-token tail re-evaluates the token before it.
