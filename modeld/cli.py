@@ -353,8 +353,12 @@ def _layout_words(layout: str) -> str:
     shape, _, n = layout.partition("/")
     if shape == "unified":
         seqs, _, pool = n.partition(":")
-        return f"{seqs} sequences share {pool} cells; warm output can differ from a fresh evaluation"
-    return f"{n} streams of a window each; warm output bit-identical to a fresh evaluation"
+        return (
+            f"{seqs} sequences share {pool} cells; warm output is bit-identical to a fresh evaluation "
+            "for a context alone in the pool and can differ when contexts share it"
+        )
+    streams = "1 stream" if n == "1" else f"{n} streams"
+    return f"{streams} of a window each; warm output bit-identical to a fresh evaluation"
 
 
 # --- observers ------------------------------------------------------------------------------
