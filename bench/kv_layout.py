@@ -456,10 +456,13 @@ def numerics(spec: ModelSpec, window: int) -> None:
 
 def precision(spec: ModelSpec, window: int, prompts: int = 6) -> None:
     """Greedy agreement of a quantized KV cache with f16 (flash attention on for both: llama.cpp
-    needs it for a quantized V), and of f16 with flash attention against without."""
+    needs it for a quantized V), and of f16 with flash attention against without; and, since a
+    random-weight model's greedy tokens flip on near-ties, the first token's logits: argmax
+    agreement and the largest difference relative to the logits' range."""
     rng = random.Random(9)
     texts = [_tokens(rng, spec, rng.randrange(200, min(1500, window - GREEDY - 8))) for _ in range(prompts)]
     runs: dict[str, list[list[int]]] = {}
+    logits: dict[str, list[np.ndarray[Any, np.dtype[np.float32]]]] = {}
     for name, fa, kv in (
         ("f16", False, "f16"),
         ("f16 fa", True, "f16"),
@@ -468,10 +471,11 @@ def precision(spec: ModelSpec, window: int, prompts: int = 6) -> None:
     ):
         runtime = _load(spec, Layout(1, window, flash_attn=fa, kv=kv))
         try:
-            runs[name] = []
+            runs[name], logits[name] = [], []
             for tokens in texts:
                 runtime.drop(0)
                 _sync(runtime, 0, 0, tokens)
+                logits[name].append(_logits(runtime))
                 runs[name].append(_greedy(runtime, 0))
         finally:
             runtime.close()
@@ -490,9 +494,18 @@ def precision(spec: ModelSpec, window: int, prompts: int = 6) -> None:
         ("q4_0", "f16"),
     ):
         equal = agree(runs[name], runs[base])
+        argmax = sum(
+            int(np.argmax(a)) == int(np.argmax(b)) for a, b in zip(logits[name], logits[base], strict=True)
+        )
+        relative = [
+            float(np.max(np.abs(a.astype(np.float64) - b)) / max(1e-9, float(np.ptp(b))))
+            for a, b in zip(logits[name], logits[base], strict=True)
+        ]
         print(
             f"{name:7s} vs {base:7s}: greedy tokens equal before the first difference, per prompt: {equal} "
-            f"(of {GREEDY}; median {statistics.median(equal)})",
+            f"(of {GREEDY}; median {statistics.median(equal)}); first token's argmax equal on {argmax} of "
+            f"{len(texts)}, largest logit difference / logit range median {statistics.median(relative):.4f} "
+            f"(max {max(relative):.4f})",
             flush=True,
         )
 
