@@ -128,11 +128,62 @@ def test_explain_context_says_when_warm_output_can_differ() -> None:
         "split/4",
         True,
     )
-    assert "numerics  warm output can differ from a fresh evaluation (KV layout unified/4:2048" in _format_report(
-        unified
+    assert (
+        "numerics  warm output can differ from a fresh evaluation (KV layout unified/4:2048"
+        in _format_report(unified)
     )
     assert "--no-kv-unified" in _format_report(unified)
     assert (
         "numerics  warm output is bit-identical to a fresh evaluation (KV layout split/4)"
         in _format_report(split)
     )
+
+
+# --- KV precision, end to end ------------------------------------------------------------------
+
+Q8_0_TINY = 2 * 2 * 32 * 2 // 32 * 34  # 2 layers x 2 KV heads x 32 wide, K and V: 256 values in q8_0 blocks
+
+
+@pytest.mark.llama
+def test_a_q8_0_kv_cache_halves_the_kv_and_stays_warm() -> None:
+    """OpenSessionRequest.config: q8_0 with flash attention (llama.cpp needs it for a quantized V)
+    loads, reuses its prefix warm, and costs 34/32 of a byte per value."""
+    tiny = str(testmodels.ensure_model(testmodels.TINY))
+    request = OpenSessionRequest(
+        type="llama",
+        path=tiny,
+        config=Config(num_ctx=2048, num_batch=32, kv_cache_type="q8_0", flash_attn=True),
+    )
+    with Engine(backends=("llama",)) as engine:
+        info = engine.describe(request)
+        assert (info.kv_bytes_per_token, info.footprint.kv_bytes) == (Q8_0_TINY, 2048 * Q8_0_TINY)
+        session = engine.open_session(request)
+        first = session.ensure_prefix(PrefixInput(text=TEXT))
+        _greedy(session)
+        again = engine.open_session(request).ensure_prefix(PrefixInput(text=TEXT + "one more line\n"))
+        (model,) = engine.status().models
+    assert first.reuse.outcome == "cold" and again.reused_tokens == first.prefix_tokens
+    assert model.kv_bytes_per_token == Q8_0_TINY
+
+
+@pytest.mark.llama
+def test_serve_kv_cache_type_reaches_http_sessions(tmp_path: Path) -> None:
+    """``modeld serve --kv-cache-type q8_0``: HTTP sessions load a q8_0 KV (flash attention on)."""
+    import httpx
+    from daemon_proc import serve_http, stop
+
+    import runtime_client as rc
+
+    proc, record = serve_http(tmp_path, "--kv-cache-type", "q8_0", backend="llama")
+    try:
+        reply = httpx.post(
+            f"{record.http_endpoint}/v1/completions",
+            json={"model": "modeld-tiny", "prompt": TEXT, "max_tokens": 2, "temperature": 0},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        with rc.connect(data_dir=tmp_path) as client:
+            (model,) = client.status().models
+        assert model.kv_bytes_per_token == Q8_0_TINY
+    finally:
+        stop(proc)
