@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "durations": data.durations,
         "turns": [asdict(r) for r in data.results],
         "rss": data.rss,
+        "rss_parts": data.rss_parts,
         "overhead": overhead,
         "errors": data.errors,
     }

@@ -29,6 +29,7 @@ COLUMNS = [
     ("decode_over_limit", "decode tok/s modeld / limit"),
     ("restart_over_cold", "restart: first turn / cold prefill"),
     ("http_overhead_ms", "OpenAI endpoint overhead, ms"),
+    ("rss_over_llama_server", "peak RSS modeld / llama-server"),
 ]
 
 Doc = dict[str, Any]
@@ -89,6 +90,51 @@ def _headline(docs: list[Doc], merged: dict[str, Any], causes: list[dict[str, st
         lines += [f"- **{c['workload']}**, {c['ratio']}: {c['cause']}" for c in causes]
         lines.append("")
     return lines
+
+
+def _memory(docs: list[Doc], systems: list[str]) -> list[str]:
+    """Peak RSS per system and workload (each run's value), modeld's processes apart, and the
+    warm tokens each system held per GiB (issue 22)."""
+    shown = [s for s in systems if s != "cold"]
+    lines = [
+        "## Memory",
+        "",
+        "Peak RSS in MiB per workload (VmHWM summed over each system's processes, reset before the workload; "
+        "in brackets each run's value), and modeld's processes in the newest run:",
+        "",
+        "| workload | " + " | ".join(shown) + " | modeld's processes (newest run) |",
+        "|---" * (len(shown) + 2) + "|",
+    ]
+    for load in docs[0]["workloads"]:
+        name = load["name"]
+        cells = []
+        for system in shown:
+            values = [d.get("rss", {}).get(system, {}).get(name) for d in docs]
+            present = [v for v in values if v]
+            if not present:
+                cells.append("-")
+                continue
+            text = f"{sum(present) / len(present) / (1 << 20):.0f}"
+            if len(present) > 1:
+                text += " [" + ", ".join(f"{v / (1 << 20):.0f}" for v in present) + "]"
+            cells.append(text)
+        parts = docs[0].get("rss_parts", {}).get("modeld", {}).get(name, {})
+        split = ", ".join(f"{n.split()[0]} {b / (1 << 20):.0f}" for n, b in sorted(parts.items())) or "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {split} |")
+    lines += [
+        "",
+        "Warm tokens held per GiB of peak RSS (tokens served from warm state on each workspace's last turn, "
+        "newest run; `-`: the system does not report its prefill):",
+        "",
+        "| workload | " + " | ".join(shown) + " |",
+        "|---" * (len(shown) + 1) + "|",
+    ]
+    for load in docs[0]["workloads"]:
+        values = [analysis.warm_per_gib(docs[0], load, system) for system in shown]
+        lines.append(
+            f"| {load['name']} | " + " | ".join("-" if v is None else f"{v:.0f}" for v in values) + " |"
+        )
+    return [*lines, ""]
 
 
 def _systems_table(doc: Doc, load: Doc, systems: list[str]) -> list[str]:
@@ -226,6 +272,7 @@ def write_report(out: Path, docs: list[Doc]) -> None:
     if m.get("llama_server"):
         lines += [f"llama-server build: {m['llama_server']}", ""]
     lines += _headline(docs, merged, causes)
+    lines += _memory(docs, systems)
     out.mkdir(parents=True, exist_ok=True)
     for load in doc["workloads"]:
         plot = f"ttft-{load['name']}.png"

@@ -300,6 +300,8 @@ class EngineSession:
             changing_segments=self._churn.changing(),
             tools_token_start=self._tools_tokens[0] if self._tools_tokens else None,
             tools_token_end=self._tools_tokens[1] if self._tools_tokens else None,
+            kv_layout=model.layout.name,
+            warm_exact=model.layout.exact,
         )
 
     def interrupt(self) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from modeld.backends.cpu import cpu_has_amx
 from modeld.testmodels._template import CHATML_TOOLS_TEMPLATE
 
 __all__ = [
@@ -159,17 +160,6 @@ def free_running_rate(
 # --- llama.cpp through llama-cpp-python's C API ----------------------------------------------
 
 
-def _cpu_has_amx() -> bool:
-    """llama.cpp's AMX matmul (used for q8_0 weights on CPUs with AMX) dies of a general
-    protection fault at ``ldtilecfg`` in the wheel built here; loading without the extra buffer
-    types avoids it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-    except OSError:
-        return False
-
-
 def _quiet(level: int, text: bytes, user_data: object) -> None:
     pass
 
@@ -189,7 +179,7 @@ class LlamaDriver:
         lib.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
-        params.use_extra_bufts = not _cpu_has_amx()
+        params.use_extra_bufts = not cpu_has_amx()
         self.model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
