@@ -167,7 +167,12 @@ def test_the_budget_decides_the_largest_window(tmp_path: Path) -> None:
     fp = info.footprint
 
     def total(window: int) -> int:
-        return fp.weights_bytes + window * fp.kv_bytes_per_token + compute_bytes(fp, window) + MODEL_OVERHEAD_BYTES
+        return (
+            fp.weights_bytes
+            + window * fp.kv_bytes_per_token
+            + compute_bytes(fp, window)
+            + MODEL_OVERHEAD_BYTES
+        )
 
     assert 0 < fp.max_window < 32768 and fp.max_window % CELL_PAD == 0
     assert total(fp.max_window) <= budget < total(fp.max_window + CELL_PAD)
