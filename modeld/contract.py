@@ -855,6 +855,7 @@ class LoadedModelSummary:
     contexts: tuple[WarmContextInfo, ...] = ()
     counters: Mapping[str, int] = field(default_factory=dict)
     worker: WorkerInfo | None = None
+    busy_tokens: int = 0  # of resident_tokens, held by running operations (the rest can give way)
 
 
 @dataclass(frozen=True, slots=True)

@@ -531,6 +531,20 @@ class ModelCache:
             if locked:
                 self._lock.release()
 
+    def busy_cells(self) -> int:
+        """KV cells held by the contexts of running operations (at most :meth:`used_cells`):
+        what cannot give way now. The rest of the pool is idle warm contexts, a cache that is
+        evicted to the tiers when a turn needs its cells (the load a gateway should see:
+        SGLang's load likewise leaves out its evictable radix cache)."""
+        locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
+        try:
+            ledger = self._pool.ledger
+            busy = sum(ledger.length(c.seq) for c in list(self._pool.contexts.values()) if c.busy)
+            return min(busy, ledger.used())
+        finally:
+            if locked:
+                self._lock.release()
+
 
 class _Progress:
     """Reports a long prefill at most every :data:`PROGRESS_INTERVAL` seconds."""

@@ -580,6 +580,7 @@ class Engine:
             slots=model.admission.slots,
             busy_slots=model.admission.busy,
             queued=model.admission.queued,
+            busy_tokens=model.cache.busy_cells(),
             contexts=model.warm_contexts(),
             counters=dict(model.cache.counters),
             worker=WorkerInfo(

@@ -11,7 +11,8 @@ meaning is the same, under a ``modeld_`` prefix (counters get ``_total`` on expo
 ==========================================  ==================================================
 ``modeld_prefix_cache_queries_total``       prompt-prefix tokens looked up (ensure_prefix)
 ``modeld_prefix_cache_hits_total{source}``  of those, tokens reused; ``source`` is where they
-                                            came from: ``kv`` (resident), ``ram``, ``disk``
+                                            came from: ``kv`` (resident), ``ram``, ``disk``,
+                                            ``shared`` (the fleet's shared store)
 ``modeld_prompt_tokens_total``              prompt tokens of finished decodes (Usage)
 ``modeld_prompt_tokens_cached_total``       of those, not computed during their turn (Usage)
 ``modeld_prompt_tokens_prefilled_total``    prompt tokens computed (prefix, suffix, restores;
@@ -32,6 +33,8 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             ready, busy, restarting, failed), else 0
 ``modeld_worker_rss_bytes{model}``          the worker process's resident memory
 ``modeld_slots{model}``, ``modeld_slots_busy{model}``, ``modeld_queue_length{model}``
+``modeld_busy_tokens{model}``               resident tokens held by running operations (the
+                                            rest give way); of ``modeld_kv_capacity_tokens``
 ``modeld_warm_contexts{model,tier}``        warm contexts of a loaded model, by tier
 ``modeld_warm_context_bytes{model,tier}``   their bytes (a shared prefix counted once)
 ``modeld_tier_bytes{tier}``, ``modeld_tier_entries{tier}``, ``modeld_tier_budget_bytes{tier}``
@@ -39,6 +42,9 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             ``disk`` or ``dropped`` (per loaded model: restart
                                             at 0 when a model is loaded again)
 ``modeld_snapshots_rejected_total{model}``  snapshots refused (corrupt, stale, refused by the engine)
+``modeld_shared_store_snapshots_total{event}``  what this daemon did with the shared store:
+                                            written, restored, rejected, write_failed, gone
+``modeld_shared_store_pending_writes``      snapshots queued for the shared store (a backlog)
 ==========================================  ==================================================
 
 Every per-model series carries ``model`` (the model's name, never a path, at most
@@ -252,7 +258,7 @@ class _StatusCollector:
             return
         yield GaugeMetricFamily("modeld_sessions_open", "Open sessions.", value=status.sessions)
         yield GaugeMetricFamily("modeld_models_loaded", "Models loaded.", value=len(status.models))
-        resident = _Sums()
+        resident, busy_tokens, capacity = _Sums(), _Sums(), _Sums()
         state = _Sums()
         rss = _Sums()
         slots, busy, queued = _Sums(), _Sums(), _Sums()
@@ -261,6 +267,8 @@ class _StatusCollector:
         for m in status.models:
             name = self._label(m.model_name)
             resident.add((name, m.backend), m.resident_tokens)
+            busy_tokens.add((name,), m.busy_tokens)
+            capacity.add((name,), m.pool_tokens)
             slots.add((name,), m.slots)
             busy.add((name,), m.busy_slots)
             queued.add((name,), m.queued)
@@ -281,6 +289,13 @@ class _StatusCollector:
         yield resident.gauge(
             "modeld_resident_tokens", "Tokens resident in a loaded model's KV.", ["model", "backend"]
         )
+        yield busy_tokens.gauge(
+            "modeld_busy_tokens",
+            "Of the resident tokens, those held by running operations (the rest are idle warm "
+            "contexts, which give way when a turn needs the cells).",
+            ["model"],
+        )
+        yield capacity.gauge("modeld_kv_capacity_tokens", "KV cells of a loaded model's pool.", ["model"])
         yield state.gauge(
             "modeld_worker_state",
             "1 for the state a model's engine worker is in (loading, ready, busy, restarting, failed).",
