@@ -301,6 +301,43 @@ def test_a_prefix_one_engine_computed_is_restored_from_shared_by_another(directo
     assert tokens == expected
 
 
+@pytest.mark.llama
+@pytest.mark.slow
+def test_a_snapshot_restored_into_a_full_pool_makes_room_first(directory: Path) -> None:
+    """A conversation moved to a box whose unified KV pool is full of its own warm contexts: the
+    engine would refuse the restore for want of cells, so the cache evicts first (to the RAM
+    tier), and the shared snapshot is restored, not rejected and removed from the store."""
+    from modeld.testmodels import TINY, ensure_model
+
+    model = str(ensure_model(TINY))
+
+    def engine(data: Path) -> Engine:
+        residency = Residency(persist_min_tokens=64, shared_store=str(directory), pool_tokens=2048)
+        return Engine(backends=("llama",), residency=residency, data_dir=data)
+
+    def prefix(engine: Engine, text: str) -> Any:
+        session = engine.open_session(OpenSessionRequest(type="llama", path=model))
+        return session.ensure_prefix(PrefixInput(text=text))
+
+    moved = "The moved conversation's repository map, line by line.\n" * 80
+    with engine(directory.parent / "a") as a:
+        first = prefix(a, moved)
+        assert first.reuse.outcome == "cold" and 1200 < first.prefix_tokens < 2048
+        assert a.tiers.flush(30)
+    with engine(directory.parent / "b") as b:
+        for i in range(2):  # the box's own conversations: most of its 2048 cells
+            own = prefix(b, f"{i}: box b's own conversation about another repository.\n" * 40)
+            assert own.reuse.reason != "restored_from_shared" and own.prefix_tokens > 400
+        (model_status,) = b.status().models
+        assert model_status.resident_tokens + first.prefix_tokens > model_status.pool_tokens
+        status = prefix(b, moved + "and one more turn\n")
+        assert (status.reuse.outcome, status.reuse.reason) == ("warm", "restored_from_shared"), status.reuse
+        assert status.reused_tokens == first.prefix_tokens
+        (model_status,) = b.status().models
+        assert model_status.counters["evicted_to_ram"] >= 1 and model_status.counters["snapshots_rejected"] == 0
+    assert any(p.name.endswith(SUFFIX) for p in directory.iterdir()), "the good snapshot was removed"
+
+
 def test_a_store_that_cannot_be_used_is_refused_at_start(directory: Path) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     directory.write_text("a file, not a directory")

@@ -400,6 +400,10 @@ class ModelCache:
             pool.counters["snapshots_rejected"] += 1
             slot.loss = Loss("snapshot_rejected", str(exc))
             return
+        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
+        # other warm contexts makes the engine refuse it, and a good snapshot must not be
+        # rejected (and removed: from the shared store, for every box) for want of room.
+        eviction.make_room(pool, dst, len(entry.tokens) - pool.ledger.unique(dst.seq), runtime)
         restored = runtime.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
         if not restored.ok:
