@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fleet import Gateway, Reply, SmgUnavailable, Worker, install_smg, start_modeld
+from bench.fleet import Gateway, Reply, SmgUnavailable, Worker, install_smg, start_modeld, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -70,10 +71,23 @@ class Conversation:
         return reply
 
 
-def _flags(store: Path) -> list[str]:
+def _model_flags(backend: str) -> list[str]:
+    """One model per daemon (the gateway registers a worker under one model). On llama, each
+    sequence gets its own KV window: a unified pool is not bit-exact by construction
+    (blueprint 0016: contexts sharing it change the output at rounding level), and the moved
+    turn's output is compared with a fresh evaluation."""
+    if backend == "memory":
+        return ["--model", f"{MODEL}={MODEL}"]
+    from modeld.testmodels import TINY, ensure_model
+
+    return ["--model", f"{MODEL}={ensure_model(TINY)}", "--no-kv-unified"]
+
+
+def _flags(store: Path, backend: str) -> list[str]:
     # Every prefix a turn computes is written through (the default 512 would keep these short
     # test conversations off the store), and draining gives running turns 20 s.
     return [
+        *_model_flags(backend),
         *("--shared-store", str(store), "--persist-min-tokens", "1", "--snapshot-min-tokens", "16"),
         *("--drain-timeout", "20s", "--log-level", "info"),
     ]
@@ -88,6 +102,14 @@ def workdir() -> Iterator[Path]:
 
 def _start(names: list[str], workdir: Path, backend: str, flags: list[str]) -> list[Worker]:
     return [start_modeld(n, workdir / n, backend=backend, flags=flags) for n in names]
+
+
+def _long_turn(url: str, backend: str) -> httpx.Response:
+    """A turn sent straight to one daemon that decodes for a while (the memory backend's
+    per-token delay; the llama tiny model's decode of many tokens)."""
+    slow = {"max_tokens": 40, "delay_ms": 50} if backend == "memory" else {"max_tokens": 400}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "tell a long story"}], **slow}
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
 
 def _wait_written(worker: Worker, timeout: float = 60) -> None:
@@ -105,7 +127,7 @@ def test_conversations_stay_warm_and_survive_losing_a_daemon(
     smg: str, workdir: Path, backend: str, loss: str
 ) -> None:
     store = workdir / "store"
-    daemons = _start(["d1", "d2", "d3"], workdir, backend, _flags(store))
+    daemons = _start(["d1", "d2", "d3"], workdir, backend, _flags(store, backend))
     gateway: Gateway | None = None
     drain: subprocess.Popen[str] | None = None
     try:
@@ -118,32 +140,47 @@ def test_conversations_stay_warm_and_survive_losing_a_daemon(
         for c in conversations:
             workers = {r.worker for r in c.replies}
             assert len(workers) == 1 and workers <= set(by_url), (c.key, workers)
-            assert [r.modeld["reuse"] for r in c.replies[1:]] == ["warm"] * (LOST_AFTER - 1), c.key
+            assert [r.modeld["reuse"] for r in c.replies[1:]] == ["warm"] * (LOST_AFTER - 1), (
+                c.key,
+                [r.modeld for r in c.replies],
+            )
         placed = {c.key: c.replies[0].worker for c in conversations}
         assert len(set(placed.values())) >= 2, placed
         victim = by_url[max(set(placed.values()), key=lambda u: list(placed.values()).count(u))]
         moved = [c for c in conversations if placed[c.key] == victim.url]
-        _wait_written(victim)
-
+        inflight: list[httpx.Response] = []
         if loss == "kill":
+            _wait_written(victim)  # what a SIGKILL would lose: the writes still queued
             victim.kill()
         else:
+            # A turn running on the victim when the drain begins (a client of its own) must
+            # finish; the drain itself writes what is still queued for the store.
+            running = threading.Thread(target=lambda: inflight.append(_long_turn(victim.url, backend)))
+            running.start()
+            deadline = time.monotonic() + 30
+            while (victim.metric("modeld_slots_busy", f'model="{MODEL}"') or 0) < 1:
+                assert time.monotonic() < deadline and running.is_alive(), "the long turn never ran"
+                time.sleep(0.01)
             drain = subprocess.Popen(
-                [sys.executable, "-m", "modeld.cli", "--data-dir", str(victim.data_dir), "drain", "--timeout", "60"],
+                [sys.executable, "-m", "modeld.cli", "--data-dir", str(victim.data_dir), "drain"],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
             deadline = time.monotonic() + 30
-            while httpx.get(f"{victim.url}/health", timeout=5).status_code != 503:
+            while (health := httpx.get(f"{victim.url}/health", timeout=5)).status_code != 503:
                 assert time.monotonic() < deadline, "the drained daemon never said it drains"
                 time.sleep(0.02)
-            assert httpx.get(f"{victim.url}/health", timeout=5).json()["reason"] == "draining"
+            assert health.json()["reason"] == "draining"
         # The next turns go on at once: the gateway learns of the loss from them and its health check.
         for turn in range(LOST_AFTER + 1, TURNS + 1):
             for c in conversations:
                 c.ask(gateway, turn)
         if drain is not None:
+            running.join(timeout=120)
+            (done,) = inflight
+            assert done.status_code == 200, done.text
+            assert done.json()["choices"][0]["finish_reason"] == "length"  # finished, not cut short
             out, err = drain.communicate(timeout=120)
             assert drain.returncode == 0, (out, err, victim.log_tail())
             assert "drained" in out
@@ -154,7 +191,10 @@ def test_conversations_stay_warm_and_survive_losing_a_daemon(
             assert len({r.worker for r in after}) == 1, (c.key, [r.worker for r in after])
             if c in moved:
                 assert after[0].worker != victim.url
-                assert (after[0].modeld["reuse"], after[0].modeld["reason"]) == ("warm", "restored_from_shared"), (
+                assert (after[0].modeld["reuse"], after[0].modeld["reason"]) == (
+                    "warm",
+                    "restored_from_shared",
+                ), (
                     c.key,
                     after[0].modeld,
                 )
@@ -170,7 +210,7 @@ def test_conversations_stay_warm_and_survive_losing_a_daemon(
         )
         assert restored >= len(moved)
         # A fresh daemon (no store, nothing warm) evaluates each moved turn again: the same output.
-        fresh = start_modeld("fresh", workdir / "fresh", backend=backend)
+        fresh = start_modeld("fresh", workdir / "fresh", backend=backend, flags=_model_flags(backend))
         try:
             for c in moved:
                 body = c.bodies[LOST_AFTER]
@@ -191,5 +231,50 @@ def test_conversations_stay_warm_and_survive_losing_a_daemon(
             drain.kill()
         if gateway is not None:
             gateway.close()
+        stop_all(daemons)
+
+
+def test_new_conversations_go_where_the_daemons_real_load_is_lowest(smg: str, workdir: Path) -> None:
+    """smg polls each daemon's ``GET /v1/loads`` and places a new conversation by it
+    (``--policy least_load``): turns sent to d1 past the gateway, which the gateway's own count
+    never sees, show in its view of d1, and no new conversation goes there while they run."""
+    daemons = _start(["d1", "d2", "d3"], workdir, "memory", _model_flags("memory"))
+    gateway: Gateway | None = None
+    hogs: list[threading.Thread] = []
+    try:
+        gateway = Gateway(smg, daemons, workdir / "smg.log")
+        hog = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "a long answer, please " * 20}],
+            "max_tokens": 30,
+            "delay_ms": 100,  # the memory backend's per-token delay: 3 s of decode each
+        }
+        for _ in range(2):
+            url = f"{daemons[0].url}/v1/chat/completions"
+            hogs.append(threading.Thread(target=httpx.post, args=(url,), kwargs={"json": hog, "timeout": 60}))
+            hogs[-1].start()
+        deadline = time.monotonic() + 10
+        while (seen := gateway.loads().get(daemons[0].url, {})).get("num_running_reqs") != 2:
+            assert time.monotonic() < deadline, f"the gateway never saw the running turns: {seen}"
+            time.sleep(0.1)
+        assert seen["num_used_tokens"] > 0 and seen["max_total_num_tokens"] > seen["num_used_tokens"]
+        assert seen["token_usage"] == pytest.approx(seen["num_used_tokens"] / seen["max_total_num_tokens"])
+        placed = []
+        for i in range(4):
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"new {i}"}], "max_tokens": 2}
+            reply = gateway.chat(f"new-{i}", body)
+            assert reply.status == 200, reply.body
+            placed.append(reply.worker)
+        assert daemons[0].url not in placed and len(set(placed)) == 2, placed
+    except BaseException:
         for d in daemons:
-            d.stop()
+            print(f"--- {d.name} ---\n{d.log_tail()}")
+        if gateway is not None:
+            print(f"--- smg ---\n{gateway.log.read_text(errors='replace')[-3000:]}")
+        raise
+    finally:
+        for t in hogs:
+            t.join(timeout=60)
+        if gateway is not None:
+            gateway.close()
+        stop_all(daemons)
