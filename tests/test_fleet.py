@@ -80,14 +80,19 @@ def _model_flags(backend: str) -> list[str]:
         return ["--model", f"{MODEL}={MODEL}"]
     from modeld.testmodels import TINY, ensure_model
 
-    return ["--model", f"{MODEL}={ensure_model(TINY)}", "--no-kv-unified"]
+    return ["--model", f"{MODEL}={ensure_model(TINY)}", "--no-kv-unified", "--num-ctx", "4096"]
 
 
 def _flags(store: Path, backend: str) -> list[str]:
     # Every prefix a turn computes is written through (the default 512 would keep these short
-    # test conversations off the store), and draining gives running turns 20 s.
+    # test conversations off the store), and draining gives running turns 20 s. Eight sequences:
+    # all six conversations fit on one daemon, wherever the gateway puts them (an evicted
+    # context keeps only its stable prefix, so with more conversations than sequences a later
+    # turn would be partial for a reason that is not the fleet's).
     return [
         *_model_flags(backend),
+        "--sequences",
+        "8",
         *("--shared-store", str(store), "--persist-min-tokens", "1", "--snapshot-min-tokens", "16"),
         *("--drain-timeout", "20s", "--log-level", "info"),
     ]

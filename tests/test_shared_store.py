@@ -334,7 +334,9 @@ def test_a_snapshot_restored_into_a_full_pool_makes_room_first(directory: Path) 
         assert (status.reuse.outcome, status.reuse.reason) == ("warm", "restored_from_shared"), status.reuse
         assert status.reused_tokens == first.prefix_tokens
         (model_status,) = b.status().models
-        assert model_status.counters["evicted_to_ram"] >= 1 and model_status.counters["snapshots_rejected"] == 0
+        assert (
+            model_status.counters["evicted_to_ram"] >= 1 and model_status.counters["snapshots_rejected"] == 0
+        )
     assert any(p.name.endswith(SUFFIX) for p in directory.iterdir()), "the good snapshot was removed"
 
 
