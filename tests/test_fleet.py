@@ -109,10 +109,10 @@ def _start(names: list[str], workdir: Path, backend: str, flags: list[str]) -> l
     return [start_modeld(n, workdir / n, backend=backend, flags=flags) for n in names]
 
 
-def _long_turn(url: str, backend: str) -> httpx.Response:
+def _long_turn(url: str, backend: str, delay_ms: int = 50) -> httpx.Response:
     """A turn sent straight to one daemon that decodes for a while (the memory backend's
     per-token delay; the llama tiny model's decode of many tokens)."""
-    slow = {"max_tokens": 40, "delay_ms": 50} if backend == "memory" else {"max_tokens": 400}
+    slow = {"max_tokens": 40, "delay_ms": delay_ms} if backend == "memory" else {"max_tokens": 400}
     body = {"model": MODEL, "messages": [{"role": "user", "content": "tell a long story"}], **slow}
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
 
@@ -283,3 +283,67 @@ def test_new_conversations_go_where_the_daemons_real_load_is_lowest(smg: str, wo
         if gateway is not None:
             gateway.close()
         stop_all(daemons)
+
+
+def test_a_drain_finishes_running_turns_and_refuses_new_ones_after_saving(workdir: Path) -> None:
+    """No gateway: what a gateway sees of a drain. A running turn finishes whole; a turn that
+    arrives meanwhile is held until the warm state is saved, then refused with 503 ``draining``
+    and ``Retry-After`` (the gateway sends it elsewhere); ``/health`` is 503 from the start."""
+    store = workdir / "store"
+    (daemon,) = _start(["d1"], workdir, "memory", _flags(store, "memory"))
+    try:
+        results: dict[str, httpx.Response] = {}
+
+        def long_turn() -> None:
+            results["long"] = _long_turn(daemon.url, "memory", delay_ms=200)  # 40 tokens: 8 s
+
+        running = threading.Thread(target=long_turn)
+        running.start()
+        deadline = time.monotonic() + 30
+        while (daemon.metric("modeld_slots_busy", f'model="{MODEL}"') or 0) < 1:
+            assert time.monotonic() < deadline, "the long turn never ran"
+            time.sleep(0.01)
+        drain = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "modeld.cli",
+                "--data-dir",
+                str(daemon.data_dir),
+                "drain",
+                "--timeout",
+                "1ms",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert drain.returncode == 1 and "still draining" in drain.stderr  # the daemon goes on
+        health = httpx.get(f"{daemon.url}/health", timeout=5)
+        assert (health.status_code, health.json()["reason"]) == (503, "draining")
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "a new turn"}], "max_tokens": 2}
+        assert running.is_alive(), "the long turn ended before the new one could arrive"
+        held = httpx.post(f"{daemon.url}/v1/chat/completions", json=body, timeout=60)
+        assert held.status_code == 503 and held.headers["Retry-After"] == "1", held.text
+        assert held.elapsed.total_seconds() > 1.0, "refused at once, not held until the drain saved"
+        running.join(timeout=60)
+        assert held.json()["error"]["code"] == "draining"
+        long = results["long"]
+        assert long.status_code == 200 and long.json()["choices"][0]["finish_reason"] == "length"
+        assert daemon.proc.wait(timeout=60) == 0
+        assert any(store.iterdir()), "the drain wrote nothing to the shared store"
+    except BaseException:
+        print(daemon.log_tail())
+        raise
+    finally:
+        stop_all([daemon])
+
+
+def test_drain_without_a_daemon_says_so(workdir: Path) -> None:
+    drain = subprocess.run(
+        [sys.executable, "-m", "modeld.cli", "--data-dir", str(workdir / "none"), "drain"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert drain.returncode == 4 and "no daemon owns" in drain.stderr, drain
