@@ -101,12 +101,14 @@ def new_context(
     return pool.add(slot, free[0])
 
 
-def make_room(pool: Pool, dst: WarmContext, new_cells: int, runtime: KVRuntime) -> None:
-    """Free cells for ``new_cells`` more tokens in ``dst`` (only a unified pool is shared)."""
+def make_room(pool: Pool, dst: WarmContext, new_cells: int, runtime: KVRuntime, *, keep: int) -> None:
+    """Free cells for ``new_cells`` more tokens in ``dst`` once it is cut to its first ``keep``
+    (only a unified pool is shared). The cells ``dst`` holds beyond ``keep`` are freed by the
+    cut itself: a turn that diverges early in a long context of its own needs no other room."""
     layout = pool.layout
     if not layout.shared_cells or not layout.explicit:
         return
-    while pool.ledger.used() + max(0, new_cells) > layout.pool_tokens:
+    while pool.ledger.used_if_truncated(dst.seq, keep) + max(0, new_cells) > layout.pool_tokens:
         chosen = victim(pool, exclude={dst})
         if chosen is None:
             raise BusyError(

@@ -301,7 +301,7 @@ class ModelCache:
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
-            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells, runtime)
+            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells, runtime, keep=hold.keep)
             dst.busy = True
             dst.floor = max(0, min(floor, hold.keep - 2))
             hold.decision = classify(
@@ -403,7 +403,7 @@ class ModelCache:
         # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
         # other warm contexts makes the engine refuse it, and a good snapshot must not be
         # rejected (and removed: from the shared store, for every box) for want of room.
-        eviction.make_room(pool, dst, len(entry.tokens) - pool.ledger.unique(dst.seq), runtime)
+        eviction.make_room(pool, dst, len(entry.tokens), runtime, keep=0)
         restored = runtime.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
         if not restored.ok:
