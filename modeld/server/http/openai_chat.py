@@ -20,7 +20,8 @@ Rules (``blueprints/0014-openai-http.md``; the field table is in ``blueprints/00
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from modeld.contract import Constraint, DecodeConfig, TokenLogprob, ToolCall, ToolCallDelta
@@ -85,7 +86,6 @@ _NO_EFFECT: dict[str, tuple[object, ...]] = {
 }
 # Fields OpenAI defines that modeld cannot honour unless they have these (neutral) values.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "n": (None, 1),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -120,6 +120,7 @@ _CHAT_MAPPED = {
     "logit_bias",
     "frequency_penalty",
     "presence_penalty",
+    "n",
 }
 _COMPLETION_MAPPED = {
     "model",
@@ -137,6 +138,7 @@ _COMPLETION_MAPPED = {
     "logit_bias",
     "frequency_penalty",
     "presence_penalty",
+    "n",
 }
 _CHAT_ONLY_NEUTRAL = {"best_of", "echo", "suffix"}
 _COMPLETION_ONLY_NEUTRAL = {
@@ -180,10 +182,6 @@ def _check_neutral(body: Mapping[str, Any], skip: set[str]) -> None:
             continue
         value = body[name]
         if value not in allowed:
-            if name == "n":
-                raise unsupported(
-                    "n", f"n must be 1: modeld generates one choice per request (got {echo(value)})"
-                )
             raise unsupported(name, f"{name}={echo(value)} is not supported by modeld (leave it unset)")
     for name, allowed in _NO_EFFECT.items():
         if name in body and allowed and body[name] not in allowed:
@@ -488,6 +486,20 @@ def _keys(body: Mapping[str, Any], headers: Mapping[str, str]) -> Keys:
     )
 
 
+MAX_CHOICES = 8
+"""The most choices (``n``) one request may ask for: they are decoded one after another."""
+
+
+def _choices(body: Mapping[str, Any], stream: bool) -> int:
+    """``n``: how many choices, each decoded from the same warm prompt."""
+    n = integer(body, "n", 1, MAX_CHOICES) or 1
+    if n > 1 and stream:
+        raise unsupported(
+            "n", f"n={n} is answered without stream (modeld decodes the choices one after another)"
+        )
+    return n
+
+
 def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Turn, bool]:
     """A ``/v1/chat/completions`` body as a Turn, and whether usage is streamed."""
     model = model_name(body)
@@ -516,6 +528,7 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Tur
         tools_json=tools_json,
         max_tokens=max_tokens,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        n=_choices(body, stream),
     )
     return turn, include_usage
 
@@ -545,6 +558,7 @@ def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str]) -> tup
         stream=stream,
         prompt=prompt,
         max_tokens=16 if max_tokens is None else max_tokens,
+        n=_choices(body, stream),
     )
     return turn, include_usage
 
@@ -670,9 +684,8 @@ def sse(obj: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
-def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
-    finished = done.finished
-    calls = _calls_dicts(finished.calls)
+def chat_message(done: Collected) -> dict[str, Any]:
+    calls = _calls_dicts(done.finished.calls)
     message: dict[str, Any] = {
         "role": "assistant",
         "content": done.text or (None if calls else ""),
@@ -682,6 +695,24 @@ def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
         message["reasoning_content"] = done.reasoning
     if calls:
         message["tool_calls"] = calls
+    return message
+
+
+def choices_usage(dones: Sequence[Collected]) -> TurnUsage | None:
+    """The first choice's prompt (the others reuse it warm) and every choice's completion."""
+    first = dones[0].finished.usage
+    if first is None:
+        return None
+    completion = sum(d.finished.usage.completion_tokens for d in dones if d.finished.usage is not None)
+    reasoning = sum(d.finished.usage.reasoning_tokens for d in dones if d.finished.usage is not None)
+    return replace(first, completion_tokens=completion, reasoning_tokens=reasoning)
+
+
+def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
+    return chat_choices(turn, [done])
+
+
+def chat_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
     return {
         "id": f"chatcmpl-{turn.id}",
         "object": "chat.completion",
@@ -689,15 +720,16 @@ def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
         "model": turn.model,
         "choices": [
             {
-                "index": 0,
-                "message": message,
+                "index": i,
+                "message": chat_message(done),
                 "logprobs": chat_logprobs(done.logprobs),
-                "finish_reason": finish_reason(finished.finish),
+                "finish_reason": finish_reason(done.finished.finish),
             }
+            for i, done in enumerate(dones)
         ],
-        "usage": usage_dict(finished.usage),
+        "usage": usage_dict(choices_usage(dones)),
         "system_fingerprint": None,
-        "modeld": extension(done.started),
+        "modeld": extension(dones[0].started),
     }
 
 
@@ -759,6 +791,10 @@ async def chat_stream(
 
 
 def completion_complete(turn: Turn, done: Collected) -> dict[str, Any]:
+    return completion_choices(turn, [done])
+
+
+def completion_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
     return {
         "id": f"cmpl-{turn.id}",
         "object": "text_completion",
@@ -766,15 +802,16 @@ def completion_complete(turn: Turn, done: Collected) -> dict[str, Any]:
         "model": turn.model,
         "choices": [
             {
-                "index": 0,
+                "index": i,
                 "text": done.text,
                 "logprobs": completion_logprobs(done.logprobs, 0),
                 "finish_reason": finish_reason(done.finished.finish),
             }
+            for i, done in enumerate(dones)
         ],
-        "usage": usage_dict(done.finished.usage),
+        "usage": usage_dict(choices_usage(dones)),
         "system_fingerprint": None,
-        "modeld": extension(done.started),
+        "modeld": extension(dones[0].started),
     }
 
 
