@@ -503,6 +503,15 @@ def test_the_generated_llama_model_serves_warm_turns() -> None:
             report = client.explain_context(session_id)
         assert report.last_prefix is not None and cached == report.last_prefix.reused_tokens
         assert report.backend == "llama"
+        # The same file opened over gRPC with default settings is the same runtime: one worker.
+        with d.grpc() as client:
+            [loaded] = client.status().models
+            request = rc.OpenSessionRequest(
+                type="llama", path=loaded.path, config=rc.Config(prompt_format="chat")
+            )
+            with client.open_session(request) as session:
+                session.ensure_prefix(rc.PrefixInput(text="You review code.\n"))
+                assert [m.path for m in client.status().models] == [loaded.path]
         # A lone user message: its template reads messages[0], so the prefix is never empty.
         alone = d.client.chat.completions.create(
             model="modeld-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
