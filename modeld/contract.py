@@ -155,7 +155,7 @@ TIERS: tuple[str, ...] = ("kv", "ram", "disk")
 class Config:
     """Runtime configuration of a session. Fields marked (KV) are part of the runtime digest."""
 
-    num_ctx: int = 0  # (KV) context window in tokens; 0: the model's trained window, capped by the memory budget
+    num_ctx: int = 0  # (KV) context window in tokens; 0: the model's own, as the budget allows
     num_batch: int = 512  # (KV) prefill batch size; changes chunking and so numerics
     num_threads: int = 0  # 0 = the backend's default; speed only, not part of the digest
     num_gpu_layers: int = 0  # (KV) layers offloaded to an accelerator
