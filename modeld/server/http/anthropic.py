@@ -53,7 +53,8 @@ from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import MAX_MESSAGES, MAX_TOOLS, integer, number, obj, refuse_unknown, stop_list
-from modeld.server.http.openai_chat import extension, response_format
+from modeld.server.http.openai_answers import extension
+from modeld.server.http.openai_chat import response_format
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 
 __all__ = ["anthropic_error", "parse_messages", "routes"]

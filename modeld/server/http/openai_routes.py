@@ -11,7 +11,7 @@ from starlette.routing import Route
 from modeld.contract import ModelInfo
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.models import ModelEntry
-from modeld.server.http.openai_chat import (
+from modeld.server.http.openai_answers import (
     chat_choices,
     chat_complete,
     chat_stream,
@@ -19,10 +19,8 @@ from modeld.server.http.openai_chat import (
     completion_complete,
     completion_stream,
     models_response,
-    openai_error,
-    parse_chat,
-    parse_completion,
 )
+from modeld.server.http.openai_chat import openai_error, parse_chat, parse_completion
 
 __all__ = ["model_meta", "routes"]
 

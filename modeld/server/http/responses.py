@@ -62,14 +62,8 @@ from modeld.server.http.fields import (
     refuse_unknown,
     string,
 )
-from modeld.server.http.openai_chat import (
-    chat_logprobs,
-    checked_call,
-    extension,
-    openai_error,
-    response_format,
-    tool_choice,
-)
+from modeld.server.http.openai_answers import chat_logprobs, extension
+from modeld.server.http.openai_chat import checked_call, openai_error, response_format, tool_choice
 from modeld.server.http.responses_store import ResponseStore, Stored
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 
