@@ -526,6 +526,7 @@ class StreamChunk:
     signal: ToolCall | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_text: str = ""  # final chunk: the calls' text as the model wrote it (to append to history)
+    stop_sequence: str = ""  # final chunk with finish_reason stop_sequence: the stop string that matched
 
     @property
     def final(self) -> bool:

@@ -133,6 +133,7 @@ class Finished:
     calls: tuple[ToolCall, ...] = ()
     error: HttpError | None = None
     tool_text: str = ""
+    stop_sequence: str = ""  # the stop string that ended the text (finish stop_sequence)
 
 
 Event = Started | Delta | Finished
@@ -387,7 +388,13 @@ class Conversations:
             calls = calls[:1]
         if chunk.tool_calls:
             self.remember_calls(tuple(c.id for c in chunk.tool_calls), chunk.tool_text)
-        return Finished(chunk.finish_reason or "stop", usage, calls, tool_text=chunk.tool_text)
+        return Finished(
+            chunk.finish_reason or "stop",
+            usage,
+            calls,
+            tool_text=chunk.tool_text,
+            stop_sequence=chunk.stop_sequence,
+        )
 
 
 def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delta, int]:
