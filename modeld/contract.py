@@ -144,11 +144,13 @@ REUSE_REASONS: tuple[str, ...] = (
     "engine_reset",  # cold: the engine's state was lost (a failed operation, a worker restart)
     "restored_from_ram",  # warm: the context came back from the RAM tier (a snapshot)
     "restored_from_disk",  # warm: the context came back from the disk tier (a snapshot)
+    "restored_from_shared",  # warm: the context came back from the shared store (another box's snapshot)
     "evicted",  # cold: this session's warm context was evicted (``tier`` says where it went)
     "snapshot_rejected",  # cold: a snapshot that would have served was corrupt or stale: removed
 )
-TIERS: tuple[str, ...] = ("kv", "ram", "disk")
-"""Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier."""
+TIERS: tuple[str, ...] = ("kv", "ram", "disk", "shared")
+"""Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier,
+or in the shared store several daemons mount (``serve --shared-store``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -671,6 +673,17 @@ class TierStatus:
     rejected: int = 0
     memory_budget: int = 0
     recent_rejections: tuple[str, ...] = ()
+    shared_location: str = ""  # the shared snapshot store ("" : none; blueprint 0020)
+    shared_entries: int = 0
+    shared_bytes: int = 0
+    shared_budget: int = 0
+    shared_written: int = 0  # snapshots this daemon wrote through to it
+    shared_write_failures: int = 0
+    shared_restored: int = 0  # snapshots this daemon restored from it
+    shared_rejected: int = 0  # snapshots refused (corrupt, foreign) and removed
+    shared_lookups: int = 0  # misses that looked it up
+    shared_read_failures: int = 0  # snapshots gone between listing and reading (a miss)
+    shared_pending: int = 0  # snapshots queued to be written to it
 
 
 @runtime_checkable
@@ -843,6 +856,7 @@ class LoadedModelSummary:
     contexts: tuple[WarmContextInfo, ...] = ()
     counters: Mapping[str, int] = field(default_factory=dict)
     worker: WorkerInfo | None = None
+    busy_tokens: int = 0  # of resident_tokens, held by running operations (the rest can give way)
 
 
 @dataclass(frozen=True, slots=True)

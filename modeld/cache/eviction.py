@@ -141,14 +141,18 @@ def _no_save_reason(pool: Pool, context: WarmContext) -> str:
     return "the tiers are full or off"
 
 
-def save(pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool = False) -> str:
+def save(
+    pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool = False, whole: bool = False
+) -> str:
     """Snapshot a context's prefix into the tiers before its cells go; the tier, or "".
 
-    ``persist`` also writes it to the disk tier now (an orderly stop)."""
+    ``persist`` also writes it to the disk tier now (an orderly stop); ``whole`` keeps every
+    resident token, not only the prefix (a drain: the conversation's next turn, on another box,
+    extends what was generated too)."""
     tiers = pool.tiers
     if tiers is None or not context.tokens:
         return ""
-    n = context.prefix_tokens or len(context.tokens)
+    n = len(context.tokens) if whole else (context.prefix_tokens or len(context.tokens))
     if n < pool.settings.snapshot_min_tokens:
         return ""
     if context.saved_key:
@@ -170,7 +174,8 @@ def save(pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool 
     except ModeldError as exc:
         log.warning("could not snapshot warm context %s: %s", context.id, exc.message)
         return ""
-    saved = store(pool, context, context.tokens, n, blob, persist=persist)
+    prefix = min(context.prefix_tokens, n) if whole and context.prefix_tokens else n
+    saved = store(pool, context, context.tokens, prefix, blob, persist=persist)
     return saved.tier if saved is not None else ""
 
 
@@ -222,7 +227,7 @@ class WriteBehind:
         tiers = pool.tiers
         if tiers is None or computed <= 0:
             return
-        persist = tiers.disk_on and computed >= pool.settings.persist_min_tokens
+        persist = tiers.persistent and computed >= pool.settings.persist_min_tokens
         # Memory that cannot be cut has no other way back to the prefix once a suffix or a
         # decode extended it: its state at the prefix boundary is kept in the RAM tier.
         boundary = not pool.layout.can_truncate

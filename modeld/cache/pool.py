@@ -35,6 +35,7 @@ COUNTERS = (
     "reused_kv",
     "reused_ram",
     "reused_disk",
+    "reused_shared",
     "prefilled",
     "queries",
     "evicted_to_ram",

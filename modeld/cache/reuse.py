@@ -8,7 +8,8 @@ every reason a person can read is pinned by unit tests. :class:`RuntimeHistory` 
 runtime each model file was last warm under, for the ``manifest_changed`` reason.
 
 Outcomes: ``warm`` when the candidate's whole prefix was kept (``full_match``, ``extended``, or
-``restored_from_ram`` / ``restored_from_disk`` when it came back from a tier); ``partial`` when
+``restored_from_ram`` / ``restored_from_disk`` / ``restored_from_shared`` when it came back
+from a tier or the shared store); ``partial`` when
 the new prefix diverged from the candidate at a token > 0 (``diverged``); ``cold`` when nothing
 was reused, with the most useful reason first: the engine lost its state (``engine_reset``),
 the session's own warm context was evicted (``evicted``, naming where it went), a snapshot was
@@ -29,6 +30,8 @@ from modeld.manifest import ContextManifest, Segment
 __all__ = ["Candidate", "Loss", "RuntimeHistory", "classify", "common_prefix_len", "segment_at"]
 
 _CHUNK = 256
+_SNAPSHOT_TIERS = ("ram", "disk", "shared")
+"""Tiers a turn restores a snapshot from (``restored_from_<tier>``)."""
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -61,7 +64,7 @@ def segment_at(manifest: ContextManifest, token: int) -> Segment | None:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """What a turn reused: ``tier`` is ``kv``, ``ram`` or ``disk``; ``own`` when it was the
+    """What a turn reused: ``tier`` is ``kv``, ``ram``, ``disk`` or ``shared``; ``own`` when it was the
     session's own warm context; ``prefix_tokens`` the candidate's stable prefix (keeping all of
     it is a warm hit); ``context`` its id for people."""
 
@@ -124,10 +127,10 @@ def classify(
     """
     if candidate is not None and keep > 0:
         where = "" if candidate.own else f" (warm context {candidate.context})"
-        if candidate.tier in ("ram", "disk"):
+        if candidate.tier in _SNAPSHOT_TIERS:
             where = f" (restored from the {candidate.tier} tier)"
         if keep >= min(candidate.prefix_tokens, wanted):
-            if candidate.tier in ("ram", "disk"):
+            if candidate.tier in _SNAPSHOT_TIERS:
                 reason = f"restored_from_{candidate.tier}"
             else:
                 reason = "full_match" if keep == wanted else "extended"

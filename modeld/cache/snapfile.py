@@ -32,9 +32,10 @@ import os
 import struct
 import time
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import xxhash
 
@@ -47,6 +48,8 @@ __all__ = [
     "SnapshotFile",
     "SnapshotHeader",
     "read_header",
+    "read_header_from",
+    "read_verified",
     "open_verified",
     "write_atomic",
 ]
@@ -97,17 +100,16 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def write_atomic(
-    path: Path,
+def _encode_header(
     *,
     model_digest: str,
     identity: str,
     snapshot_format: str,
     tokens: Sequence[int],
     prefix_tokens: int,
-    payload: bytes,
-) -> int:
-    """Write a snapshot file atomically; returns its size in bytes. Raises ``OSError``."""
+    payload: bytes | memoryview,
+) -> bytes:
+    """The bytes before the payload: magic, version, the JSON header and the tokens."""
     header = json.dumps(
         {
             "model_digest": model_digest,
@@ -122,13 +124,37 @@ def write_atomic(
         },
         separators=(",", ":"),
     ).encode("utf-8")
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    return _FIXED.pack(MAGIC, FORMAT_VERSION, len(header)) + header + _tokens_bytes(tokens)
+
+
+def write_atomic(
+    path: Path,
+    *,
+    model_digest: str,
+    identity: str,
+    snapshot_format: str,
+    tokens: Sequence[int],
+    prefix_tokens: int,
+    payload: bytes | memoryview,
+    tmp_tag: str = "",
+) -> int:
+    """Write a snapshot file atomically; returns its size in bytes. Raises ``OSError``.
+
+    The temporary file is named after the process (``tmp_tag`` adds to it: writers in several
+    processes or on several machines that may share a pid and a directory give a unique tag)."""
+    head = _encode_header(
+        model_digest=model_digest,
+        identity=identity,
+        snapshot_format=snapshot_format,
+        tokens=tokens,
+        prefix_tokens=prefix_tokens,
+        payload=payload,
+    )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{'.' + tmp_tag if tmp_tag else ''}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(_FIXED.pack(MAGIC, FORMAT_VERSION, len(header)))
-            f.write(header)
-            f.write(_tokens_bytes(tokens))
+            f.write(head)
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -142,11 +168,18 @@ def write_atomic(
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    return _FIXED.size + len(header) + 4 * len(tokens) + len(payload)
+    return len(head) + len(payload)
 
 
 def _read_fixed(f: object, path: Path) -> SnapshotHeader:
-    read = f.read  # type: ignore[attr-defined]
+    del path
+    size = os.fstat(f.fileno()).st_size  # type: ignore[attr-defined]  # the file opened, not the name
+    return _parse_fixed(f.read, size)  # type: ignore[attr-defined]
+
+
+def _parse_fixed(read: Callable[[int], bytes], size: int) -> SnapshotHeader:
+    """The header, read through ``read`` from a snapshot of ``size`` bytes in all (checked
+    against what the header says)."""
     fixed = read(_FIXED.size)
     if len(fixed) < _FIXED.size:
         raise SnapshotError("truncated: shorter than the fixed header")
@@ -178,17 +211,12 @@ def _read_fixed(f: object, path: Path) -> SnapshotHeader:
     if header.n_tokens <= 0 or header.payload_bytes <= 0 or not 0 <= header.prefix_tokens <= header.n_tokens:
         raise SnapshotError("the header's counts are inconsistent")
     expected = _FIXED.size + header_len + 4 * header.n_tokens + header.payload_bytes
-    size = path.stat().st_size
     if size != expected:
         raise SnapshotError(f"{size} bytes on disk, the header says {expected} (truncated or padded)")
     return header
 
 
-def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
-    """The header and tokens of a snapshot file (checks the token hash, not the payload)."""
-    with path.open("rb") as f:
-        header = _read_fixed(f, path)
-        raw = f.read(4 * header.n_tokens)
+def _tokens_from(raw: bytes | memoryview, header: SnapshotHeader) -> list[int]:
     if len(raw) < 4 * header.n_tokens:
         raise SnapshotError("truncated inside the tokens")
     arr = array("I")
@@ -198,7 +226,34 @@ def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
     tokens = arr.tolist()
     if token_hash(tokens) != header.token_hash:
         raise SnapshotError("the tokens do not match their hash (corrupt)")
-    return header, tokens
+    return tokens
+
+
+def read_verified(f: BinaryIO) -> tuple[SnapshotHeader, list[int], bytes]:
+    """A whole snapshot read from an open file, after every check (magic, version, sizes, the
+    token hash, the payload's checksum): its header, tokens and payload. Reading through one
+    descriptor reads the file that was opened, whole, whatever is renamed over its name
+    meanwhile. Raises ``SnapshotError`` or ``OSError``."""
+    header = _parse_fixed(f.read, os.fstat(f.fileno()).st_size)
+    tokens = _tokens_from(f.read(4 * header.n_tokens), header)
+    payload = f.read(header.payload_bytes)
+    if len(payload) != header.payload_bytes:
+        raise SnapshotError("truncated inside the payload")
+    if payload_hash(payload) != header.payload_hash:
+        raise SnapshotError("the payload does not match its checksum (corrupt)")
+    return header, tokens, payload
+
+
+def read_header_from(f: BinaryIO) -> tuple[SnapshotHeader, list[int]]:
+    """The header and tokens of an open snapshot file (checks the token hash, not the payload)."""
+    header = _parse_fixed(f.read, os.fstat(f.fileno()).st_size)
+    return header, _tokens_from(f.read(4 * header.n_tokens), header)
+
+
+def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
+    """The header and tokens of a snapshot file (checks the token hash, not the payload)."""
+    with path.open("rb") as f:
+        return read_header_from(f)
 
 
 @contextlib.contextmanager

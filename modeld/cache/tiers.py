@@ -17,6 +17,11 @@ an engine worker), so they survive a worker crash; the disk tier survives a daem
 A budget of 0 switches a tier off. Every rejected file is removed with its reason logged and
 kept in :attr:`Tiers.rejections` (``modeld status`` shows them; a cold turn that tried one says
 why). Design record: ``blueprints/0016-warm-state.md``.
+
+A **remote tier** (:class:`RemoteTier`, the shared store of ``modeld/cache/shared.py``) may be
+attached: every snapshot persisted here is written through to it, and a turn that misses
+locally looks there (:meth:`Tiers.remote_candidates`). Design record:
+``blueprints/0020-fleet.md``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from modeld.cache.snapfile import (
     SUFFIX,
@@ -43,7 +49,7 @@ from modeld.cache.snapfile import (
 )
 from modeld.manifest import token_hash
 
-__all__ = ["Rejection", "TierEntry", "Tiers"]
+__all__ = ["Rejection", "RemoteTier", "TierEntry", "Tiers", "entry_key", "key_prefix"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -95,11 +101,43 @@ class Rejection:
     reason: str
 
 
-def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Sequence[int]) -> str:
+def key_prefix(model_digest: str, identity: str, snapshot_format: str) -> str:
+    """What every entry key of one model, runtime identity and engine format starts with."""
     from modeld.manifest import bytes_hash
 
     fmt = bytes_hash(snapshot_format)[:8]
-    return f"{model_digest[:16]}-{identity[:12]}-{fmt}-{token_hash(tokens)[:20]}"
+    return f"{model_digest[:16]}-{identity[:12]}-{fmt}-"
+
+
+def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Sequence[int]) -> str:
+    """A snapshot's name: the model, the runtime identity, the engine format and the tokens
+    (content-addressed: the same key always means the same reusable state)."""
+    return key_prefix(model_digest, identity, snapshot_format) + token_hash(tokens)[:20]
+
+
+class RemoteTier(Protocol):
+    """A tier beyond this daemon (``modeld/cache/shared.py``): persisted snapshots are written
+    through to it, and a local miss looks it up. Its entries are :class:`TierEntry` objects it
+    made (``owns``); ``load`` returns their verified payload."""
+
+    def candidates(self, model_digest: str, identity: str, snapshot_format: str) -> list[TierEntry]: ...
+
+    def owns(self, entry: TierEntry) -> bool: ...
+
+    def load(self, entry: TierEntry) -> bytes: ...
+
+    def write(self, entry: TierEntry, source: bytes | SnapshotFile) -> None: ...
+
+    def reject(self, entry: TierEntry, reason: str) -> str: ...
+
+    @property
+    def rejections(self) -> Sequence[Rejection]: ...
+
+    def flush(self, timeout: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, int | str]: ...
 
 
 WRITER_NICE = 19
@@ -124,6 +162,7 @@ class Tiers:
         self._pending_writes = 0
         self._idle = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
+        self.remote: RemoteTier | None = None
         if self.disk_budget and self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -139,6 +178,22 @@ class Tiers:
     @property
     def disk_on(self) -> bool:
         return self.disk_budget > 0 and not self.disk_off_reason
+
+    @property
+    def persistent(self) -> bool:
+        """A persisted snapshot goes somewhere that outlives this daemon (the disk tier, or the
+        remote tier)."""
+        return self.disk_on or self.remote is not None
+
+    def attach_remote(self, remote: RemoteTier) -> None:
+        """Write persisted snapshots through to ``remote`` and look it up on a miss."""
+        self.remote = remote
+
+    def remote_candidates(self, model_digest: str, identity: str, snapshot_format: str) -> list[TierEntry]:
+        """The remote tier's snapshots a runtime with this identity and format may restore
+        (looked up when the local tiers and the KV miss; [] without a remote tier)."""
+        remote = self.remote
+        return [] if remote is None else remote.candidates(model_digest, identity, snapshot_format)
 
     def entries(self, model_digest: str | None = None) -> list[TierEntry]:
         with self._lock:
@@ -188,8 +243,8 @@ class Tiers:
             existing = self._entries.get(key)
             if existing is not None:
                 existing.last_used = time.time()
-                if persist and existing.path is None and existing.blob is not None:
-                    self._queue_write(existing, existing.blob)
+                if persist:
+                    self.persist(existing)
                 return existing
             for e in list(self._entries.values()):
                 if (
@@ -200,6 +255,8 @@ class Tiers:
                     continue
                 if truncatable and len(e.tokens) >= len(tokens) and e.tokens[: len(tokens)] == tokens:
                     e.last_used = time.time()
+                    if persist:
+                        self.persist(e)
                     return e  # an entry that covers these tokens already exists
                 if truncatable and len(e.tokens) < len(tokens) and tokens[: len(e.tokens)] == e.tokens:
                     self._remove(e, "superseded by a longer snapshot of the same context")
@@ -212,6 +269,8 @@ class Tiers:
                 prefix_tokens=prefix_tokens,
                 nbytes=len(blob),
             )
+            if persist and self.remote is not None:
+                self.remote.write(entry, blob)
             if self.ram_budget >= len(blob):
                 entry.blob = blob
                 self._entries[key] = entry
@@ -254,8 +313,12 @@ class Tiers:
     def load(self, entry: TierEntry) -> bytes | SnapshotFile:
         """The entry's blob from RAM, or the file and header to restore it from (the engine
         worker maps and verifies the file itself: ``snapfile.open_verified``; a 100 MB payload
-        read here and sent over the worker's socket cost 130-300 ms, mapped there ~18 ms).
-        Raises ``SnapshotError`` when neither is left."""
+        read here and sent over the worker's socket cost 130-300 ms, mapped there ~18 ms), or
+        the remote tier's verified payload. Raises ``SnapshotError`` when none is left."""
+        remote = self.remote
+        if remote is not None and remote.owns(entry):
+            entry.last_used = time.time()
+            return remote.load(entry)
         with self._lock:
             entry.last_used = time.time()
             blob = entry.blob
@@ -267,10 +330,18 @@ class Tiers:
         return SnapshotFile(path, header)
 
     def persist(self, entry: TierEntry) -> None:
-        """Write an entry that is only in RAM to the disk tier too (write-behind)."""
+        """Write an entry that is only in RAM to the disk tier too (write-behind), and write it
+        through to the remote tier."""
         with self._lock:
             if entry.path is None and entry.blob is not None and self.disk_on and entry.key in self._entries:
                 self._queue_write(entry, entry.blob)
+            remote = self.remote
+            if remote is not None and not remote.owns(entry):
+                source: bytes | SnapshotFile | None = entry.blob
+                if source is None and entry.path is not None and entry.header is not None:
+                    source = SnapshotFile(entry.path, entry.header)
+                if source is not None:
+                    remote.write(entry, source)
 
     def touch(self, entry: TierEntry) -> None:
         with self._lock:
@@ -278,6 +349,10 @@ class Tiers:
 
     def reject(self, entry: TierEntry, reason: str) -> None:
         """Remove an entry that must not be used, with its reason logged."""
+        remote = self.remote
+        if remote is not None and remote.owns(entry):
+            remote.reject(entry, reason)  # counted and kept there
+            return
         where = str(entry.path) if entry.path is not None else f"ram:{entry.key}"
         log.warning("removed KV snapshot %s: %s", where, reason)
         with self._lock:
@@ -440,7 +515,8 @@ class Tiers:
             self._make_disk_room(0)
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every queued write is on disk (True) or ``timeout`` passes (False)."""
+        """Wait until every queued write is on disk and through to the remote tier (True) or
+        ``timeout`` passes (False)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending_writes:
@@ -448,18 +524,30 @@ class Tiers:
                 if left <= 0:
                     return False
                 self._idle.wait(left)
-        return True
+        remote = self.remote
+        return remote is None or remote.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self._writer is not None:
             self._writes.put(None)
             self._writer.join(timeout=30)
+        if self.remote is not None:
+            self.remote.close()
+
+    def recent_rejections(self) -> list[Rejection]:
+        """The snapshots refused lately, here and in the remote tier, oldest first."""
+        with self._lock:
+            mine = list(self.rejections)
+        theirs = list(self.remote.rejections) if self.remote is not None else []
+        return sorted(mine + theirs, key=lambda r: r.at)[-_REJECTIONS_KEPT:]
 
     def stats(self) -> dict[str, int | str]:
+        remote = self.remote.stats() if self.remote is not None else {}
         with self._lock:
             ram = [e for e in self._entries.values() if e.blob is not None]
             disk = [e for e in self._entries.values() if e.path is not None]
             return {
+                **remote,
                 "ram_entries": len(ram),
                 "ram_bytes": sum(e.nbytes for e in ram),
                 "ram_budget": self.ram_budget,

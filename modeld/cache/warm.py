@@ -288,7 +288,7 @@ class ModelCache:
         pool = self._pool
         with self._lock:
             pool.counters["queries"] += len(target)
-            choice = self._choose(slot, target)
+            choice = self._choose(slot, target, remote=stage == "prefix")
             try:
                 dst = self._place(slot, choice, runtime)
             except eviction.NoRoom:
@@ -297,7 +297,7 @@ class ModelCache:
                 # (or from its snapshot, found by choosing again).
                 assert choice.context is not None
                 eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
-                choice = self._choose(slot, target)
+                choice = self._choose(slot, target, remote=stage == "prefix")
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
@@ -318,21 +318,33 @@ class ModelCache:
             pool.counters["prefilled"] += len(target) - hold.keep
             return hold
 
-    def _choose(self, slot: SessionSlot, target: list[int]) -> Choice:
+    def _choose(self, slot: SessionSlot, target: list[int], *, remote: bool = False) -> Choice:
+        """The choice among the KV and the local tiers; a prefix they do not cover whole is
+        looked up in the remote tier too (``remote``: the shared store, blueprint 0020), whose
+        snapshots come after the local ones (the local one wins at equal length)."""
         pool = self._pool
         own = pool.own(slot)
         tiers = pool.tiers
-        return choose(
-            target,
-            own=own,
-            untouched=own is not None and own.generation == slot.seen_generation,
-            others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
-            entries=tiers.candidates(pool.model_digest, slot.identity, pool.layout.snapshot_format)
-            if tiers is not None
-            else (),
-            can_truncate=pool.layout.can_truncate,
-            restore_min_gain=pool.settings.restore_min_gain,
-        )
+        fmt = pool.layout.snapshot_format
+        entries = tiers.candidates(pool.model_digest, slot.identity, fmt) if tiers is not None else []
+
+        def pick(candidates: list[TierEntry]) -> Choice:
+            return choose(
+                target,
+                own=own,
+                untouched=own is not None and own.generation == slot.seen_generation,
+                others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
+                entries=candidates,
+                can_truncate=pool.layout.can_truncate,
+                restore_min_gain=pool.settings.restore_min_gain,
+            )
+
+        choice = pick(entries)
+        if remote and tiers is not None and tiers.remote is not None and choice.keep < len(target):
+            shared = tiers.remote_candidates(pool.model_digest, slot.identity, fmt)
+            if shared:
+                choice = pick([*entries, *shared])
+        return choice
 
     def _place(self, slot: SessionSlot, choice: Choice, runtime: KVRuntime) -> WarmContext:
         """The context this session's operation runs on (the session's own sequence)."""
@@ -388,6 +400,10 @@ class ModelCache:
             pool.counters["snapshots_rejected"] += 1
             slot.loss = Loss("snapshot_rejected", str(exc))
             return
+        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
+        # other warm contexts makes the engine refuse it, and a good snapshot must not be
+        # rejected (and removed: from the shared store, for every box) for want of room.
+        eviction.make_room(pool, dst, len(entry.tokens) - pool.ledger.unique(dst.seq), runtime)
         restored = runtime.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
         if not restored.ok:
@@ -447,18 +463,19 @@ class ModelCache:
                     context.owner.context = None
             self._pool.clear()
 
-    def persist_all(self) -> None:
-        """Write every warm context's prefix to the disk tier (an orderly daemon stop)."""
+    def persist_all(self, *, whole: bool = False) -> None:
+        """Write every warm context's prefix (``whole``: every resident token) to the disk tier
+        and through to the shared store (an orderly daemon stop; a drain saves them whole)."""
         tiers = self._pool.tiers
-        if tiers is None or not tiers.disk_on:
+        if tiers is None or not tiers.persistent:
             return
-        self._saver.close()  # earlier write-behind snapshots first
+        self._saver.settle()  # earlier write-behind snapshots first
         runtime = self.runtime()
         with self._lock:
             for context in list(self._pool.contexts.values()):
                 if not context.busy:
                     with contextlib.suppress(ModeldError):
-                        eviction.save(self._pool, context, runtime, persist=True)
+                        eviction.save(self._pool, context, runtime, persist=True, whole=whole)
 
     def expire(self, now: float) -> None:
         """Evict contexts idle past their session's keep-alive (to the tiers)."""
@@ -514,6 +531,20 @@ class ModelCache:
         locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
         try:
             return self._pool.ledger.used()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def busy_cells(self) -> int:
+        """KV cells held by the contexts of running operations (at most :meth:`used_cells`):
+        what cannot give way now. The rest of the pool is idle warm contexts, a cache that is
+        evicted to the tiers when a turn needs its cells (the load a gateway should see:
+        SGLang's load likewise leaves out its evictable radix cache)."""
+        locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
+        try:
+            ledger = self._pool.ledger
+            busy = sum(ledger.length(c.seq) for c in list(self._pool.contexts.values()) if c.busy)
+            return min(busy, ledger.used())
         finally:
             if locked:
                 self._lock.release()

@@ -37,6 +37,7 @@ from modeld.backends.sizing import (
 )
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
+from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import (
     Accelerator,
@@ -138,6 +139,8 @@ class Engine:
             ram_bytes=ram if self.residency.ram_tier_bytes < 0 else self.residency.ram_tier_bytes,
             disk_bytes=disk if self.residency.disk_tier_bytes < 0 else self.residency.disk_tier_bytes,
         )
+        if self.residency.shared_store:
+            self.tiers.attach_remote(_shared_tier(self.residency))
         budget = self.residency.memory_budget_bytes
         self.memory_budget = default_memory_budget() if budget < 0 else budget
         self._backends: dict[str, Backend] = {}
@@ -539,7 +542,7 @@ class Engine:
             memory_budget=self.memory_budget,
             recent_rejections=tuple(
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.at))} {r.file}: {r.reason}"
-                for r in self.tiers.rejections
+                for r in self.tiers.recent_rejections()
             ),
         )
 
@@ -577,6 +580,7 @@ class Engine:
             slots=model.admission.slots,
             busy_slots=model.admission.busy,
             queued=model.admission.queued,
+            busy_tokens=model.cache.busy_cells(),
             contexts=model.warm_contexts(),
             counters=dict(model.cache.counters),
             worker=WorkerInfo(
@@ -614,6 +618,20 @@ class Engine:
                 with contextlib.suppress(ModeldError):
                     model.cache.expire(now)
 
+    def running_operations(self) -> int:
+        """Operations running on a model's slots or waiting for one, now (a drain waits for
+        them: blueprint 0020)."""
+        return sum(m.admission.busy + m.admission.queued for m in self.models())
+
+    def persist_warm_state(self, timeout: float) -> bool:
+        """Write every idle warm context, whole (what was generated too), to the disk tier and
+        through to the shared store now, and wait for the writes (a drain, before the gateway
+        moves the conversations away); True when they all finished within ``timeout`` seconds."""
+        for model in self.models():
+            with contextlib.suppress(ModeldError):
+                model.cache.persist_all(whole=True)
+        return self.tiers.flush(timeout)
+
     def begin_shutdown(self) -> None:
         """Stop taking work and interrupt every session's running operation."""
         self._stopping = True
@@ -647,6 +665,25 @@ class Engine:
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+def _shared_tier(residency: Residency) -> SharedTier:
+    """The shared snapshot store of ``--shared-store`` (blueprint 0020); a directory that cannot
+    be used is a configuration error at start, not a silent miss on every turn."""
+    directory = Path(residency.shared_store).expanduser().absolute()
+    budget = residency.shared_store_bytes
+    if budget < 0:
+        budget = default_shared_budget(directory)
+    if budget <= 0:
+        raise InvalidArgumentError(
+            f"--shared-store: the budget of {directory} is 0 (give --shared-store-bytes, e.g. 50G)",
+            field="shared_store_bytes",
+        )
+    try:
+        store = DirectoryStore(directory, budget)
+    except StoreError as exc:
+        raise InvalidArgumentError(f"--shared-store: {exc}", field="shared_store") from None
+    return SharedTier(store)
 
 
 def _fields(obj: object) -> dict[str, object]:

@@ -11,7 +11,8 @@ meaning is the same, under a ``modeld_`` prefix (counters get ``_total`` on expo
 ==========================================  ==================================================
 ``modeld_prefix_cache_queries_total``       prompt-prefix tokens looked up (ensure_prefix)
 ``modeld_prefix_cache_hits_total{source}``  of those, tokens reused; ``source`` is where they
-                                            came from: ``kv`` (resident), ``ram``, ``disk``
+                                            came from: ``kv`` (resident), ``ram``, ``disk``,
+                                            ``shared`` (the fleet's shared store)
 ``modeld_prompt_tokens_total``              prompt tokens of finished decodes (Usage)
 ``modeld_prompt_tokens_cached_total``       of those, not computed during their turn (Usage)
 ``modeld_prompt_tokens_prefilled_total``    prompt tokens computed (prefix, suffix, restores;
@@ -32,6 +33,8 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             ready, busy, restarting, failed), else 0
 ``modeld_worker_rss_bytes{model}``          the worker process's resident memory
 ``modeld_slots{model}``, ``modeld_slots_busy{model}``, ``modeld_queue_length{model}``
+``modeld_busy_tokens{model}``               resident tokens held by running operations (the
+                                            rest give way); of ``modeld_kv_capacity_tokens``
 ``modeld_warm_contexts{model,tier}``        warm contexts of a loaded model, by tier
 ``modeld_warm_context_bytes{model,tier}``   their bytes (a shared prefix counted once)
 ``modeld_tier_bytes{tier}``, ``modeld_tier_entries{tier}``, ``modeld_tier_budget_bytes{tier}``
@@ -39,6 +42,9 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             ``disk`` or ``dropped`` (per loaded model: restart
                                             at 0 when a model is loaded again)
 ``modeld_snapshots_rejected_total{model}``  snapshots refused (corrupt, stale, refused by the engine)
+``modeld_shared_store_snapshots_total{event}``  what this daemon did with the shared store:
+                                            written, restored, rejected, write_failed, gone
+``modeld_shared_store_pending_writes``      snapshots queued for the shared store (a backlog)
 ==========================================  ==================================================
 
 Every per-model series carries ``model`` (the model's name, never a path, at most
@@ -94,15 +100,16 @@ log = logging.getLogger("modeld.metrics")
 MAX_MODELS = 32
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-_SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk"}
-_TIERS = ("ram", "disk")
+_SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk", "restored_from_shared": "shared"}
+_TIERS = ("ram", "disk", "shared")
 WORKER_STATES = ("loading", "ready", "busy", "restarting", "failed")
 
 
 def source_of(status: PrefixStatus) -> str:
-    """Where a prefix's reused tokens came from: ``ram`` or ``disk`` when the engine restored a
-    snapshot from that tier (``restored_from_ram``/``_disk``, or a partial reuse of a restored
-    snapshot, whose ``tier`` says so), else ``kv`` (they were resident)."""
+    """Where a prefix's reused tokens came from: ``ram``, ``disk`` or ``shared`` when the engine
+    restored a snapshot from that tier or the shared store (``restored_from_ram``/``_disk``/
+    ``_shared``, or a partial reuse of a restored snapshot, whose ``tier`` says so), else ``kv``
+    (they were resident)."""
     decision = status.reuse
     if decision.reason in _SOURCES:
         return _SOURCES[decision.reason]
@@ -145,7 +152,7 @@ class Metrics:
         )
         self.hits = Counter(
             "modeld_prefix_cache_hits",
-            "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk).",
+            "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk, shared).",
             ["model", "source"],
             registry=r,
         )
@@ -251,7 +258,7 @@ class _StatusCollector:
             return
         yield GaugeMetricFamily("modeld_sessions_open", "Open sessions.", value=status.sessions)
         yield GaugeMetricFamily("modeld_models_loaded", "Models loaded.", value=len(status.models))
-        resident = _Sums()
+        resident, busy_tokens, capacity = _Sums(), _Sums(), _Sums()
         state = _Sums()
         rss = _Sums()
         slots, busy, queued = _Sums(), _Sums(), _Sums()
@@ -260,6 +267,8 @@ class _StatusCollector:
         for m in status.models:
             name = self._label(m.model_name)
             resident.add((name, m.backend), m.resident_tokens)
+            busy_tokens.add((name,), m.busy_tokens)
+            capacity.add((name,), m.pool_tokens)
             slots.add((name,), m.slots)
             busy.add((name,), m.busy_slots)
             queued.add((name,), m.queued)
@@ -280,6 +289,13 @@ class _StatusCollector:
         yield resident.gauge(
             "modeld_resident_tokens", "Tokens resident in a loaded model's KV.", ["model", "backend"]
         )
+        yield busy_tokens.gauge(
+            "modeld_busy_tokens",
+            "Of the resident tokens, those held by running operations (the rest are idle warm "
+            "contexts, which give way when a turn needs the cells).",
+            ["model"],
+        )
+        yield capacity.gauge("modeld_kv_capacity_tokens", "KV cells of a loaded model's pool.", ["model"])
         yield state.gauge(
             "modeld_worker_state",
             "1 for the state a model's engine worker is in (loading, ready, busy, restarting, failed).",
@@ -314,14 +330,38 @@ class _StatusCollector:
             budget = GaugeMetricFamily(
                 "modeld_tier_budget_bytes", "A tier's byte budget (0: off).", labels=["tier"]
             )
-            for tier, held, count, limit in (
+            rows = [
                 ("ram", tiers.ram_bytes, tiers.ram_entries, tiers.ram_budget),
                 ("disk", tiers.disk_bytes, tiers.disk_entries, tiers.disk_budget),
-            ):
+            ]
+            if tiers.shared_location:
+                rows.append(("shared", tiers.shared_bytes, tiers.shared_entries, tiers.shared_budget))
+            for tier, held, count, limit in rows:
                 tier_bytes.add_metric([tier], held)
                 entries.add_metric([tier], count)
                 budget.add_metric([tier], limit)
             yield from (tier_bytes, entries, budget)
+            if tiers.shared_location:
+                shared = CounterMetricFamily(
+                    "modeld_shared_store_snapshots",
+                    "Snapshots this daemon wrote through to the shared store, restored from it, saw "
+                    "refused there (corrupt, foreign: removed), failed to write, or found gone.",
+                    labels=["event"],
+                )
+                for event, value in (
+                    ("written", tiers.shared_written),
+                    ("restored", tiers.shared_restored),
+                    ("rejected", tiers.shared_rejected),
+                    ("write_failed", tiers.shared_write_failures),
+                    ("gone", tiers.shared_read_failures),
+                ):
+                    shared.add_metric([event], value)
+                yield shared
+                yield GaugeMetricFamily(
+                    "modeld_shared_store_pending_writes",
+                    "Snapshots queued to be written to the shared store (a backlog: the store is slow).",
+                    value=tiers.shared_pending,
+                )
 
 
 class _Sums:

@@ -20,7 +20,7 @@ from modeld.contract import DaemonStatus, LoadedModelSummary, Machine, TierStatu
 
 __all__ = ["age", "format_bytes", "format_logs", "format_status", "match_models", "table"]
 
-_BYTE_SETTINGS = ("ram_tier_bytes", "disk_tier_bytes", "memory_budget_bytes")
+_BYTE_SETTINGS = ("ram_tier_bytes", "disk_tier_bytes", "memory_budget_bytes", "shared_store_bytes")
 
 
 def age(seconds: float) -> str:
@@ -81,9 +81,19 @@ def _tiers(t: TierStatus) -> list[str]:
 
     ram = tier("ram ", t.ram_entries, t.ram_bytes, t.ram_budget)
     disk = tier("disk", t.disk_entries, t.disk_bytes, t.disk_budget, t.disk_off_reason)
+    shared = (
+        [
+            f"          shared {_plural(t.shared_entries, 'snapshot')}, {format_bytes(t.shared_bytes)} of "
+            f"{format_bytes(t.shared_budget)} in {t.shared_location} · written {t.shared_written} · restored "
+            f"{t.shared_restored} · rejected {t.shared_rejected} · write failures {t.shared_write_failures}"
+        ]
+        if t.shared_location
+        else []
+    )
     lines = [
         f"tiers     {ram}",
         f"          {disk}",
+        *shared,
         f"          written {t.written} · spilled to disk {t.spilled_to_disk} · dropped {t.dropped} · "
         f"rejected {t.rejected} · write failures {t.write_failures}",
         f"          memory budget {format_bytes(t.memory_budget)} (weights + KV of the loaded models)",

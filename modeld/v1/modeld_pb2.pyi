@@ -852,7 +852,7 @@ class Machine(_message.Message):
     def __init__(self, cpu_count: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., accelerators: _Optional[_Iterable[_Union[Accelerator, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Tiers(_message.Message):
-    __slots__ = ("ram_entries", "ram_bytes", "ram_budget", "disk_entries", "disk_bytes", "disk_budget", "disk_off_reason", "written", "write_failures", "spilled_to_disk", "dropped", "rejected", "memory_budget", "recent_rejections")
+    __slots__ = ("ram_entries", "ram_bytes", "ram_budget", "disk_entries", "disk_bytes", "disk_budget", "disk_off_reason", "written", "write_failures", "spilled_to_disk", "dropped", "rejected", "memory_budget", "recent_rejections", "shared_location", "shared_entries", "shared_bytes", "shared_budget", "shared_written", "shared_write_failures", "shared_restored", "shared_rejected", "shared_lookups", "shared_read_failures", "shared_pending")
     RAM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     RAM_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -867,6 +867,17 @@ class Tiers(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
     RECENT_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOCATION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SHARED_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_READ_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PENDING_FIELD_NUMBER: _ClassVar[int]
     ram_entries: int
     ram_bytes: int
     ram_budget: int
@@ -881,10 +892,21 @@ class Tiers(_message.Message):
     rejected: int
     memory_budget: int
     recent_rejections: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ...) -> None: ...
+    shared_location: str
+    shared_entries: int
+    shared_bytes: int
+    shared_budget: int
+    shared_written: int
+    shared_write_failures: int
+    shared_restored: int
+    shared_rejected: int
+    shared_lookups: int
+    shared_read_failures: int
+    shared_pending: int
+    def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ..., shared_location: _Optional[str] = ..., shared_entries: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., shared_budget: _Optional[int] = ..., shared_written: _Optional[int] = ..., shared_write_failures: _Optional[int] = ..., shared_restored: _Optional[int] = ..., shared_rejected: _Optional[int] = ..., shared_lookups: _Optional[int] = ..., shared_read_failures: _Optional[int] = ..., shared_pending: _Optional[int] = ...) -> None: ...
 
 class LoadedModel(_message.Message):
-    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker")
+    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker", "busy_tokens")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -910,6 +932,7 @@ class LoadedModel(_message.Message):
     CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    BUSY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     backend: str
     path: str
     model_name: str
@@ -928,7 +951,8 @@ class LoadedModel(_message.Message):
     contexts: _containers.RepeatedCompositeFieldContainer[WarmContext]
     counters: _containers.ScalarMap[str, int]
     worker: Worker
-    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., sequences: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., slots: _Optional[int] = ..., busy_slots: _Optional[int] = ..., queued: _Optional[int] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., worker: _Optional[_Union[Worker, _Mapping]] = ...) -> None: ...
+    busy_tokens: int
+    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., sequences: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., slots: _Optional[int] = ..., busy_slots: _Optional[int] = ..., queued: _Optional[int] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., worker: _Optional[_Union[Worker, _Mapping]] = ..., busy_tokens: _Optional[int] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("instance_id", "epoch", "pid", "endpoint", "version", "started_at", "uptime_seconds", "backends", "default_backend", "models", "sessions", "limits", "owner_lost", "tiers", "machine", "settings")
