@@ -157,7 +157,7 @@ or in the shared store several daemons mount (``serve --shared-store``)."""
 class Config:
     """Runtime configuration of a session. Fields marked (KV) are part of the runtime digest."""
 
-    num_ctx: int = 4096  # (KV) context window in tokens
+    num_ctx: int = 0  # (KV) context window in tokens; 0: the model's own, as the budget allows
     num_batch: int = 512  # (KV) prefill batch size; changes chunking and so numerics
     num_threads: int = 0  # 0 = the backend's default; speed only, not part of the digest
     num_gpu_layers: int = 0  # (KV) layers offloaded to an accelerator
@@ -528,6 +528,7 @@ class StreamChunk:
     signal: ToolCall | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_text: str = ""  # final chunk: the calls' text as the model wrote it (to append to history)
+    stop_sequence: str = ""  # final chunk with finish_reason stop_sequence: the stop string that matched
 
     @property
     def final(self) -> bool:

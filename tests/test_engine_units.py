@@ -297,3 +297,15 @@ def test_explain_context_locates_the_tool_definitions_the_template_rendered() ->
     rendered = b"".join(session.model.vocab.piece(t) for t in session._tokens[start:end])
     want = json.dumps(tools[0], ensure_ascii=False) + "\n" + json.dumps(tools[1], ensure_ascii=False)
     assert rendered.decode() == want
+
+
+def test_the_text_assembler_names_the_stop_string_that_ended_the_text() -> None:
+    from modeld.engine.text import TextAssembler
+
+    a = TextAssembler(["xyz", "b", "ab"])
+    out = "".join(a.feed(piece) for piece in (b"hel", b"lo a", b"bc"))
+    assert out == "hello " and a.stopped and a.matched == "ab"  # the earliest
+    held = TextAssembler(["lo w", "lo"])  # at one place the shorter completes first
+    assert held.feed(b"hello world") == "hel" and held.matched == "lo"
+    plain = TextAssembler(["zz"])
+    assert plain.feed(b"abc") + plain.flush() == "abc" and plain.matched == ""

@@ -241,6 +241,7 @@ class EngineDecodeStream:
             tool_calls=result.tool_calls,
             signal=result.signal,
             tool_text=result.tool_text,
+            stop_sequence=self._assembler.matched if result.finish_reason == "stop_sequence" else "",
             logprobs=tuple(self._pending_logprobs),
         )
         self._pending, self._pending_logprobs, self._deltas = [], [], []

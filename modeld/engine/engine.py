@@ -498,7 +498,7 @@ class Engine:
     def list_sessions(self) -> list[SessionSummary]:
         return [s.summary() for s in self.sessions()]
 
-    def explain(self, session_id: str) -> ContextReport:
+    def explain_context(self, session_id: str) -> ContextReport:
         with self._lock:
             session = self._sessions.get(session_id)
             closed = self._closed.get(session_id)

@@ -104,7 +104,7 @@ def encode_text(text: object, field: str, limits: Limits, extra_bytes: int = 0) 
 def validate_config(config: object, limits: Limits) -> Config:
     if not isinstance(config, Config):
         raise InvalidArgumentError("config must be a Config", field="config")
-    check_int(config.num_ctx, "config.num_ctx", 1, limits.max_context_tokens)
+    check_int(config.num_ctx, "config.num_ctx", 0, limits.max_context_tokens)
     check_int(config.num_batch, "config.num_batch", 1, limits.max_context_tokens)
     check_int(config.num_threads, "config.num_threads", 0, 1024)
     check_int(config.num_gpu_layers, "config.num_gpu_layers", -1, 100_000)
@@ -131,6 +131,8 @@ def validate_config(config: object, limits: Limits) -> Config:
     validate_string(config.prompt_template_digest, "config.prompt_template_digest", limits)
     if not isinstance(config.disable_bos, bool):
         raise InvalidArgumentError("config.disable_bos must be a boolean", field="config.disable_bos")
+    if config.num_ctx == 0:  # the model's own window, as large as the memory budget allows
+        config = replace(config, num_ctx=limits.max_context_tokens)
     return config
 
 
@@ -141,7 +143,9 @@ def validate_request(request: object, limits: Limits) -> OpenSessionRequest:
     for name in ("model_name", "type", "digest", "path"):
         validate_string(getattr(request, name), name, limits)
     validate_string(request.fence.owner_instance_id, "fence.owner_instance_id", limits)
-    validate_config(request.config, limits)
+    config = validate_config(request.config, limits)
+    if config is not request.config:
+        request = replace(request, config=config)
     _check_relative_path(request)
     if request.digest.startswith(SHA256_PREFIX):
         verify_sha256(request.path, request.digest)

@@ -490,7 +490,7 @@ def test_wrong_types_are_invalid_arguments(harness: Harness) -> None:
             s.ensure_prefix(PrefixInput(text="bad \udc80 surrogate"))
         assert s.ensure_prefix(PrefixInput(text=SYSTEM)).prefix_tokens > 0
     with pytest.raises(InvalidArgumentError):
-        harness.service.open_session(harness.request(num_ctx=0))
+        harness.service.open_session(harness.request(num_ctx=-1))  # 0 is the model's own window
     with pytest.raises(InvalidArgumentError):
         harness.service.open_session(harness.request(kv_cache_type="f64"))
 

@@ -31,7 +31,7 @@ import ipaddress
 import json
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -94,6 +94,7 @@ def error_response(error: HttpError, style: ErrorStyle) -> JSONResponse:
 
 
 Shape = Callable[[Turn, Collected], dict[str, Any]]
+Choices = Callable[[Turn, Sequence[Collected]], dict[str, Any]]
 Stream = Callable[[Turn, Started, AsyncIterator[Event]], AsyncIterator[bytes]]
 
 
@@ -395,6 +396,24 @@ class HttpService:
         finally:
             if not handed:
                 leave()
+
+    async def choices(self, turn: Turn, complete: Choices, style: ErrorStyle) -> Response:
+        """Run ``turn.n`` choices one after another in the turn's conversation (the first warms
+        the prompt, the others reuse it) and answer them in one JSON body."""
+        entry = self.entry(turn.model)
+        if turn.max_tokens is None and self.settings.max_output_tokens:
+            turn = replace(turn, max_tokens=self.settings.max_output_tokens)
+        dones: list[Collected] = []
+        for index in range(turn.n):
+            one = turn.choice(index)
+            events = self.conversations.run(one, self.open_request(entry, one))
+            async with contextlib.aclosing(events):
+                started = await first_event(events)
+                done = await collect(started, events)
+            if done.finished.error is not None:
+                return error_response(done.finished.error, style)
+            dones.append(done)
+        return JSONResponse(complete(turn, dones), headers={"X-Modeld-Session": dones[0].started.session_id})
 
     async def count_tokens(self, turn: Turn) -> int:
         """How many tokens the turn's prompt takes on its model (nothing is computed)."""
