@@ -145,6 +145,7 @@ REUSE_REASONS: tuple[str, ...] = (
     "restored_from_disk",  # warm: the context came back from the disk tier (a snapshot)
     "evicted",  # cold: this session's warm context was evicted (``tier`` says where it went)
     "snapshot_rejected",  # cold: a snapshot that would have served was corrupt or stale: removed
+    "model_changed",  # cold: the model file holds another model than its last warm context's
 )
 TIERS: tuple[str, ...] = ("kv", "ram", "disk")
 """Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier."""

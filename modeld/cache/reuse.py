@@ -5,14 +5,16 @@ common token prefix among the compatible warm contexts in the KV pool and the sn
 RAM and disk tiers). This module turns that choice into a
 :class:`~modeld.contract.ReuseDecision`; :func:`classify` is a pure function of its inputs, so
 every reason a person can read is pinned by unit tests. :class:`RuntimeHistory` remembers the
-runtime each model file was last warm under, for the ``manifest_changed`` reason.
+runtime each model file was last warm under, for the ``model_changed`` and ``manifest_changed``
+reasons.
 
 Outcomes: ``warm`` when the candidate's whole prefix was kept (``full_match``, ``extended``, or
 ``restored_from_ram`` / ``restored_from_disk`` when it came back from a tier); ``partial`` when
 the new prefix diverged from the candidate at a token > 0 (``diverged``); ``cold`` when nothing
 was reused, with the most useful reason first: the engine lost its state (``engine_reset``),
 the session's own warm context was evicted (``evicted``, naming where it went), a snapshot was
-refused (``snapshot_rejected``), a runtime field changed (``manifest_changed``), the memory
+refused (``snapshot_rejected``), the model file holds another model now (``model_changed``), a
+runtime field changed (``manifest_changed``), the memory
 cannot be cut (``truncation_unsupported``), the text diverged at token 0, or nothing was warm
 (``empty_cache``).
 """
@@ -115,12 +117,14 @@ def classify(
     loss: Loss | None = None,
     changed: tuple[str, str, str] | None = None,
     truncation_blocked: bool = False,
+    model_file: str = "",
 ) -> ReuseDecision:
     """The decision for a turn that keeps ``keep`` of ``wanted`` tokens from ``candidate``.
 
     ``changed`` is ``(field, ours, theirs)`` when the only warm state of this model file was
-    computed under another runtime; ``truncation_blocked`` when a compatible context shared a
-    prefix that the memory cannot be cut to.
+    computed under another runtime (``model_changed`` when that field is the model digest: the
+    file ``model_file`` names, shown as is, holds another model now); ``truncation_blocked``
+    when a compatible context shared a prefix that the memory cannot be cut to.
     """
     if candidate is not None and keep > 0:
         where = "" if candidate.own else f" (warm context {candidate.context})"
@@ -165,6 +169,18 @@ def classify(
         return _cold(
             "snapshot_rejected",
             f"a snapshot of this context was refused and removed ({loss.message}): prefilled all {wanted} tokens",
+        )
+    if changed is not None and changed[0] == "model_digest" and model_file:
+        _, ours, theirs = changed
+        return ReuseDecision(
+            outcome="cold",
+            reason="model_changed",
+            field="model_digest",
+            message=(
+                f"the model file {model_file} changed since its last warm context (digest "
+                f"{ours[:12]} -> {theirs[:12]}): warm state of the old file is never reused, "
+                f"prefilled all {wanted} tokens"
+            ),
         )
     if changed is not None:
         name, ours, theirs = changed

@@ -48,7 +48,7 @@ from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
-from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError
+from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError, echo
 from modeld.manifest import ContextManifest
 
 __all__ = ["PROGRESS_INTERVAL", "Hold", "ModelCache", "Synced"]
@@ -305,6 +305,7 @@ class ModelCache:
                 loss=slot.loss if hold.keep == 0 else None,
                 changed=changed if hold.keep == 0 and not choice.seen else None,
                 truncation_blocked=choice.blocked and hold.keep == 0,
+                model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
             )
             slot.loss = None
             pool.counters[f"reused_{hold.tier}"] += hold.keep

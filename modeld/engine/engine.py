@@ -56,6 +56,7 @@ from modeld.errors import (
     InvalidArgumentError,
     LimitExceededError,
     ManifestMismatchError,
+    ModelChangedError,
     ModeldError,
     SessionNotFoundError,
     ShuttingDownError,
@@ -339,6 +340,10 @@ class Engine:
         Loading beyond ``max_loaded_models`` or the memory budget first unloads the least
         recently used model that has no session (its warm contexts go to the tiers)."""
         key = (kind, info.path, info.model_digest, config_runtime_digest(request.config))
+        with self._lock:
+            stale = [m for k, m in self._models.items() if k[:2] == key[:2] and k[2] != key[2]]
+        for other in stale:  # the file now describes as another model: is that one gone from it?
+            other.file_changed()
         with self._load_lock:
             with self._lock:
                 model = self._models.get(key)
@@ -376,6 +381,7 @@ class Engine:
                 on_restart=self._worker_restarted,
                 on_state=lambda name, state: self._notify("model_state", name, state),
                 on_wait=lambda seconds: self._notify("queue_waited", seconds),
+                on_changed=self._model_changed,
             )
             model.cost = cost
             model.sessions = 1
@@ -427,6 +433,25 @@ class Engine:
         model.cache.retire(f"the model was unloaded: {why}")
         model.close(persist=False)
         log.info("unloaded model %s: %s", model.info.path, why)
+
+    def _model_changed(self, model: LoadedModel, error: ModelChangedError) -> None:
+        """A loaded model's file no longer holds it (``LoadedModel.file_changed``): no new
+        session gets it, every open session of it ends with ``error`` (their transports end
+        their streams; a client opens a new session, which loads the file as it is now), and it
+        is retired without saving its warm contexts, in the background."""
+        with self._lock:
+            if self._models.get(model.key) is model:
+                del self._models[model.key]
+            ended = [s for s in self._sessions.values() if s.model is model]
+        log.warning("retiring model %s: its file changed; ending %d sessions", model.info.path, len(ended))
+        for session in ended:
+            session.interrupt(error)
+
+        def retire() -> None:
+            model.cache.reset(error)  # forgets every warm context; nothing goes to the tiers
+            model.close(persist=False)
+
+        threading.Thread(target=retire, name="model-retire", daemon=True).start()
 
     def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
         with self._lock:

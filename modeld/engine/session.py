@@ -35,6 +35,7 @@ from modeld.contract import (
     Config,
     ContextReport,
     DecodeConfig,
+    ErrorDetail,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -169,6 +170,7 @@ class EngineSession:
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
             with self.model.cache.hold(self.slot, tokens, stage="prefix", manifest=prep.manifest) as hold:
                 synced = self._sync(hold, progress)
+                self.model.check_file()  # changed during the prefill: never commit (or persist) it
                 hold.commit(prefix=len(tokens))
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
@@ -249,6 +251,7 @@ class EngineSession:
                     idle_seconds=timeouts.idle_stream_seconds,
                     deadline=self._deadline(),
                     interrupted=self._end.detail,
+                    verify=self._model_intact,
                     finish=lambda emitted, sampled, resident, exc: self._decoded(
                         hold, ticket, emitted, sampled, resident, exc
                     ),
@@ -294,9 +297,10 @@ class EngineSession:
             changing_segments=self._churn.changing(),
         )
 
-    def interrupt(self) -> None:
-        """Stop whatever this session is running (its stream ended, shutdown, lost ownership)."""
-        self._end.interrupt()
+    def interrupt(self, cause: ModeldError | None = None) -> None:
+        """Stop whatever this session is running (its stream ended, shutdown, lost ownership, its
+        model file changed). ``cause``: the error its operations raise from now on."""
+        self._end.interrupt(cause=cause)
 
     def on_end(self, listener: Callable[[ModeldError], None]) -> None:
         """Call ``listener`` once, with the error operations now raise, when this session can no
@@ -365,6 +369,7 @@ class EngineSession:
         self._service.owner.check_epoch(self.epoch)
         if self._service.stopping:
             raise ShuttingDownError("the daemon is shutting down")
+        self.model.check_file()  # never reuse KV of a model file that changed since (model_changed)
         stream = self._stream
         if stream is not None:  # a new operation ends the previous decode
             stream.close()
@@ -396,6 +401,12 @@ class EngineSession:
             if ticket is not None and not handed_over:
                 self.model.admission.release(ticket)
             self._op_lock.release()
+
+    def _model_intact(self) -> ErrorDetail | None:
+        """Why a decode's tokens cannot be trusted: its model file changed under it (checked as
+        it runs, and once more when the engine finished, before the final chunk)."""
+        problem = self.model.file_changed()
+        return ErrorDetail(reason=problem.reason, message=problem.message) if problem else None
 
     def _deadline(self) -> float | None:
         """When the operation starting now is stopped (``operation_seconds``; monotonic)."""
