@@ -10,8 +10,10 @@ reasons.
 
 Outcomes: ``warm`` when the candidate's whole prefix was kept (``full_match``, ``extended``, or
 ``restored_from_ram`` / ``restored_from_disk`` when it came back from a tier); ``partial`` when
-the new prefix diverged from the candidate at a token > 0 (``diverged``); ``cold`` when nothing
-was reused, with the most useful reason first: the engine lost its state (``engine_reset``),
+the new prefix diverged from the candidate past the tokens every prefix of its format starts
+with (``diverged``); ``cold`` when nothing was reused, or only those (a new conversation that
+shares the chat template's head or the BOS token: ``diverged``, naming it), with the most useful
+reason first: the engine lost its state (``engine_reset``),
 the session's own warm context was evicted (``evicted``, naming where it went), a snapshot was
 refused (``snapshot_rejected``), the model file holds another model now (``model_changed``), a
 runtime field changed (``manifest_changed``), the memory
@@ -118,15 +120,20 @@ def classify(
     changed: tuple[str, str, str] | None = None,
     truncation_blocked: bool = False,
     model_file: str = "",
+    head: int = 0,
 ) -> ReuseDecision:
     """The decision for a turn that keeps ``keep`` of ``wanted`` tokens from ``candidate``.
 
     ``changed`` is ``(field, ours, theirs)`` when the only warm state of this model file was
     computed under another runtime (``model_changed`` when that field is the model digest: the
     file ``model_file`` names, shown as is, holds another model now); ``truncation_blocked``
-    when a compatible context shared a prefix that the memory cannot be cut to.
+    when a compatible context shared a prefix that the memory cannot be cut to. ``head``: how
+    many of the prefix's first tokens every prefix of its format starts with, whatever its
+    content (the chat template's head, a BOS token): a turn that shares no more than these with
+    a warm context is a new conversation, cold, not a partial hit.
     """
-    if candidate is not None and keep > 0:
+    head_only = 0 < keep <= head and keep < wanted
+    if candidate is not None and keep > 0 and not head_only:
         where = "" if candidate.own else f" (warm context {candidate.context})"
         if candidate.tier in ("ram", "disk"):
             where = f" (restored from the {candidate.tier} tier)"
@@ -198,6 +205,24 @@ def classify(
             "truncation_unsupported",
             "the model's memory cannot be cut inside a warm context (recurrent or sliding-window "
             f"memory): prefilled all {wanted} tokens",
+        )
+    if candidate is not None and head_only:
+        what = "the chat template's head" if manifest.prompt_format == "chat" else "the BOS token"
+        where = f"warm context {candidate.context}"
+        if candidate.tier in ("ram", "disk"):
+            where = f"a snapshot in the {candidate.tier} tier"
+        seg = segment_at(manifest, keep)
+        return ReuseDecision(
+            outcome="cold",
+            reason="diverged",
+            message=(
+                f"a new conversation: it shares only {what} (its first {keep} tokens, before any of "
+                f"its text) with {where}: prefilled {wanted - keep} of {wanted} tokens"
+            ),
+            diverged_at_token=keep,
+            diverged_segment=seg.kind if seg is not None else "",
+            tier=candidate.tier,
+            context=candidate.context,
         )
     if candidate is not None:
         seg = segment_at(manifest, 0)

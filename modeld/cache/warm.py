@@ -268,13 +268,15 @@ class ModelCache:
         manifest: ContextManifest,
         floor: int = 0,
         extra_cells: int = 0,
+        head: int = 0,
     ) -> Hold:
         """Choose, place and make room for ``target`` (see the module docstring).
 
         ``stage`` (prefix, suffix, decode) names the operation in progress and timeouts;
         ``floor`` is how many leading tokens it will not change once they are in place (others
         may copy them meanwhile); ``extra_cells`` the room needed beyond ``target`` (tokens a
-        decode may generate)."""
+        decode may generate); ``head`` how many of ``target``'s first tokens any prefix of its
+        format starts with (the chat template's head, BOS): reusing no more is a cold turn."""
         runtime = self.runtime()
         changed = self._history.changed(self._file_key, manifest)
         self._saver.settle()  # a choice must see every tier entry
@@ -297,15 +299,30 @@ class ModelCache:
             eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells, runtime)
             dst.busy = True
             dst.floor = max(0, min(floor, hold.keep - 2))
+            cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
+            if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
+                # A snapshot file refused when the disk tier was indexed would have served this
+                # cold turn: say so (issue 21), as for one refused when it was tried.
+                refused = pool.tiers.claim_refused(
+                    pool.model_digest,
+                    slot.identity,
+                    pool.layout.snapshot_format,
+                    target,
+                    pool.settings.restore_min_gain,
+                )
+                if refused is not None:
+                    pool.counters["snapshots_rejected"] += 1
+                    slot.loss = Loss("snapshot_rejected", f"{refused.reason}; at the daemon's start")
             hold.decision = classify(
                 wanted=len(target),
                 keep=hold.keep,
                 candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
                 manifest=manifest,
-                loss=slot.loss if hold.keep == 0 else None,
+                loss=slot.loss if cold else None,
                 changed=changed if hold.keep == 0 and not choice.seen else None,
                 truncation_blocked=choice.blocked and hold.keep == 0,
                 model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
+                head=head,
             )
             slot.loss = None
             pool.counters[f"reused_{hold.tier}"] += hold.keep

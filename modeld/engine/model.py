@@ -227,6 +227,7 @@ class LoadedModel:
         self.last_used_at = self.loaded_at
         self._renderer: ChatRenderer | None = None
         self._tokens = TokenMemo()
+        self._heads: dict[tuple[bool, bool], tuple[tuple[int, ...], ...]] = {}
         self._on_restart = on_restart
         name = f"{Path(info.path).name or info.backend}"[:40]
         self._on_changed = on_changed
@@ -305,6 +306,36 @@ class LoadedModel:
         if key is not None:
             self._tokens.put(key, tokens)
         return tokens
+
+    def prefix_heads(self, chat: bool, add_bos: bool) -> tuple[tuple[int, ...], ...]:
+        """Token lists every prefix of a format starts with, whatever its text: the BOS token
+        (raw), or the chat template's head before the first message's text, for a conversation
+        that starts with a system message and for one that starts with a user message (a
+        default system turn included). A turn that shares no more than one of these with a warm
+        context is a new conversation (``reuse.classify``). Computed once per format: two
+        renderings of each, tokenized, and their common start."""
+        key = (chat, add_bos)
+        known = self._heads.get(key)
+        if known is not None:
+            return known
+        if not chat:
+            heads: tuple[tuple[int, ...], ...] = (tuple(self.tokenize("", add_bos)),)
+        else:
+            from modeld.cache.reuse import common_prefix_len
+            from modeld.engine.chat import Message
+
+            renderer, bos = self.chat_renderer(), self.info.bos_token
+            found = []
+            for opening in ([], [Message("user", "x", ())]):
+                ab = []
+                for text in ("A", "Z"):
+                    first = Message("system" if opening else "user", text, ())
+                    rendered = renderer.render([first, *opening], None, add_generation_prompt=False).text
+                    ab.append(self.tokenize(rendered, add_bos and not (bos and rendered.startswith(bos))))
+                found.append(tuple(ab[0][: common_prefix_len(ab[0], ab[1])]))
+            heads = tuple(found)
+        self._heads[key] = heads
+        return heads
 
     def warm_contexts(self) -> tuple[WarmContextInfo, ...]:
         """Every warm context of this model, in the KV and in the tiers."""

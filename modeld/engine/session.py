@@ -29,6 +29,7 @@ from types import TracebackType
 from typing import Protocol
 
 from modeld.cache.pool import SessionSlot
+from modeld.cache.reuse import common_prefix_len
 from modeld.cache.warm import Hold, Synced
 from modeld.context import SegmentChurn
 from modeld.contract import (
@@ -133,6 +134,7 @@ class EngineSession:
         self._manifest: ContextManifest | None = None
         self._chat: ChatState | None = None
         self._tools_json = ""  # the chat prefix's tools (what a decode's tool calls may name)
+        self._chat_format = config.prompt_format == "chat"
         self._churn = SegmentChurn()
         self._prefix_status: PrefixStatus | None = None
         self._turn = _Turn()
@@ -168,7 +170,10 @@ class EngineSession:
             prep = self._prepare.prefix(prefix)
             tokens = prep.tokens
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
-            with self.model.cache.hold(self.slot, tokens, stage="prefix", manifest=prep.manifest) as hold:
+            head = self._head(tokens)
+            with self.model.cache.hold(
+                self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
+            ) as hold:
                 synced = self._sync(hold, progress)
                 self.model.check_file()  # changed during the prefill: never commit (or persist) it
                 hold.commit(prefix=len(tokens))
@@ -401,6 +406,12 @@ class EngineSession:
             if ticket is not None and not handed_over:
                 self.model.admission.release(ticket)
             self._op_lock.release()
+
+    def _head(self, tokens: list[int]) -> int:
+        """How many of a prefix's first tokens any prefix of this session's format starts with
+        (the chat template's head, or BOS): sharing no more is a new conversation, cold."""
+        heads = self.model.prefix_heads(self._chat_format, bool(self._identity.add_bos))
+        return max((common_prefix_len(tokens, list(h)) for h in heads), default=0)
 
     def _model_intact(self) -> ErrorDetail | None:
         """Why a decode's tokens cannot be trusted: its model file changed under it (checked as
