@@ -9,7 +9,15 @@ regression check and the tests share one definition of every ratio:
 * ``restart_over_cold`` is modeld's TTFT on the first turn after the restart over the median
   cold (full-prefill) TTFT measured in the workload or in the one it continues;
 * ``http_overhead_ms`` is the median per-turn TTFT difference, modeld's OpenAI endpoint minus
-  modeld over gRPC.
+  modeld over gRPC;
+* ``rss_over_llama_server`` is modeld's peak RSS in the workload (VmHWM summed over its
+  processes: the daemon and its engine workers) over llama-server's, at the same warm capacity
+  (llama-server has a slot per workspace, modeld the same windows: issue 22);
+* :func:`warm_per_gib`: tokens a system served from warm state in the workload's last round per
+  GiB of its peak RSS.
+* the agent-API loops (``bench/agent_apis.py``) compare modeld with llama-server per turn
+  (TTFT, prompt tokens computed, bytes sent) and take medians over the warm turns (every turn
+  after the first), with the range of the per-turn ratios beside them.
 
 Two runs merge into a value (their mean) and a spread (the largest run's value over the
 smallest, minus one): the run-to-run noise shown beside every ratio and the tolerance of
@@ -26,6 +34,8 @@ from bench.workloads import GOALS
 
 __all__ = [
     "RATIO_PAIRS",
+    "agent_api_summary",
+    "agent_api_turns",
     "by_turn",
     "causes",
     "headline",
@@ -33,6 +43,7 @@ __all__ = [
     "met",
     "same_tokens",
     "system_stats",
+    "warm_per_gib",
 ]
 
 Doc = dict[str, Any]
@@ -91,12 +102,35 @@ def headline(doc: Doc) -> dict[str, dict[str, float | None]]:
         row["http_overhead_ms"] = _median(
             [(http[t]["ttft_s"] - m[t]["ttft_s"]) * 1000 for t in warm if t in http and t in m]
         )
+        rss = doc.get("rss", {})
+        ours, theirs = rss.get("modeld", {}).get(name), rss.get("llama-server", {}).get(name)
+        row["rss_over_llama_server"] = ours / theirs if ours and theirs else None
         if load["restart_before"]:
             first = load["restart_before"][0]
             cold = _cold_ttft(doc, load)
             row["restart_over_cold"] = m[first]["ttft_s"] / cold if first in m and cold else None
         out[name] = row
     return out
+
+
+def warm_per_gib(doc: Doc, load: Doc, system: str) -> float | None:
+    """Tokens served from warm state in the workload's last round (each workspace's last turn:
+    prompt tokens minus tokens prefilled) per GiB of the system's peak RSS: warm capacity per
+    byte. None when the system does not report its prefill or its RSS."""
+    turns = by_turn(doc, system, load["name"])
+    rss = doc.get("rss", {}).get(system, {}).get(load["name"])
+    last: dict[int, int] = {}
+    for t, workspace in enumerate(load.get("workspace_of_turn", [])):
+        last[workspace] = t
+    if not last:
+        last = {0: load["turns"] - 1}
+    warm = 0
+    for t in last.values():
+        r = turns.get(t)
+        if r is None or r.get("prefilled") is None:
+            return None
+        warm += max(0, load["prompt_tokens"][t] - r["prefilled"])
+    return warm / (rss / (1 << 30)) if rss else None
 
 
 def same_tokens(doc: Doc, workload: str) -> tuple[int, int]:
@@ -237,4 +271,54 @@ def _cause(
         )
     if key == "http_overhead_ms":
         return f"the OpenAI endpoint added {cell['value']:.1f} ms per turn (median) over gRPC.{noise}"
+    if key == "rss_over_llama_server":
+        parts = doc.get("rss_parts", {}).get("modeld", {}).get(load["name"], {})
+        shares = ", ".join(f"{proc.split()[0]} {b / (1 << 20):.0f}" for proc, b in sorted(parts.items()))
+        theirs: int = doc.get("rss", {}).get("llama-server", {}).get(load["name"]) or 0
+        ours: int = m["peak_rss_bytes"] or 0
+        return (
+            f"modeld's peak RSS {ours / (1 << 20):.0f} MiB ({shares}), llama-server's "
+            f"{theirs / (1 << 20):.0f} MiB.{noise}"
+        )
     return ""
+
+
+# --- the agent-API loops (bench/agent_apis.py) ------------------------------------------------------
+
+AGENT_API_PAIR = ("modeld", "llama-server")
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+def agent_api_turns(loop: Doc) -> list[dict[str, Any]]:
+    """Per turn of one loop: each system's record (None where it did not run or failed) and the
+    ratios modeld / llama-server of TTFT, prompt tokens computed and bytes sent."""
+    records = {(r["system"], r["turn"]): r for r in loop["records"] if not r.get("error")}
+    out = []
+    for turn in sorted({r["turn"] for r in loop["records"]}):
+        m, o = (records.get((s, turn)) for s in AGENT_API_PAIR)
+        row: dict[str, Any] = {"turn": turn, "modeld": m, "llama-server": o}
+        for key, field in (("ttft", "ttft_s"), ("computed", "computed_tokens"), ("bytes", "bytes_sent")):
+            row[f"{key}_ratio"] = _over(m[field] if m else None, o[field] if o else None)
+        out.append(row)
+    return out
+
+
+def agent_api_summary(loop: Doc) -> dict[str, Any]:
+    """Warm-turn (every turn after the first) medians per system, and the per-turn ratios'
+    median with their range (the run's own spread)."""
+    rows = [r for r in agent_api_turns(loop) if r["turn"] > 0]
+    out: dict[str, Any] = {"warm_turns": len(rows)}
+    for system in AGENT_API_PAIR:
+        mine = [r[system] for r in rows if r[system] is not None]
+        for key, field in (("ttft_s", "ttft_s"), ("computed", "computed_tokens"), ("bytes", "bytes_sent")):
+            values = [float(x[field]) for x in mine if x[field] is not None]
+            out[f"{system}_{key}_median"] = _median(values)
+    for key in ("ttft", "computed", "bytes"):
+        ratios = [r[f"{key}_ratio"] for r in rows if r[f"{key}_ratio"] is not None]
+        out[f"{key}_ratio_median"] = _median(ratios)
+        out[f"{key}_ratio_min"] = min(ratios) if ratios else None
+        out[f"{key}_ratio_max"] = max(ratios) if ratios else None
+    return out

@@ -25,6 +25,8 @@ from typing import Any
 import llama_cpp as lc
 import numpy as np
 
+from modeld.backends.cpu import cpu_has_amx
+
 
 def _quiet(_level: int, _text: bytes, _data: Any) -> None:
     return None
@@ -41,17 +43,12 @@ def tokenize(vocab: Any, text: str) -> list[int]:
     return list(buf[:n])
 
 
-def _cpu_has_amx() -> bool:
-    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-        return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-
-
 class Driver:
     def __init__(self, model_path: str, n_ctx: int, n_batch: int, threads: int) -> None:
         lc.llama_log_set(_LOG, ctypes.c_void_p(0))
         lc.llama_backend_init()
         params = lc.llama_model_default_params()
-        params.use_extra_bufts = not _cpu_has_amx()  # llama.cpp's AMX matmul crashes (blueprint 0009)
+        params.use_extra_bufts = not cpu_has_amx()  # llama.cpp's AMX matmul crashes (blueprint 0009)
         self.model = lc.llama_model_load_from_file(model_path.encode(), params)
         if not self.model:
             raise RuntimeError(f"cannot load {model_path}")

@@ -19,7 +19,7 @@ from bench import analysis
 from bench.plots import plot_summary, plot_workload
 from bench.workloads import GOALS
 
-__all__ = ["SYSTEM_ORDER", "write_report"]
+__all__ = ["SYSTEM_ORDER", "agent_apis_lines", "write_report"]
 
 SYSTEM_ORDER = ["modeld", "modeld-http", "limit", "cold", "llama-server", "lcp-server"]
 COLUMNS = [
@@ -29,6 +29,7 @@ COLUMNS = [
     ("decode_over_limit", "decode tok/s modeld / limit"),
     ("restart_over_cold", "restart: first turn / cold prefill"),
     ("http_overhead_ms", "OpenAI endpoint overhead, ms"),
+    ("rss_over_llama_server", "peak RSS modeld / llama-server"),
 ]
 
 Doc = dict[str, Any]
@@ -89,6 +90,51 @@ def _headline(docs: list[Doc], merged: dict[str, Any], causes: list[dict[str, st
         lines += [f"- **{c['workload']}**, {c['ratio']}: {c['cause']}" for c in causes]
         lines.append("")
     return lines
+
+
+def _memory(docs: list[Doc], systems: list[str]) -> list[str]:
+    """Peak RSS per system and workload (each run's value), modeld's processes apart, and the
+    warm tokens each system held per GiB (issue 22)."""
+    shown = [s for s in systems if s != "cold"]
+    lines = [
+        "## Memory",
+        "",
+        "Peak RSS in MiB per workload (VmHWM summed over each system's processes, reset before the workload; "
+        "in brackets each run's value), and modeld's processes in the newest run:",
+        "",
+        "| workload | " + " | ".join(shown) + " | modeld's processes (newest run) |",
+        "|---" * (len(shown) + 2) + "|",
+    ]
+    for load in docs[0]["workloads"]:
+        name = load["name"]
+        cells = []
+        for system in shown:
+            values = [d.get("rss", {}).get(system, {}).get(name) for d in docs]
+            present = [v for v in values if v]
+            if not present:
+                cells.append("-")
+                continue
+            text = f"{sum(present) / len(present) / (1 << 20):.0f}"
+            if len(present) > 1:
+                text += " [" + ", ".join(f"{v / (1 << 20):.0f}" for v in present) + "]"
+            cells.append(text)
+        parts = docs[0].get("rss_parts", {}).get("modeld", {}).get(name, {})
+        split = ", ".join(f"{n.split()[0]} {b / (1 << 20):.0f}" for n, b in sorted(parts.items())) or "-"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {split} |")
+    lines += [
+        "",
+        "Warm tokens held per GiB of peak RSS (tokens served from warm state on each workspace's last turn, "
+        "newest run; `-`: the system does not report its prefill):",
+        "",
+        "| workload | " + " | ".join(shown) + " |",
+        "|---" * (len(shown) + 1) + "|",
+    ]
+    for load in docs[0]["workloads"]:
+        values = [analysis.warm_per_gib(docs[0], load, system) for system in shown]
+        lines.append(
+            f"| {load['name']} | " + " | ".join("-" if v is None else f"{v:.0f}" for v in values) + " |"
+        )
+    return [*lines, ""]
 
 
 def _systems_table(doc: Doc, load: Doc, systems: list[str]) -> list[str]:
@@ -185,6 +231,78 @@ def _workload(doc: Doc, load: Doc, systems: list[str], plot: str) -> list[str]:
     return lines
 
 
+def _tokens(x: Any) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _ratio_range(summary: dict[str, Any], key: str) -> str:
+    median = summary[f"{key}_ratio_median"]
+    if median is None:
+        return "-"
+    return f"{median:.2f} (range {summary[f'{key}_ratio_min']:.2f}-{summary[f'{key}_ratio_max']:.2f})"
+
+
+def agent_apis_lines(result: Doc, model: str) -> list[str]:
+    """The agent-API loops' section (``bench/agent_apis.py``): per loop, a table per turn and the
+    warm-turn medians."""
+    trimmed = (
+        "the captured requests as sent"
+        if result["whole"]
+        else f"trimmed: every tool-schema description to {result['description_limit']} characters, every "
+        f"text block to {result['text_limit']}"
+    )
+    lines = [
+        "## Agent APIs: modeld against llama-server's own endpoints (`bench/agent_apis.py`)",
+        "",
+        f"A coding agent's loop on the `{model}` model, {result['turns']} turns, greedy, {result['max_tokens']}-token "
+        f"answers, streamed; the first request is a captured Claude Code / Codex CLI request ({trimmed}), every later "
+        "turn adds a tool call, its result and a new instruction. **messages** (`/v1/messages`): both systems get "
+        "the same body, the whole conversation every turn, `metadata.user_id` holding the session. **responses** "
+        "(`/v1/responses`): modeld's client sends only the new items with `previous_response_id`; llama-server "
+        "refuses `previous_response_id`, so its client resends everything, echoing each answer. TTFT: request "
+        "sent to the first event carrying generated content, client-observed. Computed: prompt tokens the system "
+        "evaluated this turn (modeld's usage; llama-server's `timings.prompt_n`, or its usage where the stream has "
+        "no timings, or its log where the stream has neither). Sent: the request body's bytes. Ratios are modeld / llama-server per turn; the medians are "
+        "over the warm turns (every turn after the first).",
+        "",
+    ]
+    for name, loop in result["loops"].items():
+        rows = analysis.agent_api_turns(loop)
+        s = analysis.agent_api_summary(loop)
+        lines += [
+            f"### {name}: `{loop['endpoint']}` ({loop['fixture']}, {loop['tools']} tools, window {loop['n_ctx']})",
+            "",
+        ]
+        for system, settings in loop["settings"].items():
+            lines.append(f"- {system}: `{settings.get('command', '')}`")
+        for note in loop["notes"]:
+            lines.append(f"- Note: {note}")
+        lines += [
+            "",
+            "| turn | TTFT ms modeld | TTFT ms llama-server | TTFT ratio | computed modeld | computed llama-server "
+            "| prompt modeld / llama-server | sent B modeld | sent B llama-server | sent ratio |",
+            "|---" * 10 + "|",
+        ]
+        for row in rows:
+            m, o = row["modeld"] or {}, row["llama-server"] or {}
+            lines.append(
+                f"| {row['turn']}{'' if row['turn'] else ' (cold)'} | {_ms(m.get('ttft_s'))} | {_ms(o.get('ttft_s'))} | "
+                f"{_num(row['ttft_ratio'])} | {_tokens(m.get('computed_tokens'))} | {_tokens(o.get('computed_tokens'))} | "
+                f"{_tokens(m.get('prompt_tokens'))} / {_tokens(o.get('prompt_tokens'))} | "
+                f"{_tokens(m.get('bytes_sent'))} | {_tokens(o.get('bytes_sent'))} | {_num(row['bytes_ratio'])} |"
+            )
+        lines += [
+            "",
+            f"Warm turns ({s['warm_turns']}), medians: TTFT modeld {_ms(s['modeld_ttft_s_median'])} ms, llama-server "
+            f"{_ms(s['llama-server_ttft_s_median'])} ms, modeld / llama-server per turn {_ratio_range(s, 'ttft')}; "
+            f"computed modeld {_tokens(s['modeld_computed_median'])}, llama-server "
+            f"{_tokens(s['llama-server_computed_median'])} tokens; sent modeld {_tokens(s['modeld_bytes_median'])} B, "
+            f"llama-server {_tokens(s['llama-server_bytes_median'])} B, ratio {_ratio_range(s, 'bytes')}.",
+            "",
+        ]
+    return lines
+
+
 def write_report(out: Path, docs: list[Doc]) -> None:
     """Write report.md, results.json and the plots for ``docs`` (newest first)."""
     doc = docs[0]
@@ -226,6 +344,7 @@ def write_report(out: Path, docs: list[Doc]) -> None:
     if m.get("llama_server"):
         lines += [f"llama-server build: {m['llama_server']}", ""]
     lines += _headline(docs, merged, causes)
+    lines += _memory(docs, systems)
     out.mkdir(parents=True, exist_ok=True)
     for load in doc["workloads"]:
         plot = f"ttft-{load['name']}.png"
@@ -296,6 +415,8 @@ def write_report(out: Path, docs: list[Doc]) -> None:
                 f"{sdk['sdk_turn_overhead_ms']:+.1f} ms (the SDK's own client-side work included).",
                 "",
             ]
+    if doc.get("agent_apis"):
+        lines += agent_apis_lines(doc["agent_apis"], model["name"])
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
         "`make bench WORKLOAD=name` (one workload), `make bench-quick` (tiny model, the CI smoke run), "

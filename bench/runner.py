@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.systems import DirectSystem, TurnResult, Unsupported
-from bench.systems.base import reset_peak, settle, tree_peak_rss
+from bench.systems.base import reset_peak, settle, tree_peak_rss_parts
 from bench.workloads import Workload
 
 __all__ = ["RunData", "groups", "run"]
@@ -35,6 +35,7 @@ Log = Callable[[str], None]
 class RunData:
     results: list[TurnResult] = field(default_factory=list)
     rss: dict[str, dict[str, int]] = field(default_factory=dict)  # system -> workload -> bytes
+    rss_parts: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # ... -> process -> bytes
     settings: dict[str, dict[str, dict[str, Any]]] = field(
         default_factory=dict
     )  # workload -> system -> settings
@@ -182,7 +183,9 @@ def _workload(
             if isinstance(system, DirectSystem):
                 _cold(load, step, system, data, max_tokens, log)
     for system in systems:
-        data.rss.setdefault(system.name, {})[load.name] = tree_peak_rss(system.pids())
+        parts = tree_peak_rss_parts(system.pids())
+        data.rss.setdefault(system.name, {})[load.name] = sum(parts.values())
+        data.rss_parts.setdefault(system.name, {})[load.name] = parts
         if isinstance(system, DirectSystem):
             data.rss.setdefault("cold", {})[load.name] = data.rss[system.name][load.name]
     kept = [s for s in systems if s.name not in failed]

@@ -215,7 +215,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         persist_min_tokens=args.persist_min_tokens,
     )
     if residency.pool_tokens and not residency.kv_unified:
-        raise ValueError("--kv-pool-tokens sizes the unified KV pool: add --kv-unified")
+        raise ValueError("--kv-pool-tokens sizes the unified KV pool: drop --no-kv-unified")
     if residency.memory_budget_bytes == 0:
         raise ValueError("--memory-budget 0 leaves no room for any model (use auto for the default)")
     timeouts = pick(
@@ -254,6 +254,8 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         num_ctx=args.num_ctx or 0,
         allowed_origins=tuple(args.allow_origin or ()),
         max_output_tokens=args.max_output_tokens,
+        kv_cache_type=args.kv_cache_type,
+        flash_attn=_flash_attn(args),
         residency=residency,
         timeouts=timeouts,
         restart=restart,
@@ -271,17 +273,26 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
 
 def _cmd_describe(args: argparse.Namespace) -> int:
     from modeld.engine import Engine
+    from modeld.settings import Residency
 
     request = OpenSessionRequest(
         type=args.type,
         path=args.path,
         digest=args.digest or "",
-        config=Config(num_ctx=args.num_ctx, kv_cache_type=args.kv_cache_type),
+        config=Config(num_ctx=args.num_ctx, kv_cache_type=args.kv_cache_type, flash_attn=_flash_attn(args)),
     )
-    info = Engine(backends=(args.type,)).describe(request)
+    flags = {
+        "sequences": args.sequences,
+        "kv_unified": args.kv_unified,
+        "pool_tokens": args.kv_pool_tokens,
+        "memory_budget_bytes": args.memory_budget,
+    }
+    residency = dataclasses.replace(Residency(), **{k: v for k, v in flags.items() if v is not None})
+    info = Engine(backends=(args.type,), residency=residency).describe(request)
     if args.json:
         print(_json(info))
         return 0
+    fp = info.footprint
     rows = [
         ("model", f"{info.model_name}  ({info.path})"),
         ("backend", f"{info.backend} {info.backend_version} on {info.device}"),
@@ -296,6 +307,27 @@ def _cmd_describe(args: argparse.Namespace) -> int:
             f"{_bytes(info.kv_bytes_per_token * info.effective_context)} at the effective context",
         ),
         ("weights", _bytes(info.weights_bytes)),
+    ]
+    if fp.layout:
+        attention = "flash attention on" if _flash_attn(args) else "flash attention off"
+        rows += [
+            (
+                "trained kv",
+                f"{_bytes(fp.trained_kv_bytes)} for one trained window ({fp.trained_window} tokens)",
+            ),
+            (
+                "layout",
+                f"{fp.layout}: {_bytes(fp.kv_bytes)} of KV allocated at load ({_layout_words(fp.layout)})",
+            ),
+            ("compute", f"~{_bytes(fp.compute_bytes)} (llama.cpp's compute buffer, {attention})"),
+            (
+                "total",
+                f"~{_bytes(fp.total_bytes)} = weights + KV + compute + {_bytes(fp.overhead_bytes)} per model "
+                f"(budget {_bytes(fp.budget_bytes)})",
+            ),
+            ("max window", f"{fp.max_window} tokens fit the budget under this layout"),
+        ]
+    rows += [
         ("free memory", _bytes(info.free_bytes)),
         ("vocabulary", f"{info.vocab_size} tokens, tokenizer {_short(info.tokenizer_digest)}"),
         (
@@ -312,6 +344,25 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     ]
     print("\n".join(f"{k:<13} {v}" for k, v in rows))
     return 0
+
+
+def _flash_attn(args: argparse.Namespace) -> bool:
+    """``--flash-attn``, implied by a quantized KV cache (llama.cpp needs it to quantize V, and
+    llama-server's ``-fa auto`` turns it on for one)."""
+    return bool(args.flash_attn or args.kv_cache_type in ("q8_0", "q4_0"))
+
+
+def _layout_words(layout: str) -> str:
+    """``unified/4:8704`` -> "4 sequences share 8704 cells"; ``split/4`` -> "4 streams of a window"."""
+    shape, _, n = layout.partition("/")
+    if shape == "unified":
+        seqs, _, pool = n.partition(":")
+        return (
+            f"{seqs} sequences share {pool} cells; warm output is bit-identical to a fresh evaluation "
+            "for a context alone in the pool and can differ when contexts share it"
+        )
+    streams = "1 stream" if n == "1" else f"{n} streams"
+    return f"{streams} of a window each; warm output bit-identical to a fresh evaluation"
 
 
 # --- observers ------------------------------------------------------------------------------
@@ -392,6 +443,18 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _numerics(r: ContextReport) -> str:
+    """Whether warm output equals a fresh evaluation here, and why (blueprint 0016)."""
+    if r.warm_exact:
+        return f"warm output is bit-identical to a fresh evaluation (KV layout {r.kv_layout})"
+    return (
+        f"warm output can differ from a fresh evaluation (KV layout {r.kv_layout}: a unified pool; "
+        "the attention sums in another order when other contexts hold cells, enough to change greedy "
+        "tokens; bit-identical while this context is alone in the pool; "
+        "`modeld serve --no-kv-unified` makes it exact by construction, at a window of memory per sequence)"
+    )
+
+
 def _format_report(r: ContextReport) -> str:
     state = "closed" if r.closed else "open"
     out = [
@@ -400,6 +463,8 @@ def _format_report(r: ContextReport) -> str:
         f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} in the KV now",
         f"manifest  {r.manifest_digest or '-'}",
     ]
+    if r.kv_layout:
+        out.append(f"numerics  {_numerics(r)}")
     m = r.manifest
     if m is not None:
         out.append(
@@ -425,6 +490,11 @@ def _format_report(r: ContextReport) -> str:
                         s.cache_class or "-",
                         _short(s.hash),
                     )
+                )
+            if r.tools_token_start is not None and r.tools_token_end is not None:
+                # Not a segment of the text: the template renders tools_json (often the largest part).
+                rows.append(
+                    ("  tools", f"{r.tools_token_start}-{r.tools_token_end}", "(template)", "yes", "-", "-")
                 )
             out.append("segments")
             out.append(_table(rows))
@@ -570,13 +640,14 @@ def _serve_settings(s: argparse.ArgumentParser) -> None:
         "--kv-unified",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="one KV pool shared by every sequence (a shared prefix stored once; default off)",
+        help="one KV pool of one window shared by every sequence (default on: llama-server's layout; "
+        "--no-kv-unified gives each sequence its own window, bit-exact warm output, sequences x the memory)",
     )
     w.add_argument(
         "--kv-pool-tokens",
         type=_count(0, 1 << 24),
         metavar="N",
-        help="KV cells of the unified pool (default: sequences x the window)",
+        help="KV cells of the unified pool (default: one window)",
     )
     w.add_argument(
         "--ram-tier-bytes",
@@ -741,6 +812,18 @@ def _parser() -> argparse.ArgumentParser:
         "loopback http(s) origins always may, others never)",
     )
     s.add_argument(
+        "--kv-cache-type",
+        default="f16",
+        choices=KV_CACHE_TYPES,
+        help="KV precision of HTTP sessions, as llama-server's -ctk/-ctv (q8_0: about half the KV memory; "
+        "turns flash attention on; blueprint 0016)",
+    )
+    s.add_argument(
+        "--flash-attn",
+        action="store_true",
+        help="flash attention for HTTP sessions (a smaller compute buffer at long windows; default off)",
+    )
+    s.add_argument(
         "--no-token",
         action="store_true",
         help="let a TCP gRPC listener run without its token (any local user can then drive the daemon)",
@@ -768,6 +851,17 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--digest", help="expected model digest")
     d.add_argument("--num-ctx", type=int, default=Config().num_ctx)
     d.add_argument("--kv-cache-type", default="f16", choices=KV_CACHE_TYPES)
+    d.add_argument(
+        "--flash-attn", action="store_true", help="size for flash attention (needed by a q8_0/q4_0 KV cache)"
+    )
+    d.add_argument("--sequences", type=_count(1, 256), metavar="N", help="as modeld serve's")
+    d.add_argument(
+        "--kv-unified", action=argparse.BooleanOptionalAction, default=None, help="as modeld serve's"
+    )
+    d.add_argument("--kv-pool-tokens", type=_count(0, 1 << 24), metavar="N", help="as modeld serve's")
+    d.add_argument(
+        "--memory-budget", type=parse_size, metavar="SIZE", help="as modeld serve's (default: 90%% of RAM)"
+    )
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_describe)
 

@@ -50,6 +50,7 @@ __all__ = [
     "TOOL_CHOICES",
     "TOOL_FORMATS",
     "Constraint",
+    "Footprint",
     "SpecialToken",
     "TokenLogprob",
     "TopLogprob",
@@ -228,6 +229,44 @@ class SpecialToken:
 
 
 @dataclass(frozen=True, slots=True)
+class Footprint:
+    """What a model will take in memory here, computed from its file's header before loading
+    (``modeld describe``; blueprint 0009 "Know before you load"). Bytes, not MiB.
+
+    The model's own figures (from the backend): ``weights_bytes`` (its tensors, mapped from the
+    file), ``kv_bytes_per_token`` (one token's K and V over every layer at the session's
+    ``kv_cache_type``), and the engine's compute buffer for a context of ``c`` cells, estimated
+    as ``max(compute_floor_bytes, compute_fixed_bytes + compute_bytes_per_token * c)`` (llama.cpp
+    reserves it for its worst-case micro-batch; with flash attention off it grows by
+    ``num_batch x (heads + 1) x 4`` bytes per cell, and at the trained window it can exceed the KV).
+
+    The configured layout within the memory budget (from the engine): ``layout`` names it
+    (``unified/4:8704``: 4 sequences sharing a pool of 8704 cells; ``split/4``: 4 streams of a
+    window each), ``window`` tokens per sequence (the effective context), ``kv_bytes`` what the
+    layout allocates when the model loads, ``compute_bytes`` at that size, ``overhead_bytes``
+    the stated per-model rest (the worker process), ``total_bytes`` their sum with the weights;
+    ``budget_bytes`` the memory budget, ``max_window`` the largest window whose layout fits in
+    it (0: none; capped at the trained window); ``trained_kv_bytes`` one trained window's KV.
+    """
+
+    weights_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    compute_floor_bytes: int = 0
+    compute_fixed_bytes: int = 0
+    compute_bytes_per_token: int = 0
+    trained_window: int = 0
+    trained_kv_bytes: int = 0
+    layout: str = ""
+    window: int = 0
+    kv_bytes: int = 0
+    compute_bytes: int = 0
+    overhead_bytes: int = 0
+    total_bytes: int = 0
+    budget_bytes: int = 0
+    max_window: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelInfo:
     """What a model can do on this machine, and the identity its manifests carry."""
 
@@ -253,6 +292,7 @@ class ModelInfo:
     special_tokens: tuple[SpecialToken, ...] = ()  # control tokens (vocab_size counts every token)
     tool_format: str = ""  # how the chat template writes tool calls (TOOL_FORMATS); "" unknown
     architecture: str = ""  # the model's architecture (GGUF ``general.architecture``); "" unknown
+    footprint: Footprint = field(default_factory=Footprint)  # what it takes in memory (describe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +362,9 @@ ProgressCallback = Callable[[PrefillProgress], None]
 
 @dataclass(frozen=True, slots=True)
 class SuffixStatus:
-    """``restored_tokens``: prefix tokens re-prefilled because another session displaced them."""
+    """``restored_tokens``: prefix tokens re-prefilled because another session displaced them.
+    ``reused_tokens``: suffix tokens still resident from the session's last turn (the same
+    request sent again, a retry, a rerun with the same first message): not recomputed."""
 
     suffix_tokens: int
     prefix_tokens: int
@@ -332,6 +374,7 @@ class SuffixStatus:
     restored_tokens: int = 0
     prefill_ms: float = 0.0
     restore_ms: float = 0.0
+    reused_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,6 +572,18 @@ class ContextReport:
     changing_segments: tuple[ChangingSegment, ...] = ()
     """Stable segments whose text changed on each of the session's last prefixes (see
     :class:`ChangingSegment`): the likely cause of a prefix that is cold every turn."""
+    tools_token_start: int | None = None
+    """Where the chat template put the tool definitions (``tools_json``) in the prefix's tokens:
+    they are no segment of the text, but often its largest part."""
+    tools_token_end: int | None = None
+    kv_layout: str = ""
+    """How the model's KV is laid out: ``unified/4:8704`` (4 sequences share a pool of 8704
+    cells), ``split/4`` (4 streams of a window each); blueprint 0016."""
+    warm_exact: bool = True
+    """Warm output is bit-identical to a fresh evaluation of the same tokens by construction.
+    False on a unified pool: a context's cells can interleave with other contexts' there, and
+    its output can then differ from a fresh evaluation (the attention sums in another order;
+    it is bit-identical while the context is alone in the pool)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -313,6 +313,8 @@ class ServeOptions:
     num_ctx: int = 0  # context window of HTTP sessions (0: the model's own, as the memory budget allows)
     allowed_origins: tuple[str, ...] = ()  # web origins (besides loopback ones) the HTTP API serves
     max_output_tokens: int = 0  # the HTTP output limit of a request that sets none (0: the window)
+    kv_cache_type: str = "f16"  # KV precision of HTTP sessions (llama-server's -ctk/-ctv)
+    flash_attn: bool = False  # flash attention for HTTP sessions (on for a quantized KV cache)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -479,6 +481,8 @@ def _start_http(
         loopback=is_loopback(address.host),
         bound_host=address.host,
         num_ctx=options.num_ctx,
+        kv_cache_type=options.kv_cache_type,
+        flash_attn=options.flash_attn,
         max_body_bytes=limits.max_message_bytes,
         data_dir=str(options.data_dir),
         allowed_origins=options.allowed_origins,

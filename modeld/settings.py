@@ -21,12 +21,17 @@ class Residency:
 
     sequences: int = 4
     """Warm KV sequences per loaded model (each session's turn runs on its own)."""
-    kv_unified: bool = False
-    """One KV pool shared by every sequence, so a copied prefix is stored once and any sequence
-    may use the whole pool (llama.cpp ``kv_unified``); off: each sequence has its own window of
-    cells, and warm output stays bit-identical to a fresh evaluation (blueprint 0016)."""
+    kv_unified: bool = True
+    """One KV pool shared by every sequence (llama.cpp ``kv_unified``, llama-server's default):
+    any sequence may grow to the whole pool, a copied prefix is stored once, and the pool is
+    one window, so a model takes one window of KV however many sequences it keeps warm (more
+    warm contexts live in the RAM and disk tiers). Warm output is bit-identical to a fresh
+    evaluation while a context is alone in the pool and can differ when contexts share it (the
+    attention sums in another order); ``explain-context`` says which. Off: each sequence has its own window of
+    cells (``sequences`` windows of memory), and warm output is bit-identical by construction.
+    Chosen by measurement: blueprint 0016."""
     pool_tokens: int = 0
-    """With ``kv_unified``: KV cells in the pool (0: ``sequences`` x the window)."""
+    """With ``kv_unified``: KV cells in the pool (0: one window; a smaller pool caps the window)."""
     ram_tier_bytes: int = -1
     """RAM tier budget; -1: a quarter of the RAM available at start (at most 8 GiB); 0: off."""
     disk_tier_bytes: int = -1

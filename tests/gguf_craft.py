@@ -55,6 +55,11 @@ class Tensor:
     type: int
     data: bytes
     offset: int | None = None  # None: placed after the previous one, aligned
+    size: int | None = None  # with empty data: this many zero bytes, left as a hole in the file
+
+
+def _nbytes(t: Tensor) -> int:
+    return len(t.data) if t.size is None else t.size
 
 
 @dataclass
@@ -106,17 +111,24 @@ class GGUF:
         for t in self.tensors:
             position = -(-position // self.alignment) * self.alignment
             offsets.append(position if t.offset is None else t.offset)
-            position += len(t.data)
+            position += _nbytes(t)
         for t, offset in zip(self.tensors, offsets, strict=True):
             out += _string(t.name, e) + struct.pack(f"{e}I", len(t.dims))
             out += b"".join(struct.pack(f"{e}Q", d) for d in t.dims)
             out += struct.pack(f"{e}IQ", t.type, offset)
         out += b"\0" * (-len(out) % self.alignment)
         start = len(out)
+        end = start
         for t, offset in zip(self.tensors, offsets, strict=True):
+            if t.size is not None:  # a hole: the file is extended sparsely below
+                end = max(end, start + offset + t.size)
+                continue
             out += b"\0" * (start + offset - len(out))
             out += t.data
         path.write_bytes(bytes(out))
+        if end > len(out):
+            with path.open("r+b") as f:
+                f.truncate(end)
         return path
 
 

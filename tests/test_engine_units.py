@@ -252,3 +252,48 @@ def test_every_sampler_default_is_in_range_and_the_edges_are_refused_by_name() -
     with pytest.raises(LimitExceededError):
         sampler("logit_bias").check(dict.fromkeys(range(1025), 1.0))
     assert [s.name for s in SAMPLERS if not s.openai] == ["top_k", "min_p", "repeat_penalty"]
+
+
+def test_a_divergence_that_is_only_a_re_tokenization_is_named() -> None:
+    """The model wrote "_tree" as one token; sent back as text it tokenizes as "_", "t", "ree".
+    The tokens differ at k, the bytes do not: the reuse explanation says so (the turn still uses
+    the text's own tokens, so warm output equals a fresh evaluation)."""
+    from modeld.engine.session import _same_text
+
+    pieces = {1: b"def ", 2: b"_tree", 3: b"_", 4: b"t", 5: b"ree", 6: b"(x)", 7: b"_leaf"}
+    had = [1, 2, 6]
+    assert _same_text(pieces.__getitem__, had, [1, 3, 4, 5, 6], 1)
+    assert _same_text(pieces.__getitem__, had, [1, 3, 4], 1)  # one a prefix of the other
+    assert not _same_text(pieces.__getitem__, had, [1, 7, 6], 1)  # an edit
+    assert not _same_text(pieces.__getitem__, had, [9, 3], 1)  # not the same before k
+    assert not _same_text(pieces.__getitem__, had, [1, 2, 6], 3)  # nothing after k
+
+
+def test_explain_context_locates_the_tool_definitions_the_template_rendered() -> None:
+    """Tools are no segment of the text but often the largest part of an agent's prefix: the
+    report says which tokens the template gave them, and they are exactly the tools' JSON."""
+    import json
+
+    import runtime_client as rc
+    from modeld.engine import Engine
+
+    tools = [
+        {"type": "function", "function": {"name": "read_file", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "grep", "description": "Søk", "parameters": {}}},
+    ]
+    request = rc.OpenSessionRequest(
+        type="memory", path="memo", config=rc.Config(num_ctx=4096, prompt_format="chat")
+    )
+    with Engine(backends=("memory",)) as engine:
+        session = engine.open_session(request)
+        text = "You review code.\n"
+        session.ensure_prefix(rc.PrefixInput(text=text, tools_json=json.dumps(tools)))
+        report = session.explain_context()
+        plain = engine.open_session(request)
+        plain.ensure_prefix(rc.PrefixInput(text=text))
+        assert plain.explain_context().tools_token_start is None
+    start, end = report.tools_token_start, report.tools_token_end
+    assert start is not None and end is not None
+    rendered = b"".join(session.model.vocab.piece(t) for t in session._tokens[start:end])
+    want = json.dumps(tools[0], ensure_ascii=False) + "\n" + json.dumps(tools[1], ensure_ascii=False)
+    assert rendered.decode() == want

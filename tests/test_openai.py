@@ -167,10 +167,10 @@ def test_streamed_chat_equals_the_non_streamed_answer_and_ends_with_usage(daemon
     usage = chunks[-1].usage
     assert usage is not None and usage.prompt_tokens == tokens(chatml(messages))
     assert usage.completion_tokens == len(text.encode())
-    # A first turn's stable prefix is its system message; the user's turn is the suffix and is
-    # computed again (ensure_prefix drops what follows the prefix, as the contract says).
+    # The same request sent again reuses it all (ensure_prefix leaves the suffix the last turn
+    # computed in place).
     assert usage.prompt_tokens_details is not None
-    assert usage.prompt_tokens_details.cached_tokens == tokens(chatml(messages[:1], generation=False))
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
 
 
 def test_tools_are_rendered_by_the_models_template(daemon: Daemon) -> None:
@@ -490,3 +490,32 @@ def test_the_generated_llama_model_serves_warm_turns() -> None:
     finally:
         d.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_request_sent_again_reuses_its_suffix_too(daemon: Daemon) -> None:
+    """A retry, or a rerun whose first message is the same (Qwen Code's headless rerun re-sent an
+    8.5k-token first message): the new user turn is still resident from the last turn, so it is
+    reused, not recomputed; the answer is the same."""
+    messages = [*conversation("suffix-again"), {"role": "user", "content": "and again? " * 40}]
+    headers = {"X-Modeld-Conversation": "again"}
+    answers = []
+    for _ in range(2):
+        done = daemon.client.chat.completions.create(
+            model="modeld-tiny", messages=messages, max_tokens=6, extra_headers=headers
+        )
+        assert done.usage is not None and done.usage.prompt_tokens_details is not None
+        answers.append((done.choices[0].message.content, done.usage.prompt_tokens_details.cached_tokens))
+    prompt = tokens(chatml(messages))
+    assert answers[0][1] < prompt and answers[1][1] == prompt
+    assert answers[0][0] == answers[1][0]
+    with daemon.grpc() as client:  # the session says so too
+        session = client.open_session(
+            rc.OpenSessionRequest(type="memory", path="tiny", config=rc.Config(num_ctx=4096))
+        )
+        prefix = session.ensure_prefix(rc.PrefixInput(text="p" * 100))
+        session.prefill_suffix(rc.SuffixInput(text="s" * 50))
+        list(session.decode(rc.DecodeConfig(max_tokens=2)))
+        session.ensure_prefix(rc.PrefixInput(text="p" * 100))
+        again = session.prefill_suffix(rc.SuffixInput(text="s" * 50))
+        assert (prefix.prefilled_tokens, again.reused_tokens, again.restored_tokens) == (101, 50, 0)
+        session.close()

@@ -50,7 +50,9 @@ def _wait_behind_a_decode(data: Path, check: object) -> PrefixStatus:
     with rc.connect(data_dir=data) as client:
         a, b = client.open_session(MODEL), client.open_session(MODEL)
         a.ensure_prefix(PrefixInput(text="session a\n"))
-        stream = a.decode(DecodeConfig(max_tokens=2000, extra={"delay_ms": "20"}))
+        # The memory model ends its answer after ~70 tokens: 200 ms each keeps A decoding for the
+        # whole check (three CLI runs), which 20 ms did not on a loaded machine.
+        stream = a.decode(DecodeConfig(max_tokens=2000, extra={"delay_ms": "200"}))
         next(stream)  # A holds the slot now
         result: list[PrefixStatus] = []
         waiting = threading.Thread(

@@ -92,8 +92,8 @@ def test_bad_durations_are_refused(text: str) -> None:
             "modeld serve: error: --stream-interval is at most 10s (a held token is that much late)",
         ),
         (
-            ["--kv-pool-tokens", "4096"],
-            "modeld serve: error: --kv-pool-tokens sizes the unified KV pool: add --kv-unified",
+            ["--no-kv-unified", "--kv-pool-tokens", "4096"],
+            "modeld serve: error: --kv-pool-tokens sizes the unified KV pool: drop --no-kv-unified",
         ),
         (
             ["--max-text-bytes", "16M"],

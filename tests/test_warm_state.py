@@ -402,6 +402,17 @@ def persisted(tmp_path: Path, tiny: str) -> tuple[Path, str, int]:
     return data, tiny, size
 
 
+@pytest.fixture
+def split_persisted(tmp_path: Path, tiny: str) -> tuple[Path, str, int]:
+    """The same, written from a split context of 4 sequences (``--no-kv-unified``)."""
+    data = tmp_path / "data"
+    residency = Residency(persist_min_tokens=8, kv_unified=False)
+    with Engine(backends=("llama",), data_dir=data, residency=residency) as engine:
+        s = engine.open_session(_request(tiny))
+        size = s.ensure_prefix(PrefixInput(text=WORKSPACES[1])).prefix_tokens
+    return data, tiny, size
+
+
 def _first_turn(data: Path, tiny: str, text: str = WORKSPACES[1]) -> tuple[Any, Engine]:
     engine = Engine(backends=("llama",), data_dir=data)
     session = engine.open_session(_request(tiny))
@@ -516,17 +527,17 @@ def _strip_padding(path: Path) -> None:
 @pytest.mark.llama
 @pytest.mark.parametrize("stored", ["as_written", "one_stream_listed"])
 def test_a_snapshot_comes_back_into_a_context_with_another_number_of_sequences(
-    persisted: tuple[Path, str, int], stored: str
+    split_persisted: tuple[Path, str, int], stored: str
 ) -> None:
     """Written from a split context of 4 sequences (the fixture), restored into one of 3 from
     the mapped file, edited in place (the file stays as it was), or, stored before the padding,
     copied once; the output equals a fresh evaluation."""
-    data, tiny, size = persisted
+    data, tiny, size = split_persisted
     path = _only_file(data)
     if stored == "one_stream_listed":
         _strip_padding(path)
     before = path.read_bytes()
-    engine = Engine(backends=("llama",), data_dir=data, residency=Residency(sequences=3))
+    engine = Engine(backends=("llama",), data_dir=data, residency=Residency(sequences=3, kv_unified=False))
     reference = Reference(tiny)
     try:
         session = engine.open_session(_request(tiny))
@@ -677,8 +688,8 @@ def test_an_idle_model_is_unloaded_beyond_the_budget_and_its_contexts_come_back(
     shutil.copyfile(testmodels.ensure_model(replace(testmodels.TINY, seed=77)), other)
     data = tmp_path / "data"
     with Engine(backends=("llama",), data_dir=data) as probe:
-        cost = max(probe.describe(_request(tiny)).weights_bytes, 1)
-    residency = Residency(memory_budget_bytes=(256 << 20) + 3 * cost + 2048 * 1024, persist_min_tokens=8)
+        cost = probe.describe(_request(tiny)).footprint.total_bytes  # weights, KV, compute, the worker
+    residency = Residency(memory_budget_bytes=cost * 3 // 2, persist_min_tokens=8)  # one model fits, not two
     with Engine(backends=("llama",), data_dir=data, residency=residency) as engine:
         a = engine.open_session(_request(tiny))
         size = a.ensure_prefix(PrefixInput(text=WORKSPACES[0])).prefix_tokens

@@ -33,6 +33,7 @@ __all__ = [
     "stop_process",
     "threaded_wave",
     "tree_peak_rss",
+    "tree_peak_rss_parts",
 ]
 
 
@@ -101,13 +102,25 @@ def reset_peak(pids: list[int]) -> None:
 
 def tree_peak_rss(pids: list[int]) -> int:
     """Sum of VmHWM over the processes: an upper bound of the system's peak resident set."""
-    total = 0
+    return sum(tree_peak_rss_parts(pids).values())
+
+
+def tree_peak_rss_parts(pids: list[int]) -> dict[str, int]:
+    """VmHWM per process, keyed by what the process is: its program, or ``-m`` module
+    (``modeld.cli``: the daemon, ``modeld.workers.child``: an engine worker), with the pid."""
+    out: dict[str, int] = {}
     for pid in pids:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
+            peak = 0
             for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                 if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
-    return total
+                    peak = int(line.split()[1]) * 1024
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            name = Path(argv[0].decode(errors="replace")).name
+            if b"-m" in argv[:-1]:
+                name = argv[argv.index(b"-m") + 1].decode(errors="replace")
+            out[f"{name} {pid}"] = peak
+    return out
 
 
 def settle(pids: list[int], timeout: float = 15.0) -> None:

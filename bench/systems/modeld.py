@@ -12,6 +12,8 @@ the next turn is timed.
 from __future__ import annotations
 
 import functools
+import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,7 @@ from bench.systems.base import TurnResult, process_tree, stop_process, threaded_
 from bench.workloads import Turn, Workload
 from modeld.lease import read_lease
 
-__all__ = ["ModeldSystem", "serve_help"]
+__all__ = ["ModeldSystem", "extra_flags", "pool_flags", "serve_help"]
 
 
 @functools.cache
@@ -37,23 +39,36 @@ def serve_help() -> str:
 
 
 def pool_flags(load: Workload, notes: list[str]) -> list[str]:
-    """The KV-pool option for a workload that needs a small pool, if this modeld has one.
+    """The KV capacity llama-server gets in this workload (its ``-c``: the workload's small pool,
+    or a window per workspace), given to modeld too, so both hold the same warm capacity.
 
-    modeld's default KV layout gives each warm sequence its own window (blueprint 0016), so a pool
-    of ``pool_tokens`` is ``pool_tokens // n_ctx`` sequences (``--sequences``); ``--kv-pool-tokens``
-    only sizes a unified pool."""
-    if not load.pool_tokens:
+    modeld's default KV is one unified pool of one window that every sequence may fill
+    (blueprint 0016): a single-workspace workload needs no flag; with several workspaces the
+    pool is ``--kv-pool-tokens`` cells, as llama-server's ``-c``. A modeld whose default is
+    split streams (before the unified default) gets ``--sequences`` windows instead.
+    ``MODELD_BENCH_CAPACITY=default`` leaves modeld at its default capacity (one window, the rest
+    through the tiers) to measure what several workspaces cost there."""
+    if (load.workspaces <= 1 and not load.pool_tokens) or os.environ.get(
+        "MODELD_BENCH_CAPACITY"
+    ) == "default":
         return []
+    pool = load.pool_tokens or load.workspaces * load.n_ctx
     help_text = serve_help()
+    if "--no-kv-unified" in help_text:
+        return ["--kv-pool-tokens", str(pool)]
     if "--sequences" in help_text:
-        return ["--sequences", str(max(1, load.pool_tokens // load.n_ctx))]
-    if "--kv-pool-tokens" in help_text:
-        return ["--kv-pool-tokens", str(load.pool_tokens)]
+        return ["--sequences", str(max(1, pool // load.n_ctx))]
     notes.append(
-        f"`modeld serve --help` has no `--kv-pool-tokens`: modeld ran with its default pool "
-        f"(the workload asks for {load.pool_tokens} tokens)"
+        f"`modeld serve --help` has no `--sequences`: modeld ran with its default pool "
+        f"(the workload asks for {pool} tokens)"
     )
     return []
+
+
+def extra_flags() -> list[str]:
+    """``MODELD_BENCH_FLAGS``: more ``modeld serve`` flags, to measure a setting against the
+    default (``--no-kv-unified``, ``--sequences 1``); the report prints the command."""
+    return shlex.split(os.environ.get("MODELD_BENCH_FLAGS", ""))
 
 
 class ModeldSystem:
@@ -75,6 +90,7 @@ class ModeldSystem:
             "--listen",
             f"unix:{self.tmp}/s.sock",
             *pool_flags(load, self.notes),
+            *extra_flags(),
         ]
         self.settings: dict[str, Any] = {
             "command": " ".join(["modeld serve --backend llama --listen unix:…", *self.args[10:]]),

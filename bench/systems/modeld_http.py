@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.systems.base import Unsupported, free_port
-from bench.systems.modeld import pool_flags, serve_help
+from bench.systems.modeld import extra_flags, pool_flags, serve_help
 from bench.systems.openai_http import HttpServerSystem
 from bench.workloads import Turn, Workload
 
@@ -52,7 +52,7 @@ class ModeldHttpSystem(HttpServerSystem):
             notes.append(
                 "`modeld serve --help` has no context-size flag: the endpoint chose its own context size"
             )
-        flags += pool_flags(load, notes)
+        flags += pool_flags(load, notes) + extra_flags()
         data = Path(tempfile.mkdtemp(prefix="mdh"))
         args = [
             sys.executable,

@@ -65,6 +65,10 @@ class Layout:
     ``snapshot_format`` names what a snapshot blob is compatible with (engine build and KV
     layout); a blob is only ever restored into a runtime that reports the same string.
     ``kv_bytes_per_token`` is the KV cost of one resident token (all layers, K and V).
+    ``exact``: a warm context's output is bit-identical to a fresh evaluation of the same tokens
+    by construction (False for llama.cpp's unified pool, where a context's cells can interleave
+    with other contexts' and the attention then sums in another order: blueprint 0016).
+    ``name`` says how the KV is laid out (``unified/4:8704``, ``split/4``), for people.
     """
 
     n_seq: int
@@ -76,6 +80,8 @@ class Layout:
     explicit: bool = True
     snapshot_format: str = ""
     kv_bytes_per_token: int = 0
+    exact: bool = True
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +90,10 @@ class LoadOptions:
 
     ``n_seq`` sequences of ``window`` tokens each. ``unified``: one KV pool of ``pool_tokens``
     cells that every sequence may fill up to its window, sharing copied prefixes (llama.cpp's
-    ``kv_unified``); otherwise each sequence has its own ``window`` cells (``pool_tokens`` is then
-    ``n_seq * window``). ``threads`` 0 means the backend's default.
+    ``kv_unified``; the default is a pool of one window, as llama-server's ``-np auto``);
+    otherwise each sequence has its own ``window`` cells (``pool_tokens`` is then
+    ``n_seq * window``). ``threads`` 0 means the backend's default. Planned by
+    :func:`modeld.backends.sizing.plan_layout` within the memory budget.
     """
 
     n_seq: int

@@ -116,6 +116,9 @@ class GGUFInfo:
     weights_bytes: int
     file_type: int
     tokenizer_model: str = ""  # gpt2 (byte-level BPE), llama (SentencePiece), ...
+    heads: int = 0  # query heads (the largest layer's); 0 without attention
+    embedding_length: int = 0
+    feed_forward_length: int = 0  # the largest layer's
     special_tokens: tuple[tuple[int, str, str], ...] = ()  # (id, text, kind): see special_tokens()
     identity: FileIdentity | None = None  # the file when it was described (see probe.changed)
 
@@ -283,6 +286,9 @@ def _describe(f: ModelFile, digest: str) -> GGUFInfo:
         weights_bytes=h.weights_bytes,
         file_type=int(h.py("general.file_type", -1) or -1),
         tokenizer_model=model_kind,
+        heads=heads,
+        embedding_length=embd,
+        feed_forward_length=max(h.integers(hp("feed_forward_length")) or [0]),
         special_tokens=special_tokens(h, tokens),
         identity=f.identity,
     )

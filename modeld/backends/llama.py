@@ -13,12 +13,14 @@ import importlib.metadata
 import importlib.util
 
 from modeld.backends.base import LoadOptions, ModelRuntime
-from modeld.backends.gguf_meta import kv_bytes_per_token, read_gguf
+from modeld.backends.gguf_meta import GGUFInfo, kv_bytes_per_token, read_gguf
 from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, check_digest, model_info
 from modeld.contract import (
     CONSTRAINT_KINDS,
     Capabilities,
+    Config,
     DecodeConfig,
+    Footprint,
     ModelInfo,
     OpenSessionRequest,
     SpecialToken,
@@ -26,10 +28,37 @@ from modeld.contract import (
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
-__all__ = ["LlamaBackend", "backend_version"]
+__all__ = ["LlamaBackend", "backend_version", "model_footprint"]
 
 
 QUANTIZED_KV = ("q8_0", "q4_0")
+
+
+def model_footprint(meta: GGUFInfo, config: Config) -> Footprint:
+    """The model's own memory figures, from its header (``Footprint``'s first five fields).
+
+    The compute buffer is llama.cpp's worst-case graph for one micro-batch of ``b = num_batch``
+    tokens over ``c`` cells: with flash attention off, the attention scores and the mask
+    (``b x c x (heads + 1) x 4`` bytes) plus a feed-forward's activations
+    (``b x (ff + embedding) x 4``); with it on, the f16 mask (``b x c x 2``) plus
+    ``b x ff x 16``; never less than the output logits (``b x (vocab x 4 + embedding x 8)``).
+    Checked against llama.cpp's own "compute buffer size" (tests/test_describe_footprint.py):
+    within 4% on the test models from 2k to 32k cells, both settings."""
+    b = config.num_batch
+    ff, embd = meta.feed_forward_length, meta.embedding_length
+    if meta.recurrent:
+        per_token, fixed = 0, b * (ff + embd) * 4
+    elif config.flash_attn:
+        per_token, fixed = b * 2, b * ff * 16
+    else:
+        per_token, fixed = b * (meta.heads + 1) * 4, b * (ff + embd) * 4
+    return Footprint(
+        weights_bytes=meta.weights_bytes,
+        kv_bytes_per_token=kv_bytes_per_token(meta, config.kv_cache_type),
+        compute_floor_bytes=b * (meta.vocab_size * 4 + embd * 8),
+        compute_fixed_bytes=fixed,
+        compute_bytes_per_token=per_token,
+    )
 
 
 def backend_version() -> str:
@@ -86,6 +115,7 @@ class LlamaBackend:
                 constraints=CONSTRAINT_KINDS,
             ),
             special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),
+            footprint=model_footprint(meta, config),
         )
 
     def load(self, request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> ModelRuntime:
@@ -93,7 +123,7 @@ class LlamaBackend:
         if info.effective_context <= 0:
             raise ModelLoadError(
                 f"not enough memory for any context on {request.path!r}: the memory budget, less "
-                f"{info.weights_bytes} bytes of weights and {MODEL_OVERHEAD_BYTES >> 20} MiB of buffers, holds no KV",
+                f"{info.weights_bytes} bytes of weights and {MODEL_OVERHEAD_BYTES >> 20} MiB for the process, holds no KV",
                 path=request.path,
             )
         from modeld.backends.llama_runtime import LlamaRuntime

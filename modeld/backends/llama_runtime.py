@@ -7,13 +7,14 @@ sequence's state in and out (``llama_state_seq_get_data`` / ``set_data``). Desig
 ``blueprints/0009-llama-backend.md`` and ``blueprints/0016-warm-state.md``. The points that
 matter for correctness:
 
-* **Two KV layouts.** *Split* (the default): every sequence has its own stream of ``window``
-  cells, so a sequence's tokens sit at the cells a fresh context would use and warm output is
-  bit-identical to a fresh evaluation; a copy is a state copy (get, set, cut). *Unified*
-  (``kv_unified``): one pool every sequence may fill; a copy only tags the shared cells, so a
-  prefix shared by sub-agents is stored once, but a sequence's cells land wherever the pool has
-  room, and attention then sums in another order: logits differ at rounding level from a fresh
-  evaluation (measured in the blueprint).
+* **Two KV layouts.** *Unified* (``kv_unified``, the default: one pool of one window): every
+  sequence may fill the pool; a copy only tags the shared cells, so a prefix shared by
+  sub-agents is stored once, but a sequence's cells land wherever the pool has room, and when
+  other sequences hold cells attention sums in another order: logits differ from a fresh
+  evaluation (measured in blueprint 0016; a sequence alone in the pool is bit-identical).
+  *Split*: every sequence has its own stream of ``window`` cells, so a sequence's tokens sit at
+  the cells a fresh context would use and warm output is bit-identical to a fresh evaluation; a
+  copy is a state copy (get, set, cut).
 * **Numerics of batches.** A *single-token* batch takes another kernel path (~1e-3 relative
   difference); prefill never evaluates a lone token when it can avoid it: a 1-token remainder
   borrows a token from the previous batch, and a 1-token tail re-evaluates the token before it.
@@ -178,17 +179,20 @@ class LlamaRuntime:
         self._create_context(n_ctx, n_seq, unified, _threads(options.threads))
         total = int(_llama.llama_n_ctx(self._ctx))
         window = min(options.window, total) if unified else min(options.window, total // n_seq)
-        # A split context's sequence blob lists every stream (empty ones as a zero cell count);
-        # stored with the empty streams taken out, it fits a context with any number of streams,
-        # so changing --sequences (or the memory budget doing it) keeps the disk tier usable.
-        self._portable = not unified and not (recurrent or hybrid or swa > 0)
+        # A sequence's blob lists every stream of its context (empty ones as a zero cell count;
+        # a unified pool has one stream). Stored as its own cells followed by empty streams, it
+        # fits a context with any number of streams, split or unified: changing --sequences or
+        # --kv-unified (or the memory budget doing it) keeps the disk tier usable. The format
+        # string names that blob format ("split", as written before the unified default).
+        self._unified = unified
+        self._portable = not (recurrent or hybrid or swa > 0)
         self._n_stream = 1 if unified else n_seq
         if recurrent:
             layout_name = "recurrent"
-        elif unified:
-            layout_name = "unified"
         elif self._portable:
             layout_name = "split"
+        elif unified:
+            layout_name = "unified"
         else:
             layout_name = f"split/{n_seq}"
         self._layout = Layout(
@@ -201,6 +205,8 @@ class LlamaRuntime:
             explicit=True,
             snapshot_format=f"llama.cpp {_llama.__version__} {layout_name}",
             kv_bytes_per_token=info.kv_bytes_per_token,
+            exact=not unified,
+            name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._fresh = -1  # the sequence whose last token's logits are in the context, or -1
@@ -449,14 +455,15 @@ class LlamaRuntime:
             raise EngineError(f"llama.cpp could not save sequence {seq} ({got} of {size} bytes)")
         del out[got:]
         if self._portable:
-            return self._one_stream(memoryview(out), seq)
+            return self._one_stream(memoryview(out), 0 if self._unified else seq)
         return typing.cast(bytes, out)  # nobody writes to it: bytes without another copy
 
     def _one_stream(self, raw: memoryview, seq: int) -> bytes:
-        """A split blob in a form any split context can load. The blob is llama.cpp's ``u32
-        magic, i32 source sequence``, then the KV cache's ``u32 n_stream`` and, per stream, a
-        ``u32`` cell count followed (when not 0) by that stream's cells. Only the sequence's own
-        stream (``seq``) holds cells; the others are 4 zero bytes each, before and after it.
+        """A sequence's blob in a form any split or unified context can load. The blob is
+        llama.cpp's ``u32 magic, i32 source sequence``, then the KV cache's ``u32 n_stream`` and,
+        per stream, a ``u32`` cell count followed (when not 0) by that stream's cells. Only the
+        sequence's own stream (index ``seq``: the sequence's stream in a split context, 0 in a
+        unified pool) holds cells; the others are 4 zero bytes each, before and after it.
 
         Stored: the sequence's cells first, then ``_LISTED - 1`` empty streams (1 KB). A context
         with ``n`` streams loads it after one in-place edit, ``n_stream := n``: llama.cpp reads a

@@ -214,6 +214,9 @@ class MemoryRuntime:
             explicit=True,
             snapshot_format=f"{BACKEND_VERSION} {'unified' if options.unified else 'split'}",
             kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+            name=f"unified/{options.n_seq}:{options.pool_tokens}"
+            if options.unified
+            else f"split/{options.n_seq}",
         )
         self._seqs: list[list[int]] = [[] for _ in range(options.n_seq)]
 

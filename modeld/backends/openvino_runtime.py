@@ -114,6 +114,7 @@ class OpenVINORuntime:
             explicit=False,
             snapshot_format="",
             kv_bytes_per_token=info.kv_bytes_per_token,
+            name=f"openvino/{n_seq}",
         )
         self._pipe = self._build(config, n_seq * options.window, options.threads)
         tokenizer = self._pipe.get_tokenizer()

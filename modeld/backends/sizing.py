@@ -10,33 +10,58 @@ whatever else the machine is doing. The effective
 context is part of a session's runtime identity, so a size taken from the free memory of the
 moment could turn a warm prefix cold when another process came or went, or when the model's own
 weights were mapped.
+
+The engine then caps the context by the memory budget under the configured KV layout
+(:func:`max_window`) and plans that layout (:func:`plan_layout`, blueprint 0016): a unified pool
+of one window that every sequence may fill (the default, llama-server's ``-np auto``), or split
+streams of a full window each (``kv_unified`` off: warm output bit-identical to a fresh
+evaluation by construction, ``n`` windows of memory). :func:`footprint` says what the model will
+take (weights, KV, the engine's compute buffer, the per-model rest) under that layout, and the
+largest window that fits the budget (:class:`~modeld.contract.Footprint`; ``modeld describe``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 import psutil
 
+from modeld.backends.base import LoadOptions
 from modeld.backends.probe import MAX_SHOWN_PATH, show_path
-from modeld.contract import Capabilities, ModelInfo, OpenSessionRequest, SpecialToken
+from modeld.contract import Capabilities, Footprint, ModelInfo, OpenSessionRequest, SpecialToken
 from modeld.decoding.tools import detect_format
 from modeld.errors import ModelLoadError
 
 __all__ = [
+    "CELL_PAD",
     "MODEL_OVERHEAD_BYTES",
     "ModelFacts",
     "check_digest",
+    "compute_bytes",
     "default_memory_budget",
     "effective_context",
+    "footprint",
+    "layout_name",
+    "max_window",
     "model_info",
+    "plan_layout",
 ]
 
 BUDGET_SHARE = 0.9
 """The default memory budget: this share of the machine's RAM (``--memory-budget``)."""
-MODEL_OVERHEAD_BYTES = 256 << 20
-"""Memory counted per loaded model beyond its weights and KV (compute buffers, the worker
-process): by describe when it sizes the context, and by the engine when it loads the model."""
+MODEL_OVERHEAD_BYTES = 128 << 20
+"""Memory counted per loaded model beyond its weights, KV and compute buffer: the worker process
+(Python, modeld, llama.cpp's own small buffers). Measured on the test models: the worker's
+anonymous memory outside the KV and compute buffers is 40-125 MiB (``python -m bench.kv_layout
+memory``; blueprint 0016)."""
+UNKNOWN_COMPUTE_BYTES = 128 << 20
+"""The compute buffer counted for a model whose footprint does not estimate one (OpenVINO, the
+memory backend)."""
+CELL_PAD = 256
+"""llama.cpp pads a context to a multiple of 256 cells: windows are planned in these steps."""
+_MAX_WINDOW = 1 << 24
 
 
 def default_memory_budget() -> int:
@@ -62,15 +87,151 @@ def effective_context(
     memory_budget: int | None,
     weights_bytes: int,
     kv_bytes_per_token: int,
+    compute_floor_bytes: int = UNKNOWN_COMPUTE_BYTES,
 ) -> int:
     """The context a session gets (see the module docstring; ``memory_budget`` None: the
-    default)."""
+    default). ``compute_floor_bytes``: the smallest compute buffer the engine reserves (the
+    footprint's estimate, when the backend makes one); the engine's layout plan then counts the
+    buffer at the window's size."""
     budget = default_memory_budget() if memory_budget is None else memory_budget
     if kv_bytes_per_token <= 0:
         fits = requested
     else:
-        fits = max(0, (budget - weights_bytes - MODEL_OVERHEAD_BYTES) // kv_bytes_per_token)
+        rest = MODEL_OVERHEAD_BYTES + compute_floor_bytes
+        fits = max(0, (budget - weights_bytes - rest) // kv_bytes_per_token)
     return max(0, min(trained or requested, requested, fits))
+
+
+def compute_bytes(fp: Footprint, cells: int) -> int:
+    """The engine's compute buffer for a context of ``cells`` cells (the model's estimate;
+    :data:`UNKNOWN_COMPUTE_BYTES` when it has none)."""
+    if not (fp.compute_floor_bytes or fp.compute_fixed_bytes or fp.compute_bytes_per_token):
+        return UNKNOWN_COMPUTE_BYTES
+    return max(fp.compute_floor_bytes, fp.compute_fixed_bytes + fp.compute_bytes_per_token * max(0, cells))
+
+
+def layout_name(options: LoadOptions) -> str:
+    """``unified/4:8704`` (4 sequences sharing 8704 cells) or ``split/4`` (4 streams of a window)."""
+    if options.unified:
+        return f"unified/{options.n_seq}:{options.pool_tokens}"
+    return f"split/{options.n_seq}"
+
+
+def plan_layout(
+    *,
+    sequences: int,
+    unified: bool,
+    pool_tokens: int,
+    window: int,
+    fp: Footprint,
+    room: int | None,
+) -> tuple[LoadOptions, str]:
+    """The KV layout a model loads with: ``sequences`` sequences of ``window`` tokens, in a
+    unified pool (``pool_tokens`` cells, 0: one window) or in split streams of a window each.
+    A window larger than the pool is cut to the pool. ``room``: the bytes the memory budget
+    leaves for this model (None: no limit). A split
+    layout that does not fit gets fewer sequences (at least 1); a unified pool that does not fit
+    is made smaller, and the window with it. Returns the options and a note for the log ("" when
+    the settings fit as asked)."""
+    n_seq = max(1, sequences)
+    if unified:
+        pool = pool_tokens or window
+        options = LoadOptions(n_seq=n_seq, window=min(window, pool), pool_tokens=pool, unified=True)
+    else:
+        options = LoadOptions(n_seq=n_seq, window=window, pool_tokens=n_seq * window)
+    if room is None or fp.kv_bytes_per_token <= 0:
+        return options, ""
+
+    def cost(o: LoadOptions) -> int:
+        cells = o.pool_tokens if o.unified else o.window
+        return (
+            fp.weights_bytes
+            + o.pool_tokens * fp.kv_bytes_per_token
+            + compute_bytes(fp, cells)
+            + MODEL_OVERHEAD_BYTES
+        )
+
+    if cost(options) <= room:
+        return options, ""
+    if not unified:
+        while options.n_seq > 1 and cost(options) > room:
+            options = replace(options, n_seq=options.n_seq - 1, pool_tokens=(options.n_seq - 1) * window)
+        if cost(options) <= room:
+            return (
+                options,
+                f"{n_seq} sequences of {window} tokens would not fit in the memory budget; using {options.n_seq}",
+            )
+    fits = _largest(lambda w: cost(_resized(options, w)) <= room, options.pool_tokens if unified else window)
+    if fits <= 0:
+        return options, ""  # nothing fits: the load is refused by the budget check (with its numbers)
+    resized = _resized(options, fits)
+    return resized, (
+        f"a {layout_name(options)} KV of {window}-token windows would not fit in the memory budget; "
+        f"using {layout_name(resized)} with {resized.window}-token windows"
+    )
+
+
+def _resized(options: LoadOptions, cells: int) -> LoadOptions:
+    """``options`` with its pool (unified) or windows (split) made ``cells`` cells."""
+    if options.unified:
+        return replace(options, window=min(options.window, cells), pool_tokens=cells)
+    return replace(options, window=cells, pool_tokens=options.n_seq * cells)
+
+
+def _largest(fits: Callable[[int], bool], upper: int) -> int:
+    """The largest multiple of :data:`CELL_PAD` up to ``upper`` for which ``fits`` holds (0: none);
+    ``fits`` must be monotonic (true up to some size, false beyond)."""
+    lo, hi = 0, max(0, upper) // CELL_PAD
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * CELL_PAD):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * CELL_PAD
+
+
+def max_window(fp: Footprint, *, unified: bool, pool_tokens: int, budget: int, trained: int) -> int:
+    """The largest window whose smallest layout fits in ``budget``: one split stream, or a unified
+    pool of one window (a unified pool of ``pool_tokens`` cells when that is set: no window is
+    larger than its pool). Capped at the trained window (``trained``, 0: unknown); a window
+    found by search is a multiple of :data:`CELL_PAD`."""
+    upper = min(trained or _MAX_WINDOW, _MAX_WINDOW)
+    if fp.kv_bytes_per_token <= 0:
+        return upper
+
+    def fits(cells: int) -> bool:
+        total = (
+            fp.weights_bytes + cells * fp.kv_bytes_per_token + compute_bytes(fp, cells) + MODEL_OVERHEAD_BYTES
+        )
+        return total <= budget
+
+    if unified and pool_tokens:
+        if fits(pool_tokens):
+            return min(upper, pool_tokens)
+        upper = min(upper, pool_tokens)
+    best = _largest(fits, upper)
+    return upper if best and fits(upper) else best
+
+
+def footprint(fp: Footprint, options: LoadOptions, *, budget: int, trained: int, max_fit: int) -> Footprint:
+    """``fp`` (the model's own figures) completed with the layout ``options`` within ``budget``."""
+    cells = options.pool_tokens if options.unified else options.window
+    kv = options.pool_tokens * fp.kv_bytes_per_token
+    compute = compute_bytes(fp, cells)
+    return replace(
+        fp,
+        trained_window=trained,
+        trained_kv_bytes=trained * fp.kv_bytes_per_token,
+        layout=layout_name(options),
+        window=options.window,
+        kv_bytes=kv,
+        compute_bytes=compute,
+        overhead_bytes=MODEL_OVERHEAD_BYTES,
+        total_bytes=fp.weights_bytes + kv + compute + MODEL_OVERHEAD_BYTES,
+        budget_bytes=budget,
+        max_window=max_fit,
+    )
 
 
 class ModelFacts(Protocol):
@@ -112,16 +273,19 @@ def model_info(
     device: str,
     capabilities: Capabilities,
     special_tokens: tuple[SpecialToken, ...],
+    footprint: Footprint | None = None,
 ) -> ModelInfo:
     """The one assembly of a model file's description (``memory_budget`` None: the default)."""
     config = request.config
     trained = facts.context_length or config.num_ctx
+    fp = footprint or Footprint(weights_bytes=facts.weights_bytes, kv_bytes_per_token=kv_bytes_per_token)
     effective = effective_context(
         trained=trained,
         requested=config.num_ctx,
         memory_budget=memory_budget,
         weights_bytes=facts.weights_bytes,
         kv_bytes_per_token=kv_bytes_per_token,
+        compute_floor_bytes=compute_bytes(fp, 0),
     )
     return ModelInfo(
         backend=backend,
@@ -146,4 +310,6 @@ def model_info(
         special_tokens=special_tokens,
         tool_format=detect_format(facts.chat_template),
         architecture=facts.architecture,
+        footprint=footprint
+        or Footprint(weights_bytes=facts.weights_bytes, kv_bytes_per_token=kv_bytes_per_token),
     )

@@ -111,7 +111,14 @@ class Hold:
         unknown) and its error is raised."""
         target = self.target
         tokens = self.context.tokens
-        if self.keep >= len(target) and len(tokens) == len(target) and tokens == target:
+        if (
+            self.keep >= len(target)
+            and tokens[: len(target)] == target
+            and (len(tokens) == len(target) or self.stage == "prefix")
+        ):
+            # Resident already. A prefix leaves whatever follows it in place until the next
+            # operation: when that is a suffix the last turn already computed (the same request
+            # again, a retry), it is reused instead of recomputed.
             return Synced(0, 0.0)
         keep = self.keep
         started = time.monotonic()

@@ -27,7 +27,14 @@ import psutil
 from modeld import __version__
 from modeld.backends import Backend, load_backend
 from modeld.backends.base import LoadOptions
-from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, default_memory_budget
+from modeld.backends.sizing import (
+    MODEL_OVERHEAD_BYTES,
+    compute_bytes,
+    default_memory_budget,
+    footprint,
+    max_window,
+    plan_layout,
+)
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers, default_budgets
@@ -180,7 +187,8 @@ class Engine:
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         request = validate_request(request, self.limits)
-        return self.backend(self._resolve_type(request)).describe(request, memory_budget=self.memory_budget)
+        kind = self._resolve_type(request)
+        return self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
         request = validate_request(request, self.limits)
@@ -189,7 +197,7 @@ class Engine:
         epoch = self.owner.check_open(request.fence)
         kind = self._resolve_type(request)
         self._check_session_room()
-        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
+        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
         config = request.config
         if config.prompt_format not in info.capabilities.prompt_formats:
             raise UnsupportedError(
@@ -242,7 +250,7 @@ class Engine:
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
-        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
+        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
@@ -261,7 +269,7 @@ class Engine:
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
-        info = self.backend(kind).describe(request, memory_budget=self.memory_budget)
+        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
@@ -298,33 +306,53 @@ class Engine:
             with self._lock:
                 model.sessions -= 1
 
-    def _options(self, kind: str, info: ModelInfo, config_window: int, threads: int) -> LoadOptions:
-        """How many sequences, of how many cells: the settings, within the memory budget.
+    def _unified(self, kind: str) -> bool:
+        return self.residency.kv_unified and kind in ("llama", "memory")
 
-        A split KV reserves ``n_seq * window`` cells when the model loads, so ``sequences`` is
-        lowered (to 1 at least) until the pool fits in what the budget leaves after the loaded
-        models and this model's weights."""
+    def _plan(self, kind: str, info: ModelInfo, window: int, room: int | None) -> tuple[LoadOptions, str]:
         r = self.residency
-        unified = r.kv_unified and kind in ("llama", "memory")
-        n_seq = max(1, r.sequences)
-        per_seq = config_window * max(0, info.kv_bytes_per_token)
-        if not unified and per_seq > 0:
-            with self._lock:
-                used = sum(m.cost for m in self._models.values())
-            room = self.memory_budget - used - info.weights_bytes - MODEL_OVERHEAD_BYTES
-            n_seq = max(1, min(n_seq, room // per_seq))
-            if n_seq < r.sequences:
-                log.warning(
-                    "%s: %d sequences of %d tokens would not fit in the memory budget; using %d",
-                    info.path,
-                    r.sequences,
-                    config_window,
-                    n_seq,
-                )
-        pool = (r.pool_tokens or n_seq * config_window) if unified else n_seq * config_window
-        return LoadOptions(
-            n_seq=n_seq, window=config_window, pool_tokens=pool, unified=unified, threads=threads
+        return plan_layout(
+            sequences=r.sequences,
+            unified=self._unified(kind),
+            pool_tokens=r.pool_tokens,
+            window=window,
+            fp=info.footprint,
+            room=room,
         )
+
+    def _sized(self, kind: str, info: ModelInfo) -> ModelInfo:
+        """``info`` with its context capped by what fits in the memory budget under the configured
+        KV layout, and its footprint completed with that layout (``modeld describe``)."""
+        fp = info.footprint
+        if fp.kv_bytes_per_token <= 0:
+            return info
+        fit = max_window(
+            fp,
+            unified=self._unified(kind),
+            pool_tokens=self.residency.pool_tokens,
+            budget=self.memory_budget,
+            trained=info.model_max_context,
+        )
+        effective = min(info.effective_context, fit)
+        options, _ = self._plan(kind, info, effective, self.memory_budget)  # loaded alone
+        return replace(
+            info,
+            effective_context=effective,
+            footprint=footprint(
+                fp, options, budget=self.memory_budget, trained=info.model_max_context, max_fit=fit
+            ),
+        )
+
+    def _options(self, kind: str, info: ModelInfo, config_window: int, threads: int) -> LoadOptions:
+        """How many sequences, of how many cells: the settings, within the memory budget
+        (:func:`~modeld.backends.sizing.plan_layout`: a split KV gets fewer sequences, a unified
+        pool a smaller size, when the budget left after the loaded models is short)."""
+        with self._lock:
+            used = sum(m.cost for m in self._models.values())
+        options, note = self._plan(kind, info, config_window, self.memory_budget - used)
+        if note:
+            log.warning("%s: %s", info.path, note)
+        return replace(options, threads=threads)
 
     def _isolation(self, kind: str) -> str:
         chosen = self.residency.isolation
@@ -353,9 +381,11 @@ class Engine:
                         model.supervisor.revive()  # a client asks for it again: retry
                     return model
             options = self._options(kind, info, request.config.num_ctx, request.config.num_threads)
+            cells = options.pool_tokens if options.unified else options.window
             cost = (
                 info.weights_bytes
                 + options.pool_tokens * max(0, info.kv_bytes_per_token)
+                + compute_bytes(info.footprint, cells)
                 + MODEL_OVERHEAD_BYTES
             )
             self._make_room_for_load(cost)

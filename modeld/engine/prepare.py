@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -91,6 +92,7 @@ class PreparedPrefix:
     manifest: ContextManifest
     chat: ChatState | None
     ends: list[int]
+    tools: tuple[int, int] | None = None  # the tool definitions' token range, when located
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,26 @@ def prepare_prefix(
     if spans:
         manifest = _with_token_ranges(manifest, ends, spans, 0)
     manifest = replace(manifest, stable_token_hash=token_hash(tokens))
-    return PreparedPrefix(tokens=tokens, manifest=manifest, chat=chat, ends=ends)
+    tools_span = _tools_tokens(text, chat.tools if chat is not None else None, ends)
+    return PreparedPrefix(tokens=tokens, manifest=manifest, chat=chat, ends=ends, tools=tools_span)
+
+
+def _tools_tokens(text: str, tools: list[Any] | None, ends: Sequence[int]) -> tuple[int, int] | None:
+    """The token range of the tool definitions in a rendered prefix: from the first tool's JSON
+    to the last's, as the template wrote them (``tojson``); None when they are not found so."""
+    if not tools:
+        return None
+    data = text.encode("utf-8")
+    first = json.dumps(tools[0], ensure_ascii=False).encode()
+    last = json.dumps(tools[-1], ensure_ascii=False).encode()
+    start = data.find(first)
+    if start < 0:
+        return None
+    end_at = data.find(last, start)
+    if end_at < 0:
+        return None
+    end = end_at + len(last)
+    return bisect.bisect_right(ends, start), bisect.bisect_left(ends, end) + 1
 
 
 def suffix_manifest(

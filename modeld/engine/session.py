@@ -135,6 +135,7 @@ class EngineSession:
         self._chat: ChatState | None = None
         self._tools_json = ""  # the chat prefix's tools (what a decode's tool calls may name)
         self._chat_format = config.prompt_format == "chat"
+        self._tools_tokens: tuple[int, int] | None = None  # where the template put them
         self._churn = SegmentChurn()
         self._prefix_status: PrefixStatus | None = None
         self._turn = _Turn()
@@ -170,6 +171,7 @@ class EngineSession:
             prep = self._prepare.prefix(prefix)
             tokens = prep.tokens
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
+            had = list(self._tokens)
             head = self._head(tokens)
             with self.model.cache.hold(
                 self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
@@ -180,9 +182,12 @@ class EngineSession:
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
             self._tools_json = prefix.tools_json if prep.chat is not None else ""
+            self._tools_tokens = prep.tools
             self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
-            self._prefix_status = self._status(prep, hold, synced, dropped=max(0, before - hold.keep))
+            self._prefix_status = self._status(
+                prep, hold, synced, dropped=max(0, before - hold.keep), had=had
+            )
             return self._prefix_status
 
     def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
@@ -209,6 +214,7 @@ class EngineSession:
                 restored_tokens=max(0, self._n_prefix - hold.keep),
                 prefill_ms=round(synced.ms, 3),
                 restore_ms=round(hold.restore_ms, 3),
+                reused_tokens=max(0, hold.keep - self._n_prefix),
             )
 
     def decode(self, config: DecodeConfig) -> EngineDecodeStream:
@@ -300,6 +306,10 @@ class EngineSession:
             pinned=self.slot.pinned,
             keep_alive_seconds=self.slot.keep_alive or 0.0,
             changing_segments=self._churn.changing(),
+            tools_token_start=self._tools_tokens[0] if self._tools_tokens else None,
+            tools_token_end=self._tools_tokens[1] if self._tools_tokens else None,
+            kv_layout=model.layout.name,
+            warm_exact=model.layout.exact,
         )
 
     def interrupt(self, cause: ModeldError | None = None) -> None:
@@ -435,12 +445,22 @@ class EngineSession:
             raise self._end.error()
         return synced
 
-    def _status(self, prep: PreparedPrefix, hold: Hold, synced: Synced, dropped: int) -> PrefixStatus:
-        """An ensure_prefix's accounting; a divergence names its byte in the prefix too."""
+    def _status(
+        self, prep: PreparedPrefix, hold: Hold, synced: Synced, dropped: int, had: list[int]
+    ) -> PrefixStatus:
+        """An ensure_prefix's accounting; a divergence names its byte in the prefix too, and says
+        when the text there is the same and only its tokens differ (:func:`_same_text`)."""
         decision = hold.decision
         if decision.diverged_at_token is not None:
             k = decision.diverged_at_token
             decision = replace(decision, diverged_at_byte=prep.ends[k - 1] if k > 0 else 0)
+            if _same_text(self.model.vocab.piece, had, prep.tokens, k):
+                decision = replace(
+                    decision,
+                    message=f"{decision.message}; the text there is the same, its tokens are not: the model "
+                    "wrote it as a split the tokenizer does not make (the turn uses the text's own "
+                    "tokens, so its output equals a fresh evaluation)",
+                )
         n = len(prep.tokens)
         return PrefixStatus(
             reused_tokens=hold.keep,
@@ -474,3 +494,20 @@ class EngineSession:
             self._end.running = None
         self._tokens.extend(emitted)
         self._turn.computed += len(emitted)
+
+
+_SAME_TEXT_TOKENS = 64
+"""How far past a divergence :func:`_same_text` compares the two token lists' bytes."""
+
+
+def _same_text(piece: Callable[[int], bytes], had: list[int], now: list[int], k: int) -> bool:
+    """Whether the session's earlier tokens and the new ones, which first differ at ``k``, spell
+    the same bytes there (one a prefix of the other): a re-tokenization, not an edit. Generated
+    text comes back in the history as text, and random-weight models often sample a split the
+    tokenizer does not make; the turn then recomputes from ``k`` on."""
+    if k >= len(had) or k >= len(now) or had[:k] != now[:k]:
+        return False
+    a = b"".join(piece(t) for t in had[k : k + _SAME_TEXT_TOKENS])
+    b = b"".join(piece(t) for t in now[k : k + _SAME_TEXT_TOKENS])
+    n = min(len(a), len(b))
+    return n > 0 and a[:n] == b[:n]

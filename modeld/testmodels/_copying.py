@@ -130,13 +130,13 @@ _MATCH_SCORE: Final = 60.0
 # _CONTROL_PENALTY logits.
 _COPY_LOGIT: Final = 40.0
 _CONTROL_PENALTY: Final = 8.0
-# Filler layers: RMS of each block's output per residual dimension (the residual's is ~1.5).
+# Filler layers: RMS of each block's output per residual dimension (the residual's is ~2.1).
 _FILLER_GAIN: Final = 2e-3
 
 CIRCUIT_LAYERS: Final = 11
 
 
-def slot(name: str) -> slice:
+def _slot(name: str) -> slice:
     start = _SLOT0 + _SLOT_NAMES.index(name) * CODE_DIM
     return slice(start, start + CODE_DIM)
 
@@ -276,12 +276,15 @@ def _occupied() -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
 
 _OCCUPIED: Final = _occupied()
 
-# FFN units: 2 per element-wise product coordinate, 2 per erased / moved / fallback coordinate.
-_FFN_UNITS_NEEDED: Final = max(
-    2 * CODE_DIM * (len(f.products) + len(f.erase) + int(f.move_e_to_x) + int(f.fallback_from is not None))
-    + 2 * int(f.control_bias)
-    for _, f in _SCHEDULE
-)
+
+def _units_needed(ffn: _Ffn) -> int:
+    """SwiGLU units of an FFN (as ``_ffn`` allocates them): 2 per coordinate of each product,
+    erased slot, move and fallback, each group aligned to 32; 4 for the control dim."""
+    groups = len(ffn.products) + len(ffn.erase) + int(ffn.move_e_to_x) + int(ffn.fallback_from is not None)
+    return groups * -(-2 * CODE_DIM // 32) * 32 + 4 * int(ffn.control_bias)
+
+
+_FFN_UNITS_NEEDED: Final = max(_units_needed(ffn) for _, ffn in _SCHEDULE)
 
 
 def _norm_gain(spec: ModelSpec, slots: tuple[str, ...], control_bias: bool = True) -> float:
@@ -330,10 +333,10 @@ def _layer_tensors(spec: ModelSpec, layer: int, sublayer: str) -> dict[str, F32]
 def _embedding(spec: ModelSpec, vocab: Vocabulary) -> F32:
     out = np.zeros((spec.vocab_size, spec.hidden), dtype=np.float32)
     out[:, _CONST_DIM] = _CONST
-    out[:, slot("E")] = token_codes(spec.seed, spec.vocab_size)
+    out[:, _slot("E")] = token_codes(spec.seed, spec.vocab_size)
     control = np.array([ty != TOKEN_TYPE_NORMAL for ty in vocab.token_types])
     out[control, _CONTROL_DIM] = _CONTROL_FLAG
-    out[vocab.bos_id, slot("E")] = 0.0  # BOS copies as nothing: the induction heads' sink
+    out[vocab.bos_id, _slot("E")] = 0.0  # BOS copies as nothing: the induction heads' sink
     out[vocab.bos_id, _BOS_DIM] = _BOS_FLAG
     return out
 
@@ -342,7 +345,7 @@ def _output_norm(spec: ModelSpec) -> F32:
     """The final RMSNorm weights: the logits read only the output slot and the control dim."""
     gain = math.sqrt(spec.hidden / (_CONST**2 + CODE_DIM + _CONTROL_BIAS**2))
     out = np.zeros(spec.hidden, dtype=np.float32)
-    out[slot("E")] = _COPY_LOGIT / (gain * CODE_DIM * sum(_GAINS.values()))
+    out[_slot("E")] = _COPY_LOGIT / (gain * CODE_DIM * sum(_GAINS.values()))
     out[_CONTROL_DIM] = _CONTROL_PENALTY / (_CONTROL_FLAG * -_CONTROL_BIAS * gain)
     return out
 
@@ -353,7 +356,7 @@ def _attention(spec: ModelSpec, attn: _Attn, n: float) -> dict[str, F32]:
     wk = np.zeros((hd, h), dtype=np.float32)
     wv = np.zeros((hd, h), dtype=np.float32)
     wo = np.zeros((h, spec.heads * hd), dtype=np.float32)
-    wv[:CODE_DIM, slot(attn.value)] = np.eye(CODE_DIM) / n  # v = the raw code (+-1)
+    wv[:CODE_DIM, _slot(attn.value)] = np.eye(CODE_DIM) / n  # v = the raw code (+-1)
     scale = math.sqrt(hd)  # llama multiplies q.k by 1/sqrt(head_dim)
     if attn.induction is None:
         amplitude = math.sqrt(_POS_SCORE * scale)
@@ -365,17 +368,17 @@ def _attention(spec: ModelSpec, attn: _Attn, n: float) -> dict[str, F32]:
                 row = head * hd + 2 * p
                 wq[row, _CONST_DIM] = math.sqrt(w) * amplitude * math.cos(phase) / (_CONST * n)
                 wq[row + 1, _CONST_DIM] = -math.sqrt(w) * amplitude * math.sin(phase) / (_CONST * n)
-            wo[slot(move.target), head * hd : head * hd + CODE_DIM] = np.eye(CODE_DIM)
+            wo[_slot(move.target), head * hd : head * hd + CODE_DIM] = np.eye(CODE_DIM)
     else:
         query, key, level = attn.induction
         first = 2 * _POS_PAIRS
         alpha = math.sqrt(_MATCH_SCORE * scale / CODE_DIM)
-        wq[first : first + CODE_DIM, slot(query)] = np.eye(CODE_DIM) * alpha / n
-        wk[first : first + CODE_DIM, slot(key)] = np.eye(CODE_DIM) * alpha / n
+        wq[first : first + CODE_DIM, _slot(query)] = np.eye(CODE_DIM) * alpha / n
+        wk[first : first + CODE_DIM, _slot(key)] = np.eye(CODE_DIM) * alpha / n
         sink = math.sqrt(_MATCH_SCORE / 2 * scale)
         wq[2 * _SINK_PAIR, _CONST_DIM] = sink / (_CONST * n)
         wk[2 * _SINK_PAIR, _BOS_DIM] = sink / (_BOS_FLAG * n)
-        wo[slot("E"), :CODE_DIM] = np.eye(CODE_DIM) * _GAINS[level]
+        wo[_slot("E"), :CODE_DIM] = np.eye(CODE_DIM) * _GAINS[level]
     return {"attn_q.weight": wq, "attn_k.weight": wk, "attn_v.weight": wv, "attn_output.weight": wo}
 
 
@@ -416,26 +419,26 @@ def _ffn(spec: ModelSpec, ffn: _Ffn, n: float, layer: int) -> dict[str, F32]:
         perm = _derangement(spec.seed, f"copying.perm.{level}", CODE_DIM)
         signs = _signs(spec.seed, f"copying.signs.{level}", (CODE_DIM,))
         for k in range(CODE_DIM):
-            u = units.pair(slot(a).start + k, 1.0, slot(b).start + int(perm[k]), 1.0)
-            units.write(u, slot(out).start + k, float(signs[k]) / n**2)
+            u = units.pair(_slot(a).start + k, 1.0, _slot(b).start + int(perm[k]), 1.0)
+            units.write(u, _slot(out).start + k, float(signs[k]) / n**2)
         units.align()
     for name in ffn.erase:
         for k in range(CODE_DIM):
-            u, factor = units.linear(slot(name).start + k)
-            units.write(u, slot(name).start + k, -factor)
+            u, factor = units.linear(_slot(name).start + k)
+            units.write(u, _slot(name).start + k, -factor)
         units.align()
     if ffn.move_e_to_x:
         for k in range(CODE_DIM):
-            u, factor = units.linear(slot("E").start + k)
-            units.write(u, slot("E").start + k, -factor)
-            units.write(u, slot("X").start + k, factor)
+            u, factor = units.linear(_slot("E").start + k)
+            units.write(u, _slot("E").start + k, -factor)
+            units.write(u, _slot("X").start + k, factor)
         units.align()
     if ffn.fallback_from is not None:
         perm = _derangement(spec.seed, "copying.perm.fallback", CODE_DIM)
         signs = _signs(spec.seed, "copying.signs.fallback", (CODE_DIM,))
         for k in range(CODE_DIM):
-            u, factor = units.linear(slot(ffn.fallback_from).start + int(perm[k]))
-            units.write(u, slot("E").start + k, float(signs[k]) * _FALLBACK_GAIN * factor)
+            u, factor = units.linear(_slot(ffn.fallback_from).start + int(perm[k]))
+            units.write(u, _slot("E").start + k, float(signs[k]) * _FALLBACK_GAIN * factor)
         units.align()
     if ffn.control_bias:
         # x[control] := _CONTROL_BIAS: remove the input flag, add the constant.
@@ -443,7 +446,7 @@ def _ffn(spec: ModelSpec, ffn: _Ffn, n: float, layer: int) -> dict[str, F32]:
         units.write(u, _CONTROL_DIM, -factor)
         u = units.pair(_CONST_DIM, 1.0 / _CONST, _CONST_DIM, 1.0 / _CONST)
         units.write(u, _CONTROL_DIM, _CONTROL_BIAS / n**2)
-    assert units.next <= spec.ff, (layer, units.next)
+    assert units.next == _units_needed(ffn) <= spec.ff, (layer, units.next)
     return {"ffn_gate.weight": units.gate, "ffn_up.weight": units.up, "ffn_down.weight": units.down}
 
 

@@ -2,8 +2,10 @@
 
 ``python -m modeld.testmodels.measure [--lines N] [--reps N] [--threads N]`` generates (or finds)
 COPYING and REALISTIC, prints COPYING's copy rate in llama.cpp (llama-cpp-python's C API) and
-both models' prefill and decode speed, alternating the models in every repetition (medians and
-ranges). ``tests/test_copying_model.py`` asserts the copy rate with the same functions.
+the prefill and decode speed of REALISTIC, COPYING and COPYING without its filler layers (the
+control that shows they are computed), alternating the models in every repetition (medians,
+ranges, per-repetition ratios). ``tests/test_copying_model.py`` asserts the copy rate with the
+same functions.
 
 The copy rate is how a prompt-lookup drafter would be judged: a chat turn shows a file (the
 first lines of the standard library's ``textwrap.py``, text the tokenizer never saw: its corpus
@@ -33,6 +35,7 @@ from typing import Any
 import jinja2
 import numpy as np
 
+from modeld.backends.cpu import cpu_has_amx
 from modeld.testmodels._template import CHATML_TOOLS_TEMPLATE
 
 __all__ = [
@@ -48,7 +51,7 @@ __all__ = [
 
 Tokenize = Callable[[str], list[int]]  # text (control tokens parsed) -> ids, no BOS added
 _EDIT_EVERY = 24  # one changed line in this many
-_ALIGNED = 16  # copied tokens before a free-running cut: the longest n-gram the circuit matches
+_ALIGNED = 16  # copied tokens before a free-running cut (the 32-gram level may still see an edit)
 
 
 def held_out_lines(n_lines: int) -> list[str]:
@@ -159,22 +162,12 @@ def free_running_rate(
 # --- llama.cpp through llama-cpp-python's C API ----------------------------------------------
 
 
-def _cpu_has_amx() -> bool:
-    """llama.cpp's AMX matmul (used for q8_0 weights on CPUs with AMX) dies of a general
-    protection fault at ``ldtilecfg`` in the wheel built here; loading without the extra buffer
-    types avoids it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return any(line.startswith("flags") and "amx_int8" in line.split() for line in f)
-    except OSError:
-        return False
-
-
 def _quiet(level: int, text: bytes, user_data: object) -> None:
     pass
 
 
-# llama.cpp keeps the pointer: the callback must live as long as the process.
+# llama.cpp keeps the pointer: the callback must live as long as the process. Installed by
+# main() only: in a test process it would replace the llama backend's own log callback.
 _QUIET_LOG = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)(_quiet)
 
 
@@ -186,10 +179,9 @@ class LlamaDriver:
 
         self.lib: Any = llama_cpp
         lib = self.lib
-        lib.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
-        params.use_extra_bufts = not _cpu_has_amx()
+        params.use_extra_bufts = not cpu_has_amx()
         self.model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
@@ -312,6 +304,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=64, help="decoded tokens for the speed runs")
     parser.add_argument("--cache-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    import llama_cpp
+
+    llama_cpp.llama_log_set(_QUIET_LOG, ctypes.c_void_p(0))
 
     t0 = time.perf_counter()
     copying_path = ensure_model(COPYING, args.cache_dir)

@@ -130,7 +130,7 @@ class SpecialToken(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format", "architecture")
+    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format", "architecture", "footprint")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class ModelInfo(_message.Message):
     SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    FOOTPRINT_FIELD_NUMBER: _ClassVar[int]
     backend: str
     backend_version: str
     path: str
@@ -175,7 +176,42 @@ class ModelInfo(_message.Message):
     special_tokens: _containers.RepeatedCompositeFieldContainer[SpecialToken]
     tool_format: str
     architecture: str
-    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ...) -> None: ...
+    footprint: Footprint
+    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ..., footprint: _Optional[_Union[Footprint, _Mapping]] = ...) -> None: ...
+
+class Footprint(_message.Message):
+    __slots__ = ("weights_bytes", "kv_bytes_per_token", "compute_floor_bytes", "compute_fixed_bytes", "compute_bytes_per_token", "trained_window", "trained_kv_bytes", "layout", "window", "kv_bytes", "compute_bytes", "overhead_bytes", "total_bytes", "budget_bytes", "max_window")
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_FIXED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    weights_bytes: int
+    kv_bytes_per_token: int
+    compute_floor_bytes: int
+    compute_fixed_bytes: int
+    compute_bytes_per_token: int
+    trained_window: int
+    trained_kv_bytes: int
+    layout: str
+    window: int
+    kv_bytes: int
+    compute_bytes: int
+    overhead_bytes: int
+    total_bytes: int
+    budget_bytes: int
+    max_window: int
+    def __init__(self, weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., compute_floor_bytes: _Optional[int] = ..., compute_fixed_bytes: _Optional[int] = ..., compute_bytes_per_token: _Optional[int] = ..., trained_window: _Optional[int] = ..., trained_kv_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., window: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., overhead_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., max_window: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("info", "machine")
@@ -328,7 +364,7 @@ class SuffixInput(_message.Message):
     def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., no_wait: _Optional[bool] = ...) -> None: ...
 
 class SuffixStatus(_message.Message):
-    __slots__ = ("suffix_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "manifest_digest", "restored_tokens", "prefill_ms", "restore_ms")
+    __slots__ = ("suffix_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "manifest_digest", "restored_tokens", "prefill_ms", "restore_ms", "reused_tokens")
     SUFFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +373,7 @@ class SuffixStatus(_message.Message):
     RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     suffix_tokens: int
     prefix_tokens: int
     resident_tokens: int
@@ -345,7 +382,8 @@ class SuffixStatus(_message.Message):
     restored_tokens: int
     prefill_ms: float
     restore_ms: float
-    def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ...) -> None: ...
+    reused_tokens: int
+    def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeConfig(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "no_wait", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
@@ -548,7 +586,7 @@ class StreamChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., signal: _Optional[_Union[ToolCall, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_text: _Optional[str] = ...) -> None: ...
 
 class ContextReport(_message.Message):
-    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at", "context_id", "contexts", "queue_position", "queue_wait_seconds", "pinned", "keep_alive_seconds", "changing_segments")
+    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at", "context_id", "contexts", "queue_position", "queue_wait_seconds", "pinned", "keep_alive_seconds", "changing_segments", "tools_token_start", "tools_token_end", "kv_layout", "warm_exact")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -577,6 +615,10 @@ class ContextReport(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CHANGING_SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_TOKEN_START_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_TOKEN_END_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    WARM_EXACT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_name: str
     backend: str
@@ -605,7 +647,11 @@ class ContextReport(_message.Message):
     pinned: bool
     keep_alive_seconds: float
     changing_segments: _containers.RepeatedCompositeFieldContainer[ChangingSegment]
-    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., context_id: _Optional[str] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., queue_position: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., changing_segments: _Optional[_Iterable[_Union[ChangingSegment, _Mapping]]] = ...) -> None: ...
+    tools_token_start: int
+    tools_token_end: int
+    kv_layout: str
+    warm_exact: bool
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., context_id: _Optional[str] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., queue_position: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., changing_segments: _Optional[_Iterable[_Union[ChangingSegment, _Mapping]]] = ..., tools_token_start: _Optional[int] = ..., tools_token_end: _Optional[int] = ..., kv_layout: _Optional[str] = ..., warm_exact: _Optional[bool] = ...) -> None: ...
 
 class ChangingSegment(_message.Message):
     __slots__ = ("kind", "position", "index", "turns")

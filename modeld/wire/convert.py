@@ -31,6 +31,7 @@ from modeld.contract import (
     DecodeConfig,
     ErrorDetail,
     Fence,
+    Footprint,
     LoadedModelSummary,
     Machine,
     ModelInfo,
@@ -359,8 +360,9 @@ def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
 
 @_guard("model info")
 def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
-    msg = _to_pb(info, pb.ModelInfo(), skip=("capabilities", "special_tokens"))
+    msg = _to_pb(info, pb.ModelInfo(), skip=("capabilities", "special_tokens", "footprint"))
     msg.capabilities.CopyFrom(_to_pb(info.capabilities, pb.Capabilities()))
+    msg.footprint.CopyFrom(_to_pb(info.footprint, pb.Footprint()))
     msg.special_tokens.extend(_to_pb(t, pb.SpecialToken()) for t in info.special_tokens)
     return msg
 
@@ -369,7 +371,8 @@ def model_info_to_pb(info: ModelInfo) -> pb.ModelInfo:
 def model_info_from_pb(msg: pb.ModelInfo) -> ModelInfo:
     caps = _from_pb(msg.capabilities, Capabilities)
     special = tuple(_from_pb(t, SpecialToken) for t in msg.special_tokens)
-    return _from_pb(msg, ModelInfo, capabilities=caps, special_tokens=special)
+    footprint = _from_pb(msg.footprint, Footprint)
+    return _from_pb(msg, ModelInfo, capabilities=caps, special_tokens=special, footprint=footprint)
 
 
 def _reuse_to_pb(decision: ReuseDecision) -> pb.ReuseDecision:

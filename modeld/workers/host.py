@@ -58,6 +58,10 @@ _M = TypeVar("_M", bound=Message)
 _FINAL = (Result, Finished, Failed, Loaded)
 
 
+_DEATH_WAIT = 5.0
+"""Seconds a failed send waits for the worker's death to be classified (normally milliseconds)."""
+
+
 class Call:
     """One request in flight: its replies arrive in order; the last one is final."""
 
@@ -156,6 +160,12 @@ class Host:
             self._transmit(op, message)
         except OSError as exc:
             self.forget(op)
+            # The worker died under the send (EPIPE): the reader classifies its death (the
+            # signal, a model file changed under it) as soon as it sees the socket's EOF; the
+            # caller learns that rather than "broken pipe" (seen as a race on a loaded machine).
+            deadline = time.monotonic() + _DEATH_WAIT
+            while self.death is None and time.monotonic() < deadline:
+                time.sleep(0.01)
             call.deliver(self.death or EngineError(f"the engine worker is gone: {exc}"))
         return call
 

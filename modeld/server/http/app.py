@@ -65,6 +65,8 @@ class HttpSettings:
     bound_host: str = "127.0.0.1"
     num_ctx: int = 0  # 0: the model's own window, as large as the memory budget allows
     max_output_tokens: int = 0  # a request that sets no output limit gets this one (0: the window)
+    kv_cache_type: str = Config().kv_cache_type
+    flash_attn: bool = Config().flash_attn
     max_body_bytes: int = 16 << 20
     max_inflight_bytes: int = 64 << 20
     max_conversations: int = 16
@@ -235,7 +237,12 @@ class HttpService:
             model_name=entry.name,
             type=self.settings.backend,
             path=entry.path,
-            config=Config(num_ctx=num_ctx, prompt_format="chat" if turn.chat else "raw"),
+            config=Config(
+                num_ctx=num_ctx,
+                prompt_format="chat" if turn.chat else "raw",
+                kv_cache_type=self.settings.kv_cache_type,
+                flash_attn=self.settings.flash_attn,
+            ),
             keep_alive_seconds=keep_alive or 0.0,
         )
 
@@ -254,7 +261,11 @@ class HttpService:
             model_name=entry.name,
             type=self.settings.backend,
             path=entry.path,
-            config=Config(num_ctx=self.settings.num_ctx or self.gateway.limits.max_context_tokens),
+            config=Config(
+                num_ctx=self.settings.num_ctx or self.gateway.limits.max_context_tokens,
+                kv_cache_type=self.settings.kv_cache_type,
+                flash_attn=self.settings.flash_attn,
+            ),
         )
 
         def late() -> ModeldError:
