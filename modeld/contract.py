@@ -799,7 +799,9 @@ class AsyncService(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SessionSummary:
-    """One line of ``modeld explain-context`` without an id."""
+    """One line of ``modeld explain-context`` without an id. ``resident_tokens`` counts the
+    session's context (prefix + suffix + generated), ``kv_tokens`` how many of those are in the
+    engine's KV now (as ``ContextReport``)."""
 
     session_id: str
     model_name: str
@@ -815,6 +817,7 @@ class SessionSummary:
     last_outcome: str
     closed: bool
     attached: bool = False
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,12 @@ COUNTERS = (
     "restore_failures",
     "copies",
 )
-"""What ``modeld status`` and the metrics count per loaded model (tokens, events)."""
+"""What ``modeld status`` and the metrics count per loaded model (tokens, events), each meaning
+what the metric of the same name counts: ``queries`` prompt-prefix tokens looked up and
+``reused_<tier>`` the ones reused from that tier, once per prefix put in place (not again by the
+suffix and decode of its turn); ``prefilled`` prompt tokens the engine computed (prefixes,
+suffixes, and what a displaced context needed again); evictions by destination; snapshots taken,
+rejected and refused by the engine; prefixes copied from another warm context."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +109,7 @@ class Pool:
         self.settings = settings
         self.contexts: dict[int, WarmContext] = {}  # by sequence
         self.slots: dict[str, SessionSlot] = {}
+        self.identities: set[str] = set()  # every runtime identity a session of this model had
         self.ledger = Ledger(layout.shared_cells)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._ids = itertools.count(1)

@@ -163,19 +163,19 @@ def classify(
         )
     if loss is not None and loss.kind == "engine_reset":
         return _cold(
-            "engine_reset", f"the engine's state was lost ({loss.message}): prefilled all {wanted} tokens"
+            "engine_reset", f"the engine's state was lost ({loss.message}): {_prefilled(wanted, keep)}"
         )
     if loss is not None and loss.kind == "evicted":
         return ReuseDecision(
             outcome="cold",
             reason="evicted",
-            message=f"this session's warm context was evicted ({loss.message}): prefilled all {wanted} tokens",
+            message=f"this session's warm context was evicted ({loss.message}): {_prefilled(wanted, keep)}",
             tier=loss.tier,
         )
     if loss is not None and loss.kind == "snapshot_rejected":
         return _cold(
             "snapshot_rejected",
-            f"a snapshot of this context was refused and removed ({loss.message}): prefilled all {wanted} tokens",
+            f"a snapshot of this context was refused and removed ({loss.message}): {_prefilled(wanted, keep)}",
         )
     if changed is not None and changed[0] == "model_digest" and model_file:
         _, ours, theirs = changed
@@ -235,6 +235,14 @@ def classify(
             diverged_segment=seg.kind if seg is not None else "",
         )
     return _cold("empty_cache", f"nothing compatible was warm: prefilled all {wanted} tokens")
+
+
+def _prefilled(wanted: int, keep: int) -> str:
+    """What a cold turn computed: all of it, or all but the format's head (a turn that reused
+    more is not cold)."""
+    if keep <= 0:
+        return f"prefilled all {wanted} tokens"
+    return f"prefilled {wanted - keep} of {wanted} tokens (the first {keep} are the head every prefix of its format starts with)"
 
 
 def _cold(reason: str, message: str) -> ReuseDecision:

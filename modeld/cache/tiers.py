@@ -90,6 +90,13 @@ class TierEntry:
     def tier(self) -> str:
         return "ram" if self.blob is not None else "disk"
 
+    @property
+    def short_id(self) -> str:
+        """Its name for people (status, explain-context, a turn's ``reuse.context``): 8 hex
+        characters of its key's hash, so snapshots of the same tokens under two runtime
+        identities (two context sizes of one file) are told apart."""
+        return bytes_hash(self.key)[:8]
+
 
 @dataclass(frozen=True, slots=True)
 class Rejection:

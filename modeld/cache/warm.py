@@ -132,7 +132,9 @@ class Hold:
                     job.cancel()
                 end = _wait(job, reporter, deadline)
                 with self._cache._lock:
-                    self._cache._pool.record_sync(self.context, end.kept, end.resident, target)
+                    pool = self._cache._pool
+                    pool.record_sync(self.context, end.kept, end.resident, target)
+                    pool.counters["prefilled"] += max(0, end.resident - end.kept)
                 if not end.canceled and end.kept < keep:  # the memory could not be cut there
                     keep = end.kept
                     continue
@@ -151,6 +153,7 @@ class Hold:
                 f"stopped after {end.resident} of {len(target)} tokens",
                 timeout="operation_seconds",
             )
+        self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
         return Synced(self.evaluated, (time.monotonic() - started) * 1000.0, complete)
 
@@ -162,6 +165,11 @@ class Hold:
         with cache._lock:
             self.context.prefix_tokens = prefix
             self.context.floor = 0
+            # Counted here, once per prefix that is in place: what the metrics count from the
+            # same PrefixStatus (``modeld_prefix_cache_queries`` / ``_hits{source}``).
+            counters = cache._pool.counters
+            counters["queries"] += len(self.target)
+            counters[f"reused_{self.tier}"] += self.keep
         cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
         cache._history.record(cache._file_key, self._manifest)
 
@@ -254,6 +262,7 @@ class ModelCache:
             slot = slots.get(session_id)
             if slot is None:
                 slot = slots[session_id] = SessionSlot(session_id, identity, pinned, keep_alive)
+                self._pool.identities.add(identity)
             return slot
 
     def forget_session(self, slot: SessionSlot) -> None:
@@ -289,8 +298,7 @@ class ModelCache:
         self._saver.settle()  # a choice must see every tier entry
         pool = self._pool
         with self._lock:
-            pool.counters["queries"] += len(target)
-            choice = self._choose(slot, target)
+            choice = self._choose(slot, target, head)
             try:
                 dst = self._place(slot, choice, runtime)
             except eviction.NoRoom:
@@ -299,7 +307,7 @@ class ModelCache:
                 # (or from its snapshot, found by choosing again).
                 assert choice.context is not None
                 eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
-                choice = self._choose(slot, target)
+                choice = self._choose(slot, target, head)
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
@@ -332,11 +340,9 @@ class ModelCache:
                 head=head,
             )
             slot.loss = None
-            pool.counters[f"reused_{hold.tier}"] += hold.keep
-            pool.counters["prefilled"] += len(target) - hold.keep
             return hold
 
-    def _choose(self, slot: SessionSlot, target: list[int]) -> Choice:
+    def _choose(self, slot: SessionSlot, target: list[int], head: int) -> Choice:
         pool = self._pool
         own = pool.own(slot)
         tiers = pool.tiers
@@ -350,6 +356,7 @@ class ModelCache:
             else (),
             can_truncate=pool.layout.can_truncate,
             restore_min_gain=pool.settings.restore_min_gain,
+            head=head,
         )
 
     def _place(self, slot: SessionSlot, choice: Choice, runtime: KVRuntime) -> WarmContext:
@@ -424,7 +431,7 @@ class ModelCache:
         pool.tiers.touch(entry)
         hold.keep = keep
         hold.tier = entry.tier
-        hold.source = Candidate(entry.tier, entry.key[-8:], entry.prefix_tokens, own=False)
+        hold.source = Candidate(entry.tier, entry.short_id, entry.prefix_tokens, own=False)
         hold.restore_ms = (time.perf_counter() - started) * 1000.0
 
     # --- what the engine reported -----------------------------------------------------------------
@@ -500,32 +507,44 @@ class ModelCache:
         """How many of a session's tokens its warm context holds in the KV pool now."""
         return self._pool.kv_tokens(slot, tokens)
 
-    def views(self) -> tuple[WarmContextInfo, ...]:
-        """Every warm context, for status and explain-context. Never waits long: an operation
-        holds the lock across engine calls, and a hung engine must not hang ``modeld status``
-        (past 0.2 s the view is read without the lock, a moment's state)."""
+    def views(self, listed: set[str] | None = None) -> tuple[WarmContextInfo, ...]:
+        """Every warm context, for status and explain-context: the pool's, and the tier snapshots
+        this model can restore (its file's digest, its engine's snapshot format, the runtime
+        identity of one of its sessions); a snapshot whose key is in ``listed`` is left out, and
+        the keys listed here are added (so a daemon's status lists each snapshot under one model,
+        never under every model of the same file). Never waits long: an operation holds the lock
+        across engine calls, and a hung engine must not hang ``modeld status`` (past 0.2 s the
+        view is read without the lock, a moment's state)."""
         locked = self._lock.acquire(timeout=0.2)
         try:
             out = self._pool.views()
+            identities = set(self._pool.identities)
         finally:
             if locked:
                 self._lock.release()
         tiers = self._pool.tiers
         if tiers is not None:
-            out.extend(
-                WarmContextInfo(
-                    id=e.key[-8:],
-                    tier=e.tier,
-                    tokens=len(e.tokens),
-                    prefix_tokens=e.prefix_tokens,
-                    bytes=e.nbytes,
-                    shared_bytes=0,
-                    last_used_at=e.last_used,
-                    pinned=False,
-                    session_id="",
+            fmt = self._pool.layout.snapshot_format
+            for e in tiers.entries(self._pool.model_digest):
+                if e.identity not in identities or e.snapshot_format != fmt:
+                    continue
+                if listed is not None:
+                    if e.key in listed:
+                        continue
+                    listed.add(e.key)
+                out.append(
+                    WarmContextInfo(
+                        id=e.short_id,
+                        tier=e.tier,
+                        tokens=len(e.tokens),
+                        prefix_tokens=e.prefix_tokens,
+                        bytes=e.nbytes,
+                        shared_bytes=0,
+                        last_used_at=e.last_used,
+                        pinned=False,
+                        session_id="",
+                    )
                 )
-                for e in tiers.entries(self._pool.model_digest)
-            )
         return tuple(out)
 
     def used_cells(self) -> int:

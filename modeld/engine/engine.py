@@ -532,7 +532,8 @@ class Engine:
 
     def status(self, *, debug: bool = False) -> DaemonStatus:
         with self._lock:
-            models = tuple(self._model_summary(m, debug=debug) for m in self._models.values())
+            listed: set[str] = set()  # each tier snapshot under one model, never under two
+            models = tuple(self._model_summary(m, debug=debug, listed=listed) for m in self._models.values())
             sessions = len(self._sessions)
         return DaemonStatus(
             instance_id=self.owner.instance_id,
@@ -591,7 +592,7 @@ class Engine:
             problems=tuple(f"{part}: {why}" for part, why in hw.problems),
         )
 
-    def _model_summary(self, model: LoadedModel, *, debug: bool) -> LoadedModelSummary:
+    def _model_summary(self, model: LoadedModel, *, debug: bool, listed: set[str]) -> LoadedModelSummary:
         base = model.summary()
         worker = model.supervisor.status(debug=debug)
         return replace(
@@ -602,7 +603,7 @@ class Engine:
             slots=model.admission.slots,
             busy_slots=model.admission.busy,
             queued=model.admission.queued,
-            contexts=model.warm_contexts(),
+            contexts=model.warm_contexts(listed),
             counters=dict(model.cache.counters),
             worker=WorkerInfo(
                 pid=worker.pid,

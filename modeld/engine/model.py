@@ -337,9 +337,10 @@ class LoadedModel:
         self._heads[key] = heads
         return heads
 
-    def warm_contexts(self) -> tuple[WarmContextInfo, ...]:
-        """Every warm context of this model, in the KV and in the tiers."""
-        return self.cache.views()
+    def warm_contexts(self, listed: set[str] | None = None) -> tuple[WarmContextInfo, ...]:
+        """Every warm context of this model, in the KV and in the tiers (the snapshots it can
+        restore; those keyed in ``listed`` left out: ``ModelCache.views``)."""
+        return self.cache.views(listed)
 
     def file_changed(self) -> ModelChangedError | None:
         """The model file's change, once it no longer holds this model (None while it does).

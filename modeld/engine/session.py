@@ -369,6 +369,7 @@ class EngineSession:
             available_tokens=self._window - n,
             last_outcome=self._prefix_status.reuse.outcome if self._prefix_status else "",
             closed=self._closed,
+            kv_tokens=0 if self._closed else self.model.cache.kv_tokens(self.slot, self._tokens),
         )
 
     # --- internals -----------------------------------------------------------------------
