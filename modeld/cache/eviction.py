@@ -148,7 +148,7 @@ def save(pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool 
     tiers = pool.tiers
     if tiers is None or not context.tokens:
         return ""
-    n = context.prefix_tokens or len(context.tokens)
+    n = min(context.prefix_tokens or len(context.tokens), len(context.tokens))
     if n < pool.settings.snapshot_min_tokens:
         return ""
     if context.saved_key:

@@ -156,6 +156,10 @@ class Pool:
         self.ledger.truncate(context.seq, kept)
         self.ledger.extend(context.seq, resident - kept)
         context.tokens = list(target[:resident])
+        # The committed prefix survives only as far as it was kept: what follows is the new
+        # target's, committed by the hold (if the operation gets that far; a failure, a cancel or
+        # a changed model file leaves it uncommitted, and a snapshot never claims it).
+        context.prefix_tokens = min(context.prefix_tokens, kept)
         self._changed(context)
 
     def record_generate(self, context: WarmContext, tokens: Sequence[int], resident: int) -> None:
@@ -164,6 +168,7 @@ class Pool:
             return
         before = len(context.tokens)
         context.tokens = (context.tokens + list(tokens))[:resident]
+        context.prefix_tokens = min(context.prefix_tokens, resident)
         self.ledger.truncate(context.seq, min(before, resident))
         self.ledger.extend(context.seq, resident - min(before, resident))
         self._changed(context)

@@ -220,6 +220,7 @@ class Tiers:
         (write-behind), so it survives a crash of the daemon. None if no tier could take it.
         """
         tokens = list(tokens)
+        prefix_tokens = min(prefix_tokens, len(tokens))  # a file claiming more is refused on reading
         key = entry_key(model_digest, identity, snapshot_format, tokens)
         with self._lock:
             existing = self._entries.get(key)
@@ -391,6 +392,9 @@ class Tiers:
             )
             header, _ = read_header(path)
         except (OSError, SnapshotError) as exc:
+            if isinstance(exc, SnapshotError):  # written whole, but not what it should hold
+                with contextlib.suppress(OSError):
+                    path.unlink()
             with self._lock:
                 self.counters["write_failures"] += 1
                 if entry.blob is None:
