@@ -47,23 +47,11 @@ N = 12
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[bytes, bytes]:
     """TINY's bytes, and the same bytes with other K/V weights (same size, same tokenizer)."""
+    from gguf_craft import with_kv_of
+
     tiny = testmodels.ensure_model(testmodels.TINY)
     other = testmodels.ensure_model(replace(testmodels.TINY, seed=1))
-    old = tiny.read_bytes()
-    new = bytearray(old)
-    theirs = {t.name: t for t in gguf.GGUFReader(str(other)).tensors}
-    other_bytes = other.read_bytes()
-    swapped = 0
-    for t in gguf.GGUFReader(str(tiny)).tensors:
-        if ".attn_k." in t.name or ".attn_v." in t.name:
-            u = theirs[t.name]
-            assert u.n_bytes == t.n_bytes
-            new[t.data_offset : t.data_offset + t.n_bytes] = other_bytes[
-                u.data_offset : u.data_offset + u.n_bytes
-            ]
-            swapped += 1
-    assert swapped == 4 and len(new) == len(old) and bytes(new) != old
-    return old, bytes(new)
+    return tiny.read_bytes(), with_kv_of(tiny, other)
 
 
 def _write_in_place(path: Path, data: bytes) -> None:
