@@ -499,7 +499,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                 print("no open sessions")
                 return 0
             now = time.time()
-            rows = [("SESSION", "MODEL", "BACKEND", "RESIDENT/CTX", "PREFIX", "LAST", "STREAM", "IDLE")]
+            # TOKENS: the session's context (prefix, suffix, generated); IN KV: how many of
+            # them the engine holds now (fewer once evicted: the next operation restores them).
+            rows = [
+                ("SESSION", "MODEL", "BACKEND", "TOKENS/CTX", "IN KV", "PREFIX", "LAST", "STREAM", "IDLE")
+            ]
             for s in sessions:
                 rows.append(
                     (
@@ -507,6 +511,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                         s.model_name,
                         s.backend,
                         f"{s.resident_tokens}/{s.num_ctx}",
+                        str(s.kv_tokens),
                         str(s.prefix_tokens),
                         s.last_outcome or "-",
                         "attached" if s.attached else "detached",
@@ -539,8 +544,8 @@ def _format_report(r: ContextReport) -> str:
     state = "closed" if r.closed else "open"
     out = [
         f"session   {r.session_id}  ({r.backend} model {r.model_name!r}, owner epoch {r.owner_epoch}, {state})",
-        f"resident  {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
-        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} in the KV now",
+        f"context   {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
+        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} of them in the KV now",
         f"manifest  {r.manifest_digest or '-'}",
     ]
     if r.kv_layout:

@@ -147,6 +147,7 @@ REUSE_REASONS: tuple[str, ...] = (
     "restored_from_shared",  # warm: the context came back from the shared store (another box's snapshot)
     "evicted",  # cold: this session's warm context was evicted (``tier`` says where it went)
     "snapshot_rejected",  # cold: a snapshot that would have served was corrupt or stale: removed
+    "model_changed",  # cold: the model file holds another model than its last warm context's
 )
 TIERS: tuple[str, ...] = ("kv", "ram", "disk", "shared")
 """Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier,
@@ -812,7 +813,9 @@ class AsyncService(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SessionSummary:
-    """One line of ``modeld explain-context`` without an id."""
+    """One line of ``modeld explain-context`` without an id. ``resident_tokens`` counts the
+    session's context (prefix + suffix + generated), ``kv_tokens`` how many of those are in the
+    engine's KV now (as ``ContextReport``)."""
 
     session_id: str
     model_name: str
@@ -828,6 +831,7 @@ class SessionSummary:
     last_outcome: str
     closed: bool
     attached: bool = False
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

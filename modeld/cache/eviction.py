@@ -152,7 +152,11 @@ def save(
     tiers = pool.tiers
     if tiers is None or not context.tokens:
         return ""
-    n = len(context.tokens) if whole else (context.prefix_tokens or len(context.tokens))
+    n = (
+        len(context.tokens)
+        if whole
+        else min(context.prefix_tokens or len(context.tokens), len(context.tokens))
+    )
     if n < pool.settings.snapshot_min_tokens:
         return ""
     if context.saved_key:

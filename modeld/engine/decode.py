@@ -59,6 +59,7 @@ class DecodeRun:
         deadline: float | None,
         interrupted: Callable[[], ErrorDetail | None],
         finish: Callable[[list[int], list[int], int | None, ModeldError | None], None],
+        verify: Callable[[], ErrorDetail | None] | None = None,
     ) -> None:
         self.call = call
         self.vocab = vocab
@@ -75,6 +76,10 @@ class DecodeRun:
         self.idle_seconds = idle_seconds
         self.deadline = deadline
         self.interrupted = interrupted
+        self.verify = verify
+        """Whether the tokens can be trusted (the model file did not change under the decode):
+        checked with ``interrupted`` at every step and once more when the engine finished; a
+        problem ends the decode with that error, never with a normal finish."""
         self.finish = finish
         """Called once at the end with (emitted tokens, every sampled token, what the engine's
         sequence holds or None if unknown, the error that ended it or None)."""
@@ -115,7 +120,7 @@ class EngineDecodeStream:
         run = self._run
         now = time.monotonic()
         if self._finish is None:
-            problem = run.interrupted()
+            problem = run.interrupted() or (run.verify() if run.verify is not None else None)
             if problem is not None:
                 self._stop("error", problem)
             elif self._canceled:
@@ -216,6 +221,8 @@ class EngineDecodeStream:
             finish = "stop"  # the engine met a dead end of the constraint: the check decides
         elif finish is None:
             finish = "length"
+        if finish != "error" and run.verify is not None and (problem := run.verify()) is not None:
+            finish, error = "error", problem  # finished, but on a model file that changed meanwhile
         text = "" if finish == "error" and exc is not None else self._assembler.flush()
         step = self._processor.feed(text)
         result = self._processor.finish(step.stop or finish)

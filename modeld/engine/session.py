@@ -29,12 +29,14 @@ from types import TracebackType
 from typing import Protocol
 
 from modeld.cache.pool import SessionSlot
+from modeld.cache.reuse import common_prefix_len
 from modeld.cache.warm import Hold, Synced
 from modeld.context import SegmentChurn
 from modeld.contract import (
     Config,
     ContextReport,
     DecodeConfig,
+    ErrorDetail,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -132,6 +134,7 @@ class EngineSession:
         self._manifest: ContextManifest | None = None
         self._chat: ChatState | None = None
         self._tools_json = ""  # the chat prefix's tools (what a decode's tool calls may name)
+        self._chat_format = config.prompt_format == "chat"
         self._tools_tokens: tuple[int, int] | None = None  # where the template put them
         self._churn = SegmentChurn()
         self._prefix_status: PrefixStatus | None = None
@@ -169,8 +172,12 @@ class EngineSession:
             tokens = prep.tokens
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
             had = list(self._tokens)
-            with self.model.cache.hold(self.slot, tokens, stage="prefix", manifest=prep.manifest) as hold:
+            head = self._head(tokens)
+            with self.model.cache.hold(
+                self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
+            ) as hold:
                 synced = self._sync(hold, progress)
+                self.model.check_file()  # changed during the prefill: never commit (or persist) it
                 hold.commit(prefix=len(tokens))
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
@@ -255,6 +262,7 @@ class EngineSession:
                     idle_seconds=timeouts.idle_stream_seconds,
                     deadline=self._deadline(),
                     interrupted=self._end.detail,
+                    verify=self._model_intact,
                     finish=lambda emitted, sampled, resident, exc: self._decoded(
                         hold, ticket, emitted, sampled, resident, exc
                     ),
@@ -304,9 +312,10 @@ class EngineSession:
             warm_exact=model.layout.exact,
         )
 
-    def interrupt(self) -> None:
-        """Stop whatever this session is running (its stream ended, shutdown, lost ownership)."""
-        self._end.interrupt()
+    def interrupt(self, cause: ModeldError | None = None) -> None:
+        """Stop whatever this session is running (its stream ended, shutdown, lost ownership, its
+        model file changed). ``cause``: the error its operations raise from now on."""
+        self._end.interrupt(cause=cause)
 
     def on_end(self, listener: Callable[[ModeldError], None]) -> None:
         """Call ``listener`` once, with the error operations now raise, when this session can no
@@ -360,6 +369,7 @@ class EngineSession:
             available_tokens=self._window - n,
             last_outcome=self._prefix_status.reuse.outcome if self._prefix_status else "",
             closed=self._closed,
+            kv_tokens=0 if self._closed else self.model.cache.kv_tokens(self.slot, self._tokens),
         )
 
     # --- internals -----------------------------------------------------------------------
@@ -375,6 +385,7 @@ class EngineSession:
         self._service.owner.check_epoch(self.epoch)
         if self._service.stopping:
             raise ShuttingDownError("the daemon is shutting down")
+        self.model.check_file()  # never reuse KV of a model file that changed since (model_changed)
         stream = self._stream
         if stream is not None:  # a new operation ends the previous decode
             stream.close()
@@ -406,6 +417,18 @@ class EngineSession:
             if ticket is not None and not handed_over:
                 self.model.admission.release(ticket)
             self._op_lock.release()
+
+    def _head(self, tokens: list[int]) -> int:
+        """How many of a prefix's first tokens any prefix of this session's format starts with
+        (the chat template's head, or BOS): sharing no more is a new conversation, cold."""
+        heads = self.model.prefix_heads(self._chat_format, bool(self._identity.add_bos))
+        return max((common_prefix_len(tokens, list(h)) for h in heads), default=0)
+
+    def _model_intact(self) -> ErrorDetail | None:
+        """Why a decode's tokens cannot be trusted: its model file changed under it (checked as
+        it runs, and once more when the engine finished, before the final chunk)."""
+        problem = self.model.file_changed()
+        return ErrorDetail(reason=problem.reason, message=problem.message) if problem else None
 
     def _deadline(self) -> float | None:
         """When the operation starting now is stopped (``operation_seconds``; monotonic)."""

@@ -430,7 +430,8 @@ class ObservedSession:
     def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         self._start()
         status = self.inner.prefill_suffix(suffix, progress)
-        computed = status.suffix_tokens + status.restored_tokens
+        # A suffix the last turn already computed is reused (status.reused_tokens), not computed.
+        computed = max(0, status.suffix_tokens - status.reused_tokens) + status.restored_tokens
         self._m.prefilled.labels(self._model).inc(computed)
         self._turn_computed += computed
         return status

@@ -756,7 +756,7 @@ class ListSessionsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionSummary(_message.Message):
-    __slots__ = ("session_id", "model_name", "backend", "path", "owner_epoch", "opened_at", "last_used_at", "num_ctx", "resident_tokens", "prefix_tokens", "available_tokens", "last_outcome", "closed", "attached")
+    __slots__ = ("session_id", "model_name", "backend", "path", "owner_epoch", "opened_at", "last_used_at", "num_ctx", "resident_tokens", "prefix_tokens", "available_tokens", "last_outcome", "closed", "attached", "kv_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -771,6 +771,7 @@ class SessionSummary(_message.Message):
     LAST_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_name: str
     backend: str
@@ -785,7 +786,8 @@ class SessionSummary(_message.Message):
     last_outcome: str
     closed: bool
     attached: bool
-    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., path: _Optional[str] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., last_outcome: _Optional[str] = ..., closed: _Optional[bool] = ..., attached: _Optional[bool] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., path: _Optional[str] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., last_outcome: _Optional[str] = ..., closed: _Optional[bool] = ..., attached: _Optional[bool] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)
