@@ -44,6 +44,7 @@ GETS = [
     "/server_info",
     "/model_info",
     "/get_load",
+    "/v1/loads",
     "/metrics",
 ]
 GOOD = {

@@ -90,7 +90,7 @@ def test_a_context_evicted_to_ram_and_restored(with_ram_tier: Path) -> None:
 
         human = modeld("status", data_dir=data).stdout
         assert "  coder  memory · digest " in human
-        assert " · window 4096 · 2 sessions · idle " in human
+        assert " · window 32768 · 2 sessions · idle " in human  # the memory model's own window
         assert "    worker    pid " in human and " · ready (inline) · " in human
         assert "    slots     0 of 1 busy · 0 queued · 1 sequence · " in human
         assert "    prefixes  606 tokens looked up · reused from kv 0, ram 202, disk 0\n" in human
