@@ -415,6 +415,10 @@ class DecodeConfig:
     * ``logit_bias`` (token id -> added logit), ``presence_penalty``, ``frequency_penalty`` (as
       OpenAI defines them), ``logprobs`` and ``top_logprobs``: honoured where the backend lists
       them in ``Capabilities.sampling``, refused otherwise.
+    * ``speculation``: ``ngram`` drafts tokens from the context (prompt lookup) and appends the
+      tokens a constraint forces in one batch; ``off`` decodes one token per step; ``""`` is the
+      daemon's choice (``modeld serve --speculation``). The output is the same either way
+      (``blueprints/0020-speculation.md``); a backend that cannot speculate decodes plainly.
     """
 
     max_tokens: int = 256
@@ -440,11 +444,17 @@ class DecodeConfig:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    speculation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """``cached_tokens``: prompt tokens not computed during this turn (since ensure_prefix)."""
+    """``cached_tokens``: prompt tokens not computed during this turn (since ensure_prefix).
+
+    Speculation (``DecodeConfig.speculation``, ``blueprints/0020-speculation.md``):
+    ``drafted_tokens`` were drafted from the context and verified in ``draft_batches`` batches,
+    ``accepted_tokens`` of them were what the model chose (each saved a decode step), and
+    ``forced_tokens`` were the only continuation a constraint allowed (appended in a batch)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -452,6 +462,10 @@ class Usage:
     prefill_ms: float = 0.0  # server-side prefill time of the turn (ensure_prefix to decode)
     restore_ms: float = 0.0  # server-side time restoring snapshots during the turn
     decode_ms: float = 0.0  # server-side time from the decode's first to its last token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_batches: int = 0
+    forced_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from modeld.workers.host import Call
 from modeld.workers.protocol import Finished, Tokens
 
 if TYPE_CHECKING:
-    from modeld.backends.base import Vocab
+    from modeld.backends.base import DecodeStats, Vocab
 
 __all__ = ["DecodeRun", "EngineDecodeStream"]
 
@@ -147,7 +147,7 @@ class EngineDecodeStream:
         if isinstance(event, Tokens):
             return self._tokens(event.tokens, event.logprobs)
         if isinstance(event, Finished):
-            return self._final(event.canceled, event.resident, None)
+            return self._final(event.canceled, event.resident, None, event.stats)
         return None
 
     def _tokens(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StreamChunk | None:
@@ -203,7 +203,9 @@ class EngineDecodeStream:
             self._error = error
         self._run.call.cancel()
 
-    def _final(self, canceled: bool, resident: int | None, exc: ModeldError | None) -> StreamChunk:
+    def _final(
+        self, canceled: bool, resident: int | None, exc: ModeldError | None, stats: DecodeStats | None = None
+    ) -> StreamChunk:
         run = self._run
         self._done = True
         finish = self._finish
@@ -230,6 +232,10 @@ class EngineDecodeStream:
             prefill_ms=run.prefill_ms,
             restore_ms=run.restore_ms,
             decode_ms=decode_ms,
+            drafted_tokens=stats.drafted if stats else 0,
+            accepted_tokens=stats.accepted if stats else 0,
+            draft_batches=stats.verifies if stats else 0,
+            forced_tokens=stats.forced if stats else 0,
         )
         chunk = StreamChunk(
             text=step.text + result.text,

@@ -386,7 +386,7 @@ class SuffixStatus(_message.Message):
     def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeConfig(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "no_wait", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "no_wait", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "speculation")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +424,7 @@ class DecodeConfig(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -447,7 +448,8 @@ class DecodeConfig(_message.Message):
     frequency_penalty: float
     logprobs: bool
     top_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repeat_penalty: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ..., no_wait: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tool_choice: _Optional[str] = ..., tools_json: _Optional[str] = ..., exit_tools_json: _Optional[str] = ..., stop_on_signal: _Optional[bool] = ..., tool_format: _Optional[str] = ..., repeated_line_min_chars: _Optional[int] = ..., repeated_line_max: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    speculation: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repeat_penalty: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ..., no_wait: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tool_choice: _Optional[str] = ..., tools_json: _Optional[str] = ..., exit_tools_json: _Optional[str] = ..., stop_on_signal: _Optional[bool] = ..., tool_format: _Optional[str] = ..., repeated_line_min_chars: _Optional[int] = ..., repeated_line_max: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., speculation: _Optional[str] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "value")
@@ -458,20 +460,28 @@ class Constraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_ms", "restore_ms", "decode_ms")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_ms", "restore_ms", "decode_ms", "drafted_tokens", "accepted_tokens", "draft_batches", "forced_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     prefill_ms: float
     restore_ms: float
     decode_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    draft_batches: int
+    forced_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_batches: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("stage", "done", "total", "elapsed_ms")
