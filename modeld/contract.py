@@ -208,6 +208,8 @@ class Capabilities:
     logical reuse. ``sampling``: the DecodeConfig fields honoured; others are refused.
     ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts. ``constraints``: the
     :data:`CONSTRAINT_KINDS` it can enforce (others are refused with ``unsupported``).
+    ``speculation``: the ``DecodeConfig.speculation`` modes it honours (``off`` always; an
+    unset one falls back to ``off`` where the daemon's default is not among them).
     """
 
     truncation: bool = True
@@ -216,6 +218,7 @@ class Capabilities:
     extra: tuple[str, ...] = ()
     prompt_formats: tuple[str, ...] = ("raw",)
     constraints: tuple[str, ...] = ()
+    speculation: tuple[str, ...] = ("off",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -597,6 +600,16 @@ class ContextReport:
     False on a unified pool: a context's cells can interleave with other contexts' there, and
     its output can then differ from a fresh evaluation (the attention sums in another order;
     it is bit-identical while the context is alone in the pool)."""
+    speculation: str = ""
+    """The speculation mode of the session's last decode (``off``, ``ngram``; "" before one)."""
+    drafted_tokens: int = 0
+    """Over the session's decodes: tokens drafted from the context and verified (blueprint 0020),"""
+    accepted_tokens: int = 0
+    """of which the model chose these (acceptance rate = accepted / drafted),"""
+    draft_batches: int = 0
+    """in this many verify batches (mean draft length = drafted / batches);"""
+    forced_tokens: int = 0
+    """and tokens a constraint forced, appended without a decode step."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,7 +129,7 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
         *("--snapshot-min-tokens", "32", "--persist-min-tokens", "256"),
         *("--load-timeout", "90", "--stall-timeout", "2m", "--idle-stream-timeout", "45s"),
         *("--operation-timeout", "1h", "--queue-wait", "12", "--attach-timeout", "9"),
-        *("--stream-interval", "20ms"),
+        *("--stream-interval", "20ms", "--speculation", "off"),
         *("--restart-backoff", "0.25", "--restart-backoff-max", "4", "--crash-limit", "3"),
         *("--crash-window", "10m", "--describe-timeout", "20", "--max-sessions", "10"),
     ]
@@ -155,6 +155,7 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
             "max_queue": "3",
             "snapshot_min_tokens": "32",
             "persist_min_tokens": "256",
+            "speculation": "off",
             "timeout_load_seconds": "90.0",
             "timeout_stall_seconds": "120.0",
             "timeout_idle_stream_seconds": "45.0",

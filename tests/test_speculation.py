@@ -492,3 +492,74 @@ def test_llama_a_canceled_speculative_decode_leaves_a_context_that_decodes_on_co
         assert report.kv_tokens == report.resident_tokens
         rest, _ = _decode(s, "ngram", 64 - report.generated_tokens)
         assert plain[: report.generated_tokens] + rest == plain
+
+
+# --- the daemon's choice, per-request control, what is reported -----------------------------------
+
+
+def test_the_daemon_default_applies_when_a_decode_leaves_it_unset_and_a_request_overrides_it() -> None:
+    from modeld.contract import PrefixInput, SuffixInput
+    from modeld.engine import Engine
+    from modeld.errors import InvalidArgumentError
+
+    prompt = bytes(REPEATING[1:]).decode()
+
+    def turn(engine: Engine, speculation: str) -> tuple[list[int], Any, Any]:
+        s = engine.open_session(OpenSessionRequest(type="memory", path="speculation"))
+        s.ensure_prefix(PrefixInput(text=prompt))
+        s.prefill_suffix(SuffixInput(text=""))
+        with s.decode(DecodeConfig(max_tokens=40, speculation=speculation)) as stream:
+            chunks = list(stream)
+        return [t for c in chunks for t in c.token_ids], chunks[-1].usage, s.explain_context()
+
+    with Engine() as engine:  # the default: ngram
+        assert engine.speculation == "ngram" and engine.status().settings["speculation"] == "ngram"
+        tokens, usage, report = turn(engine, "")
+        assert usage.accepted_tokens > 0 and usage.draft_batches > 0
+        assert (report.speculation, report.drafted_tokens, report.accepted_tokens) == (
+            "ngram",
+            usage.drafted_tokens,
+            usage.accepted_tokens,
+        )
+        plain, usage, report = turn(engine, "off")
+        assert plain == tokens and usage.drafted_tokens == 0 and report.speculation == "off"
+    with Engine(speculation="off") as engine:
+        assert turn(engine, "")[1].drafted_tokens == 0
+        assert turn(engine, "ngram")[1].accepted_tokens > 0  # the request chooses
+    with pytest.raises(InvalidArgumentError, match="speculation"):
+        Engine(speculation="eagle")
+
+
+def test_a_mode_the_backend_does_not_offer_is_refused_by_name() -> None:
+    from modeld.contract import Capabilities
+    from modeld.engine.limits import Limits
+    from modeld.engine.validate import validate_decode
+    from modeld.errors import InvalidArgumentError, UnsupportedError
+
+    plain_only = Capabilities(speculation=("off",))
+    validate_decode(DecodeConfig(speculation="off"), Limits(), plain_only, 4096)
+    validate_decode(DecodeConfig(), Limits(), plain_only, 4096)  # unset: falls back to off
+    with pytest.raises(UnsupportedError) as err:
+        validate_decode(DecodeConfig(speculation="ngram"), Limits(), plain_only, 4096)
+    assert err.value.details["field"] == "speculation"
+    with pytest.raises(InvalidArgumentError):
+        validate_decode(DecodeConfig(speculation="eagle"), Limits(), plain_only, 4096)
+
+
+def test_the_counts_travel_over_the_wire(wire: Any) -> None:
+    from modeld.contract import PrefixInput, SuffixInput
+
+    s = wire.open()
+    s.ensure_prefix(PrefixInput(text=bytes(REPEATING[1:]).decode()))
+    s.prefill_suffix(SuffixInput(text=""))
+    with s.decode(DecodeConfig(max_tokens=40, speculation="ngram")) as stream:
+        usage = list(stream)[-1].usage
+    assert usage.accepted_tokens > 0 and usage.drafted_tokens >= usage.accepted_tokens
+    report = s.explain_context()
+    assert (report.speculation, report.drafted_tokens, report.accepted_tokens, report.draft_batches) == (
+        "ngram",
+        usage.drafted_tokens,
+        usage.accepted_tokens,
+        usage.draft_batches,
+    )
+    assert wire.service.describe(wire.request()).capabilities.speculation == ("off", "ngram")

@@ -184,6 +184,7 @@ class MemoryBackend:
                 extra=EXTRA_KEYS,
                 prompt_formats=("raw", "chat"),
                 constraints=CONSTRAINT_KINDS,
+                speculation=("off", "ngram"),
             ),
             special_tokens=(SpecialToken(BOS, "", "bos"), SpecialToken(EOS, "", "eos")),
             tool_format="hermes",

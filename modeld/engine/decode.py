@@ -59,6 +59,7 @@ class DecodeRun:
         deadline: float | None,
         interrupted: Callable[[], ErrorDetail | None],
         finish: Callable[[list[int], list[int], int | None, ModeldError | None], None],
+        speculated: Callable[[DecodeStats], None] | None = None,
     ) -> None:
         self.call = call
         self.vocab = vocab
@@ -78,6 +79,8 @@ class DecodeRun:
         self.finish = finish
         """Called once at the end with (emitted tokens, every sampled token, what the engine's
         sequence holds or None if unknown, the error that ended it or None)."""
+        self.speculated = speculated
+        """Called at the end with what speculation did (when the engine reported it)."""
 
 
 class EngineDecodeStream:
@@ -224,6 +227,8 @@ class EngineDecodeStream:
         if result.finish_reason == "malformed_tool_call":
             log.info("a decode ended with a malformed tool call: %s", self._processor.malformed_reason)
         run.finish(self._emitted, self._sampled, resident, exc)
+        if stats is not None and run.speculated is not None:
+            run.speculated(stats)
         decode_ms = (self._last_at - self._first_at) * 1000.0 if self._first_at and self._last_at else 0.0
         usage = Usage(
             prompt_tokens=run.prompt,

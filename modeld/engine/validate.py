@@ -301,6 +301,12 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
                 field=f"extra.{key[:MAX_WORD_BYTES]}",
             )
     _validate_decoding(config, limits, capabilities)
+    if config.speculation and config.speculation not in capabilities.speculation:
+        raise UnsupportedError(
+            f"this backend cannot honour speculation {echo(config.speculation)} "
+            f"(it offers: {', '.join(capabilities.speculation)})",
+            field="speculation",
+        )
     for sampler in SAMPLERS:
         if sampler.is_on(config) and sampler.name not in capabilities.sampling:
             raise UnsupportedError(

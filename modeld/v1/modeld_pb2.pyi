@@ -104,20 +104,22 @@ class DescribeRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[OpenSessionRequest, _Mapping]] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("truncation", "reuse", "sampling", "extra", "prompt_formats", "constraints")
+    __slots__ = ("truncation", "reuse", "sampling", "extra", "prompt_formats", "constraints", "speculation")
     TRUNCATION_FIELD_NUMBER: _ClassVar[int]
     REUSE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FORMATS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     truncation: bool
     reuse: str
     sampling: _containers.RepeatedScalarFieldContainer[str]
     extra: _containers.RepeatedScalarFieldContainer[str]
     prompt_formats: _containers.RepeatedScalarFieldContainer[str]
     constraints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, truncation: _Optional[bool] = ..., reuse: _Optional[str] = ..., sampling: _Optional[_Iterable[str]] = ..., extra: _Optional[_Iterable[str]] = ..., prompt_formats: _Optional[_Iterable[str]] = ..., constraints: _Optional[_Iterable[str]] = ...) -> None: ...
+    speculation: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, truncation: _Optional[bool] = ..., reuse: _Optional[str] = ..., sampling: _Optional[_Iterable[str]] = ..., extra: _Optional[_Iterable[str]] = ..., prompt_formats: _Optional[_Iterable[str]] = ..., constraints: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpecialToken(_message.Message):
     __slots__ = ("id", "text", "kind")
@@ -596,7 +598,7 @@ class StreamChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., signal: _Optional[_Union[ToolCall, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_text: _Optional[str] = ...) -> None: ...
 
 class ContextReport(_message.Message):
-    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at", "context_id", "contexts", "queue_position", "queue_wait_seconds", "pinned", "keep_alive_seconds", "changing_segments", "tools_token_start", "tools_token_end", "kv_layout", "warm_exact")
+    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at", "context_id", "contexts", "queue_position", "queue_wait_seconds", "pinned", "keep_alive_seconds", "changing_segments", "tools_token_start", "tools_token_end", "kv_layout", "warm_exact", "speculation", "drafted_tokens", "accepted_tokens", "draft_batches", "forced_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -629,6 +631,11 @@ class ContextReport(_message.Message):
     TOOLS_TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WARM_EXACT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_name: str
     backend: str
@@ -661,7 +668,12 @@ class ContextReport(_message.Message):
     tools_token_end: int
     kv_layout: str
     warm_exact: bool
-    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., context_id: _Optional[str] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., queue_position: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., changing_segments: _Optional[_Iterable[_Union[ChangingSegment, _Mapping]]] = ..., tools_token_start: _Optional[int] = ..., tools_token_end: _Optional[int] = ..., kv_layout: _Optional[str] = ..., warm_exact: _Optional[bool] = ...) -> None: ...
+    speculation: str
+    drafted_tokens: int
+    accepted_tokens: int
+    draft_batches: int
+    forced_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., context_id: _Optional[str] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., queue_position: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., changing_segments: _Optional[_Iterable[_Union[ChangingSegment, _Mapping]]] = ..., tools_token_start: _Optional[int] = ..., tools_token_end: _Optional[int] = ..., kv_layout: _Optional[str] = ..., warm_exact: _Optional[bool] = ..., speculation: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_batches: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class ChangingSegment(_message.Message):
     __slots__ = ("kind", "position", "index", "turns")

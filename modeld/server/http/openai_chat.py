@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from modeld.contract import Constraint, DecodeConfig, TokenLogprob, ToolCall, ToolCallDelta
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import echo
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.errors import HttpError, bad, unsupported
@@ -32,6 +33,7 @@ from modeld.server.http.fields import (
     MAX_TOOL_CALLS,
     MAX_TOOLS,
     boolean,
+    choice,
     integer,
     logit_bias,
     number,
@@ -151,6 +153,9 @@ _COMPLETION_ONLY_NEUTRAL = {
     "function_call",
 }
 SAMPLER_EXTENSIONS = ("top_k", "min_p", "repeat_penalty", "repeated_line_max", "repeated_line_min_chars")
+DECODE_EXTENSIONS = ("speculation",)
+"""modeld's own request fields beyond the samplers: ``speculation`` (``off`` or ``ngram``;
+absent: the daemon's ``--speculation``; blueprint 0020)."""
 
 
 def openai_error(error: HttpError) -> dict[str, Any]:
@@ -231,9 +236,19 @@ def decode_config(
     bias = logit_bias(body)
     if bias:
         values["logit_bias"] = bias
+    speculation = choice(body, "speculation", SPECULATION_MODES)
+    if speculation is not None:
+        values["speculation"] = speculation
     extra: dict[str, str] = {}
     if extensions:
-        known = set(mapped) | set(_NEUTRAL) | set(_NO_EFFECT) | set(SAMPLER_EXTENSIONS) | set(SGLANG_FIELDS)
+        known = (
+            set(mapped)
+            | set(_NEUTRAL)
+            | set(_NO_EFFECT)
+            | set(SAMPLER_EXTENSIONS)
+            | set(DECODE_EXTENSIONS)
+            | set(SGLANG_FIELDS)
+        )
         for name, value in body.items():
             if name in known or value is None:
                 continue
@@ -552,6 +567,28 @@ def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str]) -> tup
 # --- answers ------------------------------------------------------------------------------------
 
 
+def timings_dict(usage: TurnUsage | None) -> dict[str, Any]:
+    """Server-side timings under llama-server's names (``timings`` of its responses), with the
+    speculation counts (blueprint 0020): ``draft_n`` tokens drafted and verified in
+    ``draft_batches`` batches, ``draft_n_accepted`` of them the model's own choice, ``forced_n``
+    forced by a constraint. ``predicted_per_second`` counts from the first token to the last."""
+    if usage is None:
+        usage = TurnUsage(0, 0, 0, 0)
+    n, ms = usage.completion_tokens, usage.decode_ms
+    return {
+        "cache_n": usage.cached_tokens,
+        "prompt_n": usage.computed_tokens,
+        "prompt_ms": round(usage.prefill_ms, 3),
+        "predicted_n": n,
+        "predicted_ms": round(ms, 3),
+        "predicted_per_second": round((n - 1) * 1000.0 / ms, 3) if n > 1 and ms > 0 else None,
+        "draft_n": usage.drafted_tokens,
+        "draft_n_accepted": usage.accepted_tokens,
+        "draft_batches": usage.draft_batches,
+        "forced_n": usage.forced_tokens,
+    }
+
+
 def usage_dict(usage: TurnUsage | None) -> dict[str, Any]:
     """OpenAI's usage, with the cached tokens where OpenAI clients read them (and DeepSeek's
     ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens``, which aider and Cline read)."""
@@ -696,6 +733,7 @@ def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
             }
         ],
         "usage": usage_dict(finished.usage),
+        "timings": timings_dict(finished.usage),
         "system_fingerprint": None,
         "modeld": extension(done.started),
     }
@@ -751,7 +789,9 @@ async def chat_stream(
                 yield sse(openai_error(event.error))
                 return
             tail = None if include_usage else ext
-            last = sse(_chat_chunk(turn, {}, include_usage, finish=finish_reason(event.finish), ext=tail))
+            end = _chat_chunk(turn, {}, include_usage, finish=finish_reason(event.finish), ext=tail)
+            end["timings"] = timings_dict(event.usage)  # as llama-server's last chunk
+            last = sse(end)
             if include_usage:
                 last += sse(_chat_chunk(turn, None, include_usage, usage=event.usage, ext=ext))
             yield last + b"data: [DONE]\n\n"  # the last events in one write
@@ -773,6 +813,7 @@ def completion_complete(turn: Turn, done: Collected) -> dict[str, Any]:
             }
         ],
         "usage": usage_dict(done.finished.usage),
+        "timings": timings_dict(done.finished.usage),
         "system_fingerprint": None,
         "modeld": extension(done.started),
     }
@@ -821,9 +862,9 @@ async def completion_stream(
                 yield sse(openai_error(event.error))
                 return
             tail = None if include_usage else ext
-            last = sse(
-                _completion_chunk(turn, "", include_usage, finish=finish_reason(event.finish), ext=tail)
-            )
+            end = _completion_chunk(turn, "", include_usage, finish=finish_reason(event.finish), ext=tail)
+            end["timings"] = timings_dict(event.usage)
+            last = sse(end)
             if include_usage:
                 last += sse(_completion_chunk(turn, None, include_usage, usage=event.usage, ext=ext))
             yield last + b"data: [DONE]\n\n"
