@@ -53,6 +53,7 @@ from modeld.contract import (
     TierStatus,
     WorkerInfo,
 )
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
@@ -114,6 +115,7 @@ class Engine:
         restart: RestartPolicy | None = None,
         data_dir: Path | None = None,
         worker_log_level: str = "INFO",
+        speculation: str = "ngram",
     ) -> None:
         if not backends:
             raise InvalidArgumentError("at least one backend is required", field="backends")
@@ -127,6 +129,13 @@ class Engine:
                 f"isolation must be one of {', '.join(ISOLATIONS)}, got {self.residency.isolation!r}",
                 field="isolation",
             )
+        if speculation not in SPECULATION_MODES:
+            raise InvalidArgumentError(
+                f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}",
+                field="speculation",
+            )
+        self.speculation = speculation
+        """What a decode that leaves ``DecodeConfig.speculation`` unset gets (``--speculation``)."""
         self.timeouts = timeouts or Timeouts()
         self.restart = restart or RestartPolicy()
         self.endpoint = endpoint
@@ -556,6 +565,7 @@ class Engine:
             machine=self.machine(),
             settings={
                 **self.residency.as_dict(),
+                "speculation": self.speculation,
                 **{f"timeout_{k}": str(v) for k, v in _fields(self.timeouts).items()},
                 **{f"restart_{k}": str(v) for k, v in _fields(self.restart).items()},
             },

@@ -47,6 +47,7 @@ from modeld.contract import (
     SuffixStatus,
 )
 from modeld.decoding.output import plan_decode
+from modeld.decoding.speculation import DecodeStats
 from modeld.engine.admission import Ticket
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
@@ -69,6 +70,8 @@ class SessionService(Protocol):
 
     limits: Limits
     timeouts: Timeouts
+    speculation: str
+    """A decode's speculation mode when its config leaves it unset (``--speculation``)."""
 
     @property
     def owner(self) -> Owner: ...
@@ -106,6 +109,8 @@ class EngineSession:
         epoch: int,
     ) -> None:
         self._service = service
+        self._spec_mode = ""  # the last decode's speculation mode
+        self._spec_total = DecodeStats()  # what speculation did over the session's decodes
         self.model = model
         self.request = request
         self._info = info
@@ -228,6 +233,8 @@ class EngineSession:
             chat_template = self._info.chat_template if self._chat is not None else ""
             plan = plan_decode(config, prefix_tools_json=self._tools_json, chat_template=chat_template)
             engine_config = plan.engine_config(config)  # tools, tool_choice, the constraint compiled
+            engine_config = replace(engine_config, speculation=self._speculation(config))
+            self._spec_mode = engine_config.speculation
             host = model.host()
             tokens = list(self._tokens)
             room = max(0, min(config.max_tokens, self._window - len(tokens)))
@@ -266,9 +273,25 @@ class EngineSession:
                     finish=lambda emitted, sampled, resident, exc: self._decoded(
                         hold, ticket, emitted, sampled, resident, exc
                     ),
+                    speculated=self._speculated,
                 )
             )
             return self._stream
+
+    def _speculated(self, stats: DecodeStats) -> None:
+        total = self._spec_total
+        total.drafted += stats.drafted
+        total.accepted += stats.accepted
+        total.verifies += stats.verifies
+        total.forced += stats.forced
+
+    def _speculation(self, config: DecodeConfig) -> str:
+        """The decode's speculation mode: the request's, else the daemon's where the backend
+        offers it, else off (blueprint 0021)."""
+        if config.speculation:
+            return config.speculation
+        default = self._service.speculation
+        return default if default in self._info.capabilities.speculation else "off"
 
     def explain_context(self) -> ContextReport:
         manifest = self._manifest
@@ -310,6 +333,11 @@ class EngineSession:
             tools_token_end=self._tools_tokens[1] if self._tools_tokens else None,
             kv_layout=model.layout.name,
             warm_exact=model.layout.exact,
+            speculation=self._spec_mode,
+            drafted_tokens=self._spec_total.drafted,
+            accepted_tokens=self._spec_total.accepted,
+            draft_batches=self._spec_total.verifies,
+            forced_tokens=self._spec_total.forced,
         )
 
     def interrupt(self, cause: ModeldError | None = None) -> None:
