@@ -311,13 +311,17 @@ class ModelCache:
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
-            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells, runtime)
+            # The cells of dst past what is kept are cut by this turn: they count as room (a
+            # session editing the middle of a prefix longer than half the pool used to be busy).
+            ledger = pool.ledger
+            cut = max(0, min(ledger.unique(dst.seq), ledger.length(dst.seq) - hold.keep))
+            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells - cut, runtime)
             dst.busy = True
             dst.floor = max(0, min(floor, hold.keep - 2))
             cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
             if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
                 # A snapshot file refused when the disk tier was indexed would have served this
-                # cold turn: say so (issue 21), as for one refused when it was tried.
+                # cold turn: say so, as for one refused when it was tried.
                 refused = pool.tiers.claim_refused(
                     pool.model_digest,
                     slot.identity,

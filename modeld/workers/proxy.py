@@ -168,7 +168,7 @@ class WorkerHost(Host):
         except (OSError, ProtocolError) as exc:
             # A worker that dies with bytes unread in its socket resets the link (ECONNRESET),
             # or leaves a frame cut short: that is its death, named by its exit status below.
-            # Only a worker still alive after a broken frame broke the protocol (issue 21).
+            # Only a worker still alive after a broken frame broke the protocol (blueprint 0017).
             try:
                 self.proc.wait(timeout=_DEATH_GRACE)
             except subprocess.TimeoutExpired:
