@@ -156,6 +156,8 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
             "max_queue": "3",
             "snapshot_min_tokens": "32",
             "persist_min_tokens": "256",
+            "shared_store": str(data / "shared"),
+            "shared_store_bytes": str(32 << 20),
             "speculation": "off",
             "timeout_load_seconds": "90.0",
             "timeout_stall_seconds": "120.0",
