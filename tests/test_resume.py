@@ -318,7 +318,10 @@ def test_a_decode_in_flight_fails_with_engine_restarted_and_the_next_call_resume
             got: list[StreamChunk] = []
             with pytest.raises(rc.EngineRestartedError) as lost:
                 _decode_with_fault(
-                    session, DecodeConfig(max_tokens=60, extra=SLOW, speculation="off"), lambda: daemon.stop(how), got
+                    session,
+                    DecodeConfig(max_tokens=60, extra=SLOW, speculation="off"),
+                    lambda: daemon.stop(how),
+                    got,
                 )
             assert len(got) >= 1 and not any(c.final for c in got)  # never a partial answer as final
             assert lost.value.details["daemon"] == "lost"
@@ -374,7 +377,12 @@ def test_the_tool_loop_runs_a_turn_lost_in_a_restart_once_more_and_completes(dat
 
             again = _Twice(session, kill)
             with pytest.raises(rc.EngineRestartedError):
-                rc.run_tools(again, _builder(session), _read_file, DecodeConfig(max_tokens=60, extra=SLOW, speculation="off"))
+                rc.run_tools(
+                    again,
+                    _builder(session),
+                    _read_file,
+                    DecodeConfig(max_tokens=60, extra=SLOW, speculation="off"),
+                )
             assert again.decodes == 2
             for timer in timers:
                 timer.join()
