@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare bench-fleet clean
+.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare bench-fleet chaos clean
 
 setup: $(VENV)/.installed
 
@@ -62,6 +62,14 @@ bench-fleet: setup
 # worse beyond its measured run-to-run spread. RUN=path/to/run.json compares another run.
 bench-compare: setup
 	$(PY) -m bench.compare $(if $(RUN),--current $(RUN),)
+
+# Chaos under load for 30 minutes (CI runs 45 s of it in tests/test_chaos.py): agents and an
+# OpenAI SDK chat while workers and the daemon are killed, the model file rewritten and a
+# snapshot corrupted; prints the tally, fails on any violation (CHAOS_SECONDS=, CHAOS_SEED=).
+CHAOS_SECONDS ?= 1800
+CHAOS_SEED ?= 21
+chaos: setup
+	$(PY) tests/chaos.py --seconds $(CHAOS_SECONDS) --seed $(CHAOS_SEED)
 
 run: setup
 	$(PY) -m modeld.demo $(if $(BACKEND),--backend $(BACKEND),) $(if $(MODEL),--model $(MODEL),)

@@ -265,6 +265,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         max_output_tokens=args.max_output_tokens,
         kv_cache_type=args.kv_cache_type,
         flash_attn=_flash_attn(args),
+        speculation=args.speculation,
         residency=residency,
         timeouts=timeouts,
         restart=restart,
@@ -499,7 +500,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                 print("no open sessions")
                 return 0
             now = time.time()
-            rows = [("SESSION", "MODEL", "BACKEND", "RESIDENT/CTX", "PREFIX", "LAST", "STREAM", "IDLE")]
+            # TOKENS: the session's context (prefix, suffix, generated); IN KV: how many of
+            # them the engine holds now (fewer once evicted: the next operation restores them).
+            rows = [
+                ("SESSION", "MODEL", "BACKEND", "TOKENS/CTX", "IN KV", "PREFIX", "LAST", "STREAM", "IDLE")
+            ]
             for s in sessions:
                 rows.append(
                     (
@@ -507,6 +512,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                         s.model_name,
                         s.backend,
                         f"{s.resident_tokens}/{s.num_ctx}",
+                        str(s.kv_tokens),
                         str(s.prefix_tokens),
                         s.last_outcome or "-",
                         "attached" if s.attached else "detached",
@@ -535,16 +541,32 @@ def _numerics(r: ContextReport) -> str:
     )
 
 
+def _speculation(r: ContextReport) -> str:
+    """What speculation did over the session's decodes (blueprint 0021)."""
+    line = f"speculation {r.speculation} (last decode)"
+    if r.draft_batches:
+        line += (
+            f"; {r.accepted_tokens} of {r.drafted_tokens} drafted tokens accepted "
+            f"({r.accepted_tokens / r.drafted_tokens:.0%}) in {r.draft_batches} batches "
+            f"(mean draft {r.drafted_tokens / r.draft_batches:.1f})"
+        )
+    if r.forced_tokens:
+        line += f"; {r.forced_tokens} tokens forced by constraints"
+    return line
+
+
 def _format_report(r: ContextReport) -> str:
     state = "closed" if r.closed else "open"
     out = [
         f"session   {r.session_id}  ({r.backend} model {r.model_name!r}, owner epoch {r.owner_epoch}, {state})",
-        f"resident  {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
-        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} in the KV now",
+        f"context   {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
+        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} of them in the KV now",
         f"manifest  {r.manifest_digest or '-'}",
     ]
     if r.kv_layout:
         out.append(f"numerics  {_numerics(r)}")
+    if r.speculation:
+        out.append(f"decode    {_speculation(r)}")
     m = r.manifest
     if m is not None:
         out.append(
@@ -925,6 +947,14 @@ def _parser() -> argparse.ArgumentParser:
         "--flash-attn",
         action="store_true",
         help="flash attention for HTTP sessions (a smaller compute buffer at long windows; default off)",
+    )
+    s.add_argument(
+        "--speculation",
+        default="ngram",
+        choices=("off", "ngram"),
+        help="ngram (default): draft tokens from the context (prompt lookup) and append the tokens a "
+        "constraint forces, verified in one batch, output unchanged; off: one token per step. A request "
+        "may choose with DecodeConfig.speculation or the HTTP field 'speculation' (blueprint 0021)",
     )
     s.add_argument(
         "--no-token",

@@ -147,6 +147,7 @@ REUSE_REASONS: tuple[str, ...] = (
     "restored_from_shared",  # warm: the context came back from the shared store (another box's snapshot)
     "evicted",  # cold: this session's warm context was evicted (``tier`` says where it went)
     "snapshot_rejected",  # cold: a snapshot that would have served was corrupt or stale: removed
+    "model_changed",  # cold: the model file holds another model than its last warm context's
 )
 TIERS: tuple[str, ...] = ("kv", "ram", "disk", "shared")
 """Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier,
@@ -210,6 +211,8 @@ class Capabilities:
     logical reuse. ``sampling``: the DecodeConfig fields honoured; others are refused.
     ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts. ``constraints``: the
     :data:`CONSTRAINT_KINDS` it can enforce (others are refused with ``unsupported``).
+    ``speculation``: the ``DecodeConfig.speculation`` modes it honours (``off`` always; an
+    unset one falls back to ``off`` where the daemon's default is not among them).
     """
 
     truncation: bool = True
@@ -218,6 +221,7 @@ class Capabilities:
     extra: tuple[str, ...] = ()
     prompt_formats: tuple[str, ...] = ("raw",)
     constraints: tuple[str, ...] = ()
+    speculation: tuple[str, ...] = ("off",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +421,10 @@ class DecodeConfig:
     * ``logit_bias`` (token id -> added logit), ``presence_penalty``, ``frequency_penalty`` (as
       OpenAI defines them), ``logprobs`` and ``top_logprobs``: honoured where the backend lists
       them in ``Capabilities.sampling``, refused otherwise.
+    * ``speculation``: ``ngram`` drafts tokens from the context (prompt lookup) and appends the
+      tokens a constraint forces in one batch; ``off`` decodes one token per step; ``""`` is the
+      daemon's choice (``modeld serve --speculation``). The output is the same either way
+      (``blueprints/0021-speculation.md``); a backend that cannot speculate decodes plainly.
     """
 
     max_tokens: int = 256
@@ -442,11 +450,17 @@ class DecodeConfig:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    speculation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """``cached_tokens``: prompt tokens not computed during this turn (since ensure_prefix)."""
+    """``cached_tokens``: prompt tokens not computed during this turn (since ensure_prefix).
+
+    Speculation (``DecodeConfig.speculation``, ``blueprints/0021-speculation.md``):
+    ``drafted_tokens`` were drafted from the context and verified in ``draft_batches`` batches,
+    ``accepted_tokens`` of them were what the model chose (each saved a decode step), and
+    ``forced_tokens`` were the only continuation a constraint allowed (appended in a batch)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -454,6 +468,10 @@ class Usage:
     prefill_ms: float = 0.0  # server-side prefill time of the turn (ensure_prefix to decode)
     restore_ms: float = 0.0  # server-side time restoring snapshots during the turn
     decode_ms: float = 0.0  # server-side time from the decode's first to its last token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_batches: int = 0
+    forced_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -586,6 +604,16 @@ class ContextReport:
     False on a unified pool: a context's cells can interleave with other contexts' there, and
     its output can then differ from a fresh evaluation (the attention sums in another order;
     it is bit-identical while the context is alone in the pool)."""
+    speculation: str = ""
+    """The speculation mode of the session's last decode (``off``, ``ngram``; "" before one)."""
+    drafted_tokens: int = 0
+    """Over the session's decodes: tokens drafted from the context and verified (blueprint 0021),"""
+    accepted_tokens: int = 0
+    """of which the model chose these (acceptance rate = accepted / drafted),"""
+    draft_batches: int = 0
+    """in this many verify batches (mean draft length = drafted / batches);"""
+    forced_tokens: int = 0
+    """and tokens a constraint forced, appended without a decode step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -812,7 +840,9 @@ class AsyncService(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SessionSummary:
-    """One line of ``modeld explain-context`` without an id."""
+    """One line of ``modeld explain-context`` without an id. ``resident_tokens`` counts the
+    session's context (prefix + suffix + generated), ``kv_tokens`` how many of those are in the
+    engine's KV now (as ``ContextReport``)."""
 
     session_id: str
     model_name: str
@@ -828,6 +858,7 @@ class SessionSummary:
     last_outcome: str
     closed: bool
     attached: bool = False
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -319,6 +319,7 @@ class ServeOptions:
     max_output_tokens: int = 0  # the HTTP output limit of a request that sets none (0: the window)
     kv_cache_type: str = "f16"  # KV precision of HTTP sessions (llama-server's -ctk/-ctv)
     flash_attn: bool = False  # flash attention for HTTP sessions (on for a quantized KV cache)
+    speculation: str = "ngram"  # a decode's DecodeConfig.speculation when unset (blueprint 0021)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -419,6 +420,7 @@ def run(options: ServeOptions) -> int:
             restart=options.restart,
             data_dir=options.data_dir,
             worker_log_level=options.worker_log_level,
+            speculation=options.speculation,
         )
     except ModeldError as exc:
         log.error("%s", exc.message)

@@ -59,12 +59,12 @@ def _repo_map(root: Path, limit_bytes: int) -> str:
     return text.encode()[:limit_bytes].decode(errors="ignore") + "\n"
 
 
-def _edit_one_file(repo_map: str) -> str:
-    """The repo map with one file's line changed in its middle (a rename: ``read_lease`` would be
-    ``load_lease``), wherever the package's own files put that line."""
+def _edited(repo_map: str) -> str:
+    """The repo map with one file's entry changed (its first name renamed), halfway through:
+    whatever the package's sources are, the edit lands inside the prefix."""
     lines = repo_map.split("\n")
-    middle = len(lines) // 2
-    lines[middle] = lines[middle].replace(": ", ": load_lease, ", 1)
+    i = len(lines) // 2
+    lines[i] = lines[i].replace(": ", ": renamed_", 1) if ": " in lines[i] else lines[i] + "  # edited"
     return "\n".join(lines)
 
 
@@ -224,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                 ("warm: same prefix, new question", repo_map, "Add a retry to read_lease.\n"),
                 (
                     "edit: one file of the repo map changed",
-                    _edit_one_file(repo_map),
+                    _edited(repo_map),
                     "Now update the callers.\n",
                 ),
                 (
                     "warm again",
-                    _edit_one_file(repo_map),
+                    _edited(repo_map),
                     "Write the changelog entry.\n",
                 ),
             ]

@@ -382,6 +382,48 @@ def test_metrics_count_turns_and_parse_with_prometheus_client(daemon: Daemon) ->
     assert {"modeld_prefix_cache_queries", "modeld_prefix_cache_hits", "modeld_sessions_open"} <= families
 
 
+def test_speculation_is_chosen_per_request_and_reported_in_timings_and_metrics(daemon: Daemon) -> None:
+    """The ``speculation`` extension field (off / ngram; absent: the daemon's ``--speculation``,
+    ngram by default); llama-server's ``timings`` names carry the counts, ``/metrics`` sums them.
+    The memory model echoes the last line of the prompt, which the context already holds."""
+    messages = [{"role": "user", "content": "Repeat after me:\nthe quick brown fox jumps over it\n"}]
+
+    def ask(**extra: Any) -> tuple[str, dict[str, Any]]:
+        done = daemon.client.chat.completions.create(
+            model="modeld-tiny", messages=messages, max_tokens=40, extra_body=extra
+        )
+        return str(done.choices[0].message.content), done.model_extra["timings"]  # type: ignore[index]
+
+    def counter(name: str) -> float:
+        return daemon.metrics().get((name, (("model", "modeld-tiny"),)), 0.0)
+
+    accepted_before = counter("modeld_spec_decode_num_accepted_tokens_total")
+    text, timings = ask()
+    assert timings["draft_n_accepted"] > 0 and timings["draft_n"] >= timings["draft_n_accepted"]
+    assert timings["draft_batches"] >= 1 and timings["predicted_n"] == 40
+    assert (
+        counter("modeld_spec_decode_num_accepted_tokens_total") - accepted_before
+        == timings["draft_n_accepted"]
+    )
+    plain, timings = ask(speculation="off")
+    assert plain == text and timings["draft_n"] == 0
+    stream = daemon.client.chat.completions.create(
+        model="modeld-tiny",
+        messages=messages,
+        max_tokens=40,
+        stream=True,
+        extra_body={"speculation": "ngram"},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert last.model_extra["timings"]["draft_n_accepted"] > 0  # type: ignore[index]
+    for bad in ("eagle", 1, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            ask(speculation=bad)
+        assert (err.value.body["param"], err.value.body["code"]) == ("speculation", "invalid_value")  # type: ignore[index]
+
+
 def test_a_client_that_goes_away_stops_the_generation(daemon: Daemon) -> None:
     def canceled() -> float:
         key = ("modeld_requests_total", (("finish_reason", "canceled"), ("model", "modeld-tiny")))

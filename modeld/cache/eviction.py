@@ -101,14 +101,12 @@ def new_context(
     return pool.add(slot, free[0])
 
 
-def make_room(pool: Pool, dst: WarmContext, new_cells: int, runtime: KVRuntime, *, keep: int) -> None:
-    """Free cells for ``new_cells`` more tokens in ``dst`` once it is cut to its first ``keep``
-    (only a unified pool is shared). The cells ``dst`` holds beyond ``keep`` are freed by the
-    cut itself: a turn that diverges early in a long context of its own needs no other room."""
+def make_room(pool: Pool, dst: WarmContext, new_cells: int, runtime: KVRuntime) -> None:
+    """Free cells for ``new_cells`` more tokens in ``dst`` (only a unified pool is shared)."""
     layout = pool.layout
     if not layout.shared_cells or not layout.explicit:
         return
-    while pool.ledger.used_if_truncated(dst.seq, keep) + max(0, new_cells) > layout.pool_tokens:
+    while pool.ledger.used() + max(0, new_cells) > layout.pool_tokens:
         chosen = victim(pool, exclude={dst})
         if chosen is None:
             raise BusyError(
@@ -154,7 +152,11 @@ def save(
     tiers = pool.tiers
     if tiers is None or not context.tokens:
         return ""
-    n = len(context.tokens) if whole else (context.prefix_tokens or len(context.tokens))
+    n = (
+        len(context.tokens)
+        if whole
+        else min(context.prefix_tokens or len(context.tokens), len(context.tokens))
+    )
     if n < pool.settings.snapshot_min_tokens:
         return ""
     if context.saved_key:

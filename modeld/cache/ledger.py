@@ -88,15 +88,6 @@ class Ledger:
                     longest[ref.group] = ref.length
         return sum(longest.values())
 
-    def used_if_truncated(self, seq: int, keep: int) -> int:
-        """:meth:`used` once ``seq`` is cut to its first ``keep`` tokens (the ledger unchanged)."""
-        saved = [_Ref(r.group, r.start, r.length) for r in self._seqs.get(seq, [])]
-        self.truncate(seq, keep)
-        try:
-            return self.used()
-        finally:
-            self._seqs[seq] = saved
-
     def unique(self, seq: int) -> int:
         """Cells that only ``seq`` holds (what emptying it would free)."""
         others: dict[int, int] = {}

@@ -51,6 +51,7 @@ __all__ = [
     "read_header_from",
     "read_verified",
     "open_verified",
+    "salvage",
     "write_atomic",
 ]
 
@@ -254,6 +255,60 @@ def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
     """The header and tokens of a snapshot file (checks the token hash, not the payload)."""
     with path.open("rb") as f:
         return read_header_from(f)
+
+
+@dataclass(frozen=True, slots=True)
+class Salvaged:
+    """What a refused snapshot file still says it held, as far as it can be read: ``""`` (and
+    ``tokens`` None) for what cannot. ``model_digest`` and ``identity`` may be prefixes (read from
+    the file name: ``<digest[:16]>-<identity[:12]>-<format hash[:8]>-<token hash[:20]>``);
+    ``format_hash`` is ``bytes_hash(snapshot_format)[:8]``."""
+
+    model_digest: str = ""
+    identity: str = ""
+    format_hash: str = ""
+    tokens: tuple[int, ...] | None = None
+
+
+def salvage(path: Path) -> Salvaged:
+    """What a file that failed :func:`read_header` says it held, for the turn it would have
+    served (its ``snapshot_rejected`` reason): the header's fields when its JSON still parses
+    (whatever the magic, version or size say), the tokens when they can be read and match their
+    hash (else which text it held is unknown), else the fields its name carries. Never raises."""
+    from modeld.manifest import bytes_hash
+
+    named = Salvaged()
+    parts = path.name[: -len(SUFFIX)].split("-") if path.name.endswith(SUFFIX) else []
+    if len(parts) == 4:
+        named = Salvaged(model_digest=parts[0], identity=parts[1], format_hash=parts[2])
+    try:
+        with path.open("rb") as f:
+            fixed = f.read(_FIXED.size)
+            if len(fixed) < _FIXED.size:
+                return named
+            _, _, header_len = _FIXED.unpack(fixed)
+            if header_len > _MAX_HEADER:
+                return named
+            fields = json.loads(f.read(header_len).decode("utf-8"))
+            digest, identity = str(fields["model_digest"]), str(fields["identity"])
+            fmt, n = str(fields["snapshot_format"]), int(fields["n_tokens"])
+            want = str(fields.get("token_hash", ""))
+            raw = f.read(4 * n) if 0 < n <= _MAX_SALVAGED_TOKENS else b""
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error):
+        return named
+    tokens: tuple[int, ...] | None = None
+    if raw and len(raw) == 4 * n:
+        arr = array("I")
+        arr.frombytes(raw)
+        if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian machine
+            arr.byteswap()
+        if token_hash(arr.tolist()) == want:  # corrupt tokens say nothing about the text
+            tokens = tuple(arr)
+    return Salvaged(model_digest=digest, identity=identity, format_hash=bytes_hash(fmt)[:8], tokens=tokens)
+
+
+_MAX_SALVAGED_TOKENS = 1 << 20
+"""Tokens :func:`salvage` reads from a refused file at most (4 MiB)."""
 
 
 @contextlib.contextmanager

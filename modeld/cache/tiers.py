@@ -15,8 +15,10 @@ an engine worker), so they survive a worker crash; the disk tier survives a daem
   serving goes on.
 
 A budget of 0 switches a tier off. Every rejected file is removed with its reason logged and
-kept in :attr:`Tiers.rejections` (``modeld status`` shows them; a cold turn that tried one says
-why). Design record: ``blueprints/0016-warm-state.md``.
+kept in :attr:`Tiers.rejections` (``modeld status`` shows them). A cold turn that tried one says
+why; so does the first cold turn a file refused while the directory was indexed would have served
+(:meth:`Tiers.claim_refused`: what such a file still says it held, its header or its name).
+Design record: ``blueprints/0016-warm-state.md``.
 
 A **remote tier** (:class:`RemoteTier`, the shared store of ``modeld/cache/shared.py``) may be
 attached: every snapshot persisted here is written through to it, and a turn that misses
@@ -39,17 +41,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from modeld.cache.reuse import common_prefix_len
 from modeld.cache.snapfile import (
     SUFFIX,
+    Salvaged,
     SnapshotError,
     SnapshotFile,
     SnapshotHeader,
     read_header,
+    salvage,
     write_atomic,
 )
-from modeld.manifest import token_hash
+from modeld.manifest import bytes_hash, token_hash
 
-__all__ = ["Rejection", "RemoteTier", "TierEntry", "Tiers", "entry_key", "key_prefix"]
+__all__ = ["Refused", "Rejection", "RemoteTier", "TierEntry", "Tiers", "entry_key", "key_prefix"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -91,6 +96,13 @@ class TierEntry:
     def tier(self) -> str:
         return "ram" if self.blob is not None else "disk"
 
+    @property
+    def short_id(self) -> str:
+        """Its name for people (status, explain-context, a turn's ``reuse.context``): 8 hex
+        characters of its key's hash, so snapshots of the same tokens under two runtime
+        identities (two context sizes of one file) are told apart."""
+        return bytes_hash(self.key)[:8]
+
 
 @dataclass(frozen=True, slots=True)
 class Rejection:
@@ -101,10 +113,34 @@ class Rejection:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A snapshot file refused while the disk tier was indexed, and what it still says it held
+    (:func:`~modeld.cache.snapfile.salvage`), until the cold turn it would have served claims it."""
+
+    rejection: Rejection
+    held: Salvaged
+
+    def would_serve(
+        self, model_digest: str, identity: str, snapshot_format: str, target: Sequence[int], min_tokens: int
+    ) -> bool:
+        """Whether this file claimed to be a snapshot a turn for ``target`` under this model,
+        identity and engine format would have restored (``min_tokens`` of ``target`` at least,
+        when its tokens are known)."""
+        held = self.held
+        if not (held.model_digest and held.identity and held.format_hash):
+            return False
+        if not (model_digest.startswith(held.model_digest) and identity.startswith(held.identity)):
+            return False
+        if bytes_hash(snapshot_format)[:8] != held.format_hash:
+            return False
+        if held.tokens is None:
+            return True
+        return common_prefix_len(list(held.tokens), list(target)) >= max(1, min(min_tokens, len(target)))
+
+
 def key_prefix(model_digest: str, identity: str, snapshot_format: str) -> str:
     """What every entry key of one model, runtime identity and engine format starts with."""
-    from modeld.manifest import bytes_hash
-
     fmt = bytes_hash(snapshot_format)[:8]
     return f"{model_digest[:16]}-{identity[:12]}-{fmt}-"
 
@@ -157,6 +193,7 @@ class Tiers:
         self._lock = threading.RLock()
         self._entries: dict[str, TierEntry] = {}
         self.rejections: deque[Rejection] = deque(maxlen=_REJECTIONS_KEPT)
+        self._refused: deque[Refused] = deque(maxlen=_REJECTIONS_KEPT)
         self.counters = {"written": 0, "write_failures": 0, "spilled_to_disk": 0, "dropped": 0, "rejected": 0}
         self._writes: queue.SimpleQueue[tuple[TierEntry, bytes] | None] = queue.SimpleQueue()
         self._pending_writes = 0
@@ -238,6 +275,7 @@ class Tiers:
         (write-behind), so it survives a crash of the daemon. None if no tier could take it.
         """
         tokens = list(tokens)
+        prefix_tokens = min(prefix_tokens, len(tokens))  # a file claiming more is refused on reading
         key = entry_key(model_digest, identity, snapshot_format, tokens)
         with self._lock:
             existing = self._entries.get(key)
@@ -347,6 +385,19 @@ class Tiers:
         with self._lock:
             entry.last_used = time.time()
 
+    def claim_refused(
+        self, model_digest: str, identity: str, snapshot_format: str, target: Sequence[int], min_tokens: int
+    ) -> Rejection | None:
+        """The rejection of a file refused at indexing that would have served a cold turn for
+        ``target`` (:meth:`Refused.would_serve`), once: the first such turn says
+        ``snapshot_rejected`` with its reason, later ones say what happened to them."""
+        with self._lock:
+            for refused in self._refused:
+                if refused.would_serve(model_digest, identity, snapshot_format, target, min_tokens):
+                    self._refused.remove(refused)
+                    return refused.rejection
+        return None
+
     def reject(self, entry: TierEntry, reason: str) -> None:
         """Remove an entry that must not be used, with its reason logged."""
         remote = self.remote
@@ -416,6 +467,9 @@ class Tiers:
             )
             header, _ = read_header(path)
         except (OSError, SnapshotError) as exc:
+            if isinstance(exc, SnapshotError):  # written whole, but not what it should hold
+                with contextlib.suppress(OSError):
+                    path.unlink()
             with self._lock:
                 self.counters["write_failures"] += 1
                 if entry.blob is None:
@@ -480,20 +534,17 @@ class Tiers:
                 header, tokens = read_header(path)
             except (OSError, SnapshotError) as exc:
                 reason = str(exc) if isinstance(exc, SnapshotError) else f"unreadable ({exc})"
-                log.warning("removed KV snapshot %s: %s", path, reason)
-                self.rejections.append(Rejection(time.time(), str(path), reason))
-                self.counters["rejected"] += 1
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                self._refuse_at_scan(path, reason, salvage(path))
                 continue
             key = name[: -len(SUFFIX)]
             if key != entry_key(header.model_digest, header.identity, header.snapshot_format, tokens):
-                reason = "its name does not match its contents"
-                log.warning("removed KV snapshot %s: %s", path, reason)
-                self.rejections.append(Rejection(time.time(), str(path), reason))
-                self.counters["rejected"] += 1
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                held = Salvaged(
+                    header.model_digest,
+                    header.identity,
+                    bytes_hash(header.snapshot_format)[:8],
+                    tuple(tokens),
+                )
+                self._refuse_at_scan(path, "its name does not match its contents", held)
                 continue
             self._entries[key] = TierEntry(
                 key=key,
@@ -513,6 +564,16 @@ class Tiers:
             log.info("disk tier: %d KV snapshots found in %s", found, self.directory)
         with self._lock:
             self._make_disk_room(0)
+
+    def _refuse_at_scan(self, path: Path, reason: str, held: Salvaged) -> None:
+        """Remove a file that failed indexing; keep what it held for the turn it would serve."""
+        log.warning("removed KV snapshot %s: %s", path, reason)
+        rejection = Rejection(time.time(), str(path), reason)
+        self.rejections.append(rejection)
+        self._refused.append(Refused(rejection, held))
+        self.counters["rejected"] += 1
+        with contextlib.suppress(OSError):
+            path.unlink()
 
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write is on disk and through to the remote tier (True) or

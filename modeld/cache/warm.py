@@ -48,7 +48,7 @@ from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
-from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError
+from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError, echo
 from modeld.manifest import ContextManifest
 
 __all__ = ["PROGRESS_INTERVAL", "Hold", "ModelCache", "Synced"]
@@ -132,7 +132,9 @@ class Hold:
                     job.cancel()
                 end = _wait(job, reporter, deadline)
                 with self._cache._lock:
-                    self._cache._pool.record_sync(self.context, end.kept, end.resident, target)
+                    pool = self._cache._pool
+                    pool.record_sync(self.context, end.kept, end.resident, target)
+                    pool.counters["prefilled"] += max(0, end.resident - end.kept)
                 if not end.canceled and end.kept < keep:  # the memory could not be cut there
                     keep = end.kept
                     continue
@@ -151,6 +153,7 @@ class Hold:
                 f"stopped after {end.resident} of {len(target)} tokens",
                 timeout="operation_seconds",
             )
+        self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
         return Synced(self.evaluated, (time.monotonic() - started) * 1000.0, complete)
 
@@ -162,6 +165,11 @@ class Hold:
         with cache._lock:
             self.context.prefix_tokens = prefix
             self.context.floor = 0
+            # Counted here, once per prefix that is in place: what the metrics count from the
+            # same PrefixStatus (``modeld_prefix_cache_queries`` / ``_hits{source}``).
+            counters = cache._pool.counters
+            counters["queries"] += len(self.target)
+            counters[f"reused_{self.tier}"] += self.keep
         cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
         cache._history.record(cache._file_key, self._manifest)
 
@@ -254,6 +262,7 @@ class ModelCache:
             slot = slots.get(session_id)
             if slot is None:
                 slot = slots[session_id] = SessionSlot(session_id, identity, pinned, keep_alive)
+                self._pool.identities.add(identity)
             return slot
 
     def forget_session(self, slot: SessionSlot) -> None:
@@ -275,20 +284,21 @@ class ModelCache:
         manifest: ContextManifest,
         floor: int = 0,
         extra_cells: int = 0,
+        head: int = 0,
     ) -> Hold:
         """Choose, place and make room for ``target`` (see the module docstring).
 
         ``stage`` (prefix, suffix, decode) names the operation in progress and timeouts;
         ``floor`` is how many leading tokens it will not change once they are in place (others
         may copy them meanwhile); ``extra_cells`` the room needed beyond ``target`` (tokens a
-        decode may generate)."""
+        decode may generate); ``head`` how many of ``target``'s first tokens any prefix of its
+        format starts with (the chat template's head, BOS): reusing no more is a cold turn."""
         runtime = self.runtime()
         changed = self._history.changed(self._file_key, manifest)
         self._saver.settle()  # a choice must see every tier entry
         pool = self._pool
         with self._lock:
-            pool.counters["queries"] += len(target)
-            choice = self._choose(slot, target, remote=stage == "prefix")
+            choice = self._choose(slot, target, head, remote=stage == "prefix")
             try:
                 dst = self._place(slot, choice, runtime)
             except eviction.NoRoom:
@@ -297,28 +307,46 @@ class ModelCache:
                 # (or from its snapshot, found by choosing again).
                 assert choice.context is not None
                 eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
-                choice = self._choose(slot, target, remote=stage == "prefix")
+                choice = self._choose(slot, target, head, remote=stage == "prefix")
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
-            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells, runtime, keep=hold.keep)
+            # The cells of dst past what is kept are cut by this turn: they count as room (a
+            # session editing the middle of a prefix longer than half the pool used to be busy).
+            ledger = pool.ledger
+            cut = max(0, min(ledger.unique(dst.seq), ledger.length(dst.seq) - hold.keep))
+            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells - cut, runtime)
             dst.busy = True
             dst.floor = max(0, min(floor, hold.keep - 2))
+            cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
+            if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
+                # A snapshot file refused when the disk tier was indexed would have served this
+                # cold turn: say so, as for one refused when it was tried.
+                refused = pool.tiers.claim_refused(
+                    pool.model_digest,
+                    slot.identity,
+                    pool.layout.snapshot_format,
+                    target,
+                    pool.settings.restore_min_gain,
+                )
+                if refused is not None:
+                    pool.counters["snapshots_rejected"] += 1
+                    slot.loss = Loss("snapshot_rejected", f"{refused.reason}; at the daemon's start")
             hold.decision = classify(
                 wanted=len(target),
                 keep=hold.keep,
                 candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
                 manifest=manifest,
-                loss=slot.loss if hold.keep == 0 else None,
+                loss=slot.loss if cold else None,
                 changed=changed if hold.keep == 0 and not choice.seen else None,
                 truncation_blocked=choice.blocked and hold.keep == 0,
+                model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
+                head=head,
             )
             slot.loss = None
-            pool.counters[f"reused_{hold.tier}"] += hold.keep
-            pool.counters["prefilled"] += len(target) - hold.keep
             return hold
 
-    def _choose(self, slot: SessionSlot, target: list[int], *, remote: bool = False) -> Choice:
+    def _choose(self, slot: SessionSlot, target: list[int], head: int, *, remote: bool = False) -> Choice:
         """The choice among the KV and the local tiers; a prefix they do not cover whole is
         looked up in the remote tier too (``remote``: the shared store, blueprint 0020), whose
         snapshots come after the local ones (the local one wins at equal length)."""
@@ -337,6 +365,7 @@ class ModelCache:
                 entries=candidates,
                 can_truncate=pool.layout.can_truncate,
                 restore_min_gain=pool.settings.restore_min_gain,
+                head=head,
             )
 
         choice = pick(entries)
@@ -403,7 +432,7 @@ class ModelCache:
         # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
         # other warm contexts makes the engine refuse it, and a good snapshot must not be
         # rejected (and removed: from the shared store, for every box) for want of room.
-        eviction.make_room(pool, dst, len(entry.tokens), runtime, keep=0)
+        eviction.make_room(pool, dst, len(entry.tokens) - pool.ledger.unique(dst.seq), runtime)
         restored = runtime.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
         if not restored.ok:
@@ -422,7 +451,7 @@ class ModelCache:
         pool.tiers.touch(entry)
         hold.keep = keep
         hold.tier = entry.tier
-        hold.source = Candidate(entry.tier, entry.key[-8:], entry.prefix_tokens, own=False)
+        hold.source = Candidate(entry.tier, entry.short_id, entry.prefix_tokens, own=False)
         hold.restore_ms = (time.perf_counter() - started) * 1000.0
 
     # --- what the engine reported -----------------------------------------------------------------
@@ -499,32 +528,44 @@ class ModelCache:
         """How many of a session's tokens its warm context holds in the KV pool now."""
         return self._pool.kv_tokens(slot, tokens)
 
-    def views(self) -> tuple[WarmContextInfo, ...]:
-        """Every warm context, for status and explain-context. Never waits long: an operation
-        holds the lock across engine calls, and a hung engine must not hang ``modeld status``
-        (past 0.2 s the view is read without the lock, a moment's state)."""
+    def views(self, listed: set[str] | None = None) -> tuple[WarmContextInfo, ...]:
+        """Every warm context, for status and explain-context: the pool's, and the tier snapshots
+        this model can restore (its file's digest, its engine's snapshot format, the runtime
+        identity of one of its sessions); a snapshot whose key is in ``listed`` is left out, and
+        the keys listed here are added (so a daemon's status lists each snapshot under one model,
+        never under every model of the same file). Never waits long: an operation holds the lock
+        across engine calls, and a hung engine must not hang ``modeld status`` (past 0.2 s the
+        view is read without the lock, a moment's state)."""
         locked = self._lock.acquire(timeout=0.2)
         try:
             out = self._pool.views()
+            identities = set(self._pool.identities)
         finally:
             if locked:
                 self._lock.release()
         tiers = self._pool.tiers
         if tiers is not None:
-            out.extend(
-                WarmContextInfo(
-                    id=e.key[-8:],
-                    tier=e.tier,
-                    tokens=len(e.tokens),
-                    prefix_tokens=e.prefix_tokens,
-                    bytes=e.nbytes,
-                    shared_bytes=0,
-                    last_used_at=e.last_used,
-                    pinned=False,
-                    session_id="",
+            fmt = self._pool.layout.snapshot_format
+            for e in tiers.entries(self._pool.model_digest):
+                if e.identity not in identities or e.snapshot_format != fmt:
+                    continue
+                if listed is not None:
+                    if e.key in listed:
+                        continue
+                    listed.add(e.key)
+                out.append(
+                    WarmContextInfo(
+                        id=e.short_id,
+                        tier=e.tier,
+                        tokens=len(e.tokens),
+                        prefix_tokens=e.prefix_tokens,
+                        bytes=e.nbytes,
+                        shared_bytes=0,
+                        last_used_at=e.last_used,
+                        pinned=False,
+                        session_id="",
+                    )
                 )
-                for e in tiers.entries(self._pool.model_digest)
-            )
         return tuple(out)
 
     def used_cells(self) -> int:

@@ -53,6 +53,7 @@ from modeld.contract import (
     TierStatus,
     WorkerInfo,
 )
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
@@ -64,6 +65,7 @@ from modeld.errors import (
     InvalidArgumentError,
     LimitExceededError,
     ManifestMismatchError,
+    ModelChangedError,
     ModeldError,
     SessionNotFoundError,
     ShuttingDownError,
@@ -113,6 +115,7 @@ class Engine:
         restart: RestartPolicy | None = None,
         data_dir: Path | None = None,
         worker_log_level: str = "INFO",
+        speculation: str = "ngram",
     ) -> None:
         if not backends:
             raise InvalidArgumentError("at least one backend is required", field="backends")
@@ -126,6 +129,13 @@ class Engine:
                 f"isolation must be one of {', '.join(ISOLATIONS)}, got {self.residency.isolation!r}",
                 field="isolation",
             )
+        if speculation not in SPECULATION_MODES:
+            raise InvalidArgumentError(
+                f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}",
+                field="speculation",
+            )
+        self.speculation = speculation
+        """What a decode that leaves ``DecodeConfig.speculation`` unset gets (``--speculation``)."""
         self.timeouts = timeouts or Timeouts()
         self.restart = restart or RestartPolicy()
         self.endpoint = endpoint
@@ -370,6 +380,10 @@ class Engine:
         Loading beyond ``max_loaded_models`` or the memory budget first unloads the least
         recently used model that has no session (its warm contexts go to the tiers)."""
         key = (kind, info.path, info.model_digest, config_runtime_digest(request.config))
+        with self._lock:
+            stale = [m for k, m in self._models.items() if k[:2] == key[:2] and k[2] != key[2]]
+        for other in stale:  # the file now describes as another model: is that one gone from it?
+            other.file_changed()
         with self._load_lock:
             with self._lock:
                 model = self._models.get(key)
@@ -409,6 +423,7 @@ class Engine:
                 on_restart=self._worker_restarted,
                 on_state=lambda name, state: self._notify("model_state", name, state),
                 on_wait=lambda seconds: self._notify("queue_waited", seconds),
+                on_changed=self._model_changed,
             )
             model.cost = cost
             model.sessions = 1
@@ -461,6 +476,25 @@ class Engine:
         model.close(persist=False)
         log.info("unloaded model %s: %s", model.info.path, why)
 
+    def _model_changed(self, model: LoadedModel, error: ModelChangedError) -> None:
+        """A loaded model's file no longer holds it (``LoadedModel.file_changed``): no new
+        session gets it, every open session of it ends with ``error`` (their transports end
+        their streams; a client opens a new session, which loads the file as it is now), and it
+        is retired without saving its warm contexts, in the background."""
+        with self._lock:
+            if self._models.get(model.key) is model:
+                del self._models[model.key]
+            ended = [s for s in self._sessions.values() if s.model is model]
+        log.warning("retiring model %s: its file changed; ending %d sessions", model.info.path, len(ended))
+        for session in ended:
+            session.interrupt(error)
+
+        def retire() -> None:
+            model.cache.reset(error)  # forgets every warm context; nothing goes to the tiers
+            model.close(persist=False)
+
+        threading.Thread(target=retire, name="model-retire", daemon=True).start()
+
     def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
         with self._lock:
             self._restarts += 1
@@ -510,7 +544,8 @@ class Engine:
 
     def status(self, *, debug: bool = False) -> DaemonStatus:
         with self._lock:
-            models = tuple(self._model_summary(m, debug=debug) for m in self._models.values())
+            listed: set[str] = set()  # each tier snapshot under one model, never under two
+            models = tuple(self._model_summary(m, debug=debug, listed=listed) for m in self._models.values())
             sessions = len(self._sessions)
         return DaemonStatus(
             instance_id=self.owner.instance_id,
@@ -530,6 +565,7 @@ class Engine:
             machine=self.machine(),
             settings={
                 **self.residency.as_dict(),
+                "speculation": self.speculation,
                 **{f"timeout_{k}": str(v) for k, v in _fields(self.timeouts).items()},
                 **{f"restart_{k}": str(v) for k, v in _fields(self.restart).items()},
             },
@@ -569,7 +605,7 @@ class Engine:
             problems=tuple(f"{part}: {why}" for part, why in hw.problems),
         )
 
-    def _model_summary(self, model: LoadedModel, *, debug: bool) -> LoadedModelSummary:
+    def _model_summary(self, model: LoadedModel, *, debug: bool, listed: set[str]) -> LoadedModelSummary:
         base = model.summary()
         worker = model.supervisor.status(debug=debug)
         return replace(
@@ -581,7 +617,7 @@ class Engine:
             busy_slots=model.admission.busy,
             queued=model.admission.queued,
             busy_tokens=model.cache.busy_cells(),
-            contexts=model.warm_contexts(),
+            contexts=model.warm_contexts(listed),
             counters=dict(model.cache.counters),
             worker=WorkerInfo(
                 pid=worker.pid,

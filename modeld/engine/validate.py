@@ -33,6 +33,7 @@ from modeld.contract import (
     OpenSessionRequest,
 )
 from modeld.decoding.samplers import SAMPLERS, check_float, check_int
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.limits import Limits
 from modeld.errors import InvalidArgumentError, LimitExceededError, ModelLoadError, UnsupportedError, echo
 from modeld.manifest import ContextManifest
@@ -269,6 +270,11 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
         sampler.check(getattr(config, sampler.name))
     if config.top_logprobs and not config.logprobs:
         raise InvalidArgumentError("top_logprobs needs logprobs", field="top_logprobs")
+    if config.speculation not in ("", *SPECULATION_MODES):
+        raise InvalidArgumentError(
+            f"speculation must be one of {', '.join(SPECULATION_MODES)} (or unset), got {echo(config.speculation)}",
+            field="speculation",
+        )
     if not isinstance(config.stop, tuple):
         raise InvalidArgumentError("stop must be a tuple of strings", field="stop")
     if len(config.stop) > limits.max_stop_strings:
@@ -299,6 +305,12 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
                 field=f"extra.{key[:MAX_WORD_BYTES]}",
             )
     _validate_decoding(config, limits, capabilities)
+    if config.speculation and config.speculation not in capabilities.speculation:
+        raise UnsupportedError(
+            f"this backend cannot honour speculation {echo(config.speculation)} "
+            f"(it offers: {', '.join(capabilities.speculation)})",
+            field="speculation",
+        )
     for sampler in SAMPLERS:
         if sampler.is_on(config) and sampler.name not in capabilities.sampling:
             raise UnsupportedError(

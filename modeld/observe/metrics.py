@@ -19,6 +19,12 @@ meaning is the same, under a ``modeld_`` prefix (counters get ``_total`` on expo
                                             a decode's own re-prefill as far as Usage shows it)
 ``modeld_generation_tokens_total``          tokens generated
 ``modeld_requests_total{finish_reason}``    decodes finished
+``modeld_spec_decode_num_drafts_total``     verify batches that carried a draft (speculation,
+                                            blueprint 0021; from Usage)
+``modeld_spec_decode_num_draft_tokens_total``    tokens drafted from the context and verified
+``modeld_spec_decode_num_accepted_tokens_total`` of those, the model's own choice (acceptance
+                                            rate = accepted / draft tokens)
+``modeld_spec_decode_num_forced_tokens_total``   tokens a constraint forced, appended unsampled
 ``modeld_time_to_first_token_seconds``      turn start (its first operation) to first token
 ``modeld_inter_token_latency_seconds``      between generated tokens
 ``modeld_queue_wait_seconds``               waits for a busy model, as the engine reports them
@@ -174,6 +180,30 @@ class Metrics:
         self.generated = Counter("modeld_generation_tokens", "Tokens generated.", ["model"], registry=r)
         self.requests = Counter(
             "modeld_requests", "Decodes finished, by finish reason.", ["model", "finish_reason"], registry=r
+        )
+        self.drafts = Counter(
+            "modeld_spec_decode_num_drafts",
+            "Verify batches that carried a draft from the context (speculation).",
+            ["model"],
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "modeld_spec_decode_num_draft_tokens",
+            "Tokens drafted from the context and verified.",
+            ["model"],
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "modeld_spec_decode_num_accepted_tokens",
+            "Drafted tokens that were the model's own choice (each saved a decode step).",
+            ["model"],
+            registry=r,
+        )
+        self.forced_tokens = Counter(
+            "modeld_spec_decode_num_forced_tokens",
+            "Tokens a constraint forced (its only continuation), appended without a decode step.",
+            ["model"],
+            registry=r,
         )
         self.ttft = Histogram(
             "modeld_time_to_first_token_seconds",
@@ -430,7 +460,8 @@ class ObservedSession:
     def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         self._start()
         status = self.inner.prefill_suffix(suffix, progress)
-        computed = status.suffix_tokens + status.restored_tokens
+        # A suffix the last turn already computed is reused (status.reused_tokens), not computed.
+        computed = max(0, status.suffix_tokens - status.reused_tokens) + status.restored_tokens
         self._m.prefilled.labels(self._model).inc(computed)
         self._turn_computed += computed
         return status
@@ -448,6 +479,10 @@ class ObservedSession:
             self._m.prompt.labels(m).inc(usage.prompt_tokens)
             self._m.cached.labels(m).inc(usage.cached_tokens)
             self._m.generated.labels(m).inc(usage.completion_tokens)
+            self._m.drafts.labels(m).inc(usage.draft_batches)
+            self._m.draft_tokens.labels(m).inc(usage.drafted_tokens)
+            self._m.accepted_tokens.labels(m).inc(usage.accepted_tokens)
+            self._m.forced_tokens.labels(m).inc(usage.forced_tokens)
             # Prompt tokens the decode itself recomputed (another session displaced them).
             extra = max(0, usage.prompt_tokens - usage.cached_tokens - self._turn_computed)
             if extra:

@@ -122,13 +122,18 @@ def _worker(w: WorkerInfo, now: float) -> list[str]:
     return lines
 
 
-def _counters(c: dict[str, int]) -> str:
-    return (
-        f"    tokens    reused from kv {c.get('reused_kv', 0)} · ram {c.get('reused_ram', 0)} · disk "
-        f"{c.get('reused_disk', 0)} · prefilled {c.get('prefilled', 0)} · evicted to ram "
-        f"{c.get('evicted_to_ram', 0)}, disk {c.get('evicted_to_disk', 0)}, dropped {c.get('evicted_dropped', 0)}"
-        f" · snapshots rejected {c.get('snapshots_rejected', 0)}"
-    )
+def _counters(c: dict[str, int]) -> list[str]:
+    """The model's cumulative counters, each labelled as its metric counts it
+    (``modeld_prefix_cache_queries``, ``_hits{source}``, ``modeld_prompt_tokens_prefilled``,
+    ``modeld_evictions{to}``, ``modeld_snapshots_rejected``)."""
+    return [
+        f"    prefixes  {c.get('queries', 0)} tokens looked up · reused from kv {c.get('reused_kv', 0)}, "
+        f"ram {c.get('reused_ram', 0)}, disk {c.get('reused_disk', 0)}",
+        f"    prefill   {c.get('prefilled', 0)} prompt tokens computed (prefixes, suffixes, recomputed ones)",
+        f"    evicted   to ram {c.get('evicted_to_ram', 0)}, disk {c.get('evicted_to_disk', 0)}, dropped "
+        f"{c.get('evicted_dropped', 0)} · snapshots taken {c.get('snapshots_taken', 0)}, rejected "
+        f"{c.get('snapshots_rejected', 0)} · prefixes copied {c.get('copies', 0)}",
+    ]
 
 
 def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
@@ -145,7 +150,7 @@ def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
         + (f" · {format_bytes(m.kv_bytes_per_token)} per token" if m.kv_bytes_per_token else "")
         + f" · {m.resident_tokens} tokens resident"
     )
-    lines.append(_counters(dict(m.counters)))
+    lines += _counters(dict(m.counters))
     if m.contexts:
         rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
         for c in m.contexts:

@@ -351,6 +351,7 @@ def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
         frequency_penalty=msg.frequency_penalty,
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        speculation=msg.speculation,
         **values,
     )
 

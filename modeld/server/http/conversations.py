@@ -91,6 +91,10 @@ class TurnUsage:
     reasoning_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    drafted_tokens: int = 0  # speculation (blueprint 0021): drafted from the context, verified
+    accepted_tokens: int = 0  # of those, the model's own choice
+    draft_batches: int = 0
+    forced_tokens: int = 0  # forced by a constraint, appended without a decode step
 
     @property
     def uncached_tokens(self) -> int:
@@ -429,6 +433,10 @@ def _usage(usage: Usage | None, started: TurnUsage, reasoning_tokens: int) -> Tu
         reasoning_tokens=min(reasoning_tokens, usage.completion_tokens),
         prefill_ms=usage.prefill_ms,
         decode_ms=usage.decode_ms,
+        drafted_tokens=usage.drafted_tokens,
+        accepted_tokens=usage.accepted_tokens,
+        draft_batches=usage.draft_batches,
+        forced_tokens=usage.forced_tokens,
     )
 
 

@@ -31,8 +31,31 @@ __all__ = [
     "finish_reason",
     "models_response",
     "sse",
+    "timings_dict",
     "usage_dict",
 ]
+
+
+def timings_dict(usage: TurnUsage | None) -> dict[str, Any]:
+    """Server-side timings under llama-server's names (``timings`` of its responses), with the
+    speculation counts (blueprint 0021): ``draft_n`` tokens drafted and verified in
+    ``draft_batches`` batches, ``draft_n_accepted`` of them the model's own choice, ``forced_n``
+    forced by a constraint. ``predicted_per_second`` counts from the first token to the last."""
+    if usage is None:
+        usage = TurnUsage(0, 0, 0, 0)
+    n, ms = usage.completion_tokens, usage.decode_ms
+    return {
+        "cache_n": usage.cached_tokens,
+        "prompt_n": usage.computed_tokens,
+        "prompt_ms": round(usage.prefill_ms, 3),
+        "predicted_n": n,
+        "predicted_ms": round(ms, 3),
+        "predicted_per_second": round((n - 1) * 1000.0 / ms, 3) if n > 1 and ms > 0 else None,
+        "draft_n": usage.drafted_tokens,
+        "draft_n_accepted": usage.accepted_tokens,
+        "draft_batches": usage.draft_batches,
+        "forced_n": usage.forced_tokens,
+    }
 
 
 def usage_dict(usage: TurnUsage | None) -> dict[str, Any]:
@@ -197,6 +220,7 @@ def chat_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
             for i, done in enumerate(dones)
         ],
         "usage": usage_dict(choices_usage(dones)),
+        "timings": timings_dict(choices_usage(dones)),
         "system_fingerprint": None,
         "modeld": extension(dones[0].started),
     }
@@ -252,7 +276,9 @@ async def chat_stream(
                 yield sse(openai_error(event.error))
                 return
             tail = None if include_usage else ext
-            last = sse(_chat_chunk(turn, {}, include_usage, finish=finish_reason(event.finish), ext=tail))
+            end = _chat_chunk(turn, {}, include_usage, finish=finish_reason(event.finish), ext=tail)
+            end["timings"] = timings_dict(event.usage)  # as llama-server's last chunk
+            last = sse(end)
             if include_usage:
                 last += sse(_chat_chunk(turn, None, include_usage, usage=event.usage, ext=ext))
             yield last + b"data: [DONE]\n\n"  # the last events in one write
@@ -279,6 +305,7 @@ def completion_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]
             for i, done in enumerate(dones)
         ],
         "usage": usage_dict(choices_usage(dones)),
+        "timings": timings_dict(choices_usage(dones)),
         "system_fingerprint": None,
         "modeld": extension(dones[0].started),
     }
@@ -327,9 +354,9 @@ async def completion_stream(
                 yield sse(openai_error(event.error))
                 return
             tail = None if include_usage else ext
-            last = sse(
-                _completion_chunk(turn, "", include_usage, finish=finish_reason(event.finish), ext=tail)
-            )
+            end = _completion_chunk(turn, "", include_usage, finish=finish_reason(event.finish), ext=tail)
+            end["timings"] = timings_dict(event.usage)
+            last = sse(end)
             if include_usage:
                 last += sse(_completion_chunk(turn, None, include_usage, usage=event.usage, ext=ext))
             yield last + b"data: [DONE]\n\n"

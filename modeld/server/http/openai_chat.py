@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from modeld.contract import Constraint, DecodeConfig, ToolCall
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import echo
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
@@ -32,6 +33,7 @@ from modeld.server.http.fields import (
     MAX_TOOL_CALLS,
     MAX_TOOLS,
     boolean,
+    choice,
     integer,
     logit_bias,
     number,
@@ -148,6 +150,9 @@ _COMPLETION_ONLY_NEUTRAL = {
     "function_call",
 }
 SAMPLER_EXTENSIONS = ("top_k", "min_p", "repeat_penalty", "repeated_line_max", "repeated_line_min_chars")
+DECODE_EXTENSIONS = ("speculation",)
+"""modeld's own request fields beyond the samplers: ``speculation`` (``off`` or ``ngram``;
+absent: the daemon's ``--speculation``; blueprint 0021)."""
 
 
 def openai_error(error: HttpError) -> dict[str, Any]:
@@ -224,9 +229,19 @@ def decode_config(
     bias = logit_bias(body)
     if bias:
         values["logit_bias"] = bias
+    speculation = choice(body, "speculation", SPECULATION_MODES)
+    if speculation is not None:
+        values["speculation"] = speculation
     extra: dict[str, str] = {}
     if extensions:
-        known = set(mapped) | set(_NEUTRAL) | set(_NO_EFFECT) | set(SAMPLER_EXTENSIONS) | set(SGLANG_FIELDS)
+        known = (
+            set(mapped)
+            | set(_NEUTRAL)
+            | set(_NO_EFFECT)
+            | set(SAMPLER_EXTENSIONS)
+            | set(DECODE_EXTENSIONS)
+            | set(SGLANG_FIELDS)
+        )
         for name, value in body.items():
             if name in known or value is None:
                 continue
