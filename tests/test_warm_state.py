@@ -721,5 +721,6 @@ def test_a_turn_that_diverges_early_in_a_full_unified_pool_cuts_its_own_context_
         list(session.decode(DecodeConfig(max_tokens=8, temperature=0.0)))
         changed = "y" + first[1:]  # diverges at its second token
         status = session.ensure_prefix(PrefixInput(text=changed))
-        assert (status.reuse.outcome, status.reuse.diverged_at_token) == ("partial", 1)  # BOS, then "y"
+        # BOS, then "y": reusing only the format's head counts as cold (blueprint 0016).
+        assert (status.reuse.outcome, status.reuse.diverged_at_token) == ("cold", 1)
         assert status.prefilled_tokens == status.prefix_tokens - 1 >= len(changed)
