@@ -247,6 +247,7 @@ _COMPARED = (
     "reused_kv",
     "reused_ram",
     "reused_disk",
+    "reused_shared",
     "prefilled",
     "evicted_to_ram",
     "evicted_to_disk",
@@ -267,11 +268,14 @@ def _human_counters(text: str) -> dict[str, dict[str, int]]:
             model = head.group(1)
             continue
         got = re.match(
-            r"^    prefixes  (\d+) tokens looked up · reused from kv (\d+), ram (\d+), disk (\d+)$", line
+            r"^    prefixes  (\d+) tokens looked up · reused from kv (\d+), ram (\d+), disk (\d+), shared (\d+)$",
+            line,
         )
         if got:
-            q, kv, ram, disk = map(int, got.groups())
-            out.setdefault(model, {}).update(queries=q, reused_kv=kv, reused_ram=ram, reused_disk=disk)
+            q, kv, ram, disk, shared = map(int, got.groups())
+            out.setdefault(model, {}).update(
+                queries=q, reused_kv=kv, reused_ram=ram, reused_disk=disk, reused_shared=shared
+            )
         got = re.match(r"^    prefill   (\d+) prompt tokens computed ", line)
         if got:
             out.setdefault(model, {})["prefilled"] = int(got.group(1))
@@ -307,7 +311,7 @@ def test_status_metrics_and_the_turns_count_the_same_tokens(tmp_path: Path, tiny
     def prefix_said(
         model: str, prefix_tokens: int, reused: int, reason: str, outcome: str, tier: str
     ) -> None:
-        source = tier if reused and tier in ("ram", "disk") and outcome != "cold" else "kv"
+        source = tier if reused and tier in ("ram", "disk", "shared") and outcome != "cold" else "kv"
         add("queries", model, prefix_tokens)
         add(f"reused_{source}", model, reused)
 
@@ -379,7 +383,7 @@ def test_status_metrics_and_the_turns_count_the_same_tokens(tmp_path: Path, tiny
             for key in _COMPARED:
                 assert metrics.get((key, label), 0) == counters[key], (label, key, counters, metrics)
                 assert human[label][key] == counters[key], (label, key, human[label])
-                if key in ("queries", "reused_kv", "reused_ram", "reused_disk", "prefilled"):
+                if key in ("queries", "reused_kv", "reused_ram", "reused_disk", "reused_shared", "prefilled"):
                     assert turns.get((key, label), 0) == counters[key], (label, key, counters, turns)
         agent_counters = by_model[name]
         assert agent_counters["evicted_to_ram"] >= 1  # the scripted eviction happened

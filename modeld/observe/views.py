@@ -128,7 +128,7 @@ def _counters(c: dict[str, int]) -> list[str]:
     ``modeld_evictions{to}``, ``modeld_snapshots_rejected``)."""
     return [
         f"    prefixes  {c.get('queries', 0)} tokens looked up · reused from kv {c.get('reused_kv', 0)}, "
-        f"ram {c.get('reused_ram', 0)}, disk {c.get('reused_disk', 0)}",
+        f"ram {c.get('reused_ram', 0)}, disk {c.get('reused_disk', 0)}, shared {c.get('reused_shared', 0)}",
         f"    prefill   {c.get('prefilled', 0)} prompt tokens computed (prefixes, suffixes, recomputed ones)",
         f"    evicted   to ram {c.get('evicted_to_ram', 0)}, disk {c.get('evicted_to_disk', 0)}, dropped "
         f"{c.get('evicted_dropped', 0)} · snapshots taken {c.get('snapshots_taken', 0)}, rejected "
