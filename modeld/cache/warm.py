@@ -45,7 +45,7 @@ from modeld.cache.choice import Choice, choose
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
 from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
 from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
-from modeld.cache.snapfile import SnapshotError
+from modeld.cache.snapfile import SnapshotError, SnapshotFile
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
 from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError
@@ -388,6 +388,7 @@ class ModelCache:
             pool.counters["snapshots_rejected"] += 1
             slot.loss = Loss("snapshot_rejected", str(exc))
             return
+        tier = "disk" if isinstance(blob, SnapshotFile) else "ram"
         restored = runtime.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
         if not restored.ok:
@@ -404,9 +405,13 @@ class ModelCache:
         dst.saved_key = entry.key
         pool.ledger.set(dst.seq, len(entry.tokens))
         pool.tiers.touch(entry)
+        if keep >= len(entry.tokens):
+            # The KV pool holds the whole entry again: its RAM copy goes (moved, not copied;
+            # a disk copy stays, or is written first, for a worker crash).
+            pool.tiers.take(entry)
         hold.keep = keep
-        hold.tier = entry.tier
-        hold.source = Candidate(entry.tier, entry.key[-8:], entry.prefix_tokens, own=False)
+        hold.tier = tier
+        hold.source = Candidate(tier, entry.key[-8:], entry.prefix_tokens, own=False)
         hold.restore_ms = (time.perf_counter() - started) * 1000.0
 
     # --- what the engine reported -----------------------------------------------------------------

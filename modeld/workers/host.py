@@ -3,7 +3,7 @@
 A :class:`Host` is one loaded runtime seen from the daemon. Callers use its typed methods from
 any thread: the engine ``tokenize`` and ``start_generate``; the warm-state cache the KV
 operations of its own protocol (``modeld/cache/runtime.py``'s ``KVRuntime``: ``copy``, ``drop``,
-``sync``, ``snapshot``, ``restore``, with typed results). Each is one protocol request with its
+``sync``, ``snapshot``, ``save``, ``restore``, with typed results). Each is one protocol request with its
 own operation id, so several sessions can have requests in flight at once and the engine side
 interleaves them (``modeld/workers/scheduler.py``). A job can be cancelled by message
 (:meth:`Call.cancel`).
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from modeld.backends.base import Layout, ModelRuntime, SyncStep, Vocab
-from modeld.cache.runtime import KVRuntime, Restored, SyncEnd
+from modeld.cache.runtime import KVRuntime, Restored, Saved, SyncEnd
 from modeld.cache.snapfile import SnapshotFile
 from modeld.contract import DecodeConfig
 from modeld.errors import EngineError, ModeldError, error_from_reason
@@ -45,6 +45,7 @@ from modeld.workers.protocol import (
     Progress,
     Restore,
     Result,
+    Save,
     Snapshot,
     Sync,
     Tokenize,
@@ -238,6 +239,9 @@ class Host:
     def snapshot(self, seq: int) -> SnapshotCall:
         return SnapshotCall(self.call(Snapshot(seq)))
 
+    def save(self, seq: int, path: str) -> SaveCall:
+        return SaveCall(self.call(Save(seq, path)))
+
     def restore(self, seq: int, tokens: Sequence[int], blob: bytes | SnapshotFile) -> Restored:
         """Load a snapshot into ``seq``: a RAM blob, or a snapshot file the worker maps and
         verifies itself (``seq`` is empty when it was not restored)."""
@@ -287,6 +291,19 @@ class SnapshotCall:
 
     def result(self) -> bytes:
         return self.call.result(Result).payload
+
+
+class SaveCall:
+    """A save in flight (``KVRuntime.save``): its request is already on its way."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def result(self) -> Saved:
+        final = self.call.result(Result)
+        if final.ok:
+            return Saved(True, final.size)
+        return Saved(False, detail=final.detail, errno=final.errno)
 
 
 if TYPE_CHECKING:

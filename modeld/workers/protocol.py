@@ -48,6 +48,7 @@ __all__ = [
     "ProtocolError",
     "Restore",
     "Result",
+    "Save",
     "Snapshot",
     "Sync",
     "Tokenize",
@@ -157,6 +158,16 @@ class Snapshot(Message):
 
 
 @dataclass(frozen=True)
+class Save(Message):
+    """Write ``seq``'s snapshot into a new file at ``path`` (the daemon's temporary name in
+    its disk tier; it seals and indexes the file): the blob never crosses the socket."""
+
+    kind: ClassVar[str] = "save"
+    seq: int
+    path: str
+
+
+@dataclass(frozen=True)
 class Restore(Message):
     """Load a snapshot into ``seq``: from ``payload`` (the RAM tier's blob), or, when ``path``
     is set, from that snapshot file, which the worker maps and verifies against ``header``
@@ -231,14 +242,17 @@ class Loaded(Message):
 
 @dataclass(frozen=True)
 class Result(Message):
-    """The answer to an atomic request: ``tokens`` (tokenize), ``ok`` (restore; when
-    False, ``detail`` says why), ``payload`` (snapshot)."""
+    """The answer to an atomic request: ``tokens`` (tokenize), ``ok`` (restore, save; when
+    False, ``detail`` says why, and for a save ``errno`` is the file system's error number),
+    ``payload`` (snapshot), ``size`` (save: bytes written)."""
 
     kind: ClassVar[str] = "result"
     tokens: tuple[int, ...] = ()
     ok: bool = True
     detail: str = ""
     payload: bytes = b""
+    size: int = 0
+    errno: int = 0
 
 
 @dataclass(frozen=True)
@@ -295,6 +309,7 @@ _KINDS: dict[str, type[Message]] = {
         Copy,
         Drop,
         Snapshot,
+        Save,
         Restore,
         Cancel,
         Close,
