@@ -135,6 +135,8 @@ class Host:
         self.layout: Layout | None = None
         self.vocab: Vocab | None = None
         self.pid = 0
+        self.base_rss = 0
+        """The worker's resident memory just before its model loaded (``Loaded.base_rss``)."""
         self.death: ModeldError | None = None
         self.started_at = time.time()
         self.last_reply_at = time.monotonic()
@@ -217,6 +219,7 @@ class Host:
         self.layout = loaded.layout
         self.vocab = loaded.vocab()
         self.pid = loaded.pid
+        self.base_rss = loaded.base_rss
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self.call(Tokenize(text, add_bos)).result(Result).tokens)
@@ -315,7 +318,7 @@ if TYPE_CHECKING:
 class InlineHost(Host):
     """The scheduler on a thread of this process; messages pass as objects, unencoded."""
 
-    def __init__(self, loader: Callable[[Load], ModelRuntime], name: str = "engine") -> None:
+    def __init__(self, loader: Callable[[Load], tuple[ModelRuntime, int]], name: str = "engine") -> None:
         super().__init__()
         self._scheduler = Scheduler(self._reply, loader)
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)

@@ -219,9 +219,11 @@ class Loaded(Message):
     bos: int
     pid: int
     payload: bytes = b""
+    base_rss: int = 0
+    """The worker's resident memory just before the model loaded (its runtime's own part)."""
 
     @staticmethod
-    def of(layout: Layout, vocab: Vocab, pid: int) -> Loaded:
+    def of(layout: Layout, vocab: Vocab, pid: int, base_rss: int = 0) -> Loaded:
         return Loaded(
             layout=layout,
             lengths=tuple(len(p) for p in vocab.pieces),
@@ -229,6 +231,7 @@ class Loaded(Message):
             bos=vocab.bos,
             pid=pid,
             payload=b"".join(vocab.pieces),
+            base_rss=base_rss,
         )
 
     def vocab(self) -> Vocab:

@@ -56,7 +56,8 @@ __all__ = ["Scheduler"]
 log = logging.getLogger("modeld.worker")
 
 Send = Callable[[int, Message], None]
-Loader = Callable[[Load], ModelRuntime]
+Loader = Callable[[Load], tuple[ModelRuntime, int]]
+"""Loads a ``Load``'s model: the runtime, and the process's RSS just before it loaded."""
 
 
 @dataclass
@@ -164,9 +165,9 @@ class Scheduler:
 
     def _load(self, op: int, message: Load) -> None:
         try:
-            runtime = self._loader(message)
+            runtime, before = self._loader(message)
             self._runtime = runtime
-            self._send(op, Loaded.of(runtime.layout, runtime.vocab(), os.getpid()))
+            self._send(op, Loaded.of(runtime.layout, runtime.vocab(), os.getpid(), before))
         except ModeldError as exc:
             self._closed = True
             self._send(op, Failed(exc.reason, exc.message, dict(exc.details)))
