@@ -329,6 +329,22 @@ def test_a_byte_is_held_once_a_live_context_on_disk_an_evicted_one_in_ram(tmp_pa
         assert counters["evicted_to_ram"] == 1 and counters["evicted_to_disk"] == 1
 
 
+def test_a_turn_in_a_full_pool_reuses_the_cells_of_its_own_last_suffix() -> None:
+    """One session filling most of a one-window pool: the next turn's suffix needs the cells its
+    last suffix and decode held, which its own cut frees; nothing else has to go, and the turn is
+    never refused as busy (the 8k coding loop's third turn was, on a pool of one window)."""
+    residency = Residency(sequences=2, kv_unified=True, pool_tokens=512, snapshot_min_tokens=8)
+    with Engine(backends=("memory",), residency=residency) as engine:
+        s = engine.open_session(OpenSessionRequest(path="m"))
+        prefix = "p" * 300 + "\n"
+        for turn in range(3):
+            status = s.ensure_prefix(PrefixInput(text=prefix))
+            assert status.reused_tokens == (0 if turn == 0 else status.prefix_tokens)
+            s.prefill_suffix(SuffixInput(text=f"{turn}" + "s" * 150 + "\n"))
+            assert len(_greedy(s, 8)) == 8
+        assert engine.status().models[0].counters["evicted_to_ram"] == 0
+
+
 def test_with_the_tiers_off_an_eviction_is_a_cold_turn_that_says_so() -> None:
     with _memory(sequences=1, ram_tier_bytes=0, disk_tier_bytes=0) as engine:
         a = engine.open_session(OpenSessionRequest(path="m"))

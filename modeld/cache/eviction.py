@@ -104,12 +104,14 @@ def new_context(
     return pool.add(slot, free[0])
 
 
-def make_room(pool: Pool, dst: WarmContext, new_cells: int, runtime: KVRuntime) -> None:
-    """Free cells for ``new_cells`` more tokens in ``dst`` (only a unified pool is shared)."""
+def make_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: KVRuntime) -> None:
+    """Free cells for ``new_cells`` more tokens in ``dst`` after its first ``keep`` (only a
+    unified pool is shared). What ``dst`` holds beyond ``keep`` (the last turn's suffix and
+    decode) is freed by the turn's own cut, so it is not counted as in use."""
     layout = pool.layout
     if not layout.shared_cells or not layout.explicit:
         return
-    while pool.ledger.used() + max(0, new_cells) > layout.pool_tokens:
+    while pool.ledger.used(cut=(dst.seq, keep)) + max(0, new_cells) > layout.pool_tokens:
         chosen = victim(pool, exclude={dst})
         if chosen is None:
             raise BusyError(

@@ -301,7 +301,7 @@ class ModelCache:
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
-            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells, runtime)
+            eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
             dst.busy = True
             dst.floor = max(0, min(floor, hold.keep - 2))
             hold.decision = classify(
