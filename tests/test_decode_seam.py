@@ -88,7 +88,7 @@ def host() -> Iterator[InlineHost]:
     request = OpenSessionRequest(type="memory", path="dead-end")
     info = MemoryBackend().describe(request)
     options = LoadOptions(n_seq=1, window=4096, pool_tokens=4096)
-    h = InlineHost(lambda load: DeadEndRuntime(load.info, load.request.config, load.options))
+    h = InlineHost(lambda load: (DeadEndRuntime(load.info, load.request.config, load.options), 0))
     h.load(Load("memory", request, info, options))
     yield h
     h.close()

@@ -1,4 +1,4 @@
-"""A loaded model's memory in parts, for ``modeld status`` and ``/metrics`` (issue 22).
+"""A loaded model's memory in parts, for ``modeld status`` and ``/metrics``.
 
 The parts of a worker: the model file's pages it has resident (measured from its mappings),
 the KV pool the engine allocated at load (exact: llama.cpp allocates and clears what the layout
