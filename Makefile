@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare clean
+.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare bench-fleet chaos clean
 
 setup: $(VENV)/.installed
 
@@ -49,10 +49,27 @@ LLAMA_SERVER ?=
 bench-quick: setup
 	$(PY) -m bench --quick --llama-server "$(LLAMA_SERVER)" $(BENCH_ARGS)
 
+# The fleet (blueprints/0020): 3 daemons behind smg, 6 conversations of ~8k tokens, one daemon
+# killed; a moved turn's TTFT against a cold re-prefill and against 3 llama-servers behind the same
+# gateway (the realistic model: tens of minutes on 2 cores, each 8k prefill takes a minute or more;
+# FLEET_ARGS="--model tiny" takes a few minutes).
+# Writes bench/results/fleet/report.md and a run-*.json beside it.
+bench-fleet: setup
+	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
+	$(PY) -m bench.fleet --llama-server "$$LLAMA_SERVER" $(FLEET_ARGS)
+
 # The newest full run against the committed bench/results/results.json; fails when a ratio got
 # worse beyond its measured run-to-run spread. RUN=path/to/run.json compares another run.
 bench-compare: setup
 	$(PY) -m bench.compare $(if $(RUN),--current $(RUN),)
+
+# Chaos under load for 30 minutes (CI runs 45 s of it in tests/test_chaos.py): agents and an
+# OpenAI SDK chat while workers and the daemon are killed, the model file rewritten and a
+# snapshot corrupted; prints the tally, fails on any violation (CHAOS_SECONDS=, CHAOS_SEED=).
+CHAOS_SECONDS ?= 1800
+CHAOS_SEED ?= 21
+chaos: setup
+	$(PY) tests/chaos.py --seconds $(CHAOS_SECONDS) --seed $(CHAOS_SEED)
 
 run: setup
 	$(PY) -m modeld.demo $(if $(BACKEND),--backend $(BACKEND),) $(if $(MODEL),--model $(MODEL),)

@@ -34,6 +34,8 @@ from modeld.settings import Timeouts
 
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
+# Measurements outside the workload runner that ``--workload`` selects by name like a workload.
+EXTRAS = ["agent_apis"]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -134,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="output directory")
     parser.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="comma-separated subset")
     parser.add_argument(
-        "--workload", default="", help=f"comma-separated subset of: {', '.join(workload_names())}"
+        "--workload",
+        default="",
+        help=f"comma-separated subset of: {', '.join([*workload_names(), *EXTRAS])}",
     )
     parser.add_argument(
         "--llama-server", default="", help="the llama-server binary (scripts/build_llama_server.sh)"
@@ -155,13 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine(threads, args.llama_server)
 
     max_tokens = 8 if args.quick else MAX_TOKENS
-    loads = make_workloads(_tokenizer(model), quick=args.quick, max_tokens=max_tokens)
+    tokenize = _tokenizer(model)
+    loads = make_workloads(tokenize, quick=args.quick, max_tokens=max_tokens)
     wanted = [w for w in args.workload.split(",") if w]
-    unknown = [w for w in wanted if w not in workload_names()]
+    choices = [*workload_names(), *EXTRAS]
+    unknown = [w for w in wanted if w not in choices]
     if unknown:
-        parser.error(f"unknown workload {', '.join(unknown)}; choose from {', '.join(workload_names())}")
+        parser.error(f"unknown workload {', '.join(unknown)}; choose from {', '.join(choices)}")
     if wanted:
-        loads = _select(loads, wanted)
+        loads = _select(loads, [w for w in wanted if w not in EXTRAS])
     names = [s for s in args.systems.split(",") if s]
     if bad := [s for s in names if s not in ALL_SYSTEMS]:
         parser.error(f"unknown system {', '.join(bad)}; choose from {', '.join(ALL_SYSTEMS)}")
@@ -175,6 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     data = run(
         loads, names, factories(model, threads, args.llama_server), max_tokens, lambda s: print(s, flush=True)
     )
+
+    agent_apis = None
+    if not wanted or "agent_apis" in wanted:  # the agent APIs against llama-server's own endpoints
+        from bench.agent_apis import SYSTEMS, run_agent_apis
+
+        agent_apis = run_agent_apis(
+            model,
+            args.llama_server,
+            threads,
+            lambda text: len(tokenize(text)),
+            quick=args.quick,
+            max_tokens=max_tokens,
+            systems=[s for s in SYSTEMS if s in names or (s == "modeld" and "modeld-http" in names)],
+            log=lambda s: print(s, flush=True),
+        )
 
     overhead = None
     if not wanted:
@@ -217,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss": data.rss,
         "rss_parts": data.rss_parts,
         "overhead": overhead,
+        "agent_apis": agent_apis,
         "errors": data.errors,
     }
     doc["fingerprint"] = fingerprint(doc)
@@ -234,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
             f"bench: wrote {out} from {len(docs)} run(s) ({', '.join(d['id'] for d in docs)}) in {machine['duration_s']} s",
             flush=True,
         )
-    if data.errors:
-        print(f"bench: {data.errors} error(s); see the log above and the report's notes", file=sys.stderr)
+    errors = data.errors + (agent_apis["errors"] if agent_apis else 0)
+    if errors:
+        print(f"bench: {errors} error(s); see the log above and the report's notes", file=sys.stderr)
         return 1
     return 0
 

@@ -15,6 +15,9 @@ regression check and the tests share one definition of every ratio:
   (llama-server has a slot per workspace, modeld the same windows: issue 22);
 * :func:`warm_per_gib`: tokens a system served from warm state in the workload's last round per
   GiB of its peak RSS.
+* the agent-API loops (``bench/agent_apis.py``) compare modeld with llama-server per turn
+  (TTFT, prompt tokens computed, bytes sent) and take medians over the warm turns (every turn
+  after the first), with the range of the per-turn ratios beside them.
 
 Two runs merge into a value (their mean) and a spread (the largest run's value over the
 smallest, minus one): the run-to-run noise shown beside every ratio and the tolerance of
@@ -31,6 +34,8 @@ from bench.workloads import GOALS
 
 __all__ = [
     "RATIO_PAIRS",
+    "agent_api_summary",
+    "agent_api_turns",
     "by_turn",
     "causes",
     "headline",
@@ -276,3 +281,44 @@ def _cause(
             f"{theirs / (1 << 20):.0f} MiB.{noise}"
         )
     return ""
+
+
+# --- the agent-API loops (bench/agent_apis.py) ------------------------------------------------------
+
+AGENT_API_PAIR = ("modeld", "llama-server")
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b is not None and b > 0 else None
+
+
+def agent_api_turns(loop: Doc) -> list[dict[str, Any]]:
+    """Per turn of one loop: each system's record (None where it did not run or failed) and the
+    ratios modeld / llama-server of TTFT, prompt tokens computed and bytes sent."""
+    records = {(r["system"], r["turn"]): r for r in loop["records"] if not r.get("error")}
+    out = []
+    for turn in sorted({r["turn"] for r in loop["records"]}):
+        m, o = (records.get((s, turn)) for s in AGENT_API_PAIR)
+        row: dict[str, Any] = {"turn": turn, "modeld": m, "llama-server": o}
+        for key, field in (("ttft", "ttft_s"), ("computed", "computed_tokens"), ("bytes", "bytes_sent")):
+            row[f"{key}_ratio"] = _over(m[field] if m else None, o[field] if o else None)
+        out.append(row)
+    return out
+
+
+def agent_api_summary(loop: Doc) -> dict[str, Any]:
+    """Warm-turn (every turn after the first) medians per system, and the per-turn ratios'
+    median with their range (the run's own spread)."""
+    rows = [r for r in agent_api_turns(loop) if r["turn"] > 0]
+    out: dict[str, Any] = {"warm_turns": len(rows)}
+    for system in AGENT_API_PAIR:
+        mine = [r[system] for r in rows if r[system] is not None]
+        for key, field in (("ttft_s", "ttft_s"), ("computed", "computed_tokens"), ("bytes", "bytes_sent")):
+            values = [float(x[field]) for x in mine if x[field] is not None]
+            out[f"{system}_{key}_median"] = _median(values)
+    for key in ("ttft", "computed", "bytes"):
+        ratios = [r[f"{key}_ratio"] for r in rows if r[f"{key}_ratio"] is not None]
+        out[f"{key}_ratio_median"] = _median(ratios)
+        out[f"{key}_ratio_min"] = min(ratios) if ratios else None
+        out[f"{key}_ratio_max"] = max(ratios) if ratios else None
+    return out

@@ -19,7 +19,7 @@ from bench import analysis
 from bench.plots import plot_summary, plot_workload
 from bench.workloads import GOALS
 
-__all__ = ["SYSTEM_ORDER", "write_report"]
+__all__ = ["SYSTEM_ORDER", "agent_apis_lines", "write_report"]
 
 SYSTEM_ORDER = ["modeld", "modeld-http", "limit", "cold", "llama-server", "lcp-server"]
 COLUMNS = [
@@ -231,6 +231,78 @@ def _workload(doc: Doc, load: Doc, systems: list[str], plot: str) -> list[str]:
     return lines
 
 
+def _tokens(x: Any) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def _ratio_range(summary: dict[str, Any], key: str) -> str:
+    median = summary[f"{key}_ratio_median"]
+    if median is None:
+        return "-"
+    return f"{median:.2f} (range {summary[f'{key}_ratio_min']:.2f}-{summary[f'{key}_ratio_max']:.2f})"
+
+
+def agent_apis_lines(result: Doc, model: str) -> list[str]:
+    """The agent-API loops' section (``bench/agent_apis.py``): per loop, a table per turn and the
+    warm-turn medians."""
+    trimmed = (
+        "the captured requests as sent"
+        if result["whole"]
+        else f"trimmed: every tool-schema description to {result['description_limit']} characters, every "
+        f"text block to {result['text_limit']}"
+    )
+    lines = [
+        "## Agent APIs: modeld against llama-server's own endpoints (`bench/agent_apis.py`)",
+        "",
+        f"A coding agent's loop on the `{model}` model, {result['turns']} turns, greedy, {result['max_tokens']}-token "
+        f"answers, streamed; the first request is a captured Claude Code / Codex CLI request ({trimmed}), every later "
+        "turn adds a tool call, its result and a new instruction. **messages** (`/v1/messages`): both systems get "
+        "the same body, the whole conversation every turn, `metadata.user_id` holding the session. **responses** "
+        "(`/v1/responses`): modeld's client sends only the new items with `previous_response_id`; llama-server "
+        "refuses `previous_response_id`, so its client resends everything, echoing each answer. TTFT: request "
+        "sent to the first event carrying generated content, client-observed. Computed: prompt tokens the system "
+        "evaluated this turn (modeld's usage; llama-server's `timings.prompt_n`, or its usage where the stream has "
+        "no timings, or its log where the stream has neither). Sent: the request body's bytes. Ratios are modeld / llama-server per turn; the medians are "
+        "over the warm turns (every turn after the first).",
+        "",
+    ]
+    for name, loop in result["loops"].items():
+        rows = analysis.agent_api_turns(loop)
+        s = analysis.agent_api_summary(loop)
+        lines += [
+            f"### {name}: `{loop['endpoint']}` ({loop['fixture']}, {loop['tools']} tools, window {loop['n_ctx']})",
+            "",
+        ]
+        for system, settings in loop["settings"].items():
+            lines.append(f"- {system}: `{settings.get('command', '')}`")
+        for note in loop["notes"]:
+            lines.append(f"- Note: {note}")
+        lines += [
+            "",
+            "| turn | TTFT ms modeld | TTFT ms llama-server | TTFT ratio | computed modeld | computed llama-server "
+            "| prompt modeld / llama-server | sent B modeld | sent B llama-server | sent ratio |",
+            "|---" * 10 + "|",
+        ]
+        for row in rows:
+            m, o = row["modeld"] or {}, row["llama-server"] or {}
+            lines.append(
+                f"| {row['turn']}{'' if row['turn'] else ' (cold)'} | {_ms(m.get('ttft_s'))} | {_ms(o.get('ttft_s'))} | "
+                f"{_num(row['ttft_ratio'])} | {_tokens(m.get('computed_tokens'))} | {_tokens(o.get('computed_tokens'))} | "
+                f"{_tokens(m.get('prompt_tokens'))} / {_tokens(o.get('prompt_tokens'))} | "
+                f"{_tokens(m.get('bytes_sent'))} | {_tokens(o.get('bytes_sent'))} | {_num(row['bytes_ratio'])} |"
+            )
+        lines += [
+            "",
+            f"Warm turns ({s['warm_turns']}), medians: TTFT modeld {_ms(s['modeld_ttft_s_median'])} ms, llama-server "
+            f"{_ms(s['llama-server_ttft_s_median'])} ms, modeld / llama-server per turn {_ratio_range(s, 'ttft')}; "
+            f"computed modeld {_tokens(s['modeld_computed_median'])}, llama-server "
+            f"{_tokens(s['llama-server_computed_median'])} tokens; sent modeld {_tokens(s['modeld_bytes_median'])} B, "
+            f"llama-server {_tokens(s['llama-server_bytes_median'])} B, ratio {_ratio_range(s, 'bytes')}.",
+            "",
+        ]
+    return lines
+
+
 def write_report(out: Path, docs: list[Doc]) -> None:
     """Write report.md, results.json and the plots for ``docs`` (newest first)."""
     doc = docs[0]
@@ -343,6 +415,8 @@ def write_report(out: Path, docs: list[Doc]) -> None:
                 f"{sdk['sdk_turn_overhead_ms']:+.1f} ms (the SDK's own client-side work included).",
                 "",
             ]
+    if doc.get("agent_apis"):
+        lines += agent_apis_lines(doc["agent_apis"], model["name"])
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
         "`make bench WORKLOAD=name` (one workload), `make bench-quick` (tiny model, the CI smoke run), "

@@ -1,4 +1,4 @@
-"""The ``modeld`` command line: serve, describe, explain-context, status, logs, metrics.
+"""The ``modeld`` command line: serve, drain, describe, explain-context, status, logs, metrics.
 
 Expected failures (no daemon, a bad model file, an unknown session) print one line to stderr
 and exit non-zero; a traceback only ever means a bug. Every command that reports something
@@ -213,7 +213,15 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         max_queue=args.max_queue,
         snapshot_min_tokens=args.snapshot_min_tokens,
         persist_min_tokens=args.persist_min_tokens,
+        shared_store=args.shared_store,
+        shared_store_bytes=args.shared_store_bytes,
     )
+    if residency.shared_store_bytes == 0:
+        raise ValueError(
+            "--shared-store-bytes 0 leaves the shared store no room (leave out --shared-store instead)"
+        )
+    if args.shared_store_bytes is not None and not residency.shared_store:
+        raise ValueError("--shared-store-bytes is the budget of --shared-store DIR: add it")
     if residency.pool_tokens and not residency.kv_unified:
         raise ValueError("--kv-pool-tokens sizes the unified KV pool: drop --no-kv-unified")
     if residency.memory_budget_bytes == 0:
@@ -225,6 +233,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         idle_stream_seconds=args.idle_stream_timeout,
         operation_seconds=args.operation_timeout,
         stream_interval_seconds=args.stream_interval,
+        drain_seconds=args.drain_timeout,
     )
     if timeouts.stream_interval_seconds > 10:
         raise ValueError("--stream-interval is at most 10s (a held token is that much late)")
@@ -256,6 +265,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         max_output_tokens=args.max_output_tokens,
         kv_cache_type=args.kv_cache_type,
         flash_attn=_flash_attn(args),
+        speculation=args.speculation,
         residency=residency,
         timeouts=timeouts,
         restart=restart,
@@ -266,6 +276,77 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     if args.data_dir:
         options.data_dir = Path(args.data_dir)
     return options
+
+
+# --- drain ----------------------------------------------------------------------------------
+
+DRAIN_WAIT_SECONDS = 180.0
+"""How long ``modeld drain`` waits by default: the daemon's drain timeout (60) and the time to
+write its warm contexts (at most 60), with room to spare."""
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its parent has too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state == "Z"
+
+
+def _cmd_drain(args: argparse.Namespace) -> int:
+    """Ask the daemon that owns the data directory to drain (SIGTERM) and wait for it to exit."""
+    import signal
+    import socket
+
+    from modeld.lease import read_lease
+    from modeld.paths import default_data_dir
+
+    data_dir = Path(args.data_dir) if args.data_dir else default_data_dir()
+    record = read_lease(data_dir)
+    if record is None or not record.alive:
+        print(f"modeld drain: no daemon owns {data_dir}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    if record.hostname and record.hostname != socket.gethostname():
+        print(
+            f"modeld drain: the owner of {data_dir} runs on {record.hostname}, not here: run modeld drain there",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    try:
+        cmdline = Path(f"/proc/{record.pid}/cmdline").read_bytes()
+    except OSError:
+        cmdline = b""
+    if b"modeld" not in cmdline:
+        print(f"modeld drain: pid {record.pid} of the owner record is not a modeld process", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    started = time.monotonic()
+    try:
+        os.kill(record.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        print(f"modeld drain: the owner (pid {record.pid}) exited meanwhile", file=sys.stderr)
+        return 0
+    print(
+        f"draining modeld pid {record.pid} (instance {record.instance_id}) ...", file=sys.stderr, flush=True
+    )
+    deadline = started + args.timeout
+    while not _gone(record.pid):
+        if time.monotonic() >= deadline:
+            print(
+                f"modeld drain: pid {record.pid} is still draining after {args.timeout:g}s (it goes on; run "
+                "modeld drain again to keep waiting; a SIGKILL loses the warm state not yet saved)",
+                file=sys.stderr,
+            )
+            return EXIT_ERROR
+        time.sleep(0.1)
+    print(f"drained: pid {record.pid} exited after {time.monotonic() - started:.1f}s")
+    return 0
 
 
 # --- describe -------------------------------------------------------------------------------
@@ -419,7 +500,11 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                 print("no open sessions")
                 return 0
             now = time.time()
-            rows = [("SESSION", "MODEL", "BACKEND", "RESIDENT/CTX", "PREFIX", "LAST", "STREAM", "IDLE")]
+            # TOKENS: the session's context (prefix, suffix, generated); IN KV: how many of
+            # them the engine holds now (fewer once evicted: the next operation restores them).
+            rows = [
+                ("SESSION", "MODEL", "BACKEND", "TOKENS/CTX", "IN KV", "PREFIX", "LAST", "STREAM", "IDLE")
+            ]
             for s in sessions:
                 rows.append(
                     (
@@ -427,6 +512,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                         s.model_name,
                         s.backend,
                         f"{s.resident_tokens}/{s.num_ctx}",
+                        str(s.kv_tokens),
                         str(s.prefix_tokens),
                         s.last_outcome or "-",
                         "attached" if s.attached else "detached",
@@ -455,16 +541,32 @@ def _numerics(r: ContextReport) -> str:
     )
 
 
+def _speculation(r: ContextReport) -> str:
+    """What speculation did over the session's decodes (blueprint 0021)."""
+    line = f"speculation {r.speculation} (last decode)"
+    if r.draft_batches:
+        line += (
+            f"; {r.accepted_tokens} of {r.drafted_tokens} drafted tokens accepted "
+            f"({r.accepted_tokens / r.drafted_tokens:.0%}) in {r.draft_batches} batches "
+            f"(mean draft {r.drafted_tokens / r.draft_batches:.1f})"
+        )
+    if r.forced_tokens:
+        line += f"; {r.forced_tokens} tokens forced by constraints"
+    return line
+
+
 def _format_report(r: ContextReport) -> str:
     state = "closed" if r.closed else "open"
     out = [
         f"session   {r.session_id}  ({r.backend} model {r.model_name!r}, owner epoch {r.owner_epoch}, {state})",
-        f"resident  {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
-        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} in the KV now",
+        f"context   {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
+        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} of them in the KV now",
         f"manifest  {r.manifest_digest or '-'}",
     ]
     if r.kv_layout:
         out.append(f"numerics  {_numerics(r)}")
+    if r.speculation:
+        out.append(f"decode    {_speculation(r)}")
     m = r.manifest
     if m is not None:
         out.append(
@@ -558,7 +660,9 @@ def _warm_state_lines(r: ContextReport) -> list[str]:
     out.append(f"  this session  {where} · {'pinned' if r.pinned else 'not pinned'} · {keep}")
     d, p = r.last_reuse, r.last_prefix
     if d is not None:
-        if d.reason in ("restored_from_ram", "restored_from_disk") or (
+        if d.reason == "restored_from_shared" or (d.outcome != "cold" and d.tier == "shared"):
+            turn = f"{d.outcome}: restored from the shared store (snapshot {d.context or '?'}, written by this or another box)"
+        elif d.reason in ("restored_from_ram", "restored_from_disk") or (
             d.outcome != "cold" and d.tier in ("ram", "disk")
         ):
             turn = f"{d.outcome}: restored from the {d.tier} tier (snapshot {d.context or '?'})"
@@ -571,7 +675,7 @@ def _warm_state_lines(r: ContextReport) -> list[str]:
             turn = f"cold: {_COLD_WHY.get(d.reason, d.reason)}"
         if p is not None:
             turn += f" · reused {p.reused_tokens} of {p.prefix_tokens} tokens · prefill {p.prefill_ms:.1f} ms"
-            if p.restore_ms or d.tier in ("ram", "disk"):
+            if p.restore_ms or d.tier in ("ram", "disk", "shared"):
                 turn += f" · restore {p.restore_ms:.1f} ms"
         out.append(f"  last turn     {turn}")
     if r.queue_position:
@@ -696,6 +800,27 @@ def _serve_settings(s: argparse.ArgumentParser) -> None:
         type=_count(0, 1 << 24),
         metavar="N",
         help="a prefix this long is written to the disk tier at once (512)",
+    )
+    f = s.add_argument_group("fleet (blueprints/0020)")
+    f.add_argument(
+        "--shared-store",
+        metavar="DIR",
+        help="a directory several daemons mount (NFS, a shared volume): persisted snapshots are "
+        "written through to it and a miss looks there, so a conversation moved to another box restores",
+    )
+    f.add_argument(
+        "--shared-store-bytes",
+        type=parse_size,
+        metavar=size,
+        help="the shared store's budget, the same on every daemon (default auto: a tenth of its free "
+        "space, at most 64 GiB)",
+    )
+    f.add_argument(
+        "--drain-timeout",
+        type=parse_duration,
+        metavar="DURATION",
+        help="on SIGTERM or modeld drain, how long running turns may finish before the daemon "
+        "persists its warm contexts and exits (60)",
     )
     t = s.add_argument_group("timeouts (0 switches one off; 90, 2.5m, 1h)")
     t.add_argument("--load-timeout", type=parse_duration, metavar="DURATION", help="loading a model (600)")
@@ -824,6 +949,14 @@ def _parser() -> argparse.ArgumentParser:
         help="flash attention for HTTP sessions (a smaller compute buffer at long windows; default off)",
     )
     s.add_argument(
+        "--speculation",
+        default="ngram",
+        choices=("off", "ngram"),
+        help="ngram (default): draft tokens from the context (prompt lookup) and append the tokens a "
+        "constraint forces, verified in one batch, output unchanged; off: one token per step. A request "
+        "may choose with DecodeConfig.speculation or the HTTP field 'speculation' (blueprint 0021)",
+    )
+    s.add_argument(
         "--no-token",
         action="store_true",
         help="let a TCP gRPC listener run without its token (any local user can then drive the daemon)",
@@ -884,6 +1017,21 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("model", nargs="?", help="a loaded model: its name, file name, path or digest prefix")
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(func=_cmd_logs)
+
+    dr = sub.add_parser(
+        "drain",
+        help="drain the daemon that owns the data directory (SIGTERM): new turns go elsewhere, "
+        "running ones finish, warm contexts are saved (and written to the shared store), then it exits",
+    )
+    _global_options(dr, top=False)
+    dr.add_argument(
+        "--timeout",
+        type=parse_duration,
+        default=DRAIN_WAIT_SECONDS,
+        metavar="DURATION",
+        help=f"how long to wait for the daemon to exit ({DRAIN_WAIT_SECONDS:g})",
+    )
+    dr.set_defaults(func=_cmd_drain)
 
     m = sub.add_parser("metrics", help="the daemon's metrics (Prometheus text format)")
     _global_options(m, top=False)

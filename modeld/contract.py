@@ -146,18 +146,21 @@ REUSE_REASONS: tuple[str, ...] = (
     "engine_reset",  # cold: the engine's state was lost (a failed operation, a worker restart)
     "restored_from_ram",  # warm: the context came back from the RAM tier (a snapshot)
     "restored_from_disk",  # warm: the context came back from the disk tier (a snapshot)
+    "restored_from_shared",  # warm: the context came back from the shared store (another box's snapshot)
     "evicted",  # cold: this session's warm context was evicted (``tier`` says where it went)
     "snapshot_rejected",  # cold: a snapshot that would have served was corrupt or stale: removed
+    "model_changed",  # cold: the model file holds another model than its last warm context's
 )
-TIERS: tuple[str, ...] = ("kv", "ram", "disk")
-"""Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier."""
+TIERS: tuple[str, ...] = ("kv", "ram", "disk", "shared")
+"""Where a warm context lives: in the engine's KV pool, or snapshotted in the RAM or disk tier,
+or in the shared store several daemons mount (``serve --shared-store``)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
     """Runtime configuration of a session. Fields marked (KV) are part of the runtime digest."""
 
-    num_ctx: int = 4096  # (KV) context window in tokens
+    num_ctx: int = 0  # (KV) context window in tokens; 0: the model's own, as the budget allows
     num_batch: int = 512  # (KV) prefill batch size; changes chunking and so numerics
     num_threads: int = 0  # 0 = the backend's default; speed only, not part of the digest
     num_gpu_layers: int = 0  # (KV) layers offloaded to an accelerator
@@ -210,6 +213,8 @@ class Capabilities:
     logical reuse. ``sampling``: the DecodeConfig fields honoured; others are refused.
     ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts. ``constraints``: the
     :data:`CONSTRAINT_KINDS` it can enforce (others are refused with ``unsupported``).
+    ``speculation``: the ``DecodeConfig.speculation`` modes it honours (``off`` always; an
+    unset one falls back to ``off`` where the daemon's default is not among them).
     """
 
     truncation: bool = True
@@ -218,6 +223,7 @@ class Capabilities:
     extra: tuple[str, ...] = ()
     prompt_formats: tuple[str, ...] = ("raw",)
     constraints: tuple[str, ...] = ()
+    speculation: tuple[str, ...] = ("off",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +423,10 @@ class DecodeConfig:
     * ``logit_bias`` (token id -> added logit), ``presence_penalty``, ``frequency_penalty`` (as
       OpenAI defines them), ``logprobs`` and ``top_logprobs``: honoured where the backend lists
       them in ``Capabilities.sampling``, refused otherwise.
+    * ``speculation``: ``ngram`` drafts tokens from the context (prompt lookup) and appends the
+      tokens a constraint forces in one batch; ``off`` decodes one token per step; ``""`` is the
+      daemon's choice (``modeld serve --speculation``). The output is the same either way
+      (``blueprints/0021-speculation.md``); a backend that cannot speculate decodes plainly.
     """
 
     max_tokens: int = 256
@@ -442,11 +452,17 @@ class DecodeConfig:
     frequency_penalty: float = 0.0
     logprobs: bool = False
     top_logprobs: int = 0
+    speculation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """``cached_tokens``: prompt tokens not computed during this turn (since ensure_prefix)."""
+    """``cached_tokens``: prompt tokens not computed during this turn (since ensure_prefix).
+
+    Speculation (``DecodeConfig.speculation``, ``blueprints/0021-speculation.md``):
+    ``drafted_tokens`` were drafted from the context and verified in ``draft_batches`` batches,
+    ``accepted_tokens`` of them were what the model chose (each saved a decode step), and
+    ``forced_tokens`` were the only continuation a constraint allowed (appended in a batch)."""
 
     prompt_tokens: int
     cached_tokens: int
@@ -454,6 +470,10 @@ class Usage:
     prefill_ms: float = 0.0  # server-side prefill time of the turn (ensure_prefix to decode)
     restore_ms: float = 0.0  # server-side time restoring snapshots during the turn
     decode_ms: float = 0.0  # server-side time from the decode's first to its last token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_batches: int = 0
+    forced_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -528,6 +548,7 @@ class StreamChunk:
     signal: ToolCall | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_text: str = ""  # final chunk: the calls' text as the model wrote it (to append to history)
+    stop_sequence: str = ""  # final chunk with finish_reason stop_sequence: the stop string that matched
 
     @property
     def final(self) -> bool:
@@ -585,6 +606,16 @@ class ContextReport:
     False on a unified pool: a context's cells can interleave with other contexts' there, and
     its output can then differ from a fresh evaluation (the attention sums in another order;
     it is bit-identical while the context is alone in the pool)."""
+    speculation: str = ""
+    """The speculation mode of the session's last decode (``off``, ``ngram``; "" before one)."""
+    drafted_tokens: int = 0
+    """Over the session's decodes: tokens drafted from the context and verified (blueprint 0021),"""
+    accepted_tokens: int = 0
+    """of which the model chose these (acceptance rate = accepted / drafted),"""
+    draft_batches: int = 0
+    """in this many verify batches (mean draft length = drafted / batches);"""
+    forced_tokens: int = 0
+    """and tokens a constraint forced, appended without a decode step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -736,6 +767,17 @@ class TierStatus:
     rejected: int = 0
     memory_budget: int = 0
     recent_rejections: tuple[str, ...] = ()
+    shared_location: str = ""  # the shared snapshot store ("" : none; blueprint 0020)
+    shared_entries: int = 0
+    shared_bytes: int = 0
+    shared_budget: int = 0
+    shared_written: int = 0  # snapshots this daemon wrote through to it
+    shared_write_failures: int = 0
+    shared_restored: int = 0  # snapshots this daemon restored from it
+    shared_rejected: int = 0  # snapshots refused (corrupt, foreign) and removed
+    shared_lookups: int = 0  # misses that looked it up
+    shared_read_failures: int = 0  # snapshots gone between listing and reading (a miss)
+    shared_pending: int = 0  # snapshots queued to be written to it
 
 
 @runtime_checkable
@@ -864,7 +906,9 @@ class AsyncService(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SessionSummary:
-    """One line of ``modeld explain-context`` without an id."""
+    """One line of ``modeld explain-context`` without an id. ``resident_tokens`` counts the
+    session's context (prefix + suffix + generated), ``kv_tokens`` how many of those are in the
+    engine's KV now (as ``ContextReport``)."""
 
     session_id: str
     model_name: str
@@ -880,6 +924,7 @@ class SessionSummary:
     last_outcome: str
     closed: bool
     attached: bool = False
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -908,6 +953,7 @@ class LoadedModelSummary:
     contexts: tuple[WarmContextInfo, ...] = ()
     counters: Mapping[str, int] = field(default_factory=dict)
     worker: WorkerInfo | None = None
+    busy_tokens: int = 0  # of resident_tokens, held by running operations (the rest can give way)
     memory: ModelMemory = field(default_factory=ModelMemory)
 
 

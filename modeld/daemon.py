@@ -70,6 +70,10 @@ class LifecycleEngine(ServedEngine, Protocol):
 
     def shutdown(self) -> None: ...
 
+    def running_operations(self) -> int: ...
+
+    def persist_warm_state(self, timeout: float) -> bool: ...
+
 
 class ServeError(Exception):
     """A configuration problem reported to the operator in one line."""
@@ -315,6 +319,7 @@ class ServeOptions:
     max_output_tokens: int = 0  # the HTTP output limit of a request that sets none (0: the window)
     kv_cache_type: str = "f16"  # KV precision of HTTP sessions (llama-server's -ctk/-ctv)
     flash_attn: bool = False  # flash attention for HTTP sessions (on for a quantized KV cache)
+    speculation: str = "ngram"  # a decode's DecodeConfig.speculation when unset (blueprint 0021)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -393,10 +398,13 @@ def run(options: ServeOptions) -> int:
         log.error("could not take the owner lease in %s: %s", options.data_dir, exc)
         return EXIT_ERROR
     stop = threading.Event()
+    hurry = threading.Event()  # a second signal: stop draining, stop now
     received: list[str] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         received.append(signal.Signals(signum).name)
+        if stop.is_set():
+            hurry.set()
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
@@ -412,6 +420,7 @@ def run(options: ServeOptions) -> int:
             restart=options.restart,
             data_dir=options.data_dir,
             worker_log_level=options.worker_log_level,
+            speculation=options.speculation,
         )
     except ModeldError as exc:
         log.error("%s", exc.message)
@@ -459,6 +468,8 @@ def run(options: ServeOptions) -> int:
         server.reap_unattached()
     if received:
         log.info("received %s: shutting down", received[0])
+    if received[:1] == ["SIGTERM"] and not handed_over:
+        drain(engine, listener, server, options.timeouts.drain_seconds, hurry)
     if listener is not None:
         engine.begin_shutdown()  # in-flight HTTP turns end now, with shutting_down
         listener.stop()
@@ -466,6 +477,50 @@ def run(options: ServeOptions) -> int:
     lease.release(handed_over=handed_over)
     log.info("stopped (instance %s)", instance_id)
     return EXIT_OK
+
+
+PERSIST_SECONDS = 60.0
+"""The most a drain waits for the warm contexts to be written (disk and shared store)."""
+
+
+def drain(
+    engine: LifecycleEngine, listener: Any, server: Server, seconds: float, hurry: threading.Event
+) -> None:
+    """SIGTERM (what ``modeld drain``, systemd and a container runtime send): stop taking new
+    turns, let running ones finish for at most ``seconds`` (``--drain-timeout``), save every warm
+    context to the disk tier and the shared store, and only then answer the turns that arrived
+    meanwhile with 503 and ``Retry-After``. A gateway that retries them on another box finds the
+    conversation's latest state in the shared store (``restored_from_shared``); ``/health`` says
+    503 "draining" from the first moment, so it stops sending here. A second signal (``hurry``)
+    cuts the wait for running turns. Blueprint ``blueprints/0020-fleet.md``."""
+    service = listener.service if listener is not None else None
+    started = time.monotonic()
+    if service is not None:
+        service.begin_drain()
+    server.health.shutting_down()
+    log.info(
+        "draining: /health answers 503, new turns are held and then refused with 503; running turns "
+        "have %.0fs to finish (--drain-timeout)",
+        seconds,
+    )
+    deadline = started + seconds
+    while not hurry.is_set():
+        running = (service.running_turns if service is not None else 0) + engine.running_operations()
+        if running <= 0:
+            break
+        if time.monotonic() >= deadline:
+            log.warning("drain timeout: %d turns still running are stopped", running)
+            break
+        hurry.wait(0.05)
+    saved = engine.persist_warm_state(PERSIST_SECONDS)
+    log.info(
+        "drained in %.1fs: warm contexts %s",
+        time.monotonic() - started,
+        "saved" if saved else f"not all saved within {PERSIST_SECONDS:.0f}s",
+    )
+    if service is not None:
+        service.release_drain()
+        time.sleep(0.2)  # the held turns' 503s leave before the listener closes
 
 
 def _start_http(

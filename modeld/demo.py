@@ -59,6 +59,15 @@ def _repo_map(root: Path, limit_bytes: int) -> str:
     return text.encode()[:limit_bytes].decode(errors="ignore") + "\n"
 
 
+def _edited(repo_map: str) -> str:
+    """The repo map with one file's entry changed (its first name renamed), halfway through:
+    whatever the package's sources are, the edit lands inside the prefix."""
+    lines = repo_map.split("\n")
+    i = len(lines) // 2
+    lines[i] = lines[i].replace(": ", ": renamed_", 1) if ": " in lines[i] else lines[i] + "  # edited"
+    return "\n".join(lines)
+
+
 def _resolve_model(backend: str, model: str) -> str:
     if backend == "memory":
         return model or "demo"
@@ -215,12 +224,12 @@ def main(argv: list[str] | None = None) -> int:
                 ("warm: same prefix, new question", repo_map, "Add a retry to read_lease.\n"),
                 (
                     "edit: one file of the repo map changed",
-                    repo_map.replace("read_lease", "load_lease", 1),
+                    _edited(repo_map),
                     "Now update the callers.\n",
                 ),
                 (
                     "warm again",
-                    repo_map.replace("read_lease", "load_lease", 1),
+                    _edited(repo_map),
                     "Write the changelog entry.\n",
                 ),
             ]

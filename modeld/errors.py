@@ -13,6 +13,7 @@ The tree (HTTP: the status every HTTP API answers with; see below)::
     ├── LimitExceededError           limit_exceeded        RESOURCE_EXHAUSTED   429 capacity, 400 request
     ├── SessionNotFoundError         session_not_found     NOT_FOUND            404
     ├── ModelLoadError               model_load_failed     FAILED_PRECONDITION  500
+    ├── ModelChangedError            model_changed         FAILED_PRECONDITION  503
     ├── NotOwnerError                not_owner             FAILED_PRECONDITION  503
     ├── StaleFenceError              stale_fence           FAILED_PRECONDITION  503
     ├── SessionClosedError           session_closed        FAILED_PRECONDITION  503
@@ -40,8 +41,9 @@ HTTP: every error's status is derived from its gRPC code by the standard ``googl
 mapping (:data:`HTTP_STATUS_OF_CODE`: INVALID_ARGUMENT, FAILED_PRECONDITION and OUT_OF_RANGE
 400, NOT_FOUND 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, INTERNAL
 500, ...), except where a class says otherwise (``http``) because the reason is about the
-daemon, not the request: ``not_owner``, ``stale_fence`` and ``session_closed`` are 503 (ask
-another daemon, or this one again), ``model_load_failed`` and ``backend_unavailable`` 500,
+daemon, not the request: ``not_owner``, ``stale_fence``, ``session_closed`` and
+``model_changed`` are 503 (ask another daemon, or this one again: a new session loads the model
+file as it is now), ``model_load_failed`` and ``backend_unavailable`` 500,
 and a request-size ``limit_exceeded`` 400 (only capacity limits are 429). A 429 or 503 carries
 :attr:`ModeldError.retry_after`. Every HTTP API takes its status from here and keeps only its
 own error type words.
@@ -66,6 +68,7 @@ __all__ = [
     "InvalidArgumentError",
     "LimitExceededError",
     "ManifestMismatchError",
+    "ModelChangedError",
     "ModelLoadError",
     "NoSlotAvailableError",
     "OperationTimeoutError",
@@ -247,6 +250,27 @@ class ModelLoadError(ModeldError):
     reason = "model_load_failed"
     status = "FAILED_PRECONDITION"
     http = 500
+
+    def __init__(self, message: str, *, path: str, **details: DetailValue) -> None:
+        super().__init__(message, path=path, **details)
+
+    @property
+    def path(self) -> str:
+        return self.details.get("path", "")
+
+
+class ModelChangedError(ModeldError):
+    """The model file changed on disk (rewritten in place, replaced, truncated or removed) since
+    the session's model was loaded: KV computed under the old file is never reused for the new
+    one, so the session ends and nothing of it is reused. Open a new session (it loads the file
+    as it is now) and run the turn again. Details: ``path``, ``change`` (what happened:
+    ``rewritten in place (...)``, ``replaced by another file``, ...), ``loaded_digest`` (the
+    model the session ran on) and ``digest`` (the file now; "" when it no longer describes as a
+    model, e.g. while it is still being written)."""
+
+    reason = "model_changed"
+    status = "FAILED_PRECONDITION"
+    http = 503
 
     def __init__(self, message: str, *, path: str, **details: DetailValue) -> None:
         super().__init__(message, path=path, **details)

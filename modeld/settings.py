@@ -51,6 +51,13 @@ class Residency:
     """Shorter warm contexts are not worth a snapshot."""
     persist_min_tokens: int = 512
     """A prefix this long, just computed, is written to the disk tier at once."""
+    shared_store: str = ""
+    """A directory several daemons mount (NFS, a shared volume): persisted snapshots are written
+    through to it and a miss looks there, so a conversation moved to another box restores
+    (blueprint 0020). "": none."""
+    shared_store_bytes: int = -1
+    """The shared store's budget; -1: a tenth of its file system's free space (at most 64
+    GiB); give every daemon of a fleet the same value."""
 
     def as_dict(self) -> dict[str, str]:
         return {f.name: str(getattr(self, f.name)) for f in fields(self)}
@@ -68,6 +75,9 @@ class Timeouts:
     """A decode that produces no token for this long is stopped (``timeout``)."""
     operation_seconds: float = 0.0
     """Any one operation (prefill or decode) longer than this is stopped (``timeout``); off by default."""
+    drain_seconds: float = 60.0
+    """On SIGTERM or ``modeld drain``: how long turns already running may take to finish before
+    the daemon persists its warm contexts and exits (new turns get 503 at once; blueprint 0020)."""
     stream_interval_seconds: float = 0.05
     """A decode's tokens that come faster than this are streamed together, each at most this
     late (the first at once); 0: every token on its own. Each message costs the daemon and its

@@ -20,6 +20,8 @@ Retries: a model turn that lost its operation to a restart -- the engine worker'
 and resumes the session at the next call: :mod:`runtime_client.resume`) -- is run once more from
 its ``ensure_prefix``, which restores the context from the tiers. :attr:`ToolRound.retry_reason`
 says it happened. Tools are never run twice: a round's calls run after its decode succeeded.
+A turn lost again ends the loop: raised as its typed error, or, when its decode's final chunk
+said so, with ``finish_reason`` ``error`` and the reason in :attr:`ToolRound.error`.
 
 What not: no other retries, no parallel tool execution (calls of one round run in order), no
 validation of arguments (a forced ``tool_choice`` already guarantees their shape).
@@ -36,7 +38,16 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from modeld.contract import AsyncSession as AsyncSessionProtocol
-from modeld.contract import DecodeConfig, PrefixStatus, Session, StreamChunk, SuffixStatus, ToolCall, Usage
+from modeld.contract import (
+    DecodeConfig,
+    ErrorDetail,
+    PrefixStatus,
+    Session,
+    StreamChunk,
+    SuffixStatus,
+    ToolCall,
+    Usage,
+)
 from modeld.errors import InvalidArgumentError, ModeldError
 from runtime_client.builder import BuiltContext, ContextBuilder
 from runtime_client.resume import RETRY_REASONS
@@ -81,6 +92,7 @@ class ToolRound:
     first_chunk_seconds: float = 0.0  # from ensure_prefix to the first chunk (the round's TTFT)
     context: BuiltContext | None = field(default=None, repr=False)  # what was sent this round
     retry_reason: str = ""  # why the turn ran twice (engine_restarted, stall_timeout), "" if once
+    error: ErrorDetail | None = None  # the decode's error when it ended with one (finish "error")
 
 
 @dataclass(frozen=True)
@@ -218,6 +230,7 @@ def _round(
         turn.first,
         ctx,
         turn.retry_reason,
+        turn.final.error,
     )
 
 

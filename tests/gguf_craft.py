@@ -182,3 +182,25 @@ def load(path: Path) -> GGUF:
         for t in reader.tensors
     ]
     return GGUF(kvs, tensors, alignment=alignment)
+
+
+def with_kv_of(model: Path, donor: Path) -> bytes:
+    """``model``'s bytes with the K and V projection weights of ``donor`` (the same shapes: a
+    generated model at another seed): same size, same tokenizer and header, another model whose
+    KV differs from the first layer on. What a file rewritten in place under a running daemon
+    looks like."""
+    old = model.read_bytes()
+    new = bytearray(old)
+    theirs = {t.name: t for t in gguf.GGUFReader(str(donor)).tensors}
+    donor_bytes = donor.read_bytes()
+    swapped = 0
+    for t in gguf.GGUFReader(str(model)).tensors:
+        if ".attn_k." in t.name or ".attn_v." in t.name:
+            u = theirs[t.name]
+            assert u.n_bytes == t.n_bytes, t.name
+            new[t.data_offset : t.data_offset + t.n_bytes] = donor_bytes[
+                u.data_offset : u.data_offset + u.n_bytes
+            ]
+            swapped += 1
+    assert swapped >= 2 and len(new) == len(old) and bytes(new) != old
+    return bytes(new)

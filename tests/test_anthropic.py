@@ -256,6 +256,27 @@ def test_max_tokens_zero_warms_the_prompt_without_generating(daemon: Daemon) -> 
     assert (done.usage.cache_read_input_tokens or 0) >= prefix
 
 
+def test_stop_sequence_names_the_one_that_matched_streamed_and_not(daemon: Daemon) -> None:
+    messages = [{"role": "user", "content": "alpha beta gamma"}]
+    free = daemon.client.messages.create(model=MODEL, max_tokens=40, messages=messages)  # greedy
+    text = "".join(b.text for b in free.content if b.type == "text")
+    k = len(text) // 2
+    short, long = text[k : k + 2], text[k : k + 5]
+    at = text.find(short)  # the earliest match; at one place the shorter completes first
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": 40,
+        "messages": messages,
+        "stop_sequences": ["never-there", short, long],
+    }
+    done = daemon.client.messages.create(**request)
+    assert done.stop_reason == "stop_sequence" and done.stop_sequence == short
+    assert "".join(b.text for b in done.content if b.type == "text") == text[:at]
+    with daemon.client.messages.stream(**request) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == short
+
+
 def test_thinking_is_accepted_and_yields_none_on_a_model_without_a_reasoning_format(daemon: Daemon) -> None:
     done = daemon.client.messages.create(
         model=MODEL,

@@ -2,17 +2,29 @@
 llama-cpp-python server's own log for its prefill counts.
 
 A two-turn workload on three systems, written out as the run documents ``make bench`` writes.
+Then the agent-API loops (``bench/agent_apis.py``): the requests each turn sends, the
+per-turn ratios and warm medians, and llama-server's log as the count of last resort.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench program is not installed
 
-from bench.analysis import causes, headline, merge
+from bench.agent_apis import (
+    Record,
+    ResponsesClient,
+    messages_bodies,
+    responses_first,
+    responses_new_items,
+    server_log_counts,
+)
+from bench.analysis import agent_api_summary, agent_api_turns, causes, headline, merge
 from bench.systems.lcp_server import parse_prefills
 
 
@@ -105,3 +117,130 @@ def test_the_lcp_server_log_gives_one_prefill_count_per_finished_request() -> No
     # A request without a prefix-match line evaluated the whole prompt (None); the last request
     # has not printed its timings yet, so it is not counted.
     assert parse_prefills(LCP_LOG) == [None, 140, 0]
+
+
+# --- the agent-API loops -----------------------------------------------------------------------------
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "agents"
+
+
+def test_the_messages_loop_grows_claude_codes_request_by_a_tool_call_its_result_and_an_ask() -> None:
+    captured = json.loads((FIXTURES / "claude_messages_first.json").read_text())["body"]
+    bodies = messages_bodies(4, 32)
+    assert len(bodies) == 4
+    for body in bodies:
+        # every captured tool stays, in order, with its schema's properties; descriptions trimmed
+        assert [t["name"] for t in body["tools"]] == [t["name"] for t in captured["tools"]]
+        assert [sorted(t["input_schema"].get("properties", {})) for t in body["tools"]] == [
+            sorted(t["input_schema"].get("properties", {})) for t in captured["tools"]
+        ]
+        assert max(len(t["description"]) for t in body["tools"]) <= 200
+        assert body["metadata"] == captured["metadata"]  # Claude Code's session: the conversation key
+        assert (body["model"], body["max_tokens"], body["temperature"], body["stream"]) == (
+            "bench",
+            32,
+            0,
+            True,
+        )
+    for before, after in itertools.pairwise(bodies):
+        assert len(after["messages"]) == len(before["messages"]) + 2
+        assistant, user = after["messages"][-2:]
+        call = assistant["content"][-1]
+        assert call["type"] == "tool_use" and call["name"] in {"Read", "Bash", "Edit"}
+        assert user["content"][0] == {**user["content"][0], "type": "tool_result", "tool_use_id": call["id"]}
+        # as Claude Code: cache_control only on the last block of the last message
+        marked = [
+            b
+            for m in after["messages"]
+            if isinstance(m["content"], list)
+            for b in m["content"]
+            if "cache_control" in b
+        ]
+        assert marked == [user["content"][-1]]
+    assert isinstance(bodies[1]["messages"][1]["content"], str)  # the environment message, as a string
+
+
+def test_the_responses_loop_sends_only_the_new_items_after_a_stored_response_or_everything_echoed() -> None:
+    first = responses_first(32)
+    names = [t["name"] for t in first["tools"]]
+    assert all(t["type"] == "function" for t in first["tools"])
+    assert len(names) == 12 and "spawn_agent" in names  # the namespace's five functions, flattened
+    new = responses_new_items(3)
+    assert [[i["type"] for i in items] for items in new] == [
+        ["function_call", "function_call_output", "message"]
+    ] * 2
+    assert all(items[0]["call_id"] == items[1]["call_id"] for items in new)
+
+    answer = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}
+    stored, resend = ResponsesClient(first, previous_id=True), ResponsesClient(first, previous_id=False)
+    for k, client in enumerate((stored, resend)):
+        assert client.body([]) is first
+        client.answered(_record(f"resp_{k}"), [answer])
+    assert stored.body(new[0]) == {**first, "input": new[0], "previous_response_id": "resp_0"}
+    assert resend.body(new[0]) == {**first, "input": [*first["input"], answer, *new[0]]}
+    stored.answered(_record("resp_2"), [answer])
+    resend.answered(_record("resp_3"), [answer])
+    assert stored.body(new[1])["input"] == new[1]
+    assert resend.body(new[1])["input"] == [*first["input"], answer, *new[0], answer, *new[1]]
+
+
+def _record(response_id: str) -> Record:
+    return Record(
+        "responses", "x", 0, 0.1, 0.2, 100, 10, 10, 0, 8, "ok", "response.output_text.delta", response_id
+    )
+
+
+def _agent(system: str, turn: int, ttft: float, computed: int, sent: int, error: str = "") -> dict[str, Any]:
+    return {
+        "system": system,
+        "turn": turn,
+        "ttft_s": ttft,
+        "computed_tokens": computed,
+        "bytes_sent": sent,
+        "error": error,
+    }
+
+
+def test_agent_loop_ratios_per_turn_and_medians_over_the_warm_turns() -> None:
+    loop = {
+        "records": [
+            _agent("modeld", 0, 8.0, 9000, 20000),
+            _agent("llama-server", 0, 10.0, 9000, 20000),
+            _agent("modeld", 1, 1.0, 500, 13000),
+            _agent("llama-server", 1, 2.0, 500, 21000),
+            _agent("llama-server", 2, 1.0, 400, 22000),
+            _agent("modeld", 2, 1.5, 400, 13000),
+            _agent("modeld", 3, 0.9, 450, 13100),
+            _agent("llama-server", 3, 0.0, 0, 0, error="HTTP 500"),  # failed: no ratio on this turn
+        ]
+    }
+    rows = agent_api_turns(loop)
+    assert [r["turn"] for r in rows] == [0, 1, 2, 3]
+    assert [r["ttft_ratio"] for r in rows] == [0.8, 0.5, 1.5, None]
+    assert rows[1]["bytes_ratio"] == 13000 / 21000 and rows[2]["computed_ratio"] == 1.0
+    assert rows[3]["llama-server"] is None
+    summary = agent_api_summary(loop)
+    assert summary["warm_turns"] == 3  # the first turn is cold
+    assert summary["ttft_ratio_median"] == 1.0  # median of 0.5 and 1.5; turn 3 has no pair
+    assert (summary["ttft_ratio_min"], summary["ttft_ratio_max"]) == (0.5, 1.5)
+    assert summary["modeld_ttft_s_median"] == 1.0  # turns 1-3
+    assert summary["llama-server_ttft_s_median"] == 1.5  # turns 1-2
+    assert summary["modeld_bytes_median"] == 13000
+
+
+LLAMA_SERVER_LOG = """0.18.219.504 I slot print_timing: id  0 | task 0 | prompt eval time =   16886.13 ms /  9122 tokens (    1.85 ms per token,   540.21 tokens per second)
+0.18.219.510 I slot print_timing: id  0 | task 0 |        eval time =    1058.38 ms /     8 tokens (  151.20 ms per token,     6.61 tokens per second)
+0.18.219.511 I slot print_timing: id  0 | task 0 |       total time =   17944.51 ms /  9130 tokens
+0.18.219.973 I slot      release: id  0 | task 0 | stop processing: n_tokens = 9129, truncated = 0
+0.18.251.836 I slot get_availabl: id  0 | task -1 | selected slot by LCP similarity, f_sim_best = 0.947 (> 0.100 thold), f_keep = 0.999
+0.21.955.327 I slot print_timing: id  0 | task 26 | prompt eval time =    1001.48 ms /   511 tokens (    1.96 ms per token,   510.24 tokens per second)
+0.21.955.331 I slot print_timing: id  0 | task 26 |        eval time =    2700.62 ms /     8 tokens (  385.80 ms per token,     2.59 tokens per second)
+0.21.955.910 I slot      release: id  0 | task 26 | stop processing: n_tokens = 9640, truncated = 0
+0.26.301.786 I slot print_timing: id  0 | task 35 | prompt eval time =    1364.15 ms /   384 tokens (    3.55 ms per token,   281.49 tokens per second)
+"""
+
+
+def test_llama_servers_log_gives_each_finished_requests_computed_and_prompt_tokens() -> None:
+    # The prompt is the slot's size at release minus the generated tokens plus the one never
+    # evaluated; the last request has not been released yet, so it is not counted.
+    assert server_log_counts(LLAMA_SERVER_LOG) == [(9122, 9122), (511, 9633)]

@@ -39,6 +39,7 @@ def pick(
     entries: tuple[TierEntry, ...] = (),
     can_truncate: bool = True,
     target: list[int] = TARGET,
+    head: int = 0,
 ) -> Choice:
     return choose(
         target,
@@ -48,6 +49,7 @@ def pick(
         entries=entries,
         can_truncate=can_truncate,
         restore_min_gain=16,
+        head=head,
     )
 
 
@@ -85,6 +87,16 @@ def test_a_snapshot_must_beat_the_kv_by_the_restore_gain() -> None:
     chosen = pick(others=(kv,), entries=(entry(TARGET[:66]),))  # 16 more: restored
     assert (chosen.context, chosen.entry is not None, chosen.keep) == (None, True, 66)
     assert pick(others=(kv,), entries=(entry(TARGET[:50]),)).context is kv  # a tie: the KV
+
+
+def test_a_snapshot_must_reuse_the_restore_gain_beyond_the_formats_head() -> None:
+    """A new conversation shares its chat template's head (here 28 tokens) with every snapshot
+    of its format: restoring one for that head alone is no reuse worth a restore."""
+    head_only = entry([*TARGET[:28], -1])
+    assert pick(entries=(head_only,)).entry is head_only  # without a head: 28 >= 16
+    assert pick(entries=(head_only,), head=28).entry is None
+    more = entry(TARGET[:44])
+    assert pick(entries=(more,), head=28).entry is more  # 16 past the head
 
 
 def test_memory_that_cannot_be_cut_reuses_a_candidate_only_whole() -> None:

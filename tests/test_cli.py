@@ -34,7 +34,7 @@ def test_describe_prints_the_window_and_kv_cost() -> None:
     assert "bytes per token" in out.stdout
     js = json.loads(modeld("describe", "--type", "memory", "--path", "tiny", "--json").stdout)
     assert js["backend"] == "memory"
-    assert js["effective_context"] == 4096
+    assert js["effective_context"] == js["model_max_context"]  # by default: the model's own window
 
 
 def test_describe_of_a_missing_file_is_one_line_and_non_zero() -> None:

@@ -297,3 +297,34 @@ def test_explain_context_locates_the_tool_definitions_the_template_rendered() ->
     rendered = b"".join(session.model.vocab.piece(t) for t in session._tokens[start:end])
     want = json.dumps(tools[0], ensure_ascii=False) + "\n" + json.dumps(tools[1], ensure_ascii=False)
     assert rendered.decode() == want
+
+
+def test_the_text_assembler_names_the_stop_string_that_ended_the_text() -> None:
+    from modeld.engine.text import TextAssembler
+
+    a = TextAssembler(["xyz", "b", "ab"])
+    out = "".join(a.feed(piece) for piece in (b"hel", b"lo a", b"bc"))
+    assert out == "hello " and a.stopped and a.matched == "ab"  # the earliest
+    held = TextAssembler(["lo w", "lo"])  # at one place the shorter completes first
+    assert held.feed(b"hello world") == "hel" and held.matched == "lo"
+    plain = TextAssembler(["zz"])
+    assert plain.feed(b"abc") + plain.flush() == "abc" and plain.matched == ""
+
+
+def test_an_edit_inside_a_prefix_longer_than_half_a_unified_pool_is_partial_not_busy() -> None:
+    """The session's own cells past the edit are cut by the turn: they are room for the rest
+    (the pool used to count them twice and refuse the turn as busy)."""
+    import runtime_client as rc
+    from modeld.engine import Engine
+
+    text = "".join(f"src/module_{i}.py: handler_{i}, helper_{i}\n" for i in range(160))
+    edited = text.replace("module_80.py", "module_80b.py")
+    request = rc.OpenSessionRequest(type="memory", path="memo", config=rc.Config(num_ctx=8192))
+    with Engine(backends=("memory",)) as engine:
+        session = engine.open_session(request)
+        first = session.ensure_prefix(rc.PrefixInput(text=text))
+        assert first.prefix_tokens > 8192 // 2
+        session.prefill_suffix(rc.SuffixInput(text="question\n"))
+        again = session.ensure_prefix(rc.PrefixInput(text=edited))
+    assert (again.reuse.outcome, again.reuse.reason) == ("partial", "diverged")
+    assert 0 < again.reused_tokens < first.prefix_tokens

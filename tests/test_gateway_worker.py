@@ -57,12 +57,47 @@ def test_server_and_model_info_in_sglangs_shape(url: str) -> None:
         )
 
 
-def test_the_load_report_counts_what_the_daemon_holds(url: str) -> None:
-    assert chat(url).status_code == 200
+def _loads(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(SGLang's /get_load entry, smg's /v1/loads rank)."""
     (load,) = httpx.get(f"{url}/get_load", timeout=10).json()
+    loads = httpx.get(f"{url}/v1/loads?include=core,disagg,queues,memory", timeout=10).json()
+    assert loads["dp_rank_count"] == 1 and loads["timestamp"]
+    (rank,) = loads["loads"]
+    return load, rank
+
+
+def test_the_load_counts_running_work_not_the_warm_cache(url: str) -> None:
+    assert chat(url).status_code == 200
+    load, rank = _loads(url)
     assert set(load) >= {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
-    assert load["num_reqs"] == 0 and load["num_waiting_reqs"] == 0  # nothing running now
-    assert load["num_tokens"] > 0 and load["kv_capacity_tokens"] >= load["num_tokens"]
+    # Nothing runs now: the warm context the turn left is a cache that gives way, not load.
+    assert load["num_reqs"] == load["num_waiting_reqs"] == load["num_tokens"] == 0
+    assert 0 < load["resident_tokens"] <= load["kv_capacity_tokens"]
+    assert rank["num_running_reqs"] == rank["num_waiting_reqs"] == rank["num_used_tokens"] == 0
+    assert rank["token_usage"] == rank["utilization"] == 0.0
+    assert rank["max_total_num_tokens"] == load["kv_capacity_tokens"] and rank["max_running_requests"] >= 1
+
+    # A turn that decodes for a few seconds (the memory backend's delay_ms): it is the load.
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "a long answer, please " * 20}],
+        "max_tokens": 40,
+        "delay_ms": 100,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as running:
+        lines = running.iter_lines()
+        assert next(lines).startswith("data: ")  # it runs
+        load, rank = _loads(url)
+        assert load["num_reqs"] == 1 and load["busy_slots"] == 1 and load["num_tokens"] > 0
+        assert rank["num_running_reqs"] == 1 and rank["num_used_tokens"] == load["num_tokens"]
+        assert rank["token_usage"] == rank["num_used_tokens"] / rank["max_total_num_tokens"]
+        assert rank["utilization"] == 1 / rank["max_running_requests"]
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    load, rank = _loads(url)
+    assert load["num_reqs"] == load["num_tokens"] == rank["num_used_tokens"] == 0
+    assert chat(url).status_code == 200  # the first turn again: its prompt is reused
+    assert 0 < _loads(url)[1]["cache_hit_rate"] < 1
 
 
 def test_the_routers_injected_fields_are_accepted_at_their_defaults_only(url: str) -> None:

@@ -44,6 +44,7 @@ GETS = [
     "/server_info",
     "/model_info",
     "/get_load",
+    "/v1/loads",
     "/metrics",
 ]
 GOOD = {
@@ -84,11 +85,12 @@ def test_every_route_refuses_web_origins_that_are_not_loopback(url: str) -> None
         for path in POSTS:
             r = httpx.post(url + path, json=GOOD[path], headers={"Origin": origin}, timeout=30)
             assert r.status_code == 403, (origin, path, r.status_code)
-        for path in GETS:
-            assert httpx.get(url + path, headers={"Origin": origin}, timeout=30).status_code == 403, (
-                origin,
-                path,
-            )
+        for method, template in FUZZ_OTHERS:  # every other route, path parameters included
+            if template == "/health":  # a liveness probe: no key, no origin, nothing to drive
+                continue
+            path = template.replace("{name:path}", "x").replace("{id}", "x")
+            r = httpx.request(method, url + path, headers={"Origin": origin}, timeout=30)
+            assert r.status_code == 403, (origin, method, path, r.status_code)
     for origin in ("http://localhost:3000", "http://127.0.0.1:9", "https://app.example"):
         for path in POSTS:
             r = httpx.post(url + path, json=GOOD[path], headers={"Origin": origin}, timeout=60)
@@ -180,6 +182,136 @@ def test_fuzzed_bodies_never_get_a_5xx(
     r = httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60)
     assert r.status_code < 500, (path, content[:300], r.status_code, r.text[:300])
     assert "Traceback" not in r.text
+
+
+def _route_table() -> set[tuple[str, str]]:
+    """Every (method, path template) the HTTP app serves, read from the app itself."""
+    from starlette.routing import Route
+
+    from modeld.engine import Engine, Limits
+    from modeld.server.gateway import Gateway
+    from modeld.server.http.app import HttpService, HttpSettings
+    from modeld.server.http.models import ModelRegistry, default_model
+    from modeld.server.http.routes import build_app
+
+    engine = Engine(backends=("memory",))
+    service = HttpService(
+        Gateway(engine, Limits()),
+        ModelRegistry("memory", fallback=default_model("memory")),
+        HttpSettings(backend="memory"),
+    )
+    try:
+        table = set()
+        for route in build_app(service).routes:
+            assert isinstance(route, Route)
+            for method in route.methods or ():
+                if method != "HEAD":
+                    table.add((method, route.path))
+        return table
+    finally:
+        service.close()
+        engine.shutdown()
+
+
+def test_the_fuzz_covers_every_route() -> None:
+    """A route added later is fuzzed too, or this fails: every (method, path) the app serves is
+    one the fuzz below sends (unprefixed OpenAI paths and path parameters included)."""
+    fuzzed = {("POST", p) for p in FUZZ_POSTS} | {(m, p) for m, p in FUZZ_OTHERS}
+    assert _route_table() == fuzzed
+
+
+FUZZ_POSTS = [*POSTS, "/chat/completions", "/completions", "/responses"]
+"""POST routes the body fuzz sends (the /v1-less OpenAI paths are the same handlers)."""
+FUZZ_OTHERS = [
+    *(("GET", p) for p in GETS),
+    ("GET", "/health"),
+    ("GET", "/models"),
+    ("GET", "/v1/models/{name:path}"),
+    ("GET", "/models/{name:path}"),
+    ("GET", "/v1/responses/{id}"),
+    ("DELETE", "/v1/responses/{id}"),
+    ("GET", "/responses/{id}"),
+    ("DELETE", "/responses/{id}"),
+    ("GET", "/get_server_info"),
+    ("GET", "/get_model_info"),
+]
+
+_junk_text = st.text(max_size=30) | st.sampled_from(["\ud800", "..", "%", "%00", "a/b", "x" * 5000, "\x00"])
+_headers = st.dictionaries(
+    st.sampled_from(
+        [
+            "accept",
+            "authorization",
+            "x-api-key",
+            "anthropic-version",
+            "anthropic-beta",
+            "openai-organization",
+            "x-modeld-conversation",
+            "x-request-id",
+            "content-encoding",
+            "accept-encoding",
+        ]
+    ),
+    st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=60)
+    | st.sampled_from(["application/openmetrics-text; version=9.9", "text/*; q=x", "gzip", "Bearer "]),
+    max_size=3,
+)
+
+
+def _quote(value: str) -> str:
+    from urllib.parse import quote
+
+    return quote(value.encode("utf-8", "surrogatepass"), safe="")
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    route=st.sampled_from(FUZZ_OTHERS + [("POST", p) for p in FUZZ_POSTS]),
+    param=_junk_text,
+    query=st.dictionaries(st.text(max_size=8), _junk_text, max_size=3),
+    headers=_headers,
+    changes=st.dictionaries(_fields, _json, max_size=3),
+)
+def test_fuzzed_paths_queries_and_headers_on_every_route_never_get_a_5xx(
+    url: str,
+    route: tuple[str, str],
+    param: str,
+    query: dict[str, str],
+    headers: dict[str, str],
+    changes: dict[str, Any],
+) -> None:
+    """Path parameters (a lone surrogate percent-encoded, dots, NULs, 5000 characters), query
+    strings and the headers the APIs read, on every route: a 4xx in the API's JSON shape or a
+    success, never a 5xx or a traceback."""
+    method, template = route
+    headers = {k: v.strip() for k, v in headers.items() if v.strip()}  # what HTTP can carry
+    path = template.replace("{name:path}", _quote(param)).replace("{id}", _quote(param) or "x")
+    target = (
+        url + path + ("?" + "&".join(f"{_quote(k)}={_quote(v)}" for k, v in query.items()) if query else "")
+    )
+    body: bytes | None = None
+    if method == "POST":
+        known = template if template in GOOD else "/v1" + template
+        try:
+            body = json.dumps({**GOOD[known], **changes}, allow_nan=True).encode()
+        except (ValueError, OverflowError):
+            return
+        headers = {**headers, "content-type": "application/json"}
+    r = httpx.request(method, target, content=body, headers=headers, timeout=60)
+    assert r.status_code < 500 or (template == "/health" and r.status_code == 503), (
+        method,
+        path[:200],
+        headers,
+        r.status_code,
+        r.text[:300],
+    )
+    assert "Traceback" not in r.text
+    if r.status_code >= 400:
+        assert r.headers.get("content-type", "").startswith("application/json"), (path[:200], r.text[:200])
 
 
 def test_no_token_off_loopback_is_refused() -> None:

@@ -249,11 +249,32 @@ def test_a_conversation_keeps_its_session_and_others_get_their_own(daemon: Daemo
     assert a1 in listed and b1 in listed and listed[a1].attached
 
 
+def test_n_choices_are_decoded_from_the_same_prompt_and_reproducible_by_seed(daemon: Daemon) -> None:
+    messages = conversation("choices")
+
+    def ask(n: int, seed: int) -> Any:
+        return daemon.client.chat.completions.create(
+            model="modeld-tiny", messages=messages, n=n, seed=seed, temperature=1.0, max_tokens=48
+        )
+
+    three = ask(3, 5)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    texts = [c.message.content for c in three.choices]
+    assert len(set(texts)) > 1  # each choice draws its own tokens
+    assert texts == [c.message.content for c in ask(3, 5).choices]  # a seed makes them reproducible
+    assert ask(1, 5).choices[0].message.content == texts[0]  # choice i is the request with seed + i
+    assert ask(1, 6).choices[0].message.content == texts[1]
+    usage = three.usage
+    assert usage is not None and usage.prompt_tokens == tokens(chatml(messages))
+    assert usage.completion_tokens == sum(len((t or "").encode()) for t in texts)
+
+
 def test_openai_shaped_errors_name_the_field(daemon: Daemon) -> None:
     messages = conversation("errors")
     cases: list[tuple[dict[str, Any], type[openai.APIStatusError], str | None, str]] = [
         ({"model": "gpt-4o"}, openai.NotFoundError, "model", "model_not_found"),
-        ({"n": 2}, openai.BadRequestError, "n", "unsupported_parameter"),
+        ({"n": 9}, openai.BadRequestError, "n", "invalid_value"),
+        ({"n": 2, "stream": True}, openai.BadRequestError, "n", "unsupported_parameter"),
         ({"max_tokens": -1}, openai.BadRequestError, "max_tokens", "invalid_value"),
         ({"max_completion_tokens": 0}, openai.BadRequestError, "max_completion_tokens", "invalid_value"),
         ({"response_format": {"type": "xml"}}, openai.BadRequestError, "response_format", "invalid_value"),
@@ -359,6 +380,48 @@ def test_metrics_count_turns_and_parse_with_prometheus_client(daemon: Daemon) ->
     with daemon.grpc() as client:  # the same registry over gRPC, for gRPC-only deployments
         families = {f.name for f in text_string_to_metric_families(client.metrics())}
     assert {"modeld_prefix_cache_queries", "modeld_prefix_cache_hits", "modeld_sessions_open"} <= families
+
+
+def test_speculation_is_chosen_per_request_and_reported_in_timings_and_metrics(daemon: Daemon) -> None:
+    """The ``speculation`` extension field (off / ngram; absent: the daemon's ``--speculation``,
+    ngram by default); llama-server's ``timings`` names carry the counts, ``/metrics`` sums them.
+    The memory model echoes the last line of the prompt, which the context already holds."""
+    messages = [{"role": "user", "content": "Repeat after me:\nthe quick brown fox jumps over it\n"}]
+
+    def ask(**extra: Any) -> tuple[str, dict[str, Any]]:
+        done = daemon.client.chat.completions.create(
+            model="modeld-tiny", messages=messages, max_tokens=40, extra_body=extra
+        )
+        return str(done.choices[0].message.content), done.model_extra["timings"]  # type: ignore[index]
+
+    def counter(name: str) -> float:
+        return daemon.metrics().get((name, (("model", "modeld-tiny"),)), 0.0)
+
+    accepted_before = counter("modeld_spec_decode_num_accepted_tokens_total")
+    text, timings = ask()
+    assert timings["draft_n_accepted"] > 0 and timings["draft_n"] >= timings["draft_n_accepted"]
+    assert timings["draft_batches"] >= 1 and timings["predicted_n"] == 40
+    assert (
+        counter("modeld_spec_decode_num_accepted_tokens_total") - accepted_before
+        == timings["draft_n_accepted"]
+    )
+    plain, timings = ask(speculation="off")
+    assert plain == text and timings["draft_n"] == 0
+    stream = daemon.client.chat.completions.create(
+        model="modeld-tiny",
+        messages=messages,
+        max_tokens=40,
+        stream=True,
+        extra_body={"speculation": "ngram"},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert last.model_extra["timings"]["draft_n_accepted"] > 0  # type: ignore[index]
+    for bad in ("eagle", 1, True):
+        with pytest.raises(openai.BadRequestError) as err:
+            ask(speculation=bad)
+        assert (err.value.body["param"], err.value.body["code"]) == ("speculation", "invalid_value")  # type: ignore[index]
 
 
 def test_a_client_that_goes_away_stops_the_generation(daemon: Daemon) -> None:
@@ -482,6 +545,15 @@ def test_the_generated_llama_model_serves_warm_turns() -> None:
             report = client.explain_context(session_id)
         assert report.last_prefix is not None and cached == report.last_prefix.reused_tokens
         assert report.backend == "llama"
+        # The same file opened over gRPC with default settings is the same runtime: one worker.
+        with d.grpc() as client:
+            [loaded] = client.status().models
+            request = rc.OpenSessionRequest(
+                type="llama", path=loaded.path, config=rc.Config(prompt_format="chat")
+            )
+            with client.open_session(request) as session:
+                session.ensure_prefix(rc.PrefixInput(text="You review code.\n"))
+                assert [m.path for m in client.status().models] == [loaded.path]
         # A lone user message: its template reads messages[0], so the prefix is never empty.
         alone = d.client.chat.completions.create(
             model="modeld-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2

@@ -45,7 +45,7 @@ def test_public_names_are_pinned() -> None:
         Client ClientDecodeStream ClientSession Config ContextBuilder ContextManifest ContextOverflowError
         ContextReport DaemonStatus DaemonUnavailableError DeadlineExceededError DecodeConfig Endpoint EngineError
         EngineRestartedError Fence InternalError InvalidArgumentError LimitExceededError ManifestMismatchError
-        ModelInfo ModelLoadError ModeldError NoSlotAvailableError NotOwnerError OpenSessionRequest
+        ModelChangedError ModelInfo ModelLoadError ModeldError NoSlotAvailableError NotOwnerError OpenSessionRequest
         OperationTimeoutError PrefillProgress PrefixInput PrefixRequiredError PrefixStatus Resume ReuseDecision
         Segment SessionClosedError SessionNotFoundError SessionSummary ShuttingDownError StaleFenceError
         StallTimeoutError StreamChunk SuffixInput SuffixStatus UnauthenticatedError UnsupportedError Usage
@@ -56,9 +56,9 @@ def test_public_names_are_pinned() -> None:
         assert hasattr(runtime_client, name)
     for name in modeld.contract.__all__:
         assert hasattr(modeld.contract, name)
-    # `except rc.BusyError` works for every error a tool can receive: all 25 classes are exported.
+    # `except rc.BusyError` works for every error a tool can receive: all 26 classes are exported.
     errors = {name for name in modeld.errors.__all__ if name.endswith("Error")}
-    assert len(errors) == 25
+    assert len(errors) == 26
     assert errors <= set(runtime_client.__all__)
     assert all(getattr(runtime_client, name) is getattr(modeld.errors, name) for name in errors)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,7 +94,7 @@ def test_a_regular_file_opens_with_its_identity(tmp_path: Path) -> None:
     path.write_bytes(b"0123456789")
     st = path.stat()
     with open_model_file(str(path)) as f:
-        assert f.identity == FileIdentity(st.st_dev, st.st_ino, 10, st.st_mtime_ns)
+        assert f.identity == FileIdentity(st.st_dev, st.st_ino, 10, st.st_mtime_ns, st.st_ctime_ns)
         assert f.read_at(3, 4) == b"3456"
         assert f.read_at(8, 100) == b"89"
         assert b"".join(f.chunks(size=4)) == b"0123456789"
@@ -253,6 +254,20 @@ def test_changed_says_what_happened_to_a_file(tmp_path: Path) -> None:
 
     path.parent.joinpath("dir").write_text("not a directory")
     assert changed(path.parent / "dir" / "model.gguf", identity) == "unreadable (ENOTDIR)"
+
+
+def test_a_write_in_place_that_puts_the_modification_time_back_is_still_seen(tmp_path: Path) -> None:
+    """``cp -p``, ``rsync -t`` and ``touch -r`` restore the mtime; the inode's ctime still moves."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"a" * 100)
+    identity = identify(str(path))
+    time.sleep(0.02)  # past the file system's timestamp granularity
+    with path.open("r+b") as f:
+        f.write(b"b" * 100)
+    os.utime(path, ns=(identity.mtime_ns, identity.mtime_ns))
+    assert os.stat(path).st_mtime_ns == identity.mtime_ns
+    assert changed(path, identity) == "changed in place (same size, 100 bytes, and modification time)"
+    assert identify(str(path)) != identity
 
 
 # --- through the engine: clear errors, never internal ------------------------------------------

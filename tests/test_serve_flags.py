@@ -129,9 +129,10 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
         *("--snapshot-min-tokens", "32", "--persist-min-tokens", "256"),
         *("--load-timeout", "90", "--stall-timeout", "2m", "--idle-stream-timeout", "45s"),
         *("--operation-timeout", "1h", "--queue-wait", "12", "--attach-timeout", "9"),
-        *("--stream-interval", "20ms"),
+        *("--stream-interval", "20ms", "--speculation", "off"),
         *("--restart-backoff", "0.25", "--restart-backoff-max", "4", "--crash-limit", "3"),
         *("--crash-window", "10m", "--describe-timeout", "20", "--max-sessions", "10"),
+        *("--shared-store", str(data / "shared"), "--shared-store-bytes", "32M", "--drain-timeout", "15s"),
     ]
     proc = start_serve(data, data / "s.sock", *flags)
     try:
@@ -155,10 +156,14 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
             "max_queue": "3",
             "snapshot_min_tokens": "32",
             "persist_min_tokens": "256",
+            "shared_store": str(data / "shared"),
+            "shared_store_bytes": str(32 << 20),
+            "speculation": "off",
             "timeout_load_seconds": "90.0",
             "timeout_stall_seconds": "120.0",
             "timeout_idle_stream_seconds": "45.0",
             "timeout_operation_seconds": "3600.0",
+            "timeout_drain_seconds": "15.0",
             "timeout_stream_interval_seconds": "0.02",
             "restart_backoff_initial": "0.25",
             "restart_backoff_max": "4.0",
@@ -178,6 +183,8 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
         assert "memory_budget_bytes=4.00 GiB" in human
         assert "tiers     ram   0 snapshots, 0 B of 64.00 MiB" in human
         assert "          disk  off (budget 0)" in human
+        assert f"          shared 0 snapshots, 0 B of 32.00 MiB in {data / 'shared'}" in human
+        assert (tiers["shared_location"], tiers["shared_budget"]) == (str(data / "shared"), 32 << 20)
     finally:
         stop(proc)
         shutil.rmtree(data, ignore_errors=True)

@@ -68,7 +68,7 @@ def test_client_disconnect_closes_the_session(wire: Harness) -> None:
     assert [s.session_id for s in wire.engine.list_sessions()] == [session.session_id]
     client.close()  # the channel goes away without a Close
     assert _wait_for(lambda: not wire.engine.list_sessions())
-    report = wire.engine.explain(session.session_id)
+    report = wire.engine.explain_context(session.session_id)
     assert report.closed
 
 
@@ -170,7 +170,7 @@ def test_unattached_session_is_reaped(wire: Harness) -> None:
     kept.opened -= wire.engine.limits.attach_timeout_seconds + 1
     assert gateway.reap_unattached() == [opened.session_id]
     assert isinstance(opened.ended, SessionClosedError)
-    assert wire.engine.explain(opened.session_id).closed
+    assert wire.engine.explain_context(opened.session_id).closed
     assert [s.session_id for s in gateway.list_sessions()] == [kept.session_id]
     kept.close()
 

@@ -94,12 +94,14 @@ def test_a_context_evicted_to_ram_and_restored(with_ram_tier: Path) -> None:
 
         human = modeld("status", data_dir=data).stdout
         assert "  coder  memory · digest " in human
-        assert " · window 4096 · 2 sessions · idle " in human
+        assert " · window 32768 · 2 sessions · idle " in human  # the memory model's own window
         assert "    worker    pid " in human and " · ready (inline) · " in human
         assert "    slots     0 of 1 busy · 0 queued · 1 sequence · " in human
+        assert "    prefixes  606 tokens looked up · reused from kv 0, ram 202, disk 0\n" in human
+        assert "    prefill   404 prompt tokens computed (prefixes, suffixes, recomputed ones)\n" in human
         assert (
-            "    tokens    reused from kv 0 · ram 202 · disk 0 · prefilled 404 · evicted to ram 2, disk 0, "
-            "dropped 0 · snapshots rejected 0"
+            f"    evicted   to ram 2, disk 0, dropped 0 · snapshots taken {counters['snapshots_taken']}, "
+            "rejected 0 · prefixes copied 0\n"
         ) in human
         assert f"              {report.context_id}  " in human
         assert "machine   " in human and " CPU" in human
@@ -138,7 +140,7 @@ def test_a_context_evicted_with_no_tier_is_a_cold_turn_saying_so(without_tiers: 
             in text
         )
         human = modeld("status", data_dir=data).stdout
-        assert "evicted to ram 0, disk 0, dropped 2" in human
+        assert "    evicted   to ram 0, disk 0, dropped 2 · " in human
         assert "tiers     ram   off (budget 0)" in human
         a.close()
         b.close()

@@ -204,3 +204,66 @@ def test_the_asyncio_loop_over_the_wire(engine: Engine) -> None:
     finally:
         server.stop(grace=0.2)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _KillWorkerInEveryDecode:
+    """The real session; after each decode's first chunk its engine worker is SIGKILLed."""
+
+    def __init__(self, session: Session, engine: Engine) -> None:
+        self.session, self.engine, self.decodes = session, engine, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.session, name)
+
+    def decode(self, config: DecodeConfig) -> Iterator[object]:
+        import os
+        import signal
+        import time
+
+        self.decodes += 1
+        pid = self.engine.status().models[0].worker.pid  # type: ignore[union-attr]
+
+        def chunks() -> Iterator[object]:
+            with self.session.decode(config) as stream:
+                for i, chunk in enumerate(stream):
+                    if i == 0:
+                        os.kill(pid, signal.SIGKILL)
+                    yield chunk
+            deadline = time.monotonic() + 30  # the next try waits for the restarted worker anyway
+            while self.engine.status().models[0].worker.pid == pid and time.monotonic() < deadline:  # type: ignore[union-attr]
+                time.sleep(0.05)
+
+        return _Closing(chunks())
+
+
+class _Closing:
+    def __init__(self, it: Iterator[object]) -> None:
+        self.it = it
+
+    def __iter__(self) -> Iterator[object]:
+        return self.it
+
+    def __enter__(self) -> _Closing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_a_turn_lost_twice_ends_the_loop_naming_why() -> None:
+    """The worker dies in the decode and again in its retry: the loop ends with finish_reason
+    ``error`` and the last round says which error (before, the reason was lost)."""
+    from modeld.settings import Residency
+
+    with Engine(backends=("memory",), residency=Residency(isolation="process")) as engine:
+        session = open_chat(engine)
+        needs_tool_calls(session)
+        faulty = _KillWorkerInEveryDecode(session, engine)
+        builder = ContextBuilder(identity=session.identity, tools_json=TOOLS).system(SYSTEM).user_turn("Why?")
+        slow = DecodeConfig(max_tokens=60, tool_choice="none", extra={"delay_ms": "40"})
+        result = run_tools(faulty, builder, lambda call: "", slow)  # type: ignore[arg-type]
+        assert faulty.decodes == 2 and result.finish_reason == "error"
+        (last,) = result.rounds
+        assert last.retry_reason == "engine_restarted"
+        assert last.error is not None and last.error.reason == "engine_restarted"
+        assert "SIGKILL" in last.error.message

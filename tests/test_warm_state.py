@@ -746,3 +746,23 @@ def test_an_idle_model_is_unloaded_beyond_the_budget_and_its_contexts_come_back(
             ("restored_from_disk", size),
             ("restored_from_ram", size),
         }
+
+
+def test_a_turn_that_diverges_early_in_a_full_unified_pool_cuts_its_own_context_first(tmp_path: Path) -> None:
+    """One conversation whose context fills most of a unified pool, then a turn that diverges
+    near its start (a tool list changed): the cells past the divergence are freed by the cut
+    itself, so the turn needs no other room. It used to count them as still in use, find no
+    other context to evict and fail with the pool 'full of busy or pinned contexts'."""
+    residency = Residency(pool_tokens=1024, ram_tier_bytes=0, disk_tier_bytes=0)
+    with Engine(backends=("memory",), residency=residency, data_dir=tmp_path) as engine:
+        session = engine.open_session(OpenSessionRequest(path="repo", model_name="coder"))
+        first = "x" * 100 + "".join(f"line {i} of the repository map\n" for i in range(28))
+        assert 800 < len(first) < 1024  # the memory backend: one token per byte
+        session.ensure_prefix(PrefixInput(text=first))
+        session.prefill_suffix(SuffixInput(text="question one\n"))
+        list(session.decode(DecodeConfig(max_tokens=8, temperature=0.0)))
+        changed = "y" + first[1:]  # diverges at its second token
+        status = session.ensure_prefix(PrefixInput(text=changed))
+        # BOS, then "y": reusing only the format's head counts as cold (blueprint 0016).
+        assert (status.reuse.outcome, status.reuse.diverged_at_token) == ("cold", 1)
+        assert status.prefilled_tokens == status.prefix_tokens - 1 >= len(changed)

@@ -186,7 +186,7 @@ def test_the_engine_tells_the_transport_when_a_session_ends(wire: Harness, how: 
     expected = {"revoke": StaleFenceError, "shutdown": ShuttingDownError, "close": SessionClosedError}[how]
     assert [type(e) for e in seen] == [expected]
     with pytest.raises(SessionNotFoundError):
-        gateway.hosted(hosted.session_id)  # gone from the transport's registry
+        gateway.transport_session(hosted.session_id)  # gone from the transport's registry
     late: list[ModeldError] = []
     hosted.on_end(late.append)  # a listener added afterwards is told at once
     assert [type(e) for e in late] == [expected]
@@ -195,7 +195,7 @@ def test_the_engine_tells_the_transport_when_a_session_ends(wire: Harness, how: 
 def test_a_stream_ends_when_its_session_is_closed_elsewhere(wire: Harness) -> None:
     session = wire.open()
     session.ensure_prefix(PrefixInput(text="hello\n"))
-    wire.server.gateway.hosted(session.session_id).close()  # e.g. reaped, or closed by the daemon
+    wire.server.gateway.transport_session(session.session_id).close()  # e.g. reaped, or closed by the daemon
     with pytest.raises(SessionClosedError):
         session.prefill_suffix(SuffixInput(text="x"))
 

@@ -36,6 +36,7 @@ from modeld.engine import Engine, Limits
 from modeld.errors import (
     BusyError,
     EngineRestartedError,
+    ModelChangedError,
     NoSlotAvailableError,
     StallTimeoutError,
 )
@@ -149,23 +150,57 @@ def test_a_native_crash_is_named_by_its_signal(tiny_copy: str, sig: signal.Signa
 
 
 @pytest.mark.llama
-def test_a_model_file_rewritten_in_place_is_named_as_the_cause(tiny_copy: str) -> None:
-    """A re-download over a loaded model: its mapped pages vanish (SIGBUS on the next compute);
-    the error says the file changed while loaded, and the daemon serves on."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGBUS, signal.SIGTERM])
+def test_a_worker_killed_while_idle_is_named_by_its_signal(tiny_copy: str, sig: signal.Signals) -> None:
+    """An idle worker killed just as a request reaches it dies with those bytes unread: its
+    link resets (ECONNRESET) as it goes. Before issue 21 that was reported as "sent a broken
+    frame" (every time, on this machine), not by the signal that killed it."""
     with Engine(backends=("llama",)) as engine:
         s = engine.open_session(_llama(tiny_copy))
         s.ensure_prefix(PrefixInput(text=TEXT))
+        (model,) = engine.models()
+        os.kill(_worker_pid(engine), sig)
+        with pytest.raises(EngineRestartedError) as err:  # its tokenize request meets the death
+            s.ensure_prefix(PrefixInput(text=TEXT + "one more line\n"))
+        assert f"was killed by {sig.name}" in err.value.message, err.value.message
+        assert err.value.details.get("signal") == sig.name
+        reason = model.supervisor.status().last_error
+        assert f"was killed by {sig.name}" in reason and "broken frame" not in reason, reason
+        status = s.ensure_prefix(PrefixInput(text=TEXT))
+        assert status.reuse.reason == "engine_reset" and sig.name in status.reuse.message
+
+
+@pytest.mark.llama
+def test_a_model_file_rewritten_in_place_is_named_as_the_cause(tiny_copy: str) -> None:
+    """A re-download over a loaded model (the same inode, cut short): the next turn fails with
+    ``model_changed`` naming what happened, before the worker touches a vanished page; a worker
+    that dies of it (SIGBUS on its mapping) is reported with it too, and is not restarted on the
+    new bytes. The daemon serves on (issue 21: the file is checked before every turn)."""
+    with Engine(backends=("llama",)) as engine:
+        s = engine.open_session(_llama(tiny_copy))
+        s.ensure_prefix(PrefixInput(text=TEXT))
+        (model,) = engine.models()
         original = Path(tiny_copy).read_bytes()
         with open(tiny_copy, "r+b") as f:  # the same inode, cut short (as a download restarting)
             f.truncate(4096)
         try:
-            with pytest.raises(EngineRestartedError) as err:
+            os.kill(model.supervisor.status().pid, signal.SIGBUS)  # what touching a lost page does
+            deadline = time.monotonic() + 30
+            while "SIGBUS" not in model.supervisor.status().last_error:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert "the model file was truncated in place" in model.supervisor.status().last_error
+            with pytest.raises(ModelChangedError) as err:
                 s.ensure_prefix(PrefixInput(text=TEXT + "one more line\n" * 50))
-            assert "SIGBUS" in err.value.message
-            assert "the model file was truncated in place" in err.value.message
-            assert err.value.details.get("why", "").startswith("the model file was truncated")
+            assert err.value.details["change"] == f"truncated in place ({len(original)} -> 4096 bytes)"
+            while model.supervisor.status().state != "stopped":  # never restarted on the cut file
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert model.supervisor.restarts == 0
         finally:
             Path(tiny_copy).write_bytes(original)
+        again = engine.open_session(_llama(tiny_copy))  # the file as it is now (the original)
+        assert again.ensure_prefix(PrefixInput(text=TEXT)).prefix_tokens > 0
 
 
 @pytest.mark.llama

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
+from modeld.decoding.speculation import DecodeStats
 
-__all__ = ["Backend", "Layout", "LoadOptions", "ModelRuntime", "SyncStep", "Vocab"]
+__all__ = ["Backend", "DecodeStats", "Layout", "LoadOptions", "ModelRuntime", "SyncStep", "Vocab"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,11 +140,18 @@ class ModelRuntime(Protocol):
     def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
         """Sample up to ``max_tokens`` tokens after what ``seq`` holds.
 
-        Each yielded token is evaluated (becomes resident) when the generator is resumed, before
-        the next one is sampled; so when the consumer stops, the last yielded token is not
-        resident. The generator ends after yielding an end-of-generation token, or when the
-        window is full. Needs at least one resident token.
+        Each yielded token is evaluated (becomes resident) at the latest when the generator is
+        resumed, before the next one is chosen; when the consumer stops, the sequence holds at
+        most every yielded token but the last (a runtime that verified drafted tokens ahead cuts
+        them back). The generator ends after yielding an end-of-generation token, or when the
+        window is full. Needs at least one resident token. ``config.speculation`` is ``off`` or
+        ``ngram`` here (the daemon resolved ``""``); a runtime that cannot speculate decodes
+        plainly (``blueprints/0021-speculation.md``).
         """
+        ...
+
+    def decode_stats(self, seq: int) -> DecodeStats:
+        """What speculation did in ``seq``'s current or last generate (zeros if none)."""
         ...
 
     def copy(self, src: int, dst: int, n: int) -> None:

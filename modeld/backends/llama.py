@@ -113,6 +113,8 @@ class LlamaBackend:
                 extra=(),
                 prompt_formats=("raw", "chat") if meta.chat_template else ("raw",),
                 constraints=CONSTRAINT_KINDS,
+                # Rejected drafts are cut off again: memory that cannot be cut decodes plainly.
+                speculation=("off", "ngram") if meta.can_truncate else ("off",),
             ),
             special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),
             footprint=model_footprint(meta, config),

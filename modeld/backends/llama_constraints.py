@@ -71,6 +71,17 @@ class TokenConstraint:
         """Advance past the chosen token."""
         raise NotImplementedError
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens that must come next, at most ``limit``, consumed (the constraint advances
+        past them): while exactly one token is allowed, it is the only choice plain decoding
+        could make there, whatever the logits. ``[]`` where the engine cannot tell cheaply."""
+        return []
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (a draft) the constraint would accept in order, without
+        advancing; ``len(tokens)`` where the engine cannot tell cheaply."""
+        return len(tokens)
+
     def close(self) -> None:
         """Free native state (idempotent)."""
 
@@ -82,20 +93,48 @@ class LlguidanceConstraint(TokenConstraint):
         self._matcher = matcher
         self._n_vocab = n_vocab
         self._mask = np.full(((n_vocab + 31) // 32,), -1, dtype=np.int32)
+        self._computed = False  # the mask is the current state's (nothing consumed since)
+
+    def _compute(self) -> NDArray[np.int32]:
+        if not self._computed:
+            m = self._matcher
+            m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+            if m.is_error():
+                raise ConstraintFailed(m.get_error())
+            self._computed = True
+        return self._mask
 
     def apply(self, logits: NDArray[np.float32]) -> None:
-        m = self._matcher
-        m.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
-        if m.is_error():
-            raise ConstraintFailed(m.get_error())
-        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[: self._n_vocab]
+        mask = self._compute()
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: self._n_vocab]
         if not bits.any():
             raise ConstraintFailed("no token can continue the constrained output")
         logits[: self._n_vocab][bits == 0] = -np.inf
 
     def accept(self, token: int) -> None:
+        self._computed = False
         if not self._matcher.consume_token(token):
             raise ConstraintFailed(self._matcher.get_error() or f"token {token} is not allowed here")
+
+    def forced(self, limit: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < limit:
+            mask = self._compute()
+            words = np.flatnonzero(mask)
+            if len(words) != 1:
+                break
+            word = int(mask[words[0]]) & 0xFFFFFFFF
+            if word & (word - 1):  # more than one bit in the word
+                break
+            token = int(words[0]) * 32 + word.bit_length() - 1
+            if token >= self._n_vocab:
+                break
+            self.accept(token)
+            out.append(token)
+        return out
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        return int(self._matcher.validate_tokens(tokens)) if tokens else 0
 
 
 class GrammarSamplerConstraint(TokenConstraint):

@@ -30,6 +30,16 @@ matter for correctness:
   penalties are applied there (``modeld.decoding.sampling``), then the usual choice reads the
   buffer: the bare ``argmax`` when greedy (unchanged without a constraint), else the sampler
   chain. A dead end of the constraint ends the job cleanly (``constraint_failed``).
+* **Speculation** (``DecodeConfig.speculation == "ngram"``, ``blueprints/0021``): the chosen
+  token and a draft from the context (:class:`~modeld.decoding.speculation.Drafter`) are
+  evaluated in one batch with logits at every drafted position; each position's token is chosen
+  as above, the draft holds while the choices equal it, and the rejected drafted tokens' cells
+  are removed (``llama_memory_seq_rm``). Tokens a constraint forces (the only one its mask
+  allows) are appended to that batch without a choice of their own. A batch takes llama.cpp's
+  multi-token kernels, whose rounding differs from the single-token step's by ~3e-4 of a logit:
+  greedy output equals plain decoding wherever the top two logits are further apart than that
+  (every test and benchmark turn; blueprint 0021 measures it). Memory that cannot be cut
+  decodes plainly.
 """
 
 from __future__ import annotations
@@ -52,9 +62,10 @@ from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
 from modeld.backends.llama_constraints import LlamaConstraints, TokenConstraint
-from modeld.contract import Config, DecodeConfig, ModelInfo
+from modeld.contract import Config, DecodeConfig, ModelInfo, TokenLogprob, TopLogprob
 from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
 from modeld.decoding.sampling import SampledToken, adjust_array, logit_bias_of, logprob_array
+from modeld.decoding.speculation import DRAFT_MAX, DecodeStats, Drafter, DraftLength
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
 try:
@@ -217,6 +228,7 @@ class LlamaRuntime:
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._io_magic = self._magic()  # every sequence is empty now
+        self._stats = [DecodeStats() for _ in range(n_seq)]
         self._fresh = -1  # the sequence whose last token's logits are in the context, or -1
         self._pieces: tuple[bytes, ...] | None = None
         self._constraints: LlamaConstraints | None = None  # made on the first constrained decode
@@ -368,67 +380,92 @@ class LlamaRuntime:
             tail = held[-back:]
             self._cut(seq, len(held) - back)
             self._decode(seq, tail)
-        sampler = self._sampler(config, held)
-        bias = logit_bias_of(config.logit_bias)
-        penalties = bool(config.presence_penalty or config.frequency_penalty)
-        counts: dict[int, int] = {}
-        tc: TokenConstraint | None = None
+        stats = self._stats[seq] = DecodeStats()
+        # Speculation needs cells that can be cut (rejected drafts are removed again).
+        speculate = config.speculation == "ngram" and self._layout.can_truncate
+        step = _Step(self, config, held)
+        base = len(held)
+        window = self._layout.window
+        produced = 0
+        drafter = Drafter(held) if speculate else None
+        lengths = DraftLength(min(DRAFT_MAX, self._chunk - 1))
         try:
             if compiled is not None:
                 if self._constraints is None:
                     self._constraints = LlamaConstraints(self._vocab, self._n_vocab)
-                tc = self._constraints.start(compiled)
-            for produced in range(max_tokens):
-                logits = None
-                if tc is not None or bias or penalties or config.logprobs or sampler is None:
-                    # The context's own logits buffer: masked and adjusted in place, so the
-                    # sampler chain (which reads the same buffer) sees the result too.
-                    logits = np.ctypeslib.as_array(
-                        _llama.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,)
+                step.tc = self._constraints.start(compiled)
+            rows: list[int] = [-1]  # the logits rows to choose from, in order
+            draft: list[int] = []  # draft[i]: the token drafted after rows[i]
+            while True:
+                token = -1
+                accepted = 0
+                for i, row in enumerate(rows):
+                    token = step.choose(row)
+                    produced += 1
+                    if drafter is not None:
+                        drafter.append(token)
+                    yield step.out(token)
+                    if step.eog(token) or produced >= max_tokens or base + produced > window:
+                        return
+                    if i < len(draft) and token == draft[i]:
+                        accepted += 1  # resident already: its row follows
+                        stats.accepted += 1
+                        continue
+                    break
+                if draft:
+                    lengths.record(len(draft), accepted)
+                    self._cut(seq, base + produced - 1)  # the rejected drafted tokens' cells
+                # ``token`` is chosen, not yet evaluated. Tokens a constraint forces after it
+                # are the only choice plain decoding has: yield them and evaluate all at once.
+                pending = [token]
+                if speculate and step.tc is not None:
+                    room = min(max_tokens - produced, window + 1 - base - produced, self._chunk - 1)
+                    for forced in step.forced(room):
+                        pending.append(forced)
+                        produced += 1
+                        stats.forced += 1
+                        if drafter is not None:
+                            drafter.append(forced)
+                        yield step.out(forced, forced=True)
+                        if step.eog(forced) or produced >= max_tokens or base + produced > window:
+                            return
+                draft = []
+                if drafter is not None:
+                    room = min(
+                        lengths.budget(),
+                        max_tokens - produced - 1,  # the draft's tokens and the one after them
+                        window - base - produced,  # every drafted token needs a cell
+                        self._chunk - len(pending),  # one batch
                     )
-                    if tc is not None:
-                        tc.apply(logits)
-                    if bias or penalties:
-                        adjust_array(
-                            logits,
-                            counts=counts,
-                            logit_bias=bias,
-                            presence_penalty=config.presence_penalty,
-                            frequency_penalty=config.frequency_penalty,
-                        )
-                if sampler is None:
-                    assert logits is not None
-                    token = int(np.argmax(logits))
+                    draft = drafter.draft(room)
+                    if draft and step.tc is not None:
+                        del draft[step.tc.valid_prefix(draft) :]
+                if draft:
+                    stats.verifies += 1
+                    stats.drafted += len(draft)
+                    self._decode(seq, pending + draft, outputs=len(draft) + 1)
+                    rows = list(range(len(pending) - 1, len(pending) + len(draft)))
                 else:
-                    token = int(_llama.llama_sampler_sample(sampler, self._ctx, -1))
-                if tc is not None:
-                    tc.accept(token)
-                counts[token] = counts.get(token, 0) + 1
-                if config.logprobs and logits is not None:
-                    yield SampledToken(token, logprob_array(logits, token, config.top_logprobs))
-                else:
-                    yield token
-                if (
-                    _llama.llama_vocab_is_eog(self._vocab, token)
-                    or produced + 1 >= max_tokens
-                    or len(held) >= self._layout.window
-                ):
-                    return
-                # The consumer resumed: the token is evaluated (becomes resident).
-                self._decode(seq, [token])
+                    self._decode(seq, pending)
+                    rows = [-1]
         except ConstraintFailed as exc:
             # A dead end of the constraint: end the job cleanly (the daemon reports
             # constraint_failed; the sequence holds what was evaluated).
             log.info("a constrained decode of sequence %d cannot go on: %s", seq, exc)
         finally:
-            if sampler is not None:
-                _llama.llama_sampler_free(sampler)
-            if tc is not None:
-                tc.close()
-            if (tc is not None or bias or penalties) and self._fresh == seq:
+            step.close()
+            if produced and len(held) > base + produced - 1:
+                # Drafted tokens verified ahead of what was consumed: hold what plain decoding
+                # would (every yielded token but the last), so the warm state says the truth.
+                self._cut(seq, base + produced - 1)
+            if step.adjusted and self._fresh == seq:
                 # The buffer holds masked/adjusted logits of the last step: not fresh for the
                 # next decode of this sequence (it re-evaluates its last tokens).
                 self._fresh = -1
+
+    def decode_stats(self, seq: int) -> DecodeStats:
+        self._seq(seq)
+        return self._stats[seq]
 
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)
@@ -638,17 +675,20 @@ class LlamaRuntime:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _decode(self, seq: int, tokens: list[int]) -> None:
+    def _decode(self, seq: int, tokens: list[int], outputs: int = 1) -> None:
+        """Evaluate ``tokens`` after what ``seq`` holds, in one batch, with logits for the last
+        ``outputs`` of them (batch indices ``n - outputs .. n - 1``)."""
         held = self._seqs[seq]
         batch = self._batch
         n = len(tokens)
         pos = len(held)
+        first = n - outputs
         for i, token in enumerate(tokens):
             batch.token[i] = token
             batch.pos[i] = pos + i
             batch.n_seq_id[i] = 1
             batch.seq_id[i][0] = seq
-            batch.logits[i] = 1 if i == n - 1 else 0
+            batch.logits[i] = 1 if i >= first else 0
         batch.n_tokens = n
         rc = _llama.llama_decode(self._ctx, batch)
         if rc != 0:
@@ -689,3 +729,89 @@ class LlamaRuntime:
         seed = 0xFFFFFFFF if config.seed is None else config.seed % 0xFFFFFFFF  # 0xFFFFFFFF = random
         _llama.llama_sampler_chain_add(chain, _llama.llama_sampler_init_dist(seed))
         return chain
+
+
+class _Step:
+    """One decode's choice of a token from a logits row: the constraint's mask, logit bias and
+    penalties (in the context's own buffer, so the sampler chain reads the result too), then the
+    bare ``argmax`` when greedy, else the sampler chain (its random draw, its penalty window).
+    Plain decoding and every verified position of a speculative step choose through here."""
+
+    def __init__(self, runtime: LlamaRuntime, config: DecodeConfig, held: list[int]) -> None:
+        self._rt = runtime
+        self._config = config
+        self.tc: TokenConstraint | None = None
+        self._sampler = runtime._sampler(config, held)
+        self._bias = logit_bias_of(config.logit_bias)
+        self._penalties = bool(config.presence_penalty or config.frequency_penalty)
+        self._counts: dict[int, int] = {}
+        self._logprob: TokenLogprob | None = None
+
+    @property
+    def adjusted(self) -> bool:
+        """The logits buffer was masked or adjusted in place."""
+        return self.tc is not None or bool(self._bias) or self._penalties
+
+    def choose(self, row: int) -> int:
+        """The token at batch index ``row`` (-1: the last evaluated)."""
+        rt, config = self._rt, self._config
+        logits = None
+        if self.adjusted or config.logprobs or self._sampler is None:
+            logits = np.ctypeslib.as_array(_llama.llama_get_logits_ith(rt._ctx, row), shape=(rt._n_vocab,))
+            if self.tc is not None:
+                self.tc.apply(logits)
+            if self._bias or self._penalties:
+                adjust_array(
+                    logits,
+                    counts=self._counts,
+                    logit_bias=self._bias,
+                    presence_penalty=config.presence_penalty,
+                    frequency_penalty=config.frequency_penalty,
+                )
+        if self._sampler is None:
+            assert logits is not None
+            token = int(np.argmax(logits))
+        else:
+            token = int(_llama.llama_sampler_sample(self._sampler, rt._ctx, row))
+        if self.tc is not None:
+            self.tc.accept(token)
+        self._counts[token] = self._counts.get(token, 0) + 1
+        self._logprob = (
+            logprob_array(logits, token, config.top_logprobs)
+            if config.logprobs and logits is not None
+            else None
+        )
+        return token
+
+    def forced(self, limit: int) -> list[int]:
+        """Tokens the constraint forces next (consumed), counted as chosen ones are. Each had
+        probability 1 for plain decoding: its log-probability is 0 and it is its own only
+        alternative. (The sampler's random draw is not spent on them, so a seeded sampled
+        decode may continue differently from a plain one; its distribution is the same.)"""
+        if self.tc is None:
+            return []
+        tokens = self.tc.forced(limit)
+        for token in tokens:
+            self._counts[token] = self._counts.get(token, 0) + 1
+            if self._sampler is not None:
+                _llama.llama_sampler_accept(self._sampler, token)  # its penalty window
+        return tokens
+
+    def out(self, token: int, *, forced: bool = False) -> int:
+        """The token as the scheduler wants it: with its log-probabilities when asked for."""
+        if not self._config.logprobs:
+            return token
+        if forced:
+            top = (TopLogprob(token, 0.0),) if self._config.top_logprobs else ()
+            return SampledToken(token, TokenLogprob(token, 0.0, top))
+        return SampledToken(token, self._logprob) if self._logprob is not None else token
+
+    def eog(self, token: int) -> bool:
+        return bool(_llama.llama_vocab_is_eog(self._rt._vocab, token))
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            _llama.llama_sampler_free(self._sampler)
+            self._sampler = None
+        if self.tc is not None:
+            self.tc.close()

@@ -27,6 +27,12 @@ The model (documented in ``blueprints/0004-memory-backend.md``):
   temperature, top_k, top_p, min_p, repeat_penalty, seed, and ``logit_bias``,
   ``presence_penalty``, ``frequency_penalty``, ``logprobs`` (``modeld.decoding.sampling``: a
   forced byte has probability 1). Greedy decoding (temperature 0) is deterministic.
+* **Speculation** (``DecodeConfig.speculation == "ngram"``, ``blueprints/0021``): the llama
+  backend's rule one position at a time (evaluating costs nothing here): a draft from the
+  context covers the next positions, each position's token is chosen exactly as without it (the
+  same random draw), and the draft holds while the choices equal it; so the output is the same
+  token for token, and the counts (``decode_stats``) say what a real engine would have saved.
+  Under a constraint a position where one byte alone is allowed counts as forced.
 * **Constraints** (every kind, ``blueprints/0018``): under a constraint there is no echo and
   no character budget; at each step every byte the grammar allows (the byte matcher of
   ``modeld.decoding``) competes with an xxh3 logit, EOS too where the grammar accepts, and the
@@ -61,8 +67,10 @@ from modeld.contract import (
     TokenLogprob,
 )
 from modeld.decoding.constraints import runtime_constraint
+from modeld.decoding.gbnf import ByteMatcher
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.decoding.sampling import SampledToken, adjust, logit_bias_of, logprob
+from modeld.decoding.speculation import DecodeStats, Drafter, DraftLength
 from modeld.errors import InvalidArgumentError, ModelLoadError
 from modeld.manifest import bytes_hash
 
@@ -176,6 +184,7 @@ class MemoryBackend:
                 extra=EXTRA_KEYS,
                 prompt_formats=("raw", "chat"),
                 constraints=CONSTRAINT_KINDS,
+                speculation=("off", "ngram"),
             ),
             special_tokens=(SpecialToken(BOS, "", "bos"), SpecialToken(EOS, "", "eos")),
             tool_format="hermes",
@@ -219,6 +228,7 @@ class MemoryRuntime:
             else f"split/{options.n_seq}",
         )
         self._seqs: list[list[int]] = [[] for _ in range(options.n_seq)]
+        self._stats = [DecodeStats() for _ in range(options.n_seq)]
 
     @property
     def layout(self) -> Layout:
@@ -268,6 +278,17 @@ class MemoryRuntime:
         char: list[tuple[bytes, float]] = []  # the character being written: its candidates' logits
         partial = b""
         delay = int(config.extra.get("delay_ms", "0")) / 1000.0
+        stats = self._stats[seq] = DecodeStats()
+        # Speculation (blueprint 0021): the reference semantics of the llama backend's, one
+        # position at a time (evaluation costs nothing here). A draft covers the next positions;
+        # each position's token is chosen as without a draft, and the draft holds while the
+        # choices equal it. The first differing choice, or the one after a fully accepted
+        # draft, ends the verify step, and the next draft starts after it.
+        drafter = Drafter(held) if config.speculation == "ngram" else None
+        lengths = DraftLength()
+        draft: list[int] = []
+        checked = 0  # draft tokens confirmed so far in this verify step
+        len(held)
         for produced in range(max_tokens):
             if delay:
                 time.sleep(delay)
@@ -276,6 +297,8 @@ class MemoryRuntime:
                 allowed = sorted(matcher.allowed_bytes()) + ([EOS] if matcher.accepting() else [])
                 if not allowed:
                     return  # the constraint cannot go on: the daemon reports constraint_failed
+                if drafter is not None and len(allowed) == 1:
+                    stats.forced += 1  # the only continuation: appended without a choice
                 token = steps.choose({i: _logit(state, i) for i in allowed}, rng)
                 if token != EOS:
                     matcher.advance(token)
@@ -291,12 +314,32 @@ class MemoryRuntime:
                 partial += bytes((token,))
                 if partial in _ALPHABET:
                     partial, free = b"", free - 1
+            if draft:
+                if checked < len(draft) and token == draft[checked]:
+                    checked += 1  # confirmed: the draft goes on
+                else:  # the differing choice, or the one after a confirmed draft
+                    stats.verifies += 1
+                    stats.drafted += len(draft)
+                    stats.accepted += checked
+                    lengths.record(len(draft), checked)
+                    draft, checked = [], 0
             yield steps.token(token)
             if token == EOS or produced + 1 >= max_tokens or len(held) >= self._layout.window:
                 return
             # The consumer resumed: the token is evaluated (becomes resident).
             held.append(token)
             state = xxhash.xxh3_64_intdigest(struct.pack("<QI", state, token))
+            if drafter is not None:
+                drafter.append(token)
+                if not draft:
+                    room = min(lengths.budget(), max_tokens - produced - 2, self._layout.window - len(held))
+                    draft = drafter.draft(room)
+                    if draft and matcher is not None:
+                        del draft[_valid_prefix(matcher, draft) :]
+
+    def decode_stats(self, seq: int) -> DecodeStats:
+        self._seq(seq)
+        return self._stats[seq]
 
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)
@@ -343,6 +386,18 @@ class MemoryRuntime:
     def close(self) -> None:
         for held in self._seqs:
             held.clear()
+
+
+def _valid_prefix(matcher: ByteMatcher, tokens: list[int]) -> int:
+    """How many of ``tokens`` (bytes, or EOS) the grammar accepts in order from here."""
+    probe = matcher.copy()
+    for n, token in enumerate(tokens):
+        if token == EOS:
+            return n + 1 if probe.accepting() else n
+        if token > 255 or token not in probe.allowed_bytes():
+            return n
+        probe.advance(token)
+    return len(tokens)
 
 
 def _logit(state: int, i: int) -> float:

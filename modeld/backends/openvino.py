@@ -94,6 +94,7 @@ class OpenVINOBackend:
                 # StructuredOutputConfig (xgrammar) takes the compiled GBNF: openvino-genai
                 # 2026.4.1, the pinned version, has it (openvino_constraints.py).
                 constraints=CONSTRAINT_KINDS,
+                speculation=("off",),  # blueprint 0021: why GenAI's prompt lookup is not used
             ),
             special_tokens=special_tokens(source),
         )

@@ -35,6 +35,7 @@ from modeld.backends.openvino_constraints import apply_sampling
 from modeld.backends.openvino_source import KV_PRECISIONS, device, precision
 from modeld.contract import Config, DecodeConfig, ModelInfo
 from modeld.decoding.constraints import runtime_constraint
+from modeld.decoding.speculation import DecodeStats
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
 try:
@@ -252,6 +253,11 @@ class OpenVINORuntime:
         finally:
             stop.set()
             worker.join()
+
+    def decode_stats(self, seq: int) -> DecodeStats:
+        """Always zeros: this pipeline decodes plainly (blueprint 0021 says why)."""
+        self._seq(seq)
+        return DecodeStats()
 
     def copy(self, src: int, dst: int, n: int) -> None:
         self._seqs[dst] = list(self._seq(src)[:n])

@@ -16,10 +16,11 @@ What:
   ``ENOTDIR``, ...) become ``model_load_failed`` with a plain message, never ``internal``. A
   relative path is resolved by the daemon from its own working directory, which may not be the
   client's: every error on one says so and suggests an absolute path.
-* :class:`FileIdentity` (device, inode, size, mtime) is what the file was when it was described
-  or loaded; :func:`changed` says what happened to it since (removed, replaced, truncated,
-  rewritten in place), so a worker that dies of SIGBUS can be reported as "the model file
-  changed while loaded".
+* :class:`FileIdentity` (device, inode, size, mtime, ctime) is what the file was when it was
+  described or loaded; :func:`changed` says what happened to it since (removed, replaced,
+  truncated, rewritten in place), so a worker that dies of SIGBUS can be reported as "the model
+  file changed while loaded". A :class:`Probe` is the identity of a whole model path (a
+  directory's files too): the engine compares one before every turn that would reuse KV.
 
 Errors never contain bytes read from the file, and paths in messages are escaped and cut to
 :data:`MAX_SHOWN_PATH` characters (:func:`show_path`).
@@ -109,16 +110,22 @@ def file_kind(mode: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class FileIdentity:
-    """What a file was when it was looked at: enough to tell that it changed since."""
+    """What a file was when it was looked at: enough to tell that it changed since.
+
+    ``ctime_ns`` is the inode's change time: a write in place moves it even when the writer puts
+    the modification time back (``touch -r``, ``cp -p``, ``rsync -t``), and nobody can set it."""
 
     dev: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(dev=st.st_dev, inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        return cls(
+            dev=st.st_dev, inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns
+        )
 
 
 def changed(path: str | os.PathLike[str], identity: FileIdentity) -> str | None:
@@ -126,7 +133,9 @@ def changed(path: str | os.PathLike[str], identity: FileIdentity) -> str | None:
 
     The answer starts with a stable word: ``removed``, ``replaced`` (another file now has the
     name: a re-download renamed over it), ``truncated`` or ``rewritten`` (same file, other
-    size or modification time), or ``unreadable`` (the path gives an OS error now).
+    size or modification time), ``changed`` (same size and modification time, but the inode
+    changed: a write that put the time back, or only its metadata: the caller compares
+    contents), or ``unreadable`` (the path gives an OS error now).
     """
     try:
         st = os.stat(path)
@@ -142,6 +151,8 @@ def changed(path: str | os.PathLike[str], identity: FileIdentity) -> str | None:
         return f"truncated in place ({identity.size} -> {st.st_size} bytes)"
     if st.st_size != identity.size or st.st_mtime_ns != identity.mtime_ns:
         return f"rewritten in place ({identity.size} -> {st.st_size} bytes)"
+    if st.st_ctime_ns != identity.ctime_ns:
+        return f"changed in place (same size, {st.st_size} bytes, and modification time)"
     return None
 
 
@@ -224,7 +235,7 @@ class ModelFile:
             yield chunk
 
     def still_same(self) -> bool:
-        """Whether the open inode still has the size and mtime it had when opened."""
+        """Whether the open inode still has the size, mtime and ctime it had when opened."""
         return FileIdentity.of(os.fstat(self._fd)) == self.identity
 
     def close(self) -> None:

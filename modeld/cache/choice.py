@@ -10,7 +10,9 @@ token lists and flags, changes nothing and calls no engine, so every rule is pin
    the same identity (a busy one only up to its floor), and the tier snapshots. The longest
    common prefix wins (SGLang's radix match, llama-server's slot similarity); at equal length
    the KV beats a snapshot, and a snapshot must reuse ``restore_min_gain`` tokens more than the
-   best context in the KV to be worth a restore.
+   best context in the KV, and than ``head`` (the tokens every prefix of the format starts with:
+   the chat template's head, BOS), to be worth a restore: restoring a snapshot for a new
+   conversation's template head alone costs more than computing it.
 3. Memory that cannot be cut (``can_truncate`` False: recurrent models) reuses a candidate only
    whole; a shared prefix it could not use is reported (``blocked``) for the cold reason.
 
@@ -62,6 +64,7 @@ def choose(
     entries: Iterable[TierEntry],
     can_truncate: bool,
     restore_min_gain: int,
+    head: int = 0,
 ) -> Choice:
     """The candidate for ``target`` (see the module docstring). ``own`` is the session's context,
     ``others`` the pool's other contexts of the same identity, ``entries`` the tier snapshots of
@@ -85,6 +88,6 @@ def choose(
         n = common_prefix_len(entry.tokens, target)
         if n < len(entry.tokens) and not can_truncate:
             continue
-        if n > 0 and n - best.keep >= restore_min_gain:
+        if n > 0 and n - max(best.keep, head) >= restore_min_gain:
             best = Choice(n, None, entry, blocked=best.blocked, seen=True)
     return best

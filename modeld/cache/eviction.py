@@ -146,14 +146,22 @@ def _no_save_reason(pool: Pool, context: WarmContext) -> str:
     return "the tiers are full or off"
 
 
-def save(pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool = False) -> str:
+def save(
+    pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool = False, whole: bool = False
+) -> str:
     """Snapshot a context's prefix into the tiers before its cells go; the tier, or "".
 
-    ``persist`` also writes it to the disk tier now (an orderly stop)."""
+    ``persist`` also writes it to the disk tier now (an orderly stop); ``whole`` keeps every
+    resident token, not only the prefix (a drain: the conversation's next turn, on another box,
+    extends what was generated too)."""
     tiers = pool.tiers
     if tiers is None or not context.tokens:
         return ""
-    n = context.prefix_tokens or len(context.tokens)
+    n = (
+        len(context.tokens)
+        if whole
+        else min(context.prefix_tokens or len(context.tokens), len(context.tokens))
+    )
     if n < pool.settings.snapshot_min_tokens:
         return ""
     if context.saved_key:
@@ -183,14 +191,16 @@ def save(pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool 
     except ModeldError as exc:
         log.warning("could not snapshot warm context %s: %s", context.id, exc.message)
         return ""
-    saved = store(pool, context, context.tokens, n, blob)
+    prefix = min(context.prefix_tokens, n) if whole and context.prefix_tokens else n
+    saved = store(pool, context, context.tokens, prefix, blob, remote=persist)
     return saved.tier if saved is not None else ""
 
 
 def store(
-    pool: Pool, context: WarmContext, tokens: Sequence[int], prefix: int, blob: bytes
+    pool: Pool, context: WarmContext, tokens: Sequence[int], prefix: int, blob: bytes, *, remote: bool = False
 ) -> TierEntry | None:
-    """Put a snapshot of ``context`` (holding ``tokens``) into the tiers and count it."""
+    """Put a snapshot of ``context`` (holding ``tokens``) into the tiers and count it
+    (``remote``: write it through to the remote tier too)."""
     assert pool.tiers is not None
     entry = pool.tiers.put(
         model_digest=pool.model_digest,
@@ -200,6 +210,7 @@ def store(
         prefix_tokens=prefix,
         blob=blob,
         truncatable=pool.layout.can_truncate,
+        remote=remote,
     )
     if entry is not None:
         pool.counters["snapshots_taken"] += 1
@@ -293,10 +304,14 @@ class WriteBehind:
 
                 self._submit(count)
             return
-        if pool.layout.can_truncate:
+        # Without a disk tier, a long prefix goes to the remote tier only (the shared store,
+        # blueprint 0020): the blob passes through the daemon, no RAM-tier copy is kept. Memory
+        # that cannot be cut has no other way back to the prefix once a suffix or a decode
+        # extended it: its state at the prefix boundary (not what the KV will hold) goes to RAM.
+        remote = tiers.remote is not None and computed >= pool.settings.persist_min_tokens
+        boundary = not pool.layout.can_truncate
+        if not (remote or boundary):
             return
-        # Memory that cannot be cut has no other way back to the prefix once a suffix or a
-        # decode extended it: its state at the prefix boundary (not what the KV will hold).
         tokens = list(context.tokens)
         pending = runtime.snapshot(context.seq)
         prefix = context.prefix_tokens
@@ -308,7 +323,18 @@ class WriteBehind:
                 log.warning("could not snapshot warm context %s: %s", context.id, exc.message)
                 return
             with self._lock:
-                store(pool, context, tokens, prefix, blob)
+                if boundary:
+                    store(pool, context, tokens, prefix, blob, remote=remote)
+                else:
+                    tiers.write_remote(
+                        model_digest=pool.model_digest,
+                        identity=context.identity,
+                        snapshot_format=pool.layout.snapshot_format,
+                        tokens=tokens,
+                        prefix_tokens=prefix,
+                        blob=blob,
+                    )
+                    pool.counters["snapshots_taken"] += 1
 
         self._submit(finish_boundary)
 

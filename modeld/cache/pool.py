@@ -35,6 +35,7 @@ COUNTERS = (
     "reused_kv",
     "reused_ram",
     "reused_disk",
+    "reused_shared",
     "prefilled",
     "queries",
     "evicted_to_ram",
@@ -45,7 +46,12 @@ COUNTERS = (
     "restore_failures",
     "copies",
 )
-"""What ``modeld status`` and the metrics count per loaded model (tokens, events)."""
+"""What ``modeld status`` and the metrics count per loaded model (tokens, events), each meaning
+what the metric of the same name counts: ``queries`` prompt-prefix tokens looked up and
+``reused_<tier>`` the ones reused from that tier, once per prefix put in place (not again by the
+suffix and decode of its turn); ``prefilled`` prompt tokens the engine computed (prefixes,
+suffixes, and what a displaced context needed again); evictions by destination; snapshots taken,
+rejected and refused by the engine; prefixes copied from another warm context."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,7 @@ class Pool:
         self.settings = settings
         self.contexts: dict[int, WarmContext] = {}  # by sequence
         self.slots: dict[str, SessionSlot] = {}
+        self.identities: set[str] = set()  # every runtime identity a session of this model had
         self.ledger = Ledger(layout.shared_cells)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._ids = itertools.count(1)
@@ -150,6 +157,10 @@ class Pool:
         self.ledger.truncate(context.seq, kept)
         self.ledger.extend(context.seq, resident - kept)
         context.tokens = list(target[:resident])
+        # The committed prefix survives only as far as it was kept: what follows is the new
+        # target's, committed by the hold (if the operation gets that far; a failure, a cancel or
+        # a changed model file leaves it uncommitted, and a snapshot never claims it).
+        context.prefix_tokens = min(context.prefix_tokens, kept)
         self._changed(context)
 
     def record_generate(self, context: WarmContext, tokens: Sequence[int], resident: int) -> None:
@@ -158,6 +169,7 @@ class Pool:
             return
         before = len(context.tokens)
         context.tokens = (context.tokens + list(tokens))[:resident]
+        context.prefix_tokens = min(context.prefix_tokens, resident)
         self.ledger.truncate(context.seq, min(before, resident))
         self.ledger.extend(context.seq, resident - min(before, resident))
         self._changed(context)

@@ -5,14 +5,19 @@ common token prefix among the compatible warm contexts in the KV pool and the sn
 RAM and disk tiers). This module turns that choice into a
 :class:`~modeld.contract.ReuseDecision`; :func:`classify` is a pure function of its inputs, so
 every reason a person can read is pinned by unit tests. :class:`RuntimeHistory` remembers the
-runtime each model file was last warm under, for the ``manifest_changed`` reason.
+runtime each model file was last warm under, for the ``model_changed`` and ``manifest_changed``
+reasons.
 
 Outcomes: ``warm`` when the candidate's whole prefix was kept (``full_match``, ``extended``, or
-``restored_from_ram`` / ``restored_from_disk`` when it came back from a tier); ``partial`` when
-the new prefix diverged from the candidate at a token > 0 (``diverged``); ``cold`` when nothing
-was reused, with the most useful reason first: the engine lost its state (``engine_reset``),
+``restored_from_ram`` / ``restored_from_disk`` / ``restored_from_shared`` when it came back
+from a tier or the shared store); ``partial`` when
+the new prefix diverged from the candidate past the tokens every prefix of its format starts
+with (``diverged``); ``cold`` when nothing was reused, or only those (a new conversation that
+shares the chat template's head or the BOS token: ``diverged``, naming it), with the most useful
+reason first: the engine lost its state (``engine_reset``),
 the session's own warm context was evicted (``evicted``, naming where it went), a snapshot was
-refused (``snapshot_rejected``), a runtime field changed (``manifest_changed``), the memory
+refused (``snapshot_rejected``), the model file holds another model now (``model_changed``), a
+runtime field changed (``manifest_changed``), the memory
 cannot be cut (``truncation_unsupported``), the text diverged at token 0, or nothing was warm
 (``empty_cache``).
 """
@@ -29,6 +34,8 @@ from modeld.manifest import ContextManifest, Segment
 __all__ = ["Candidate", "Loss", "RuntimeHistory", "classify", "common_prefix_len", "segment_at"]
 
 _CHUNK = 256
+_SNAPSHOT_TIERS = ("ram", "disk", "shared")
+"""Tiers a turn restores a snapshot from (``restored_from_<tier>``)."""
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -61,7 +68,7 @@ def segment_at(manifest: ContextManifest, token: int) -> Segment | None:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """What a turn reused: ``tier`` is ``kv``, ``ram`` or ``disk``; ``own`` when it was the
+    """What a turn reused: ``tier`` is ``kv``, ``ram``, ``disk`` or ``shared``; ``own`` when it was the
     session's own warm context; ``prefix_tokens`` the candidate's stable prefix (keeping all of
     it is a warm hit); ``context`` its id for people."""
 
@@ -115,19 +122,26 @@ def classify(
     loss: Loss | None = None,
     changed: tuple[str, str, str] | None = None,
     truncation_blocked: bool = False,
+    model_file: str = "",
+    head: int = 0,
 ) -> ReuseDecision:
     """The decision for a turn that keeps ``keep`` of ``wanted`` tokens from ``candidate``.
 
     ``changed`` is ``(field, ours, theirs)`` when the only warm state of this model file was
-    computed under another runtime; ``truncation_blocked`` when a compatible context shared a
-    prefix that the memory cannot be cut to.
+    computed under another runtime (``model_changed`` when that field is the model digest: the
+    file ``model_file`` names, shown as is, holds another model now); ``truncation_blocked``
+    when a compatible context shared a prefix that the memory cannot be cut to. ``head``: how
+    many of the prefix's first tokens every prefix of its format starts with, whatever its
+    content (the chat template's head, a BOS token): a turn that shares no more than these with
+    a warm context is a new conversation, cold, not a partial hit.
     """
-    if candidate is not None and keep > 0:
+    head_only = 0 < keep <= head and keep < wanted
+    if candidate is not None and keep > 0 and not head_only:
         where = "" if candidate.own else f" (warm context {candidate.context})"
-        if candidate.tier in ("ram", "disk"):
+        if candidate.tier in _SNAPSHOT_TIERS:
             where = f" (restored from the {candidate.tier} tier)"
         if keep >= min(candidate.prefix_tokens, wanted):
-            if candidate.tier in ("ram", "disk"):
+            if candidate.tier in _SNAPSHOT_TIERS:
                 reason = f"restored_from_{candidate.tier}"
             else:
                 reason = "full_match" if keep == wanted else "extended"
@@ -152,19 +166,31 @@ def classify(
         )
     if loss is not None and loss.kind == "engine_reset":
         return _cold(
-            "engine_reset", f"the engine's state was lost ({loss.message}): prefilled all {wanted} tokens"
+            "engine_reset", f"the engine's state was lost ({loss.message}): {_prefilled(wanted, keep)}"
         )
     if loss is not None and loss.kind == "evicted":
         return ReuseDecision(
             outcome="cold",
             reason="evicted",
-            message=f"this session's warm context was evicted ({loss.message}): prefilled all {wanted} tokens",
+            message=f"this session's warm context was evicted ({loss.message}): {_prefilled(wanted, keep)}",
             tier=loss.tier,
         )
     if loss is not None and loss.kind == "snapshot_rejected":
         return _cold(
             "snapshot_rejected",
-            f"a snapshot of this context was refused and removed ({loss.message}): prefilled all {wanted} tokens",
+            f"a snapshot of this context was refused and removed ({loss.message}): {_prefilled(wanted, keep)}",
+        )
+    if changed is not None and changed[0] == "model_digest" and model_file:
+        _, ours, theirs = changed
+        return ReuseDecision(
+            outcome="cold",
+            reason="model_changed",
+            field="model_digest",
+            message=(
+                f"the model file {model_file} changed since its last warm context (digest "
+                f"{ours[:12]} -> {theirs[:12]}): warm state of the old file is never reused, "
+                f"prefilled all {wanted} tokens"
+            ),
         )
     if changed is not None:
         name, ours, theirs = changed
@@ -183,6 +209,24 @@ def classify(
             "the model's memory cannot be cut inside a warm context (recurrent or sliding-window "
             f"memory): prefilled all {wanted} tokens",
         )
+    if candidate is not None and head_only:
+        what = "the chat template's head" if manifest.prompt_format == "chat" else "the BOS token"
+        where = f"warm context {candidate.context}"
+        if candidate.tier in ("ram", "disk"):
+            where = f"a snapshot in the {candidate.tier} tier"
+        seg = segment_at(manifest, keep)
+        return ReuseDecision(
+            outcome="cold",
+            reason="diverged",
+            message=(
+                f"a new conversation: it shares only {what} (its first {keep} tokens, before any of "
+                f"its text) with {where}: prefilled {wanted - keep} of {wanted} tokens"
+            ),
+            diverged_at_token=keep,
+            diverged_segment=seg.kind if seg is not None else "",
+            tier=candidate.tier,
+            context=candidate.context,
+        )
     if candidate is not None:
         seg = segment_at(manifest, 0)
         at = f" in segment {seg.kind!r}" if seg is not None else ""
@@ -194,6 +238,14 @@ def classify(
             diverged_segment=seg.kind if seg is not None else "",
         )
     return _cold("empty_cache", f"nothing compatible was warm: prefilled all {wanted} tokens")
+
+
+def _prefilled(wanted: int, keep: int) -> str:
+    """What a cold turn computed: all of it, or all but the format's head (a turn that reused
+    more is not cold)."""
+    if keep <= 0:
+        return f"prefilled all {wanted} tokens"
+    return f"prefilled {wanted - keep} of {wanted} tokens (the first {keep} are the head every prefix of its format starts with)"
 
 
 def _cold(reason: str, message: str) -> ReuseDecision:

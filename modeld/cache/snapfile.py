@@ -45,6 +45,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import xxhash
 
@@ -58,6 +59,9 @@ __all__ = [
     "SnapshotHeader",
     "open_verified",
     "read_header",
+    "read_header_from",
+    "read_verified",
+    "salvage",
     "seal",
     "temporary",
     "verify_payload",
@@ -114,10 +118,13 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def temporary(path: Path) -> Path:
-    """A hidden temporary name beside ``path`` (``.<name>.<pid>.<n>.tmp``): what a write goes to
-    until :func:`seal` renames it; a daemon start removes every such file."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{next(_temporaries)}.tmp")
+def temporary(path: Path, tag: str = "") -> Path:
+    """A hidden temporary name beside ``path`` (``.<name>.<pid>.<n>[.<tag>].tmp``): what a write
+    goes to until :func:`seal` renames it; a daemon start removes every such file. ``tag`` adds
+    to it: writers in several processes or on several machines that may share a pid and a
+    directory give a unique tag."""
+    extra = f".{tag}" if tag else ""
+    return path.with_name(f".{path.name}.{os.getpid()}.{next(_temporaries)}{extra}.tmp")
 
 
 def _hash_file(f: object, size: int) -> str:
@@ -195,10 +202,12 @@ def write_atomic(
     tokens: Sequence[int],
     prefix_tokens: int,
     payload: bytes | bytearray | memoryview,
+    tmp_tag: str = "",
 ) -> SnapshotHeader:
-    """Write a snapshot file whose payload is in memory (a RAM-tier blob moving to disk)
-    atomically; returns its header. Raises ``OSError``."""
-    tmp = temporary(path)
+    """Write a snapshot file whose payload is in memory (a RAM-tier blob moving to disk, a
+    shared store's copy) atomically; returns its header. Raises ``OSError``. ``tmp_tag``: see
+    :func:`temporary`."""
+    tmp = temporary(path, tmp_tag)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -239,10 +248,11 @@ def _parse(raw: bytes) -> SnapshotHeader:
     return header
 
 
-def _read_trailer(f: object) -> SnapshotHeader:
-    """The header of an open snapshot file, after checking its tail and its size."""
-    seek, read = f.seek, f.read  # type: ignore[attr-defined]
-    size = os.fstat(f.fileno()).st_size  # type: ignore[attr-defined]
+def _read_trailer(f: BinaryIO) -> SnapshotHeader:
+    """The header of an open snapshot file, after checking its tail and its size (of the file
+    opened, whatever is renamed over its name meanwhile)."""
+    seek, read = f.seek, f.read
+    size = os.fstat(f.fileno()).st_size
     tail = b""
     if size >= _TAIL.size:
         seek(size - _TAIL.size)
@@ -254,7 +264,7 @@ def _read_trailer(f: object) -> SnapshotHeader:
             raise SnapshotError(
                 f"snapshot format version {_V1.unpack(first)[1]}; this daemon reads {FORMAT_VERSION}"
             )
-        raise SnapshotError("not a modeld snapshot, or truncated (no magic at its end)")
+        raise SnapshotError("not a modeld snapshot (bad magic at its end), or truncated")
     header_len, version, _ = _TAIL.unpack(tail)
     if version != FORMAT_VERSION:
         raise SnapshotError(f"snapshot format version {version}; this daemon reads {FORMAT_VERSION}")
@@ -268,12 +278,7 @@ def _read_trailer(f: object) -> SnapshotHeader:
     return header
 
 
-def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
-    """The header and tokens of a snapshot file (checks the token hash, not the payload)."""
-    with path.open("rb") as f:
-        header = _read_trailer(f)
-        f.seek(header.payload_bytes)
-        raw = f.read(4 * header.n_tokens)
+def _tokens_from(raw: bytes, header: SnapshotHeader) -> list[int]:
     if len(raw) < 4 * header.n_tokens:
         raise SnapshotError("truncated inside the tokens")
     arr = array("I")
@@ -283,7 +288,111 @@ def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
     tokens = arr.tolist()
     if token_hash(tokens) != header.token_hash:
         raise SnapshotError("the tokens do not match their hash (corrupt)")
-    return header, tokens
+    return tokens
+
+
+def read_header_from(f: BinaryIO) -> tuple[SnapshotHeader, list[int]]:
+    """The header and tokens of an open snapshot file (checks the token hash, not the payload)."""
+    header = _read_trailer(f)
+    f.seek(header.payload_bytes)
+    return header, _tokens_from(f.read(4 * header.n_tokens), header)
+
+
+def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
+    """The header and tokens of a snapshot file (checks the token hash, not the payload)."""
+    with path.open("rb") as f:
+        return read_header_from(f)
+
+
+def read_verified(f: BinaryIO) -> tuple[SnapshotHeader, list[int], bytes]:
+    """A whole snapshot read from an open file, after every check (magic, version, sizes, the
+    token hash, the payload's checksum): its header, tokens and payload. Reading through one
+    descriptor reads the file that was opened, whole, whatever is renamed over its name
+    meanwhile. Raises ``SnapshotError`` or ``OSError``."""
+    header, tokens = read_header_from(f)
+    f.seek(0)
+    payload = f.read(header.payload_bytes)
+    if len(payload) != header.payload_bytes:
+        raise SnapshotError("truncated inside the payload")
+    if payload_hash(payload) != header.payload_hash:
+        raise SnapshotError("the payload does not match its checksum (corrupt)")
+    return header, tokens, payload
+
+
+@dataclass(frozen=True, slots=True)
+class Salvaged:
+    """What a refused snapshot file still says it held, as far as it can be read: ``""`` (and
+    ``tokens`` None) for what cannot. ``model_digest`` and ``identity`` may be prefixes (read from
+    the file name: ``<digest[:16]>-<identity[:12]>-<format hash[:8]>-<token hash[:20]>``);
+    ``format_hash`` is ``bytes_hash(snapshot_format)[:8]``."""
+
+    model_digest: str = ""
+    identity: str = ""
+    format_hash: str = ""
+    tokens: tuple[int, ...] | None = None
+
+
+def _salvage_fields(f: BinaryIO, size: int) -> tuple[dict[str, object], bytes]:
+    """The JSON header of a file of either format as far as it parses, and its raw tokens
+    (b"" when they cannot be located). Raises what reading or parsing raises."""
+    first = f.read(_V1.size)
+    if len(first) == _V1.size and first[:8] == MAGIC:  # format 1: magic, version, length first
+        _, _, header_len = _V1.unpack(first)
+        if header_len > _MAX_HEADER:
+            return {}, b""
+        fields = json.loads(f.read(header_len).decode("utf-8"))
+        n = int(fields["n_tokens"])
+        return fields, f.read(4 * n) if 0 < n <= _MAX_SALVAGED_TOKENS else b""
+    if size < _TAIL.size:
+        return {}, b""
+    f.seek(size - _TAIL.size)
+    header_len, _, _ = _TAIL.unpack(f.read(_TAIL.size))
+    if header_len > _MAX_HEADER or header_len + _TAIL.size > size:
+        return {}, b""
+    f.seek(size - _TAIL.size - header_len)
+    fields = json.loads(f.read(header_len).decode("utf-8"))
+    n = int(fields["n_tokens"])
+    start = size - _TAIL.size - header_len - 4 * n
+    if not 0 < n <= _MAX_SALVAGED_TOKENS or start < 0:
+        return fields, b""
+    f.seek(start)
+    return fields, f.read(4 * n)
+
+
+def salvage(path: Path) -> Salvaged:
+    """What a file that failed :func:`read_header` says it held, for the turn it would have
+    served (its ``snapshot_rejected`` reason): the header's fields when its JSON still parses
+    (whatever the magic, version or size say), the tokens when they can be read and match their
+    hash (else which text it held is unknown), else the fields its name carries. Never raises."""
+    from modeld.manifest import bytes_hash
+
+    named = Salvaged()
+    parts = path.name[: -len(SUFFIX)].split("-") if path.name.endswith(SUFFIX) else []
+    if len(parts) == 4:
+        named = Salvaged(model_digest=parts[0], identity=parts[1], format_hash=parts[2])
+    try:
+        with path.open("rb") as f:
+            fields, raw = _salvage_fields(f, os.fstat(f.fileno()).st_size)
+        if not fields:
+            return named
+        digest, identity = str(fields["model_digest"]), str(fields["identity"])
+        fmt, n = str(fields["snapshot_format"]), int(str(fields["n_tokens"]))
+        want = str(fields.get("token_hash", ""))
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error):
+        return named
+    tokens: tuple[int, ...] | None = None
+    if raw and len(raw) == 4 * n:
+        arr = array("I")
+        arr.frombytes(raw)
+        if struct.pack("=I", 1) != struct.pack("<I", 1):  # pragma: no cover - big-endian machine
+            arr.byteswap()
+        if token_hash(arr.tolist()) == want:  # corrupt tokens say nothing about the text
+            tokens = tuple(arr)
+    return Salvaged(model_digest=digest, identity=identity, format_hash=bytes_hash(fmt)[:8], tokens=tokens)
+
+
+_MAX_SALVAGED_TOKENS = 1 << 20
+"""Tokens :func:`salvage` reads from a refused file at most (4 MiB)."""
 
 
 def verify_payload(path: Path, expected: SnapshotHeader) -> None:

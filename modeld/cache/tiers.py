@@ -15,8 +15,15 @@ an engine worker), so they survive a worker crash; the disk tier survives a daem
   serving goes on.
 
 A budget of 0 switches a tier off. Every rejected file is removed with its reason logged and
-kept in :attr:`Tiers.rejections` (``modeld status`` shows them; a cold turn that tried one says
-why). Design record: ``blueprints/0016-warm-state.md``.
+kept in :attr:`Tiers.rejections` (``modeld status`` shows them). A cold turn that tried one says
+why; so does the first cold turn a file refused while the directory was indexed would have served
+(:meth:`Tiers.claim_refused`: what such a file still says it held, its header or its name).
+Design record: ``blueprints/0016-warm-state.md``.
+
+A **remote tier** (:class:`RemoteTier`, the shared store of ``modeld/cache/shared.py``) may be
+attached: every snapshot persisted here is written through to it (a file the engine wrote, once
+sealed), and a turn that misses locally looks there (:meth:`Tiers.remote_candidates`). Design
+record: ``blueprints/0020-fleet.md``.
 """
 
 from __future__ import annotations
@@ -32,21 +39,25 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
+from modeld.cache.reuse import common_prefix_len
 from modeld.cache.runtime import Saved
 from modeld.cache.snapfile import (
     SUFFIX,
+    Salvaged,
     SnapshotError,
     SnapshotFile,
     SnapshotHeader,
     read_header,
+    salvage,
     temporary,
     write_atomic,
 )
 from modeld.cache.snapfile import seal as seal_file
-from modeld.manifest import token_hash
+from modeld.manifest import bytes_hash, token_hash
 
-__all__ = ["Rejection", "TierEntry", "Tiers"]
+__all__ = ["Refused", "Rejection", "RemoteTier", "TierEntry", "Tiers", "entry_key", "key_prefix"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -89,10 +100,19 @@ class TierEntry:
     leaving: bool = False
     """The blob leaves RAM once its file is written (its context is back in the KV pool, or
     the RAM tier is over budget)."""
+    through: bool = False
+    """Persisted: once its file is sealed, it is written through to the remote tier."""
 
     @property
     def tier(self) -> str:
         return "ram" if self.blob is not None else "disk"
+
+    @property
+    def short_id(self) -> str:
+        """Its name for people (status, explain-context, a turn's ``reuse.context``): 8 hex
+        characters of its key's hash, so snapshots of the same tokens under two runtime
+        identities (two context sizes of one file) are told apart."""
+        return bytes_hash(self.key)[:8]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,11 +124,67 @@ class Rejection:
     reason: str
 
 
-def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Sequence[int]) -> str:
-    from modeld.manifest import bytes_hash
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A snapshot file refused while the disk tier was indexed, and what it still says it held
+    (:func:`~modeld.cache.snapfile.salvage`), until the cold turn it would have served claims it."""
 
+    rejection: Rejection
+    held: Salvaged
+
+    def would_serve(
+        self, model_digest: str, identity: str, snapshot_format: str, target: Sequence[int], min_tokens: int
+    ) -> bool:
+        """Whether this file claimed to be a snapshot a turn for ``target`` under this model,
+        identity and engine format would have restored (``min_tokens`` of ``target`` at least,
+        when its tokens are known)."""
+        held = self.held
+        if not (held.model_digest and held.identity and held.format_hash):
+            return False
+        if not (model_digest.startswith(held.model_digest) and identity.startswith(held.identity)):
+            return False
+        if bytes_hash(snapshot_format)[:8] != held.format_hash:
+            return False
+        if held.tokens is None:
+            return True
+        return common_prefix_len(list(held.tokens), list(target)) >= max(1, min(min_tokens, len(target)))
+
+
+def key_prefix(model_digest: str, identity: str, snapshot_format: str) -> str:
+    """What every entry key of one model, runtime identity and engine format starts with."""
     fmt = bytes_hash(snapshot_format)[:8]
-    return f"{model_digest[:16]}-{identity[:12]}-{fmt}-{token_hash(tokens)[:20]}"
+    return f"{model_digest[:16]}-{identity[:12]}-{fmt}-"
+
+
+def entry_key(model_digest: str, identity: str, snapshot_format: str, tokens: Sequence[int]) -> str:
+    """A snapshot's name: the model, the runtime identity, the engine format and the tokens
+    (content-addressed: the same key always means the same reusable state)."""
+    return key_prefix(model_digest, identity, snapshot_format) + token_hash(tokens)[:20]
+
+
+class RemoteTier(Protocol):
+    """A tier beyond this daemon (``modeld/cache/shared.py``): persisted snapshots are written
+    through to it, and a local miss looks it up. Its entries are :class:`TierEntry` objects it
+    made (``owns``); ``load`` returns their verified payload."""
+
+    def candidates(self, model_digest: str, identity: str, snapshot_format: str) -> list[TierEntry]: ...
+
+    def owns(self, entry: TierEntry) -> bool: ...
+
+    def load(self, entry: TierEntry) -> bytes: ...
+
+    def write(self, entry: TierEntry, source: bytes | SnapshotFile) -> None: ...
+
+    def reject(self, entry: TierEntry, reason: str) -> str: ...
+
+    @property
+    def rejections(self) -> Sequence[Rejection]: ...
+
+    def flush(self, timeout: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> dict[str, int | str]: ...
 
 
 WRITER_NICE = 19
@@ -128,11 +204,13 @@ class Tiers:
         self._lock = threading.RLock()
         self._entries: dict[str, TierEntry] = {}
         self.rejections: deque[Rejection] = deque(maxlen=_REJECTIONS_KEPT)
+        self._refused: deque[Refused] = deque(maxlen=_REJECTIONS_KEPT)
         self.counters = {"written": 0, "write_failures": 0, "spilled_to_disk": 0, "dropped": 0, "rejected": 0}
         self._writes: queue.SimpleQueue[tuple[TierEntry, bytes | None] | None] = queue.SimpleQueue()
         self._pending_writes = 0
         self._idle = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
+        self.remote: RemoteTier | None = None
         if self.disk_budget and self.directory is not None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -148,6 +226,22 @@ class Tiers:
     @property
     def disk_on(self) -> bool:
         return self.disk_budget > 0 and not self.disk_off_reason
+
+    @property
+    def persistent(self) -> bool:
+        """A persisted snapshot goes somewhere that outlives this daemon (the disk tier, or the
+        remote tier)."""
+        return self.disk_on or self.remote is not None
+
+    def attach_remote(self, remote: RemoteTier) -> None:
+        """Write persisted snapshots through to ``remote`` and look it up on a miss."""
+        self.remote = remote
+
+    def remote_candidates(self, model_digest: str, identity: str, snapshot_format: str) -> list[TierEntry]:
+        """The remote tier's snapshots a runtime with this identity and format may restore
+        (looked up when the local tiers and the KV miss; [] without a remote tier)."""
+        remote = self.remote
+        return [] if remote is None else remote.candidates(model_digest, identity, snapshot_format)
 
     def entries(self, model_digest: str | None = None) -> list[TierEntry]:
         with self._lock:
@@ -217,19 +311,24 @@ class Tiers:
         prefix_tokens: int,
         blob: bytes,
         truncatable: bool,
+        remote: bool = False,
     ) -> TierEntry | None:
         """Keep the snapshot of a context that leaves the KV pool (in RAM, or straight on disk
-        when the RAM tier is off or too small).
+        when the RAM tier is off or too small); ``remote``: persisted, written through to the
+        remote tier too.
 
         Entries of the same identity whose tokens are a prefix of ``tokens`` are superseded
         when the engine can cut a restored sequence (``truncatable``); an entry that already
         covers ``tokens`` makes this one unnecessary. None if no tier could take it."""
         tokens = list(tokens)
+        prefix_tokens = min(prefix_tokens, len(tokens))  # a file claiming more is refused on reading
         key = entry_key(model_digest, identity, snapshot_format, tokens)
         with self._lock:
             covering = self._covering(model_digest, identity, snapshot_format, tokens, truncatable)
             if covering is not None:
                 covering.last_used = time.time()
+                if remote:
+                    self.persist(covering)
                 return covering
             entry = TierEntry(
                 key=key,
@@ -240,6 +339,8 @@ class Tiers:
                 prefix_tokens=prefix_tokens,
                 nbytes=len(blob),
             )
+            if remote and self.remote is not None:
+                self.remote.write(entry, blob)
             if self.ram_budget >= len(blob):
                 if truncatable:
                     self._supersede(entry)
@@ -255,6 +356,32 @@ class Tiers:
                 return entry
             self.counters["dropped"] += 1
             return None
+
+    def write_remote(
+        self,
+        *,
+        model_digest: str,
+        identity: str,
+        snapshot_format: str,
+        tokens: Sequence[int],
+        prefix_tokens: int,
+        blob: bytes,
+    ) -> None:
+        """Write a snapshot of a context that stays in the KV pool through to the remote tier
+        only (no disk tier here to write it to; no RAM-tier copy)."""
+        if self.remote is None:
+            return
+        tokens = list(tokens)
+        entry = TierEntry(
+            key=entry_key(model_digest, identity, snapshot_format, tokens),
+            model_digest=model_digest,
+            identity=identity,
+            snapshot_format=snapshot_format,
+            tokens=tokens,
+            prefix_tokens=min(prefix_tokens, len(tokens)),
+            nbytes=len(blob),
+        )
+        self.remote.write(entry, blob)
 
     def reserve(
         self,
@@ -288,6 +415,8 @@ class Tiers:
                         self._leave_ram(covering)
                     else:
                         self._queue_write(covering, covering.blob)
+                covering.through = True
+                self.persist(covering)
                 return covering, None
             assert self.directory is not None
             key = entry_key(model_digest, identity, snapshot_format, tokens)
@@ -297,10 +426,11 @@ class Tiers:
                 identity=identity,
                 snapshot_format=snapshot_format,
                 tokens=tokens,
-                prefix_tokens=prefix_tokens,
+                prefix_tokens=min(prefix_tokens, len(tokens)),
                 nbytes=0,
                 writing=True,
                 truncatable=truncatable,
+                through=True,
             )
             self._entries[key] = entry
             entry.tmp = temporary(self.directory / f"{key}{SUFFIX}")
@@ -379,6 +509,10 @@ class Tiers:
         worker verifies and reads the file itself; a 100 MB payload read here and sent over the
         worker's socket cost 130-300 ms). An entry whose file the engine is still writing is
         waited for. Raises ``SnapshotError`` when neither is left."""
+        remote = self.remote
+        if remote is not None and remote.owns(entry):
+            entry.last_used = time.time()
+            return remote.load(entry)
         deadline = time.monotonic() + timeout
         with self._lock:
             entry.last_used = time.time()
@@ -404,17 +538,43 @@ class Tiers:
                 self._leave_ram(entry)
 
     def persist(self, entry: TierEntry) -> None:
-        """Write an entry that is only in RAM to the disk tier too (write-behind)."""
+        """Write an entry that is only in RAM to the disk tier too (write-behind), and write it
+        through to the remote tier (one whose file is still being written, once sealed)."""
         with self._lock:
             if entry.path is None and entry.blob is not None and self.disk_on and entry.key in self._entries:
                 self._queue_write(entry, entry.blob)
+            entry.through = True
+            remote = self.remote
+            if remote is not None and not remote.owns(entry):
+                source: bytes | SnapshotFile | None = entry.blob
+                if source is None and entry.path is not None and entry.header is not None:
+                    source = SnapshotFile(entry.path, entry.header)
+                if source is not None:
+                    remote.write(entry, source)
 
     def touch(self, entry: TierEntry) -> None:
         with self._lock:
             entry.last_used = time.time()
 
+    def claim_refused(
+        self, model_digest: str, identity: str, snapshot_format: str, target: Sequence[int], min_tokens: int
+    ) -> Rejection | None:
+        """The rejection of a file refused at indexing that would have served a cold turn for
+        ``target`` (:meth:`Refused.would_serve`), once: the first such turn says
+        ``snapshot_rejected`` with its reason, later ones say what happened to them."""
+        with self._lock:
+            for refused in self._refused:
+                if refused.would_serve(model_digest, identity, snapshot_format, target, min_tokens):
+                    self._refused.remove(refused)
+                    return refused.rejection
+        return None
+
     def reject(self, entry: TierEntry, reason: str) -> None:
         """Remove an entry that must not be used, with its reason logged."""
+        remote = self.remote
+        if remote is not None and remote.owns(entry):
+            remote.reject(entry, reason)  # counted and kept there
+            return
         where = str(entry.path) if entry.path is not None else f"ram:{entry.key}"
         log.warning("removed KV snapshot %s: %s", where, reason)
         with self._lock:
@@ -503,6 +663,9 @@ class Tiers:
             entry.nbytes = header.payload_bytes
             if entry.truncatable:
                 self._supersede(entry)
+            remote = self.remote
+            if entry.through and remote is not None and not remote.owns(entry):
+                remote.write(entry, SnapshotFile(path, header))
             if entry.leaving or (
                 sum(e.nbytes for e in self._entries.values() if e.blob is not None) > self.ram_budget
             ):
@@ -564,20 +727,17 @@ class Tiers:
                 header, tokens = read_header(path)
             except (OSError, SnapshotError) as exc:
                 reason = str(exc) if isinstance(exc, SnapshotError) else f"unreadable ({exc})"
-                log.warning("removed KV snapshot %s: %s", path, reason)
-                self.rejections.append(Rejection(time.time(), str(path), reason))
-                self.counters["rejected"] += 1
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                self._refuse_at_scan(path, reason, salvage(path))
                 continue
             key = name[: -len(SUFFIX)]
             if key != entry_key(header.model_digest, header.identity, header.snapshot_format, tokens):
-                reason = "its name does not match its contents"
-                log.warning("removed KV snapshot %s: %s", path, reason)
-                self.rejections.append(Rejection(time.time(), str(path), reason))
-                self.counters["rejected"] += 1
-                with contextlib.suppress(OSError):
-                    path.unlink()
+                held = Salvaged(
+                    header.model_digest,
+                    header.identity,
+                    bytes_hash(header.snapshot_format)[:8],
+                    tuple(tokens),
+                )
+                self._refuse_at_scan(path, "its name does not match its contents", held)
                 continue
             self._entries[key] = TierEntry(
                 key=key,
@@ -598,9 +758,19 @@ class Tiers:
         with self._lock:
             self._make_disk_room(0)
 
+    def _refuse_at_scan(self, path: Path, reason: str, held: Salvaged) -> None:
+        """Remove a file that failed indexing; keep what it held for the turn it would serve."""
+        log.warning("removed KV snapshot %s: %s", path, reason)
+        rejection = Rejection(time.time(), str(path), reason)
+        self.rejections.append(rejection)
+        self._refused.append(Refused(rejection, held))
+        self.counters["rejected"] += 1
+        with contextlib.suppress(OSError):
+            path.unlink()
+
     def flush(self, timeout: float) -> bool:
         """Wait until every queued write, and every file an engine was asked to write, is on
-        disk (True) or ``timeout`` passes (False)."""
+        disk and through to the remote tier (True) or ``timeout`` passes (False)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending_writes:
@@ -608,18 +778,30 @@ class Tiers:
                 if left <= 0:
                     return False
                 self._idle.wait(left)
-        return True
+        remote = self.remote
+        return remote is None or remote.flush(max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         if self._writer is not None:
             self._writes.put(None)
             self._writer.join(timeout=30)
+        if self.remote is not None:
+            self.remote.close()
+
+    def recent_rejections(self) -> list[Rejection]:
+        """The snapshots refused lately, here and in the remote tier, oldest first."""
+        with self._lock:
+            mine = list(self.rejections)
+        theirs = list(self.remote.rejections) if self.remote is not None else []
+        return sorted(mine + theirs, key=lambda r: r.at)[-_REJECTIONS_KEPT:]
 
     def stats(self) -> dict[str, int | str]:
+        remote = self.remote.stats() if self.remote is not None else {}
         with self._lock:
             ram = [e for e in self._entries.values() if e.blob is not None]
             disk = [e for e in self._entries.values() if e.path is not None]
             return {
+                **remote,
                 "ram_entries": len(ram),
                 "ram_bytes": sum(e.nbytes for e in ram),
                 "ram_budget": self.ram_budget,

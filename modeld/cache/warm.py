@@ -45,10 +45,10 @@ from modeld.cache.choice import Choice, choose
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
 from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
 from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
-from modeld.cache.snapfile import SnapshotError, SnapshotFile
+from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
-from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError
+from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError, echo
 from modeld.manifest import ContextManifest
 
 __all__ = ["PROGRESS_INTERVAL", "Hold", "ModelCache", "Synced"]
@@ -132,7 +132,9 @@ class Hold:
                     job.cancel()
                 end = _wait(job, reporter, deadline)
                 with self._cache._lock:
-                    self._cache._pool.record_sync(self.context, end.kept, end.resident, target)
+                    pool = self._cache._pool
+                    pool.record_sync(self.context, end.kept, end.resident, target)
+                    pool.counters["prefilled"] += max(0, end.resident - end.kept)
                 if not end.canceled and end.kept < keep:  # the memory could not be cut there
                     keep = end.kept
                     continue
@@ -151,6 +153,7 @@ class Hold:
                 f"stopped after {end.resident} of {len(target)} tokens",
                 timeout="operation_seconds",
             )
+        self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
         return Synced(self.evaluated, (time.monotonic() - started) * 1000.0, complete)
 
@@ -162,6 +165,11 @@ class Hold:
         with cache._lock:
             self.context.prefix_tokens = prefix
             self.context.floor = 0
+            # Counted here, once per prefix that is in place: what the metrics count from the
+            # same PrefixStatus (``modeld_prefix_cache_queries`` / ``_hits{source}``).
+            counters = cache._pool.counters
+            counters["queries"] += len(self.target)
+            counters[f"reused_{self.tier}"] += self.keep
         cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
         cache._history.record(cache._file_key, self._manifest)
 
@@ -254,6 +262,7 @@ class ModelCache:
             slot = slots.get(session_id)
             if slot is None:
                 slot = slots[session_id] = SessionSlot(session_id, identity, pinned, keep_alive)
+                self._pool.identities.add(identity)
             return slot
 
     def forget_session(self, slot: SessionSlot) -> None:
@@ -275,20 +284,21 @@ class ModelCache:
         manifest: ContextManifest,
         floor: int = 0,
         extra_cells: int = 0,
+        head: int = 0,
     ) -> Hold:
         """Choose, place and make room for ``target`` (see the module docstring).
 
         ``stage`` (prefix, suffix, decode) names the operation in progress and timeouts;
         ``floor`` is how many leading tokens it will not change once they are in place (others
         may copy them meanwhile); ``extra_cells`` the room needed beyond ``target`` (tokens a
-        decode may generate)."""
+        decode may generate); ``head`` how many of ``target``'s first tokens any prefix of its
+        format starts with (the chat template's head, BOS): reusing no more is a cold turn."""
         runtime = self.runtime()
         changed = self._history.changed(self._file_key, manifest)
         self._saver.settle()  # a choice must see every tier entry
         pool = self._pool
         with self._lock:
-            pool.counters["queries"] += len(target)
-            choice = self._choose(slot, target)
+            choice = self._choose(slot, target, head, remote=stage == "prefix")
             try:
                 dst = self._place(slot, choice, runtime)
             except eviction.NoRoom:
@@ -297,42 +307,72 @@ class ModelCache:
                 # (or from its snapshot, found by choosing again).
                 assert choice.context is not None
                 eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
-                choice = self._choose(slot, target)
+                choice = self._choose(slot, target, head, remote=stage == "prefix")
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
+            # The cells of dst past what is kept are cut by this turn: they count as room (the
+            # 8k coding loop's third turn, and a session editing the middle of a prefix longer
+            # than half the pool, used to be busy).
             eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
             dst.busy = True
             dst.floor = max(0, min(floor, hold.keep - 2))
+            cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
+            if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
+                # A snapshot file refused when the disk tier was indexed would have served this
+                # cold turn: say so, as for one refused when it was tried.
+                refused = pool.tiers.claim_refused(
+                    pool.model_digest,
+                    slot.identity,
+                    pool.layout.snapshot_format,
+                    target,
+                    pool.settings.restore_min_gain,
+                )
+                if refused is not None:
+                    pool.counters["snapshots_rejected"] += 1
+                    slot.loss = Loss("snapshot_rejected", f"{refused.reason}; at the daemon's start")
             hold.decision = classify(
                 wanted=len(target),
                 keep=hold.keep,
                 candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
                 manifest=manifest,
-                loss=slot.loss if hold.keep == 0 else None,
+                loss=slot.loss if cold else None,
                 changed=changed if hold.keep == 0 and not choice.seen else None,
                 truncation_blocked=choice.blocked and hold.keep == 0,
+                model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
+                head=head,
             )
             slot.loss = None
-            pool.counters[f"reused_{hold.tier}"] += hold.keep
-            pool.counters["prefilled"] += len(target) - hold.keep
             return hold
 
-    def _choose(self, slot: SessionSlot, target: list[int]) -> Choice:
+    def _choose(self, slot: SessionSlot, target: list[int], head: int, *, remote: bool = False) -> Choice:
+        """The choice among the KV and the local tiers; a prefix they do not cover whole is
+        looked up in the remote tier too (``remote``: the shared store, blueprint 0020), whose
+        snapshots come after the local ones (the local one wins at equal length)."""
         pool = self._pool
         own = pool.own(slot)
         tiers = pool.tiers
-        return choose(
-            target,
-            own=own,
-            untouched=own is not None and own.generation == slot.seen_generation,
-            others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
-            entries=tiers.candidates(pool.model_digest, slot.identity, pool.layout.snapshot_format)
-            if tiers is not None
-            else (),
-            can_truncate=pool.layout.can_truncate,
-            restore_min_gain=pool.settings.restore_min_gain,
-        )
+        fmt = pool.layout.snapshot_format
+        entries = tiers.candidates(pool.model_digest, slot.identity, fmt) if tiers is not None else []
+
+        def pick(candidates: list[TierEntry]) -> Choice:
+            return choose(
+                target,
+                own=own,
+                untouched=own is not None and own.generation == slot.seen_generation,
+                others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
+                entries=candidates,
+                can_truncate=pool.layout.can_truncate,
+                restore_min_gain=pool.settings.restore_min_gain,
+                head=head,
+            )
+
+        choice = pick(entries)
+        if remote and tiers is not None and tiers.remote is not None and choice.keep < len(target):
+            shared = tiers.remote_candidates(pool.model_digest, slot.identity, fmt)
+            if shared:
+                choice = pick([*entries, *shared])
+        return choice
 
     def _place(self, slot: SessionSlot, choice: Choice, runtime: KVRuntime) -> WarmContext:
         """The context this session's operation runs on (the session's own sequence)."""
@@ -382,13 +422,17 @@ class ModelCache:
         assert pool.tiers is not None
         dst = hold.context
         started = time.perf_counter()
+        tier = entry.tier  # where it comes from (a restore may move it out of RAM)
         try:
             blob = pool.tiers.load(entry)
         except SnapshotError as exc:
             pool.counters["snapshots_rejected"] += 1
             slot.loss = Loss("snapshot_rejected", str(exc))
             return
-        tier = "disk" if isinstance(blob, SnapshotFile) else "ram"
+        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
+        # other warm contexts makes the engine refuse it, and a good snapshot must not be
+        # rejected (and removed: from the shared store, for every box) for want of room.
+        eviction.make_room(pool, dst, 0, len(entry.tokens), runtime)
         restored = runtime.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
         if not restored.ok:
@@ -411,7 +455,7 @@ class ModelCache:
             pool.tiers.take(entry)
         hold.keep = keep
         hold.tier = tier
-        hold.source = Candidate(tier, entry.key[-8:], entry.prefix_tokens, own=False)
+        hold.source = Candidate(tier, entry.short_id, entry.prefix_tokens, own=False)
         hold.restore_ms = (time.perf_counter() - started) * 1000.0
 
     # --- what the engine reported -----------------------------------------------------------------
@@ -452,18 +496,19 @@ class ModelCache:
                     context.owner.context = None
             self._pool.clear()
 
-    def persist_all(self) -> None:
-        """Write every warm context's prefix to the disk tier (an orderly daemon stop)."""
+    def persist_all(self, *, whole: bool = False) -> None:
+        """Write every warm context's prefix (``whole``: every resident token) to the disk tier
+        and through to the shared store (an orderly daemon stop; a drain saves them whole)."""
         tiers = self._pool.tiers
-        if tiers is None or not tiers.disk_on:
+        if tiers is None or not tiers.persistent:
             return
-        self._saver.close()  # earlier write-behind snapshots first
+        self._saver.settle()  # earlier write-behind snapshots first
         runtime = self.runtime()
         with self._lock:
             for context in list(self._pool.contexts.values()):
                 if not context.busy:
                     with contextlib.suppress(ModeldError):
-                        eviction.save(self._pool, context, runtime, persist=True)
+                        eviction.save(self._pool, context, runtime, persist=True, whole=whole)
 
     def expire(self, now: float) -> None:
         """Evict contexts idle past their session's keep-alive (to the tiers)."""
@@ -487,38 +532,64 @@ class ModelCache:
         """How many of a session's tokens its warm context holds in the KV pool now."""
         return self._pool.kv_tokens(slot, tokens)
 
-    def views(self) -> tuple[WarmContextInfo, ...]:
-        """Every warm context, for status and explain-context. Never waits long: an operation
-        holds the lock across engine calls, and a hung engine must not hang ``modeld status``
-        (past 0.2 s the view is read without the lock, a moment's state)."""
+    def views(self, listed: set[str] | None = None) -> tuple[WarmContextInfo, ...]:
+        """Every warm context, for status and explain-context: the pool's, and the tier snapshots
+        this model can restore (its file's digest, its engine's snapshot format, the runtime
+        identity of one of its sessions); a snapshot whose key is in ``listed`` is left out, and
+        the keys listed here are added (so a daemon's status lists each snapshot under one model,
+        never under every model of the same file). Never waits long: an operation holds the lock
+        across engine calls, and a hung engine must not hang ``modeld status`` (past 0.2 s the
+        view is read without the lock, a moment's state)."""
         locked = self._lock.acquire(timeout=0.2)
         try:
             out = self._pool.views()
+            identities = set(self._pool.identities)
         finally:
             if locked:
                 self._lock.release()
         tiers = self._pool.tiers
         if tiers is not None:
-            out.extend(
-                WarmContextInfo(
-                    id=e.key[-8:],
-                    tier=e.tier,
-                    tokens=len(e.tokens),
-                    prefix_tokens=e.prefix_tokens,
-                    bytes=e.nbytes,
-                    shared_bytes=0,
-                    last_used_at=e.last_used,
-                    pinned=False,
-                    session_id="",
+            fmt = self._pool.layout.snapshot_format
+            for e in tiers.entries(self._pool.model_digest):
+                if e.identity not in identities or e.snapshot_format != fmt:
+                    continue
+                if listed is not None:
+                    if e.key in listed:
+                        continue
+                    listed.add(e.key)
+                out.append(
+                    WarmContextInfo(
+                        id=e.short_id,
+                        tier=e.tier,
+                        tokens=len(e.tokens),
+                        prefix_tokens=e.prefix_tokens,
+                        bytes=e.nbytes,
+                        shared_bytes=0,
+                        last_used_at=e.last_used,
+                        pinned=False,
+                        session_id="",
+                    )
                 )
-                for e in tiers.entries(self._pool.model_digest)
-            )
         return tuple(out)
 
     def used_cells(self) -> int:
         locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
         try:
             return self._pool.ledger.used()
+        finally:
+            if locked:
+                self._lock.release()
+
+    def busy_cells(self) -> int:
+        """KV cells held by the contexts of running operations (at most :meth:`used_cells`):
+        what cannot give way now. The rest of the pool is idle warm contexts, a cache that is
+        evicted to the tiers when a turn needs its cells (the load a gateway should see:
+        SGLang's load likewise leaves out its evictable radix cache)."""
+        locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
+        try:
+            ledger = self._pool.ledger
+            busy = sum(ledger.length(c.seq) for c in list(self._pool.contexts.values()) if c.busy)
+            return min(busy, ledger.used())
         finally:
             if locked:
                 self._lock.release()

@@ -531,6 +531,12 @@ class ByteMatcher:
     def allowed_bytes(self) -> frozenset[int]:
         return self._grammar.allowed_bytes(self._state, self._pending)
 
+    def copy(self) -> ByteMatcher:
+        """An independent matcher in the same place (to probe ahead: a draft)."""
+        other = ByteMatcher(self._grammar)
+        other._state, other._pending = self._state, self._pending
+        return other
+
     def allowed(self, byte: int) -> bool:
         return byte in self.allowed_bytes()
 

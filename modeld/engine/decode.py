@@ -30,7 +30,7 @@ from modeld.workers.host import Call
 from modeld.workers.protocol import Finished, Tokens
 
 if TYPE_CHECKING:
-    from modeld.backends.base import Vocab
+    from modeld.backends.base import DecodeStats, Vocab
 
 __all__ = ["DecodeRun", "EngineDecodeStream"]
 
@@ -59,6 +59,8 @@ class DecodeRun:
         deadline: float | None,
         interrupted: Callable[[], ErrorDetail | None],
         finish: Callable[[list[int], list[int], int | None, ModeldError | None], None],
+        verify: Callable[[], ErrorDetail | None] | None = None,
+        speculated: Callable[[DecodeStats], None] | None = None,
     ) -> None:
         self.call = call
         self.vocab = vocab
@@ -75,9 +77,15 @@ class DecodeRun:
         self.idle_seconds = idle_seconds
         self.deadline = deadline
         self.interrupted = interrupted
+        self.verify = verify
+        """Whether the tokens can be trusted (the model file did not change under the decode):
+        checked with ``interrupted`` at every step and once more when the engine finished; a
+        problem ends the decode with that error, never with a normal finish."""
         self.finish = finish
         """Called once at the end with (emitted tokens, every sampled token, what the engine's
         sequence holds or None if unknown, the error that ended it or None)."""
+        self.speculated = speculated
+        """Called at the end with what speculation did (when the engine reported it)."""
 
 
 class EngineDecodeStream:
@@ -115,7 +123,7 @@ class EngineDecodeStream:
         run = self._run
         now = time.monotonic()
         if self._finish is None:
-            problem = run.interrupted()
+            problem = run.interrupted() or (run.verify() if run.verify is not None else None)
             if problem is not None:
                 self._stop("error", problem)
             elif self._canceled:
@@ -147,7 +155,7 @@ class EngineDecodeStream:
         if isinstance(event, Tokens):
             return self._tokens(event.tokens, event.logprobs)
         if isinstance(event, Finished):
-            return self._final(event.canceled, event.resident, None)
+            return self._final(event.canceled, event.resident, None, event.stats)
         return None
 
     def _tokens(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StreamChunk | None:
@@ -203,7 +211,9 @@ class EngineDecodeStream:
             self._error = error
         self._run.call.cancel()
 
-    def _final(self, canceled: bool, resident: int | None, exc: ModeldError | None) -> StreamChunk:
+    def _final(
+        self, canceled: bool, resident: int | None, exc: ModeldError | None, stats: DecodeStats | None = None
+    ) -> StreamChunk:
         run = self._run
         self._done = True
         finish = self._finish
@@ -216,12 +226,16 @@ class EngineDecodeStream:
             finish = "stop"  # the engine met a dead end of the constraint: the check decides
         elif finish is None:
             finish = "length"
+        if finish != "error" and run.verify is not None and (problem := run.verify()) is not None:
+            finish, error = "error", problem  # finished, but on a model file that changed meanwhile
         text = "" if finish == "error" and exc is not None else self._assembler.flush()
         step = self._processor.feed(text)
         result = self._processor.finish(step.stop or finish)
         if result.finish_reason == "malformed_tool_call":
             log.info("a decode ended with a malformed tool call: %s", self._processor.malformed_reason)
         run.finish(self._emitted, self._sampled, resident, exc)
+        if stats is not None and run.speculated is not None:
+            run.speculated(stats)
         decode_ms = (self._last_at - self._first_at) * 1000.0 if self._first_at and self._last_at else 0.0
         usage = Usage(
             prompt_tokens=run.prompt,
@@ -230,6 +244,10 @@ class EngineDecodeStream:
             prefill_ms=run.prefill_ms,
             restore_ms=run.restore_ms,
             decode_ms=decode_ms,
+            drafted_tokens=stats.drafted if stats else 0,
+            accepted_tokens=stats.accepted if stats else 0,
+            draft_batches=stats.verifies if stats else 0,
+            forced_tokens=stats.forced if stats else 0,
         )
         chunk = StreamChunk(
             text=step.text + result.text,
@@ -241,6 +259,7 @@ class EngineDecodeStream:
             tool_calls=result.tool_calls,
             signal=result.signal,
             tool_text=result.tool_text,
+            stop_sequence=self._assembler.matched if result.finish_reason == "stop_sequence" else "",
             logprobs=tuple(self._pending_logprobs),
         )
         self._pending, self._pending_logprobs, self._deltas = [], [], []

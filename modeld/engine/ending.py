@@ -1,10 +1,12 @@
 """When a session can no longer be used, and why: its interruption and end notification.
 
 A session ends when it is closed or interrupted: its owner epoch was revoked (a takeover), the
-daemon is stopping, or the transport that carried it went away. :class:`SessionEnd` cancels
+daemon is stopping, the transport that carried it went away, or its model file changed on disk
+(``model_changed``: the engine ends every session of that model). :class:`SessionEnd` cancels
 what the session is running at that moment (a sync job's hold, or a generate call), tells the
 listeners a transport registered once (so streams end without polling), and names the error
-every later operation raises: ``stale_fence``, ``shutting_down`` or ``session_closed``.
+every later operation raises: ``stale_fence``, ``shutting_down``, ``model_changed`` or
+``session_closed``.
 """
 
 from __future__ import annotations
@@ -43,13 +45,18 @@ class SessionEnd:
         cancels it."""
         self._lock = threading.Lock()
         self._listeners: list[Callable[[ModeldError], None]] | None = []
+        self._cause: ModeldError | None = None
+        """Why the session was ended, when the engine said (``model_changed``)."""
 
     @property
     def interrupted(self) -> bool:
         return self._interrupted.is_set()
 
-    def interrupt(self, *, notify: bool = True) -> None:
-        """Cancel what runs now and fail what comes next; tell the listeners (once)."""
+    def interrupt(self, *, notify: bool = True, cause: ModeldError | None = None) -> None:
+        """Cancel what runs now and fail what comes next; tell the listeners (once). ``cause``:
+        the error every later operation raises (the first one given wins)."""
+        if cause is not None and self._cause is None:
+            self._cause = cause
         self._interrupted.set()
         running = self.running
         if running is not None:
@@ -86,6 +93,8 @@ class SessionEnd:
 
     def error(self) -> ModeldError:
         """The error an operation of the ended session raises (why it ended)."""
+        if self._cause is not None:
+            return self._cause
         try:
             self._owner().check_epoch(self._epoch)
         except ModeldError as exc:

@@ -37,6 +37,7 @@ from modeld.backends.sizing import (
 )
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
+from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import (
     Accelerator,
@@ -53,6 +54,7 @@ from modeld.contract import (
     TierStatus,
     WorkerInfo,
 )
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.limits import Limits
 from modeld.engine.memory import accounting_tolerance, model_memory
 from modeld.engine.model import LoadedModel, ModelKey
@@ -65,6 +67,7 @@ from modeld.errors import (
     InvalidArgumentError,
     LimitExceededError,
     ManifestMismatchError,
+    ModelChangedError,
     ModeldError,
     SessionNotFoundError,
     ShuttingDownError,
@@ -115,6 +118,7 @@ class Engine:
         restart: RestartPolicy | None = None,
         data_dir: Path | None = None,
         worker_log_level: str = "INFO",
+        speculation: str = "ngram",
     ) -> None:
         if not backends:
             raise InvalidArgumentError("at least one backend is required", field="backends")
@@ -128,6 +132,13 @@ class Engine:
                 f"isolation must be one of {', '.join(ISOLATIONS)}, got {self.residency.isolation!r}",
                 field="isolation",
             )
+        if speculation not in SPECULATION_MODES:
+            raise InvalidArgumentError(
+                f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {speculation!r}",
+                field="speculation",
+            )
+        self.speculation = speculation
+        """What a decode that leaves ``DecodeConfig.speculation`` unset gets (``--speculation``)."""
         self.timeouts = timeouts or Timeouts()
         self.restart = restart or RestartPolicy()
         self.endpoint = endpoint
@@ -141,6 +152,8 @@ class Engine:
             ram_bytes=ram if self.residency.ram_tier_bytes < 0 else self.residency.ram_tier_bytes,
             disk_bytes=disk if self.residency.disk_tier_bytes < 0 else self.residency.disk_tier_bytes,
         )
+        if self.residency.shared_store:
+            self.tiers.attach_remote(_shared_tier(self.residency))
         budget = self.residency.memory_budget_bytes
         self.memory_budget = default_memory_budget() if budget < 0 else budget
         self._backends: dict[str, Backend] = {}
@@ -370,6 +383,10 @@ class Engine:
         Loading beyond ``max_loaded_models`` or the memory budget first unloads the least
         recently used model that has no session (its warm contexts go to the tiers)."""
         key = (kind, info.path, info.model_digest, config_runtime_digest(request.config))
+        with self._lock:
+            stale = [m for k, m in self._models.items() if k[:2] == key[:2] and k[2] != key[2]]
+        for other in stale:  # the file now describes as another model: is that one gone from it?
+            other.file_changed()
         with self._load_lock:
             with self._lock:
                 model = self._models.get(key)
@@ -409,6 +426,7 @@ class Engine:
                 on_restart=self._worker_restarted,
                 on_state=lambda name, state: self._notify("model_state", name, state),
                 on_wait=lambda seconds: self._notify("queue_waited", seconds),
+                on_changed=self._model_changed,
             )
             model.cost = cost
             model.sessions = 1
@@ -461,6 +479,25 @@ class Engine:
         model.close(persist=False)
         log.info("unloaded model %s: %s", model.info.path, why)
 
+    def _model_changed(self, model: LoadedModel, error: ModelChangedError) -> None:
+        """A loaded model's file no longer holds it (``LoadedModel.file_changed``): no new
+        session gets it, every open session of it ends with ``error`` (their transports end
+        their streams; a client opens a new session, which loads the file as it is now), and it
+        is retired without saving its warm contexts, in the background."""
+        with self._lock:
+            if self._models.get(model.key) is model:
+                del self._models[model.key]
+            ended = [s for s in self._sessions.values() if s.model is model]
+        log.warning("retiring model %s: its file changed; ending %d sessions", model.info.path, len(ended))
+        for session in ended:
+            session.interrupt(error)
+
+        def retire() -> None:
+            model.cache.reset(error)  # forgets every warm context; nothing goes to the tiers
+            model.close(persist=False)
+
+        threading.Thread(target=retire, name="model-retire", daemon=True).start()
+
     def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
         with self._lock:
             self._restarts += 1
@@ -498,7 +535,7 @@ class Engine:
     def list_sessions(self) -> list[SessionSummary]:
         return [s.summary() for s in self.sessions()]
 
-    def explain(self, session_id: str) -> ContextReport:
+    def explain_context(self, session_id: str) -> ContextReport:
         with self._lock:
             session = self._sessions.get(session_id)
             closed = self._closed.get(session_id)
@@ -510,7 +547,8 @@ class Engine:
 
     def status(self, *, debug: bool = False) -> DaemonStatus:
         with self._lock:
-            models = tuple(self._model_summary(m, debug=debug) for m in self._models.values())
+            listed: set[str] = set()  # each tier snapshot under one model, never under two
+            models = tuple(self._model_summary(m, debug=debug, listed=listed) for m in self._models.values())
             sessions = len(self._sessions)
         return DaemonStatus(
             instance_id=self.owner.instance_id,
@@ -531,6 +569,7 @@ class Engine:
             memory=self._memory(models),
             settings={
                 **self.residency.as_dict(),
+                "speculation": self.speculation,
                 **{f"timeout_{k}": str(v) for k, v in _fields(self.timeouts).items()},
                 **{f"restart_{k}": str(v) for k, v in _fields(self.restart).items()},
             },
@@ -563,7 +602,7 @@ class Engine:
             memory_budget=self.memory_budget,
             recent_rejections=tuple(
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.at))} {r.file}: {r.reason}"
-                for r in self.tiers.rejections
+                for r in self.tiers.recent_rejections()
             ),
         )
 
@@ -590,7 +629,7 @@ class Engine:
             problems=tuple(f"{part}: {why}" for part, why in hw.problems),
         )
 
-    def _model_summary(self, model: LoadedModel, *, debug: bool) -> LoadedModelSummary:
+    def _model_summary(self, model: LoadedModel, *, debug: bool, listed: set[str]) -> LoadedModelSummary:
         base = model.summary()
         worker = model.supervisor.status(debug=debug)
         return replace(
@@ -601,7 +640,8 @@ class Engine:
             slots=model.admission.slots,
             busy_slots=model.admission.busy,
             queued=model.admission.queued,
-            contexts=model.warm_contexts(),
+            busy_tokens=model.cache.busy_cells(),
+            contexts=model.warm_contexts(listed),
             counters=dict(model.cache.counters),
             memory=model_memory(model, worker),
             worker=WorkerInfo(
@@ -639,6 +679,20 @@ class Engine:
                 with contextlib.suppress(ModeldError):
                     model.cache.expire(now)
 
+    def running_operations(self) -> int:
+        """Operations running on a model's slots or waiting for one, now (a drain waits for
+        them: blueprint 0020)."""
+        return sum(m.admission.busy + m.admission.queued for m in self.models())
+
+    def persist_warm_state(self, timeout: float) -> bool:
+        """Write every idle warm context, whole (what was generated too), to the disk tier and
+        through to the shared store now, and wait for the writes (a drain, before the gateway
+        moves the conversations away); True when they all finished within ``timeout`` seconds."""
+        for model in self.models():
+            with contextlib.suppress(ModeldError):
+                model.cache.persist_all(whole=True)
+        return self.tiers.flush(timeout)
+
     def begin_shutdown(self) -> None:
         """Stop taking work and interrupt every session's running operation."""
         self._stopping = True
@@ -672,6 +726,25 @@ class Engine:
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
+
+
+def _shared_tier(residency: Residency) -> SharedTier:
+    """The shared snapshot store of ``--shared-store`` (blueprint 0020); a directory that cannot
+    be used is a configuration error at start, not a silent miss on every turn."""
+    directory = Path(residency.shared_store).expanduser().absolute()
+    budget = residency.shared_store_bytes
+    if budget < 0:
+        budget = default_shared_budget(directory)
+    if budget <= 0:
+        raise InvalidArgumentError(
+            f"--shared-store: the budget of {directory} is 0 (give --shared-store-bytes, e.g. 50G)",
+            field="shared_store_bytes",
+        )
+    try:
+        store = DirectoryStore(directory, budget)
+    except StoreError as exc:
+        raise InvalidArgumentError(f"--shared-store: {exc}", field="shared_store") from None
+    return SharedTier(store)
 
 
 def _fields(obj: object) -> dict[str, object]:

@@ -6,11 +6,15 @@ runs in a worker process (or in-process for the memory backend), supervised
 :class:`~modeld.cache.warm.ModelCache`; its operations are admitted through
 :class:`~modeld.engine.admission.Admission`. The vocabulary arrives once, when the worker has
 loaded the model, so the daemon turns tokens into text itself.
+
+Its :class:`FileWatch` says whether the model file is still the one that was loaded: sessions
+ask before every turn that would reuse KV (``blueprints/0013``, "Change detection").
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from modeld.backends.base import Backend, Layout, LoadOptions, Vocab
-from modeld.backends.probe import FileIdentity, identify
+from modeld.backends.probe import Probe, changed, probe_model_path, show_path
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers
@@ -30,14 +34,14 @@ from modeld.cache.warm import ModelCache
 from modeld.contract import LoadedModelSummary, ModelInfo, OpenSessionRequest, WarmContextInfo
 from modeld.engine.admission import Admission
 from modeld.engine.chat import ChatRenderer
-from modeld.errors import ModeldError
+from modeld.errors import ModelChangedError, ModeldError
 from modeld.settings import RestartPolicy, Timeouts
 from modeld.workers.host import Host, InlineHost
 from modeld.workers.protocol import Load
 from modeld.workers.proxy import WorkerHost
 from modeld.workers.supervisor import Supervisor
 
-__all__ = ["LoadedModel", "ModelKey", "TokenMemo"]
+__all__ = ["FileWatch", "LoadedModel", "ModelKey", "TokenMemo"]
 
 
 class TokenMemo:
@@ -91,17 +95,94 @@ class TokenMemo:
             self._total = 0
 
 
-def _identity_of(path: str) -> FileIdentity | None:
-    """The model file's identity when it was loaded (None for a model that is not a file)."""
-    if not path or not os.path.isfile(path):
-        return None
-    try:
-        return identify(path)
-    except ModeldError:
-        return None
-
-
 log = logging.getLogger("modeld.engine")
+
+
+class FileWatch:
+    """Whether a model path still holds the model that was loaded from it. Thread-safe.
+
+    A model file rewritten in place under an open session (a re-download or ``cp`` over it)
+    would otherwise go on serving KV computed under the old weights next to new ones: llama.cpp
+    maps the file, so the loaded worker itself reads the new bytes. :meth:`check` costs one
+    ``stat`` (a directory: one per file in it) while nothing moved. When the identity moved
+    (device, inode, size, mtime, ctime), the file is described again (its digest: the
+    ``gguf-v1`` fingerprint, cached per identity) and compared: the same digest (``touch``,
+    ``chmod``, the same bytes copied over it) adopts the new identity; another digest, or a path
+    that no longer describes as a model (removed, truncated, half written), is
+    :class:`~modeld.errors.ModelChangedError`, for good: that model is gone from the path."""
+
+    def __init__(self, path: str, digest: str, describe: Callable[[], str]) -> None:
+        """``describe``: the digest of what ``path`` holds now (raises ``ModeldError`` when it
+        does not describe). Raises :class:`ModelChangedError` when the file already differs
+        from ``digest`` (it changed between describe and load)."""
+        self.path = path
+        self.digest = digest
+        self._describe = describe
+        self._lock = threading.Lock()
+        self.changed: ModelChangedError | None = None
+        self._seen_verified = False
+        """The identity seen was described and found to hold the loaded digest (the first
+        check verifies the identity taken here against the digest described before)."""
+        self._seen: Probe | None = self._probe()
+        if self._seen is None:
+            raise self._error("removed", "", "it cannot be read now")
+        if self.check() is not None:  # the file as it is now: the digest the model was described with?
+            assert self.changed is not None
+            raise self.changed
+
+    def _probe(self) -> Probe | None:
+        try:
+            return probe_model_path(self.path, directory_ok=True)
+        except ModeldError:
+            return None
+
+    def check(self) -> ModelChangedError | None:
+        """The change, once the path no longer holds the loaded model; None while it does."""
+        if self.changed is not None:
+            return self.changed
+        now = self._probe()
+        if now is not None and now == self._seen and self._seen_verified:
+            return None
+        with self._lock:
+            if self.changed is not None:
+                return self.changed
+            seen = self._seen
+            assert seen is not None
+            what = changed(self.path, seen.identity) or (
+                "changed (a file inside it)" if seen.kind == "directory" else "changed"
+            )
+            try:
+                digest, why = self._describe(), ""
+            except ModeldError as exc:
+                digest, why = "", exc.message
+            after = self._probe()
+            if digest == self.digest:
+                if after is not None and after == now:
+                    self._seen, self._seen_verified = after, True
+                    if seen != now:
+                        log.info("model file %s changed on disk (%s) with the same digest", self.path, what)
+                return None  # moved again meanwhile: the next check describes once more
+            self.changed = self._error(what, digest, why)
+            return self.changed
+
+    def _error(self, what: str, digest: str, why: str) -> ModelChangedError:
+        now = f"digest {digest[:12]}" if digest else f"no longer a model: {why}"
+        return ModelChangedError(
+            f"the model file {show_path(self.path)} was {what} since its model was loaded "
+            f"(digest {self.digest[:12]}; now {now}): warm state computed under the old file is "
+            "never reused for the new one, so this session has ended. Open a new session (it "
+            "loads the file as it is now) and run the turn again",
+            path=self.path[:200],
+            change=what,
+            loaded_digest=self.digest,
+            digest=digest,
+        )
+
+    @property
+    def identity(self) -> Probe | None:
+        """The path's identity last verified to hold the loaded model."""
+        return self._seen
+
 
 ModelKey = tuple[str, str, str, str]
 """(backend, path, model digest, runtime digest)"""
@@ -131,6 +212,7 @@ class LoadedModel:
         on_restart: Callable[[LoadedModel, ModeldError], None] | None = None,
         on_state: Callable[[str, str], None] | None = None,
         on_wait: Callable[[float], None] | None = None,
+        on_changed: Callable[[LoadedModel, ModelChangedError], None] | None = None,
     ) -> None:
         self.key = key
         self.backend = backend
@@ -145,9 +227,18 @@ class LoadedModel:
         self.last_used_at = self.loaded_at
         self._renderer: ChatRenderer | None = None
         self._tokens = TokenMemo()
+        self._heads: dict[tuple[bool, bool], tuple[tuple[int, ...], ...]] = {}
         self._on_restart = on_restart
         name = f"{Path(info.path).name or info.backend}"[:40]
-        self._file_identity = _identity_of(info.path)
+        self._on_changed = on_changed
+        self._watch: FileWatch | None = None
+        if info.path and (backend.name != "memory" or os.path.isfile(info.path)):
+            # a memory-backend model named by a word is no file: nothing to watch
+            unpinned = dataclasses.replace(request, digest="")  # the file may have another one now
+            self._watch = FileWatch(
+                info.path, info.model_digest, lambda: backend.describe(unpinned).model_digest
+            )
+        self._change_told = threading.Lock()
         self.name = name
         load = Load(info.backend, request, info, options)
 
@@ -216,9 +307,62 @@ class LoadedModel:
             self._tokens.put(key, tokens)
         return tokens
 
-    def warm_contexts(self) -> tuple[WarmContextInfo, ...]:
-        """Every warm context of this model, in the KV and in the tiers."""
-        return self.cache.views()
+    def prefix_heads(self, chat: bool, add_bos: bool) -> tuple[tuple[int, ...], ...]:
+        """Token lists every prefix of a format starts with, whatever its text: the BOS token
+        (raw), or the chat template's head before the first message's text, for a conversation
+        that starts with a system message and for one that starts with a user message (a
+        default system turn included). A turn that shares no more than one of these with a warm
+        context is a new conversation (``reuse.classify``). Computed once per format: two
+        renderings of each, tokenized, and their common start."""
+        key = (chat, add_bos)
+        known = self._heads.get(key)
+        if known is not None:
+            return known
+        if not chat:
+            heads: tuple[tuple[int, ...], ...] = (tuple(self.tokenize("", add_bos)),)
+        else:
+            from modeld.cache.reuse import common_prefix_len
+            from modeld.engine.chat import Message
+
+            renderer, bos = self.chat_renderer(), self.info.bos_token
+            found = []
+            for opening in ([], [Message("user", "x", ())]):
+                ab = []
+                for text in ("A", "Z"):
+                    first = Message("system" if opening else "user", text, ())
+                    rendered = renderer.render([first, *opening], None, add_generation_prompt=False).text
+                    ab.append(self.tokenize(rendered, add_bos and not (bos and rendered.startswith(bos))))
+                found.append(tuple(ab[0][: common_prefix_len(ab[0], ab[1])]))
+            heads = tuple(found)
+        self._heads[key] = heads
+        return heads
+
+    def warm_contexts(self, listed: set[str] | None = None) -> tuple[WarmContextInfo, ...]:
+        """Every warm context of this model, in the KV and in the tiers (the snapshots it can
+        restore; those keyed in ``listed`` left out: ``ModelCache.views``)."""
+        return self.cache.views(listed)
+
+    def file_changed(self) -> ModelChangedError | None:
+        """The model file's change, once it no longer holds this model (None while it does).
+
+        One ``stat`` while nothing moved (``FileWatch``). The first caller to see a change
+        tells the engine (``on_changed``), which ends every session of this model and retires
+        it without saving its warm contexts: KV computed under the old file is never reused for
+        the new one (its tier snapshots are keyed by the old digest)."""
+        if self._watch is None:
+            return None
+        problem = self._watch.check()
+        if problem is not None and self._change_told.acquire(blocking=False):
+            log.warning("%s", problem.message)
+            if self._on_changed is not None:
+                self._on_changed(self, problem)
+        return problem
+
+    def check_file(self) -> None:
+        """Raise :class:`ModelChangedError` when the model file no longer holds this model."""
+        problem = self.file_changed()
+        if problem is not None:
+            raise problem
 
     def _reset(self, error: ModeldError) -> None:
         """The worker died: whatever its KV held is gone (the tiers are not)."""
@@ -226,14 +370,14 @@ class LoadedModel:
         self.cache.reset(error)
         if self._on_restart is not None:
             self._on_restart(self, error)
+        self.file_changed()  # a worker killed by a changed file (SIGBUS) must not restart on it
 
     def _explain_exit(self) -> str | None:
         """What modeld knows about why the worker died (a model file changed under it)."""
-        from modeld.backends.probe import changed
-
-        if self._file_identity is None:
+        seen = self._watch.identity if self._watch is not None else None
+        if seen is None:
             return None
-        what = changed(self.info.path, self._file_identity)
+        what = changed(self.info.path, seen.identity)
         return f"the model file was {what} while it was loaded" if what else None
 
     def close(self, *, persist: bool) -> None:

@@ -29,12 +29,14 @@ from types import TracebackType
 from typing import Protocol
 
 from modeld.cache.pool import SessionSlot
+from modeld.cache.reuse import common_prefix_len
 from modeld.cache.warm import Hold, Synced
 from modeld.context import SegmentChurn
 from modeld.contract import (
     Config,
     ContextReport,
     DecodeConfig,
+    ErrorDetail,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -45,6 +47,7 @@ from modeld.contract import (
     SuffixStatus,
 )
 from modeld.decoding.output import plan_decode
+from modeld.decoding.speculation import DecodeStats
 from modeld.engine.admission import Ticket
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
@@ -67,6 +70,8 @@ class SessionService(Protocol):
 
     limits: Limits
     timeouts: Timeouts
+    speculation: str
+    """A decode's speculation mode when its config leaves it unset (``--speculation``)."""
 
     @property
     def owner(self) -> Owner: ...
@@ -104,6 +109,8 @@ class EngineSession:
         epoch: int,
     ) -> None:
         self._service = service
+        self._spec_mode = ""  # the last decode's speculation mode
+        self._spec_total = DecodeStats()  # what speculation did over the session's decodes
         self.model = model
         self.request = request
         self._info = info
@@ -132,6 +139,7 @@ class EngineSession:
         self._manifest: ContextManifest | None = None
         self._chat: ChatState | None = None
         self._tools_json = ""  # the chat prefix's tools (what a decode's tool calls may name)
+        self._chat_format = config.prompt_format == "chat"
         self._tools_tokens: tuple[int, int] | None = None  # where the template put them
         self._churn = SegmentChurn()
         self._prefix_status: PrefixStatus | None = None
@@ -169,8 +177,12 @@ class EngineSession:
             tokens = prep.tokens
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
             had = list(self._tokens)
-            with self.model.cache.hold(self.slot, tokens, stage="prefix", manifest=prep.manifest) as hold:
+            head = self._head(tokens)
+            with self.model.cache.hold(
+                self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
+            ) as hold:
                 synced = self._sync(hold, progress)
+                self.model.check_file()  # changed during the prefill: never commit (or persist) it
                 hold.commit(prefix=len(tokens))
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
@@ -221,6 +233,8 @@ class EngineSession:
             chat_template = self._info.chat_template if self._chat is not None else ""
             plan = plan_decode(config, prefix_tools_json=self._tools_json, chat_template=chat_template)
             engine_config = plan.engine_config(config)  # tools, tool_choice, the constraint compiled
+            engine_config = replace(engine_config, speculation=self._speculation(config))
+            self._spec_mode = engine_config.speculation
             host = model.host()
             tokens = list(self._tokens)
             room = max(0, min(config.max_tokens, self._window - len(tokens)))
@@ -255,12 +269,29 @@ class EngineSession:
                     idle_seconds=timeouts.idle_stream_seconds,
                     deadline=self._deadline(),
                     interrupted=self._end.detail,
+                    verify=self._model_intact,
                     finish=lambda emitted, sampled, resident, exc: self._decoded(
                         hold, ticket, emitted, sampled, resident, exc
                     ),
+                    speculated=self._speculated,
                 )
             )
             return self._stream
+
+    def _speculated(self, stats: DecodeStats) -> None:
+        total = self._spec_total
+        total.drafted += stats.drafted
+        total.accepted += stats.accepted
+        total.verifies += stats.verifies
+        total.forced += stats.forced
+
+    def _speculation(self, config: DecodeConfig) -> str:
+        """The decode's speculation mode: the request's, else the daemon's where the backend
+        offers it, else off (blueprint 0021)."""
+        if config.speculation:
+            return config.speculation
+        default = self._service.speculation
+        return default if default in self._info.capabilities.speculation else "off"
 
     def explain_context(self) -> ContextReport:
         manifest = self._manifest
@@ -302,11 +333,17 @@ class EngineSession:
             tools_token_end=self._tools_tokens[1] if self._tools_tokens else None,
             kv_layout=model.layout.name,
             warm_exact=model.layout.exact,
+            speculation=self._spec_mode,
+            drafted_tokens=self._spec_total.drafted,
+            accepted_tokens=self._spec_total.accepted,
+            draft_batches=self._spec_total.verifies,
+            forced_tokens=self._spec_total.forced,
         )
 
-    def interrupt(self) -> None:
-        """Stop whatever this session is running (its stream ended, shutdown, lost ownership)."""
-        self._end.interrupt()
+    def interrupt(self, cause: ModeldError | None = None) -> None:
+        """Stop whatever this session is running (its stream ended, shutdown, lost ownership, its
+        model file changed). ``cause``: the error its operations raise from now on."""
+        self._end.interrupt(cause=cause)
 
     def on_end(self, listener: Callable[[ModeldError], None]) -> None:
         """Call ``listener`` once, with the error operations now raise, when this session can no
@@ -360,6 +397,7 @@ class EngineSession:
             available_tokens=self._window - n,
             last_outcome=self._prefix_status.reuse.outcome if self._prefix_status else "",
             closed=self._closed,
+            kv_tokens=0 if self._closed else self.model.cache.kv_tokens(self.slot, self._tokens),
         )
 
     # --- internals -----------------------------------------------------------------------
@@ -375,6 +413,7 @@ class EngineSession:
         self._service.owner.check_epoch(self.epoch)
         if self._service.stopping:
             raise ShuttingDownError("the daemon is shutting down")
+        self.model.check_file()  # never reuse KV of a model file that changed since (model_changed)
         stream = self._stream
         if stream is not None:  # a new operation ends the previous decode
             stream.close()
@@ -406,6 +445,18 @@ class EngineSession:
             if ticket is not None and not handed_over:
                 self.model.admission.release(ticket)
             self._op_lock.release()
+
+    def _head(self, tokens: list[int]) -> int:
+        """How many of a prefix's first tokens any prefix of this session's format starts with
+        (the chat template's head, or BOS): sharing no more is a new conversation, cold."""
+        heads = self.model.prefix_heads(self._chat_format, bool(self._identity.add_bos))
+        return max((common_prefix_len(tokens, list(h)) for h in heads), default=0)
+
+    def _model_intact(self) -> ErrorDetail | None:
+        """Why a decode's tokens cannot be trusted: its model file changed under it (checked as
+        it runs, and once more when the engine finished, before the final chunk)."""
+        problem = self.model.file_changed()
+        return ErrorDetail(reason=problem.reason, message=problem.message) if problem else None
 
     def _deadline(self) -> float | None:
         """When the operation starting now is stopped (``operation_seconds``; monotonic)."""

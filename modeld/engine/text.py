@@ -26,6 +26,7 @@ class TextAssembler:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self.stopped = False
+        self.matched = ""  # the stop string that ended the text (the earliest; the first complete there)
 
     def feed(self, data: bytes) -> str:
         """Add a token's bytes; return the text that is now safe to emit."""
@@ -59,8 +60,11 @@ class TextAssembler:
         return out
 
     def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self._stop) if i >= 0]
-        return min(hits) if hits else None
+        hits = [(i, len(s), s) for s in self._stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return None
+        at, _, self.matched = min(hits)
+        return at
 
     def _first_stop(self) -> int | None:
         return self._find_stop(self._pending)

@@ -33,6 +33,7 @@ from modeld.contract import (
     OpenSessionRequest,
 )
 from modeld.decoding.samplers import SAMPLERS, check_float, check_int
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.limits import Limits
 from modeld.errors import InvalidArgumentError, LimitExceededError, ModelLoadError, UnsupportedError, echo
 from modeld.manifest import ContextManifest
@@ -104,7 +105,7 @@ def encode_text(text: object, field: str, limits: Limits, extra_bytes: int = 0) 
 def validate_config(config: object, limits: Limits) -> Config:
     if not isinstance(config, Config):
         raise InvalidArgumentError("config must be a Config", field="config")
-    check_int(config.num_ctx, "config.num_ctx", 1, limits.max_context_tokens)
+    check_int(config.num_ctx, "config.num_ctx", 0, limits.max_context_tokens)
     check_int(config.num_batch, "config.num_batch", 1, limits.max_context_tokens)
     check_int(config.num_threads, "config.num_threads", 0, 1024)
     check_int(config.num_gpu_layers, "config.num_gpu_layers", -1, 100_000)
@@ -131,6 +132,8 @@ def validate_config(config: object, limits: Limits) -> Config:
     validate_string(config.prompt_template_digest, "config.prompt_template_digest", limits)
     if not isinstance(config.disable_bos, bool):
         raise InvalidArgumentError("config.disable_bos must be a boolean", field="config.disable_bos")
+    if config.num_ctx == 0:  # the model's own window, as large as the memory budget allows
+        config = replace(config, num_ctx=limits.max_context_tokens)
     return config
 
 
@@ -141,7 +144,9 @@ def validate_request(request: object, limits: Limits) -> OpenSessionRequest:
     for name in ("model_name", "type", "digest", "path"):
         validate_string(getattr(request, name), name, limits)
     validate_string(request.fence.owner_instance_id, "fence.owner_instance_id", limits)
-    validate_config(request.config, limits)
+    config = validate_config(request.config, limits)
+    if config is not request.config:
+        request = replace(request, config=config)
     _check_relative_path(request)
     if request.digest.startswith(SHA256_PREFIX):
         verify_sha256(request.path, request.digest)
@@ -265,6 +270,11 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
         sampler.check(getattr(config, sampler.name))
     if config.top_logprobs and not config.logprobs:
         raise InvalidArgumentError("top_logprobs needs logprobs", field="top_logprobs")
+    if config.speculation not in ("", *SPECULATION_MODES):
+        raise InvalidArgumentError(
+            f"speculation must be one of {', '.join(SPECULATION_MODES)} (or unset), got {echo(config.speculation)}",
+            field="speculation",
+        )
     if not isinstance(config.stop, tuple):
         raise InvalidArgumentError("stop must be a tuple of strings", field="stop")
     if len(config.stop) > limits.max_stop_strings:
@@ -295,6 +305,12 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
                 field=f"extra.{key[:MAX_WORD_BYTES]}",
             )
     _validate_decoding(config, limits, capabilities)
+    if config.speculation and config.speculation not in capabilities.speculation:
+        raise UnsupportedError(
+            f"this backend cannot honour speculation {echo(config.speculation)} "
+            f"(it offers: {', '.join(capabilities.speculation)})",
+            field="speculation",
+        )
     for sampler in SAMPLERS:
         if sampler.is_on(config) and sampler.name not in capabilities.sampling:
             raise UnsupportedError(

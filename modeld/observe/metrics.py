@@ -11,13 +11,20 @@ meaning is the same, under a ``modeld_`` prefix (counters get ``_total`` on expo
 ==========================================  ==================================================
 ``modeld_prefix_cache_queries_total``       prompt-prefix tokens looked up (ensure_prefix)
 ``modeld_prefix_cache_hits_total{source}``  of those, tokens reused; ``source`` is where they
-                                            came from: ``kv`` (resident), ``ram``, ``disk``
+                                            came from: ``kv`` (resident), ``ram``, ``disk``,
+                                            ``shared`` (the fleet's shared store)
 ``modeld_prompt_tokens_total``              prompt tokens of finished decodes (Usage)
 ``modeld_prompt_tokens_cached_total``       of those, not computed during their turn (Usage)
 ``modeld_prompt_tokens_prefilled_total``    prompt tokens computed (prefix, suffix, restores;
                                             a decode's own re-prefill as far as Usage shows it)
 ``modeld_generation_tokens_total``          tokens generated
 ``modeld_requests_total{finish_reason}``    decodes finished
+``modeld_spec_decode_num_drafts_total``     verify batches that carried a draft (speculation,
+                                            blueprint 0021; from Usage)
+``modeld_spec_decode_num_draft_tokens_total``    tokens drafted from the context and verified
+``modeld_spec_decode_num_accepted_tokens_total`` of those, the model's own choice (acceptance
+                                            rate = accepted / draft tokens)
+``modeld_spec_decode_num_forced_tokens_total``   tokens a constraint forced, appended unsampled
 ``modeld_time_to_first_token_seconds``      turn start (its first operation) to first token
 ``modeld_inter_token_latency_seconds``      between generated tokens
 ``modeld_queue_wait_seconds``               waits for a busy model, as the engine reports them
@@ -32,6 +39,8 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             ready, busy, restarting, failed), else 0
 ``modeld_worker_rss_bytes{model}``          the worker process's resident memory
 ``modeld_slots{model}``, ``modeld_slots_busy{model}``, ``modeld_queue_length{model}``
+``modeld_busy_tokens{model}``               resident tokens held by running operations (the
+                                            rest give way); of ``modeld_kv_capacity_tokens``
 ``modeld_warm_contexts{model,tier}``        warm contexts of a loaded model, by tier
 ``modeld_warm_context_bytes{model,tier}``   their bytes (a shared prefix counted once)
 ``modeld_tier_bytes{tier}``, ``modeld_tier_entries{tier}``, ``modeld_tier_budget_bytes{tier}``
@@ -48,6 +57,9 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             and ``measured`` (their RSS), which agree within
                                             ``tolerance`` besides ``untouched_max`` (compute
                                             buffers not yet resident; blueprint 0016)
+``modeld_shared_store_snapshots_total{event}``  what this daemon did with the shared store:
+                                            written, restored, rejected, write_failed, gone
+``modeld_shared_store_pending_writes``      snapshots queued for the shared store (a backlog)
 ==========================================  ==================================================
 
 Every per-model series carries ``model`` (the model's name, never a path, at most
@@ -103,15 +115,16 @@ log = logging.getLogger("modeld.metrics")
 MAX_MODELS = 32
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
-_SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk"}
-_TIERS = ("ram", "disk")
+_SOURCES = {"restored_from_ram": "ram", "restored_from_disk": "disk", "restored_from_shared": "shared"}
+_TIERS = ("ram", "disk", "shared")
 WORKER_STATES = ("loading", "ready", "busy", "restarting", "failed")
 
 
 def source_of(status: PrefixStatus) -> str:
-    """Where a prefix's reused tokens came from: ``ram`` or ``disk`` when the engine restored a
-    snapshot from that tier (``restored_from_ram``/``_disk``, or a partial reuse of a restored
-    snapshot, whose ``tier`` says so), else ``kv`` (they were resident)."""
+    """Where a prefix's reused tokens came from: ``ram``, ``disk`` or ``shared`` when the engine
+    restored a snapshot from that tier or the shared store (``restored_from_ram``/``_disk``/
+    ``_shared``, or a partial reuse of a restored snapshot, whose ``tier`` says so), else ``kv``
+    (they were resident)."""
     decision = status.reuse
     if decision.reason in _SOURCES:
         return _SOURCES[decision.reason]
@@ -154,7 +167,7 @@ class Metrics:
         )
         self.hits = Counter(
             "modeld_prefix_cache_hits",
-            "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk).",
+            "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk, shared).",
             ["model", "source"],
             registry=r,
         )
@@ -176,6 +189,30 @@ class Metrics:
         self.generated = Counter("modeld_generation_tokens", "Tokens generated.", ["model"], registry=r)
         self.requests = Counter(
             "modeld_requests", "Decodes finished, by finish reason.", ["model", "finish_reason"], registry=r
+        )
+        self.drafts = Counter(
+            "modeld_spec_decode_num_drafts",
+            "Verify batches that carried a draft from the context (speculation).",
+            ["model"],
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "modeld_spec_decode_num_draft_tokens",
+            "Tokens drafted from the context and verified.",
+            ["model"],
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "modeld_spec_decode_num_accepted_tokens",
+            "Drafted tokens that were the model's own choice (each saved a decode step).",
+            ["model"],
+            registry=r,
+        )
+        self.forced_tokens = Counter(
+            "modeld_spec_decode_num_forced_tokens",
+            "Tokens a constraint forced (its only continuation), appended without a decode step.",
+            ["model"],
+            registry=r,
         )
         self.ttft = Histogram(
             "modeld_time_to_first_token_seconds",
@@ -260,7 +297,7 @@ class _StatusCollector:
             return
         yield GaugeMetricFamily("modeld_sessions_open", "Open sessions.", value=status.sessions)
         yield GaugeMetricFamily("modeld_models_loaded", "Models loaded.", value=len(status.models))
-        resident = _Sums()
+        resident, busy_tokens, capacity = _Sums(), _Sums(), _Sums()
         state = _Sums()
         rss = _Sums()
         slots, busy, queued = _Sums(), _Sums(), _Sums()
@@ -280,6 +317,8 @@ class _StatusCollector:
                 ("rss", mm.rss_bytes),
             ):
                 memory.add((name, part), value)
+            busy_tokens.add((name,), m.busy_tokens)
+            capacity.add((name,), m.pool_tokens)
             slots.add((name,), m.slots)
             busy.add((name,), m.busy_slots)
             queued.add((name,), m.queued)
@@ -300,6 +339,13 @@ class _StatusCollector:
         yield resident.gauge(
             "modeld_resident_tokens", "Tokens resident in a loaded model's KV.", ["model", "backend"]
         )
+        yield busy_tokens.gauge(
+            "modeld_busy_tokens",
+            "Of the resident tokens, those held by running operations (the rest are idle warm "
+            "contexts, which give way when a turn needs the cells).",
+            ["model"],
+        )
+        yield capacity.gauge("modeld_kv_capacity_tokens", "KV cells of a loaded model's pool.", ["model"])
         yield state.gauge(
             "modeld_worker_state",
             "1 for the state a model's engine worker is in (loading, ready, busy, restarting, failed).",
@@ -356,14 +402,38 @@ class _StatusCollector:
             budget = GaugeMetricFamily(
                 "modeld_tier_budget_bytes", "A tier's byte budget (0: off).", labels=["tier"]
             )
-            for tier, held, count, limit in (
+            rows = [
                 ("ram", tiers.ram_bytes, tiers.ram_entries, tiers.ram_budget),
                 ("disk", tiers.disk_bytes, tiers.disk_entries, tiers.disk_budget),
-            ):
+            ]
+            if tiers.shared_location:
+                rows.append(("shared", tiers.shared_bytes, tiers.shared_entries, tiers.shared_budget))
+            for tier, held, count, limit in rows:
                 tier_bytes.add_metric([tier], held)
                 entries.add_metric([tier], count)
                 budget.add_metric([tier], limit)
             yield from (tier_bytes, entries, budget)
+            if tiers.shared_location:
+                shared = CounterMetricFamily(
+                    "modeld_shared_store_snapshots",
+                    "Snapshots this daemon wrote through to the shared store, restored from it, saw "
+                    "refused there (corrupt, foreign: removed), failed to write, or found gone.",
+                    labels=["event"],
+                )
+                for event, value in (
+                    ("written", tiers.shared_written),
+                    ("restored", tiers.shared_restored),
+                    ("rejected", tiers.shared_rejected),
+                    ("write_failed", tiers.shared_write_failures),
+                    ("gone", tiers.shared_read_failures),
+                ):
+                    shared.add_metric([event], value)
+                yield shared
+                yield GaugeMetricFamily(
+                    "modeld_shared_store_pending_writes",
+                    "Snapshots queued to be written to the shared store (a backlog: the store is slow).",
+                    value=tiers.shared_pending,
+                )
 
 
 class _Sums:
@@ -432,7 +502,8 @@ class ObservedSession:
     def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         self._start()
         status = self.inner.prefill_suffix(suffix, progress)
-        computed = status.suffix_tokens + status.restored_tokens
+        # A suffix the last turn already computed is reused (status.reused_tokens), not computed.
+        computed = max(0, status.suffix_tokens - status.reused_tokens) + status.restored_tokens
         self._m.prefilled.labels(self._model).inc(computed)
         self._turn_computed += computed
         return status
@@ -450,6 +521,10 @@ class ObservedSession:
             self._m.prompt.labels(m).inc(usage.prompt_tokens)
             self._m.cached.labels(m).inc(usage.cached_tokens)
             self._m.generated.labels(m).inc(usage.completion_tokens)
+            self._m.drafts.labels(m).inc(usage.draft_batches)
+            self._m.draft_tokens.labels(m).inc(usage.drafted_tokens)
+            self._m.accepted_tokens.labels(m).inc(usage.accepted_tokens)
+            self._m.forced_tokens.labels(m).inc(usage.forced_tokens)
             # Prompt tokens the decode itself recomputed (another session displaced them).
             extra = max(0, usage.prompt_tokens - usage.cached_tokens - self._turn_computed)
             if extra:

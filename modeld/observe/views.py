@@ -30,7 +30,7 @@ from modeld.contract import (
 
 __all__ = ["age", "format_bytes", "format_logs", "format_status", "match_models", "table"]
 
-_BYTE_SETTINGS = ("ram_tier_bytes", "disk_tier_bytes", "memory_budget_bytes")
+_BYTE_SETTINGS = ("ram_tier_bytes", "disk_tier_bytes", "memory_budget_bytes", "shared_store_bytes")
 
 
 def age(seconds: float) -> str:
@@ -91,9 +91,19 @@ def _tiers(t: TierStatus) -> list[str]:
 
     ram = tier("ram ", t.ram_entries, t.ram_bytes, t.ram_budget)
     disk = tier("disk", t.disk_entries, t.disk_bytes, t.disk_budget, t.disk_off_reason)
+    shared = (
+        [
+            f"          shared {_plural(t.shared_entries, 'snapshot')}, {format_bytes(t.shared_bytes)} of "
+            f"{format_bytes(t.shared_budget)} in {t.shared_location} · written {t.shared_written} · restored "
+            f"{t.shared_restored} · rejected {t.shared_rejected} · write failures {t.shared_write_failures}"
+        ]
+        if t.shared_location
+        else []
+    )
     lines = [
         f"tiers     {ram}",
         f"          {disk}",
+        *shared,
         f"          written {t.written} · spilled to disk {t.spilled_to_disk} · dropped {t.dropped} · "
         f"rejected {t.rejected} · write failures {t.write_failures}",
         f"          memory budget {format_bytes(t.memory_budget)} (weights + KV of the loaded models)",
@@ -150,13 +160,18 @@ def _model_memory(m: ModelMemory) -> str:
     )
 
 
-def _counters(c: dict[str, int]) -> str:
-    return (
-        f"    tokens    reused from kv {c.get('reused_kv', 0)} · ram {c.get('reused_ram', 0)} · disk "
-        f"{c.get('reused_disk', 0)} · prefilled {c.get('prefilled', 0)} · evicted to ram "
-        f"{c.get('evicted_to_ram', 0)}, disk {c.get('evicted_to_disk', 0)}, dropped {c.get('evicted_dropped', 0)}"
-        f" · snapshots rejected {c.get('snapshots_rejected', 0)}"
-    )
+def _counters(c: dict[str, int]) -> list[str]:
+    """The model's cumulative counters, each labelled as its metric counts it
+    (``modeld_prefix_cache_queries``, ``_hits{source}``, ``modeld_prompt_tokens_prefilled``,
+    ``modeld_evictions{to}``, ``modeld_snapshots_rejected``)."""
+    return [
+        f"    prefixes  {c.get('queries', 0)} tokens looked up · reused from kv {c.get('reused_kv', 0)}, "
+        f"ram {c.get('reused_ram', 0)}, disk {c.get('reused_disk', 0)}",
+        f"    prefill   {c.get('prefilled', 0)} prompt tokens computed (prefixes, suffixes, recomputed ones)",
+        f"    evicted   to ram {c.get('evicted_to_ram', 0)}, disk {c.get('evicted_to_disk', 0)}, dropped "
+        f"{c.get('evicted_dropped', 0)} · snapshots taken {c.get('snapshots_taken', 0)}, rejected "
+        f"{c.get('snapshots_rejected', 0)} · prefixes copied {c.get('copies', 0)}",
+    ]
 
 
 def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
@@ -174,7 +189,7 @@ def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
         + f" · {m.resident_tokens} tokens resident"
     )
     lines.append(_model_memory(m.memory))
-    lines.append(_counters(dict(m.counters)))
+    lines += _counters(dict(m.counters))
     if m.contexts:
         rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
         for c in m.contexts:

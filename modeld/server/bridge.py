@@ -53,7 +53,7 @@ from modeld.contract import (
 )
 from modeld.errors import BusyError, ModeldError
 from modeld.manifest import ContextManifest
-from modeld.server.gateway import Hosted
+from modeld.server.gateway import TransportSession
 
 __all__ = [
     "OBSERVER_TIMEOUT_SECONDS",
@@ -186,7 +186,7 @@ class Bridge:
 
         return await offload(self.pools.observers, fn, timeout=self.observer_timeout, on_timeout=late)
 
-    def session(self, hosted: Hosted) -> BridgedSession:
+    def session(self, hosted: TransportSession) -> BridgedSession:
         return BridgedSession(hosted, self.pools.sessions)
 
     def shutdown(self) -> None:
@@ -196,7 +196,7 @@ class Bridge:
 class BridgedSession:
     """A hosted session as the contract's ``AsyncSession`` (one operation at a time)."""
 
-    def __init__(self, hosted: Hosted, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, hosted: TransportSession, pool: ThreadPoolExecutor) -> None:
         self.hosted = hosted
         self._pool = pool
         self._lock = threading.Lock()

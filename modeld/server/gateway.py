@@ -4,7 +4,7 @@ What: :class:`Gateway` sees the engine only as the contract's Service plus the s
 protocol :class:`ServedEngine` (status, sessions, explain, tokenize; the engine satisfies it,
 checked by mypy where the daemon builds it, ``modeld/daemon.py``). It never imports ``modeld.engine``. It keeps:
 
-* the sessions opened through a transport (:class:`Hosted`) with the state only a transport
+* the sessions opened through a transport (:class:`TransportSession`) with the state only a transport
   has: which transport, whether a stream is attached, when it was opened. The engine's
   session knows nothing about streams;
 * one end notification per session: the engine calls back once when a session can no longer
@@ -46,7 +46,7 @@ from modeld.observe.metrics import Metrics, ObservedSession
 if TYPE_CHECKING:
     from modeld.engine.limits import Limits
 
-__all__ = ["Gateway", "HostableSession", "Hosted", "OwnerView", "ServedEngine"]
+__all__ = ["Gateway", "InterruptibleSession", "TransportSession", "OwnerView", "ServedEngine"]
 
 log = logging.getLogger("modeld.server")
 
@@ -62,7 +62,7 @@ class OwnerView(Protocol):
 
 
 @runtime_checkable
-class HostableSession(Session, Protocol):
+class InterruptibleSession(Session, Protocol):
     """A contract Session a transport can host: it can be interrupted (the transport went
     away) and it says once when it can no longer be used."""
 
@@ -84,7 +84,7 @@ class ServedEngine(Protocol):
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo: ...
 
-    def open_session(self, request: OpenSessionRequest) -> HostableSession: ...
+    def open_session(self, request: OpenSessionRequest) -> InterruptibleSession: ...
 
     def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]: ...
 
@@ -92,7 +92,7 @@ class ServedEngine(Protocol):
         self, request: OpenSessionRequest, prefix: PrefixInput, suffix: SuffixInput | None = None
     ) -> int: ...
 
-    def explain(self, session_id: str) -> ContextReport: ...
+    def explain_context(self, session_id: str) -> ContextReport: ...
 
     def list_sessions(self) -> list[SessionSummary]: ...
 
@@ -101,10 +101,10 @@ class ServedEngine(Protocol):
     def machine(self) -> Machine: ...
 
 
-class Hosted:
+class TransportSession:
     """A session opened through a transport, and what that transport holds about it."""
 
-    def __init__(self, raw: HostableSession, session: ObservedSession, transport: str) -> None:
+    def __init__(self, raw: InterruptibleSession, session: ObservedSession, transport: str) -> None:
         self.raw = raw
         self.session = session  # what the transport drives (counted by the metrics)
         self.transport = transport
@@ -156,7 +156,7 @@ class Gateway:
         self.engine = engine
         self.limits = limits
         self.metrics = metrics if metrics is not None else Metrics(engine.status)
-        self._hosted: dict[str, Hosted] = {}
+        self._hosted: dict[str, TransportSession] = {}
         self._lock = threading.Lock()
 
     # --- the Service, for transports ------------------------------------------------------
@@ -172,23 +172,25 @@ class Gateway:
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         return self.engine.describe(request)
 
-    def open(self, request: OpenSessionRequest, transport: str, *, attached: bool = False) -> Hosted:
+    def open(
+        self, request: OpenSessionRequest, transport: str, *, attached: bool = False
+    ) -> TransportSession:
         """Open a session for ``transport``; it leaves the registry when it ends."""
         raw = self.engine.open_session(request)
-        hosted = Hosted(raw, self.metrics.observe(raw), transport)
+        hosted = TransportSession(raw, self.metrics.observe(raw), transport)
         hosted.attached = attached
         with self._lock:
             self._hosted[hosted.session_id] = hosted
         raw.on_end(lambda error: self._ended(hosted, error))
         return hosted
 
-    def _ended(self, hosted: Hosted, error: ModeldError) -> None:
+    def _ended(self, hosted: TransportSession, error: ModeldError) -> None:
         with self._lock:
             if self._hosted.get(hosted.session_id) is hosted:
                 del self._hosted[hosted.session_id]
         hosted._end(error)
 
-    def hosted(self, session_id: str) -> Hosted:
+    def transport_session(self, session_id: str) -> TransportSession:
         """The open session a transport opened under this id."""
         with self._lock:
             hosted = self._hosted.get(session_id)
@@ -196,7 +198,7 @@ class Gateway:
             raise SessionNotFoundError(session_id)
         return hosted
 
-    def attach(self, hosted: Hosted) -> bool:
+    def attach(self, hosted: TransportSession) -> bool:
         """Mark ``hosted`` attached to a stream; False if another stream already has it."""
         with self._lock:
             if hosted.attached:
@@ -220,8 +222,8 @@ class Gateway:
     def machine(self) -> Machine:
         return self.engine.machine()
 
-    def explain(self, session_id: str) -> ContextReport:
-        return self.engine.explain(session_id)
+    def explain_context(self, session_id: str) -> ContextReport:
+        return self.engine.explain_context(session_id)
 
     def list_sessions(self) -> list[SessionSummary]:
         """The engine's sessions, with the transport's view of whether a stream holds each."""

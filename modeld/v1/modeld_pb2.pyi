@@ -104,20 +104,22 @@ class DescribeRequest(_message.Message):
     def __init__(self, model: _Optional[_Union[OpenSessionRequest, _Mapping]] = ...) -> None: ...
 
 class Capabilities(_message.Message):
-    __slots__ = ("truncation", "reuse", "sampling", "extra", "prompt_formats", "constraints")
+    __slots__ = ("truncation", "reuse", "sampling", "extra", "prompt_formats", "constraints", "speculation")
     TRUNCATION_FIELD_NUMBER: _ClassVar[int]
     REUSE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FORMATS_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINTS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     truncation: bool
     reuse: str
     sampling: _containers.RepeatedScalarFieldContainer[str]
     extra: _containers.RepeatedScalarFieldContainer[str]
     prompt_formats: _containers.RepeatedScalarFieldContainer[str]
     constraints: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, truncation: _Optional[bool] = ..., reuse: _Optional[str] = ..., sampling: _Optional[_Iterable[str]] = ..., extra: _Optional[_Iterable[str]] = ..., prompt_formats: _Optional[_Iterable[str]] = ..., constraints: _Optional[_Iterable[str]] = ...) -> None: ...
+    speculation: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, truncation: _Optional[bool] = ..., reuse: _Optional[str] = ..., sampling: _Optional[_Iterable[str]] = ..., extra: _Optional[_Iterable[str]] = ..., prompt_formats: _Optional[_Iterable[str]] = ..., constraints: _Optional[_Iterable[str]] = ..., speculation: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpecialToken(_message.Message):
     __slots__ = ("id", "text", "kind")
@@ -386,7 +388,7 @@ class SuffixStatus(_message.Message):
     def __init__(self, suffix_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., manifest_digest: _Optional[str] = ..., restored_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., reused_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeConfig(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "no_wait", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty", "extra", "no_wait", "constraint", "tool_choice", "tools_json", "exit_tools_json", "stop_on_signal", "tool_format", "repeated_line_min_chars", "repeated_line_max", "logit_bias", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "speculation")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -424,6 +426,7 @@ class DecodeConfig(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -447,7 +450,8 @@ class DecodeConfig(_message.Message):
     frequency_penalty: float
     logprobs: bool
     top_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repeat_penalty: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ..., no_wait: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tool_choice: _Optional[str] = ..., tools_json: _Optional[str] = ..., exit_tools_json: _Optional[str] = ..., stop_on_signal: _Optional[bool] = ..., tool_format: _Optional[str] = ..., repeated_line_min_chars: _Optional[int] = ..., repeated_line_max: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    speculation: str
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., repeat_penalty: _Optional[float] = ..., extra: _Optional[_Mapping[str, str]] = ..., no_wait: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., tool_choice: _Optional[str] = ..., tools_json: _Optional[str] = ..., exit_tools_json: _Optional[str] = ..., stop_on_signal: _Optional[bool] = ..., tool_format: _Optional[str] = ..., repeated_line_min_chars: _Optional[int] = ..., repeated_line_max: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., speculation: _Optional[str] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("kind", "value")
@@ -458,20 +462,28 @@ class Constraint(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_ms", "restore_ms", "decode_ms")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_ms", "restore_ms", "decode_ms", "drafted_tokens", "accepted_tokens", "draft_batches", "forced_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
     prefill_ms: float
     restore_ms: float
     decode_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
+    drafted_tokens: int
+    accepted_tokens: int
+    draft_batches: int
+    forced_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_batches: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("stage", "done", "total", "elapsed_ms")
@@ -562,7 +574,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, token: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class StreamChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "error", "tool_call_deltas", "tool_calls", "signal", "logprobs", "tool_text")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "error", "tool_call_deltas", "tool_calls", "signal", "logprobs", "tool_text", "stop_sequence")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -573,6 +585,7 @@ class StreamChunk(_message.Message):
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOOL_TEXT_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
@@ -583,10 +596,11 @@ class StreamChunk(_message.Message):
     signal: ToolCall
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     tool_text: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., signal: _Optional[_Union[ToolCall, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_text: _Optional[str] = ...) -> None: ...
+    stop_sequence: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., signal: _Optional[_Union[ToolCall, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., tool_text: _Optional[str] = ..., stop_sequence: _Optional[str] = ...) -> None: ...
 
 class ContextReport(_message.Message):
-    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at", "context_id", "contexts", "queue_position", "queue_wait_seconds", "pinned", "keep_alive_seconds", "changing_segments", "tools_token_start", "tools_token_end", "kv_layout", "warm_exact")
+    __slots__ = ("session_id", "model_name", "backend", "num_ctx", "resident_tokens", "prefix_tokens", "suffix_tokens", "generated_tokens", "available_tokens", "kv_tokens", "stable_byte_hash", "stable_token_hash", "volatile_token_hash", "manifest_digest", "manifest", "closed", "last_reuse", "last_prefix", "owner_epoch", "opened_at", "last_used_at", "context_id", "contexts", "queue_position", "queue_wait_seconds", "pinned", "keep_alive_seconds", "changing_segments", "tools_token_start", "tools_token_end", "kv_layout", "warm_exact", "speculation", "drafted_tokens", "accepted_tokens", "draft_batches", "forced_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -619,6 +633,11 @@ class ContextReport(_message.Message):
     TOOLS_TOKEN_END_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WARM_EXACT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_name: str
     backend: str
@@ -651,7 +670,12 @@ class ContextReport(_message.Message):
     tools_token_end: int
     kv_layout: str
     warm_exact: bool
-    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., context_id: _Optional[str] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., queue_position: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., changing_segments: _Optional[_Iterable[_Union[ChangingSegment, _Mapping]]] = ..., tools_token_start: _Optional[int] = ..., tools_token_end: _Optional[int] = ..., kv_layout: _Optional[str] = ..., warm_exact: _Optional[bool] = ...) -> None: ...
+    speculation: str
+    drafted_tokens: int
+    accepted_tokens: int
+    draft_batches: int
+    forced_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., suffix_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., closed: _Optional[bool] = ..., last_reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., last_prefix: _Optional[_Union[PrefixStatus, _Mapping]] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., context_id: _Optional[str] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., queue_position: _Optional[int] = ..., queue_wait_seconds: _Optional[float] = ..., pinned: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., changing_segments: _Optional[_Iterable[_Union[ChangingSegment, _Mapping]]] = ..., tools_token_start: _Optional[int] = ..., tools_token_end: _Optional[int] = ..., kv_layout: _Optional[str] = ..., warm_exact: _Optional[bool] = ..., speculation: _Optional[str] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_batches: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class ChangingSegment(_message.Message):
     __slots__ = ("kind", "position", "index", "turns")
@@ -754,7 +778,7 @@ class ListSessionsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SessionSummary(_message.Message):
-    __slots__ = ("session_id", "model_name", "backend", "path", "owner_epoch", "opened_at", "last_used_at", "num_ctx", "resident_tokens", "prefix_tokens", "available_tokens", "last_outcome", "closed", "attached")
+    __slots__ = ("session_id", "model_name", "backend", "path", "owner_epoch", "opened_at", "last_used_at", "num_ctx", "resident_tokens", "prefix_tokens", "available_tokens", "last_outcome", "closed", "attached", "kv_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -769,6 +793,7 @@ class SessionSummary(_message.Message):
     LAST_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     model_name: str
     backend: str
@@ -783,7 +808,8 @@ class SessionSummary(_message.Message):
     last_outcome: str
     closed: bool
     attached: bool
-    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., path: _Optional[str] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., last_outcome: _Optional[str] = ..., closed: _Optional[bool] = ..., attached: _Optional[bool] = ...) -> None: ...
+    kv_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., model_name: _Optional[str] = ..., backend: _Optional[str] = ..., path: _Optional[str] = ..., owner_epoch: _Optional[int] = ..., opened_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., num_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., last_outcome: _Optional[str] = ..., closed: _Optional[bool] = ..., attached: _Optional[bool] = ..., kv_tokens: _Optional[int] = ...) -> None: ...
 
 class ListSessionsResponse(_message.Message):
     __slots__ = ("sessions",)
@@ -886,7 +912,7 @@ class Machine(_message.Message):
     def __init__(self, cpu_count: _Optional[int] = ..., ram_total_bytes: _Optional[int] = ..., ram_available_bytes: _Optional[int] = ..., disk_free_bytes: _Optional[int] = ..., accelerators: _Optional[_Iterable[_Union[Accelerator, _Mapping]]] = ..., problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Tiers(_message.Message):
-    __slots__ = ("ram_entries", "ram_bytes", "ram_budget", "disk_entries", "disk_bytes", "disk_budget", "disk_off_reason", "written", "write_failures", "spilled_to_disk", "dropped", "rejected", "memory_budget", "recent_rejections")
+    __slots__ = ("ram_entries", "ram_bytes", "ram_budget", "disk_entries", "disk_bytes", "disk_budget", "disk_off_reason", "written", "write_failures", "spilled_to_disk", "dropped", "rejected", "memory_budget", "recent_rejections", "shared_location", "shared_entries", "shared_bytes", "shared_budget", "shared_written", "shared_write_failures", "shared_restored", "shared_rejected", "shared_lookups", "shared_read_failures", "shared_pending")
     RAM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     RAM_BYTES_FIELD_NUMBER: _ClassVar[int]
     RAM_BUDGET_FIELD_NUMBER: _ClassVar[int]
@@ -901,6 +927,17 @@ class Tiers(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_FIELD_NUMBER: _ClassVar[int]
     RECENT_REJECTIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOCATION_FIELD_NUMBER: _ClassVar[int]
+    SHARED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    SHARED_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_WRITE_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_RESTORED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_READ_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PENDING_FIELD_NUMBER: _ClassVar[int]
     ram_entries: int
     ram_bytes: int
     ram_budget: int
@@ -915,10 +952,21 @@ class Tiers(_message.Message):
     rejected: int
     memory_budget: int
     recent_rejections: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ...) -> None: ...
+    shared_location: str
+    shared_entries: int
+    shared_bytes: int
+    shared_budget: int
+    shared_written: int
+    shared_write_failures: int
+    shared_restored: int
+    shared_rejected: int
+    shared_lookups: int
+    shared_read_failures: int
+    shared_pending: int
+    def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ..., shared_location: _Optional[str] = ..., shared_entries: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., shared_budget: _Optional[int] = ..., shared_written: _Optional[int] = ..., shared_write_failures: _Optional[int] = ..., shared_restored: _Optional[int] = ..., shared_rejected: _Optional[int] = ..., shared_lookups: _Optional[int] = ..., shared_read_failures: _Optional[int] = ..., shared_pending: _Optional[int] = ...) -> None: ...
 
 class LoadedModel(_message.Message):
-    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker", "memory")
+    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker", "busy_tokens", "memory")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -944,6 +992,7 @@ class LoadedModel(_message.Message):
     CONTEXTS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    BUSY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     backend: str
     path: str
@@ -963,8 +1012,9 @@ class LoadedModel(_message.Message):
     contexts: _containers.RepeatedCompositeFieldContainer[WarmContext]
     counters: _containers.ScalarMap[str, int]
     worker: Worker
+    busy_tokens: int
     memory: ModelMemory
-    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., sequences: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., slots: _Optional[int] = ..., busy_slots: _Optional[int] = ..., queued: _Optional[int] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., worker: _Optional[_Union[Worker, _Mapping]] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ...) -> None: ...
+    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., sequences: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., slots: _Optional[int] = ..., busy_slots: _Optional[int] = ..., queued: _Optional[int] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., worker: _Optional[_Union[Worker, _Mapping]] = ..., busy_tokens: _Optional[int] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("instance_id", "epoch", "pid", "endpoint", "version", "started_at", "uptime_seconds", "backends", "default_backend", "models", "sessions", "limits", "owner_lost", "tiers", "machine", "settings", "memory")

@@ -353,6 +353,7 @@ def decode_config_from_pb(msg: pb.DecodeConfig) -> DecodeConfig:
         frequency_penalty=msg.frequency_penalty,
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
+        speculation=msg.speculation,
         **values,
     )
 
@@ -412,6 +413,7 @@ def chunk_to_pb(chunk: StreamChunk) -> pb.StreamChunk:
     msg = pb.StreamChunk(
         text=chunk.text,
         tool_text=chunk.tool_text,
+        stop_sequence=chunk.stop_sequence,
         token_ids=chunk.token_ids,
         finish_reason=_FINISH_TO_PB[chunk.finish_reason],
     )
@@ -442,6 +444,7 @@ def chunk_from_pb(msg: pb.StreamChunk) -> StreamChunk:
     return StreamChunk(
         text=msg.text,
         tool_text=msg.tool_text,
+        stop_sequence=msg.stop_sequence,
         token_ids=tuple(msg.token_ids),
         finish_reason=finish,
         usage=_from_pb(msg.usage, Usage) if msg.HasField("usage") else None,

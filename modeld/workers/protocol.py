@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
+from modeld.backends.base import DecodeStats, Layout, LoadOptions, SyncStep, Vocab
 from modeld.cache.snapfile import SnapshotHeader
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest, TokenLogprob
 
@@ -284,12 +284,14 @@ class Tokens(Message):
 @dataclass(frozen=True)
 class Finished(Message):
     """A job ended. ``resident`` is how many tokens its sequence holds now (the truth after a
-    cancel or an early stop); ``kept`` is what a sync kept before evaluating."""
+    cancel or an early stop); ``kept`` is what a sync kept before evaluating; ``stats`` what
+    speculation did in a generate job (``blueprints/0021-speculation.md``)."""
 
     kind: ClassVar[str] = "finished"
     resident: int
     kept: int = 0
     canceled: bool = False
+    stats: DecodeStats | None = None
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,10 @@ LOG_LINES = 200
 
 _LINE_BYTES = 2000
 
+_DEATH_GRACE = 1.0
+"""Seconds a worker whose link broke is given to be seen dead (then its exit status names the
+cause) before the break is blamed on the link and the worker killed."""
+
 
 class _Spawner:
     """Starts child processes from one thread that lives as long as the daemon.
@@ -162,11 +166,19 @@ class WorkerHost(Host):
                     break
                 self.dispatch(*frame)
         except (OSError, ProtocolError) as exc:
-            log.error("worker %s: the link broke: %s", self.name, exc)
-            self.kill_reason = self.kill_reason or EngineRestartedError(
-                f"the engine worker for {self.name} sent a broken frame ({exc})"
-            )
-            self._kill_group(signal.SIGKILL)
+            # A worker that dies with bytes unread in its socket resets the link (ECONNRESET),
+            # or leaves a frame cut short: that is its death, named by its exit status below.
+            # Only a worker still alive after a broken frame broke the protocol (blueprint 0017).
+            try:
+                self.proc.wait(timeout=_DEATH_GRACE)
+            except subprocess.TimeoutExpired:
+                log.error("worker %s: the link broke: %s", self.name, exc)
+                self.kill_reason = self.kill_reason or EngineRestartedError(
+                    f"the engine worker for {self.name} sent a broken frame ({exc})"
+                )
+                self._kill_group(signal.SIGKILL)
+            else:
+                log.debug("worker %s: the link ended as the worker died: %s", self.name, exc)
         self._exited()
 
     def _read_log(self) -> None:

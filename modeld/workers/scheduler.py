@@ -235,7 +235,8 @@ class Scheduler:
         self._forget(job)
         assert self._runtime is not None
         resident = len(self._runtime.resident(job.seq))
-        self._send(job.op, Finished(resident=resident, kept=job.kept, canceled=canceled))
+        stats = self._runtime.decode_stats(job.seq) if job.generate else None
+        self._send(job.op, Finished(resident=resident, kept=job.kept, canceled=canceled, stats=stats))
 
     def _forget(self, job: _Job) -> None:
         with self._lock:

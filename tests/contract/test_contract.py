@@ -301,7 +301,7 @@ def test_replaced_model_file_is_a_cold_miss_on_model_digest(harness: Harness) ->
     with harness.service.open_session(harness.request(path=str(path))) as s2:
         assert s2.info.model_digest != old_digest
         st = s2.ensure_prefix(PrefixInput(text=SYSTEM))
-        assert st.reuse.reason == "manifest_changed"
+        assert st.reuse.reason == "model_changed"  # the file holds another model now
         assert st.reuse.field == "model_digest"
         assert st.reused_tokens == 0
 
@@ -490,7 +490,7 @@ def test_wrong_types_are_invalid_arguments(harness: Harness) -> None:
             s.ensure_prefix(PrefixInput(text="bad \udc80 surrogate"))
         assert s.ensure_prefix(PrefixInput(text=SYSTEM)).prefix_tokens > 0
     with pytest.raises(InvalidArgumentError):
-        harness.service.open_session(harness.request(num_ctx=0))
+        harness.service.open_session(harness.request(num_ctx=-1))  # 0 is the model's own window
     with pytest.raises(InvalidArgumentError):
         harness.service.open_session(harness.request(kv_cache_type="f64"))
 

@@ -53,7 +53,7 @@ from modeld.errors import (
     StaleFenceError,
 )
 from modeld.server.bridge import Bridge, BridgedSession, BridgedStream, Pools
-from modeld.server.gateway import Gateway, Hosted
+from modeld.server.gateway import Gateway, TransportSession
 from modeld.v1 import modeld_pb2 as pb
 from modeld.wire import convert
 from modeld.wire.status import to_grpc_status, to_status
@@ -213,7 +213,7 @@ class ModeldServicer:
     async def ExplainContext(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
             report = await self.bridge.observe(
-                lambda: self.gateway.explain(request.session_id), "ExplainContext"
+                lambda: self.gateway.explain_context(request.session_id), "ExplainContext"
             )
             return pb.ExplainContextResponse(report=convert.report_to_pb(report))
 
@@ -305,7 +305,7 @@ class ModeldServicer:
         assert isinstance(first, pb.SessionRequest)
         if first.WhichOneof("op") != "attach":
             raise InvalidArgumentError("the first message on a Session stream must be attach", field="op")
-        hosted = self.gateway.hosted(first.attach.session_id)
+        hosted = self.gateway.transport_session(first.attach.session_id)
         if not self.gateway.attach(hosted):
             raise InvalidArgumentError(
                 f"session {hosted.session_id} is already attached to another stream",
@@ -428,7 +428,7 @@ class _StreamState:
             current[1].cancel_now()
 
 
-def _close_soon(hosted: Hosted) -> None:
+def _close_soon(hosted: TransportSession) -> None:
     """Close a session off the event loop (closing waits for its running operation)."""
     threading.Thread(target=hosted.close, name="session-close", daemon=True).start()
 

@@ -53,7 +53,8 @@ from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import MAX_MESSAGES, MAX_TOOLS, integer, number, obj, refuse_unknown, stop_list
-from modeld.server.http.openai_chat import extension, response_format
+from modeld.server.http.openai_answers import extension
+from modeld.server.http.openai_chat import response_format
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 
 __all__ = ["anthropic_error", "parse_messages", "routes"]
@@ -435,10 +436,10 @@ def _stop_reason(finish: str) -> str:
     return "end_turn"
 
 
-def _stop_sequence(turn: Turn, finish: str) -> str | None:
-    """Which stop sequence ended the answer, when that is certain (one was given)."""
-    if finish == "stop_sequence" and len(turn.decode.stop) == 1:
-        return turn.decode.stop[0]
+def _stop_sequence(finished: Finished) -> str | None:
+    """Which stop sequence ended the answer (the engine names the one that matched)."""
+    if finished.finish == "stop_sequence":
+        return finished.stop_sequence or None
     return None
 
 
@@ -485,7 +486,7 @@ def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, An
         "model": turn.model,
         "content": content,
         "stop_reason": _stop_reason(finish),
-        "stop_sequence": _stop_sequence(turn, finish),
+        "stop_sequence": _stop_sequence(done.finished),
         "usage": usage_dict(done.finished.usage),
         "modeld": {
             **extension(done.started),
@@ -588,7 +589,7 @@ async def message_stream(
                     "type": "message_delta",
                     "delta": {
                         "stop_reason": _stop_reason(event.finish),
-                        "stop_sequence": _stop_sequence(turn, event.finish),
+                        "stop_sequence": _stop_sequence(event),
                     },
                     "usage": usage_dict(event.usage),
                 },

@@ -31,7 +31,7 @@ import ipaddress
 import json
 import logging
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
@@ -94,6 +94,7 @@ def error_response(error: HttpError, style: ErrorStyle) -> JSONResponse:
 
 
 Shape = Callable[[Turn, Collected], dict[str, Any]]
+Choices = Callable[[Turn, Sequence[Collected]], dict[str, Any]]
 Stream = Callable[[Turn, Started, AsyncIterator[Event]], AsyncIterator[bytes]]
 
 
@@ -120,6 +121,56 @@ class HttpService:
         self._inflight_lock = threading.Lock()
         self._infos: dict[tuple[str, float], ModelInfo] = {}
         self.draining = False
+        self._drained = threading.Event()
+        self._running = 0
+
+    # --- draining (blueprints/0020-fleet.md) ------------------------------------------------
+
+    def begin_drain(self) -> None:
+        """From now on ``/health`` is 503 ("draining") and a new turn is held, then refused with
+        503 and ``Retry-After`` once :meth:`release_drain` says the warm state is saved (a
+        gateway retries it on another box, which restores it from the shared store); turns
+        already running go on."""
+        self.draining = True
+
+    def release_drain(self) -> None:
+        """The warm contexts are saved: the held turns get their 503 now."""
+        self._drained.set()
+
+    @property
+    def running_turns(self) -> int:
+        """Turns started and not yet answered in full (a stream counts until its end)."""
+        with self._inflight_lock:
+            return self._running
+
+    def _enter(self) -> Callable[[], None]:
+        """Count a running turn; returns what ends it (idempotent)."""
+        with self._inflight_lock:
+            self._running += 1
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            with self._inflight_lock:
+                if not left:
+                    left = True
+                    self._running -= 1
+
+        return leave
+
+    async def refuse_while_draining(self) -> None:
+        """Raise the drain's 503 (after the warm state is saved) when the daemon drains."""
+        if not self.draining:
+            return
+        while not self._drained.is_set():
+            await asyncio.sleep(0.05)
+        raise HttpError(
+            503,
+            "the daemon is draining: its warm contexts are saved (to the shared store when it has "
+            "one); send the turn again, and a gateway sends it to another box",
+            code="draining",
+            retry_after=1,
+        )
 
     def close(self) -> None:
         self.conversations.close_all()
@@ -248,6 +299,7 @@ class HttpService:
 
     async def load(self, turn: Turn) -> None:
         """Load the turn's model (count its prompt: nothing is computed or kept)."""
+        await self.refuse_while_draining()
         entry = self.entry(turn.model)
         await self.bridge.call(self.gateway.tokenize, self.open_request(entry, turn), "")
 
@@ -296,36 +348,72 @@ class HttpService:
         headers: Mapping[str, str] | None = None,
         keep_alive: float | None = None,
     ) -> Response:
-        """Run ``turn`` and answer it: a stream (``stream``) or one JSON body (``complete``)."""
+        """Run ``turn`` and answer it: a stream (``stream``) or one JSON body (``complete``).
+
+        Counted in :attr:`running_turns` from here to its last byte (a drain waits for it);
+        while the daemon drains, a new turn is refused (:meth:`refuse_while_draining`)."""
+        leave = self._enter()  # before the check: a drain beginning now waits for this turn or refuses it
+        handed = False  # to the stream, which leaves when it ends
+        try:
+            if self.draining:
+                leave()
+                await self.refuse_while_draining()
+            entry = self.entry(turn.model)
+            if turn.max_tokens is None and self.settings.max_output_tokens:
+                turn = replace(turn, max_tokens=self.settings.max_output_tokens)
+            events = self.conversations.run(turn, self.open_request(entry, turn, keep_alive))
+            task = asyncio.current_task()
+            watcher = asyncio.create_task(_watch_disconnect(request, task))
+            try:
+                started = await first_event(events)
+                answer_headers = {"X-Modeld-Session": started.session_id, **(headers or {})}
+                if turn.stream:
+                    watcher.cancel()  # the streaming response watches for the disconnect from here on
+                    answer_headers["Cache-Control"] = "no-cache"
+                    response = StreamingResponse(
+                        _closing(
+                            stream(turn, started, events),
+                            events,
+                            style,
+                            ndjson=media_type != "text/event-stream",
+                            done=leave,
+                        ),
+                        media_type=media_type,
+                        headers=answer_headers,
+                    )
+                    handed = True
+                    return response
+                async with contextlib.aclosing(events):
+                    done = await collect(started, events)
+                if done.finished.error is not None:
+                    return error_response(done.finished.error, style)
+                return JSONResponse(complete(turn, done), headers=answer_headers)
+            except BaseException:
+                await events.aclose()
+                raise
+            finally:
+                watcher.cancel()
+        finally:
+            if not handed:
+                leave()
+
+    async def choices(self, turn: Turn, complete: Choices, style: ErrorStyle) -> Response:
+        """Run ``turn.n`` choices one after another in the turn's conversation (the first warms
+        the prompt, the others reuse it) and answer them in one JSON body."""
         entry = self.entry(turn.model)
         if turn.max_tokens is None and self.settings.max_output_tokens:
             turn = replace(turn, max_tokens=self.settings.max_output_tokens)
-        events = self.conversations.run(turn, self.open_request(entry, turn, keep_alive))
-        task = asyncio.current_task()
-        watcher = asyncio.create_task(_watch_disconnect(request, task))
-        try:
-            started = await first_event(events)
-            answer_headers = {"X-Modeld-Session": started.session_id, **(headers or {})}
-            if turn.stream:
-                watcher.cancel()  # the streaming response watches for the disconnect from here on
-                answer_headers["Cache-Control"] = "no-cache"
-                return StreamingResponse(
-                    _closing(
-                        stream(turn, started, events), events, style, ndjson=media_type != "text/event-stream"
-                    ),
-                    media_type=media_type,
-                    headers=answer_headers,
-                )
+        dones: list[Collected] = []
+        for index in range(turn.n):
+            one = turn.choice(index)
+            events = self.conversations.run(one, self.open_request(entry, one))
             async with contextlib.aclosing(events):
+                started = await first_event(events)
                 done = await collect(started, events)
             if done.finished.error is not None:
                 return error_response(done.finished.error, style)
-            return JSONResponse(complete(turn, done), headers=answer_headers)
-        except BaseException:
-            await events.aclose()
-            raise
-        finally:
-            watcher.cancel()
+            dones.append(done)
+        return JSONResponse(complete(turn, dones), headers={"X-Modeld-Session": dones[0].started.session_id})
 
     async def count_tokens(self, turn: Turn) -> int:
         """How many tokens the turn's prompt takes on its model (nothing is computed)."""
@@ -359,7 +447,12 @@ class HttpService:
 
 
 async def _closing(
-    body: AsyncIterator[bytes], events: AsyncGenerator[Event, None], style: ErrorStyle, *, ndjson: bool
+    body: AsyncIterator[bytes],
+    events: AsyncGenerator[Event, None],
+    style: ErrorStyle,
+    *,
+    ndjson: bool,
+    done: Callable[[], None],
 ) -> AsyncIterator[bytes]:
     """A streamed answer that always closes its turn (the client went away: the decode stops)
     and writes an unexpected failure as the API's error event instead of a broken stream."""
@@ -380,7 +473,10 @@ async def _closing(
             HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
         )
     finally:
-        await events.aclose()
+        try:
+            await events.aclose()
+        finally:
+            done()
 
 
 async def _watch_disconnect(request: Request, task: asyncio.Task[Any] | None) -> None:

@@ -57,7 +57,7 @@ from modeld.contract import (
 from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning
 from modeld.errors import LimitExceededError, ModeldError, SessionClosedError, error_from_reason
 from modeld.server.bridge import Bridge, BridgedSession
-from modeld.server.gateway import Gateway, Hosted
+from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
 from modeld.server.http.turn import Turn, chat_inputs, split_point
 
@@ -91,6 +91,10 @@ class TurnUsage:
     reasoning_tokens: int = 0
     prefill_ms: float = 0.0
     decode_ms: float = 0.0
+    drafted_tokens: int = 0  # speculation (blueprint 0021): drafted from the context, verified
+    accepted_tokens: int = 0  # of those, the model's own choice
+    draft_batches: int = 0
+    forced_tokens: int = 0  # forced by a constraint, appended without a decode step
 
     @property
     def uncached_tokens(self) -> int:
@@ -133,6 +137,7 @@ class Finished:
     calls: tuple[ToolCall, ...] = ()
     error: HttpError | None = None
     tool_text: str = ""
+    stop_sequence: str = ""  # the stop string that ended the text (finish stop_sequence)
 
 
 Event = Started | Delta | Finished
@@ -140,7 +145,7 @@ Event = Started | Delta | Finished
 
 @dataclass
 class _Entry:
-    hosted: Hosted
+    hosted: TransportSession
     busy: bool
     last_used: float
 
@@ -170,7 +175,7 @@ class Conversations:
 
     # --- sessions ---------------------------------------------------------------------------
 
-    def _open(self, request: OpenSessionRequest) -> Hosted:
+    def _open(self, request: OpenSessionRequest) -> TransportSession:
         try:
             return self._gateway.open(request, "http", attached=True)
         except LimitExceededError as exc:
@@ -210,10 +215,10 @@ class Conversations:
             else:
                 bridged.when_idle(lambda: self._release(entry))
 
-    def _adopt(self, k: tuple[str, str, str], hosted: Hosted) -> _Entry | None:
+    def _adopt(self, k: tuple[str, str, str], hosted: TransportSession) -> _Entry | None:
         """Keep a new session as the conversation's, making room (None: no room, or a racing
         request already keeps one)."""
-        evicted: list[Hosted] = []
+        evicted: list[TransportSession] = []
         entry: _Entry | None = None
         with self._lock:
             if k not in self._table:
@@ -387,7 +392,13 @@ class Conversations:
             calls = calls[:1]
         if chunk.tool_calls:
             self.remember_calls(tuple(c.id for c in chunk.tool_calls), chunk.tool_text)
-        return Finished(chunk.finish_reason or "stop", usage, calls, tool_text=chunk.tool_text)
+        return Finished(
+            chunk.finish_reason or "stop",
+            usage,
+            calls,
+            tool_text=chunk.tool_text,
+            stop_sequence=chunk.stop_sequence,
+        )
 
 
 def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delta, int]:
@@ -422,17 +433,21 @@ def _usage(usage: Usage | None, started: TurnUsage, reasoning_tokens: int) -> Tu
         reasoning_tokens=min(reasoning_tokens, usage.completion_tokens),
         prefill_ms=usage.prefill_ms,
         decode_ms=usage.decode_ms,
+        drafted_tokens=usage.drafted_tokens,
+        accepted_tokens=usage.accepted_tokens,
+        draft_batches=usage.draft_batches,
+        forced_tokens=usage.forced_tokens,
     )
 
 
-def _close(hosted: Hosted) -> None:
+def _close(hosted: TransportSession) -> None:
     try:
         hosted.close()
     except ModeldError as exc:
         log.debug("closing session %s: %s", hosted.session_id, exc)
 
 
-def _close_soon(hosted: Hosted) -> None:
+def _close_soon(hosted: TransportSession) -> None:
     """Close a session off the caller's thread (the event loop must not wait for it)."""
     threading.Thread(target=_close, args=(hosted,), name="session-close", daemon=True).start()
 

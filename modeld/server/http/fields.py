@@ -26,6 +26,7 @@ __all__ = [
     "MAX_TOOLS",
     "boolean",
     "check_strings",
+    "choice",
     "integer",
     "logit_bias",
     "number",
@@ -107,6 +108,17 @@ def boolean(body: Mapping[str, Any], name: str, *, param: str = "") -> bool | No
         return None
     if not isinstance(value, bool):
         raise bad(param or name, f"{param or name} must be a boolean, got {echo(value)}")
+    return value
+
+
+def choice(body: Mapping[str, Any], name: str, choices: tuple[str, ...], *, param: str = "") -> str | None:
+    """A string that must be one of ``choices`` (None when absent)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    where = param or name
+    if not isinstance(value, str) or value not in choices:
+        raise bad(where, f"{where} must be one of {', '.join(choices)}, got {echo(value)}")
     return value
 
 

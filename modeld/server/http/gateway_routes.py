@@ -5,17 +5,31 @@ the README's deployment guide).
 * ``GET /server_info`` and ``GET /model_info`` (and their ``/get_`` aliases) in SGLang's shape:
   the gateway registers a worker from them (a worker without them is registered as model
   ``unknown``). ``model_path`` is the served name: the HTTP endpoint never shows file paths.
-* ``GET /get_load``: SGLang's load report, one entry (modeld has one scheduler per daemon):
-  ``num_reqs`` operations running on the engine's slots, ``num_waiting_reqs`` waiting for one,
-  ``num_tokens`` KV cells in use, with modeld's own ``kv_capacity_tokens``, ``busy_slots``,
-  ``slots`` and ``draining``. It counts what the daemon runs, whoever sent it, where the
-  gateway's own load counts only what it forwarded.
+* The load, from the engine's real slots, queue and KV pool, whoever sent the work (the
+  gateway's own count sees only what it forwarded), in two shapes:
+
+  - ``GET /v1/loads``: what ``smg`` polls (every ``--load-monitor-interval`` seconds, 10 by
+    default) and feeds to its load-aware placement and its worker overload protection, in its
+    ``WorkerLoadResponse`` shape: one rank, ``num_running_reqs`` operations on the slots,
+    ``num_waiting_reqs`` waiting for one, ``num_used_tokens`` KV cells held by running
+    operations of ``max_total_num_tokens``, ``token_usage`` their ratio, ``utilization`` busy
+    slots of ``max_running_requests``, ``cache_hit_rate`` prompt tokens reused of those looked
+    up since the model loaded.
+  - ``GET /get_load``: SGLang's own list: ``num_reqs`` (running and waiting),
+    ``num_waiting_reqs``, ``num_tokens`` (KV cells held by running operations), with modeld's
+    ``resident_tokens``, ``kv_capacity_tokens``, ``busy_slots``, ``slots`` and ``draining``.
+
+  Idle warm contexts are not load: they are a cache that gives way (to the RAM and disk tiers)
+  when a turn needs the cells, as SGLang leaves its evictable radix cache out of its own. A
+  pool full of warm conversations must not look overloaded to the gateway.
 * ``/health`` (in :mod:`modeld.server.http.app`) is 503 while the daemon is loading its first
   model, draining or stopping, so the gateway stops sending before a restart.
 """
 
 from __future__ import annotations
 
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -27,26 +41,62 @@ from modeld.contract import DaemonStatus
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.openai_chat import openai_error
 
-__all__ = ["load_report", "routes"]
+__all__ = ["load_report", "routes", "worker_loads"]
 
 
 def load_report(status: DaemonStatus, draining: bool) -> list[dict[str, Any]]:
     """SGLang's ``/get_load`` list from the daemon's status (one scheduler: one entry)."""
     models = status.models
+    running = sum(m.busy_slots for m in models)
+    waiting = sum(m.queued for m in models)
     return [
         {
             "dp_rank": 0,
-            "num_reqs": sum(m.busy_slots for m in models),
-            "num_waiting_reqs": sum(m.queued for m in models),
-            "num_tokens": sum(m.resident_tokens for m in models),
+            "num_reqs": running + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": sum(m.busy_tokens for m in models),
             "num_pending_tokens": 0,
+            "resident_tokens": sum(m.resident_tokens for m in models),
             "kv_capacity_tokens": sum(m.pool_tokens for m in models),
-            "busy_slots": sum(m.busy_slots for m in models),
+            "busy_slots": running,
             "slots": sum(m.slots for m in models),
             "sessions": status.sessions,
             "draining": draining,
         }
     ]
+
+
+def worker_loads(status: DaemonStatus, now: float) -> dict[str, Any]:
+    """``smg``'s ``WorkerLoadResponse`` (``GET /v1/loads``) from the daemon's status: one rank.
+
+    Before a model is loaded the capacity is 0 and so is every ratio (an idle daemon)."""
+    models = status.models
+    running = sum(m.busy_slots for m in models)
+    waiting = sum(m.queued for m in models)
+    used = sum(m.busy_tokens for m in models)
+    capacity = sum(m.pool_tokens for m in models)
+    slots = sum(m.slots for m in models)
+    queried = sum(m.counters.get("queries", 0) for m in models)
+    reused = sum(v for m in models for k, v in m.counters.items() if k.startswith("reused_"))
+    return {
+        "timestamp": datetime.fromtimestamp(now, UTC).isoformat(),
+        "dp_rank_count": 1,
+        "loads": [
+            {
+                "dp_rank": 0,
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "num_total_reqs": running + waiting,
+                "num_used_tokens": used,
+                "max_total_num_tokens": capacity,
+                "token_usage": used / capacity if capacity else 0.0,
+                "gen_throughput": 0.0,
+                "cache_hit_rate": reused / queried if queried else 0.0,
+                "utilization": running / slots if slots else 0.0,
+                "max_running_requests": slots,
+            }
+        ],
+    }
 
 
 def routes(service: HttpService) -> list[Route]:
@@ -100,9 +150,15 @@ def routes(service: HttpService) -> list[Route]:
         status = await service.bridge.observe(service.gateway.status, "get_load")
         return JSONResponse(load_report(status, service.draining))
 
+    async def loads(_request: Request) -> Response:
+        # smg asks for ?include=core,disagg,queues,memory: the core is all there is here.
+        status = await service.bridge.observe(service.gateway.status, "loads")
+        return JSONResponse(worker_loads(status, time.time()))
+
     out: list[Route] = []
     for path, handler in (("server_info", server_info), ("model_info", model_info)):
         for prefix in ("/", "/get_"):
             out.append(Route(f"{prefix}{path}", guarded(service, handler, openai_error), methods=["GET"]))
     out.append(Route("/get_load", guarded(service, get_load, openai_error), methods=["GET"]))
+    out.append(Route("/v1/loads", guarded(service, loads, openai_error), methods=["GET"]))
     return out

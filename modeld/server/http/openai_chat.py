@@ -1,9 +1,10 @@
-"""OpenAI chat completions and completions: the request as a Turn, the events as OpenAI's JSON.
+"""OpenAI chat completions and completions: the request as a Turn (the answers are shaped in
+:mod:`modeld.server.http.openai_answers`).
 
 Rules (``blueprints/0014-openai-http.md``; the field table is in ``blueprints/0019-agent-apis.md``):
 
 * Every field is accounted for. Mapped fields are honoured; fields OpenAI defines that modeld
-  cannot honour are refused by name with a 400 (``n`` other than 1, audio, ...); fields that
+  cannot honour are refused by name with a 400 (audio, ``n`` above 8, ...); fields that
   describe the hosted service are accepted and have no effect (``store``, ``service_tier``,
   ``metadata``, ...). The SGLang gateway's injected fields are accepted at their defaults
   (:data:`SGLANG_FIELDS`).
@@ -20,18 +21,19 @@ Rules (``blueprints/0014-openai-http.md``; the field table is in ``blueprints/00
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from modeld.contract import Constraint, DecodeConfig, TokenLogprob, ToolCall, ToolCallDelta
+from modeld.contract import Constraint, DecodeConfig, ToolCall
+from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import echo
-from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
     MAX_MESSAGES,
     MAX_TOOL_CALLS,
     MAX_TOOLS,
     boolean,
+    choice,
     integer,
     logit_bias,
     number,
@@ -40,18 +42,14 @@ from modeld.server.http.fields import (
 from modeld.server.http.turn import Keys, Message, Turn, key_value
 
 __all__ = [
+    "MAX_CHOICES",
     "SGLANG_FIELDS",
-    "chat_complete",
-    "chat_stream",
-    "completion_complete",
-    "completion_stream",
-    "extension",
-    "finish_reason",
+    "checked_call",
     "openai_error",
     "parse_chat",
     "parse_completion",
-    "sse",
-    "usage_dict",
+    "response_format",
+    "tool_choice",
 ]
 
 MAX_TOP_LOGPROBS = 20
@@ -85,7 +83,6 @@ _NO_EFFECT: dict[str, tuple[object, ...]] = {
 }
 # Fields OpenAI defines that modeld cannot honour unless they have these (neutral) values.
 _NEUTRAL: dict[str, tuple[object, ...]] = {
-    "n": (None, 1),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -120,6 +117,7 @@ _CHAT_MAPPED = {
     "logit_bias",
     "frequency_penalty",
     "presence_penalty",
+    "n",
 }
 _COMPLETION_MAPPED = {
     "model",
@@ -137,6 +135,7 @@ _COMPLETION_MAPPED = {
     "logit_bias",
     "frequency_penalty",
     "presence_penalty",
+    "n",
 }
 _CHAT_ONLY_NEUTRAL = {"best_of", "echo", "suffix"}
 _COMPLETION_ONLY_NEUTRAL = {
@@ -151,6 +150,9 @@ _COMPLETION_ONLY_NEUTRAL = {
     "function_call",
 }
 SAMPLER_EXTENSIONS = ("top_k", "min_p", "repeat_penalty", "repeated_line_max", "repeated_line_min_chars")
+DECODE_EXTENSIONS = ("speculation",)
+"""modeld's own request fields beyond the samplers: ``speculation`` (``off`` or ``ngram``;
+absent: the daemon's ``--speculation``; blueprint 0021)."""
 
 
 def openai_error(error: HttpError) -> dict[str, Any]:
@@ -180,10 +182,6 @@ def _check_neutral(body: Mapping[str, Any], skip: set[str]) -> None:
             continue
         value = body[name]
         if value not in allowed:
-            if name == "n":
-                raise unsupported(
-                    "n", f"n must be 1: modeld generates one choice per request (got {echo(value)})"
-                )
             raise unsupported(name, f"{name}={echo(value)} is not supported by modeld (leave it unset)")
     for name, allowed in _NO_EFFECT.items():
         if name in body and allowed and body[name] not in allowed:
@@ -231,9 +229,19 @@ def decode_config(
     bias = logit_bias(body)
     if bias:
         values["logit_bias"] = bias
+    speculation = choice(body, "speculation", SPECULATION_MODES)
+    if speculation is not None:
+        values["speculation"] = speculation
     extra: dict[str, str] = {}
     if extensions:
-        known = set(mapped) | set(_NEUTRAL) | set(_NO_EFFECT) | set(SAMPLER_EXTENSIONS) | set(SGLANG_FIELDS)
+        known = (
+            set(mapped)
+            | set(_NEUTRAL)
+            | set(_NO_EFFECT)
+            | set(SAMPLER_EXTENSIONS)
+            | set(DECODE_EXTENSIONS)
+            | set(SGLANG_FIELDS)
+        )
         for name, value in body.items():
             if name in known or value is None:
                 continue
@@ -488,6 +496,20 @@ def _keys(body: Mapping[str, Any], headers: Mapping[str, str]) -> Keys:
     )
 
 
+MAX_CHOICES = 8
+"""The most choices (``n``) one request may ask for: they are decoded one after another."""
+
+
+def _choices(body: Mapping[str, Any], stream: bool) -> int:
+    """``n``: how many choices, each decoded from the same warm prompt."""
+    n = integer(body, "n", 1, MAX_CHOICES) or 1
+    if n > 1 and stream:
+        raise unsupported(
+            "n", f"n={n} is answered without stream (modeld decodes the choices one after another)"
+        )
+    return n
+
+
 def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Turn, bool]:
     """A ``/v1/chat/completions`` body as a Turn, and whether usage is streamed."""
     model = model_name(body)
@@ -516,6 +538,7 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Tur
         tools_json=tools_json,
         max_tokens=max_tokens,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
+        n=_choices(body, stream),
     )
     return turn, include_usage
 
@@ -545,298 +568,6 @@ def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str]) -> tup
         stream=stream,
         prompt=prompt,
         max_tokens=16 if max_tokens is None else max_tokens,
+        n=_choices(body, stream),
     )
     return turn, include_usage
-
-
-# --- answers ------------------------------------------------------------------------------------
-
-
-def usage_dict(usage: TurnUsage | None) -> dict[str, Any]:
-    """OpenAI's usage, with the cached tokens where OpenAI clients read them (and DeepSeek's
-    ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens``, which aider and Cline read)."""
-    if usage is None:
-        usage = TurnUsage(0, 0, 0, 0)
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-        "prompt_cache_hit_tokens": usage.cached_tokens,
-        "prompt_cache_miss_tokens": usage.computed_tokens,
-    }
-
-
-_FINISH = {
-    "length": "length",
-    "tool_calls": "tool_calls",
-    "signal": "tool_calls",  # to an OpenAI client an exit tool is a tool
-    "constraint_failed": "constraint_failed",  # not "stop": the output is not valid
-    "repeated_line": "repeated_line",
-}
-
-
-def finish_reason(finish: str) -> str:
-    """OpenAI's finish reason: stop, length, tool_calls, or modeld's constraint_failed and
-    repeated_line (the output is not what was asked for, so never "stop")."""
-    return _FINISH.get(finish, "stop")
-
-
-def extension(started: Started) -> dict[str, Any]:
-    """The ``modeld`` extension object: which session served the turn and why it was warm."""
-    status = started.status
-    reuse = status.reuse
-    info: dict[str, Any] = {
-        "session_id": started.session_id,
-        "reuse": reuse.outcome,
-        "reason": reuse.reason,
-        "reused_tokens": status.reused_tokens,
-        "prefilled_tokens": status.prefilled_tokens,
-    }
-    if reuse.tier:
-        info["tier"] = reuse.tier
-    if reuse.diverged_at_token is not None:
-        info["diverged_at_token"] = reuse.diverged_at_token
-        if started.diverged_message is not None:
-            info["diverged_at_message"] = started.diverged_message
-    return info
-
-
-def _calls_dicts(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
-    return [
-        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-        for c in calls
-    ]
-
-
-def _tool_delta(d: ToolCallDelta) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": d.index}
-    if d.id or d.name:
-        out["id"] = d.id
-        out["type"] = "function"
-        out["function"] = {"name": d.name, "arguments": d.arguments}
-    else:
-        out["function"] = {"arguments": d.arguments}
-    return out
-
-
-def _token_bytes(text: str) -> list[int]:
-    """The bytes of a token's text (``bytes:\\xNN...`` spells out a partial UTF-8 token)."""
-    if text.startswith("bytes:\\x"):
-        try:
-            return list(bytes.fromhex(text[6:].replace("\\x", "")))
-        except ValueError:
-            pass
-    return list(text.encode("utf-8"))
-
-
-def chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
-    """``choices[].logprobs`` of a chat response or chunk (``{"content": [...]}``)."""
-    if not logprobs:
-        return None
-    content = [
-        {
-            "token": lp.text,
-            "logprob": lp.logprob,
-            "bytes": _token_bytes(lp.text),
-            "top_logprobs": [
-                {"token": t.text, "logprob": t.logprob, "bytes": _token_bytes(t.text)} for t in lp.top
-            ],
-        }
-        for lp in logprobs
-    ]
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any] | None:
-    """The legacy ``choices[].logprobs`` of /v1/completions (``offset``: text before these)."""
-    if not logprobs:
-        return None
-    offsets: list[int] = []
-    at = offset
-    for lp in logprobs:
-        offsets.append(at)
-        at += len(lp.text)
-    return {
-        "tokens": [lp.text for lp in logprobs],
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in logprobs],
-        "text_offset": offsets,
-    }
-
-
-def sse(obj: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
-
-
-def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
-    finished = done.finished
-    calls = _calls_dicts(finished.calls)
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": done.text or (None if calls else ""),
-        "refusal": None,
-    }
-    if done.reasoning:
-        message["reasoning_content"] = done.reasoning
-    if calls:
-        message["tool_calls"] = calls
-    return {
-        "id": f"chatcmpl-{turn.id}",
-        "object": "chat.completion",
-        "created": turn.created,
-        "model": turn.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": chat_logprobs(done.logprobs),
-                "finish_reason": finish_reason(finished.finish),
-            }
-        ],
-        "usage": usage_dict(finished.usage),
-        "system_fingerprint": None,
-        "modeld": extension(done.started),
-    }
-
-
-def _chat_chunk(
-    turn: Turn,
-    delta: dict[str, Any] | None,
-    include_usage: bool,
-    *,
-    finish: str | None = None,
-    usage: TurnUsage | None = None,
-    ext: dict[str, Any] | None = None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; with ``delta`` None, the usage-only last chunk."""
-    chunk: dict[str, Any] = {
-        "id": f"chatcmpl-{turn.id}",
-        "object": "chat.completion.chunk",
-        "created": turn.created,
-        "model": turn.model,
-        "system_fingerprint": None,
-        "choices": []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-    }
-    if include_usage:
-        chunk["usage"] = usage_dict(usage) if delta is None else None
-    if ext is not None:
-        chunk["modeld"] = ext
-    return chunk
-
-
-async def chat_stream(
-    turn: Turn, started: Started, events: AsyncIterator[Event], include_usage: bool
-) -> AsyncIterator[bytes]:
-    ext = extension(started)
-    yield sse(_chat_chunk(turn, {"role": "assistant", "content": ""}, include_usage))
-    async for event in events:
-        if isinstance(event, Delta):
-            delta: dict[str, Any] = {}
-            if event.reasoning:
-                delta["reasoning_content"] = event.reasoning
-            if event.text:
-                delta["content"] = event.text
-            calls = [d for d in event.calls if turn.parallel_tool_calls or d.index == 0]
-            if calls:
-                delta["tool_calls"] = [_tool_delta(d) for d in calls]
-            if delta or event.logprobs:
-                yield sse(_chat_chunk(turn, delta, include_usage, logprobs=chat_logprobs(event.logprobs)))
-        elif isinstance(event, Finished):
-            if event.error is not None:
-                yield sse(openai_error(event.error))
-                return
-            tail = None if include_usage else ext
-            last = sse(_chat_chunk(turn, {}, include_usage, finish=finish_reason(event.finish), ext=tail))
-            if include_usage:
-                last += sse(_chat_chunk(turn, None, include_usage, usage=event.usage, ext=ext))
-            yield last + b"data: [DONE]\n\n"  # the last events in one write
-            return
-
-
-def completion_complete(turn: Turn, done: Collected) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{turn.id}",
-        "object": "text_completion",
-        "created": turn.created,
-        "model": turn.model,
-        "choices": [
-            {
-                "index": 0,
-                "text": done.text,
-                "logprobs": completion_logprobs(done.logprobs, 0),
-                "finish_reason": finish_reason(done.finished.finish),
-            }
-        ],
-        "usage": usage_dict(done.finished.usage),
-        "system_fingerprint": None,
-        "modeld": extension(done.started),
-    }
-
-
-def _completion_chunk(
-    turn: Turn,
-    text: str | None,
-    include_usage: bool,
-    *,
-    finish: str | None = None,
-    usage: TurnUsage | None = None,
-    ext: dict[str, Any] | None = None,
-    logprobs: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": f"cmpl-{turn.id}",
-        "object": "text_completion",
-        "created": turn.created,
-        "model": turn.model,
-        "system_fingerprint": None,
-        "choices": []
-        if text is None
-        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-    }
-    if include_usage:
-        chunk["usage"] = usage_dict(usage) if text is None else None
-    if ext is not None:
-        chunk["modeld"] = ext
-    return chunk
-
-
-async def completion_stream(
-    turn: Turn, started: Started, events: AsyncIterator[Event], include_usage: bool
-) -> AsyncIterator[bytes]:
-    ext = extension(started)
-    offset = 0  # characters sent so far (logprobs' text_offset)
-    async for event in events:
-        if isinstance(event, Delta):
-            if event.text or event.logprobs:
-                logprobs = completion_logprobs(event.logprobs, offset)
-                yield sse(_completion_chunk(turn, event.text, include_usage, logprobs=logprobs))
-                offset += len(event.text)
-        elif isinstance(event, Finished):
-            if event.error is not None:
-                yield sse(openai_error(event.error))
-                return
-            tail = None if include_usage else ext
-            last = sse(
-                _completion_chunk(turn, "", include_usage, finish=finish_reason(event.finish), ext=tail)
-            )
-            if include_usage:
-                last += sse(_completion_chunk(turn, None, include_usage, usage=event.usage, ext=ext))
-            yield last + b"data: [DONE]\n\n"
-            return
-
-
-def models_response(entries: list[tuple[str, int, dict[str, Any]]]) -> dict[str, Any]:
-    """``GET /v1/models``: each model with its window (``context_length``, the names Codex and
-    LiteLLM read) where it is known."""
-    return {
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "modeld", **meta}
-            for name, created, meta in entries
-        ],
-    }

@@ -11,16 +11,16 @@ from starlette.routing import Route
 from modeld.contract import ModelInfo
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.models import ModelEntry
-from modeld.server.http.openai_chat import (
+from modeld.server.http.openai_answers import (
+    chat_choices,
     chat_complete,
     chat_stream,
+    completion_choices,
     completion_complete,
     completion_stream,
     models_response,
-    openai_error,
-    parse_chat,
-    parse_completion,
 )
+from modeld.server.http.openai_chat import openai_error, parse_chat, parse_completion
 
 __all__ = ["model_meta", "routes"]
 
@@ -61,6 +61,8 @@ def routes(service: HttpService) -> list[Route]:
     async def chat(request: Request) -> Response:
         async with service.body(request) as body:
             turn, include_usage = parse_chat(body, request.headers)
+            if turn.n > 1:
+                return await service.choices(turn, chat_choices, openai_error)
             return await service.turn(
                 request,
                 turn,
@@ -72,6 +74,8 @@ def routes(service: HttpService) -> list[Route]:
     async def completions(request: Request) -> Response:
         async with service.body(request) as body:
             turn, include_usage = parse_completion(body, request.headers)
+            if turn.n > 1:
+                return await service.choices(turn, completion_choices, openai_error)
             return await service.turn(
                 request,
                 turn,

@@ -35,10 +35,7 @@ A thin adapter over the conversation layer. Field by field (``blueprints/0019-ag
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -47,10 +44,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from modeld.contract import DecodeConfig, ToolCall
+from modeld.contract import DecodeConfig
 from modeld.errors import echo
 from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
+from modeld.server.http.conversations import Collected
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
     MAX_MESSAGES,
@@ -62,13 +59,12 @@ from modeld.server.http.fields import (
     refuse_unknown,
     string,
 )
-from modeld.server.http.openai_chat import (
-    chat_logprobs,
-    checked_call,
-    extension,
-    openai_error,
-    response_format,
-    tool_choice,
+from modeld.server.http.openai_chat import checked_call, openai_error, response_format, tool_choice
+from modeld.server.http.responses_answers import (
+    ResponseShape,
+    complete_response,
+    history_message,
+    stream_response,
 )
 from modeld.server.http.responses_store import ResponseStore, Stored
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
@@ -333,310 +329,6 @@ def parse_response_request(
     return turn, store is not False, tuple(new)
 
 
-# --- the answer ------------------------------------------------------------------------------------
-
-
-def usage_dict(usage: TurnUsage) -> dict[str, Any]:
-    return {
-        "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {
-            "cached_tokens": usage.cached_tokens,
-            "cache_write_tokens": usage.created_tokens,
-        },
-        "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-    }
-
-
-class _Shape:
-    """One response's identity and the fields every snapshot of it repeats."""
-
-    def __init__(self, turn: Turn, body: Mapping[str, Any], previous: str | None, store: bool) -> None:
-        self.turn = turn
-        self.id = f"resp_{turn.id}"
-        self.created_at = time.time()
-        self.previous = previous
-        self.store = store
-        self.body = body
-        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
-
-    def response(
-        self,
-        status: str,
-        output: list[dict[str, Any]],
-        usage: TurnUsage | None,
-        started: Started | None,
-        *,
-        finish: str = "",
-        error: HttpError | None = None,
-    ) -> dict[str, Any]:
-        body = self.body
-        turn = self.turn
-        out: dict[str, Any] = {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created_at,
-            "status": status,
-            "model": turn.model,
-            "output": output,
-            "error": None if error is None else {"code": error.code, "message": error.message},
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.get("instructions"),
-            "max_output_tokens": body.get("max_output_tokens"),
-            "parallel_tool_calls": turn.parallel_tool_calls,
-            "previous_response_id": self.previous,
-            "reasoning": body.get("reasoning"),
-            "store": self.store,
-            "temperature": turn.decode.temperature,
-            "text": body.get("text") or {"format": {"type": "text"}},
-            "tool_choice": body.get("tool_choice") or "auto",
-            "tools": body.get("tools") or [],
-            "top_p": turn.decode.top_p,
-            "truncation": body.get("truncation") or "disabled",
-            "usage": usage_dict(usage) if usage is not None else None,
-            "metadata": body.get("metadata") or {},
-        }
-        if started is not None:
-            out["modeld"] = {
-                **extension(started),
-                "finish_reason": finish or None,
-                "omitted_tools": list(turn.omitted_tools),
-            }
-        return out
-
-    def message_item(self, text: str, status: str, logprobs: Any = None) -> dict[str, Any]:
-        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
-        if logprobs is not None:
-            part["logprobs"] = logprobs
-        return {
-            "type": "message",
-            "id": self.message_id,
-            "status": status,
-            "role": "assistant",
-            "content": [part] if status != "in_progress" else [],
-        }
-
-    def reasoning_item(self, text: str) -> dict[str, Any]:
-        return {
-            "type": "reasoning",
-            "id": self.reasoning_id,
-            "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}],
-        }
-
-    @staticmethod
-    def call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-        return {
-            "type": "function_call",
-            "id": f"fc_{call.id.removeprefix('call_')}",
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": call.arguments,
-            "status": status,
-        }
-
-    def output(self, done: Collected) -> list[dict[str, Any]]:
-        items: list[dict[str, Any]] = []
-        if done.reasoning:
-            items.append(self.reasoning_item(done.reasoning))
-        status = "incomplete" if done.finished.finish == "length" else "completed"
-        if done.text or not done.finished.calls:
-            logprobs = (chat_logprobs(done.logprobs) or {}).get("content") if done.logprobs else None
-            items.append(self.message_item(done.text, status, logprobs))
-        items += [self.call_item(c) for c in done.finished.calls]
-        return items
-
-
-def _status(finish: str) -> str:
-    return "incomplete" if finish == "length" else "completed"
-
-
-def _complete(shape: _Shape, done: Collected) -> dict[str, Any]:
-    finished = done.finished
-    return shape.response(
-        _status(finished.finish), shape.output(done), finished.usage, done.started, finish=finished.finish
-    )
-
-
-def _history(done: Collected) -> Message:
-    """The response's output as the assistant turn the next request continues."""
-    return Message("assistant", done.text, done.finished.calls, done.reasoning)
-
-
-class _Events:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self.n, **fields}
-        self.n += 1
-        return (
-            f"event: {kind}\ndata: ".encode()
-            + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-            + b"\n\n"
-        )
-
-
-async def _stream(
-    shape: _Shape, started: Started, events: AsyncIterator[Event], keep: Any
-) -> AsyncIterator[bytes]:
-    emit = _Events()
-    head = shape.response("in_progress", [], None, started)
-    yield emit("response.created", response=head) + emit("response.in_progress", response=head)
-    items: list[dict[str, Any]] = []
-    text: list[str] = []
-    reasoning: list[str] = []
-    logprobs: list[Any] = []
-    open_kind = ""  # "reasoning" | "message" | "call"
-    calls: dict[int, dict[str, Any]] = {}  # call index -> its item (as streamed)
-
-    def close() -> bytes:
-        nonlocal open_kind
-        out = b""
-        index = len(items) - 1
-        if open_kind == "reasoning":
-            whole = "".join(reasoning)
-            out += emit(
-                "response.reasoning_text.done",
-                item_id=shape.reasoning_id,
-                output_index=index,
-                content_index=0,
-                text=whole,
-            )
-            items[index] = shape.reasoning_item(whole)
-            out += emit("response.output_item.done", output_index=index, item=items[index])
-        elif open_kind == "message":
-            whole = "".join(text)
-            part = {"type": "output_text", "text": whole, "annotations": []}
-            out += emit(
-                "response.output_text.done",
-                item_id=shape.message_id,
-                output_index=index,
-                content_index=0,
-                text=whole,
-                logprobs=logprobs,
-            )
-            out += emit(
-                "response.content_part.done",
-                item_id=shape.message_id,
-                output_index=index,
-                content_index=0,
-                part=part,
-            )
-            items[index] = {**shape.message_item(whole, "completed"), "content": [part]}
-            out += emit("response.output_item.done", output_index=index, item=items[index])
-        open_kind = ""
-        return out
-
-    async for event in events:
-        if isinstance(event, Delta):
-            out = b""
-            if event.reasoning:
-                if open_kind != "reasoning":
-                    out += close()
-                    items.append({**shape.reasoning_item(""), "content": []})
-                    out += emit("response.output_item.added", output_index=len(items) - 1, item=items[-1])
-                    open_kind = "reasoning"
-                reasoning.append(event.reasoning)
-                out += emit(
-                    "response.reasoning_text.delta",
-                    item_id=shape.reasoning_id,
-                    output_index=len(items) - 1,
-                    content_index=0,
-                    delta=event.reasoning,
-                )
-            if event.text:
-                if open_kind != "message":
-                    out += close()
-                    items.append(shape.message_item("", "in_progress"))
-                    index = len(items) - 1
-                    out += emit("response.output_item.added", output_index=index, item=items[-1])
-                    part = {"type": "output_text", "text": "", "annotations": []}
-                    out += emit(
-                        "response.content_part.added",
-                        item_id=shape.message_id,
-                        output_index=index,
-                        content_index=0,
-                        part=part,
-                    )
-                    open_kind = "message"
-                text.append(event.text)
-                lp = (chat_logprobs(event.logprobs) or {}).get("content", []) if event.logprobs else []
-                logprobs.extend(lp)
-                out += emit(
-                    "response.output_text.delta",
-                    item_id=shape.message_id,
-                    output_index=len(items) - 1,
-                    content_index=0,
-                    delta=event.text,
-                    logprobs=lp,
-                )
-            for piece in event.calls:
-                if not shape.turn.parallel_tool_calls and piece.index > 0:
-                    continue
-                if piece.id or piece.name:
-                    out += close()
-                    item = shape.call_item(ToolCall(piece.id, piece.name, ""), "in_progress")
-                    items.append(item)
-                    calls[piece.index] = item
-                    out += emit("response.output_item.added", output_index=len(items) - 1, item=item)
-                    open_kind = "call"
-                if piece.arguments and piece.index in calls:
-                    item = calls[piece.index]
-                    item["arguments"] += piece.arguments
-                    out += emit(
-                        "response.function_call_arguments.delta",
-                        item_id=item["id"],
-                        output_index=items.index(item),
-                        delta=piece.arguments,
-                    )
-            if out:
-                yield out
-        elif isinstance(event, Finished):
-            out = close()
-            if event.error is not None:
-                failed = shape.response(
-                    "failed", items, event.usage, started, finish="error", error=event.error
-                )
-                yield (
-                    out
-                    + emit(
-                        "error", code=event.error.code, message=event.error.message, param=event.error.param
-                    )
-                    + emit("response.failed", response=failed)
-                )
-                return
-            status = _status(event.finish)
-            by_id = {c.id: c for c in event.calls}
-            for index, item in enumerate(items):
-                if item["type"] != "function_call":
-                    continue
-                call = by_id.get(item["call_id"])
-                final = shape.call_item(call) if call is not None else {**item, "status": "incomplete"}
-                items[index] = final
-                out += emit(
-                    "response.function_call_arguments.done",
-                    item_id=final["id"],
-                    output_index=index,
-                    arguments=final["arguments"],
-                    name=final["name"],
-                )
-                out += emit("response.output_item.done", output_index=index, item=final)
-            if not items:  # an empty answer is still a message
-                items.append(shape.message_item("", status))
-                out += emit("response.output_item.added", output_index=0, item=items[0]) + emit(
-                    "response.output_item.done", output_index=0, item=items[0]
-                )
-            whole = shape.response(status, items, event.usage, started, finish=event.finish)
-            keep(Collected(started, "".join(text), "".join(reasoning), (), event), whole)
-            yield out + emit(
-                "response.incomplete" if status == "incomplete" else "response.completed", response=whole
-            )
-            return
-
-
 def routes(service: HttpService) -> list[Route]:
     directory = service.settings.data_dir
     store = ResponseStore(Path(directory) / "responses") if directory else None
@@ -654,20 +346,20 @@ def routes(service: HttpService) -> list[Route]:
             previous_id = string(body, "previous_response_id")
             previous = stored(previous_id) if previous_id else None
             turn, keep_it, new = parse_response_request(body, request.headers, previous)
-            shape = _Shape(turn, body, previous_id, keep_it and store is not None)
+            shape = ResponseShape(turn, body, previous_id, keep_it and store is not None)
 
             def keep(done: Collected, response: dict[str, Any]) -> None:
                 if shape.store and store is not None and done.finished.error is None:
-                    history = (*(previous.history if previous else ()), *new, _history(done))
+                    history = (*(previous.history if previous else ()), *new, history_message(done))
                     store.put(Stored(shape.id, response, history, turn.conversation(), shape.created_at))
 
             def complete(_turn: Turn, done: Collected) -> dict[str, Any]:
-                response = _complete(shape, done)
+                response = complete_response(shape, done)
                 keep(done, response)
                 return response
 
             return await service.turn(
-                request, turn, complete, lambda _t, s, e: _stream(shape, s, e, keep), openai_error
+                request, turn, complete, lambda _t, s, e: stream_response(shape, s, e, keep), openai_error
             )
 
     async def fetch(request: Request) -> Response:

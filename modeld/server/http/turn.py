@@ -98,12 +98,21 @@ class Turn:
     parallel_tool_calls: bool = True
     num_ctx: int = 0  # a context window the request asks for (Ollama's options.num_ctx); 0: default
     omitted_tools: tuple[str, ...] = ()
+    n: int = 1  # choices (OpenAI's n): decoded one after another from the same warm prompt
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def chat(self) -> bool:
         return self.prompt is None
+
+    def choice(self, index: int) -> Turn:
+        """The turn that decodes choice ``index``: a set seed moves by the index, so choices
+        differ yet each is reproducible; without a seed each draws its own."""
+        seed = self.decode.seed
+        if index == 0 or seed is None:
+            return self
+        return replace(self, decode=replace(self.decode, seed=(seed + index) % (1 << 64)))
 
     def conversation(self) -> str:
         """The conversation key (``Keys.resolve``), else a digest of how the conversation began."""

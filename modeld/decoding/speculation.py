@@ -1,0 +1,190 @@
+"""Speculation from the context: prompt-lookup drafts, how long they are, and what they count.
+
+What (``blueprints/0021-speculation.md``): a coding agent's output is mostly text already in
+its context (the file it rewrites, identifiers, JSON keys). :class:`Drafter` proposes the
+tokens that followed the latest earlier occurrence of the text's end (prompt lookup, no draft
+model); the backend evaluates the last chosen token and the draft in one batch, with logits at
+every position, and keeps the draft while each position's own choice equals the drafted token.
+:class:`DraftLength` adapts the draft length to what was accepted and falls to zero when drafts
+keep failing, so fresh text pays nothing. :class:`DecodeStats` counts drafted, accepted and
+forced tokens for the timings, ``explain-context`` and ``/metrics``.
+
+The verification rule (the backends apply it, position by position): the token at a position
+is chosen exactly as plain decoding chooses it (the same mask, the same adjustments, the same
+sampler and random draw); the drafted token is accepted when the choice equals it, and the
+first choice that differs ends the step. Under greedy decoding that is "the longest draft
+prefix that equals the argmax, then the target's own token". Under sampling it is standard
+speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for a deterministic draft
+(q = 1 on the drafted token x): x is accepted with probability p(x), and a rejected position's
+token is a draw from p with x removed and renormalised, so the output distribution is p's.
+
+What not: no model evaluation and no sampling here (the backends own both), no native imports:
+pure Python, because the reference backend runs on a base install without NumPy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DRAFT_MAX",
+    "MATCH_MAX",
+    "MATCH_MIN",
+    "SPECULATION_MODES",
+    "DecodeStats",
+    "DraftLength",
+    "Drafter",
+]
+
+SPECULATION_MODES = ("off", "ngram")
+"""``DecodeConfig.speculation`` values (besides ``""``: the daemon's ``--speculation``)."""
+
+MATCH_MIN = 2
+"""(The index keys pairs of tokens: changing this needs another key.) A draft needs the text's last ``MATCH_MIN`` tokens to have occurred before (COPYING, like a
+real model, needs two tokens of shared context to resume copying after an edit)."""
+MATCH_MAX = 32
+"""Matches are compared up to this many tokens: the longest picks the occurrence to copy."""
+CANDIDATES = 16
+"""The most recent occurrences of the last ``MATCH_MIN`` tokens that are compared (bounds the
+work per draft when a short n-gram, such as an indented newline, occurs thousands of times)."""
+DRAFT_MAX = 16
+"""The longest draft (a verify batch is at most this plus one token)."""
+DRAFT_START = 4
+WAIT_MAX = 64
+"""After drafts keep failing, drafting pauses for 1, 2, 4 ... up to this many steps."""
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """What speculation and forced tokens did in one decode.
+
+    ``drafted``: draft tokens evaluated in verify batches; ``accepted``: those the model's own
+    choice confirmed (they cost no step of their own); ``verifies``: batches that carried a
+    draft; ``forced``: tokens a constraint forced (the only continuation the grammar allows),
+    appended without a decode step of their own.
+    """
+
+    drafted: int = 0
+    accepted: int = 0
+    verifies: int = 0
+    forced: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_draft(self) -> float:
+        return self.drafted / self.verifies if self.verifies else 0.0
+
+
+class Drafter:
+    """Prompt lookup over a token history that only grows during one decode.
+
+    The index maps every ``MATCH_MIN``-gram to the positions where it ended (only n-grams whose
+    next token is known: a continuation exists to copy). :meth:`draft` looks up the history's
+    last ``MATCH_MIN`` tokens, extends each of the ``CANDIDATES`` most recent occurrences
+    backwards (up to ``MATCH_MAX`` tokens), and copies what followed the longest match (the most
+    recent of equals). Where the occurrence runs into the end of the history (repeated text) the
+    copy continues with the same period. Building costs one dict update per token (done once per
+    decode; a millisecond per few thousand tokens), a draft a few dozen comparisons.
+    """
+
+    def __init__(self, history: Sequence[int]) -> None:
+        h = self._h = list(history)
+        index: dict[int, list[int]] = {}
+        self._index = index
+        get = index.get
+        # The pair of tokens ending at ``end`` (ids are below 2**31), for every end but the last.
+        for end, key in enumerate(map(_pair, h[:-2], h[1:-1]), start=MATCH_MIN - 1):
+            ends = get(key)
+            if ends is None:
+                index[key] = [end]
+            else:
+                ends.append(end)
+
+    def _key(self, end: int) -> int:
+        return _pair(self._h[end - 1], self._h[end])
+
+    def _add(self, end: int) -> None:
+        self._index.setdefault(self._key(end), []).append(end)
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def append(self, token: int) -> None:
+        """The history's next token (chosen, forced or accepted)."""
+        self._h.append(token)
+        end = len(self._h) - 2  # the n-gram ending just before it now has a continuation
+        if end >= MATCH_MIN - 1:
+            self._add(end)
+
+    def draft(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens that are likely to follow the history (``[]``: no match)."""
+        h = self._h
+        n = len(h)
+        if limit <= 0 or n < MATCH_MIN + 1:
+            return []
+        ends = self._index.get(self._key(n - 1))
+        if not ends:
+            return []
+        best, best_len = -1, 0
+        for end in reversed(ends[-CANDIDATES:]):
+            length = MATCH_MIN
+            while length < MATCH_MAX and end - length >= 0 and h[end - length] == h[n - 1 - length]:
+                length += 1
+            if length > best_len:  # strictly longer: the most recent of equals stays
+                best, best_len = end, length
+        out = h[best + 1 : best + 1 + limit]
+        period = n - 1 - best
+        while len(out) < limit:  # the occurrence overlaps the end: the text repeats
+            out.append(out[len(out) - period])
+        return out
+
+
+def _pair(a: int, b: int) -> int:
+    return (a << 32) | b
+
+
+class DraftLength:
+    """How many tokens to draft next, from what the last drafts achieved.
+
+    A fully accepted draft doubles the length (up to ``maximum``); a partly accepted one sets it
+    to what was accepted plus one; a draft whose first token fails halves it. When it halves to
+    zero, drafting pauses for ``wait`` steps (1, 2, 4 ... ``WAIT_MAX``: the length is zero, and
+    fresh text costs a counter) and resumes with a one-token probe; any accepted token resets
+    the pause. A verify batch of ``k`` draft tokens costs more than a plain step (measured in
+    blueprint 0021), so a draft that keeps failing must stop being tried.
+    """
+
+    def __init__(self, maximum: int = DRAFT_MAX, start: int = DRAFT_START) -> None:
+        self.maximum = max(0, maximum)
+        self.length = min(start, self.maximum)
+        self._wait = 0
+        self._pause = 0
+
+    def budget(self) -> int:
+        """The draft length for this step (0: do not draft now)."""
+        if self._wait > 0:
+            self._wait -= 1
+            return 0
+        return self.length
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """A verify step evaluated ``drafted`` draft tokens, of which the first ``accepted``."""
+        if drafted <= 0:
+            return
+        if accepted >= drafted:
+            if drafted >= self.length:
+                self.length = min(self.maximum, max(1, self.length) * 2)
+            self._pause = self._wait = 0
+        elif accepted > 0:
+            self.length = min(self.maximum, accepted + 1)
+            self._pause = self._wait = 0
+        else:
+            self.length //= 2
+            if self.length == 0:
+                self._pause = min(WAIT_MAX, self._pause * 2 or 1)
+                self._wait = self._pause
+                self.length = min(1, self.maximum)
