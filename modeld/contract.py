@@ -56,6 +56,7 @@ __all__ = [
     "TopLogprob",
     "ToolCall",
     "ToolCallDelta",
+    "DaemonMemory",
     "DaemonStatus",
     "LoadedModelSummary",
     "Machine",
@@ -77,6 +78,7 @@ __all__ = [
     "Fence",
     "FinishReason",
     "ModelInfo",
+    "ModelMemory",
     "OpenSessionRequest",
     "PrefixInput",
     "PrefixStatus",
@@ -664,6 +666,70 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelMemory:
+    """Where a loaded model's memory goes, in bytes (``modeld status``, ``/metrics``; blueprint
+    0016, "Accounting that adds up to RSS"). Measured where the kernel can say, exact where
+    llama.cpp allocates what the layout names.
+
+    ``weights_bytes``: the model file's pages resident in its worker (measured: the worker's
+    mappings of the file); ``kv_allocated_bytes``: the KV pool the engine allocated (and cleared:
+    resident whole) when it loaded, ``pool_tokens x kv_bytes_per_token``; ``kv_used_bytes``: the
+    cells the warm contexts hold now (a shared prefix once), part of the allocated pool;
+    ``compute_bytes``: the engine's compute buffer as it reserved it (the model's estimate,
+    within 5% of llama.cpp's figure; touched only as far as the cells in use, so it counts in
+    full once a long prefill has run); ``runtime_bytes``: the worker process just before it
+    loaded the model (Python, modeld, the engine's libraries; measured then); ``rss_bytes``: the
+    worker's resident set now (measured). A model run inline (in the daemon) has no worker: its
+    memory is part of the daemon's own."""
+
+    isolation: str = "process"
+    weights_bytes: int = 0
+    kv_allocated_bytes: int = 0
+    kv_used_bytes: int = 0
+    compute_bytes: int = 0
+    runtime_bytes: int = 0
+    rss_bytes: int = 0
+
+    @property
+    def parts_bytes(self) -> int:
+        """What the parts say the worker holds (0 inline)."""
+        if self.isolation != "process":
+            return 0
+        return self.weights_bytes + self.kv_allocated_bytes + self.compute_bytes + self.runtime_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonMemory:
+    """The daemon's and its workers' memory, in parts that add up to their resident sets.
+
+    ``rss_bytes``: the daemon's resident set (measured); ``ram_tier_bytes``: the snapshots the
+    RAM tier holds (exact; only contexts evicted from a KV pool); ``own_bytes``: the rest of
+    the daemon (its RSS minus the RAM tier: Python, gRPC, sessions, inline models). Per model,
+    :class:`ModelMemory` (``LoadedModelSummary.memory``). ``parts_bytes`` is the sum of every
+    part (the daemon's own and RAM tier, and per worker its weights, KV pool, compute buffer
+    and runtime); ``measured_bytes`` the daemon's and the workers' RSS as the kernel counts it.
+    The compute buffers count as reserved (``untouched_max_bytes``, their sum), and the engine
+    touches a buffer only as far as the cells in use: a long prefill makes it resident, until
+    then the parts exceed the measure by at most that much. So the parts add up when
+    ``measured - tolerance <= parts <= measured + untouched_max + tolerance``
+    (``tolerance_bytes``: a worker's heap and the engine's small buffers; :meth:`adds_up`)."""
+
+    rss_bytes: int = 0
+    ram_tier_bytes: int = 0
+    own_bytes: int = 0
+    parts_bytes: int = 0
+    measured_bytes: int = 0
+    tolerance_bytes: int = 0
+    untouched_max_bytes: int = 0
+
+    def adds_up(self, measured: int | None = None) -> bool:
+        """Do the parts add up to ``measured`` bytes of RSS (default: the status's own measure)?"""
+        rss = self.measured_bytes if measured is None else measured
+        over = self.parts_bytes - rss
+        return -self.tolerance_bytes <= over <= self.untouched_max_bytes + self.tolerance_bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Accelerator:
     kind: str  # nvidia, openvino
     name: str
@@ -888,6 +954,7 @@ class LoadedModelSummary:
     counters: Mapping[str, int] = field(default_factory=dict)
     worker: WorkerInfo | None = None
     busy_tokens: int = 0  # of resident_tokens, held by running operations (the rest can give way)
+    memory: ModelMemory = field(default_factory=ModelMemory)
 
 
 @dataclass(frozen=True, slots=True)
@@ -910,3 +977,4 @@ class DaemonStatus:
     tiers: TierStatus | None = None
     machine: Machine | None = None
     settings: Mapping[str, str] = field(default_factory=dict)
+    memory: DaemonMemory = field(default_factory=DaemonMemory)

@@ -88,7 +88,7 @@ def host() -> Iterator[InlineHost]:
     request = OpenSessionRequest(type="memory", path="dead-end")
     info = MemoryBackend().describe(request)
     options = LoadOptions(n_seq=1, window=4096, pool_tokens=4096)
-    h = InlineHost(lambda load: DeadEndRuntime(load.info, load.request.config, load.options))
+    h = InlineHost(lambda load: (DeadEndRuntime(load.info, load.request.config, load.options), 0))
     h.load(Load("memory", request, info, options))
     yield h
     h.close()
@@ -173,7 +173,7 @@ def test_a_token_is_not_held_while_another_job_waits_its_turn() -> None:
             if all(r and isinstance(r[-1], Finished) for r in replies.values()):
                 both_done.set()
 
-    scheduler = Scheduler(send, lambda load: runtime)
+    scheduler = Scheduler(send, lambda load: (runtime, 0))
     scheduler.submit(0, Load("memory", request, info, options))
     scheduler.submit(1, Generate(0, DecodeConfig(max_tokens=5), 5, 9.0))
     scheduler.submit(2, Generate(1, DecodeConfig(max_tokens=20), 20, 9.0))

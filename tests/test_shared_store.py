@@ -91,7 +91,7 @@ def _bad_files(directory: Path, store: DirectoryStore) -> dict[str, str]:
     flipped = _put(store, b"a" * 4096, tokens=[7] * 100)
     path = directory / f"{flipped}{SUFFIX}"
     data = bytearray(path.read_bytes())
-    data[-10] ^= 0xFF
+    data[10] ^= 0xFF  # the payload comes first
     path.write_bytes(bytes(data))
     bad[flipped] = "checksum"
     cut = _put(store, b"b" * 4096, tokens=[8] * 100)
@@ -148,7 +148,7 @@ def test_a_good_file_renamed_over_a_bad_one_after_the_read_is_kept(directory: Pa
     key = _put(store, b"a" * 4096)
     path = directory / f"{key}{SUFFIX}"
     data = bytearray(path.read_bytes())
-    data[-1] ^= 1
+    data[0] ^= 1  # the payload comes first
     path.write_bytes(bytes(data))
     with pytest.raises(SnapshotError) as caught:
         store.get(key)
@@ -305,8 +305,8 @@ def test_a_prefix_one_engine_computed_is_restored_from_shared_by_another(directo
 @pytest.mark.slow
 def test_a_snapshot_restored_into_a_full_pool_makes_room_first(directory: Path) -> None:
     """A conversation moved to a box whose unified KV pool is full of its own warm contexts: the
-    engine would refuse the restore for want of cells, so the cache evicts first (to the RAM
-    tier), and the shared snapshot is restored, not rejected and removed from the store."""
+    engine would refuse the restore for want of cells, so the cache evicts first (to a tier),
+    and the shared snapshot is restored, not rejected and removed from the store."""
     from modeld.testmodels import TINY, ensure_model
 
     model = str(ensure_model(TINY))
@@ -334,9 +334,11 @@ def test_a_snapshot_restored_into_a_full_pool_makes_room_first(directory: Path) 
         assert (status.reuse.outcome, status.reuse.reason) == ("warm", "restored_from_shared"), status.reuse
         assert status.reused_tokens == first.prefix_tokens
         (model_status,) = b.status().models
-        assert (
-            model_status.counters["evicted_to_ram"] >= 1 and model_status.counters["snapshots_rejected"] == 0
-        )
+        counters = model_status.counters
+        # The box's own contexts were written behind to its disk tier: evicted, they go nowhere
+        # else (a byte is held once, blueprint 0016).
+        assert counters["evicted_to_ram"] + counters["evicted_to_disk"] >= 1
+        assert counters["snapshots_rejected"] == 0
     assert any(p.name.endswith(SUFFIX) for p in directory.iterdir()), "the good snapshot was removed"
 
 

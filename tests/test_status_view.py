@@ -76,15 +76,19 @@ def test_a_context_evicted_to_ram_and_restored(with_ram_tier: Path) -> None:
         assert "  queue         not waiting (last wait 0.0s)" in text
         rows = [line.split() for line in text.splitlines() if line.startswith("    ") and "202" in line]
         assert [report.context_id, "*", "kv", "202", "202"] == rows[0][:5]  # this session's, marked
-        assert [r[1:4] for r in rows[1:]] == [["ram", "202", "202"], ["ram", "202", "202"]]  # the snapshots
+        # b's snapshot; a's left the RAM tier when its restore brought it back whole (held once)
+        assert [r[1:4] for r in rows[1:]] == [["ram", "202", "202"]]
 
         status = json.loads(modeld("status", "--json", data_dir=data).stdout)
         (model,) = status["models"]
         assert model["model_name"] == "coder"
-        assert sorted(c["tier"] for c in model["contexts"]) == ["kv", "ram", "ram"]
+        assert sorted(c["tier"] for c in model["contexts"]) == ["kv", "ram"]
         counters = model["counters"]
         assert (counters["reused_ram"], counters["reused_kv"], counters["evicted_to_ram"]) == (202, 0, 2)
-        assert status["tiers"]["ram_entries"] == 2
+        assert status["tiers"]["ram_entries"] == 1
+        memory = status["memory"]
+        assert memory["ram_tier_bytes"] == status["tiers"]["ram_bytes"] > 0
+        assert memory["own_bytes"] == memory["rss_bytes"] - memory["ram_tier_bytes"]
         machine = status["machine"]
         assert machine["cpu_count"] >= 1 and machine["ram_total_bytes"] > 0
 
@@ -101,7 +105,9 @@ def test_a_context_evicted_to_ram_and_restored(with_ram_tier: Path) -> None:
         ) in human
         assert f"              {report.context_id}  " in human
         assert "machine   " in human and " CPU" in human
-        assert "tiers     ram   2 snapshots, " in human
+        assert "tiers     ram   1 snapshot, " in human
+        assert "memory    daemon " in human and ": adds up (within " in human
+        assert "    memory    inline (part of the daemon's own) · KV " in human
         debug = modeld("status", "--debug", data_dir=data).stdout
         assert "    log (the model runs inline: its lines are in the daemon's log)" in debug
         logs = modeld("logs", "coder", data_dir=data)

@@ -34,7 +34,7 @@ from modeld.settings import Residency
 testmodels = pytest.importorskip("modeld.testmodels")
 
 TEXT = "You are a careful engineer.\nrepo: lib/parser.c parse() lex()\nlib/ast.h node_t\n" * 4
-_FIXED = struct.Struct("<8sHI")
+_TAIL = struct.Struct("<IH8s")  # a snapshot file ends with: header length, version, magic
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,13 @@ def _request(path: str, **config: Any) -> OpenSessionRequest:
 # --- every refused snapshot file names itself in the turn it would have served ------------------
 
 
-def _header_len(raw: bytes) -> int:
-    return int(_FIXED.unpack(raw[: _FIXED.size])[2])
+def _layout(raw: bytes) -> tuple[int, int, int]:
+    """Where a snapshot file's tokens and header start, and the header's length (the payload
+    comes first, then the tokens, the JSON header and the fixed tail)."""
+    header_len = int(_TAIL.unpack(raw[-_TAIL.size :])[0])
+    at = len(raw) - _TAIL.size - header_len
+    fields = json.loads(raw[at : at + header_len])
+    return int(fields["payload_bytes"]), at, header_len
 
 
 def _flip(raw: bytearray, at: int) -> bytes:
@@ -84,24 +89,37 @@ def _rewrite(change: Callable[[bytearray], bytes]) -> Callable[[Path], None]:
 
 
 def _version(raw: bytearray) -> bytes:
-    raw[8:10] = (FORMAT_VERSION + 1).to_bytes(2, "little")
+    raw[-10:-8] = (FORMAT_VERSION + 1).to_bytes(2, "little")
     return bytes(raw)
 
 
 def _magic(raw: bytearray) -> bytes:
-    raw[:8] = b"NOTMODEL"
+    raw[-8:] = b"NOTMODEL"
     return bytes(raw)
 
 
 def _header_json(raw: bytearray) -> bytes:
-    at = _FIXED.size
+    _, at, _ = _layout(raw)
     assert raw[at : at + 1] == b"{"
     raw[at : at + 1] = b"X"  # no longer JSON
     return bytes(raw)
 
 
 def _tokens(raw: bytearray) -> bytes:
-    return _flip(raw, _FIXED.size + _header_len(raw) + 5)
+    return _flip(raw, _layout(raw)[0] + 5)
+
+
+def _cut_payload(raw: bytearray) -> bytes:
+    return bytes(raw[:50] + raw[150:])
+
+
+def _cut_tokens(raw: bytearray) -> bytes:
+    return bytes(raw[: _layout(raw)[0] + 6])
+
+
+def _cut_header(raw: bytearray) -> bytes:
+    _, at, header_len = _layout(raw)
+    return bytes(raw[: at + header_len // 2])
 
 
 def _rename(path: Path) -> None:  # foreign, or renamed by hand: its name claims other contents
@@ -109,12 +127,12 @@ def _rename(path: Path) -> None:  # foreign, or renamed by hand: its name claims
 
 
 DAMAGES: dict[str, Callable[[Path], None]] = {
-    "payload byte flipped": _rewrite(lambda raw: _flip(raw, len(raw) - 10)),
+    "payload byte flipped": _rewrite(lambda raw: _flip(raw, 100)),
     "payload the engine refuses": _engine_refuses,
-    "payload cut short": _rewrite(lambda raw: bytes(raw[:-100])),
+    "payload cut short": _rewrite(_cut_payload),
     "padded": _rewrite(lambda raw: bytes(raw) + b"\0" * 64),
-    "cut inside the tokens": _rewrite(lambda raw: bytes(raw[: _FIXED.size + _header_len(raw) + 6])),
-    "cut inside the header": _rewrite(lambda raw: bytes(raw[: _FIXED.size + _header_len(raw) // 2])),
+    "cut inside the tokens": _rewrite(_cut_tokens),
+    "cut inside the header": _rewrite(_cut_header),
     "empty": _rewrite(lambda raw: b""),
     "another format version": _rewrite(_version),
     "not a snapshot file": _rewrite(_magic),

@@ -32,6 +32,7 @@ from modeld.cache.snapfile import (
     SnapshotHeader,
     open_verified,
     read_header,
+    verify_payload,
     write_atomic,
 )
 from modeld.cache.tiers import WRITER_NICE, Tiers, entry_key
@@ -149,7 +150,9 @@ def test_warm_output_equals_a_fresh_evaluation_across_evictions_snapshots_and_re
     residency = Residency(
         sequences=2,  # four sessions on two sequences: evictions on most switches
         snapshot_min_tokens=8,
-        persist_min_tokens=8,
+        # No prefix is long enough to be written behind: contexts reach the tiers by eviction
+        # (to RAM, spilling to disk) and by restarts (to disk). The write-behind is walked below.
+        persist_min_tokens=4096,
         ram_tier_bytes=200_000,  # about one snapshot of the tiny model: the rest spills to disk
     )
     seen = _walk(str(testmodels.ensure_model(testmodels.TINY)), tmp_path / "data", seed, 45, residency)
@@ -174,7 +177,9 @@ def test_the_same_walk_on_a_unified_kv_pool(tmp_path: Path) -> None:
 def test_warm_output_equals_a_fresh_evaluation_on_a_recurrent_model(tmp_path: Path) -> None:
     """Recurrent memory cannot be cut: what comes back is the state at a prefix boundary (taken
     when the prefix was computed), restored whole, never cut."""
-    residency = Residency(sequences=2, snapshot_min_tokens=8, persist_min_tokens=8)
+    # A workspace's first prefix is written behind to disk; a prefix that computed fewer tokens
+    # (an edit) keeps its boundary state in the RAM tier.
+    residency = Residency(sequences=2, snapshot_min_tokens=8, persist_min_tokens=64)
     path = str(testmodels.ensure_model(testmodels.RECURRENT))
     seen = _walk(path, tmp_path / "data", 3, 30, residency)
     assert seen.get("restored_from_ram", 0) > 0 and seen.get("restored_from_disk", 0) > 0, seen
@@ -286,6 +291,58 @@ def test_an_evicted_context_comes_back_from_the_ram_tier() -> None:
         assert back.restore_ms >= 0
         counters = engine.status().models[0].counters
         assert counters["evicted_to_ram"] >= 1 and counters["reused_ram"] >= first.prefix_tokens
+
+
+def _tier_bytes(engine: Engine) -> tuple[int, int, int]:
+    """RAM-tier entries and bytes, disk-tier entries, once every write has landed."""
+    assert engine.tiers.flush(30)
+    tiers = engine.status().tiers
+    assert tiers is not None
+    return tiers.ram_entries, tiers.ram_bytes, tiers.disk_entries
+
+
+def test_a_byte_is_held_once_a_live_context_on_disk_an_evicted_one_in_ram(tmp_path: Path) -> None:
+    """A context in the KV pool is never also in the RAM tier: a long prefix is written behind to
+    disk only; a context evicted from the KV goes to RAM (unless its prefix is on disk already),
+    and when a restore brings it back whole it leaves RAM (written to disk first)."""
+    residency = Residency(sequences=1, snapshot_min_tokens=8, persist_min_tokens=64)
+    with Engine(backends=("memory",), data_dir=tmp_path / "data", residency=residency) as engine:
+        a = engine.open_session(OpenSessionRequest(path="m"))
+        b = engine.open_session(OpenSessionRequest(path="m"))
+        long_a, long_b = WORKSPACES[0] * 3, WORKSPACES[2] * 3
+        first = a.ensure_prefix(PrefixInput(text=long_a))
+        assert first.prefilled_tokens >= 64
+        assert _tier_bytes(engine) == (0, 0, 1)  # on disk, not in RAM, while it is in the KV
+        extended = a.ensure_prefix(PrefixInput(text=long_a + EDITS[0]))  # a few tokens: not written
+        assert 0 < extended.prefilled_tokens < 64
+        assert _tier_bytes(engine)[:2] == (0, 0)
+        b.ensure_prefix(PrefixInput(text=long_b))  # one sequence: a's context leaves the KV
+        ram_entries, ram_bytes, _ = _tier_bytes(engine)
+        assert ram_entries == 1 and ram_bytes > 0
+        ram = [c for c in engine.status().models[0].contexts if c.tier == "ram"]
+        assert [c.tokens for c in ram] == [extended.prefix_tokens]
+        back = a.ensure_prefix(PrefixInput(text=long_a + EDITS[0]))  # b's goes: it is on disk
+        assert (back.reuse.reason, back.reused_tokens) == ("restored_from_ram", extended.prefix_tokens)
+        # a moved back: its RAM copy is on disk now, in place of its shorter first prefix
+        assert _tier_bytes(engine) == (0, 0, 2)
+        counters = engine.status().models[0].counters
+        assert counters["evicted_to_ram"] == 1 and counters["evicted_to_disk"] == 1
+
+
+def test_a_turn_in_a_full_pool_reuses_the_cells_of_its_own_last_suffix() -> None:
+    """One session filling most of a one-window pool: the next turn's suffix needs the cells its
+    last suffix and decode held, which its own cut frees; nothing else has to go, and the turn is
+    never refused as busy (the 8k coding loop's third turn was, on a pool of one window)."""
+    residency = Residency(sequences=2, kv_unified=True, pool_tokens=512, snapshot_min_tokens=8)
+    with Engine(backends=("memory",), residency=residency) as engine:
+        s = engine.open_session(OpenSessionRequest(path="m"))
+        prefix = "p" * 300 + "\n"
+        for turn in range(3):
+            status = s.ensure_prefix(PrefixInput(text=prefix))
+            assert status.reused_tokens == (0 if turn == 0 else status.prefix_tokens)
+            s.prefill_suffix(SuffixInput(text=f"{turn}" + "s" * 150 + "\n"))
+            assert len(_greedy(s, 8)) == 8
+        assert engine.status().models[0].counters["evicted_to_ram"] == 0
 
 
 def test_with_the_tiers_off_an_eviction_is_a_cold_turn_that_says_so() -> None:
@@ -449,13 +506,13 @@ def test_a_damaged_snapshot_is_removed_never_loaded(
     data, tiny, size = persisted
     path = _only_file(data)
     raw = bytearray(path.read_bytes())
-    if damage == "flip_payload":
-        raw[-10] ^= 0xFF
+    if damage == "flip_payload":  # the payload comes first, the header and tail at the end
+        raw[100] ^= 0xFF
         path.write_bytes(raw)
     elif damage == "truncate":
         path.write_bytes(raw[: len(raw) - 100])
-    elif damage == "version":
-        raw[8:10] = (FORMAT_VERSION + 1).to_bytes(2, "little")
+    elif damage == "version":  # the tail: u32 header length, u16 version, 8-byte magic
+        raw[-10:-8] = (FORMAT_VERSION + 1).to_bytes(2, "little")
         path.write_bytes(raw)
     else:  # a file whose name claims other contents (foreign, or renamed by hand)
         path.rename(path.with_name("0" * 16 + path.name[16:]))
@@ -504,45 +561,27 @@ def test_a_snapshot_the_engine_refuses_falls_back_to_a_full_prefill(persisted: t
         engine.shutdown()
 
 
-def _strip_padding(path: Path) -> None:
-    """Rewrite a split snapshot file as stored before the padding: one stream listed."""
-    header, tokens = read_header(path)
-    with open_verified(path, header) as view:
-        payload = bytes(view)
-    listed = int.from_bytes(payload[8:12], "little")
-    empty = 4 * (listed - 1)
-    assert listed == 256 and not any(payload[len(payload) - empty :])
-    path.unlink()
-    write_atomic(
-        path,
-        model_digest=header.model_digest,
-        identity=header.identity,
-        snapshot_format=header.snapshot_format,
-        tokens=tokens,
-        prefix_tokens=header.prefix_tokens,
-        payload=payload[:8] + (1).to_bytes(4, "little") + payload[12 : len(payload) - empty],
-    )
-
-
 @pytest.mark.llama
-@pytest.mark.parametrize("stored", ["as_written", "one_stream_listed"])
+@pytest.mark.parametrize(("sequences", "how"), [(3, "edited in a private mapping"), (4, "read by llama.cpp")])
 def test_a_snapshot_comes_back_into_a_context_with_another_number_of_sequences(
-    split_persisted: tuple[Path, str, int], stored: str
+    split_persisted: tuple[Path, str, int], sequences: int, how: str
 ) -> None:
-    """Written from a split context of 4 sequences (the fixture), restored into one of 3 from
-    the mapped file, edited in place (the file stays as it was), or, stored before the padding,
-    copied once; the output equals a fresh evaluation."""
+    """Written from a split context of 4 sequences (the fixture, its cells listed first), restored
+    into one of 3 (another stream count: the mapped file's count is edited in place; the file
+    stays as it was) or of 4 (the same count: llama.cpp reads the file itself); the output equals
+    a fresh evaluation."""
     data, tiny, size = split_persisted
     path = _only_file(data)
-    if stored == "one_stream_listed":
-        _strip_padding(path)
     before = path.read_bytes()
-    engine = Engine(backends=("llama",), data_dir=data, residency=Residency(sequences=3, kv_unified=False))
+    listed = int.from_bytes(before[12:16], "little")  # after llama.cpp's 12-byte file head
+    assert listed == 4
+    residency = Residency(sequences=sequences, kv_unified=False)
+    engine = Engine(backends=("llama",), data_dir=data, residency=residency)
     reference = Reference(tiny)
     try:
         session = engine.open_session(_request(tiny))
         st = session.ensure_prefix(PrefixInput(text=WORKSPACES[1]))
-        assert (st.reuse.reason, st.reused_tokens) == ("restored_from_disk", size)
+        assert (st.reuse.reason, st.reused_tokens) == ("restored_from_disk", size), how
         session.prefill_suffix(SuffixInput(text=SUFFIXES[0]))
         assert _greedy(session, 8) == reference.greedy(WORKSPACES[1], SUFFIXES[0], 8)
     finally:
@@ -569,11 +608,14 @@ def test_a_mapped_payload_is_verified_and_private(tmp_path: Path) -> None:
         view[:4] = b"edit"  # a restore's in-place edit: never reaches the file
     with open_verified(path, header) as view:
         assert bytes(view) == payload
+    verify_payload(path, header)  # the same check, reading instead of mapping
     raw = bytearray(path.read_bytes())
-    raw[-1] ^= 1
+    raw[0] ^= 1  # the payload comes first
     path.write_bytes(raw)
     with pytest.raises(SnapshotError, match="checksum"), open_verified(path, header):
         pass
+    with pytest.raises(SnapshotError, match="checksum"):
+        verify_payload(path, header)
     with (
         pytest.raises(SnapshotError, match="changed since it was indexed"),
         open_verified(path, replace(header, created=header.created + 1)),

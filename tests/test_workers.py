@@ -108,6 +108,32 @@ def test_a_worker_killed_mid_decode_fails_that_decode_only_and_is_restarted(tiny
 
 
 @pytest.mark.llama
+def test_a_killed_workers_next_turn_restores_its_context_from_disk(tiny_copy: str, tmp_path: Path) -> None:
+    """The write-behind is the crash safety of a live context: the engine writes a long prefix
+    to the disk tier (the RAM tier holds no copy of a context in the KV), so when the worker
+    dies its next turn restores from disk instead of prefilling."""
+    residency = Residency(persist_min_tokens=64)
+    with Engine(backends=("llama",), data_dir=tmp_path / "data", residency=residency) as engine:
+        s = engine.open_session(_llama(tiny_copy))
+        first = s.ensure_prefix(PrefixInput(text=TEXT))
+        assert first.prefilled_tokens >= 64
+        assert engine.tiers.flush(30)
+        tiers = engine.status().tiers
+        assert tiers is not None and (tiers.ram_entries, tiers.ram_bytes, tiers.disk_entries) == (0, 0, 1)
+        first_pid = _worker_pid(engine)
+        os.kill(first_pid, signal.SIGKILL)
+        assert _wait(lambda: (w := engine.status().models[0].worker) is not None and w.restarts == 1)
+        again = s.ensure_prefix(PrefixInput(text=TEXT))
+        assert (again.reuse.outcome, again.reuse.reason, again.reuse.tier) == (
+            "warm",
+            "restored_from_disk",
+            "disk",
+        )
+        assert again.reused_tokens == first.prefix_tokens and again.prefilled_tokens == 0
+        assert _worker_pid(engine) != first_pid
+
+
+@pytest.mark.llama
 @pytest.mark.parametrize("sig", [signal.SIGABRT, signal.SIGSEGV])
 def test_a_native_crash_is_named_by_its_signal(tiny_copy: str, sig: signal.Signals) -> None:
     """What a GGML_ASSERT (SIGABRT) or a bad pointer (SIGSEGV) in llama.cpp does to a worker."""

@@ -174,6 +174,18 @@ class ModelRuntime(Protocol):
         during the call."""
         ...
 
+    def save(self, seq: int, path: str) -> int:
+        """Write the state of ``seq`` into a new file at ``path``, exactly the blob
+        :meth:`snapshot` would return (the engine may stream it from its cache into the file
+        without holding it whole); returns the bytes written. Raises ``OSError`` when the file
+        system refuses the write."""
+        ...
+
+    def restore_file(self, seq: int, path: str, size: int, tokens: Sequence[int]) -> bool:
+        """:meth:`restore` from the blob stored in the first ``size`` bytes of the file at
+        ``path`` (the caller verified it; the engine may read it in pieces)."""
+        ...
+
     def close(self) -> None:
         """Free the model and every sequence."""
         ...

@@ -372,6 +372,17 @@ class MemoryRuntime:
         held.extend(restored)
         return True
 
+    def save(self, seq: int, path: str) -> int:
+        blob = self.snapshot(seq)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        return len(blob)
+
+    def restore_file(self, seq: int, path: str, size: int, tokens: Sequence[int]) -> bool:
+        with open(path, "rb") as f:
+            return self.restore(seq, f.read(size), tokens)
+
     def close(self) -> None:
         for held in self._seqs:
             held.clear()

@@ -273,6 +273,12 @@ class OpenVINORuntime:
     def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         raise UnsupportedError("the openvino backend cannot restore a sequence (its engine owns the cache)")
 
+    def save(self, seq: int, path: str) -> int:
+        raise UnsupportedError("the openvino backend cannot snapshot a sequence (its engine owns the cache)")
+
+    def restore_file(self, seq: int, path: str, size: int, tokens: Sequence[int]) -> bool:
+        raise UnsupportedError("the openvino backend cannot restore a sequence (its engine owns the cache)")
+
     def close(self) -> None:
         self._pipe = None
         for held in self._seqs:

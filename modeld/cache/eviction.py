@@ -4,14 +4,16 @@
   seconds per 1k tokens it would cost to recompute (:func:`score`), a detached context (its
   session closed) four times sooner.
 * **Save before evict**: an evicted context's prefix is snapshotted into the RAM tier (from there
-  it moves to disk) before its cells are freed, and its session's next turn says where it went
+  it moves to disk; one whose prefix is on disk already goes nowhere else) before its cells are freed, and its session's next turn says where it went
   (``evicted`` with the tier). A session's own context about to be overwritten by something that
   keeps less than half of its prefix is saved too (llama-server's ``f_keep < 0.5`` rule).
 * **Room**: a free sequence for a session that has none, and (unified pool) free cells for the
   tokens a turn will add.
-* **Write-behind** (:class:`WriteBehind`): a long prefix just computed is snapshotted and written
-  to the disk tier in the background, so it survives a crash of the daemon, not only an orderly
-  stop; memory that cannot be cut keeps its state at the prefix boundary in the RAM tier.
+* **Write-behind** (:class:`WriteBehind`, :func:`to_disk`): a long prefix just computed is
+  written to the disk tier by the engine itself and sealed in the background, so it survives a
+  crash of the worker or the daemon; the context stays in the KV pool and the RAM tier holds no
+  copy of it (a byte is held once). Memory that cannot be cut keeps its state at the prefix
+  boundary in the RAM tier when it is not written to disk.
 
 Every function takes the model's :class:`~modeld.cache.pool.Pool`, whose lock the caller holds,
 and reaches the engine through :class:`~modeld.cache.runtime.KVRuntime`. Design record:
@@ -24,7 +26,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from modeld.cache.pool import Pool, SessionSlot, WarmContext
@@ -43,6 +45,7 @@ __all__ = [
     "save_before_overwrite",
     "score",
     "store",
+    "to_disk",
     "victim",
 ]
 
@@ -101,12 +104,14 @@ def new_context(
     return pool.add(slot, free[0])
 
 
-def make_room(pool: Pool, dst: WarmContext, new_cells: int, runtime: KVRuntime) -> None:
-    """Free cells for ``new_cells`` more tokens in ``dst`` (only a unified pool is shared)."""
+def make_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: KVRuntime) -> None:
+    """Free cells for ``new_cells`` more tokens in ``dst`` after its first ``keep`` (only a
+    unified pool is shared). What ``dst`` holds beyond ``keep`` (the last turn's suffix and
+    decode) is freed by the turn's own cut, so it is not counted as in use."""
     layout = pool.layout
     if not layout.shared_cells or not layout.explicit:
         return
-    while pool.ledger.used() + max(0, new_cells) > layout.pool_tokens:
+    while pool.ledger.used(cut=(dst.seq, keep)) + max(0, new_cells) > layout.pool_tokens:
         chosen = victim(pool, exclude={dst})
         if chosen is None:
             raise BusyError(
@@ -173,20 +178,29 @@ def save(
         pool.ledger.truncate(context.seq, n)
         context.tokens = context.tokens[:n]
         context.generation += 1
+    if persist and tiers.disk_on:
+        finish = to_disk(pool, context, runtime)
+        if finish is None:
+            return "disk" if context.saved_key else ""
+        if not finish():
+            return ""
+        pool.counters["snapshots_taken"] += 1
+        return "disk"
     try:
         blob = runtime.snapshot(context.seq).result()
     except ModeldError as exc:
         log.warning("could not snapshot warm context %s: %s", context.id, exc.message)
         return ""
     prefix = min(context.prefix_tokens, n) if whole and context.prefix_tokens else n
-    saved = store(pool, context, context.tokens, prefix, blob, persist=persist)
+    saved = store(pool, context, context.tokens, prefix, blob, remote=persist)
     return saved.tier if saved is not None else ""
 
 
 def store(
-    pool: Pool, context: WarmContext, tokens: Sequence[int], prefix: int, blob: bytes, *, persist: bool
+    pool: Pool, context: WarmContext, tokens: Sequence[int], prefix: int, blob: bytes, *, remote: bool = False
 ) -> TierEntry | None:
-    """Put a snapshot of ``context`` (holding ``tokens``) into the tiers and count it."""
+    """Put a snapshot of ``context`` (holding ``tokens``) into the tiers and count it
+    (``remote``: write it through to the remote tier too)."""
     assert pool.tiers is not None
     entry = pool.tiers.put(
         model_digest=pool.model_digest,
@@ -196,13 +210,57 @@ def store(
         prefix_tokens=prefix,
         blob=blob,
         truncatable=pool.layout.can_truncate,
-        persist=persist,
+        remote=remote,
     )
     if entry is not None:
         pool.counters["snapshots_taken"] += 1
         if context.tokens[: len(tokens)] == list(tokens):
             context.saved_key = entry.key
     return entry
+
+
+def to_disk(pool: Pool, context: WarmContext, runtime: KVRuntime) -> Callable[[], bool] | None:
+    """Have the engine write ``context`` (which stays in the KV pool) into a disk-tier file
+    itself: its blob never reaches the daemon, and no RAM-tier copy is made (a byte is held
+    once). The request is on its way when this returns (so the engine saves the sequence
+    before any later job changes it); the function returned waits for the engine and hands the
+    file to the tier's writer, which seals it in the background (True: written). None when
+    nothing is to be written: an entry holds these tokens already (remembered as the
+    context's), or the disk tier is off. Call with the cache's lock held."""
+    tiers = pool.tiers
+    assert tiers is not None
+    tokens = list(context.tokens)
+    reserved = tiers.reserve(
+        model_digest=pool.model_digest,
+        identity=context.identity,
+        snapshot_format=pool.layout.snapshot_format,
+        tokens=tokens,
+        prefix_tokens=context.prefix_tokens,
+        truncatable=pool.layout.can_truncate,
+    )
+    if reserved is None:
+        return None
+    entry, tmp = reserved
+    context.saved_key = entry.key
+    if tmp is None:
+        return None
+    try:
+        pending = runtime.save(context.seq, str(tmp))
+    except ModeldError:
+        tiers.abandon(entry)
+        raise
+
+    def finish() -> bool:
+        try:
+            saved = pending.result()
+        except ModeldError as exc:
+            tiers.abandon(entry)
+            log.warning("could not write warm context %s to the disk tier: %s", context.id, exc.message)
+            return False
+        tiers.seal(entry, saved)
+        return saved.ok
+
+    return finish
 
 
 def save_before_overwrite(pool: Pool, own: WarmContext, keep: int, runtime: KVRuntime) -> None:
@@ -219,44 +277,71 @@ class WriteBehind:
         self._pool = pool
         self._lock = lock
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-save-{pool.name[:8]}")
-        self._pending: list[Future[None]] = []
+        self._pending: list[Future[object]] = []
 
     def write_behind(self, context: WarmContext, computed: int, runtime: KVRuntime) -> None:
-        """After a prefix that computed ``computed`` tokens: snapshot it and store it (written to
-        disk at once when long enough).
+        """After a prefix that computed ``computed`` tokens: have the engine write it to the
+        disk tier when long enough (crash safety; :func:`to_disk`: never a RAM copy of a
+        context that is in the KV pool), and for memory that cannot be cut keep its state at
+        the prefix boundary in the RAM tier when it is not written to disk.
 
-        The snapshot request reaches the engine before this returns, so the engine takes it
-        before any later job on the sequence: the blob is exactly the prefix."""
+        The request reaches the engine before this returns, so the engine takes the snapshot
+        before any later job on the sequence: it is exactly the prefix."""
         pool = self._pool
         tiers = pool.tiers
-        if tiers is None or computed <= 0:
+        if tiers is None or computed <= 0 or len(context.tokens) < pool.settings.snapshot_min_tokens:
             return
-        persist = tiers.persistent and computed >= pool.settings.persist_min_tokens
-        # Memory that cannot be cut has no other way back to the prefix once a suffix or a
-        # decode extended it: its state at the prefix boundary is kept in the RAM tier.
+        if tiers.disk_on and computed >= pool.settings.persist_min_tokens:
+            with self._lock:
+                finish = to_disk(pool, context, runtime)
+            if finish is not None:
+                written = finish
+
+                def count() -> None:
+                    if written():
+                        with self._lock:
+                            pool.counters["snapshots_taken"] += 1
+
+                self._submit(count)
+            return
+        # Without a disk tier, a long prefix goes to the remote tier only (the shared store,
+        # blueprint 0020): the blob passes through the daemon, no RAM-tier copy is kept. Memory
+        # that cannot be cut has no other way back to the prefix once a suffix or a decode
+        # extended it: its state at the prefix boundary (not what the KV will hold) goes to RAM.
+        remote = tiers.remote is not None and computed >= pool.settings.persist_min_tokens
         boundary = not pool.layout.can_truncate
-        if not (persist or boundary):
+        if not (remote or boundary):
             return
         tokens = list(context.tokens)
-        if len(tokens) < pool.settings.snapshot_min_tokens:
-            return
         pending = runtime.snapshot(context.seq)
         prefix = context.prefix_tokens
 
-        def finish() -> None:
+        def finish_boundary() -> None:
             try:
                 blob = pending.result()
             except ModeldError as exc:
-                log.warning(
-                    "could not snapshot warm context %s for the disk tier: %s", context.id, exc.message
-                )
+                log.warning("could not snapshot warm context %s: %s", context.id, exc.message)
                 return
             with self._lock:
-                store(pool, context, tokens, prefix, blob, persist=persist)
+                if boundary:
+                    store(pool, context, tokens, prefix, blob, remote=remote)
+                else:
+                    tiers.write_remote(
+                        model_digest=pool.model_digest,
+                        identity=context.identity,
+                        snapshot_format=pool.layout.snapshot_format,
+                        tokens=tokens,
+                        prefix_tokens=prefix,
+                        blob=blob,
+                    )
+                    pool.counters["snapshots_taken"] += 1
 
+        self._submit(finish_boundary)
+
+    def _submit(self, job: Callable[[], object]) -> None:
         with self._lock:
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._executor.submit(finish))
+            self._pending.append(self._executor.submit(job))
 
     def settle(self) -> None:
         """Wait for the snapshots on their way (a choice must see every tier entry)."""

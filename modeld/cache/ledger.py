@@ -79,13 +79,18 @@ class Ledger:
         self.drop(seq)
         self.extend(seq, n)
 
-    def used(self) -> int:
-        """Cells in use in the whole pool (a shared prefix counts once)."""
+    def used(self, cut: tuple[int, int] | None = None) -> int:
+        """Cells in use in the whole pool (a shared prefix counts once); ``cut`` = (seq, keep):
+        as they will be once ``seq`` is cut to its first ``keep`` tokens (a turn's sync cuts
+        its sequence before it evaluates)."""
         longest: dict[int, int] = {}
-        for refs in self._seqs.values():
+        for seq, refs in self._seqs.items():
             for ref in refs:
-                if ref.length > longest.get(ref.group, 0):
-                    longest[ref.group] = ref.length
+                length = ref.length
+                if cut is not None and seq == cut[0]:
+                    length = max(0, min(length, cut[1] - ref.start))
+                if length > longest.get(ref.group, 0):
+                    longest[ref.group] = length
         return sum(longest.values())
 
     def unique(self, seq: int) -> int:

@@ -10,6 +10,9 @@ runtime in a worker process or on a thread of the daemon), one protocol message 
   progress and ends with :class:`SyncEnd` (the engine's own counts: the truth after a cancel);
 * :meth:`~KVRuntime.snapshot` sends its request before it returns (so the engine takes the
   snapshot before any later job on the sequence) and answers later (:class:`PendingSnapshot`);
+* :meth:`~KVRuntime.save` is a snapshot the runtime writes into a file itself (the disk tier's
+  temporary file: the blob never reaches the daemon), sent and answered as ``snapshot``
+  (:class:`PendingSave`, :class:`Saved`);
 * :meth:`~KVRuntime.restore` answers :class:`Restored`.
 
 Every call raises the runtime's contract error (``engine_restarted`` when its worker died).
@@ -25,7 +28,7 @@ from typing import Protocol
 from modeld.backends.base import SyncStep
 from modeld.cache.snapfile import SnapshotFile
 
-__all__ = ["KVRuntime", "PendingSnapshot", "Restored", "SyncEnd", "SyncJob"]
+__all__ = ["KVRuntime", "PendingSave", "PendingSnapshot", "Restored", "Saved", "SyncEnd", "SyncJob"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,17 @@ class Restored:
     ok: bool
     detail: str = ""
     refused: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Saved:
+    """A save's answer: ``size`` bytes written, or (not ``ok``) why the file system refused
+    the write (``errno``: its error number, 0 when unknown); the file is gone then."""
+
+    ok: bool
+    size: int = 0
+    detail: str = ""
+    errno: int = 0
 
 
 class SyncJob(Protocol):
@@ -72,6 +86,12 @@ class PendingSnapshot(Protocol):
         ...
 
 
+class PendingSave(Protocol):
+    def result(self) -> Saved:
+        """What became of the file (waits for the engine's answer)."""
+        ...
+
+
 class KVRuntime(Protocol):
     """The KV operations of one loaded runtime (see the module docstring)."""
 
@@ -89,6 +109,11 @@ class KVRuntime(Protocol):
 
     def snapshot(self, seq: int) -> PendingSnapshot:
         """Ask for ``seq``'s state as a blob (the request is on its way when this returns)."""
+        ...
+
+    def save(self, seq: int, path: str) -> PendingSave:
+        """Ask for ``seq``'s state written into a new file at ``path`` (the request is on its
+        way when this returns)."""
         ...
 
     def restore(self, seq: int, tokens: Sequence[int], blob: bytes | SnapshotFile) -> Restored:

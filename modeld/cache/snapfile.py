@@ -2,37 +2,47 @@
 
 Layout (``blueprints/0016-warm-state.md``)::
 
-    "MODELDKV"                      8 bytes, magic
-    u16le version                   FORMAT_VERSION
-    u32le header length
+    payload                         the engine's sequence state, exactly the blob its runtime
+                                    restores (llama.cpp: a sequence-state file of its own,
+                                    which llama.cpp writes and reads itself, streaming)
+    tokens                          n_tokens x u32le
     header                          UTF-8 JSON: model_digest, identity, snapshot_format,
                                     n_tokens, token_hash, prefix_tokens, payload_bytes,
                                     payload_hash, created
-    tokens                          n_tokens x u32le
-    payload                         the engine's opaque sequence state
+    u32le header length
+    u16le version                   FORMAT_VERSION
+    "MODELDKV"                      8 bytes, magic: the file's last bytes
 
-``identity`` is the digest of the runtime fields of the manifest the KV was computed under
-(what makes reuse valid, blueprint 0002); ``snapshot_format`` names the engine build and KV
-layout the blob fits (a blob is never handed to an engine that reports another one);
-``token_hash`` is xxh3-128 of the tokens and ``payload_hash`` xxh3-128 of the payload. A file is
-used only if every one of these checks passes (:func:`open_verified`); otherwise the caller
+The payload comes first so that the engine worker can write it straight into the file (the
+engine streams its KV cells out a tensor row at a time: a prefix written behind for crash
+safety never exists as one blob in any process), and the daemon appends the rest; the header
+is found from the tail. ``identity``
+is the digest of the runtime fields of the manifest the KV was computed under (what makes reuse
+valid, blueprint 0002); ``snapshot_format`` names the engine build and KV layout the blob fits
+(a blob is never handed to an engine that reports another one); ``token_hash`` is xxh3-128 of
+the tokens and ``payload_hash`` xxh3-128 of the payload. A file is used only if every one of
+these checks passes (:func:`verify_payload`, :func:`open_verified`); otherwise the caller
 removes it with the logged reason.
 
-Writing is atomic: a hidden temporary file in the same directory, written, fsync'd, renamed
-over the final name, then the directory fsync'd. A daemon killed mid-write leaves only a
-``.tmp`` file, which the next start removes; a visible file is always whole.
+Writing is atomic: a hidden temporary file in the same directory (:func:`temporary`), the
+payload written (by the daemon, :func:`write_atomic`, or by the engine worker), then
+:func:`seal`: the tokens, header and tail appended, fsync'd, renamed over the final name, the directory fsync'd.
+A daemon killed mid-write leaves only a ``.tmp`` file, which the next start removes; a visible
+file is always whole.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import itertools
 import json
 import mmap
 import os
 import struct
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -47,19 +57,26 @@ __all__ = [
     "SnapshotError",
     "SnapshotFile",
     "SnapshotHeader",
+    "open_verified",
     "read_header",
     "read_header_from",
     "read_verified",
-    "open_verified",
     "salvage",
+    "seal",
+    "temporary",
+    "verify_payload",
     "write_atomic",
 ]
 
 MAGIC = b"MODELDKV"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SUFFIX = ".kvs"
-_FIXED = struct.Struct("<8sHI")
+_TAIL = struct.Struct("<IH8s")
+_V1 = struct.Struct("<8sHI")
 _MAX_HEADER = 1 << 16
+_CHUNK = 4 << 20
+"""Bytes read at a time to hash a payload: the page cache is read, the process's RSS does not grow."""
+_temporaries = itertools.count()
 
 
 class SnapshotError(Exception):
@@ -82,7 +99,7 @@ class SnapshotHeader:
 @dataclass(frozen=True, slots=True)
 class SnapshotFile:
     """A snapshot on disk and the header the daemon indexed: a restore sends both, and the
-    engine worker maps the file and checks it against that header itself."""
+    engine worker checks the file against that header itself."""
 
     path: Path
     header: SnapshotHeader
@@ -101,34 +118,33 @@ def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return arr.tobytes()
 
 
-def _encode_header(
-    *,
-    model_digest: str,
-    identity: str,
-    snapshot_format: str,
-    tokens: Sequence[int],
-    prefix_tokens: int,
-    payload: bytes | memoryview,
-) -> bytes:
-    """The bytes before the payload: magic, version, the JSON header and the tokens."""
-    header = json.dumps(
-        {
-            "model_digest": model_digest,
-            "identity": identity,
-            "snapshot_format": snapshot_format,
-            "n_tokens": len(tokens),
-            "token_hash": token_hash(tokens),
-            "prefix_tokens": prefix_tokens,
-            "payload_bytes": len(payload),
-            "payload_hash": payload_hash(payload),
-            "created": time.time(),
-        },
-        separators=(",", ":"),
-    ).encode("utf-8")
-    return _FIXED.pack(MAGIC, FORMAT_VERSION, len(header)) + header + _tokens_bytes(tokens)
+def temporary(path: Path, tag: str = "") -> Path:
+    """A hidden temporary name beside ``path`` (``.<name>.<pid>.<n>[.<tag>].tmp``): what a write
+    goes to until :func:`seal` renames it; a daemon start removes every such file. ``tag`` adds
+    to it: writers in several processes or on several machines that may share a pid and a
+    directory give a unique tag."""
+    extra = f".{tag}" if tag else ""
+    return path.with_name(f".{path.name}.{os.getpid()}.{next(_temporaries)}{extra}.tmp")
 
 
-def write_atomic(
+def _hash_file(f: object, size: int) -> str:
+    """xxh3-128 of the first ``size`` bytes of an open file, read a chunk at a time."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(min(_CHUNK, max(size, 1)))
+    view = memoryview(buf)
+    left = size
+    readinto = f.readinto  # type: ignore[attr-defined]
+    while left:
+        n = readinto(view[: min(left, len(buf))])
+        if not n:
+            raise SnapshotError("truncated inside the payload")
+        h.update(view[:n])
+        left -= n
+    return h.hexdigest()
+
+
+def seal(
+    tmp: Path,
     path: Path,
     *,
     model_digest: str,
@@ -136,27 +152,32 @@ def write_atomic(
     snapshot_format: str,
     tokens: Sequence[int],
     prefix_tokens: int,
-    payload: bytes | memoryview,
-    tmp_tag: str = "",
-) -> int:
-    """Write a snapshot file atomically; returns its size in bytes. Raises ``OSError``.
-
-    The temporary file is named after the process (``tmp_tag`` adds to it: writers in several
-    processes or on several machines that may share a pid and a directory give a unique tag)."""
-    head = _encode_header(
-        model_digest=model_digest,
-        identity=identity,
-        snapshot_format=snapshot_format,
-        tokens=tokens,
-        prefix_tokens=prefix_tokens,
-        payload=payload,
-    )
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{'.' + tmp_tag if tmp_tag else ''}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+) -> SnapshotHeader:
+    """Finish a temporary file that holds a payload: hash it, append the header, the tokens and
+    the tail, fsync, rename it to ``path`` and fsync the directory. Returns the header written.
+    Raises ``OSError`` (the temporary file is removed)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(head)
-            f.write(payload)
+        with tmp.open("r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size <= 0:
+                raise SnapshotError("the engine wrote an empty snapshot")
+            digest = _hash_file(f, size)
+            header = SnapshotHeader(
+                model_digest=model_digest,
+                identity=identity,
+                snapshot_format=snapshot_format,
+                n_tokens=len(tokens),
+                token_hash=token_hash(tokens),
+                prefix_tokens=prefix_tokens,
+                payload_bytes=size,
+                payload_hash=digest,
+                created=time.time(),
+            )
+            raw = json.dumps(dataclasses.asdict(header), separators=(",", ":")).encode("utf-8")
+            f.seek(size)
+            f.write(_tokens_bytes(tokens))
+            f.write(raw)
+            f.write(_TAIL.pack(len(raw), FORMAT_VERSION, MAGIC))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -169,31 +190,44 @@ def write_atomic(
         os.fsync(dfd)
     finally:
         os.close(dfd)
-    return len(head) + len(payload)
+    return header
 
 
-def _read_fixed(f: object, path: Path) -> SnapshotHeader:
-    del path
-    size = os.fstat(f.fileno()).st_size  # type: ignore[attr-defined]  # the file opened, not the name
-    return _parse_fixed(f.read, size)  # type: ignore[attr-defined]
+def write_atomic(
+    path: Path,
+    *,
+    model_digest: str,
+    identity: str,
+    snapshot_format: str,
+    tokens: Sequence[int],
+    prefix_tokens: int,
+    payload: bytes | bytearray | memoryview,
+    tmp_tag: str = "",
+) -> SnapshotHeader:
+    """Write a snapshot file whose payload is in memory (a RAM-tier blob moving to disk, a
+    shared store's copy) atomically; returns its header. Raises ``OSError``. ``tmp_tag``: see
+    :func:`temporary`."""
+    tmp = temporary(path, tmp_tag)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return seal(
+        tmp,
+        path,
+        model_digest=model_digest,
+        identity=identity,
+        snapshot_format=snapshot_format,
+        tokens=tokens,
+        prefix_tokens=prefix_tokens,
+    )
 
 
-def _parse_fixed(read: Callable[[int], bytes], size: int) -> SnapshotHeader:
-    """The header, read through ``read`` from a snapshot of ``size`` bytes in all (checked
-    against what the header says)."""
-    fixed = read(_FIXED.size)
-    if len(fixed) < _FIXED.size:
-        raise SnapshotError("truncated: shorter than the fixed header")
-    magic, version, header_len = _FIXED.unpack(fixed)
-    if magic != MAGIC:
-        raise SnapshotError("not a modeld snapshot (bad magic)")
-    if version != FORMAT_VERSION:
-        raise SnapshotError(f"snapshot format version {version}; this daemon reads {FORMAT_VERSION}")
-    if header_len > _MAX_HEADER:
-        raise SnapshotError(f"header of {header_len} bytes is over the {_MAX_HEADER}-byte limit")
-    raw = read(header_len)
-    if len(raw) < header_len:
-        raise SnapshotError("truncated inside the header")
+def _parse(raw: bytes) -> SnapshotHeader:
     try:
         fields = json.loads(raw.decode("utf-8"))
         header = SnapshotHeader(
@@ -207,17 +241,44 @@ def _parse_fixed(read: Callable[[int], bytes], size: int) -> SnapshotHeader:
             payload_hash=str(fields["payload_hash"]),
             created=float(fields["created"]),
         )
-    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"unreadable header ({exc.__class__.__name__}: {exc})") from exc
     if header.n_tokens <= 0 or header.payload_bytes <= 0 or not 0 <= header.prefix_tokens <= header.n_tokens:
         raise SnapshotError("the header's counts are inconsistent")
-    expected = _FIXED.size + header_len + 4 * header.n_tokens + header.payload_bytes
+    return header
+
+
+def _read_trailer(f: BinaryIO) -> SnapshotHeader:
+    """The header of an open snapshot file, after checking its tail and its size (of the file
+    opened, whatever is renamed over its name meanwhile)."""
+    seek, read = f.seek, f.read
+    size = os.fstat(f.fileno()).st_size
+    tail = b""
+    if size >= _TAIL.size:
+        seek(size - _TAIL.size)
+        tail = read(_TAIL.size)
+    if len(tail) < _TAIL.size or tail[-8:] != MAGIC:
+        seek(0)
+        first = read(_V1.size)
+        if len(first) == _V1.size and first[:8] == MAGIC:  # the first format: magic first
+            raise SnapshotError(
+                f"snapshot format version {_V1.unpack(first)[1]}; this daemon reads {FORMAT_VERSION}"
+            )
+        raise SnapshotError("not a modeld snapshot (bad magic at its end), or truncated")
+    header_len, version, _ = _TAIL.unpack(tail)
+    if version != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot format version {version}; this daemon reads {FORMAT_VERSION}")
+    if header_len > _MAX_HEADER or header_len + _TAIL.size > size:
+        raise SnapshotError(f"a header of {header_len} bytes does not fit in a file of {size}")
+    seek(size - _TAIL.size - header_len)
+    header = _parse(read(header_len))
+    expected = header.payload_bytes + 4 * header.n_tokens + header_len + _TAIL.size
     if size != expected:
         raise SnapshotError(f"{size} bytes on disk, the header says {expected} (truncated or padded)")
     return header
 
 
-def _tokens_from(raw: bytes | memoryview, header: SnapshotHeader) -> list[int]:
+def _tokens_from(raw: bytes, header: SnapshotHeader) -> list[int]:
     if len(raw) < 4 * header.n_tokens:
         raise SnapshotError("truncated inside the tokens")
     arr = array("I")
@@ -230,24 +291,10 @@ def _tokens_from(raw: bytes | memoryview, header: SnapshotHeader) -> list[int]:
     return tokens
 
 
-def read_verified(f: BinaryIO) -> tuple[SnapshotHeader, list[int], bytes]:
-    """A whole snapshot read from an open file, after every check (magic, version, sizes, the
-    token hash, the payload's checksum): its header, tokens and payload. Reading through one
-    descriptor reads the file that was opened, whole, whatever is renamed over its name
-    meanwhile. Raises ``SnapshotError`` or ``OSError``."""
-    header = _parse_fixed(f.read, os.fstat(f.fileno()).st_size)
-    tokens = _tokens_from(f.read(4 * header.n_tokens), header)
-    payload = f.read(header.payload_bytes)
-    if len(payload) != header.payload_bytes:
-        raise SnapshotError("truncated inside the payload")
-    if payload_hash(payload) != header.payload_hash:
-        raise SnapshotError("the payload does not match its checksum (corrupt)")
-    return header, tokens, payload
-
-
 def read_header_from(f: BinaryIO) -> tuple[SnapshotHeader, list[int]]:
     """The header and tokens of an open snapshot file (checks the token hash, not the payload)."""
-    header = _parse_fixed(f.read, os.fstat(f.fileno()).st_size)
+    header = _read_trailer(f)
+    f.seek(header.payload_bytes)
     return header, _tokens_from(f.read(4 * header.n_tokens), header)
 
 
@@ -255,6 +302,21 @@ def read_header(path: Path) -> tuple[SnapshotHeader, list[int]]:
     """The header and tokens of a snapshot file (checks the token hash, not the payload)."""
     with path.open("rb") as f:
         return read_header_from(f)
+
+
+def read_verified(f: BinaryIO) -> tuple[SnapshotHeader, list[int], bytes]:
+    """A whole snapshot read from an open file, after every check (magic, version, sizes, the
+    token hash, the payload's checksum): its header, tokens and payload. Reading through one
+    descriptor reads the file that was opened, whole, whatever is renamed over its name
+    meanwhile. Raises ``SnapshotError`` or ``OSError``."""
+    header, tokens = read_header_from(f)
+    f.seek(0)
+    payload = f.read(header.payload_bytes)
+    if len(payload) != header.payload_bytes:
+        raise SnapshotError("truncated inside the payload")
+    if payload_hash(payload) != header.payload_hash:
+        raise SnapshotError("the payload does not match its checksum (corrupt)")
+    return header, tokens, payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +332,33 @@ class Salvaged:
     tokens: tuple[int, ...] | None = None
 
 
+def _salvage_fields(f: BinaryIO, size: int) -> tuple[dict[str, object], bytes]:
+    """The JSON header of a file of either format as far as it parses, and its raw tokens
+    (b"" when they cannot be located). Raises what reading or parsing raises."""
+    first = f.read(_V1.size)
+    if len(first) == _V1.size and first[:8] == MAGIC:  # format 1: magic, version, length first
+        _, _, header_len = _V1.unpack(first)
+        if header_len > _MAX_HEADER:
+            return {}, b""
+        fields = json.loads(f.read(header_len).decode("utf-8"))
+        n = int(fields["n_tokens"])
+        return fields, f.read(4 * n) if 0 < n <= _MAX_SALVAGED_TOKENS else b""
+    if size < _TAIL.size:
+        return {}, b""
+    f.seek(size - _TAIL.size)
+    header_len, _, _ = _TAIL.unpack(f.read(_TAIL.size))
+    if header_len > _MAX_HEADER or header_len + _TAIL.size > size:
+        return {}, b""
+    f.seek(size - _TAIL.size - header_len)
+    fields = json.loads(f.read(header_len).decode("utf-8"))
+    n = int(fields["n_tokens"])
+    start = size - _TAIL.size - header_len - 4 * n
+    if not 0 < n <= _MAX_SALVAGED_TOKENS or start < 0:
+        return fields, b""
+    f.seek(start)
+    return fields, f.read(4 * n)
+
+
 def salvage(path: Path) -> Salvaged:
     """What a file that failed :func:`read_header` says it held, for the turn it would have
     served (its ``snapshot_rejected`` reason): the header's fields when its JSON still parses
@@ -283,17 +372,12 @@ def salvage(path: Path) -> Salvaged:
         named = Salvaged(model_digest=parts[0], identity=parts[1], format_hash=parts[2])
     try:
         with path.open("rb") as f:
-            fixed = f.read(_FIXED.size)
-            if len(fixed) < _FIXED.size:
-                return named
-            _, _, header_len = _FIXED.unpack(fixed)
-            if header_len > _MAX_HEADER:
-                return named
-            fields = json.loads(f.read(header_len).decode("utf-8"))
-            digest, identity = str(fields["model_digest"]), str(fields["identity"])
-            fmt, n = str(fields["snapshot_format"]), int(fields["n_tokens"])
-            want = str(fields.get("token_hash", ""))
-            raw = f.read(4 * n) if 0 < n <= _MAX_SALVAGED_TOKENS else b""
+            fields, raw = _salvage_fields(f, os.fstat(f.fileno()).st_size)
+        if not fields:
+            return named
+        digest, identity = str(fields["model_digest"]), str(fields["identity"])
+        fmt, n = str(fields["snapshot_format"]), int(str(fields["n_tokens"]))
+        want = str(fields.get("token_hash", ""))
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error):
         return named
     tokens: tuple[int, ...] | None = None
@@ -311,31 +395,41 @@ _MAX_SALVAGED_TOKENS = 1 << 20
 """Tokens :func:`salvage` reads from a refused file at most (4 MiB)."""
 
 
+def verify_payload(path: Path, expected: SnapshotHeader) -> None:
+    """Check that a snapshot file is still the one that was indexed (same header) and that its
+    payload matches its hash, reading it a chunk at a time (through the page cache: the
+    caller's memory does not grow with the snapshot). Raises ``SnapshotError`` (or ``OSError``)."""
+    with path.open("rb") as f:
+        if _read_trailer(f) != expected:
+            raise SnapshotError("the file changed since it was indexed")
+        f.seek(0)
+        if _hash_file(f, expected.payload_bytes) != expected.payload_hash:
+            raise SnapshotError("the payload does not match its checksum (corrupt)")
+
+
 @contextlib.contextmanager
 def open_verified(path: Path, expected: SnapshotHeader) -> Iterator[memoryview]:
     """The payload of a snapshot file, mapped (never read into a copy), after checking it is
     still the file that was indexed (same header) and that the payload matches its hash.
 
     The view is private and writable (copy on write: a restore may rewrite a few bytes of its
-    header in place; the file never changes) and valid inside the ``with`` block only. Mapping
-    instead of reading: 100 MB read into fresh memory costs ~50 ms of page faults and copying,
-    mapped and hashed ~4 ms, and the engine copies from the mapping into its own cache anyway.
-    Raises ``SnapshotError`` (or ``OSError``)."""
+    header in place; the file never changes) and valid inside the ``with`` block only. Every
+    page of the payload is resident while the view is held; an engine that can read the file
+    itself streams it instead (:func:`verify_payload`, blueprint 0016). Raises
+    ``SnapshotError`` (or ``OSError``)."""
     with path.open("rb") as f:
-        header = _read_fixed(f, path)
-        if header != expected:
+        if _read_trailer(f) != expected:
             raise SnapshotError("the file changed since it was indexed")
-        start = f.tell() + 4 * header.n_tokens
         try:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except ValueError as exc:  # emptied since the size check
             raise SnapshotError(f"truncated ({exc})") from exc
     try:
-        view = memoryview(mapped)[start : start + header.payload_bytes]
+        view = memoryview(mapped)[: expected.payload_bytes]
         try:
-            if len(view) != header.payload_bytes:
+            if len(view) != expected.payload_bytes:
                 raise SnapshotError("truncated inside the payload")
-            if payload_hash(view) != header.payload_hash:
+            if payload_hash(view) != expected.payload_hash:
                 raise SnapshotError("the payload does not match its checksum (corrupt)")
             yield view
         finally:

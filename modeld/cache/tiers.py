@@ -21,9 +21,9 @@ why; so does the first cold turn a file refused while the directory was indexed 
 Design record: ``blueprints/0016-warm-state.md``.
 
 A **remote tier** (:class:`RemoteTier`, the shared store of ``modeld/cache/shared.py``) may be
-attached: every snapshot persisted here is written through to it, and a turn that misses
-locally looks there (:meth:`Tiers.remote_candidates`). Design record:
-``blueprints/0020-fleet.md``.
+attached: every snapshot persisted here is written through to it (a file the engine wrote, once
+sealed), and a turn that misses locally looks there (:meth:`Tiers.remote_candidates`). Design
+record: ``blueprints/0020-fleet.md``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Protocol
 
 from modeld.cache.reuse import common_prefix_len
+from modeld.cache.runtime import Saved
 from modeld.cache.snapfile import (
     SUFFIX,
     Salvaged,
@@ -50,8 +51,10 @@ from modeld.cache.snapfile import (
     SnapshotHeader,
     read_header,
     salvage,
+    temporary,
     write_atomic,
 )
+from modeld.cache.snapfile import seal as seal_file
 from modeld.manifest import bytes_hash, token_hash
 
 __all__ = ["Refused", "Rejection", "RemoteTier", "TierEntry", "Tiers", "entry_key", "key_prefix"]
@@ -91,6 +94,14 @@ class TierEntry:
     last_used: float = field(default_factory=time.time)
     created: float = field(default_factory=time.time)
     writing: bool = False
+    tmp: Path | None = None
+    """A temporary file the engine writes this entry's blob into (:meth:`Tiers.reserve`)."""
+    truncatable: bool = False
+    leaving: bool = False
+    """The blob leaves RAM once its file is written (its context is back in the KV pool, or
+    the RAM tier is over budget)."""
+    through: bool = False
+    """Persisted: once its file is sealed, it is written through to the remote tier."""
 
     @property
     def tier(self) -> str:
@@ -195,7 +206,7 @@ class Tiers:
         self.rejections: deque[Rejection] = deque(maxlen=_REJECTIONS_KEPT)
         self._refused: deque[Refused] = deque(maxlen=_REJECTIONS_KEPT)
         self.counters = {"written": 0, "write_failures": 0, "spilled_to_disk": 0, "dropped": 0, "rejected": 0}
-        self._writes: queue.SimpleQueue[tuple[TierEntry, bytes] | None] = queue.SimpleQueue()
+        self._writes: queue.SimpleQueue[tuple[TierEntry, bytes | None] | None] = queue.SimpleQueue()
         self._pending_writes = 0
         self._idle = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
@@ -255,6 +266,41 @@ class Tiers:
 
     # --- adding -----------------------------------------------------------------------------------
 
+    def _same(self, e: TierEntry, model_digest: str, identity: str, snapshot_format: str) -> bool:
+        return (
+            e.model_digest == model_digest and e.identity == identity and e.snapshot_format == snapshot_format
+        )
+
+    def _covering(
+        self, model_digest: str, identity: str, snapshot_format: str, tokens: list[int], truncatable: bool
+    ) -> TierEntry | None:
+        """An entry that already holds ``tokens`` (the same ones, or more when a restored
+        sequence can be cut)."""
+        existing = self._entries.get(entry_key(model_digest, identity, snapshot_format, tokens))
+        if existing is not None:
+            return existing
+        if truncatable:
+            for e in self._entries.values():
+                if (
+                    self._same(e, model_digest, identity, snapshot_format)
+                    and len(e.tokens) >= len(tokens)
+                    and e.tokens[: len(tokens)] == tokens
+                ):
+                    return e
+        return None
+
+    def _supersede(self, entry: TierEntry) -> None:
+        """Remove the entries whose tokens are a prefix of a new entry's (a restored sequence is
+        cut to whatever prefix a turn needs)."""
+        for e in list(self._entries.values()):
+            if (
+                e is not entry
+                and self._same(e, entry.model_digest, entry.identity, entry.snapshot_format)
+                and len(e.tokens) < len(entry.tokens)
+                and entry.tokens[: len(e.tokens)] == e.tokens
+            ):
+                self._remove(e, "superseded by a longer snapshot of the same context")
+
     def put(
         self,
         *,
@@ -265,39 +311,25 @@ class Tiers:
         prefix_tokens: int,
         blob: bytes,
         truncatable: bool,
-        persist: bool = False,
+        remote: bool = False,
     ) -> TierEntry | None:
-        """Keep a snapshot (in RAM, or straight on disk when the RAM tier is off).
+        """Keep the snapshot of a context that leaves the KV pool (in RAM, or straight on disk
+        when the RAM tier is off or too small); ``remote``: persisted, written through to the
+        remote tier too.
 
         Entries of the same identity whose tokens are a prefix of ``tokens`` are superseded
         when the engine can cut a restored sequence (``truncatable``); an entry that already
-        covers ``tokens`` makes this one unnecessary. ``persist`` also writes it to disk now
-        (write-behind), so it survives a crash of the daemon. None if no tier could take it.
-        """
+        covers ``tokens`` makes this one unnecessary. None if no tier could take it."""
         tokens = list(tokens)
         prefix_tokens = min(prefix_tokens, len(tokens))  # a file claiming more is refused on reading
         key = entry_key(model_digest, identity, snapshot_format, tokens)
         with self._lock:
-            existing = self._entries.get(key)
-            if existing is not None:
-                existing.last_used = time.time()
-                if persist:
-                    self.persist(existing)
-                return existing
-            for e in list(self._entries.values()):
-                if (
-                    e.model_digest != model_digest
-                    or e.identity != identity
-                    or e.snapshot_format != snapshot_format
-                ):
-                    continue
-                if truncatable and len(e.tokens) >= len(tokens) and e.tokens[: len(tokens)] == tokens:
-                    e.last_used = time.time()
-                    if persist:
-                        self.persist(e)
-                    return e  # an entry that covers these tokens already exists
-                if truncatable and len(e.tokens) < len(tokens) and tokens[: len(e.tokens)] == e.tokens:
-                    self._remove(e, "superseded by a longer snapshot of the same context")
+            covering = self._covering(model_digest, identity, snapshot_format, tokens, truncatable)
+            if covering is not None:
+                covering.last_used = time.time()
+                if remote:
+                    self.persist(covering)
+                return covering
             entry = TierEntry(
                 key=key,
                 model_digest=model_digest,
@@ -307,21 +339,143 @@ class Tiers:
                 prefix_tokens=prefix_tokens,
                 nbytes=len(blob),
             )
-            if persist and self.remote is not None:
+            if remote and self.remote is not None:
                 self.remote.write(entry, blob)
             if self.ram_budget >= len(blob):
+                if truncatable:
+                    self._supersede(entry)
                 entry.blob = blob
                 self._entries[key] = entry
-                if persist and self.disk_on:
-                    self._queue_write(entry, blob)
                 self._enforce_ram()
                 return entry
             if self.disk_on and self.disk_budget >= len(blob):
+                if truncatable:
+                    self._supersede(entry)
                 self._entries[key] = entry
                 self._queue_write(entry, blob)
                 return entry
             self.counters["dropped"] += 1
             return None
+
+    def write_remote(
+        self,
+        *,
+        model_digest: str,
+        identity: str,
+        snapshot_format: str,
+        tokens: Sequence[int],
+        prefix_tokens: int,
+        blob: bytes,
+    ) -> None:
+        """Write a snapshot of a context that stays in the KV pool through to the remote tier
+        only (no disk tier here to write it to; no RAM-tier copy)."""
+        if self.remote is None:
+            return
+        tokens = list(tokens)
+        entry = TierEntry(
+            key=entry_key(model_digest, identity, snapshot_format, tokens),
+            model_digest=model_digest,
+            identity=identity,
+            snapshot_format=snapshot_format,
+            tokens=tokens,
+            prefix_tokens=min(prefix_tokens, len(tokens)),
+            nbytes=len(blob),
+        )
+        self.remote.write(entry, blob)
+
+    def reserve(
+        self,
+        *,
+        model_digest: str,
+        identity: str,
+        snapshot_format: str,
+        tokens: Sequence[int],
+        prefix_tokens: int,
+        truncatable: bool,
+    ) -> tuple[TierEntry, Path | None] | None:
+        """An entry for the snapshot of a context that stays in the KV pool, written to disk
+        for crash safety and never kept in RAM (blueprint 0016): the entry and the temporary
+        file the engine is to write its blob into (then :meth:`seal`, or :meth:`abandon`), or
+        an entry that holds these tokens already and None (nothing to write), or None when
+        the disk tier is off.
+
+        The new entry is listed at once (a turn that chooses it waits for its file,
+        :meth:`load`); the entries it covers are removed only when its file is sealed. An
+        entry in RAM that holds exactly these tokens is written to disk instead and leaves
+        RAM (the KV pool holds those bytes now)."""
+        tokens = list(tokens)
+        with self._lock:
+            if not self.disk_on:
+                return None
+            covering = self._covering(model_digest, identity, snapshot_format, tokens, truncatable)
+            if covering is not None:
+                covering.last_used = time.time()
+                if covering.path is None and covering.blob is not None:
+                    if len(covering.tokens) == len(tokens):
+                        self._leave_ram(covering)
+                    else:
+                        self._queue_write(covering, covering.blob)
+                covering.through = True
+                self.persist(covering)
+                return covering, None
+            assert self.directory is not None
+            key = entry_key(model_digest, identity, snapshot_format, tokens)
+            entry = TierEntry(
+                key=key,
+                model_digest=model_digest,
+                identity=identity,
+                snapshot_format=snapshot_format,
+                tokens=tokens,
+                prefix_tokens=min(prefix_tokens, len(tokens)),
+                nbytes=0,
+                writing=True,
+                truncatable=truncatable,
+                through=True,
+            )
+            self._entries[key] = entry
+            entry.tmp = temporary(self.directory / f"{key}{SUFFIX}")
+            self._pending_writes += 1  # until it is sealed (the writer's) or abandoned
+            return entry, entry.tmp
+
+    def seal(self, entry: TierEntry, saved: Saved) -> None:
+        """The engine wrote (or failed to write) ``entry``'s temporary file: seal and index it
+        on the writer thread, or record the failure (a file system that refuses writes turns
+        the disk tier off, as the daemon's own writes do)."""
+        if not saved.ok:
+            self.abandon(entry)
+            self._write_failed(entry, saved.errno or None, saved.detail)
+            return
+        with self._lock:
+            entry.nbytes = saved.size
+            self._writes.put((entry, None))
+
+    def abandon(self, entry: TierEntry) -> None:
+        """The engine did not write a reserved entry's file (it failed, or died): forget the
+        entry and its file."""
+        with self._lock:
+            if entry.tmp is not None:
+                with contextlib.suppress(OSError):
+                    entry.tmp.unlink()
+                entry.tmp = None
+            entry.writing = False
+            self._pending_writes -= 1
+            self._idle.notify_all()
+            if entry.path is None and entry.blob is None:
+                self._entries.pop(entry.key, None)
+
+    def _leave_ram(self, entry: TierEntry) -> None:
+        """``entry``'s context is back in the KV pool: its RAM copy goes (on disk it stays, or
+        is written there first when the disk tier is on; else the entry goes)."""
+        if entry.blob is None:
+            return
+        if entry.path is not None:
+            entry.blob = None
+        elif self.disk_on and self.disk_budget >= entry.nbytes:
+            entry.leaving = True
+            self._queue_write(entry, entry.blob)  # the writer drops the blob once it is written
+        else:
+            self._entries.pop(entry.key, None)
+            entry.blob = None
 
     def _enforce_ram(self) -> None:
         """Over the RAM budget: move the least recently used blobs to disk, or drop them."""
@@ -337,28 +491,36 @@ class Tiers:
             if e.path is not None or e.writing:
                 e.blob = None if e.path is not None else e.blob
                 if e.path is None:  # its write is queued: the writer drops the blob when done
+                    e.leaving = True
                     continue
             elif self.disk_on and self.disk_budget >= e.nbytes:
                 self.counters["spilled_to_disk"] += 1
+                e.leaving = True
                 self._queue_write(e, e.blob)
-                e.blob = None
             else:
                 self._entries.pop(e.key, None)
+                e.blob = None
                 self.counters["dropped"] += 1
 
     # --- using ------------------------------------------------------------------------------------
 
-    def load(self, entry: TierEntry) -> bytes | SnapshotFile:
+    def load(self, entry: TierEntry, timeout: float = 60.0) -> bytes | SnapshotFile:
         """The entry's blob from RAM, or the file and header to restore it from (the engine
-        worker maps and verifies the file itself: ``snapfile.open_verified``; a 100 MB payload
-        read here and sent over the worker's socket cost 130-300 ms, mapped there ~18 ms), or
-        the remote tier's verified payload. Raises ``SnapshotError`` when none is left."""
+        worker verifies and reads the file itself; a 100 MB payload read here and sent over the
+        worker's socket cost 130-300 ms). An entry whose file the engine is still writing is
+        waited for. Raises ``SnapshotError`` when neither is left."""
         remote = self.remote
         if remote is not None and remote.owns(entry):
             entry.last_used = time.time()
             return remote.load(entry)
+        deadline = time.monotonic() + timeout
         with self._lock:
             entry.last_used = time.time()
+            while entry.blob is None and entry.path is None and entry.writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._idle.wait(left)
             blob = entry.blob
             path, header = entry.path, entry.header
         if blob is not None:
@@ -367,12 +529,21 @@ class Tiers:
             raise SnapshotError("the snapshot is no longer available")
         return SnapshotFile(path, header)
 
+    def take(self, entry: TierEntry) -> None:
+        """A restore brought ``entry``'s whole context back into the KV pool: a context live in
+        the KV is not also held in the RAM tier (moved, not copied). Its disk copy stays, or
+        is written first (crash safety: a worker that dies takes the KV with it)."""
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                self._leave_ram(entry)
+
     def persist(self, entry: TierEntry) -> None:
         """Write an entry that is only in RAM to the disk tier too (write-behind), and write it
-        through to the remote tier."""
+        through to the remote tier (one whose file is still being written, once sealed)."""
         with self._lock:
             if entry.path is None and entry.blob is not None and self.disk_on and entry.key in self._entries:
                 self._queue_write(entry, entry.blob)
+            entry.through = True
             remote = self.remote
             if remote is not None and not remote.owns(entry):
                 source: bytes | SnapshotFile | None = entry.blob
@@ -443,10 +614,17 @@ class Tiers:
             finally:
                 with self._lock:
                     entry.writing = False
+                    if entry.tmp is not None:  # not sealed: the entry has nothing to restore from
+                        with contextlib.suppress(OSError):
+                            entry.tmp.unlink()
+                        entry.tmp = None
+                        if entry.path is None and entry.blob is None:
+                            self._entries.pop(entry.key, None)
                     self._pending_writes -= 1
                     self._idle.notify_all()
 
-    def _write(self, entry: TierEntry, blob: bytes) -> None:
+    def _write(self, entry: TierEntry, blob: bytes | None) -> None:
+        """Write a RAM blob to its file, or seal a file the engine wrote (``blob`` None)."""
         assert self.directory is not None
         with self._lock:
             if not self.disk_on or entry.key not in self._entries:
@@ -455,30 +633,24 @@ class Tiers:
                 return
             self._make_disk_room(entry.nbytes)
         path = self.directory / f"{entry.key}{SUFFIX}"
+        fields = {
+            "model_digest": entry.model_digest,
+            "identity": entry.identity,
+            "snapshot_format": entry.snapshot_format,
+            "tokens": entry.tokens,
+            "prefix_tokens": entry.prefix_tokens,
+        }
         try:
-            write_atomic(
-                path,
-                model_digest=entry.model_digest,
-                identity=entry.identity,
-                snapshot_format=entry.snapshot_format,
-                tokens=entry.tokens,
-                prefix_tokens=entry.prefix_tokens,
-                payload=blob,
-            )
-            header, _ = read_header(path)
-        except (OSError, SnapshotError) as exc:
-            if isinstance(exc, SnapshotError):  # written whole, but not what it should hold
-                with contextlib.suppress(OSError):
-                    path.unlink()
-            with self._lock:
-                self.counters["write_failures"] += 1
-                if entry.blob is None:
-                    self._entries.pop(entry.key, None)
-            code = exc.errno if isinstance(exc, OSError) else None
-            if code in _DISK_OFF_ERRNOS or isinstance(exc, SnapshotError):
-                self._disk_off(f"writing {path.name} failed ({exc})")
+            if blob is not None:
+                header = write_atomic(path, payload=blob, **fields)  # type: ignore[arg-type]
             else:
-                log.warning("writing KV snapshot %s failed: %s", path.name, exc)
+                assert entry.tmp is not None
+                header = seal_file(entry.tmp, path, **fields)  # type: ignore[arg-type]
+                entry.tmp = None
+        except (OSError, SnapshotError) as exc:
+            self._write_failed(
+                entry, exc.errno if isinstance(exc, OSError) else None, f"writing {path.name} failed ({exc})"
+            )
             return
         with self._lock:
             self.counters["written"] += 1
@@ -488,8 +660,29 @@ class Tiers:
                 return
             entry.path = path
             entry.header = header
-            if sum(e.nbytes for e in self._entries.values() if e.blob is not None) > self.ram_budget:
+            entry.nbytes = header.payload_bytes
+            if entry.truncatable:
+                self._supersede(entry)
+            remote = self.remote
+            if entry.through and remote is not None and not remote.owns(entry):
+                remote.write(entry, SnapshotFile(path, header))
+            if entry.leaving or (
+                sum(e.nbytes for e in self._entries.values() if e.blob is not None) > self.ram_budget
+            ):
                 entry.blob = None
+                entry.leaving = False
+
+    def _write_failed(self, entry: TierEntry, code: int | None, detail: str) -> None:
+        with self._lock:
+            self.counters["write_failures"] += 1
+            if entry.blob is None:
+                self._entries.pop(entry.key, None)
+        if code in _DISK_OFF_ERRNOS or code is None:
+            self._disk_off(
+                detail if detail.startswith("writing") else f"writing {entry.key}{SUFFIX} failed ({detail})"
+            )
+        else:
+            log.warning("%s", detail)
 
     def _make_disk_room(self, nbytes: int) -> None:
         used = sum(e.nbytes for e in self._entries.values() if e.path is not None)
@@ -576,8 +769,8 @@ class Tiers:
             path.unlink()
 
     def flush(self, timeout: float) -> bool:
-        """Wait until every queued write is on disk and through to the remote tier (True) or
-        ``timeout`` passes (False)."""
+        """Wait until every queued write, and every file an engine was asked to write, is on
+        disk and through to the remote tier (True) or ``timeout`` passes (False)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._pending_writes:

@@ -311,11 +311,10 @@ class ModelCache:
                 dst = self._place(slot, choice, runtime)
             hold = Hold(self, dst, target, stage, manifest)
             self._fill(slot, hold, choice, runtime)
-            # The cells of dst past what is kept are cut by this turn: they count as room (a
-            # session editing the middle of a prefix longer than half the pool used to be busy).
-            ledger = pool.ledger
-            cut = max(0, min(ledger.unique(dst.seq), ledger.length(dst.seq) - hold.keep))
-            eviction.make_room(pool, dst, len(target) - hold.keep + extra_cells - cut, runtime)
+            # The cells of dst past what is kept are cut by this turn: they count as room (the
+            # 8k coding loop's third turn, and a session editing the middle of a prefix longer
+            # than half the pool, used to be busy).
+            eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
             dst.busy = True
             dst.floor = max(0, min(floor, hold.keep - 2))
             cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
@@ -423,6 +422,7 @@ class ModelCache:
         assert pool.tiers is not None
         dst = hold.context
         started = time.perf_counter()
+        tier = entry.tier  # where it comes from (a restore may move it out of RAM)
         try:
             blob = pool.tiers.load(entry)
         except SnapshotError as exc:
@@ -432,7 +432,7 @@ class ModelCache:
         # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
         # other warm contexts makes the engine refuse it, and a good snapshot must not be
         # rejected (and removed: from the shared store, for every box) for want of room.
-        eviction.make_room(pool, dst, len(entry.tokens) - pool.ledger.unique(dst.seq), runtime)
+        eviction.make_room(pool, dst, 0, len(entry.tokens), runtime)
         restored = runtime.restore(dst.seq, entry.tokens, blob)
         dst.generation += 1
         if not restored.ok:
@@ -449,9 +449,13 @@ class ModelCache:
         dst.saved_key = entry.key
         pool.ledger.set(dst.seq, len(entry.tokens))
         pool.tiers.touch(entry)
+        if keep >= len(entry.tokens):
+            # The KV pool holds the whole entry again: its RAM copy goes (moved, not copied;
+            # a disk copy stays, or is written first, for a worker crash).
+            pool.tiers.take(entry)
         hold.keep = keep
-        hold.tier = entry.tier
-        hold.source = Candidate(entry.tier, entry.short_id, entry.prefix_tokens, own=False)
+        hold.tier = tier
+        hold.source = Candidate(tier, entry.short_id, entry.prefix_tokens, own=False)
         hold.restore_ms = (time.perf_counter() - started) * 1000.0
 
     # --- what the engine reported -----------------------------------------------------------------

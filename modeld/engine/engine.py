@@ -42,6 +42,7 @@ from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import (
     Accelerator,
     ContextReport,
+    DaemonMemory,
     DaemonStatus,
     LoadedModelSummary,
     Machine,
@@ -55,6 +56,7 @@ from modeld.contract import (
 )
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.limits import Limits
+from modeld.engine.memory import accounting_tolerance, model_memory
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import identity_of, prepare_prefix, prepare_suffix
@@ -72,6 +74,7 @@ from modeld.errors import (
     UnsupportedError,
 )
 from modeld.manifest import config_runtime_digest
+from modeld.observe.memory import rss as process_rss
 from modeld.settings import ISOLATIONS, Residency, RestartPolicy, Timeouts
 
 __all__ = ["Engine", "EngineObserver"]
@@ -563,12 +566,33 @@ class Engine:
             owner_lost=self.owner.lost or "",
             tiers=self._tier_status(),
             machine=self.machine(),
+            memory=self._memory(models),
             settings={
                 **self.residency.as_dict(),
                 "speculation": self.speculation,
                 **{f"timeout_{k}": str(v) for k, v in _fields(self.timeouts).items()},
                 **{f"restart_{k}": str(v) for k, v in _fields(self.restart).items()},
             },
+        )
+
+    def _memory(self, models: tuple[LoadedModelSummary, ...]) -> DaemonMemory:
+        """The daemon's memory in parts (its own, the RAM tier) beside its models' (each
+        summary's ``memory``), and what the kernel counts for all of it."""
+        rss = process_rss(os.getpid())
+        ram = int(self.tiers.stats()["ram_bytes"])
+        workers = sum(m.memory.rss_bytes for m in models if m.memory.isolation == "process")
+        own = max(0, rss - ram)
+        measured = rss + workers
+        return DaemonMemory(
+            rss_bytes=rss,
+            ram_tier_bytes=ram,
+            own_bytes=own,
+            parts_bytes=own + ram + sum(m.memory.parts_bytes for m in models),
+            measured_bytes=measured,
+            tolerance_bytes=accounting_tolerance(measured),
+            untouched_max_bytes=sum(
+                m.memory.compute_bytes for m in models if m.memory.isolation == "process"
+            ),
         )
 
     def _tier_status(self) -> TierStatus:
@@ -619,6 +643,7 @@ class Engine:
             busy_tokens=model.cache.busy_cells(),
             contexts=model.warm_contexts(listed),
             counters=dict(model.cache.counters),
+            memory=model_memory(model, worker),
             worker=WorkerInfo(
                 pid=worker.pid,
                 state=worker.state,

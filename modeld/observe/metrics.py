@@ -48,6 +48,15 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             ``disk`` or ``dropped`` (per loaded model: restart
                                             at 0 when a model is loaded again)
 ``modeld_snapshots_rejected_total{model}``  snapshots refused (corrupt, stale, refused by the engine)
+``modeld_model_memory_bytes{model,part}``   where a model's worker memory goes: ``weights``
+                                            (resident pages of the file), ``kv_allocated``,
+                                            ``kv_used``, ``compute`` (reserved), ``runtime``
+                                            (the worker before its model), ``rss`` (measured)
+``modeld_memory_bytes{part}``               the daemon's ``own`` memory and ``ram_tier``; ``parts``
+                                            (every part of the daemon and its workers, summed)
+                                            and ``measured`` (their RSS), which agree within
+                                            ``tolerance`` besides ``untouched_max`` (compute
+                                            buffers not yet resident; blueprint 0016)
 ``modeld_shared_store_snapshots_total{event}``  what this daemon did with the shared store:
                                             written, restored, rejected, write_failed, gone
 ``modeld_shared_store_pending_writes``      snapshots queued for the shared store (a backlog)
@@ -294,9 +303,20 @@ class _StatusCollector:
         slots, busy, queued = _Sums(), _Sums(), _Sums()
         contexts, context_bytes = _Sums(), _Sums()
         evictions, rejected = _Sums(), _Sums()
+        memory = _Sums()
         for m in status.models:
             name = self._label(m.model_name)
             resident.add((name, m.backend), m.resident_tokens)
+            mm = m.memory
+            for part, value in (
+                ("weights", mm.weights_bytes),
+                ("kv_allocated", mm.kv_allocated_bytes),
+                ("kv_used", mm.kv_used_bytes),
+                ("compute", mm.compute_bytes),
+                ("runtime", mm.runtime_bytes),
+                ("rss", mm.rss_bytes),
+            ):
+                memory.add((name, part), value)
             busy_tokens.add((name,), m.busy_tokens)
             capacity.add((name,), m.pool_tokens)
             slots.add((name,), m.slots)
@@ -332,6 +352,28 @@ class _StatusCollector:
             ["model", "state"],
         )
         yield rss.gauge("modeld_worker_rss_bytes", "Resident memory of a model's engine worker.", ["model"])
+        yield memory.gauge(
+            "modeld_model_memory_bytes",
+            "Where a loaded model's worker memory goes (weights, kv_allocated, kv_used, compute, runtime, rss).",
+            ["model", "part"],
+        )
+        daemon = GaugeMetricFamily(
+            "modeld_memory_bytes",
+            "The daemon's own memory and RAM tier; every part summed and the measured RSS (parts, measured, "
+            "tolerance).",
+            labels=["part"],
+        )
+        d = status.memory
+        for part, value in (
+            ("own", d.own_bytes),
+            ("ram_tier", d.ram_tier_bytes),
+            ("parts", d.parts_bytes),
+            ("measured", d.measured_bytes),
+            ("tolerance", d.tolerance_bytes),
+            ("untouched_max", d.untouched_max_bytes),
+        ):
+            daemon.add_metric([part], value)
+        yield daemon
         yield slots.gauge("modeld_slots", "Operations a model runs at once.", ["model"])
         yield busy.gauge("modeld_slots_busy", "Slots running an operation.", ["model"])
         yield queued.gauge("modeld_queue_length", "Operations waiting for a slot.", ["model"])

@@ -2,7 +2,9 @@
 
 :func:`format_status` renders a :class:`~modeld.contract.DaemonStatus`: who owns the machine,
 the machine itself (what a coordinator places models by), the RAM and disk tiers, and per
-loaded model its engine worker (pid, state, uptime, restarts and why, RSS), its admission
+loaded model its engine worker (pid, state, uptime, restarts and why, RSS), where its memory
+goes (weights, KV allocated and used, compute buffer, runtime; the daemon's own and the RAM tier
+beside them, with whether the parts add up to the measured RSS), its admission
 slots, its cumulative reuse counters and every warm context with the tier it lives in; then
 the settings and limits in force. :func:`format_logs` renders the workers' last log lines
 (``StatusRequest.debug``).
@@ -16,7 +18,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from modeld.contract import DaemonStatus, LoadedModelSummary, Machine, TierStatus, WorkerInfo
+from modeld.contract import (
+    DaemonMemory,
+    DaemonStatus,
+    LoadedModelSummary,
+    Machine,
+    ModelMemory,
+    TierStatus,
+    WorkerInfo,
+)
 
 __all__ = ["age", "format_bytes", "format_logs", "format_status", "match_models", "table"]
 
@@ -122,6 +132,34 @@ def _worker(w: WorkerInfo, now: float) -> list[str]:
     return lines
 
 
+def _memory(d: DaemonMemory) -> str:
+    """The daemon's memory in parts, and whether every part adds up to what the kernel counts."""
+    verdict = "adds up" if d.adds_up() else "DOES NOT ADD UP"
+    untouched = (
+        f", compute buffers up to {format_bytes(d.untouched_max_bytes)} not yet touched"
+        if d.untouched_max_bytes
+        else ""
+    )
+    return (
+        f"memory    daemon {format_bytes(d.own_bytes)} + RAM tier {format_bytes(d.ram_tier_bytes)} "
+        f"(RSS {format_bytes(d.rss_bytes)}) · all parts {format_bytes(d.parts_bytes)}, measured "
+        f"{format_bytes(d.measured_bytes)}: {verdict} (within {format_bytes(d.tolerance_bytes)}{untouched})"
+    )
+
+
+def _model_memory(m: ModelMemory) -> str:
+    if m.isolation != "process":
+        return (
+            f"    memory    inline (part of the daemon's own) · KV {format_bytes(m.kv_allocated_bytes)} "
+            f"allocated, {format_bytes(m.kv_used_bytes)} used"
+        )
+    return (
+        f"    memory    weights {format_bytes(m.weights_bytes)} + KV {format_bytes(m.kv_allocated_bytes)} "
+        f"({format_bytes(m.kv_used_bytes)} used) + compute {format_bytes(m.compute_bytes)} + runtime "
+        f"{format_bytes(m.runtime_bytes)} = {format_bytes(m.parts_bytes)} · RSS {format_bytes(m.rss_bytes)}"
+    )
+
+
 def _counters(c: dict[str, int]) -> list[str]:
     """The model's cumulative counters, each labelled as its metric counts it
     (``modeld_prefix_cache_queries``, ``_hits{source}``, ``modeld_prompt_tokens_prefilled``,
@@ -150,6 +188,7 @@ def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
         + (f" · {format_bytes(m.kv_bytes_per_token)} per token" if m.kv_bytes_per_token else "")
         + f" · {m.resident_tokens} tokens resident"
     )
+    lines.append(_model_memory(m.memory))
     lines += _counters(dict(m.counters))
     if m.contexts:
         rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
@@ -213,6 +252,8 @@ def format_status(status: DaemonStatus, *, debug: bool = False, now: float | Non
         lines += _machine(status.machine)
     if status.tiers is not None:
         lines += _tiers(status.tiers)
+    if status.memory.measured_bytes:
+        lines.append(_memory(status.memory))
     if status.models:
         lines.append(f"models    {len(status.models)} loaded")
         for model in status.models:

@@ -847,6 +847,42 @@ class Worker(_message.Message):
     log_lines: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., isolation: _Optional[str] = ..., started_at: _Optional[float] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., last_restart_reason: _Optional[str] = ..., last_restart_at: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., log_lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class ModelMemory(_message.Message):
+    __slots__ = ("isolation", "weights_bytes", "kv_allocated_bytes", "kv_used_bytes", "compute_bytes", "runtime_bytes", "rss_bytes")
+    ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    isolation: str
+    weights_bytes: int
+    kv_allocated_bytes: int
+    kv_used_bytes: int
+    compute_bytes: int
+    runtime_bytes: int
+    rss_bytes: int
+    def __init__(self, isolation: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_allocated_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+
+class DaemonMemory(_message.Message):
+    __slots__ = ("rss_bytes", "ram_tier_bytes", "own_bytes", "parts_bytes", "measured_bytes", "tolerance_bytes", "untouched_max_bytes")
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAM_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PARTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNTOUCHED_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    rss_bytes: int
+    ram_tier_bytes: int
+    own_bytes: int
+    parts_bytes: int
+    measured_bytes: int
+    tolerance_bytes: int
+    untouched_max_bytes: int
+    def __init__(self, rss_bytes: _Optional[int] = ..., ram_tier_bytes: _Optional[int] = ..., own_bytes: _Optional[int] = ..., parts_bytes: _Optional[int] = ..., measured_bytes: _Optional[int] = ..., tolerance_bytes: _Optional[int] = ..., untouched_max_bytes: _Optional[int] = ...) -> None: ...
+
 class Accelerator(_message.Message):
     __slots__ = ("kind", "name", "memory_bytes", "driver")
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -930,7 +966,7 @@ class Tiers(_message.Message):
     def __init__(self, ram_entries: _Optional[int] = ..., ram_bytes: _Optional[int] = ..., ram_budget: _Optional[int] = ..., disk_entries: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_budget: _Optional[int] = ..., disk_off_reason: _Optional[str] = ..., written: _Optional[int] = ..., write_failures: _Optional[int] = ..., spilled_to_disk: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., memory_budget: _Optional[int] = ..., recent_rejections: _Optional[_Iterable[str]] = ..., shared_location: _Optional[str] = ..., shared_entries: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., shared_budget: _Optional[int] = ..., shared_written: _Optional[int] = ..., shared_write_failures: _Optional[int] = ..., shared_restored: _Optional[int] = ..., shared_rejected: _Optional[int] = ..., shared_lookups: _Optional[int] = ..., shared_read_failures: _Optional[int] = ..., shared_pending: _Optional[int] = ...) -> None: ...
 
 class LoadedModel(_message.Message):
-    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker", "busy_tokens")
+    __slots__ = ("backend", "path", "model_name", "model_digest", "n_ctx", "resident_tokens", "sessions", "loaded_at", "last_used_at", "sequences", "pool_tokens", "kv_bytes_per_token", "slots", "busy_slots", "queued", "contexts", "counters", "worker", "busy_tokens", "memory")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -957,6 +993,7 @@ class LoadedModel(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     BUSY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     backend: str
     path: str
     model_name: str
@@ -976,10 +1013,11 @@ class LoadedModel(_message.Message):
     counters: _containers.ScalarMap[str, int]
     worker: Worker
     busy_tokens: int
-    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., sequences: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., slots: _Optional[int] = ..., busy_slots: _Optional[int] = ..., queued: _Optional[int] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., worker: _Optional[_Union[Worker, _Mapping]] = ..., busy_tokens: _Optional[int] = ...) -> None: ...
+    memory: ModelMemory
+    def __init__(self, backend: _Optional[str] = ..., path: _Optional[str] = ..., model_name: _Optional[str] = ..., model_digest: _Optional[str] = ..., n_ctx: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., sessions: _Optional[int] = ..., loaded_at: _Optional[float] = ..., last_used_at: _Optional[float] = ..., sequences: _Optional[int] = ..., pool_tokens: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., slots: _Optional[int] = ..., busy_slots: _Optional[int] = ..., queued: _Optional[int] = ..., contexts: _Optional[_Iterable[_Union[WarmContext, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., worker: _Optional[_Union[Worker, _Mapping]] = ..., busy_tokens: _Optional[int] = ..., memory: _Optional[_Union[ModelMemory, _Mapping]] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("instance_id", "epoch", "pid", "endpoint", "version", "started_at", "uptime_seconds", "backends", "default_backend", "models", "sessions", "limits", "owner_lost", "tiers", "machine", "settings")
+    __slots__ = ("instance_id", "epoch", "pid", "endpoint", "version", "started_at", "uptime_seconds", "backends", "default_backend", "models", "sessions", "limits", "owner_lost", "tiers", "machine", "settings", "memory")
     class LimitsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1010,6 +1048,7 @@ class StatusResponse(_message.Message):
     TIERS_FIELD_NUMBER: _ClassVar[int]
     MACHINE_FIELD_NUMBER: _ClassVar[int]
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     epoch: int
     pid: int
@@ -1026,7 +1065,8 @@ class StatusResponse(_message.Message):
     tiers: Tiers
     machine: Machine
     settings: _containers.ScalarMap[str, str]
-    def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., default_backend: _Optional[str] = ..., models: _Optional[_Iterable[_Union[LoadedModel, _Mapping]]] = ..., sessions: _Optional[int] = ..., limits: _Optional[_Mapping[str, float]] = ..., owner_lost: _Optional[str] = ..., tiers: _Optional[_Union[Tiers, _Mapping]] = ..., machine: _Optional[_Union[Machine, _Mapping]] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    memory: DaemonMemory
+    def __init__(self, instance_id: _Optional[str] = ..., epoch: _Optional[int] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., version: _Optional[str] = ..., started_at: _Optional[float] = ..., uptime_seconds: _Optional[float] = ..., backends: _Optional[_Iterable[str]] = ..., default_backend: _Optional[str] = ..., models: _Optional[_Iterable[_Union[LoadedModel, _Mapping]]] = ..., sessions: _Optional[int] = ..., limits: _Optional[_Mapping[str, float]] = ..., owner_lost: _Optional[str] = ..., tiers: _Optional[_Union[Tiers, _Mapping]] = ..., machine: _Optional[_Union[Machine, _Mapping]] = ..., settings: _Optional[_Mapping[str, str]] = ..., memory: _Optional[_Union[DaemonMemory, _Mapping]] = ...) -> None: ...
 
 class CountTokensRequest(_message.Message):
     __slots__ = ("model", "text", "return_token_ids")

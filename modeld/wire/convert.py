@@ -27,6 +27,7 @@ from modeld.contract import (
     Config,
     Constraint,
     ContextReport,
+    DaemonMemory,
     DaemonStatus,
     DecodeConfig,
     ErrorDetail,
@@ -35,6 +36,7 @@ from modeld.contract import (
     LoadedModelSummary,
     Machine,
     ModelInfo,
+    ModelMemory,
     OpenSessionRequest,
     PrefillProgress,
     PrefixInput,
@@ -529,10 +531,11 @@ def machine_from_pb(msg: pb.Machine) -> Machine:
 
 
 def _model_to_pb(model: LoadedModelSummary) -> pb.LoadedModel:
-    msg = _to_pb(model, pb.LoadedModel(), skip=("contexts", "worker"))
+    msg = _to_pb(model, pb.LoadedModel(), skip=("contexts", "worker", "memory"))
     msg.contexts.extend(_contexts_to_pb(model.contexts))
     if model.worker is not None:
         msg.worker.CopyFrom(_to_pb(model.worker, pb.Worker()))
+    msg.memory.CopyFrom(_to_pb(model.memory, pb.ModelMemory()))
     return msg
 
 
@@ -543,13 +546,15 @@ def _model_from_pb(msg: pb.LoadedModel) -> LoadedModelSummary:
         contexts=_contexts_from_pb(msg.contexts),
         counters=dict(msg.counters),
         worker=_from_pb(msg.worker, WorkerInfo) if msg.HasField("worker") else None,
+        memory=_from_pb(msg.memory, ModelMemory) if msg.HasField("memory") else ModelMemory(),
     )
 
 
 @_guard("status")
 def status_to_pb(status: DaemonStatus) -> pb.StatusResponse:
-    msg = _to_pb(status, pb.StatusResponse(), skip=("models", "tiers", "machine"))
+    msg = _to_pb(status, pb.StatusResponse(), skip=("models", "tiers", "machine", "memory"))
     msg.models.extend(_model_to_pb(m) for m in status.models)
+    msg.memory.CopyFrom(_to_pb(status.memory, pb.DaemonMemory()))
     if status.tiers is not None:
         msg.tiers.CopyFrom(_to_pb(status.tiers, pb.Tiers()))
     if status.machine is not None:
@@ -568,4 +573,5 @@ def status_from_pb(msg: pb.StatusResponse) -> DaemonStatus:
         settings=dict(msg.settings),
         tiers=_from_pb(msg.tiers, TierStatus) if msg.HasField("tiers") else None,
         machine=machine_from_pb(msg.machine) if msg.HasField("machine") else None,
+        memory=_from_pb(msg.memory, DaemonMemory) if msg.HasField("memory") else DaemonMemory(),
     )

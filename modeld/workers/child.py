@@ -27,6 +27,7 @@ import typing
 
 from modeld.backends.base import ModelRuntime
 from modeld.errors import InvalidArgumentError
+from modeld.observe.memory import rss
 from modeld.workers.protocol import (
     HEAD_SIZE,
     Load,
@@ -45,10 +46,11 @@ log = logging.getLogger("modeld.worker")
 PR_SET_PDEATHSIG = 1
 
 _BACKENDS = {
-    "memory": ("modeld.backends.memory", "MemoryBackend"),
-    "llama": ("modeld.backends.llama", "LlamaBackend"),
-    "openvino": ("modeld.backends.openvino", "OpenVINOBackend"),
+    "memory": ("modeld.backends.memory", "MemoryBackend", "modeld.backends.memory"),
+    "llama": ("modeld.backends.llama", "LlamaBackend", "modeld.backends.llama_runtime"),
+    "openvino": ("modeld.backends.openvino", "OpenVINOBackend", "modeld.backends.openvino_runtime"),
 }
+"""Per backend: its module, its class, and the module of its runtime (the engine's libraries)."""
 
 
 def _die_with_parent(parent: int) -> None:
@@ -88,15 +90,19 @@ def read_frame(sock: socket.socket) -> tuple[int, Message] | None:
     return decode_frame(header, payload)
 
 
-def load_runtime(message: Load) -> ModelRuntime:
-    """Import the backend a ``Load`` names and load its model (in this process)."""
+def load_runtime(message: Load) -> tuple[ModelRuntime, int]:
+    """Import the backend a ``Load`` names and load its model (in this process). Also returns
+    this process's resident memory just before the model loaded, its backend's libraries
+    imported: the runtime's own part of a worker's memory (``ModelMemory.runtime_bytes``)."""
     entry = _BACKENDS.get(message.backend)
     if entry is None:
         raise InvalidArgumentError(f"unknown backend {message.backend!r}", field="type")
     module = importlib.import_module(entry[0])
     backend = getattr(module, entry[1])()
+    importlib.import_module(entry[2])  # the engine's libraries, before the baseline
+    before = rss(os.getpid())
     runtime: ModelRuntime = backend.load(message.request, message.info, message.options)
-    return runtime
+    return runtime, before
 
 
 def main(argv: list[str] | None = None) -> int:

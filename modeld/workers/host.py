@@ -3,7 +3,7 @@
 A :class:`Host` is one loaded runtime seen from the daemon. Callers use its typed methods from
 any thread: the engine ``tokenize`` and ``start_generate``; the warm-state cache the KV
 operations of its own protocol (``modeld/cache/runtime.py``'s ``KVRuntime``: ``copy``, ``drop``,
-``sync``, ``snapshot``, ``restore``, with typed results). Each is one protocol request with its
+``sync``, ``snapshot``, ``save``, ``restore``, with typed results). Each is one protocol request with its
 own operation id, so several sessions can have requests in flight at once and the engine side
 interleaves them (``modeld/workers/scheduler.py``). A job can be cancelled by message
 (:meth:`Call.cancel`).
@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from modeld.backends.base import Layout, ModelRuntime, SyncStep, Vocab
-from modeld.cache.runtime import KVRuntime, Restored, SyncEnd
+from modeld.cache.runtime import KVRuntime, Restored, Saved, SyncEnd
 from modeld.cache.snapfile import SnapshotFile
 from modeld.contract import DecodeConfig
 from modeld.errors import EngineError, ModeldError, error_from_reason
@@ -45,6 +45,7 @@ from modeld.workers.protocol import (
     Progress,
     Restore,
     Result,
+    Save,
     Snapshot,
     Sync,
     Tokenize,
@@ -134,6 +135,8 @@ class Host:
         self.layout: Layout | None = None
         self.vocab: Vocab | None = None
         self.pid = 0
+        self.base_rss = 0
+        """The worker's resident memory just before its model loaded (``Loaded.base_rss``)."""
         self.death: ModeldError | None = None
         self.started_at = time.time()
         self.last_reply_at = time.monotonic()
@@ -216,6 +219,7 @@ class Host:
         self.layout = loaded.layout
         self.vocab = loaded.vocab()
         self.pid = loaded.pid
+        self.base_rss = loaded.base_rss
 
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self.call(Tokenize(text, add_bos)).result(Result).tokens)
@@ -237,6 +241,9 @@ class Host:
 
     def snapshot(self, seq: int) -> SnapshotCall:
         return SnapshotCall(self.call(Snapshot(seq)))
+
+    def save(self, seq: int, path: str) -> SaveCall:
+        return SaveCall(self.call(Save(seq, path)))
 
     def restore(self, seq: int, tokens: Sequence[int], blob: bytes | SnapshotFile) -> Restored:
         """Load a snapshot into ``seq``: a RAM blob, or a snapshot file the worker maps and
@@ -289,6 +296,19 @@ class SnapshotCall:
         return self.call.result(Result).payload
 
 
+class SaveCall:
+    """A save in flight (``KVRuntime.save``): its request is already on its way."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def result(self) -> Saved:
+        final = self.call.result(Result)
+        if final.ok:
+            return Saved(True, final.size)
+        return Saved(False, detail=final.detail, errno=final.errno)
+
+
 if TYPE_CHECKING:
 
     def _conformance(host: Host) -> KVRuntime:  # Host implements the cache's runtime protocol
@@ -298,7 +318,7 @@ if TYPE_CHECKING:
 class InlineHost(Host):
     """The scheduler on a thread of this process; messages pass as objects, unencoded."""
 
-    def __init__(self, loader: Callable[[Load], ModelRuntime], name: str = "engine") -> None:
+    def __init__(self, loader: Callable[[Load], tuple[ModelRuntime, int]], name: str = "engine") -> None:
         super().__init__()
         self._scheduler = Scheduler(self._reply, loader)
         self._thread = threading.Thread(target=self._run, name=f"engine-{name}", daemon=True)

@@ -48,6 +48,7 @@ __all__ = [
     "ProtocolError",
     "Restore",
     "Result",
+    "Save",
     "Snapshot",
     "Sync",
     "Tokenize",
@@ -157,6 +158,16 @@ class Snapshot(Message):
 
 
 @dataclass(frozen=True)
+class Save(Message):
+    """Write ``seq``'s snapshot into a new file at ``path`` (the daemon's temporary name in
+    its disk tier; it seals and indexes the file): the blob never crosses the socket."""
+
+    kind: ClassVar[str] = "save"
+    seq: int
+    path: str
+
+
+@dataclass(frozen=True)
 class Restore(Message):
     """Load a snapshot into ``seq``: from ``payload`` (the RAM tier's blob), or, when ``path``
     is set, from that snapshot file, which the worker maps and verifies against ``header``
@@ -208,9 +219,11 @@ class Loaded(Message):
     bos: int
     pid: int
     payload: bytes = b""
+    base_rss: int = 0
+    """The worker's resident memory just before the model loaded (its runtime's own part)."""
 
     @staticmethod
-    def of(layout: Layout, vocab: Vocab, pid: int) -> Loaded:
+    def of(layout: Layout, vocab: Vocab, pid: int, base_rss: int = 0) -> Loaded:
         return Loaded(
             layout=layout,
             lengths=tuple(len(p) for p in vocab.pieces),
@@ -218,6 +231,7 @@ class Loaded(Message):
             bos=vocab.bos,
             pid=pid,
             payload=b"".join(vocab.pieces),
+            base_rss=base_rss,
         )
 
     def vocab(self) -> Vocab:
@@ -231,14 +245,17 @@ class Loaded(Message):
 
 @dataclass(frozen=True)
 class Result(Message):
-    """The answer to an atomic request: ``tokens`` (tokenize), ``ok`` (restore; when
-    False, ``detail`` says why), ``payload`` (snapshot)."""
+    """The answer to an atomic request: ``tokens`` (tokenize), ``ok`` (restore, save; when
+    False, ``detail`` says why, and for a save ``errno`` is the file system's error number),
+    ``payload`` (snapshot), ``size`` (save: bytes written)."""
 
     kind: ClassVar[str] = "result"
     tokens: tuple[int, ...] = ()
     ok: bool = True
     detail: str = ""
     payload: bytes = b""
+    size: int = 0
+    errno: int = 0
 
 
 @dataclass(frozen=True)
@@ -297,6 +314,7 @@ _KINDS: dict[str, type[Message]] = {
         Copy,
         Drop,
         Snapshot,
+        Save,
         Restore,
         Cancel,
         Close,

@@ -14,6 +14,7 @@ as objects).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from modeld.backends.base import ModelRuntime, SyncStep
-from modeld.cache.snapfile import SnapshotError, open_verified
+from modeld.cache.snapfile import SnapshotError, verify_payload
 from modeld.errors import EngineError, ModeldError
 from modeld.workers.protocol import (
     REFUSED,
@@ -43,6 +44,7 @@ from modeld.workers.protocol import (
     Progress,
     Restore,
     Result,
+    Save,
     Snapshot,
     Sync,
     Tokenize,
@@ -54,7 +56,8 @@ __all__ = ["Scheduler"]
 log = logging.getLogger("modeld.worker")
 
 Send = Callable[[int, Message], None]
-Loader = Callable[[Load], ModelRuntime]
+Loader = Callable[[Load], tuple[ModelRuntime, int]]
+"""Loads a ``Load``'s model: the runtime, and the process's RSS just before it loaded."""
 
 
 @dataclass
@@ -145,6 +148,8 @@ class Scheduler:
                 self._send(op, Result())
             elif isinstance(message, Snapshot):
                 self._send(op, Result(payload=runtime.snapshot(message.seq)))
+            elif isinstance(message, Save):
+                self._send(op, _save(runtime, message))
             elif isinstance(message, Restore):
                 self._send(op, _restore(runtime, message))
             elif isinstance(message, Close):
@@ -160,9 +165,9 @@ class Scheduler:
 
     def _load(self, op: int, message: Load) -> None:
         try:
-            runtime = self._loader(message)
+            runtime, before = self._loader(message)
             self._runtime = runtime
-            self._send(op, Loaded.of(runtime.layout, runtime.vocab(), os.getpid()))
+            self._send(op, Loaded.of(runtime.layout, runtime.vocab(), os.getpid(), before))
         except ModeldError as exc:
             self._closed = True
             self._send(op, Failed(exc.reason, exc.message, dict(exc.details)))
@@ -247,15 +252,29 @@ class Scheduler:
         self._closed = True
 
 
+def _save(runtime: ModelRuntime, message: Save) -> Result:
+    """A snapshot written into the daemon's temporary file (removed again if it failed)."""
+    try:
+        size = runtime.save(message.seq, message.path)
+    except (OSError, ModeldError) as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(message.path)
+        if isinstance(exc, ModeldError):
+            raise
+        return Result(ok=False, detail=str(exc), errno=exc.errno or 0)
+    return Result(size=size)
+
+
 def _restore(runtime: ModelRuntime, message: Restore) -> Result:
-    """A restore from the RAM tier's blob, or from a snapshot file mapped and verified here."""
+    """A restore from the RAM tier's blob, or from a snapshot file verified here (read a
+    chunk at a time) and then read by the engine itself."""
     if not message.path:
         ok = runtime.restore(message.seq, message.payload, message.tokens)
         return Result(ok=ok, detail="" if ok else REFUSED)
     assert message.header is not None  # Restore checks it
     try:
-        with open_verified(Path(message.path), message.header) as blob:
-            ok = runtime.restore(message.seq, blob, message.tokens)
+        verify_payload(Path(message.path), message.header)
+        ok = runtime.restore_file(message.seq, message.path, message.header.payload_bytes, message.tokens)
     except SnapshotError as exc:
         return Result(ok=False, detail=str(exc))
     except OSError as exc:

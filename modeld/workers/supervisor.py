@@ -50,6 +50,8 @@ class WorkerStatus:
     last_restart_at: float
     rss_bytes: int
     log_lines: tuple[str, ...] = ()
+    base_rss: int = 0
+    """The worker's resident memory just before its model loaded (0: inline, or not running)."""
 
 
 class Supervisor:
@@ -324,4 +326,5 @@ class Supervisor:
             last_restart_at=self.last_restart_at,
             rss_bytes=host.rss_bytes() if isinstance(host, WorkerHost) and host.running else 0,
             log_lines=tuple(host.log_lines) if debug and isinstance(host, WorkerHost) else (),
+            base_rss=host.base_rss if isinstance(host, WorkerHost) else 0,
         )

@@ -1,0 +1,95 @@
+"""Where the memory goes, and that the parts add up (issue 22 item 2).
+
+A real ``modeld serve`` with a llama worker: ``status`` and ``/metrics`` split the daemon's and
+the worker's resident memory into the daemon's own, the RAM tier, and per worker the model's
+weights, its KV pool (allocated and used), its compute buffer and its runtime; the test holds
+their sum against psutil's RSS of the daemon and worker processes, and each part against what
+it must be (the model file's size, the layout's arithmetic, the cells in use).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from daemon_proc import serve_http, stop
+from prometheus_client.parser import text_string_to_metric_families
+
+import runtime_client as rc
+from modeld.contract import Config, OpenSessionRequest, PrefixInput
+
+testmodels = pytest.importorskip("modeld.testmodels")
+
+TEXT = "def handler(request):\n    return respond(request.body)\n"
+MIB = 1 << 20
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.mark.llama
+def test_status_and_metrics_add_up_to_the_processes_rss() -> None:
+    tiny = str(testmodels.ensure_model(testmodels.TINY))
+    tmp = Path(tempfile.mkdtemp(prefix="mdmem"))
+    # One sequence and no write-behind: the second workspace evicts the first to the RAM tier.
+    proc, record = serve_http(
+        tmp, "--sequences", "1", "--persist-min-tokens", "100000", backend="llama", timeout=300
+    )
+    try:
+        client = rc.connect(f"unix:{tmp / 's.sock'}")
+        request = OpenSessionRequest(type="llama", path=tiny, config=Config(num_ctx=4096))
+        a, b = client.open_session(request), client.open_session(request)
+        first = a.ensure_prefix(PrefixInput(text=TEXT * 80))
+        live = client.status()
+        assert live.memory.ram_tier_bytes == 0  # the live context is in the KV only
+        b.ensure_prefix(PrefixInput(text=TEXT.upper() * 80))  # a's context leaves the KV: to RAM
+        status = client.status()
+        pids = [record.pid] + [m.worker.pid for m in status.models if m.worker is not None]
+        measured = sum(psutil.Process(pid).memory_info().rss for pid in pids)
+        client.close()
+        metrics = _metrics(record.http_endpoint)
+    finally:
+        _, err = stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert "Traceback" not in err, err[-3000:]
+
+    memory = status.memory
+    (model,) = status.models
+    m = model.memory
+    assert m.isolation == "process" and model.worker is not None
+    # Each part is what it must be.
+    assert memory.ram_tier_bytes > 0 and memory.ram_tier_bytes < memory.rss_bytes
+    ram = [c for c in model.contexts if c.tier == "ram"]
+    assert [c.tokens for c in ram] == [first.prefix_tokens]
+    assert memory.ram_tier_bytes == sum(c.bytes for c in ram)
+    assert memory.own_bytes == memory.rss_bytes - memory.ram_tier_bytes
+    assert m.kv_allocated_bytes == model.pool_tokens * model.kv_bytes_per_token > 0
+    assert m.kv_used_bytes == model.resident_tokens * model.kv_bytes_per_token > 0
+    size = os.path.getsize(tiny)
+    assert size - 2 * MIB < m.weights_bytes <= size + 4096  # every tensor was read by the prefill
+    assert 0 < m.runtime_bytes < m.rss_bytes and m.compute_bytes > 0
+    # The parts add up to the kernel's count, as status measured it and as psutil does now.
+    assert memory.measured_bytes == memory.rss_bytes + m.rss_bytes
+    assert abs(memory.measured_bytes - measured) < 16 * MIB  # a moment apart
+    assert memory.parts_bytes == memory.own_bytes + memory.ram_tier_bytes + m.parts_bytes
+    # The prefill touched the compute buffer: the parts are within the tolerance either side.
+    assert memory.untouched_max_bytes == m.compute_bytes
+    assert abs(memory.parts_bytes - measured) <= memory.tolerance_bytes, (memory, m)
+    assert memory.adds_up(measured)
+    # /metrics says the same.
+    name = model.model_name
+    for part, value in (("weights", m.weights_bytes), ("kv_allocated", m.kv_allocated_bytes)):
+        assert metrics[("modeld_model_memory_bytes", (("model", name), ("part", part)))] == value
+    assert metrics[("modeld_memory_bytes", (("part", "ram_tier"),))] == memory.ram_tier_bytes
+    assert abs(metrics[("modeld_memory_bytes", (("part", "parts"),))] - memory.parts_bytes) < 16 * MIB
