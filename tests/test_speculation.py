@@ -489,7 +489,9 @@ def test_llama_a_canceled_speculative_decode_leaves_a_context_that_decodes_on_co
         assert last.finish_reason == "canceled" and got == plain[: len(got)]
         # What the sequence holds is the truth: decoding on continues the plain output.
         report = s.explain_context()
-        assert report.kv_tokens == report.resident_tokens
+        # As with plain decoding: every emitted token is the session's, the last one not yet in
+        # the KV (nothing verified ahead stayed there).
+        assert report.resident_tokens - report.kv_tokens in (0, 1)
         rest, _ = _decode(s, "ngram", 64 - report.generated_tokens)
         assert plain[: report.generated_tokens] + rest == plain
 
