@@ -322,7 +322,7 @@ def main() -> None:
                 f"unix:{tmp}/s.sock",
                 *modeld_flags,
             ],
-            "modeld serve " + " ".join(modeld_flags).replace(model, "MODEL"),
+            "modeld serve " + " ".join(modeld_flags).replace(model, "MODEL").replace(f":{port}", ":PORT"),
             port,
             tmp,
             {"model": "bench"},
@@ -466,6 +466,14 @@ def report(
                 "tokens": [x.tokens for x in runs_],
                 "identical_to_reference": same,
             }
+    pairs = ["", "modeld ngram against each llama-server, paired by round: median (range)", ""]
+    for wname, by_system in results.items():
+        ours = by_system.get("modeld ngram", [])
+        for name, values in by_system.items():
+            if name.startswith("llama-server") and ours:
+                ratios = [a.tps / b.tps for a, b in zip(ours, values, strict=False) if b.tps]
+                pairs.append(f"- {wname}: / {name} {_median_range(ratios)}")
+    lines += [*pairs[: 3 if len(pairs) > 3 else 0], *pairs[3:]]
     lines += ["", "Systems:", *(f"- `{s.flags}`" for s in servers), *(f"- note: {n}" for n in notes)]
     return {"table": table, "markdown": "\n".join(lines) + "\n", "notes": notes}
 
