@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare bench-fleet chaos clean
+.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare bench-fleet bench-speculation chaos clean
 
 setup: $(VENV)/.installed
 
@@ -76,3 +76,10 @@ run: setup
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
+
+# Decode speed with speculation from the context (blueprint 0020): modeld with and without, and
+# llama-server plain and with its n-gram modes, on the generated COPYING model (~15 minutes on 2
+# cores). Writes bench/results/speculation/<time>.md|json. QUICK=1: SMALL, 2 rounds.
+bench-speculation: setup
+	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
+	$(PY) -m bench.speculation --llama-server "$$LLAMA_SERVER" $(if $(QUICK),--quick,) $(if $(THREADS),--threads $(THREADS),)

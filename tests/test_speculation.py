@@ -21,7 +21,15 @@ import pytest
 from modeld.backends.base import LoadOptions
 from modeld.backends.memory import MemoryBackend, MemoryRuntime
 from modeld.contract import DecodeConfig, OpenSessionRequest
-from modeld.decoding.speculation import DRAFT_MAX, WAIT_MAX, Drafter, DraftLength
+from modeld.decoding.speculation import (
+    DRAFT_MAX,
+    DRAFT_START,
+    MATCH_LONG,
+    MATCH_MAX,
+    WAIT_MAX,
+    Drafter,
+    DraftLength,
+)
 
 # --- the drafter -------------------------------------------------------------------------------
 
@@ -37,6 +45,21 @@ def test_a_draft_copies_what_followed_the_latest_longest_match() -> None:
     d.append(9)  # the history goes on as the occurrence did: the draft follows it
     assert d.draft(2) == [9, 7]
     assert d.draft(0) == []
+
+
+def test_a_long_match_allows_a_draft_as_long_as_the_match() -> None:
+    history = [*range(100, 140), 7, 8, *range(100, 130)]
+    d = Drafter(history)
+    cycle = [*range(130, 140), 7, 8, *range(100, 130)]  # what followed, then the same again
+    assert d.draft(64) == (cycle * 2)[:64]
+    assert d.matched == 30  # the whole tail: 100..129 (the history starts before it)
+    lengths = DraftLength()
+    assert lengths.budget(d.matched) == 30
+    again = Drafter(list(range(40)) * 2)
+    assert again.draft(1) == [0] and again.matched == MATCH_MAX  # compared up to MATCH_MAX
+    assert lengths.budget(MATCH_MAX + 100) == min(DRAFT_MAX, MATCH_MAX + 100)
+    assert lengths.budget(MATCH_LONG - 1) == DRAFT_START  # a short match: the usual length
+    assert Drafter([1, 2, 3]).draft(4) == [] and Drafter([1, 2, 3]).matched == 0
 
 
 def test_repeated_text_is_drafted_with_its_period() -> None:
@@ -59,15 +82,17 @@ def test_the_draft_length_grows_on_acceptance_and_falls_to_zero_when_drafts_keep
     for _ in range(8):
         lengths.record(lengths.length, lengths.length)
     assert lengths.budget() == DRAFT_MAX
-    lengths.record(DRAFT_MAX, 5)  # an edit: what was accepted, plus one
-    assert lengths.budget() == 6
+    lengths.record(DRAFT_MAX, 5)  # an edit: halved
+    assert lengths.budget() == DRAFT_MAX // 2
+    lengths.record(DRAFT_MAX // 2, 20)  # but never below what was accepted, plus one
+    assert lengths.budget() == 21
     budgets = []
     for _ in range(400):  # fresh text: every draft fails at its first token
         budget = lengths.budget()
         budgets.append(budget)
         lengths.record(budget, 0)
     # It halves to zero, then pauses for 1, 2, 4 ... WAIT_MAX steps between one-token probes.
-    assert budgets[:4] == [6, 3, 1, 0]
+    assert budgets[:6] == [21, 10, 5, 2, 1, 0]
     assert max(budgets[100:]) == 1 and budgets[100:].count(1) <= 400 // WAIT_MAX
     probes = [i for i, b in enumerate(budgets) if b]
     gaps = [b - a for a, b in itertools.pairwise(probes)]
@@ -489,7 +514,8 @@ def test_llama_a_canceled_speculative_decode_leaves_a_context_that_decodes_on_co
         assert last.finish_reason == "canceled" and got == plain[: len(got)]
         # What the sequence holds is the truth: decoding on continues the plain output.
         report = s.explain_context()
-        # A token sampled as the cancel arrived enters the KV with the next step, never more.
+        # As with plain decoding: every emitted token is the session's, the last one not yet in
+        # the KV (nothing verified ahead stayed there).
         assert report.resident_tokens - report.kv_tokens in (0, 1)
         rest, _ = _decode(s, "ngram", 64 - report.generated_tokens)
         assert plain[: report.generated_tokens] + rest == plain

@@ -432,12 +432,12 @@ class LlamaRuntime:
                 draft = []
                 if drafter is not None:
                     room = min(
-                        lengths.budget(),
                         max_tokens - produced - 1,  # the draft's tokens and the one after them
                         window - base - produced,  # every drafted token needs a cell
                         self._chunk - len(pending),  # one batch
                     )
                     draft = drafter.draft(room)
+                    del draft[lengths.budget(drafter.matched) :]
                     if draft and step.tc is not None:
                         del draft[step.tc.valid_prefix(draft) :]
                 if draft:

@@ -332,8 +332,8 @@ class MemoryRuntime:
             if drafter is not None:
                 drafter.append(token)
                 if not draft:
-                    room = min(lengths.budget(), max_tokens - produced - 2, self._layout.window - len(held))
-                    draft = drafter.draft(room)
+                    draft = drafter.draft(min(max_tokens - produced - 2, self._layout.window - len(held)))
+                    del draft[lengths.budget(drafter.matched) :]
                     if draft and matcher is not None:
                         del draft[_valid_prefix(matcher, draft) :]
 

@@ -48,9 +48,16 @@ MATCH_MAX = 32
 CANDIDATES = 16
 """The most recent occurrences of the last ``MATCH_MIN`` tokens that are compared (bounds the
 work per draft when a short n-gram, such as an indented newline, occurs thousands of times)."""
-DRAFT_MAX = 16
-"""The longest draft (a verify batch is at most this plus one token)."""
+DRAFT_MAX = 48
+"""The longest draft (a verify batch is at most this plus one token). On a CPU a batch's cost
+per token keeps falling up to ~50 tokens (COPYING, one thread: 17 tokens cost 3.9 single steps,
+33 cost 6.3, 49 cost 9.0, 65 cost 11.7), so a copy that keeps being accepted is best verified in
+long batches; llama-server's ngram-simple drafts 48 too. The length only gets there by doubling
+on full acceptance."""
 DRAFT_START = 4
+MATCH_LONG = 8
+"""A match this long (or longer) lets the draft be as long as the match at once: after an edit,
+a long copy that resumes need not ramp up again from a short draft."""
 WAIT_MAX = 64
 """After drafts keep failing, drafting pauses for 1, 2, 4 ... up to this many steps."""
 
@@ -110,6 +117,9 @@ class Drafter:
     def _add(self, end: int) -> None:
         self._index.setdefault(self._key(end), []).append(end)
 
+    matched = 0
+    """How many tokens the last :meth:`draft` matched (0: none)."""
+
     def __len__(self) -> int:
         return len(self._h)
 
@@ -124,6 +134,7 @@ class Drafter:
         """Up to ``limit`` tokens that are likely to follow the history (``[]``: no match)."""
         h = self._h
         n = len(h)
+        self.matched = 0
         if limit <= 0 or n < MATCH_MIN + 1:
             return []
         ends = self._index.get(self._key(n - 1))
@@ -136,6 +147,7 @@ class Drafter:
                 length += 1
             if length > best_len:  # strictly longer: the most recent of equals stays
                 best, best_len = end, length
+        self.matched = best_len
         out = h[best + 1 : best + 1 + limit]
         period = n - 1 - best
         while len(out) < limit:  # the occurrence overlaps the end: the text repeats
@@ -150,8 +162,9 @@ def _pair(a: int, b: int) -> int:
 class DraftLength:
     """How many tokens to draft next, from what the last drafts achieved.
 
-    A fully accepted draft doubles the length (up to ``maximum``); a partly accepted one sets it
-    to what was accepted plus one; a draft whose first token fails halves it. When it halves to
+    A fully accepted draft doubles the length (up to ``maximum``); a partly accepted one halves
+    it, but not below what was accepted plus one; a draft whose first token fails halves it. A
+    match of ``MATCH_LONG`` tokens or more allows a draft as long as the match. When it halves to
     zero, drafting pauses for ``wait`` steps (1, 2, 4 ... ``WAIT_MAX``: the length is zero, and
     fresh text costs a counter) and resumes with a one-token probe; any accepted token resets
     the pause. A verify batch of ``k`` draft tokens costs more than a plain step (measured in
@@ -164,11 +177,14 @@ class DraftLength:
         self._wait = 0
         self._pause = 0
 
-    def budget(self) -> int:
-        """The draft length for this step (0: do not draft now)."""
+    def budget(self, matched: int = 0) -> int:
+        """The draft length for this step (0: do not draft now), given how many tokens the
+        draft's match has (:attr:`Drafter.matched`)."""
         if self._wait > 0:
             self._wait -= 1
             return 0
+        if matched >= MATCH_LONG:
+            return max(self.length, min(matched, self.maximum))
         return self.length
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -180,7 +196,7 @@ class DraftLength:
                 self.length = min(self.maximum, max(1, self.length) * 2)
             self._pause = self._wait = 0
         elif accepted > 0:
-            self.length = min(self.maximum, accepted + 1)
+            self.length = min(self.maximum, max(accepted + 1, self.length // 2))
             self._pause = self._wait = 0
         else:
             self.length //= 2

@@ -1,0 +1,482 @@
+"""``make bench-speculation``: decode speed with speculation from the context, against plain
+decoding and llama-server's n-gram speculation, on the generated model that copies.
+
+Model: COPYING (``--quick``: its SMALL construction, TINY's vocabulary), whose greedy
+continuation of a span seen earlier copies it (blueprint 0008), so drafts from the context are
+really accepted; REALISTIC's size and per-token cost. ``--model realistic``: REALISTIC's random
+weights, which copy nothing: what drafting costs where every draft fails. Every server runs on the same cores
+(``--threads``: the bench pins itself and its children to that many; each engine uses them
+all), and answers the same raw ``/v1/completions`` prompts, greedy, streamed.
+
+Systems (flags stated in the report):
+
+* ``modeld ngram`` / ``modeld off``: one ``modeld serve --http`` daemon, the request's
+  ``speculation`` field choosing per request (blueprint 0021);
+* ``llama-server``: plain; ``llama-server ngram-simple`` and ``ngram-mod``: ``--spec-type`` with
+  its defaults (when the built binary has them: ``scripts/build_llama_server.sh``).
+
+Workloads:
+
+* ``rewrite``: a user turn shows a file (the first lines of the standard library's
+  ``textwrap.py``, never seen by the tokenizer) and asks for it back with one change; the
+  assistant's answer opens its code fence: the model copies the file;
+* ``tool_call``: the context holds a file and an earlier ``apply_patch`` call quoting its code
+  (JSON-escaped); the answer opens the same call: the arguments are copied from the context;
+* ``prose``: fresh text (a new prompt each round), nothing to copy: speculation must cost
+  nothing. (COPYING's fallback is a function of the last two tokens, so its gibberish can fall
+  into a loop, which is then copied like anything else in the context.)
+* ``tool_call_schema`` (modeld only): the same call under a JSON schema (``response_format`` on
+  ``/v1/chat/completions``): the schema's fixed text is forced, the values drafted.
+
+Each round plays every workload on every system in a rotated order (the machine is shared: a
+slow minute hits every system alike); ratios are taken within a round against ``modeld off``
+and reported as medians with their range. Decode tok/s is client-side, the same for everyone:
+``(tokens - 1) / (last token event - first token event)``. Greedy outputs are compared: modeld
+with and without speculation, llama-server with and without. Timing is printed and written,
+never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.systems.base import free_port, stop_process
+
+ROOT = Path(__file__).resolve().parent
+FILE_LINES = 60
+
+
+def rewrite_prompt() -> str:
+    source = "".join(inspect.getsource(textwrap).splitlines(keepends=True)[:FILE_LINES])
+    return (
+        "<|im_start|>user\nRewrite this file with one change: rename `_whitespace` to `_blank`.\n"
+        f"```python\n{source}```<|im_end|>\n<|im_start|>assistant\n```python\n"
+    )
+
+
+SNIPPET = """def load(path):
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError(f"{path}: no name")
+    return Config(name=data["name"], width=data.get("width", 80), height=data.get("height", 24))
+"""
+
+
+def _call(old: str, new: str) -> str:
+    arguments = {"path": "src/app/config.py", "old": old, "new": new}
+    return json.dumps({"name": "apply_patch", "arguments": arguments}, separators=(",", ":"))
+
+
+def tool_call_messages() -> list[dict[str, str]]:
+    return [
+        {
+            "role": "user",
+            "content": "src/app/config.py:\n```python\n" + SNIPPET + "```\nMake the default width 100.",
+        },
+        {"role": "assistant", "content": _call(SNIPPET, SNIPPET.replace("80", "100"))},
+        {"role": "user", "content": "The tests fail: the default height must be 30 as well. Patch it again."},
+    ]
+
+
+def tool_call_prompt() -> str:
+    """The conversation as the model's template renders it (ChatML), the answer opening the call."""
+    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in tool_call_messages())
+    return (
+        turns + '<|im_start|>assistant\n{"name":"apply_patch","arguments":{"path":"src/app/config.py","old":"'
+    )
+
+
+TOPICS = (
+    "a lighthouse keeper who collects lost umbrellas",
+    "a bakery that only opens during thunderstorms",
+    "a cartographer mapping the inside of a whale",
+    "two rival clockmakers on the same street",
+    "a train that stops at stations nobody remembers",
+    "a gardener growing clouds in glass jars",
+    "a violin left in a snowed-in mountain hut",
+    "an archive of letters never sent",
+)
+
+
+def prose_prompt(round_: int) -> str:
+    """Fresh text, a new request each round: an engine that remembers earlier answers across
+    requests (llama-server's ngram-mod) has nothing to recall either."""
+    topic = TOPICS[round_ % len(TOPICS)]
+    return (
+        f"<|im_start|>user\nWrite a short story about {topic}, told as a weather report "
+        f"(draft {round_}).<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+PROSE = prose_prompt(0)
+
+TOOL_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"const": "apply_patch"},
+        "arguments": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "old": {"type": "string"}, "new": {"type": "string"}},
+            "required": ["path", "old", "new"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
+}
+
+
+@dataclass
+class Server:
+    name: str
+    args: list[str]
+    flags: str
+    port: int
+    proc: subprocess.Popen[bytes]
+    log: Path
+    http: httpx.Client
+    body: dict[str, Any] = field(default_factory=dict)
+
+    def close(self) -> None:
+        self.http.close()
+        stop_process(self.proc)
+
+
+def start(name: str, args: list[str], flags: str, port: int, cwd: Path, body: dict[str, Any]) -> Server:
+    log = cwd / f"{name.replace(' ', '-')}.log"
+    proc = subprocess.Popen(args, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=cwd)
+    # A new connection per request: llama-server closes an idle kept-alive one after 5 s, and
+    # a request sent on it then fails ("server disconnected").
+    http = httpx.Client(
+        base_url=f"http://127.0.0.1:{port}", timeout=1800.0, limits=httpx.Limits(max_keepalive_connections=0)
+    )
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_process(proc)
+            raise RuntimeError(f"{name} did not start: {log.read_bytes()[-2000:]!r}")
+        try:
+            if http.get("/health").status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return Server(name, args, flags, port, proc, log, http, body)
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: int
+    tps: float
+    drafted: int | None
+    accepted: int | None
+    forced: int | None
+    batches: int | None
+
+
+def request(
+    server: Server, prompt: Any, max_tokens: int, extra: dict[str, Any], chat: bool = False
+) -> Result:
+    """One streamed greedy decode, timed on the client."""
+    body: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **server.body,
+        **extra,
+    }
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    if chat:
+        body["messages"] = prompt
+    else:
+        body["prompt"] = prompt
+    first = last = 0.0
+    pieces: list[str] = []
+    timings: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
+    with server.http.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            resp.read()
+            raise RuntimeError(f"{server.name}: HTTP {resp.status_code}: {resp.text[:500]}")
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            payload = json.loads(line[6:])
+            if "error" in payload:
+                raise RuntimeError(f"{server.name}: {payload['error']}")
+            timings = payload.get("timings") or timings
+            usage = payload.get("usage") or usage
+            for choice in payload.get("choices") or []:
+                text = choice.get("text") if not chat else (choice.get("delta") or {}).get("content")
+                if text:
+                    now = time.perf_counter()
+                    first = first or now
+                    last = now
+                    pieces.append(text)
+    tokens = int(usage.get("completion_tokens") or timings.get("predicted_n") or 0)
+    tps = (tokens - 1) / (last - first) if tokens > 1 and last > first else 0.0
+
+    def count(key: str) -> int | None:
+        return int(timings[key]) if key in timings else None
+
+    return Result(
+        "".join(pieces),
+        tokens,
+        tps,
+        count("draft_n"),
+        count("draft_n_accepted"),
+        count("forced_n"),
+        count("draft_batches"),
+    )
+
+
+def _median_range(values: list[float], digits: int = 2) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument(
+        "--llama-server", default="", help="the llama-server binary (scripts/build_llama_server.sh)"
+    )
+    parser.add_argument(
+        "--runs", type=int, default=5, help="rounds (each plays every workload on every system)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="cores to pin to (0: all this process may use)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--quick", action="store_true", help="SMALL instead of COPYING, 2 rounds, 64 tokens")
+    parser.add_argument(
+        "--model",
+        choices=("copying", "realistic"),
+        default="copying",
+        help="realistic: random weights (nothing is ever copied): what speculation costs where drafts fail",
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "speculation")
+    args = parser.parse_args()
+
+    # A stop (SIGTERM) still stops the servers (the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = args.threads or len(cpus)
+    os.sched_setaffinity(0, cpus[:threads])  # the servers inherit it: every engine on these cores
+    from modeld.testmodels import COPYING, REALISTIC, TINY, ensure_model
+    from modeld.testmodels._copying import CIRCUIT_LAYERS
+
+    if args.quick:
+        # tests/test_copying_model.py's SMALL (the same spec: the same cached file).
+        small = replace(
+            COPYING,
+            name="copying-small",
+            hidden=768,
+            heads=6,
+            layers=CIRCUIT_LAYERS,
+            ff=1024,
+            vocab_size=TINY.vocab_size,
+            context_length=8192,
+            dtype="f16",
+        )
+        spec, runs, max_tokens = small, min(args.runs, 2), min(args.max_tokens, 64)
+    else:
+        spec = REALISTIC if args.model == "realistic" else COPYING
+        runs, max_tokens = args.runs, args.max_tokens
+    model = str(ensure_model(spec))
+    tmp = Path(tempfile.mkdtemp(prefix="bsp"))
+    servers: list[Server] = []
+    notes: list[str] = []
+    try:
+        port = free_port()
+        modeld_flags = ["--backend", "llama", "--http", f"127.0.0.1:{port}", "--model", f"bench={model}"]
+        modeld_flags += ["--num-ctx", "4096", "--sequences", "1"]
+        modeld = start(
+            "modeld",
+            [
+                sys.executable,
+                "-m",
+                "modeld.cli",
+                "--data-dir",
+                str(tmp / "data"),
+                "serve",
+                "--listen",
+                f"unix:{tmp}/s.sock",
+                *modeld_flags,
+            ],
+            "modeld serve " + " ".join(modeld_flags).replace(model, "MODEL").replace(f":{port}", ":PORT"),
+            port,
+            tmp,
+            {"model": "bench"},
+        )
+        servers.append(modeld)
+        systems: list[tuple[str, Server, dict[str, Any]]] = [
+            ("modeld ngram", modeld, {"speculation": "ngram"}),
+            ("modeld off", modeld, {"speculation": "off"}),
+        ]
+        binary = args.llama_server
+        if binary and Path(binary).is_file():
+            help_text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60).stdout
+            base = [
+                "-c",
+                "4096",
+                "-np",
+                "1",
+                "-t",
+                str(threads),
+                "-tb",
+                str(threads),
+                "-b",
+                "512",
+                "-ub",
+                "512",
+            ]
+            base += ["-fa", "off"]
+            from modeld.backends.cpu import cpu_has_amx
+
+            if cpu_has_amx():
+                base.append("--no-repack")
+            variants: list[tuple[str, list[str]]] = [("llama-server", [])]
+            for mode in ("ngram-simple", "ngram-mod"):
+                if mode in help_text:
+                    variants.append((f"llama-server {mode}", ["--spec-type", mode]))
+                else:
+                    notes.append(f"this llama-server has no --spec-type {mode}")
+            for name, spec_flags in variants:
+                p = free_port()
+                flags = [*base, *spec_flags]
+                server = start(
+                    name,
+                    [binary, "-m", model, "--host", "127.0.0.1", "--port", str(p), "--no-webui", *flags],
+                    "llama-server -m MODEL " + " ".join(flags),
+                    p,
+                    tmp,
+                    {},
+                )
+                servers.append(server)
+                systems.append((name, server, {}))
+        else:
+            notes.append("no llama-server binary given (--llama-server): modeld alone")
+
+        workloads: list[tuple[str, Any, bool, dict[str, Any], bool]] = [
+            ("rewrite", rewrite_prompt(), False, {}, False),
+            ("tool_call", tool_call_prompt(), False, {}, False),
+            ("prose", PROSE, False, {}, False),
+        ]
+        schema = {"type": "json_schema", "json_schema": {"name": "apply_patch", "schema": TOOL_SCHEMA}}
+        # The chat endpoint renders the same conversation with the model's template.
+        workloads.append(("tool_call_schema", tool_call_messages(), True, {"response_format": schema}, True))
+
+        results: dict[str, dict[str, list[Result]]] = {w[0]: {} for w in workloads}
+        for _name, server, extra in systems:  # warm-up: load, prefill every prompt once
+            for _wname, prompt, chat, wextra, modeld_only in workloads:
+                if modeld_only and server is not modeld:
+                    continue
+                request(server, prompt, 4, {**extra, **wextra}, chat)
+        print(f"model {spec.name}, {threads} threads, {runs} rounds, {max_tokens} tokens", flush=True)
+        for r in range(runs):
+            for wname, prompt, chat, wextra, modeld_only in workloads:
+                if wname == "prose":
+                    prompt = prose_prompt(r + 1)
+                order = systems[r % len(systems) :] + systems[: r % len(systems)]
+                for name, server, extra in order:
+                    if modeld_only and server is not modeld:
+                        continue
+                    res = request(server, prompt, max_tokens, {**extra, **wextra}, chat)
+                    results[wname].setdefault(name, []).append(res)
+                    acc = f" accepted {res.accepted}/{res.drafted}" if res.drafted else ""
+                    print(f"  round {r} {wname:16s} {name:24s} {res.tps:6.1f} tok/s{acc}", flush=True)
+        doc = report(results, systems, servers, notes, spec.name, threads, runs, max_tokens)
+    finally:
+        for server in servers:
+            server.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"{stamp}.json").write_text(json.dumps(doc, indent=1))
+    (args.out / f"{stamp}.md").write_text(doc["markdown"])
+    print(doc["markdown"])
+
+
+def report(
+    results: dict[str, dict[str, list[Result]]],
+    systems: list[tuple[str, Server, dict[str, Any]]],
+    servers: list[Server],
+    notes: list[str],
+    model: str,
+    threads: int,
+    runs: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    lines = [
+        f"Model {model}, {threads} threads (every server pinned to the same cores), {runs} rounds, "
+        f"{max_tokens} tokens per decode, greedy. Load average at the end: "
+        + ", ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "",
+        "| workload | system | decode tok/s, median (range) | / modeld off, median (range) | accepted / drafted | mean draft | forced | output |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    table: dict[str, Any] = {}
+    for wname, by_system in results.items():
+        base = by_system.get("modeld off", [])
+        for name, _, _ in systems:
+            runs_ = by_system.get(name)
+            if not runs_:
+                continue
+            tps = [x.tps for x in runs_]
+            ratios = [x.tps / b.tps for x, b in zip(runs_, base, strict=False) if b.tps]
+            drafted = sum(x.drafted or 0 for x in runs_)
+            accepted = sum(x.accepted or 0 for x in runs_)
+            batches = sum(x.batches or 0 for x in runs_)
+            forced = sum(x.forced or 0 for x in runs_)
+            reference = "modeld off" if name.startswith("modeld") else "llama-server"
+            ref = by_system.get(reference, [])
+            same = all(x.text == y.text for x, y in zip(runs_, ref, strict=False)) if ref else None
+            output = "-" if name == reference else ("identical" if same else "DIFFERS")
+            acceptance = f"{accepted}/{drafted} ({accepted / drafted:.0%})" if drafted else "-"
+            mean = f"{drafted / batches:.1f}" if batches else "-"
+            lines.append(
+                f"| {wname} | {name} | {_median_range(tps, 1)} | {_median_range(ratios)} | {acceptance} | "
+                f"{mean} | {forced or '-'} | {output} vs {reference} |"
+            )
+            table.setdefault(wname, {})[name] = {
+                "tps": tps,
+                "ratio_to_modeld_off": ratios,
+                "drafted": drafted,
+                "accepted": accepted,
+                "batches": batches,
+                "forced": forced,
+                "tokens": [x.tokens for x in runs_],
+                "identical_to_reference": same,
+            }
+    pairs = ["", "modeld ngram against each llama-server, paired by round: median (range)", ""]
+    for wname, by_system in results.items():
+        ours = by_system.get("modeld ngram", [])
+        for name, values in by_system.items():
+            if name.startswith("llama-server") and ours:
+                ratios = [a.tps / b.tps for a, b in zip(ours, values, strict=False) if b.tps]
+                pairs.append(f"- {wname}: / {name} {_median_range(ratios)}")
+    lines += [*pairs[: 3 if len(pairs) > 3 else 0], *pairs[3:]]
+    lines += ["", "Systems:", *(f"- `{s.flags}`" for s in servers), *(f"- note: {n}" for n in notes)]
+    return {"table": table, "markdown": "\n".join(lines) + "\n", "notes": notes}
+
+
+if __name__ == "__main__":
+    main()
