@@ -35,7 +35,11 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis"]
+EXTRAS = ["agent_apis", "speculation", "fleet"]
+QUICK_FLEET_SKIP = (
+    "not in the quick run: it installs smg and starts seven daemons (tests/test_fleet.py runs the same "
+    "fleet in make test); python -m bench.fleet --quick runs its quick form"
+)
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -128,6 +132,48 @@ def compatible_runs(runs_dir: Path, doc: dict[str, Any], limit: int = 2) -> list
     return out
 
 
+def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]:
+    """Speculation from the context (``bench/speculation.py``, issue 19): the COPYING model, 5
+    rounds of 192 tokens; ``quick``: its SMALL construction, 2 rounds of 64 tokens. A failure is
+    the run's error, recorded; the other measurements go on."""
+    from bench.speculation import run_speculation
+
+    print("bench: speculation from the context (bench/speculation.py)", flush=True)
+    try:
+        return run_speculation(
+            llama_server if llama_server and Path(llama_server).is_file() else "",
+            threads=threads,
+            quick=quick,
+            log=lambda s: print(f"  {s}", flush=True),
+        )
+    except Exception as exc:  # recorded as the run's error; the run goes on
+        print(f"bench: speculation failed: {exc}", file=sys.stderr, flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def _fleet(llama_server: str, quick: bool) -> dict[str, Any]:
+    """The fleet behind smg (``bench/fleet.py``, issue 18): the realistic model, 6 conversations
+    of ~8k tokens, against a llama-server fleet when a binary is given. ``quick``: not run (see
+    ``QUICK_FLEET_SKIP``). Skipped with the reason when smg cannot be installed."""
+    from bench.fleet import SmgUnavailable, run_fleet
+
+    if quick:
+        print(f"bench: fleet skipped: {QUICK_FLEET_SKIP}", flush=True)
+        return {"skipped": QUICK_FLEET_SKIP}
+    print("bench: a fleet behind the gateway (bench/fleet.py)", flush=True)
+    try:
+        return run_fleet(
+            llama_server if llama_server and Path(llama_server).is_file() else "",
+            log=lambda s: print(f"  {s}", flush=True),
+        )
+    except SmgUnavailable as exc:
+        print(f"bench: fleet skipped: {exc}", flush=True)
+        return {"skipped": f"smg could not be installed: {exc}"}
+    except Exception as exc:  # recorded as the run's error; the run goes on
+        print(f"bench: fleet failed: {exc}", file=sys.stderr, flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
@@ -197,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda s: print(s, flush=True),
         )
 
+    speculation = None
+    if not wanted or "speculation" in wanted:
+        speculation = _speculation(args.llama_server, threads, args.quick)
+    fleet = None
+    if not wanted or "fleet" in wanted:
+        fleet = _fleet(args.llama_server, args.quick)
+
     overhead = None
     if not wanted:
         from bench.overhead import run_overhead
@@ -239,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_parts": data.rss_parts,
         "overhead": overhead,
         "agent_apis": agent_apis,
+        "speculation": speculation,
+        "fleet": fleet,
         "errors": data.errors,
     }
     doc["fingerprint"] = fingerprint(doc)
@@ -257,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     errors = data.errors + (agent_apis["errors"] if agent_apis else 0)
+    errors += sum(1 for extra in (speculation, fleet) if extra and "error" in extra)
+    errors += fleet["errors"] if fleet and "errors" in fleet else 0
     if errors:
         print(f"bench: {errors} error(s); see the log above and the report's notes", file=sys.stderr)
         return 1
