@@ -37,8 +37,8 @@ MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's sm
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
 EXTRAS = ["agent_apis", "speculation", "fleet"]
 QUICK_FLEET_SKIP = (
-    "not in the quick run: it installs smg and starts seven daemons (tests/test_fleet.py runs the same "
-    "fleet in make test); python -m bench.fleet --quick runs its quick form"
+    "not in the quick run: it installs smg and starts a gateway and four daemons or more (tests/test_fleet.py runs "
+    "the same fleet in make test); --workload fleet (make bench-quick WORKLOAD=fleet) runs its quick form"
 )
 
 
@@ -151,19 +151,24 @@ def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
-def _fleet(llama_server: str, quick: bool) -> dict[str, Any]:
+def _fleet(llama_server: str, quick: bool, named: bool) -> dict[str, Any]:
     """The fleet behind smg (``bench/fleet.py``, issue 18): the realistic model, 6 conversations
-    of ~8k tokens, against a llama-server fleet when a binary is given. ``quick``: not run (see
-    ``QUICK_FLEET_SKIP``). Skipped with the reason when smg cannot be installed."""
-    from bench.fleet import SmgUnavailable, run_fleet
+    of ~8k tokens, against a llama-server fleet when a binary is given. ``quick``: its quick form
+    (the tiny model, 3 conversations of ~1k tokens) when ``named`` (``--workload fleet``), else
+    not run (``QUICK_FLEET_SKIP`` says why). Skipped with the reason when smg cannot be installed."""
+    from bench.fleet import QUICK, SmgUnavailable, run_fleet
 
-    if quick:
+    if quick and not named:
         print(f"bench: fleet skipped: {QUICK_FLEET_SKIP}", flush=True)
         return {"skipped": QUICK_FLEET_SKIP}
     print("bench: a fleet behind the gateway (bench/fleet.py)", flush=True)
+    model_name, prefix_tokens, conversations = QUICK if quick else ("realistic", 8192, 6)
     try:
         return run_fleet(
             llama_server if llama_server and Path(llama_server).is_file() else "",
+            model_name=model_name,
+            prefix_tokens=prefix_tokens,
+            conversations=conversations,
             log=lambda s: print(f"  {s}", flush=True),
         )
     except SmgUnavailable as exc:
@@ -248,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         speculation = _speculation(args.llama_server, threads, args.quick)
     fleet = None
     if not wanted or "fleet" in wanted:
-        fleet = _fleet(args.llama_server, args.quick)
+        fleet = _fleet(args.llama_server, args.quick, named="fleet" in wanted)
 
     overhead = None
     if not wanted:
