@@ -36,10 +36,6 @@ ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
 EXTRAS = ["agent_apis", "speculation", "fleet"]
-QUICK_FLEET_SKIP = (
-    "not in the quick run: it installs smg and starts a gateway and four daemons or more (tests/test_fleet.py runs "
-    "the same fleet in make test); --workload fleet (make bench-quick WORKLOAD=fleet) runs its quick form"
-)
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -134,8 +130,9 @@ def compatible_runs(runs_dir: Path, doc: dict[str, Any], limit: int = 2) -> list
 
 def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]:
     """Speculation from the context (``bench/speculation.py``, issue 19): the COPYING model, 5
-    rounds of 192 tokens; ``quick``: its SMALL construction, 2 rounds of 64 tokens. A failure is
-    the run's error, recorded; the other measurements go on."""
+    rounds of 192 tokens; ``quick``: its SMALL construction, 1 round of 32 tokens (the smoke run's
+    budget: 2 rounds of 64, ``python -m bench.speculation --quick``, take a minute more). A
+    failure is the run's error, recorded; the other measurements go on."""
     from bench.speculation import run_speculation
 
     print("bench: speculation from the context (bench/speculation.py)", flush=True)
@@ -144,6 +141,8 @@ def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]
             llama_server if llama_server and Path(llama_server).is_file() else "",
             threads=threads,
             quick=quick,
+            runs=1 if quick else 5,
+            max_tokens=32 if quick else 192,
             log=lambda s: print(f"  {s}", flush=True),
         )
     except Exception as exc:  # recorded as the run's error; the run goes on
@@ -151,16 +150,13 @@ def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
-def _fleet(llama_server: str, quick: bool, named: bool) -> dict[str, Any]:
+def _fleet(llama_server: str, quick: bool) -> dict[str, Any]:
     """The fleet behind smg (``bench/fleet.py``, issue 18): the realistic model, 6 conversations
-    of ~8k tokens, against a llama-server fleet when a binary is given. ``quick``: its quick form
-    (the tiny model, 3 conversations of ~1k tokens) when ``named`` (``--workload fleet``), else
-    not run (``QUICK_FLEET_SKIP`` says why). Skipped with the reason when smg cannot be installed."""
+    of ~8k tokens, against a llama-server fleet when a binary is given; ``quick``: the tiny
+    model, 3 conversations of ~1k tokens. Skipped with the reason when smg cannot be installed
+    (the package index unreachable); any other failure is the run's error, recorded."""
     from bench.fleet import QUICK, SmgUnavailable, run_fleet
 
-    if quick and not named:
-        print(f"bench: fleet skipped: {QUICK_FLEET_SKIP}", flush=True)
-        return {"skipped": QUICK_FLEET_SKIP}
     print("bench: a fleet behind the gateway (bench/fleet.py)", flush=True)
     model_name, prefix_tokens, conversations = QUICK if quick else ("realistic", 8192, 6)
     try:
@@ -250,10 +246,16 @@ def main(argv: list[str] | None = None) -> int:
 
     speculation = None
     if not wanted or "speculation" in wanted:
+        began = time.monotonic()
         speculation = _speculation(args.llama_server, threads, args.quick)
+        speculation["duration_s"] = round(time.monotonic() - began, 1)
+        print(f"bench: speculation done, {speculation['duration_s']:.0f} s", flush=True)
     fleet = None
     if not wanted or "fleet" in wanted:
-        fleet = _fleet(args.llama_server, args.quick, named="fleet" in wanted)
+        began = time.monotonic()
+        fleet = _fleet(args.llama_server, args.quick)
+        fleet["duration_s"] = round(time.monotonic() - began, 1)
+        print(f"bench: fleet done, {fleet['duration_s']:.0f} s", flush=True)
 
     overhead = None
     if not wanted:

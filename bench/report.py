@@ -324,6 +324,10 @@ def _ran(doc: Doc, name: str) -> dict[str, Any] | None:
     return result if result and "skipped" not in result and "error" not in result else None
 
 
+def _wall(result: Doc) -> str:
+    return f" ({result['duration_s'] / 60:.1f} min)" if "duration_s" in result else ""
+
+
 def _skipped(docs: list[Doc], name: str) -> list[str]:
     lines = []
     for d in docs:
@@ -362,7 +366,7 @@ def speculation_lines(docs: list[Doc]) -> list[str]:
         )
     lines += ["", *_skipped(docs, "speculation")]
     if newest is not None:
-        lines += ["", "The newest run:", "", newest["markdown"]]
+        lines += ["", f"The newest run{_wall(newest)}:", "", newest["markdown"]]
     return [*lines, ""]
 
 
@@ -394,7 +398,7 @@ def fleet_lines(docs: list[Doc]) -> list[str]:
                 f"- llama-server: `llama-server -m MODEL --alias bench {newest['llama_server_flags']}`",
                 "",
             ]
-        lines += ["The newest run:", "", newest["markdown"].removeprefix("# ")]
+        lines += [f"The newest run{_wall(newest)}:", "", newest["markdown"].removeprefix("# ")]
     return [*lines, ""]
 
 
