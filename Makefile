@@ -47,7 +47,7 @@ bench: setup
 
 # The CI smoke run: tiny model, smaller sizes, fewer turns; fails on errors, never on timing.
 # Speculation and the fleet run their quick forms (the SMALL copying model, 1 round of 32 tokens;
-# the tiny model, 3 conversations of ~1k tokens); ~40 s of the smoke run's time.
+# the tiny model, 3 conversations of ~1k tokens): ~45 s of the smoke run's time.
 # Without llama-server (CI must stay fast and never build it); to include a built one:
 # make bench-quick LLAMA_SERVER=$(./scripts/build_llama_server.sh --cached-only)
 LLAMA_SERVER ?=
