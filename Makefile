@@ -33,9 +33,12 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
-# Benchmarks: every system on the same prompts in one run (~25 minutes on 2 cores, plus ~10 to
-# build llama-server the first time); the report in bench/results/ merges the two newest runs.
-# WORKLOAD=name[,name] runs only those (and what they continue); its report stays in its run dir.
+# Benchmarks: every system on the same prompts in one run, then the agent-API loops, speculation
+# (bench-speculation's ~15 min) and the fleet behind smg (bench-fleet's, tens of minutes: its 8k
+# prefills on the realistic model): ~75 minutes on an otherwise idle 2-core box, far more under
+# load (plus ~10 to build llama-server the first time); the report in bench/results/ merges the
+# two newest runs. WORKLOAD=name[,name] runs only those (and what they continue; the extras
+# agent_apis, speculation and fleet by name); its report stays in its run dir.
 BENCH_ARGS = $(if $(WORKLOAD),--workload $(WORKLOAD),) $(if $(SYSTEMS),--systems $(SYSTEMS),)
 
 bench: setup
@@ -43,16 +46,18 @@ bench: setup
 	$(PY) -m bench --llama-server "$$LLAMA_SERVER" $(BENCH_ARGS)
 
 # The CI smoke run: tiny model, smaller sizes, fewer turns; fails on errors, never on timing.
+# Speculation and the fleet run their quick forms (the SMALL copying model, 1 round of 32 tokens;
+# the tiny model, 3 conversations of ~1k tokens): ~45 s of the smoke run's time.
 # Without llama-server (CI must stay fast and never build it); to include a built one:
 # make bench-quick LLAMA_SERVER=$(./scripts/build_llama_server.sh --cached-only)
 LLAMA_SERVER ?=
 bench-quick: setup
 	$(PY) -m bench --quick --llama-server "$(LLAMA_SERVER)" $(BENCH_ARGS)
 
-# The fleet (blueprints/0020): 3 daemons behind smg, 6 conversations of ~8k tokens, one daemon
-# killed; a moved turn's TTFT against a cold re-prefill and against 3 llama-servers behind the same
-# gateway (the realistic model: tens of minutes on 2 cores, each 8k prefill takes a minute or more;
-# FLEET_ARGS="--model tiny" takes a few minutes).
+# The fleet alone (blueprints/0020; make bench runs it too): 3 daemons behind smg, 6
+# conversations of ~8k tokens, one daemon killed; a moved turn's TTFT against a cold re-prefill
+# and against 3 llama-servers behind the same gateway (the realistic model: tens of minutes on 2
+# cores, each 8k prefill takes a minute or more; FLEET_ARGS="--model tiny" takes a few minutes).
 # Writes bench/results/fleet/report.md and a run-*.json beside it.
 bench-fleet: setup
 	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
@@ -77,9 +82,9 @@ run: setup
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis build *.egg-info
 
-# Decode speed with speculation from the context (blueprint 0020): modeld with and without, and
-# llama-server plain and with its n-gram modes, on the generated COPYING model (~15 minutes on 2
-# cores). Writes bench/results/speculation/<time>.md|json. QUICK=1: SMALL, 2 rounds.
+# Decode speed with speculation from the context alone (blueprint 0021; make bench runs it too):
+# modeld with and without, and llama-server plain and with its n-gram modes, on the generated
+# COPYING model (~15 minutes on 2 cores). Writes bench/results/speculation/<time>.md|json. QUICK=1: SMALL, 2 rounds.
 bench-speculation: setup
 	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
 	$(PY) -m bench.speculation --llama-server "$$LLAMA_SERVER" $(if $(QUICK),--quick,) $(if $(THREADS),--threads $(THREADS),)

@@ -35,7 +35,7 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis"]
+EXTRAS = ["agent_apis", "speculation", "fleet"]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -128,6 +128,53 @@ def compatible_runs(runs_dir: Path, doc: dict[str, Any], limit: int = 2) -> list
     return out
 
 
+def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]:
+    """Speculation from the context (``bench/speculation.py``, issue 19): the COPYING model, 5
+    rounds of 192 tokens; ``quick``: its SMALL construction, 1 round of 32 tokens (the smoke run's
+    budget: 2 rounds of 64, ``python -m bench.speculation --quick``, take a minute more). A
+    failure is the run's error, recorded; the other measurements go on."""
+    from bench.speculation import run_speculation
+
+    print("bench: speculation from the context (bench/speculation.py)", flush=True)
+    try:
+        return run_speculation(
+            llama_server if llama_server and Path(llama_server).is_file() else "",
+            threads=threads,
+            quick=quick,
+            runs=1 if quick else 5,
+            max_tokens=32 if quick else 192,
+            log=lambda s: print(f"  {s}", flush=True),
+        )
+    except Exception as exc:  # recorded as the run's error; the run goes on
+        print(f"bench: speculation failed: {exc}", file=sys.stderr, flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def _fleet(llama_server: str, quick: bool) -> dict[str, Any]:
+    """The fleet behind smg (``bench/fleet.py``, issue 18): the realistic model, 6 conversations
+    of ~8k tokens, against a llama-server fleet when a binary is given; ``quick``: the tiny
+    model, 3 conversations of ~1k tokens. Skipped with the reason when smg cannot be installed
+    (the package index unreachable); any other failure is the run's error, recorded."""
+    from bench.fleet import QUICK, SmgUnavailable, run_fleet
+
+    print("bench: a fleet behind the gateway (bench/fleet.py)", flush=True)
+    model_name, prefix_tokens, conversations = QUICK if quick else ("realistic", 8192, 6)
+    try:
+        return run_fleet(
+            llama_server if llama_server and Path(llama_server).is_file() else "",
+            model_name=model_name,
+            prefix_tokens=prefix_tokens,
+            conversations=conversations,
+            log=lambda s: print(f"  {s}", flush=True),
+        )
+    except SmgUnavailable as exc:
+        print(f"bench: fleet skipped: {exc}", flush=True)
+        return {"skipped": f"smg could not be installed: {exc}"}
+    except Exception as exc:  # recorded as the run's error; the run goes on
+        print(f"bench: fleet failed: {exc}", file=sys.stderr, flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument(
@@ -197,6 +244,19 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda s: print(s, flush=True),
         )
 
+    speculation = None
+    if not wanted or "speculation" in wanted:
+        began = time.monotonic()
+        speculation = _speculation(args.llama_server, threads, args.quick)
+        speculation["duration_s"] = round(time.monotonic() - began, 1)
+        print(f"bench: speculation done, {speculation['duration_s']:.0f} s", flush=True)
+    fleet = None
+    if not wanted or "fleet" in wanted:
+        began = time.monotonic()
+        fleet = _fleet(args.llama_server, args.quick)
+        fleet["duration_s"] = round(time.monotonic() - began, 1)
+        print(f"bench: fleet done, {fleet['duration_s']:.0f} s", flush=True)
+
     overhead = None
     if not wanted:
         from bench.overhead import run_overhead
@@ -239,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_parts": data.rss_parts,
         "overhead": overhead,
         "agent_apis": agent_apis,
+        "speculation": speculation,
+        "fleet": fleet,
         "errors": data.errors,
     }
     doc["fingerprint"] = fingerprint(doc)
@@ -257,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     errors = data.errors + (agent_apis["errors"] if agent_apis else 0)
+    errors += sum(1 for extra in (speculation, fleet) if extra and "error" in extra)
+    errors += fleet["errors"] if fleet and "errors" in fleet else 0
     if errors:
         print(f"bench: {errors} error(s); see the log above and the report's notes", file=sys.stderr)
         return 1

@@ -18,6 +18,10 @@ regression check and the tests share one definition of every ratio:
 * the agent-API loops (``bench/agent_apis.py``) compare modeld with llama-server per turn
   (TTFT, prompt tokens computed, bytes sent) and take medians over the warm turns (every turn
   after the first), with the range of the per-turn ratios beside them.
+* speculation (``bench/speculation.py``) and the fleet (``bench/fleet.py``) bring their own
+  medians (over rounds paired within a round; over the moved conversations);
+  :func:`extra_figures` picks the issue's ratios out of them (:data:`EXTRA_GOALS`) and
+  :func:`merge_extra` merges two runs' like the headline's.
 
 Two runs merge into a value (their mean) and a spread (the largest run's value over the
 smallest, minus one): the run-to-run noise shown beside every ratio and the tolerance of
@@ -33,13 +37,16 @@ from typing import Any
 from bench.workloads import GOALS
 
 __all__ = [
+    "EXTRA_GOALS",
     "RATIO_PAIRS",
     "agent_api_summary",
     "agent_api_turns",
     "by_turn",
     "causes",
+    "extra_figures",
     "headline",
     "merge",
+    "merge_extra",
     "met",
     "same_tokens",
     "system_stats",
@@ -321,4 +328,75 @@ def agent_api_summary(loop: Doc) -> dict[str, Any]:
         out[f"{key}_ratio_median"] = _median(ratios)
         out[f"{key}_ratio_min"] = min(ratios) if ratios else None
         out[f"{key}_ratio_max"] = max(ratios) if ratios else None
+    return out
+
+
+# --- the extras' goals: speculation (bench/speculation.py) and the fleet (bench/fleet.py) ----------
+
+# name -> key -> (direction, goal or None, title). The figures come from the run document's
+# extra (its own medians over rounds or conversations); two runs merge like the headline's.
+EXTRA_GOALS: dict[str, dict[str, tuple[str, float | None, str]]] = {
+    "speculation": {
+        "rewrite_over_off": ("higher", 2.0, "file rewrite, decode tok/s modeld ngram / modeld off"),
+        "rewrite_over_llama_server_ngram": (
+            "higher",
+            1.0,
+            "file rewrite, modeld ngram / llama-server's best n-gram mode",
+        ),
+        "tool_call_over_off": ("higher", 1.3, "tool call quoting code, modeld ngram / modeld off"),
+        "prose_over_off": ("higher", 0.97, "fresh prose, modeld ngram / modeld off"),
+    },
+    "fleet": {
+        "moved_over_cold": ("lower", 0.1, "modeld: moved turn TTFT / cold re-prefill"),
+        "modeld_moved_over_llama_server_moved": (
+            "lower",
+            None,
+            "moved turn TTFT, modeld / llama-server fleet",
+        ),
+        "llama_server_moved_over_cold": ("lower", None, "llama-server: moved turn TTFT / cold re-prefill"),
+    },
+}
+
+
+def extra_figures(doc: Doc, name: str) -> dict[str, float | None]:
+    """The figures :data:`EXTRA_GOALS` names for one run's ``speculation`` or ``fleet`` (all None
+    where it did not run)."""
+    result = doc.get(name)
+    keys = EXTRA_GOALS[name]
+    if not result or "skipped" in result or "error" in result:
+        return dict.fromkeys(keys)
+    if name == "speculation":
+        figures = result.get("summary", {})
+        return {key: figures.get(key) for key in keys}
+    by = {r["system"]: r for r in result.get("systems", [])}
+
+    def median(system: str, key: str) -> float | None:
+        spread_ = by.get(system, {}).get(key) or {}
+        return spread_.get("median")
+
+    return {
+        "moved_over_cold": median("modeld", "moved_over_cold"),
+        "modeld_moved_over_llama_server_moved": result.get("modeld_moved_over_llama_server_moved"),
+        "llama_server_moved_over_cold": median("llama-server", "moved_over_cold"),
+    }
+
+
+def merge_extra(docs: list[Doc], name: str) -> dict[str, dict[str, Any]]:
+    """key -> {value, runs, spread, goal, direction, met, title} over the runs given: the mean of
+    the runs' figures, each run's figure beside it."""
+    per_run = [extra_figures(doc, name) for doc in docs]
+    out: dict[str, dict[str, Any]] = {}
+    for key, (direction, goal, title) in EXTRA_GOALS[name].items():
+        values = [figures[key] for figures in per_run]
+        present = [v for v in values if v is not None]
+        value = statistics.fmean(present) if present else None
+        out[key] = {
+            "value": value,
+            "runs": values,
+            "spread": spread(present),
+            "goal": goal,
+            "direction": direction,
+            "met": met(value, direction, goal) if goal is not None and value is not None else None,
+            "title": title,
+        }
     return out

@@ -19,7 +19,7 @@ from bench import analysis
 from bench.plots import plot_summary, plot_workload
 from bench.workloads import GOALS
 
-__all__ = ["SYSTEM_ORDER", "agent_apis_lines", "write_report"]
+__all__ = ["SYSTEM_ORDER", "agent_apis_lines", "fleet_lines", "speculation_lines", "write_report"]
 
 SYSTEM_ORDER = ["modeld", "modeld-http", "limit", "cold", "llama-server", "lcp-server"]
 COLUMNS = [
@@ -303,6 +303,105 @@ def agent_apis_lines(result: Doc, model: str) -> list[str]:
     return lines
 
 
+def _goal_table(docs: list[Doc], name: str) -> list[str]:
+    """The issue's ratios for an extra: the mean of the runs with each run's value (the
+    run-to-run spread) and the goal, met or missed."""
+    merged = analysis.merge_extra(docs, name)
+    lines = ["| figure | goal | value [each run] |", "|---|---|---|"]
+    for cell in merged.values():
+        goal = (
+            "-"
+            if cell["goal"] is None
+            else f"{'≤' if cell['direction'] == 'lower' else '≥'} {cell['goal']:g}"
+        )
+        lines.append(f"| {cell['title']} | {goal} | {_cell(cell)} |")
+    return lines
+
+
+def _ran(doc: Doc, name: str) -> dict[str, Any] | None:
+    """The run's result of an extra, or None where it was skipped, failed or not selected."""
+    result = doc.get(name)
+    return result if result and "skipped" not in result and "error" not in result else None
+
+
+def _wall(result: Doc) -> str:
+    return f" ({result['duration_s'] / 60:.1f} min)" if "duration_s" in result else ""
+
+
+def _skipped(docs: list[Doc], name: str) -> list[str]:
+    lines = []
+    for d in docs:
+        result = d.get(name) or {}
+        if "skipped" in result:
+            lines.append(f"- Run {d['id']}: not run: {result['skipped']}")
+        elif "error" in result:
+            lines.append(f"- Run {d['id']}: FAILED: {result['error']}")
+    return lines
+
+
+def speculation_lines(docs: list[Doc]) -> list[str]:
+    """Speculation from the context (``bench/speculation.py``): the issue's goals over the runs,
+    then the newest run's table."""
+    newest = next((r for d in docs if (r := _ran(d, "speculation"))), None)
+    lines = [
+        "## Speculation from the context (`bench/speculation.py`, issue 19)",
+        "",
+        "Decode tok/s with and without speculation from the context, against llama-server plain and with its n-gram "
+        "modes (`--spec-type ngram-simple` / `ngram-mod`, their defaults), every server pinned to the same cores, the "
+        "same raw prompts, greedy, streamed; ratios paired within a round, the median over the rounds. Goals: file "
+        "rewrite ≥ 2x modeld without speculation and ≥ llama-server's best n-gram mode, tool call ≥ 1.3x, fresh "
+        "prose ≥ 0.97x, greedy output identical to plain decoding on every turn.",
+        "",
+        *_goal_table(docs, "speculation"),
+    ]
+    same = [(d["id"], r["summary"].get("greedy_identical")) for d in docs if (r := _ran(d, "speculation"))]
+    if same:
+        lines.append(
+            "| greedy output identical to plain decoding, every turn | identical | "
+            + ", ".join(
+                f"{run}: {'not compared' if v is None else 'identical ✓' if v else 'DIFFERS ✗'}"
+                for run, v in same
+            )
+            + " |"
+        )
+    lines += ["", *_skipped(docs, "speculation")]
+    if newest is not None:
+        lines += ["", f"The newest run{_wall(newest)}:", "", newest["markdown"]]
+    return [*lines, ""]
+
+
+def fleet_lines(docs: list[Doc]) -> list[str]:
+    """The fleet behind smg (``bench/fleet.py``): the issue's goal over the runs, then the newest
+    run's table."""
+    newest = next((r for d in docs if (r := _ran(d, "fleet"))), None)
+    lines = [
+        "## A fleet behind the gateway (`bench/fleet.py`, issue 18)",
+        "",
+        "Three workers behind SGLang's gateway (`smg`), each conversation with its own context; two turns each, then "
+        "the worker holding the most conversations is killed and every conversation takes its third turn. A moved "
+        "turn's TTFT against the same turn re-prefilled cold on a fresh worker of the same system (measured next to "
+        "it), and against a fleet of llama-servers behind the same gateway. Goal: a moved turn at most 0.1 of a cold "
+        "re-prefill on the 8k prefix. Each figure is the median over the moved conversations.",
+        "",
+        *_goal_table(docs, "fleet"),
+        "",
+        *_skipped(docs, "fleet"),
+    ]
+    if newest is not None:
+        if newest["prefix_tokens"] < 8192:
+            lines += [
+                f"- Note: ~{newest['prefix_tokens']}-token contexts here; the goal is stated for the 8k prefix.",
+                "",
+            ]
+        if newest.get("llama_server_flags"):
+            lines += [
+                f"- llama-server: `llama-server -m MODEL --alias bench {newest['llama_server_flags']}`",
+                "",
+            ]
+        lines += [f"The newest run{_wall(newest)}:", "", newest["markdown"].removeprefix("# ")]
+    return [*lines, ""]
+
+
 def write_report(out: Path, docs: list[Doc]) -> None:
     """Write report.md, results.json and the plots for ``docs`` (newest first)."""
     doc = docs[0]
@@ -417,9 +516,13 @@ def write_report(out: Path, docs: list[Doc]) -> None:
             ]
     if doc.get("agent_apis"):
         lines += agent_apis_lines(doc["agent_apis"], model["name"])
+    if any(d.get("speculation") for d in docs):
+        lines += speculation_lines(docs)
+    if any(d.get("fleet") for d in docs):
+        lines += fleet_lines(docs)
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
-        "`make bench WORKLOAD=name` (one workload), `make bench-quick` (tiny model, the CI smoke run), "
+        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
         "`make bench-compare` (the newest run against the committed results).",
         "",
     ]

@@ -42,6 +42,7 @@ import argparse
 import inspect
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -254,54 +256,57 @@ def _median_range(values: list[float], digits: int = 2) -> str:
     return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument(
-        "--llama-server", default="", help="the llama-server binary (scripts/build_llama_server.sh)"
-    )
-    parser.add_argument(
-        "--runs", type=int, default=5, help="rounds (each plays every workload on every system)"
-    )
-    parser.add_argument(
-        "--threads", type=int, default=0, help="cores to pin to (0: all this process may use)"
-    )
-    parser.add_argument("--max-tokens", type=int, default=192)
-    parser.add_argument("--quick", action="store_true", help="SMALL instead of COPYING, 2 rounds, 64 tokens")
-    parser.add_argument(
-        "--model",
-        choices=("copying", "realistic"),
-        default="copying",
-        help="realistic: random weights (nothing is ever copied): what speculation costs where drafts fail",
-    )
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "speculation")
-    args = parser.parse_args()
+GOALS = {  # issue 19: modeld ngram's decode tok/s over the reference, paired by round
+    "rewrite_over_off": ("higher", 2.0),
+    "rewrite_over_llama_server_ngram": ("higher", 1.0),  # llama-server's best n-gram mode
+    "tool_call_over_off": ("higher", 1.3),
+    "prose_over_off": ("higher", 0.97),
+}
 
-    # A stop (SIGTERM) still stops the servers (the finally below).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    cpus = sorted(os.sched_getaffinity(0))
-    threads = args.threads or len(cpus)
-    os.sched_setaffinity(0, cpus[:threads])  # the servers inherit it: every engine on these cores
-    from modeld.testmodels import COPYING, REALISTIC, TINY, ensure_model
+
+def quick_model() -> Any:
+    """tests/test_copying_model.py's SMALL (the same spec: the same cached file): COPYING's
+    construction at 768 wide, TINY's vocabulary."""
+    from modeld.testmodels import COPYING, TINY
     from modeld.testmodels._copying import CIRCUIT_LAYERS
 
-    if args.quick:
-        # tests/test_copying_model.py's SMALL (the same spec: the same cached file).
-        small = replace(
-            COPYING,
-            name="copying-small",
-            hidden=768,
-            heads=6,
-            layers=CIRCUIT_LAYERS,
-            ff=1024,
-            vocab_size=TINY.vocab_size,
-            context_length=8192,
-            dtype="f16",
-        )
-        spec, runs, max_tokens = small, min(args.runs, 2), min(args.max_tokens, 64)
+    return replace(
+        COPYING,
+        name="copying-small",
+        hidden=768,
+        heads=6,
+        layers=CIRCUIT_LAYERS,
+        ff=1024,
+        vocab_size=TINY.vocab_size,
+        context_length=8192,
+        dtype="f16",
+    )
+
+
+def run_speculation(
+    llama_server: str,
+    *,
+    threads: int = 0,
+    runs: int = 5,
+    max_tokens: int = 192,
+    quick: bool = False,
+    model_name: str = "copying",
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The whole benchmark: start the servers, play every round, stop them; the report's
+    document (``table``, ``markdown``, ``summary`` with the issue's ratios, ``notes``...).
+    ``quick``: the SMALL COPYING model, at most 2 rounds of 64 tokens. Pins this process (and
+    so the servers it starts) to ``threads`` cores, and restores its affinity at the end."""
+    cpus = sorted(os.sched_getaffinity(0))
+    threads = threads or len(cpus)
+    from modeld.testmodels import COPYING, REALISTIC, ensure_model
+
+    if quick:
+        spec, runs, max_tokens = quick_model(), min(runs, 2), min(max_tokens, 64)
     else:
-        spec = REALISTIC if args.model == "realistic" else COPYING
-        runs, max_tokens = args.runs, args.max_tokens
+        spec = REALISTIC if model_name == "realistic" else COPYING
     model = str(ensure_model(spec))
+    os.sched_setaffinity(0, cpus[:threads])  # the servers inherit it: every engine on these cores
     tmp = Path(tempfile.mkdtemp(prefix="bsp"))
     servers: list[Server] = []
     notes: list[str] = []
@@ -332,7 +337,7 @@ def main() -> None:
             ("modeld ngram", modeld, {"speculation": "ngram"}),
             ("modeld off", modeld, {"speculation": "off"}),
         ]
-        binary = args.llama_server
+        binary = llama_server
         if binary and Path(binary).is_file():
             help_text = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60).stdout
             base = [
@@ -391,7 +396,7 @@ def main() -> None:
                 if modeld_only and server is not modeld:
                     continue
                 request(server, prompt, 4, {**extra, **wextra}, chat)
-        print(f"model {spec.name}, {threads} threads, {runs} rounds, {max_tokens} tokens", flush=True)
+        log(f"speculation: model {spec.name}, {threads} threads, {runs} rounds, {max_tokens} tokens")
         for r in range(runs):
             for wname, prompt, chat, wextra, modeld_only in workloads:
                 if wname == "prose":
@@ -403,11 +408,90 @@ def main() -> None:
                     res = request(server, prompt, max_tokens, {**extra, **wextra}, chat)
                     results[wname].setdefault(name, []).append(res)
                     acc = f" accepted {res.accepted}/{res.drafted}" if res.drafted else ""
-                    print(f"  round {r} {wname:16s} {name:24s} {res.tps:6.1f} tok/s{acc}", flush=True)
+                    log(f"  round {r} {wname:16s} {name:24s} {res.tps:6.1f} tok/s{acc}")
         doc = report(results, systems, servers, notes, spec.name, threads, runs, max_tokens)
     finally:
         for server in servers:
             server.close()
+        os.sched_setaffinity(0, cpus)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return doc
+
+
+def summary(table: dict[str, Any]) -> dict[str, Any]:
+    """The issue's figures from a run's table: modeld ngram's median ratio for each goal (None
+    where a system did not run), the best llama-server n-gram mode on the rewrite, and whether
+    greedy output was identical to plain decoding on every turn of every workload."""
+
+    def median(values: list[float]) -> float | None:
+        return float(statistics.median(values)) if values else None
+
+    def ours(workload: str) -> dict[str, Any]:
+        return dict(table.get(workload, {}).get("modeld ngram", {}))
+
+    out: dict[str, Any] = {
+        "rewrite_over_off": median(ours("rewrite").get("ratio_to_modeld_off", [])),
+        "tool_call_over_off": median(ours("tool_call").get("ratio_to_modeld_off", [])),
+        "prose_over_off": median(ours("prose").get("ratio_to_modeld_off", [])),
+    }
+    best, best_tps = None, 0.0  # llama-server's best n-gram mode on the rewrite, by median tok/s
+    for name, row in table.get("rewrite", {}).items():
+        if name.startswith("llama-server ") and row["tps"] and statistics.median(row["tps"]) > best_tps:
+            best, best_tps = name, statistics.median(row["tps"])
+    out["best_llama_server_ngram"] = best
+    mine = ours("rewrite").get("tps", [])
+    theirs = table["rewrite"][best]["tps"] if best else []
+    out["rewrite_over_llama_server_ngram"] = median(
+        [a / b for a, b in zip(mine, theirs, strict=False) if b > 0]
+    )
+    for workload in ("rewrite", "tool_call", "prose"):
+        row = ours(workload)
+        drafted = row.get("drafted", 0)
+        out[f"{workload}_acceptance"] = row.get("accepted", 0) / drafted if drafted else None
+        out[f"{workload}_mean_draft"] = drafted / row["batches"] if row.get("batches") else None
+    checked = [
+        row["identical_to_reference"]
+        for by_system in table.values()
+        for row in by_system.values()
+        if row["identical_to_reference"] is not None
+    ]
+    out["greedy_identical"] = all(checked) if checked else None
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.speculation")
+    parser.add_argument(
+        "--llama-server", default="", help="the llama-server binary (scripts/build_llama_server.sh)"
+    )
+    parser.add_argument(
+        "--runs", type=int, default=5, help="rounds (each plays every workload on every system)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="cores to pin to (0: all this process may use)"
+    )
+    parser.add_argument("--max-tokens", type=int, default=192)
+    parser.add_argument("--quick", action="store_true", help="SMALL instead of COPYING, 2 rounds, 64 tokens")
+    parser.add_argument(
+        "--model",
+        choices=("copying", "realistic"),
+        default="copying",
+        help="realistic: random weights (nothing is ever copied): what speculation costs where drafts fail",
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "speculation")
+    args = parser.parse_args(argv)
+
+    # A stop (SIGTERM) still stops the servers (run_speculation's finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    doc = run_speculation(
+        args.llama_server,
+        threads=args.threads,
+        runs=args.runs,
+        max_tokens=args.max_tokens,
+        quick=args.quick,
+        model_name=args.model,
+        log=lambda s: print(s, flush=True),
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (args.out / f"{stamp}.json").write_text(json.dumps(doc, indent=1))
@@ -475,7 +559,45 @@ def report(
                 pairs.append(f"- {wname}: / {name} {_median_range(ratios)}")
     lines += [*pairs[: 3 if len(pairs) > 3 else 0], *pairs[3:]]
     lines += ["", "Systems:", *(f"- `{s.flags}`" for s in servers), *(f"- note: {n}" for n in notes)]
-    return {"table": table, "markdown": "\n".join(lines) + "\n", "notes": notes}
+    figures = summary(table)
+    lines += ["", "Goals (issue 19), modeld ngram paired by round, median:", "", *goal_lines(figures)]
+    return {
+        "model": model,
+        "threads": threads,
+        "runs": runs,
+        "max_tokens": max_tokens,
+        "systems": [s.flags for s in servers],
+        "table": table,
+        "summary": figures,
+        "markdown": "\n".join(lines) + "\n",
+        "notes": notes,
+    }
+
+
+GOAL_TITLES = {
+    "rewrite_over_off": "file rewrite / modeld off",
+    "rewrite_over_llama_server_ngram": "file rewrite / llama-server's best n-gram mode",
+    "tool_call_over_off": "tool call / modeld off",
+    "prose_over_off": "fresh prose / modeld off",
+}
+
+
+def goal_lines(figures: dict[str, Any]) -> list[str]:
+    """One line per goal: the figure, the goal, met or missed (or why there is no figure)."""
+    out = []
+    for key, (_, goal) in GOALS.items():
+        value = figures.get(key)
+        title = GOAL_TITLES[key]
+        if key == "rewrite_over_llama_server_ngram" and figures.get("best_llama_server_ngram"):
+            title += f" ({figures['best_llama_server_ngram']})"
+        if value is None:
+            out.append(f"- {title}: goal >= {goal:g}: not measured (the system did not run)")
+        else:
+            out.append(f"- {title}: {value:.2f}, goal >= {goal:g}: {'met' if value >= goal else 'missed'}")
+    same = figures.get("greedy_identical")
+    verdict = "not compared" if same is None else "met" if same else "MISSED (outputs differ)"
+    out.append(f"- greedy output identical to plain decoding on every turn: {verdict}")
+    return out
 
 
 if __name__ == "__main__":

@@ -244,3 +244,100 @@ def test_llama_servers_log_gives_each_finished_requests_computed_and_prompt_toke
     # The prompt is the slot's size at release minus the generated tokens plus the one never
     # evaluated; the last request has not been released yet, so it is not counted.
     assert server_log_counts(LLAMA_SERVER_LOG) == [(9122, 9122), (511, 9633)]
+
+
+def _speculation_row(tps: list[float], ratios: list[float], same: bool | None) -> dict[str, Any]:
+    return {
+        "tps": tps,
+        "ratio_to_modeld_off": ratios,
+        "drafted": 100,
+        "accepted": 90,
+        "batches": 4,
+        "forced": 0,
+        "tokens": [64] * len(tps),
+        "identical_to_reference": same,
+    }
+
+
+def _speculation_table(rewrite_ngram: list[float], differs: bool = False) -> dict[str, Any]:
+    """Three rounds: modeld ngram's rewrite tok/s given; modeld off decodes 10 tok/s every round,
+    llama-server's n-gram modes 30 (simple) and 40 (mod)."""
+    return {
+        "rewrite": {
+            "modeld ngram": _speculation_row(rewrite_ngram, [x / 10 for x in rewrite_ngram], True),
+            "modeld off": _speculation_row([10.0] * 3, [1.0] * 3, None),
+            "llama-server": _speculation_row([11.0] * 3, [1.1] * 3, None),
+            "llama-server ngram-simple": _speculation_row([30.0] * 3, [3.0] * 3, True),
+            "llama-server ngram-mod": _speculation_row([40.0] * 3, [4.0] * 3, not differs),
+        },
+        "tool_call": {"modeld ngram": _speculation_row([12.0] * 3, [1.2, 1.4, 1.5], True)},
+        "prose": {"modeld ngram": _speculation_row([10.0] * 3, [0.9, 1.0, 1.1], True)},
+    }
+
+
+def test_speculation_figures_take_the_best_llama_server_mode_and_merge_two_runs_with_their_goals() -> None:
+    from bench.analysis import extra_figures, merge_extra
+    from bench.speculation import summary
+
+    first = summary(_speculation_table([20.0, 44.0, 48.0]))
+    assert first["rewrite_over_off"] == 4.4  # the median of 2.0, 4.4, 4.8
+    assert first["best_llama_server_ngram"] == "llama-server ngram-mod"  # 40 tok/s against 30
+    assert first["rewrite_over_llama_server_ngram"] == 44.0 / 40.0  # paired by round, median
+    assert first["tool_call_over_off"] == 1.4
+    assert first["prose_over_off"] == 1.0
+    assert first["rewrite_acceptance"] == 0.9
+    assert first["rewrite_mean_draft"] == 25.0
+    assert first["greedy_identical"] is True
+    second = summary(_speculation_table([30.0, 30.0, 30.0], differs=True))
+    assert second["greedy_identical"] is False  # one turn of one system differs: the goal is missed
+
+    newest = {"id": "r2", "speculation": {"summary": second}}
+    older = {"id": "r1", "speculation": {"summary": first}}
+    skipped = {"id": "r0", "speculation": {"skipped": "no reason"}}
+    assert set(extra_figures(skipped, "speculation").values()) == {None}
+    merged = merge_extra([newest, older, skipped], "speculation")
+    rewrite = merged["rewrite_over_off"]
+    assert rewrite["runs"] == [3.0, 4.4, None]
+    assert abs(rewrite["value"] - 3.7) < 1e-12
+    assert rewrite["met"] is True  # >= 2
+    against = merged["rewrite_over_llama_server_ngram"]
+    assert against["runs"] == [0.75, 1.1, None]
+    assert against["met"] is False  # the mean 0.925 is below llama-server's best mode
+    assert merged["prose_over_off"]["met"] is True  # 1.0 >= 0.97
+
+
+def test_fleet_figures_hold_the_moved_turn_against_the_goal_and_the_report_shows_both_runs(
+    tmp_path: Path,
+) -> None:
+    from bench.analysis import merge_extra
+    from bench.report import fleet_lines, speculation_lines
+
+    def fleet(modeld: float, llama: float, over: float | None) -> dict[str, Any]:
+        def system(name: str, ratio: float) -> dict[str, Any]:
+            return {"system": name, "moved_over_cold": {"median": ratio, "min": ratio, "max": ratio, "n": 2}}
+
+        return {
+            "prefix_tokens": 8192,
+            "markdown": "# Fleet benchmark (a table)\n",
+            "systems": [system("modeld", modeld), system("llama-server", llama)],
+            "modeld_moved_over_llama_server_moved": over,
+        }
+
+    docs = [
+        {"id": "r2", "fleet": fleet(0.08, 0.97, 0.06)},
+        {"id": "r1", "fleet": fleet(0.14, 1.01, None)},
+    ]
+    merged = merge_extra(docs, "fleet")
+    assert merged["moved_over_cold"]["runs"] == [0.08, 0.14]
+    assert abs(merged["moved_over_cold"]["value"] - 0.11) < 1e-12
+    assert merged["moved_over_cold"]["met"] is False  # the mean is above 0.1
+    assert merged["modeld_moved_over_llama_server_moved"]["runs"] == [0.06, None]
+    assert merged["modeld_moved_over_llama_server_moved"]["met"] is None  # no goal: context
+    text = "\n".join(fleet_lines(docs))
+    assert "| modeld: moved turn TTFT / cold re-prefill | ≤ 0.1 | 0.11 [0.08, 0.14] ✗ |" in text
+    assert "Fleet benchmark (a table)" in text
+
+    failed = [{"id": "r3", "speculation": {"error": "RuntimeError: modeld: HTTP 500"}}]
+    text = "\n".join(speculation_lines(failed))
+    assert "- Run r3: FAILED: RuntimeError: modeld: HTTP 500" in text
+    assert "| file rewrite, decode tok/s modeld ngram / modeld off | ≥ 2 | - |" in text
