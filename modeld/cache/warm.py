@@ -51,7 +51,7 @@ from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, Wa
 from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError, echo
 from modeld.manifest import ContextManifest
 
-__all__ = ["PROGRESS_INTERVAL", "Hold", "ModelCache", "Synced"]
+__all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "ModelCache", "Synced"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -185,6 +185,52 @@ class Hold:
         finally:
             self.release()
 
+    def fork(self, count: int, cells: int) -> Forks | str:
+        """Sequences for ``count`` more choices of a decode of this hold's target (resident: call
+        after :meth:`sync`), each holding a copy of it (a unified pool shares the cells) and room
+        for ``cells`` more tokens; or why not, as a sentence. Forks take only free sequences and
+        free cells: no warm context is evicted for them (the choices are then decoded one after
+        another instead). Give them back with :meth:`Forks.release` when the decode ended."""
+        cache = self._cache
+        pool = cache._pool
+        layout = pool.layout
+        n = len(self.target)
+        runtime = cache.runtime()
+        with cache._lock:
+            if not layout.forks:
+                return "this backend decodes one choice at a time"
+            if not pool.holds(self.context) or self.context.tokens != self.target:
+                return "the prompt is not resident"
+            free = pool.free_seqs()
+            if len(free) < count:
+                return (
+                    f"{count} more choices need {count} free KV sequences; {len(free)} of "
+                    f"{layout.n_seq} are free (--sequences)"
+                )
+            if layout.shared_cells:
+                # The decode's own tokens (``cells``) are not in the ledger yet: counted here.
+                room = layout.pool_tokens - pool.ledger.used() - cells
+                if room < count * cells:
+                    return (
+                        f"{count} more choices of up to {cells} tokens need {count * cells} free KV "
+                        f"cells; the pool has {max(0, room)} (--pool-tokens, or a smaller max_tokens)"
+                    )
+            taken: list[WarmContext] = []
+            try:
+                for seq in free[:count]:
+                    fork = WarmContext(
+                        id=f"{self.context.id}.fork", seq=seq, identity="", tokens=[], busy=True
+                    )
+                    pool.contexts[seq] = fork
+                    taken.append(fork)
+                    runtime.copy(self.context.seq, seq, n)
+                    pool.ledger.copy(self.context.seq, seq, n)
+                    pool.ledger.extend(seq, cells)  # its choice's tokens: reserved until released
+            except ModeldError:
+                Forks(cache, taken).release()
+                raise
+            return Forks(cache, taken)
+
     def fail(self, error: ModeldError) -> None:
         """A job failed: what the sequence holds is unknown, so it is emptied (when the engine
         died, its restart empties everything anyway: nothing is sent to it)."""
@@ -217,6 +263,36 @@ class Hold:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+class Forks:
+    """Sequences lent to one decode's further choices (:meth:`Hold.fork`). They are busy
+    contexts of no identity: never chosen, copied, evicted or saved; their cells are reserved in
+    the ledger until :meth:`release` frees them (the warm state is then what a one-choice decode
+    leaves)."""
+
+    def __init__(self, cache: ModelCache, contexts: list[WarmContext]) -> None:
+        self._cache = cache
+        self._contexts = contexts
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        return tuple(c.seq for c in self._contexts)
+
+    def release(self) -> None:
+        """Empty the forks and give their sequences back (idempotent)."""
+        cache = self._cache
+        contexts, self._contexts = self._contexts, []
+        if not contexts:
+            return
+        with cache._lock:
+            pool = cache._pool
+            for fork in contexts:
+                if not pool.holds(fork):
+                    continue  # the engine was reset meanwhile
+                with contextlib.suppress(ModeldError):
+                    cache.runtime().drop(fork.seq)
+                pool.remove(fork)
 
 
 class ModelCache:
