@@ -48,7 +48,14 @@ from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
-from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError, echo
+from modeld.errors import (
+    BusyError,
+    EngineRestartedError,
+    ModeldError,
+    OperationTimeoutError,
+    StallTimeoutError,
+    echo,
+)
 from modeld.manifest import ContextManifest
 
 __all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "ModelCache", "Synced"]
@@ -188,44 +195,61 @@ class Hold:
     def fork(self, count: int, cells: int) -> Forks | str:
         """Sequences for ``count`` more choices of a decode of this hold's target (resident: call
         after :meth:`sync`), each holding a copy of it (a unified pool shares the cells) and room
-        for ``cells`` more tokens; or why not, as a sentence. Forks take only free sequences and
-        free cells: no warm context is evicted for them (the choices are then decoded one after
-        another instead). Give them back with :meth:`Forks.release` when the decode ended."""
+        for ``cells`` more tokens; or why not, as a sentence. Forks take free sequences and free
+        cells, else they make room as a new session does (the least valuable idle contexts are
+        evicted, saved to a tier first); when even that cannot make room (busy or pinned
+        contexts, a pool too small for the choices' tokens) nothing is evicted and the choices
+        are decoded one after another instead. Give them back with :meth:`Forks.release` when
+        the decode ended."""
         cache = self._cache
         pool = cache._pool
         layout = pool.layout
+        own = self.context
         n = len(self.target)
         runtime = cache.runtime()
         with cache._lock:
             if not layout.forks:
                 return "this backend decodes one choice at a time"
-            if not pool.holds(self.context) or self.context.tokens != self.target:
+            if not pool.holds(own) or own.tokens != self.target:
                 return "the prompt is not resident"
             free = pool.free_seqs()
-            if len(free) < count:
+            idle = [c for c in eviction.evictable(pool) if c is not own]
+            if len(free) + len(idle) < count:
                 return (
-                    f"{count} more choices need {count} free KV sequences; {len(free)} of "
-                    f"{layout.n_seq} are free (--sequences)"
+                    f"{count} more choices need {count} more KV sequences; of {layout.n_seq} "
+                    f"(--sequences), {len(free)} are free and {len(idle)} hold idle contexts, the "
+                    "others busy or pinned ones"
                 )
-            if layout.shared_cells:
-                # The decode's own tokens (``cells``) are not in the ledger yet: counted here.
-                room = layout.pool_tokens - pool.ledger.used() - cells
-                if room < count * cells:
-                    return (
-                        f"{count} more choices of up to {cells} tokens need {count * cells} free KV "
-                        f"cells; the pool has {max(0, room)} (--pool-tokens, or a smaller max_tokens)"
-                    )
+            if layout.shared_cells and n + (count + 1) * cells > layout.pool_tokens:
+                return (
+                    f"{count + 1} choices of up to {cells} tokens after a {n}-token prompt need "
+                    f"{n + (count + 1) * cells} KV cells; the pool has {layout.pool_tokens} "
+                    "(--kv-pool-tokens, or a smaller max_tokens)"
+                )
             taken: list[WarmContext] = []
             try:
-                for seq in free[:count]:
-                    fork = WarmContext(
-                        id=f"{self.context.id}.fork", seq=seq, identity="", tokens=[], busy=True
-                    )
-                    pool.contexts[seq] = fork
+                for _ in range(count):
+                    free = pool.free_seqs()
+                    if not free:
+                        chosen = eviction.victim(pool, exclude={own})
+                        assert chosen is not None  # counted above, under the lock
+                        eviction.evict(
+                            pool, chosen, runtime, "its sequence was needed by a choice of a decode"
+                        )
+                        free = [chosen.seq]
+                    fork = WarmContext(id=f"{own.id}.fork", seq=free[0], identity="", tokens=[], busy=True)
+                    pool.contexts[fork.seq] = fork
                     taken.append(fork)
-                    runtime.copy(self.context.seq, seq, n)
-                    pool.ledger.copy(self.context.seq, seq, n)
-                    pool.ledger.extend(seq, cells)  # its choice's tokens: reserved until released
+                    runtime.copy(own.seq, fork.seq, n)
+                    pool.ledger.copy(own.seq, fork.seq, n)
+                if layout.shared_cells:
+                    # Every choice's tokens (the first's too: not in the ledger yet).
+                    eviction.make_room(pool, own, n, (count + 1) * cells, runtime)
+                for fork in taken:
+                    pool.ledger.extend(fork.seq, cells)  # its choice's tokens: reserved until released
+            except BusyError as exc:
+                Forks(cache, taken).release()
+                return exc.message
             except ModeldError:
                 Forks(cache, taken).release()
                 raise

@@ -1,0 +1,162 @@
+"""``n`` > 1 on llama.cpp: the prompt's KV forked into ``n`` sequences and the choices decoded
+together, one batch per step (blueprint 0019, "Choices").
+
+Against a real ``modeld serve --http`` on the generated tiny llama model: every choice is what
+the one-choice request gives (greedy, seeded sampling with seed + i, stop strings, a
+constraint), the warm state afterwards is what a one-choice turn leaves (no fork is left in the
+pool), and where the forks do not fit (too few free sequences, too few free cells) the choices
+are decoded one after another and the answer says why.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from daemon_proc import serve_http, stop
+
+import runtime_client as rc
+
+pytestmark = [pytest.mark.llama, pytest.mark.slow, pytest.mark.wire]
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse.\n"},
+    {"role": "user", "content": "Why does the build fail?\n"},
+]
+
+
+class Served:
+    def __init__(self, *extra: str) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="mdn"))
+        self.proc, record = serve_http(self.tmp, *extra, backend="llama", timeout=300)
+        self.url = record.http_endpoint
+
+    def ask(self, conversation: str = "", **body: Any) -> dict[str, Any]:
+        headers = {"X-Modeld-Conversation": conversation} if conversation else {}
+        reply = httpx.post(
+            f"{self.url}/v1/chat/completions",
+            json={"model": "modeld-tiny", "messages": MESSAGES, "max_tokens": 24, **body},
+            headers=headers,
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+        data: dict[str, Any] = reply.json()
+        return data
+
+    def close(self) -> None:
+        stop(self.proc)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    s = Served()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def texts(answer: dict[str, Any]) -> list[str]:
+    return [c["message"]["content"] for c in answer["choices"]]
+
+
+def test_greedy_choices_are_decoded_together_and_equal_the_one_choice_answer(served: Served) -> None:
+    four = served.ask(n=4, temperature=0)
+    assert four["timings"]["choices"] == {"n": 4, "batched": True}
+    assert four["modeld"]["choices"] == {"n": 4, "batched": True}
+    one = served.ask(n=1, temperature=0)
+    assert "choices" not in one["timings"]
+    assert texts(four) == texts(one) * 4
+    assert [c["finish_reason"] for c in four["choices"]] == ["length"] * 4
+    assert four["usage"]["completion_tokens"] == 4 * one["usage"]["completion_tokens"] == 96
+    # A constraint masks each choice's own logits (the first step's row is shared by all).
+    fmt = {"response_format": {"type": "json_object"}, "temperature": 0, "max_tokens": 16}
+    assert texts(served.ask(n=2, **fmt)) == texts(served.ask(n=1, **fmt)) * 2
+
+
+def test_sampled_choice_i_is_the_one_choice_request_with_seed_plus_i(served: Served) -> None:
+    sampled = {"temperature": 1.0, "logprobs": True}
+    three = served.ask(n=3, seed=5, **sampled)
+    assert three["timings"]["choices"]["batched"] is True
+    got = texts(three)
+    assert len(set(got)) == 3
+    for i in range(3):
+        alone = served.ask(n=1, seed=5 + i, **sampled)
+        assert texts(alone) == [got[i]]
+        logprobs = [t["logprob"] for t in three["choices"][i]["logprobs"]["content"]]
+        assert len(logprobs) == 24
+        alone_logprobs = [t["logprob"] for t in alone["choices"][0]["logprobs"]["content"]]
+        assert logprobs == pytest.approx(alone_logprobs, abs=1e-2)
+
+
+def test_each_choice_stops_on_its_own(served: Served) -> None:
+    """A stop string ends one choice (the engine stops that choice alone); the others go on."""
+    body = {"temperature": 1.0, "stop": ["e"], "max_tokens": 40}
+    four = served.ask(n=4, seed=11, **body)
+    assert four["timings"]["choices"]["batched"] is True
+    alone = [served.ask(n=1, seed=11 + i, **body) for i in range(4)]
+    assert texts(four) == [texts(a)[0] for a in alone]
+    assert [c["finish_reason"] for c in four["choices"]] == [a["choices"][0]["finish_reason"] for a in alone]
+    assert "stop" in [c["finish_reason"] for c in four["choices"]]  # the test means something
+    assert len({len(t) for t in texts(four)}) > 1
+
+
+def test_the_warm_state_after_choices_is_what_one_choice_leaves(served: Served) -> None:
+    many = served.ask("many", n=4, temperature=0)
+    one = served.ask("one", n=1, temperature=0)
+    with rc.connect(data_dir=served.tmp) as client:
+        a = client.explain_context(many["modeld"]["session_id"])
+        b = client.explain_context(one["modeld"]["session_id"])
+    assert (a.resident_tokens, a.kv_tokens, a.generated_tokens) == (
+        b.resident_tokens,
+        b.kv_tokens,
+        b.generated_tokens,
+    )
+    assert a.speculation == "off" and b.speculation == "ngram"  # choices decode plainly
+    kv = [c for c in b.contexts if c.tier == "kv"]
+    assert not [c for c in kv if "fork" in c.id]  # the forks were given back
+    mine = {c.session_id: c for c in kv}
+    assert mine[a.session_id].tokens == mine[b.session_id].tokens
+    # The next turn of the conversation is warm as after a one-choice turn.
+    follow = [
+        *MESSAGES,
+        {"role": "assistant", "content": texts(many)[0]},
+        {"role": "user", "content": "More?\n"},
+    ]
+    again = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        json={"model": "modeld-tiny", "messages": follow, "max_tokens": 4, "temperature": 0},
+        headers={"X-Modeld-Conversation": "many"},
+        timeout=60,
+    ).json()
+    assert again["modeld"]["reuse"] == "warm"
+
+
+def test_choices_that_do_not_fit_are_decoded_one_after_another_and_say_why() -> None:
+    s = Served("--sequences", "2", "--num-ctx", "256")
+    try:
+        one = s.ask(n=1, temperature=0, max_tokens=120)
+        # Three more choices need three more sequences; the pool has two.
+        four = s.ask(n=4, temperature=0, max_tokens=120)
+        note = four["timings"]["choices"]
+        assert note["batched"] is False and "more KV sequences" in note["sequential"]
+        assert four["modeld"]["choices"] == note
+        assert texts(four) == texts(one) * 4
+        # One more choice has a sequence but not the cells: a window of 256 holds the prompt
+        # and 120 tokens of the first choice, not 120 more for the second.
+        two = s.ask(n=2, temperature=0, max_tokens=120)
+        note = two["timings"]["choices"]
+        assert note["batched"] is False and "KV cells" in note["sequential"]
+        assert texts(two) == texts(one) * 2
+        # Fewer tokens fit (the other sequence's idle context makes room): decoded together.
+        short = s.ask(n=2, temperature=0, max_tokens=60)
+        assert short["timings"]["choices"] == {"n": 2, "batched": True}
+        assert texts(short) == [texts(one)[0][: len(texts(short)[0])]] * 2
+    finally:
+        s.close()
