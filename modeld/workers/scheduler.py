@@ -142,9 +142,12 @@ class Scheduler:
                 self._start(_Job(op, message.seq, steps, generate=False, kept=message.keep))
             elif isinstance(message, Generate):
                 stopped: set[int] = set()
-                tokens = runtime.generate(
-                    message.seq, message.config, message.max_tokens, message.forks, stopped.__contains__
-                )
+                if message.forks:
+                    tokens = runtime.generate(
+                        message.seq, message.config, message.max_tokens, message.forks, stopped.__contains__
+                    )
+                else:
+                    tokens = runtime.generate(message.seq, message.config, message.max_tokens)
                 job = _Job(op, message.seq, tokens, generate=True, interval=message.interval, stopped=stopped)
                 self._start(job)
             elif isinstance(message, Tokenize):
