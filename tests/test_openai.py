@@ -260,7 +260,7 @@ def test_n_choices_are_decoded_from_the_same_prompt_and_reproducible_by_seed(dae
 
     three = ask(3, 5)
     assert [c.index for c in three.choices] == [0, 1, 2]
-    note = {"n": 3, "batched": False, "sequential": "this backend decodes one choice at a time"}
+    note = {"n": 3, "decoded": "one by one", "why": "this backend decodes one choice at a time"}
     assert three.model_extra["timings"]["choices"] == note  # type: ignore[index]
     texts = [c.message.content for c in three.choices]
     assert len(set(texts)) > 1  # each choice draws its own tokens

@@ -409,14 +409,21 @@ class HttpService:
         """Run ``turn.n`` choices in the turn's conversation and answer them in one JSON body:
         decoded together from the prompt's KV where the engine can fork it, else (the backend
         decodes one choice at a time, or the KV pool has no room for the forks) the first, then
-        the others one after another, each reusing the warm prompt (the answer says which)."""
+        the others one after another, each reusing the warm prompt; greedy choices are all the
+        same, so they are decoded once (the answer says which, ``choices_note``)."""
         entry = self.entry(turn.model)
         if turn.max_tokens is None and self.settings.max_output_tokens:
             turn = replace(turn, max_tokens=self.settings.max_output_tokens)
-        events = self.conversations.run(turn, self.open_request(entry, turn))
+        greedy = turn.decode.temperature <= 0
+        first = turn.choice(0) if greedy else turn
+        events = self.conversations.run(first, self.open_request(entry, first))
         async with contextlib.aclosing(events):
             started = await first_event(events)
             dones = await collect_choices(started, events)
+        if greedy:  # no draw to differ by: every choice is the first, exactly
+            why = "greedy decoding (temperature 0) gives every choice the same tokens"
+            once = replace(dones[0], started=replace(started, decoded="once", why=why))
+            dones = [once] * turn.n
         for index in range(len(dones), turn.n if dones[0].finished.error is None else 0):
             one = turn.choice(index)
             more = self.conversations.run(one, self.open_request(entry, one))

@@ -123,7 +123,8 @@ class Started:
     info: ModelInfo
     usage: TurnUsage  # the prompt's counts (completion 0): what the final usage says of the prompt
     choices: int = 1  # the choices this turn's events carry (n, or 1 when they are decoded one by one)
-    sequential: str = ""  # why n > 1 choices are decoded one after another ("": together, or n = 1)
+    decoded: str = "together"  # how n > 1 choices are decoded: together, once (greedy), one by one
+    why: str = ""  # why they are not decoded together
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,8 +359,8 @@ class Conversations:
             if turn.n == 1 or exc.details.get("field") != "n":
                 raise
             # The choices cannot be decoded together here: this stream decodes the first, the
-            # caller the others, one after another (Started.sequential says why).
-            started = replace(started, choices=1, sequential=exc.message)
+            # caller the others, one after another (Started.why says why).
+            started = replace(started, choices=1, decoded="one by one", why=exc.message)
             stream = await session.decode(replace(config, n=1))
         try:
             yield started

@@ -202,12 +202,13 @@ def choices_usage(dones: Sequence[Collected]) -> TurnUsage | None:
 
 
 def choices_note(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
-    """How ``n`` > 1 choices were decoded: together from the prompt's KV forked into ``n``
-    sequences (``batched``), or one after another, and why (``sequential``); {} for one."""
+    """How ``n`` > 1 choices were decoded (``decoded``): ``together`` from the prompt's KV
+    forked into ``n`` sequences, ``once`` (greedy: every choice is the same), or ``one by one``,
+    and ``why``; {} for one choice."""
     if turn.n <= 1:
         return {}
-    why = dones[0].started.sequential
-    return {"n": turn.n, "batched": not why, **({"sequential": why} if why else {})}
+    started = dones[0].started
+    return {"n": turn.n, "decoded": started.decoded, **({"why": started.why} if started.why else {})}
 
 
 def _with_choices(turn: Turn, dones: Sequence[Collected], answer: dict[str, Any]) -> dict[str, Any]:
