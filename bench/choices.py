@@ -108,8 +108,9 @@ def main() -> None:
     batched: list[float] = []
     sequential: list[float] = []
     differ: list[str] = []
+    prompt_tokens = 0
     try:
-        _ask(url, 1, 1, 4)  # load the model and warm the prompt
+        prompt_tokens = _ask(url, 1, 1, 4)["usage"]["prompt_tokens"]  # load the model, warm the prompt
         for r in range(args.rounds):
             seed = 1000 + 10 * r
 
@@ -158,6 +159,7 @@ def main() -> None:
                 "n": args.n,
                 "max_tokens": args.max_tokens,
                 "temperature": args.temperature,
+                "prompt_tokens": prompt_tokens,
                 "rounds": args.rounds,
                 "batched_s": line(batched),
                 "sequential_s": line(sequential),
