@@ -114,7 +114,7 @@ def main() -> None:
         for r in range(args.rounds):
             seed = 1000 + 10 * r
 
-            def together() -> list[str]:
+            def together(seed: int = seed) -> list[str]:
                 started = time.perf_counter()
                 answer = _ask(url, args.n, seed, args.max_tokens, args.temperature)
                 batched.append(time.perf_counter() - started)
@@ -122,7 +122,7 @@ def main() -> None:
                     raise RuntimeError(f"not decoded together: {answer['timings']['choices']}")
                 return [c["message"]["content"] for c in answer["choices"]]
 
-            def one_by_one() -> list[str]:
+            def one_by_one(seed: int = seed) -> list[str]:
                 started = time.perf_counter()
                 texts = [
                     _ask(url, 1, seed + i, args.max_tokens, args.temperature)["choices"][0]["message"][
@@ -137,7 +137,9 @@ def main() -> None:
             a, b = first(), second()
             for i, (x, y) in enumerate(zip(a, b, strict=True)):
                 if x != y:
-                    at = next((k for k, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+                    at = next(
+                        (k for k, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y))
+                    )
                     differ.append(f"round {r} choice {i}: from character {at} of {len(x)}")
     finally:
         proc.terminate()
