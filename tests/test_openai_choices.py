@@ -100,13 +100,16 @@ def test_sampled_choice_i_is_the_one_choice_request_with_seed_plus_i(served: Ser
         )
     # A constraint and a bias edit each choice's own logits (the first step's row, shared by
     # every choice, is restored before each edits it).
-    fmt = {"response_format": {"type": "json_object"}, "temperature": 1.0, "max_tokens": 16, "logprobs": True}
-    fmt["logit_bias"] = {"100": 3.0}  # added once per choice, not once per choice before it
-    two = served.ask(n=2, seed=8, **fmt)
-    assert two["timings"]["choices"]["decoded"] == "together"
-    assert all(t.lstrip().startswith("{") for t in texts(two))
-    firsts = [served.ask(n=1, seed=8 + i, **fmt)["choices"][0]["logprobs"]["content"][0] for i in range(2)]
-    assert [c["logprobs"]["content"][0] for c in two["choices"]] == firsts
+    for edit in ({"response_format": {"type": "json_object"}}, {"logit_bias": {"100": 4.0}}):
+        body = {"temperature": 1.0, "max_tokens": 16, "logprobs": True, **edit}
+        two = served.ask(n=2, seed=8, **body)
+        assert two["timings"]["choices"]["decoded"] == "together"
+        firsts = [
+            served.ask(n=1, seed=8 + i, **body)["choices"][0]["logprobs"]["content"][0] for i in range(2)
+        ]
+        assert [c["logprobs"]["content"][0] for c in two["choices"]] == firsts
+        if "response_format" in edit:
+            assert all(t.lstrip().startswith("{") for t in texts(two))
 
 
 def test_completions_choices_are_decoded_together_too(served: Served) -> None:
