@@ -453,6 +453,10 @@ class DecodeConfig:
     logprobs: bool = False
     top_logprobs: int = 0
     speculation: str = ""
+    n: int = 1
+    """Choices (OpenAI's ``n``, 1-8): decoded together from the same prompt where the backend
+    and the KV pool allow (else refused as ``unsupported`` naming ``n``); choice ``i`` samples
+    with ``seed + i``. Chunks name their choice (``StreamChunk.choice``). HTTP only."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,6 +553,7 @@ class StreamChunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     tool_text: str = ""  # final chunk: the calls' text as the model wrote it (to append to history)
     stop_sequence: str = ""  # final chunk with finish_reason stop_sequence: the stop string that matched
+    choice: int = 0  # the choice this chunk belongs to (DecodeConfig.n); each choice has its final chunk
 
     @property
     def final(self) -> bool:

@@ -530,6 +530,7 @@ def _start_http(
     from modeld.server.http.listener import HttpListener
 
     address, registry = http
+    gateway.names = registry.name_of  # one file, one name on every transport
     settings = HttpSettings(
         backend=options.backend,
         api_key=options.api_key,

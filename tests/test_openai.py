@@ -25,6 +25,7 @@ from daemon_proc import modeld, serve_http, stop
 from prometheus_client.parser import text_string_to_metric_families
 
 import runtime_client as rc
+from modeld.testmodels import TINY, ensure_model
 
 pytestmark = pytest.mark.wire
 
@@ -259,6 +260,8 @@ def test_n_choices_are_decoded_from_the_same_prompt_and_reproducible_by_seed(dae
 
     three = ask(3, 5)
     assert [c.index for c in three.choices] == [0, 1, 2]
+    note = {"n": 3, "decoded": "one by one", "why": "this backend decodes one choice at a time"}
+    assert three.model_extra["timings"]["choices"] == note  # type: ignore[index]
     texts = [c.message.content for c in three.choices]
     assert len(set(texts)) > 1  # each choice draws its own tokens
     assert texts == [c.message.content for c in ask(3, 5).choices]  # a seed makes them reproducible
@@ -521,6 +524,17 @@ def test_the_generated_llama_model_serves_warm_turns() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="mdl"))
     d = Daemon(tmp, backend="llama")
     try:
+        # One file, one name on every transport: gRPC's Describe of the file by its path (no
+        # name given, before HTTP loaded it) names it as /v1/models, /api/tags and /api/show do.
+        path = str(ensure_model(TINY))
+        with d.grpc() as client:
+            described = client.describe(rc.OpenSessionRequest(type="llama", path=path))
+        assert described.model_name == "modeld-tiny"  # not the GGUF's general.name
+        assert "modeld-tiny" in [m.id for m in d.client.models.list()]
+        tags = httpx.get(f"{d.url}/api/tags", timeout=10).json()
+        assert "modeld-tiny" in [m["name"] for m in tags["models"]]
+        show = httpx.post(f"{d.url}/api/show", json={"model": "modeld-tiny"}, timeout=60).json()
+        assert show["model_info"]["general.name"] == "modeld-tiny"
         messages = conversation("test_llama")
         first = d.client.chat.completions.create(
             model="modeld-tiny", messages=messages, max_tokens=8, temperature=0
@@ -554,6 +568,7 @@ def test_the_generated_llama_model_serves_warm_turns() -> None:
             with client.open_session(request) as session:
                 session.ensure_prefix(rc.PrefixInput(text="You review code.\n"))
                 assert [m.path for m in client.status().models] == [loaded.path]
+                assert session.explain_context().model_name == loaded.model_name == "modeld-tiny"
         # A lone user message: its template reads messages[0], so the prefix is never empty.
         alone = d.client.chat.completions.create(
             model="modeld-tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from collections.abc import Callable
@@ -335,7 +336,9 @@ def test_status_metrics_and_the_turns_count_the_same_tokens(tmp_path: Path, tiny
 
     try:
         with rc.connect(data_dir=data) as client:
-            agent = _request(tiny)
+            # Its own name: unnamed, the file would be served as the HTTP endpoint names it
+            # (modeld-tiny), and the two runtimes' lines of ``modeld status`` would share it.
+            agent = dataclasses.replace(_request(tiny), model_name="agent-tiny")
             name = model_label(client.open_session(agent).info.model_name)
 
             def turn(session: Any, prefix: str, suffix: str) -> None:

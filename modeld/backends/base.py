@@ -26,7 +26,7 @@ atomic step. All methods are called from one thread (the worker's engine thread)
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -70,6 +70,8 @@ class Layout:
     by construction (False for llama.cpp's unified pool, where a context's cells can interleave
     with other contexts' and the attention then sums in another order: blueprint 0016).
     ``name`` says how the KV is laid out (``unified/4:8704``, ``split/4``), for people.
+    ``forks``: :meth:`ModelRuntime.generate` decodes several choices of one prompt together on
+    further sequences (``DecodeConfig.n``); without it the daemon decodes them one after another.
     """
 
     n_seq: int
@@ -83,6 +85,7 @@ class Layout:
     kv_bytes_per_token: int = 0
     exact: bool = True
     name: str = ""
+    forks: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +140,21 @@ class ModelRuntime(Protocol):
         """
         ...
 
-    def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
+    def generate(
+        self,
+        seq: int,
+        config: DecodeConfig,
+        max_tokens: int,
+        forks: Sequence[int] = (),
+        stopped: Callable[[int], bool] | None = None,
+    ) -> Iterator[int]:
         """Sample up to ``max_tokens`` tokens after what ``seq`` holds.
+
+        ``forks`` (only where ``Layout.forks``): further sequences holding a copy of ``seq``'s
+        tokens; choice ``i`` (0: ``seq``) is decoded on ``forks[i - 1]`` with the seed
+        ``choice_seed(config.seed, i)``, all choices together, one batch per step, and each
+        token is yielded as a ``ChoiceToken`` naming its choice; ``stopped(i)`` ends choice
+        ``i`` (the daemon canceled it), and a fork is empty when the generator ends.
 
         Each yielded token is evaluated (becomes resident) at the latest when the generator is
         resumed, before the next one is chosen; when the consumer stops, the sequence holds at

@@ -52,7 +52,8 @@ import os
 import struct
 import threading
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -64,7 +65,14 @@ from modeld.backends.gguf_meta import GGUFInfo
 from modeld.backends.llama_constraints import LlamaConstraints, TokenConstraint
 from modeld.contract import Config, DecodeConfig, ModelInfo, TokenLogprob, TopLogprob
 from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
-from modeld.decoding.sampling import SampledToken, adjust_array, logit_bias_of, logprob_array
+from modeld.decoding.sampling import (
+    ChoiceToken,
+    SampledToken,
+    adjust_array,
+    choice_seed,
+    logit_bias_of,
+    logprob_array,
+)
 from modeld.decoding.speculation import DRAFT_MAX, DecodeStats, Drafter, DraftLength
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
@@ -225,6 +233,7 @@ class LlamaRuntime:
             kv_bytes_per_token=info.kv_bytes_per_token,
             exact=not unified,
             name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
+            forks=can_truncate and n_seq > 1,
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._io_magic = self._magic()  # every sequence is empty now
@@ -367,11 +376,23 @@ class LlamaRuntime:
             done = total - len(pending)
             yield SyncStep(kept, min(done, total), total)
 
-    def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
+    def generate(
+        self,
+        seq: int,
+        config: DecodeConfig,
+        max_tokens: int,
+        forks: Sequence[int] = (),
+        stopped: Callable[[int], bool] | None = None,
+    ) -> Iterator[int]:
+        if forks:
+            return self._choices(seq, tuple(forks), config, max_tokens, stopped or (lambda _i: False))
+        return self._generate(seq, config, max_tokens)
+
+    def _fresh_logits(self, seq: int) -> list[int]:
+        """``seq``'s tokens, with its last token's logits in the context (re-evaluated if not)."""
         held = self._seq(seq)
         if not held:
             raise EngineError("nothing resident to decode from")
-        compiled = runtime_constraint(config)
         if self._fresh != seq:
             # Re-evaluate the last tokens (two, so the batch is not a lone token) for fresh logits.
             back = min(2, len(held)) if self._layout.can_truncate else 0
@@ -380,6 +401,11 @@ class LlamaRuntime:
             tail = held[-back:]
             self._cut(seq, len(held) - back)
             self._decode(seq, tail)
+        return held
+
+    def _generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
+        compiled = runtime_constraint(config)
+        held = self._fresh_logits(seq)
         stats = self._stats[seq] = DecodeStats()
         # Speculation needs cells that can be cut (rejected drafts are removed again).
         speculate = config.speculation == "ngram" and self._layout.can_truncate
@@ -462,6 +488,137 @@ class LlamaRuntime:
                 # The buffer holds masked/adjusted logits of the last step: not fresh for the
                 # next decode of this sequence (it re-evaluates its last tokens).
                 self._fresh = -1
+
+    def _choices(
+        self,
+        seq: int,
+        forks: tuple[int, ...],
+        config: DecodeConfig,
+        max_tokens: int,
+        stopped: Callable[[int], bool],
+    ) -> Iterator[int]:
+        """Choices decoded together (``DecodeConfig.n``): choice 0 on ``seq``, choice ``i`` on
+        ``forks[i - 1]``, each fork holding a copy of ``seq``'s tokens (the cache copied them:
+        shared cells in a unified pool). Every step evaluates one batch with one token per live
+        choice; each choice has its own sampler chain (seed + i: ``choice_seed``), constraint,
+        penalties and end (an end-of-generation token, ``max_tokens``, the window, a dead end of
+        its constraint, or ``stopped(i)``: the daemon canceled that choice). Yields
+        :class:`~modeld.decoding.sampling.ChoiceToken`. No speculation. A fork's cells are freed
+        when its choice ends; ``seq`` is left as a one-choice decode leaves it (every yielded
+        token but the last)."""
+        seqs = (seq, *forks)
+        if len(set(seqs)) != len(seqs):
+            raise InvalidArgumentError("a decode's choices need distinct sequences", field="forks")
+        for fork in forks:
+            if self._seq(fork) != self._seq(seq):
+                raise EngineError(f"sequence {fork} does not hold a copy of sequence {seq}'s tokens")
+        compiled = runtime_constraint(config)
+        held = self._fresh_logits(seq)
+        self._stats[seq] = DecodeStats()
+        base = len(held)
+        window = self._layout.window
+        n = len(seqs)
+        steps = [_Step(self, replace(config, seed=choice_seed(config.seed, i)), held) for i in range(n)]
+        produced = [0] * n
+        live = list(range(n))
+        rows = [-1] * n  # each live choice's logits row in the last batch
+        first = n > 1  # the first step: every choice reads the prompt's last row
+        try:
+            if compiled is not None:
+                if self._constraints is None:
+                    self._constraints = LlamaConstraints(self._vocab, self._n_vocab)
+                for step in steps:
+                    step.tc = self._constraints.start(compiled)
+            while live:
+                view = saved = None
+                if first:
+                    # Masks, biases and penalties edit the row in place: each choice reads the original.
+                    view = np.ctypeslib.as_array(
+                        _llama.llama_get_logits_ith(self._ctx, -1), shape=(self._n_vocab,)
+                    )
+                    saved = view.copy()
+                chosen: list[tuple[int, int, int]] = []  # (choice, token, as yielded)
+                for i in live:
+                    if view is not None and saved is not None and chosen:
+                        view[:] = saved
+                    step = steps[i]
+                    try:
+                        token = step.choose(rows[i])
+                    except ConstraintFailed as exc:
+                        log.info("a constrained choice %d of sequence %d cannot go on: %s", i, seq, exc)
+                        chosen.append((i, -1, -1))
+                        continue
+                    produced[i] += 1
+                    out = step.out(token)
+                    chosen.append((i, token, out))
+                first = False
+                # Every live choice has chosen (no other job's batch can overwrite the logits
+                # between them); now hand the tokens over.
+                batch: list[tuple[int, int]] = []
+                for i, token, out in chosen:
+                    if token >= 0:
+                        logprob = getattr(out, "logprob", None)
+                        yield ChoiceToken(token, i, logprob)
+                    ended = (
+                        token < 0
+                        or steps[i].eog(token)
+                        or produced[i] >= max_tokens
+                        or base + produced[i] > window
+                    )
+                    if not ended:
+                        batch.append((i, token))
+                    else:
+                        self._end_choice(seqs, i, base + produced[i] - 1)
+                        live.remove(i)
+                for i, _token in list(batch):  # canceled while its token was on its way
+                    if stopped(i):
+                        batch.remove((i, _token))
+                        self._end_choice(seqs, i, base + produced[i] - 1)
+                        live.remove(i)
+                if not batch:
+                    break
+                self._decode_choices([(seqs[i], token) for i, token in batch])
+                for j, (i, _token) in enumerate(batch):
+                    rows[i] = j
+        finally:
+            for step in steps:
+                step.close()
+            for fork in forks:
+                self._cut(fork, 0)
+            if len(held) > base + max(0, produced[0] - 1) and produced[0]:
+                self._cut(seq, base + produced[0] - 1)
+            self._fresh = -1  # the buffer holds several choices' rows (or masked ones)
+
+    def _end_choice(self, seqs: tuple[int, ...], i: int, keep: int) -> None:
+        """Choice ``i`` ended: a fork's cells are freed now; choice 0 keeps every yielded token
+        but the last (as a one-choice decode leaves its sequence)."""
+        if i == 0:
+            self._cut(seqs[0], max(0, keep))
+        else:
+            self._cut(seqs[i], 0)
+
+    def _decode_choices(self, items: list[tuple[int, int]]) -> None:
+        """Evaluate one token after what each of several sequences holds, in one batch, with
+        logits for every token (batch index ``j`` is ``items[j]``'s)."""
+        batch = self._batch
+        for j, (seq, token) in enumerate(items):
+            batch.token[j] = token
+            batch.pos[j] = len(self._seqs[seq])
+            batch.n_seq_id[j] = 1
+            batch.seq_id[j][0] = seq
+            batch.logits[j] = 1
+        batch.n_tokens = len(items)
+        rc = _llama.llama_decode(self._ctx, batch)
+        if rc != 0:
+            self._fresh = -1
+            for seq, _token in items:
+                held = self._seqs[seq]
+                kept = int(_llama.llama_memory_seq_pos_max(self._mem, seq)) + 1
+                del held[max(0, kept) :]
+            raise EngineError(f"llama_decode failed with code {rc} on a batch of {len(items)} choices")
+        for seq, token in items:
+            self._seqs[seq].append(token)
+        self._fresh = -1
 
     def decode_stats(self, seq: int) -> DecodeStats:
         self._seq(seq)

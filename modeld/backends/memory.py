@@ -47,7 +47,7 @@ import os
 import random
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -263,7 +263,16 @@ class MemoryRuntime:
             held.extend(tokens[start : start + step])
             yield SyncStep(kept, min(total, start + step), total)
 
-    def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
+    def generate(
+        self,
+        seq: int,
+        config: DecodeConfig,
+        max_tokens: int,
+        forks: Sequence[int] = (),
+        stopped: Callable[[int], bool] | None = None,
+    ) -> Iterator[int]:
+        if forks:  # Layout.forks is False: the daemon decodes choices one after another
+            raise InvalidArgumentError("this backend decodes one choice at a time")
         held = self._seq(seq)
         if not held:
             raise InvalidArgumentError("nothing resident to decode from", field="resident")

@@ -24,7 +24,7 @@ import os
 import queue
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +211,16 @@ class OpenVINORuntime:
             self._warm[seq] = len(held)
         yield SyncStep(kept, len(tokens), len(tokens))
 
-    def generate(self, seq: int, config: DecodeConfig, max_tokens: int) -> Iterator[int]:
+    def generate(
+        self,
+        seq: int,
+        config: DecodeConfig,
+        max_tokens: int,
+        forks: Sequence[int] = (),
+        stopped: Callable[[int], bool] | None = None,
+    ) -> Iterator[int]:
+        if forks:  # Layout.forks is False: the daemon decodes choices one after another
+            raise EngineError("this backend decodes one choice at a time")
         held = self._seq(seq)
         if not held:
             raise EngineError("nothing resident to decode from")

@@ -39,6 +39,7 @@ __all__ = [
     "NoRoom",
     "WriteBehind",
     "evict",
+    "evictable",
     "make_room",
     "new_context",
     "save",
@@ -65,15 +66,18 @@ def score(context: WarmContext, now: float) -> float:
     return value * DETACHED_WEIGHT if context.owner is None else value
 
 
+def evictable(pool: Pool) -> list[WarmContext]:
+    """The contexts that may be evicted: neither busy nor pinned."""
+    return [c for c in pool.contexts.values() if not c.busy and not (c.owner is not None and c.owner.pinned)]
+
+
 def victim(pool: Pool, exclude: set[WarmContext]) -> WarmContext | None:
     """The evictable context with the highest :func:`score` (never busy, pinned or excluded)."""
     now = time.time()
     best: WarmContext | None = None
     best_score = -1.0
-    for context in pool.contexts.values():
-        if context in exclude or context.busy:
-            continue
-        if context.owner is not None and context.owner.pinned:
+    for context in evictable(pool):
+        if context in exclude:
             continue
         value = score(context, now)
         if value > best_score:

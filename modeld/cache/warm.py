@@ -48,10 +48,17 @@ from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision, WarmContextInfo
-from modeld.errors import EngineRestartedError, ModeldError, OperationTimeoutError, StallTimeoutError, echo
+from modeld.errors import (
+    BusyError,
+    EngineRestartedError,
+    ModeldError,
+    OperationTimeoutError,
+    StallTimeoutError,
+    echo,
+)
 from modeld.manifest import ContextManifest
 
-__all__ = ["PROGRESS_INTERVAL", "Hold", "ModelCache", "Synced"]
+__all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "ModelCache", "Synced"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -185,6 +192,69 @@ class Hold:
         finally:
             self.release()
 
+    def fork(self, count: int, cells: int) -> Forks | str:
+        """Sequences for ``count`` more choices of a decode of this hold's target (resident: call
+        after :meth:`sync`), each holding a copy of it (a unified pool shares the cells) and room
+        for ``cells`` more tokens; or why not, as a sentence. Forks take free sequences and free
+        cells, else they make room as a new session does (the least valuable idle contexts are
+        evicted, saved to a tier first); when even that cannot make room (busy or pinned
+        contexts, a pool too small for the choices' tokens) nothing is evicted and the choices
+        are decoded one after another instead. Give them back with :meth:`Forks.release` when
+        the decode ended."""
+        cache = self._cache
+        pool = cache._pool
+        layout = pool.layout
+        own = self.context
+        n = len(self.target)
+        runtime = cache.runtime()
+        with cache._lock:
+            if not layout.forks:
+                return "this backend decodes one choice at a time"
+            if not pool.holds(own) or own.tokens != self.target:
+                return "the prompt is not resident"
+            free = pool.free_seqs()
+            idle = [c for c in eviction.evictable(pool) if c is not own]
+            if len(free) + len(idle) < count:
+                return (
+                    f"{count} more choices need {count} more KV sequences; of {layout.n_seq} "
+                    f"(--sequences), {len(free)} are free and {len(idle)} hold idle contexts, the "
+                    "others busy or pinned ones"
+                )
+            if layout.shared_cells and n + (count + 1) * cells > layout.pool_tokens:
+                return (
+                    f"{count + 1} choices of up to {cells} tokens after a {n}-token prompt need "
+                    f"{n + (count + 1) * cells} KV cells; the pool has {layout.pool_tokens} "
+                    "(--kv-pool-tokens, or a smaller max_tokens)"
+                )
+            taken: list[WarmContext] = []
+            try:
+                for _ in range(count):
+                    free = pool.free_seqs()
+                    if not free:
+                        chosen = eviction.victim(pool, exclude={own})
+                        assert chosen is not None  # counted above, under the lock
+                        eviction.evict(
+                            pool, chosen, runtime, "its sequence was needed by a choice of a decode"
+                        )
+                        free = [chosen.seq]
+                    fork = WarmContext(id=f"{own.id}.fork", seq=free[0], identity="", tokens=[], busy=True)
+                    pool.contexts[fork.seq] = fork
+                    taken.append(fork)
+                    runtime.copy(own.seq, fork.seq, n)
+                    pool.ledger.copy(own.seq, fork.seq, n)
+                if layout.shared_cells:
+                    # Every choice's tokens (the first's too: not in the ledger yet).
+                    eviction.make_room(pool, own, n, (count + 1) * cells, runtime)
+                for fork in taken:
+                    pool.ledger.extend(fork.seq, cells)  # its choice's tokens: reserved until released
+            except BusyError as exc:
+                Forks(cache, taken).release()
+                return exc.message
+            except ModeldError:
+                Forks(cache, taken).release()
+                raise
+            return Forks(cache, taken)
+
     def fail(self, error: ModeldError) -> None:
         """A job failed: what the sequence holds is unknown, so it is emptied (when the engine
         died, its restart empties everything anyway: nothing is sent to it)."""
@@ -217,6 +287,36 @@ class Hold:
         tb: TracebackType | None,
     ) -> None:
         self.release()
+
+
+class Forks:
+    """Sequences lent to one decode's further choices (:meth:`Hold.fork`). They are busy
+    contexts of no identity: never chosen, copied, evicted or saved; their cells are reserved in
+    the ledger until :meth:`release` frees them (the warm state is then what a one-choice decode
+    leaves)."""
+
+    def __init__(self, cache: ModelCache, contexts: list[WarmContext]) -> None:
+        self._cache = cache
+        self._contexts = contexts
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        return tuple(c.seq for c in self._contexts)
+
+    def release(self) -> None:
+        """Empty the forks and give their sequences back (idempotent)."""
+        cache = self._cache
+        contexts, self._contexts = self._contexts, []
+        if not contexts:
+            return
+        with cache._lock:
+            pool = cache._pool
+            for fork in contexts:
+                if not pool.holds(fork):
+                    continue  # the engine was reset meanwhile
+                with contextlib.suppress(ModeldError):
+                    cache.runtime().drop(fork.seq)
+                pool.remove(fork)
 
 
 class ModelCache:

@@ -29,7 +29,17 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import NDArray
 
-__all__ = ["SampledToken", "adjust", "adjust_array", "logit_bias_of", "logprob", "logprob_array"]
+__all__ = [
+    "MAX_CHOICES",
+    "ChoiceToken",
+    "SampledToken",
+    "adjust",
+    "adjust_array",
+    "choice_seed",
+    "logit_bias_of",
+    "logprob",
+    "logprob_array",
+]
 
 
 class SampledToken(int):
@@ -45,6 +55,33 @@ class SampledToken(int):
         self = super().__new__(cls, token)
         self.logprob = logprob
         return self
+
+
+class ChoiceToken(int):
+    """A sampled token id of one choice of a decode that forks into several (``DecodeConfig.n``):
+    ``choice`` is its index, ``logprob`` its log-probabilities when asked for (else None)."""
+
+    choice: int
+    logprob: TokenLogprob | None
+
+    def __new__(cls, token: int, choice: int, logprob: TokenLogprob | None = None) -> ChoiceToken:
+        self = super().__new__(cls, token)
+        self.choice = choice
+        self.logprob = logprob
+        return self
+
+
+MAX_CHOICES = 8
+"""The most choices (``DecodeConfig.n``, OpenAI's ``n``) one decode may ask for."""
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s seed: a set seed moves by the index (choices differ, each is
+    reproducible: choice ``i`` is what a one-choice request with ``seed + i`` gives); without
+    a seed each choice draws its own."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index) % (1 << 64)
 
 
 def logit_bias_of(bias: Mapping[Any, float]) -> dict[int, float]:

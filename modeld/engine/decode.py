@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from types import TracebackType
@@ -25,14 +26,14 @@ from typing import TYPE_CHECKING
 from modeld.contract import DecodeConfig, ErrorDetail, StreamChunk, TokenLogprob, ToolCallDelta, Usage
 from modeld.decoding.output import DecodePlan, OutputProcessor
 from modeld.engine.text import TextAssembler
-from modeld.errors import ModeldError, OperationTimeoutError
+from modeld.errors import EngineError, ModeldError, OperationTimeoutError
 from modeld.workers.host import Call
 from modeld.workers.protocol import Finished, Tokens
 
 if TYPE_CHECKING:
     from modeld.backends.base import DecodeStats, Vocab
 
-__all__ = ["DecodeRun", "EngineDecodeStream"]
+__all__ = ["ChoiceCall", "ChoicesStream", "DecodeRun", "EngineDecodeStream"]
 
 _POLL = 0.25
 """How often a waiting stream checks for an interrupted session or a timeout."""
@@ -46,7 +47,7 @@ class DecodeRun:
     def __init__(
         self,
         *,
-        call: Call,
+        call: Call | ChoiceCall,
         vocab: Vocab,
         config: DecodeConfig,
         plan: DecodePlan,
@@ -91,8 +92,9 @@ class DecodeRun:
 class EngineDecodeStream:
     """A decode read as an iterator of chunks (see the module docstring)."""
 
-    def __init__(self, run: DecodeRun) -> None:
+    def __init__(self, run: DecodeRun, choice: int = 0) -> None:
         self._run = run
+        self._choice = choice
         self._assembler = TextAssembler(run.config.stop)
         self._processor = OutputProcessor(run.config, run.plan)
         self._emitted: list[int] = []
@@ -120,6 +122,20 @@ class EngineDecodeStream:
                 return chunk
 
     def _step(self) -> StreamChunk | None:
+        self._check()
+        try:
+            event = self._run.call.next_event(timeout=_POLL)
+        except ModeldError as exc:
+            return self._final(False, None, exc)
+        if isinstance(event, Tokens):
+            return self._tokens(event.tokens, event.logprobs)
+        if isinstance(event, Finished):
+            return self._final(event.canceled, event.resident, None, event.stats)
+        return None
+
+    def _check(self) -> None:
+        """Stop the decode if its session was interrupted, its model file changed, it was
+        canceled, or it ran past a timeout."""
         run = self._run
         now = time.monotonic()
         if self._finish is None:
@@ -148,15 +164,6 @@ class EngineDecodeStream:
                         )
                     ),
                 )
-        try:
-            event = run.call.next_event(timeout=_POLL)
-        except ModeldError as exc:
-            return self._final(False, None, exc)
-        if isinstance(event, Tokens):
-            return self._tokens(event.tokens, event.logprobs)
-        if isinstance(event, Finished):
-            return self._final(event.canceled, event.resident, None, event.stats)
-        return None
 
     def _tokens(self, tokens: tuple[int, ...], logprobs: tuple[TokenLogprob, ...] = ()) -> StreamChunk | None:
         now = time.monotonic()
@@ -190,6 +197,7 @@ class EngineDecodeStream:
         text = "".join(out)
         if text or self._deltas or (self._pending and self._assembler.stopped):
             chunk = StreamChunk(
+                choice=self._choice,
                 text=text,
                 token_ids=tuple(self._pending),
                 tool_call_deltas=tuple(self._deltas),
@@ -250,6 +258,7 @@ class EngineDecodeStream:
             forced_tokens=stats.forced if stats else 0,
         )
         chunk = StreamChunk(
+            choice=self._choice,
             text=step.text + result.text,
             token_ids=tuple(self._pending),
             finish_reason=result.finish_reason,
@@ -307,3 +316,118 @@ def piece_text(piece: bytes) -> str:
 
 def _detail(exc: ModeldError) -> ErrorDetail:
     return ErrorDetail(reason=exc.reason, message=exc.message)
+
+
+class ChoiceCall:
+    """One choice of a generate job that decodes several (``DecodeConfig.n``), as the call its
+    :class:`EngineDecodeStream` stops: a cancel stops this choice only. Its events are read by
+    the :class:`ChoicesStream` that holds it, never here."""
+
+    def __init__(self, call: Call, choice: int) -> None:
+        self._call = call
+        self._choice = choice
+
+    def cancel(self) -> None:
+        self._call.cancel_choice(self._choice)
+
+    def next_event(self, timeout: float | None = None) -> None:
+        raise EngineError("a choice's events are read by its ChoicesStream")
+
+
+class ChoicesStream:
+    """A decode of ``n`` choices of one prompt, decoded together by one generate job (one batch
+    per step, ``Generate.forks``), read as one iterator of chunks: each chunk names its choice
+    (``StreamChunk.choice``), chunks come in the order the engine sampled their tokens, and
+    every choice ends with its own final chunk (its finish reason, its calls, its usage). Each
+    choice is an :class:`EngineDecodeStream` of its own (stop strings, tool calls, the guard,
+    the constraint's check) whose stop cancels that choice alone; ``released`` runs once when the
+    job ended, before the final chunks are handed out (the forks are given back)."""
+
+    def __init__(self, call: Call, streams: list[EngineDecodeStream], released: Callable[[], None]) -> None:
+        self._call = call
+        self._streams = streams
+        self._released: Callable[[], None] | None = released
+        self._ready: deque[StreamChunk] = deque()
+        self._done = False
+
+    def __iter__(self) -> ChoicesStream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        while True:
+            if self._ready:
+                return self._ready.popleft()
+            if self._done:
+                raise StopIteration
+            self._step()
+
+    def _step(self) -> None:
+        for stream in self._streams:
+            stream._check()
+        try:
+            event = self._call.next_event(timeout=_POLL)
+        except ModeldError as exc:
+            failure = exc
+            self._end(lambda s: s._final(False, None, failure))
+            return
+        if isinstance(event, Tokens):
+            choices = event.choices or (0,) * len(event.tokens)
+            for i, stream in enumerate(self._streams):
+                mine = [k for k, c in enumerate(choices) if c == i]
+                if not mine:
+                    continue
+                logprobs = tuple(event.logprobs[k] for k in mine if k < len(event.logprobs))
+                chunk = stream._tokens(tuple(event.tokens[k] for k in mine), logprobs)
+                if chunk is not None:
+                    self._ready.append(chunk)
+        elif isinstance(event, Finished):
+            finished = event
+            self._end(
+                lambda s: s._final(
+                    finished.canceled,
+                    finished.resident if s._choice == 0 else None,
+                    None,
+                    finished.stats if s._choice == 0 else None,
+                )
+            )
+
+    def _end(self, final: Callable[[EngineDecodeStream], StreamChunk]) -> None:
+        """The job ended: give the forks back, then every choice's final chunk, in order."""
+        self._done = True
+        released, self._released = self._released, None
+        try:
+            if released is not None:
+                released()
+        finally:
+            for stream in self._streams:
+                self._ready.append(final(stream))
+
+    def cancel(self) -> None:
+        """Stop every choice at its next token; each ends with a "canceled" chunk."""
+        if not self._done:
+            for stream in self._streams:
+                stream._canceled = True
+            self._call.cancel()
+
+    def close(self) -> None:
+        """Cancel if still running and wait until the engine has stopped."""
+        if self._done:
+            return
+        self.cancel()
+        for _ in self:
+            pass
+
+    def __enter__(self) -> ChoicesStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._call.cancel()

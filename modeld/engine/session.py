@@ -30,7 +30,7 @@ from typing import Protocol
 
 from modeld.cache.pool import SessionSlot
 from modeld.cache.reuse import common_prefix_len
-from modeld.cache.warm import Hold, Synced
+from modeld.cache.warm import Forks, Hold, Synced
 from modeld.context import SegmentChurn
 from modeld.contract import (
     Config,
@@ -49,14 +49,21 @@ from modeld.contract import (
 from modeld.decoding.output import plan_decode
 from modeld.decoding.speculation import DecodeStats
 from modeld.engine.admission import Ticket
-from modeld.engine.decode import DecodeRun, EngineDecodeStream
+from modeld.engine.decode import ChoiceCall, ChoicesStream, DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
 from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_of
 from modeld.engine.validate import validate_decode, validate_logit_bias
-from modeld.errors import BusyError, ModeldError, PrefixRequiredError, SessionClosedError, ShuttingDownError
+from modeld.errors import (
+    BusyError,
+    ModeldError,
+    PrefixRequiredError,
+    SessionClosedError,
+    ShuttingDownError,
+    UnsupportedError,
+)
 from modeld.manifest import ContextManifest
 from modeld.settings import Timeouts
 
@@ -146,7 +153,7 @@ class EngineSession:
         self._turn = _Turn()
         self._closed = False
         self._end = SessionEnd(self._id, epoch, lambda: service.owner, lambda: service.stopping)
-        self._stream: EngineDecodeStream | None = None
+        self._stream: EngineDecodeStream | ChoicesStream | None = None
         self._op_lock = threading.Lock()
         self._last_wait = 0.0
         self.opened_at = time.time()
@@ -222,7 +229,12 @@ class EngineSession:
                 reused_tokens=max(0, hold.keep - self._n_prefix),
             )
 
-    def decode(self, config: DecodeConfig) -> EngineDecodeStream:
+    def decode(self, config: DecodeConfig) -> EngineDecodeStream | ChoicesStream:
+        """The decode's stream. ``config.n`` > 1: its choices decoded together on sequences
+        forked from this one (:class:`ChoicesStream`; the session's own context then holds choice
+        0, as a one-choice decode leaves it), or ``unsupported`` naming ``n`` with the reason
+        when the backend or the KV pool cannot (no code ran: the caller decodes the choices one
+        after another)."""
         with self._operation(getattr(config, "no_wait", None), keep_ticket=True) as ticket:
             model = self.model
             validate_decode(config, self._service.limits, self._info.capabilities, self._window)
@@ -233,7 +245,10 @@ class EngineSession:
             chat_template = self._info.chat_template if self._chat is not None else ""
             plan = plan_decode(config, prefix_tools_json=self._tools_json, chat_template=chat_template)
             engine_config = plan.engine_config(config)  # tools, tool_choice, the constraint compiled
-            engine_config = replace(engine_config, speculation=self._speculation(config))
+            n = config.n
+            # Choices decode plainly, together (a batch of one token per choice per step).
+            speculation = self._speculation(config) if n == 1 else "off"
+            engine_config = replace(engine_config, speculation=speculation)
             self._spec_mode = engine_config.speculation
             host = model.host()
             tokens = list(self._tokens)
@@ -247,17 +262,48 @@ class EngineSession:
                 extra_cells=room,
             )
             timeouts = self._service.timeouts
+            forks: Forks | None = None
             try:
                 synced = self._sync(hold, None)
-                call = host.start_generate(hold.seq, engine_config, room, timeouts.stream_interval_seconds)
+                if n > 1:
+                    got = hold.fork(n - 1, room)
+                    if isinstance(got, str):
+                        log.info("session %s: %d choices decoded one after another: %s", self._id, n, got)
+                        raise UnsupportedError(got, field="n")
+                    forks = got
+                call = host.start_generate(
+                    hold.seq,
+                    engine_config,
+                    room,
+                    timeouts.stream_interval_seconds,
+                    forks.seqs if forks is not None else (),
+                )
             except BaseException:
+                if forks is not None:
+                    forks.release()
                 hold.release()
                 raise
             self._end.running = call
             self._turn.add(len(tokens) - hold.keep, synced, hold)
-            self._stream = EngineDecodeStream(
-                DecodeRun(
-                    call=call,
+
+            def run(choice: int) -> DecodeRun:
+                finish: Callable[[list[int], list[int], int | None, ModeldError | None], None]
+                if choice == 0:
+
+                    def finish(
+                        emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
+                    ) -> None:
+                        self._decoded(hold, ticket, emitted, sampled, resident, exc)
+
+                else:
+
+                    def finish(
+                        emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
+                    ) -> None:
+                        pass  # a fork's tokens leave no warm state (its cells are freed)
+
+                return DecodeRun(
+                    call=call if forks is None else ChoiceCall(call, choice),
                     vocab=model.vocab,
                     config=config,
                     plan=plan,
@@ -270,12 +316,15 @@ class EngineSession:
                     deadline=self._deadline(),
                     interrupted=self._end.detail,
                     verify=self._model_intact,
-                    finish=lambda emitted, sampled, resident, exc: self._decoded(
-                        hold, ticket, emitted, sampled, resident, exc
-                    ),
-                    speculated=self._speculated,
+                    finish=finish,
+                    speculated=self._speculated if choice == 0 else None,
                 )
-            )
+
+            if forks is None:
+                self._stream = EngineDecodeStream(run(0))
+            else:
+                streams = [EngineDecodeStream(run(i), i) for i in range(n)]
+                self._stream = ChoicesStream(call, streams, forks.release)
             return self._stream
 
     def _speculated(self, stats: DecodeStats) -> None:

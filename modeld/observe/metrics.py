@@ -517,7 +517,10 @@ class ObservedSession:
         m = self._model
         self._m.requests.labels(m, chunk.finish_reason or "error").inc()
         usage = chunk.usage
-        if usage is not None:
+        if usage is not None and chunk.choice > 0:  # a further choice of the same prompt (n > 1)
+            self._m.generated.labels(m).inc(usage.completion_tokens)
+            self._turn_computed += usage.completion_tokens
+        elif usage is not None:
             self._m.prompt.labels(m).inc(usage.prompt_tokens)
             self._m.cached.labels(m).inc(usage.cached_tokens)
             self._m.generated.labels(m).inc(usage.completion_tokens)
@@ -558,7 +561,7 @@ class _ObservedStream:
         self._inner = inner
         self._started = started
         self._last: float | None = None
-        self._done = False
+        self._done: set[int] = set()
 
     def __iter__(self) -> _ObservedStream:
         return self
@@ -576,8 +579,8 @@ class _ObservedStream:
                 for _ in chunk.token_ids:
                     metrics.itl.labels(model).observe(gap)
             self._last = now
-        if chunk.final and not self._done:
-            self._done = True
+        if chunk.final and chunk.choice not in self._done:  # each choice ends once (n > 1)
+            self._done.add(chunk.choice)
             self._session._finished(chunk)
         return chunk
 

@@ -158,6 +158,19 @@ class Gateway:
         self.metrics = metrics if metrics is not None else Metrics(engine.status)
         self._hosted: dict[str, TransportSession] = {}
         self._lock = threading.Lock()
+        self.names: Callable[[str], str | None] = lambda _path: None
+        """The name a model file is served under (the HTTP endpoint's registry sets it; None:
+        the file has none there)."""
+
+    def named(self, request: OpenSessionRequest) -> OpenSessionRequest:
+        """The request with the name its model is served under: the one function that names a
+        model, so one file has one name on every transport. The request's own name, else the
+        name the HTTP endpoint serves the file under (``--model NAME=PATH``, ``--models-dir``,
+        the generated defaults), else none here: the file's own (GGUF ``general.name``)."""
+        if request.model_name:
+            return request
+        name = self.names(request.path)
+        return replace(request, model_name=name) if name else request
 
     # --- the Service, for transports ------------------------------------------------------
 
@@ -170,13 +183,13 @@ class Gateway:
         return self.engine.stopping
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
-        return self.engine.describe(request)
+        return self.engine.describe(self.named(request))
 
     def open(
         self, request: OpenSessionRequest, transport: str, *, attached: bool = False
     ) -> TransportSession:
         """Open a session for ``transport``; it leaves the registry when it ends."""
-        raw = self.engine.open_session(request)
+        raw = self.engine.open_session(self.named(request))
         hosted = TransportSession(raw, self.metrics.observe(raw), transport)
         hosted.attached = attached
         with self._lock:
@@ -207,12 +220,12 @@ class Gateway:
             return True
 
     def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
-        return self.engine.tokenize(request, text)
+        return self.engine.tokenize(self.named(request), text)
 
     def count_tokens(
         self, request: OpenSessionRequest, prefix: PrefixInput, suffix: SuffixInput | None = None
     ) -> int:
-        return self.engine.count_tokens(request, prefix, suffix)
+        return self.engine.count_tokens(self.named(request), prefix, suffix)
 
     # --- observers ------------------------------------------------------------------------
 

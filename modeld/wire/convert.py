@@ -56,7 +56,7 @@ from modeld.contract import (
     WarmContextInfo,
     WorkerInfo,
 )
-from modeld.errors import InvalidArgumentError, echo
+from modeld.errors import InvalidArgumentError, UnsupportedError, echo
 from modeld.manifest import ContextManifest, Segment
 from modeld.v1 import modeld_pb2 as pb
 
@@ -324,7 +324,9 @@ _DECODE_OPTIONAL = (
 
 @_guard("decode config")
 def decode_config_to_pb(config: DecodeConfig) -> pb.DecodeConfig:
-    msg = _to_pb(config, pb.DecodeConfig(), skip=("constraint", "logit_bias"))
+    if config.n != 1:
+        raise UnsupportedError("n (several choices) is served over HTTP only", field="n")
+    msg = _to_pb(config, pb.DecodeConfig(), skip=("constraint", "logit_bias", "n"))
     if config.constraint is not None:
         msg.constraint.CopyFrom(pb.Constraint(kind=config.constraint.kind, value=config.constraint.value))
     for token, bias in config.logit_bias.items():

@@ -73,6 +73,7 @@ class Call:
         self._replies: queue.SimpleQueue[Message | BaseException] = queue.SimpleQueue()
         self._done = False
         self._cancel_sent = False
+        self._choices_sent: set[int] = set()
 
     def deliver(self, message: Message | BaseException) -> None:
         self._replies.put(message)
@@ -124,6 +125,13 @@ class Call:
             self._cancel_sent = True
             self.host.send_cancel(self.op)
 
+    def cancel_choice(self, choice: int) -> None:
+        """Ask the engine to stop one choice of this generate job (``Generate.forks``); its other
+        choices go on (idempotent, never blocks)."""
+        if not self._done and not self._cancel_sent and choice not in self._choices_sent:
+            self._choices_sent.add(choice)
+            self.host.send_cancel(self.op, choice)
+
 
 class Host:
     """A loaded runtime seen from the daemon (transport-neutral part)."""
@@ -172,10 +180,10 @@ class Host:
             call.deliver(self.death or EngineError(f"the engine worker is gone: {exc}"))
         return call
 
-    def send_cancel(self, op: int) -> None:
+    def send_cancel(self, op: int, choice: int = -1) -> None:
         if self.death is None:
             with contextlib.suppress(OSError):
-                self._transmit(next(self._ops), Cancel(op))
+                self._transmit(next(self._ops), Cancel(op, choice))
 
     def forget(self, op: int) -> None:
         with self._lock:
@@ -224,9 +232,17 @@ class Host:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         return list(self.call(Tokenize(text, add_bos)).result(Result).tokens)
 
-    def start_generate(self, seq: int, config: DecodeConfig, max_tokens: int, interval: float = 0.0) -> Call:
-        """A generate job; tokens that come faster than ``interval`` seconds arrive together."""
-        return self.call(Generate(seq, config, max_tokens, interval))
+    def start_generate(
+        self,
+        seq: int,
+        config: DecodeConfig,
+        max_tokens: int,
+        interval: float = 0.0,
+        forks: Sequence[int] = (),
+    ) -> Call:
+        """A generate job; tokens that come faster than ``interval`` seconds arrive together.
+        ``forks``: the further sequences its choices decode on (``Generate.forks``)."""
+        return self.call(Generate(seq, config, max_tokens, interval, tuple(forks)))
 
     # --- the cache's KV operations (modeld.cache.runtime.KVRuntime) ---------------------------------
 

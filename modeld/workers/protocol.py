@@ -124,6 +124,10 @@ class Generate(Message):
     """Seconds: tokens that come faster than this are sent together in one ``Tokens`` (each
     held only until the next, so at most this long; the first and the last are sent at once,
     and nothing is held while another job waits its turn). 0: every token on its own."""
+    forks: tuple[int, ...] = ()
+    """Further sequences holding a copy of ``seq``'s tokens: choice ``i`` is decoded on
+    ``forks[i - 1]`` with the seed ``choice_seed(config.seed, i)``, all choices in one batch per
+    step (``ModelRuntime.generate``); ``Tokens.choices`` says whose each token is."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.interval <= 10.0:  # also refuses NaN
@@ -195,6 +199,8 @@ class Cancel(Message):
 
     kind: ClassVar[str] = "cancel"
     target: int
+    choice: int = -1
+    """A generate job's choice to stop (its other choices go on); -1: the whole job."""
 
 
 @dataclass(frozen=True)
@@ -273,12 +279,14 @@ class Progress(Message):
 
 @dataclass(frozen=True)
 class Tokens(Message):
-    """Tokens a generate job sampled (in order); ``logprobs`` one per token when the decode
-    asked for them (``DecodeConfig.logprobs``), else empty."""
+    """Tokens a generate job sampled (in order; each choice's in its own order); ``logprobs``
+    one per token when the decode asked for them (``DecodeConfig.logprobs``), else empty."""
 
     kind: ClassVar[str] = "tokens"
     tokens: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    choices: tuple[int, ...] = ()
+    """One per token: the choice it belongs to (a job with ``Generate.forks``); empty: all 0."""
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,9 @@ class _Job:
     """Generate: seconds within which sampled tokens are sent together (``Generate.interval``)."""
     held: list[int] = field(default_factory=list)
     held_logprobs: list[Any] = field(default_factory=list)
+    held_choices: list[int] = field(default_factory=list)
+    stopped: set[int] = field(default_factory=set)
+    """Generate with forks: the choices the daemon canceled (the others go on)."""
     sent_at: float = float("-inf")
 
 
@@ -96,9 +99,11 @@ class Scheduler:
         if isinstance(message, Cancel):
             with self._lock:
                 job = self._by_op.get(message.target)
-                if job is not None:
+                if job is not None and message.choice >= 0:
+                    job.stopped.add(message.choice)
+                elif job is not None:
                     job.canceled.set()
-                else:  # not started yet: cancel it when it arrives
+                elif message.choice < 0:  # not started yet: cancel it when it arrives
                     self._cancels.add(message.target)
         self._inbox.put((op, message))
 
@@ -136,8 +141,15 @@ class Scheduler:
                 steps = runtime.sync(message.seq, message.keep, message.tokens)
                 self._start(_Job(op, message.seq, steps, generate=False, kept=message.keep))
             elif isinstance(message, Generate):
-                tokens = runtime.generate(message.seq, message.config, message.max_tokens)
-                self._start(_Job(op, message.seq, tokens, generate=True, interval=message.interval))
+                stopped: set[int] = set()
+                if message.forks:
+                    tokens = runtime.generate(
+                        message.seq, message.config, message.max_tokens, message.forks, stopped.__contains__
+                    )
+                else:
+                    tokens = runtime.generate(message.seq, message.config, message.max_tokens)
+                job = _Job(op, message.seq, tokens, generate=True, interval=message.interval, stopped=stopped)
+                self._start(job)
             elif isinstance(message, Tokenize):
                 self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
             elif isinstance(message, Copy):
@@ -213,6 +225,9 @@ class Scheduler:
             logprob = getattr(item, "logprob", None)  # a SampledToken (DecodeConfig.logprobs)
             if logprob is not None:
                 job.held_logprobs.append(logprob)
+            choice = getattr(item, "choice", None)  # a ChoiceToken (Generate.forks)
+            if choice is not None:
+                job.held_choices.append(choice)
             now = time.monotonic()
             # Hold the token only until this job's next step, and only if that step comes next:
             # another job's step (a prefill batch) could keep it for seconds.
@@ -223,8 +238,8 @@ class Scheduler:
     def _flush(self, job: _Job, now: float) -> None:
         """Send the tokens ``job`` holds (one ``Tokens`` message)."""
         if job.held:
-            self._send(job.op, Tokens(tuple(job.held), tuple(job.held_logprobs)))
-            job.held, job.held_logprobs = [], []
+            self._send(job.op, Tokens(tuple(job.held), tuple(job.held_logprobs), tuple(job.held_choices)))
+            job.held, job.held_logprobs, job.held_choices = [], [], []
         job.sent_at = now
 
     def _finish(self, job: _Job, *, canceled: bool) -> None:

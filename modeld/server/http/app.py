@@ -44,7 +44,15 @@ from modeld.errors import ModeldError, ModelLoadError, echo
 from modeld.server.auth import bearer_matches
 from modeld.server.bridge import Bridge
 from modeld.server.gateway import Gateway
-from modeld.server.http.conversations import Collected, Conversations, Event, Started, collect, first_event
+from modeld.server.http.conversations import (
+    Collected,
+    Conversations,
+    Event,
+    Started,
+    collect,
+    collect_choices,
+    first_event,
+)
 from modeld.server.http.errors import ErrorStyle, HttpError, from_modeld, incident_id
 from modeld.server.http.fields import check_strings
 from modeld.server.http.models import ModelEntry, ModelRegistry
@@ -398,22 +406,35 @@ class HttpService:
                 leave()
 
     async def choices(self, turn: Turn, complete: Choices, style: ErrorStyle) -> Response:
-        """Run ``turn.n`` choices one after another in the turn's conversation (the first warms
-        the prompt, the others reuse it) and answer them in one JSON body."""
+        """Run ``turn.n`` choices in the turn's conversation and answer them in one JSON body:
+        decoded together from the prompt's KV where the engine can fork it, else (the backend
+        decodes one choice at a time, or the KV pool has no room for the forks) the first, then
+        the others one after another, each reusing the warm prompt; greedy choices are all the
+        same, so they are decoded once (the answer says which, ``choices_note``)."""
         entry = self.entry(turn.model)
         if turn.max_tokens is None and self.settings.max_output_tokens:
             turn = replace(turn, max_tokens=self.settings.max_output_tokens)
-        dones: list[Collected] = []
-        for index in range(turn.n):
+        greedy = turn.decode.temperature <= 0
+        first = turn.choice(0) if greedy else turn
+        events = self.conversations.run(first, self.open_request(entry, first))
+        async with contextlib.aclosing(events):
+            started = await first_event(events)
+            dones = await collect_choices(started, events)
+        if greedy:  # no draw to differ by: every choice is the first, exactly
+            why = "greedy decoding (temperature 0) gives every choice the same tokens"
+            once = replace(dones[0], started=replace(started, decoded="once", why=why))
+            dones = [once] * turn.n
+        for index in range(len(dones), turn.n if dones[0].finished.error is None else 0):
             one = turn.choice(index)
-            events = self.conversations.run(one, self.open_request(entry, one))
-            async with contextlib.aclosing(events):
-                started = await first_event(events)
-                done = await collect(started, events)
+            more = self.conversations.run(one, self.open_request(entry, one))
+            async with contextlib.aclosing(more):
+                dones.append(await collect(await first_event(more), more))
+            if dones[-1].finished.error is not None:
+                break
+        for done in dones:
             if done.finished.error is not None:
                 return error_response(done.finished.error, style)
-            dones.append(done)
-        return JSONResponse(complete(turn, dones), headers={"X-Modeld-Session": dones[0].started.session_id})
+        return JSONResponse(complete(turn, dones), headers={"X-Modeld-Session": started.session_id})
 
     async def count_tokens(self, turn: Turn) -> int:
         """How many tokens the turn's prompt takes on its model (nothing is computed)."""

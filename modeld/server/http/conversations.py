@@ -55,7 +55,13 @@ from modeld.contract import (
     Usage,
 )
 from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning
-from modeld.errors import LimitExceededError, ModeldError, SessionClosedError, error_from_reason
+from modeld.errors import (
+    LimitExceededError,
+    ModeldError,
+    SessionClosedError,
+    UnsupportedError,
+    error_from_reason,
+)
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
@@ -71,6 +77,7 @@ __all__ = [
     "Started",
     "TurnUsage",
     "collect",
+    "collect_choices",
     "first_event",
 ]
 
@@ -115,6 +122,9 @@ class Started:
     diverged_message: int | None  # the message (index) where the prefix diverged, when known
     info: ModelInfo
     usage: TurnUsage  # the prompt's counts (completion 0): what the final usage says of the prompt
+    choices: int = 1  # the choices this turn's events carry (n, or 1 when they are decoded one by one)
+    decoded: str = "together"  # how n > 1 choices are decoded: together, once (greedy), one by one
+    why: str = ""  # why they are not decoded together
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +135,7 @@ class Delta:
     reasoning: str = ""
     calls: tuple[ToolCallDelta, ...] = ()
     logprobs: tuple[TokenLogprob, ...] = ()
+    choice: int = 0  # whose piece (Turn.n > 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +149,7 @@ class Finished:
     error: HttpError | None = None
     tool_text: str = ""
     stop_sequence: str = ""  # the stop string that ended the text (finish stop_sequence)
+    choice: int = 0  # whose end (Turn.n > 1)
 
 
 Event = Started | Delta | Finished
@@ -335,30 +347,46 @@ class Conversations:
                 status.reuse.diverged_at_token,
                 "?" if message is None else message,
             )
-        started = Started(session.session_id, status, message, info, usage)
+        started = Started(session.session_id, status, message, info, usage, choices=turn.n)
         if turn.max_tokens == 0:  # only the prompt: warm it, generate nothing
             yield started
             yield Finished("length", usage)
             return
-        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context)
-        stream = await session.decode(config)
+        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context, n=turn.n)
+        try:
+            stream = await session.decode(config)
+        except UnsupportedError as exc:
+            if turn.n == 1 or exc.details.get("field") != "n":
+                raise
+            # The choices cannot be decoded together here: this stream decodes the first, the
+            # caller the others, one after another (Started.why says why).
+            started = replace(started, choices=1, decoded="one by one", why=exc.message)
+            stream = await session.decode(replace(config, n=1))
         try:
             yield started
             fmt_reasoning = detect_reasoning(info.chat_template) if turn.chat else None
-            splitter = ReasoningSplitter(fmt_reasoning) if fmt_reasoning is not None else None
-            reasoning_tokens = 0
+            splitters = [
+                ReasoningSplitter(fmt_reasoning) if fmt_reasoning is not None else None
+                for _ in range(started.choices)
+            ]
+            reasoning_tokens = [0] * started.choices
+            ended = 0
             async for chunk in stream:
+                i = chunk.choice
+                splitter = splitters[i]
                 delta, thought = _delta(chunk, splitter)
-                reasoning_tokens += thought
+                reasoning_tokens[i] += thought
                 if delta.text or delta.reasoning or delta.calls or delta.logprobs:
                     yield delta
                 if chunk.final:
                     if splitter is not None:
                         thinking, text = splitter.finish()
                         if thinking or text:
-                            yield Delta(text=text, reasoning=thinking)
-                    yield self._finished(turn, chunk, usage, reasoning_tokens)
-                    return
+                            yield Delta(text=text, reasoning=thinking, choice=i)
+                    yield self._finished(turn, chunk, usage, reasoning_tokens[i])
+                    ended += 1
+                    if ended == started.choices:
+                        return
         finally:
             await stream.aclose()
 
@@ -386,7 +414,7 @@ class Conversations:
                 if detail
                 else SessionClosedError("failed")
             )
-            return Finished("error", usage, error=from_modeld(error, incident_id()))
+            return Finished("error", usage, error=from_modeld(error, incident_id()), choice=chunk.choice)
         calls = chunk.tool_calls + ((chunk.signal,) if chunk.signal is not None else ())
         if not turn.parallel_tool_calls:
             calls = calls[:1]
@@ -398,6 +426,7 @@ class Conversations:
             calls,
             tool_text=chunk.tool_text,
             stop_sequence=chunk.stop_sequence,
+            choice=chunk.choice,
         )
 
 
@@ -405,7 +434,9 @@ def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delt
     """A chunk as a Delta (answer and reasoning split), and how many of its tokens were reasoning
     (a chunk that carries the end of the thinking splits its tokens by characters)."""
     if splitter is None or not chunk.text:
-        return Delta(text=chunk.text, calls=chunk.tool_call_deltas, logprobs=chunk.logprobs), 0
+        return Delta(
+            text=chunk.text, calls=chunk.tool_call_deltas, logprobs=chunk.logprobs, choice=chunk.choice
+        ), 0
     thinking, text = splitter.feed(chunk.text)
     n = len(chunk.token_ids)
     if not thinking:
@@ -415,7 +446,11 @@ def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delt
     else:
         thought = round(n * len(thinking) / max(1, len(thinking) + len(text)))
     return Delta(
-        text=text, reasoning=thinking, calls=chunk.tool_call_deltas, logprobs=chunk.logprobs
+        text=text,
+        reasoning=thinking,
+        calls=chunk.tool_call_deltas,
+        logprobs=chunk.logprobs,
+        choice=chunk.choice,
     ), thought
 
 
@@ -475,14 +510,25 @@ class Collected:
 
 
 async def collect(started: Started, events: AsyncIterator[Event]) -> Collected:
-    text: list[str] = []
-    reasoning: list[str] = []
-    logprobs: list[TokenLogprob] = []
+    return (await collect_choices(started, events))[0]
+
+
+async def collect_choices(started: Started, events: AsyncIterator[Event]) -> list[Collected]:
+    """Every choice the turn's events carry (``Started.choices``), folded, in order."""
+    n = started.choices
+    text: list[list[str]] = [[] for _ in range(n)]
+    reasoning: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    done: dict[int, Collected] = {}
     async for event in events:
         if isinstance(event, Delta):
-            text.append(event.text)
-            reasoning.append(event.reasoning)
-            logprobs.extend(event.logprobs)
+            i = event.choice
+            text[i].append(event.text)
+            reasoning[i].append(event.reasoning)
+            logprobs[i].extend(event.logprobs)
         elif isinstance(event, Finished):
-            return Collected(started, "".join(text), "".join(reasoning), tuple(logprobs), event)
+            i = event.choice
+            done[i] = Collected(started, "".join(text[i]), "".join(reasoning[i]), tuple(logprobs[i]), event)
+            if len(done) == n or event.error is not None:
+                return [done[k] for k in sorted(done)] if event.error is None else [done[i]]
     raise HttpError(500, "the turn ended without a final event", code="internal")

@@ -169,6 +169,16 @@ class ModelRegistry:
             merged = dict(self._fallback)
         return sorted(merged.values(), key=lambda e: e.name)
 
+    def name_of(self, path: str) -> str | None:
+        """The name a model file is served under (the first by name when several name it), or
+        None when none does: what ``Gateway.named`` gives a request that names no model, so
+        ``/v1/models``, ``/api/tags``, ``/api/show`` and gRPC's Describe and sessions agree."""
+        real = os.path.realpath(path) if path else path
+        for entry in self.entries():
+            if entry.path == path or (os.sep in entry.path and os.path.realpath(entry.path) == real):
+                return entry.name
+        return None
+
     def get(self, name: str) -> ModelEntry | None:
         with self._lock:
             entry = self._explicit.get(name) or self._scanned.get(name)

@@ -24,6 +24,7 @@ __all__ = [
     "chat_complete",
     "chat_logprobs",
     "chat_stream",
+    "choices_note",
     "completion_choices",
     "completion_complete",
     "completion_stream",
@@ -200,30 +201,52 @@ def choices_usage(dones: Sequence[Collected]) -> TurnUsage | None:
     return replace(first, completion_tokens=completion, reasoning_tokens=reasoning)
 
 
+def choices_note(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
+    """How ``n`` > 1 choices were decoded (``decoded``): ``together`` from the prompt's KV
+    forked into ``n`` sequences, ``once`` (greedy: every choice is the same), or ``one by one``,
+    and ``why``; {} for one choice."""
+    if turn.n <= 1:
+        return {}
+    started = dones[0].started
+    return {"n": turn.n, "decoded": started.decoded, **({"why": started.why} if started.why else {})}
+
+
+def _with_choices(turn: Turn, dones: Sequence[Collected], answer: dict[str, Any]) -> dict[str, Any]:
+    note = choices_note(turn, dones)
+    if note:
+        answer["timings"]["choices"] = note
+        answer["modeld"]["choices"] = note
+    return answer
+
+
 def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
     return chat_choices(turn, [done])
 
 
 def chat_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{turn.id}",
-        "object": "chat.completion",
-        "created": turn.created,
-        "model": turn.model,
-        "choices": [
-            {
-                "index": i,
-                "message": chat_message(done),
-                "logprobs": chat_logprobs(done.logprobs),
-                "finish_reason": finish_reason(done.finished.finish),
-            }
-            for i, done in enumerate(dones)
-        ],
-        "usage": usage_dict(choices_usage(dones)),
-        "timings": timings_dict(choices_usage(dones)),
-        "system_fingerprint": None,
-        "modeld": extension(dones[0].started),
-    }
+    return _with_choices(
+        turn,
+        dones,
+        {
+            "id": f"chatcmpl-{turn.id}",
+            "object": "chat.completion",
+            "created": turn.created,
+            "model": turn.model,
+            "choices": [
+                {
+                    "index": i,
+                    "message": chat_message(done),
+                    "logprobs": chat_logprobs(done.logprobs),
+                    "finish_reason": finish_reason(done.finished.finish),
+                }
+                for i, done in enumerate(dones)
+            ],
+            "usage": usage_dict(choices_usage(dones)),
+            "timings": timings_dict(choices_usage(dones)),
+            "system_fingerprint": None,
+            "modeld": extension(dones[0].started),
+        },
+    )
 
 
 def _chat_chunk(
@@ -290,25 +313,29 @@ def completion_complete(turn: Turn, done: Collected) -> dict[str, Any]:
 
 
 def completion_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
-    return {
-        "id": f"cmpl-{turn.id}",
-        "object": "text_completion",
-        "created": turn.created,
-        "model": turn.model,
-        "choices": [
-            {
-                "index": i,
-                "text": done.text,
-                "logprobs": completion_logprobs(done.logprobs, 0),
-                "finish_reason": finish_reason(done.finished.finish),
-            }
-            for i, done in enumerate(dones)
-        ],
-        "usage": usage_dict(choices_usage(dones)),
-        "timings": timings_dict(choices_usage(dones)),
-        "system_fingerprint": None,
-        "modeld": extension(dones[0].started),
-    }
+    return _with_choices(
+        turn,
+        dones,
+        {
+            "id": f"cmpl-{turn.id}",
+            "object": "text_completion",
+            "created": turn.created,
+            "model": turn.model,
+            "choices": [
+                {
+                    "index": i,
+                    "text": done.text,
+                    "logprobs": completion_logprobs(done.logprobs, 0),
+                    "finish_reason": finish_reason(done.finished.finish),
+                }
+                for i, done in enumerate(dones)
+            ],
+            "usage": usage_dict(choices_usage(dones)),
+            "timings": timings_dict(choices_usage(dones)),
+            "system_fingerprint": None,
+            "modeld": extension(dones[0].started),
+        },
+    )
 
 
 def _completion_chunk(

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from modeld.contract import Constraint, DecodeConfig, ToolCall
+from modeld.decoding.sampling import MAX_CHOICES
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import echo
 from modeld.server.http.errors import HttpError, bad, unsupported
@@ -496,17 +497,11 @@ def _keys(body: Mapping[str, Any], headers: Mapping[str, str]) -> Keys:
     )
 
 
-MAX_CHOICES = 8
-"""The most choices (``n``) one request may ask for: they are decoded one after another."""
-
-
 def _choices(body: Mapping[str, Any], stream: bool) -> int:
-    """``n``: how many choices, each decoded from the same warm prompt."""
+    """``n``: how many choices (at most ``MAX_CHOICES``), each decoded from the same prompt."""
     n = integer(body, "n", 1, MAX_CHOICES) or 1
     if n > 1 and stream:
-        raise unsupported(
-            "n", f"n={n} is answered without stream (modeld decodes the choices one after another)"
-        )
+        raise unsupported("n", f"n={n} is answered without stream (a stream carries one choice)")
     return n
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import xxhash
 
 from modeld.contract import DecodeConfig, PrefixInput, SuffixInput, ToolCall
+from modeld.decoding.sampling import choice_seed
 from modeld.decoding.tools import format_calls
 from modeld.errors import echo
 from modeld.manifest import ContextManifest, Segment
@@ -98,7 +99,7 @@ class Turn:
     parallel_tool_calls: bool = True
     num_ctx: int = 0  # a context window the request asks for (Ollama's options.num_ctx); 0: default
     omitted_tools: tuple[str, ...] = ()
-    n: int = 1  # choices (OpenAI's n): decoded one after another from the same warm prompt
+    n: int = 1  # choices (OpenAI's n): decoded together from the same prompt (else one after another)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -107,12 +108,10 @@ class Turn:
         return self.prompt is None
 
     def choice(self, index: int) -> Turn:
-        """The turn that decodes choice ``index``: a set seed moves by the index, so choices
+        """The one-choice turn that decodes choice ``index`` alone: a set seed moves by the
+        index (``choice_seed``: the rule the engine's batched choices follow too), so choices
         differ yet each is reproducible; without a seed each draws its own."""
-        seed = self.decode.seed
-        if index == 0 or seed is None:
-            return self
-        return replace(self, decode=replace(self.decode, seed=(seed + index) % (1 << 64)))
+        return replace(self, n=1, decode=replace(self.decode, seed=choice_seed(self.decode.seed, index)))
 
     def conversation(self) -> str:
         """The conversation key (``Keys.resolve``), else a digest of how the conversation began."""
