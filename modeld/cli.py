@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, ContextReport, OpenSessionRequest
 from modeld.errors import DaemonUnavailableError, ModeldError
+from modeld.flags import MAX_FLAG_CHARS, add_flags, field_group, from_flags, given, parse_duration
 
 if TYPE_CHECKING:
     from modeld.daemon import ServeOptions
@@ -81,76 +82,6 @@ def _table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
-# --- values of flags ------------------------------------------------------------------------
-
-_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_DURATION_UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-MAX_FLAG_CHARS = 64
-
-
-def parse_size(text: str) -> int:
-    """A byte count: ``4096``, ``512M``, ``8G``, ``1.5G`` (K, M, G, T are powers of 1024; a
-    trailing ``i``/``iB``/``B`` is accepted), ``0`` (off), ``auto`` (-1: the default)."""
-    raw = text.strip()
-    if raw.lower() == "auto":
-        return -1
-    body = raw.upper().removesuffix("B").removesuffix("I")
-    number, unit = (body[:-1], body[-1]) if body and body[-1] in "KMGT" else (body, "")
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if not number or value < 0 or value != value or len(raw) > MAX_FLAG_CHARS:
-        raise argparse.ArgumentTypeError(
-            f"invalid size {raw[:MAX_FLAG_CHARS]!r}: give bytes with an optional K, M, G or T suffix "
-            "(512M, 8G), 0 for off, or auto"
-        )
-    size = value * _SIZE_UNITS[unit]
-    if size >= 1 << 60:
-        raise argparse.ArgumentTypeError(f"size {raw!r} is too large")
-    return int(size)
-
-
-def parse_duration(text: str) -> float:
-    """Seconds: ``90``, ``90s``, ``2.5m``, ``1h``, ``50ms``; ``0`` switches a timeout off."""
-    raw = text.strip()
-    unit = next((u for u in ("ms", "s", "m", "h") if raw.lower().endswith(u)), "")
-    number = raw[: len(raw) - len(unit)]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if not number or value < 0 or value != value or value == float("inf") or len(raw) > MAX_FLAG_CHARS:
-        raise argparse.ArgumentTypeError(
-            f"invalid duration {raw[:MAX_FLAG_CHARS]!r}: give seconds, or a number with ms, s, m or h (90, 2.5m, 1h, 50ms)"
-        )
-    return value * _DURATION_UNITS[unit]
-
-
-def parse_positive_size(text: str) -> int:
-    """A byte count that must be above 0 (a limit)."""
-    size = parse_size(text)
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"{text[:MAX_FLAG_CHARS]!r}: give a size above 0 (512K, 16M)")
-    return size
-
-
-def _count(low: int, high: int) -> Any:
-    """An argparse type: an integer from ``low`` to ``high``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid number {text[:MAX_FLAG_CHARS]!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is out of range ({low} to {high})")
-        return value
-
-    parse.__name__ = "number"
-    return parse
-
-
 class _Parser(argparse.ArgumentParser):
     """Usage errors in one line (``modeld serve: error: ...``), exit code 2."""
 
@@ -178,72 +109,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
-    combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``
-    and :class:`~modeld.engine.limits.Limits`."""
+    combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``."""
     from modeld.daemon import ServeOptions
-    from modeld.engine import Limits
-    from modeld.settings import Residency, RestartPolicy, Timeouts
+    from modeld.settings import Limits, Residency, RestartPolicy, Timeouts
 
-    def pick(defaults: Any, **flags: Any) -> Any:
-        return dataclasses.replace(defaults, **{k: v for k, v in flags.items() if v is not None})
-
-    limits = pick(
-        Limits(),
-        max_sessions=args.max_sessions,
-        max_text_bytes=args.max_text_bytes,
-        max_message_bytes=args.max_message_bytes,
-        max_loaded_models=args.max_loaded_models,
-        model_wait_seconds=args.queue_wait,
-        attach_timeout_seconds=args.attach_timeout,
-    )
+    limits = from_flags(args, Limits)
     if limits.max_message_bytes < limits.max_text_bytes + (64 << 10):
         raise ValueError(
             "--max-message-bytes must exceed --max-text-bytes by at least 64 KiB (room for the manifest)"
         )
-    residency = pick(
-        Residency(),
-        sequences=args.sequences,
-        kv_unified=args.kv_unified,
-        pool_tokens=args.kv_pool_tokens,
-        ram_tier_bytes=args.ram_tier_bytes,
-        disk_tier_bytes=args.disk_tier_bytes,
-        memory_budget_bytes=args.memory_budget,
-        isolation=args.isolation,
-        slots=args.slots,
-        max_queue=args.max_queue,
-        snapshot_min_tokens=args.snapshot_min_tokens,
-        persist_min_tokens=args.persist_min_tokens,
-        shared_store=args.shared_store,
-        shared_store_bytes=args.shared_store_bytes,
-    )
+    residency = from_flags(args, Residency)
     if residency.shared_store_bytes == 0:
         raise ValueError(
             "--shared-store-bytes 0 leaves the shared store no room (leave out --shared-store instead)"
         )
-    if args.shared_store_bytes is not None and not residency.shared_store:
+    if given(args, Residency, "shared_store_bytes") is not None and not residency.shared_store:
         raise ValueError("--shared-store-bytes is the budget of --shared-store DIR: add it")
     if residency.pool_tokens and not residency.kv_unified:
         raise ValueError("--kv-pool-tokens sizes the unified KV pool: drop --no-kv-unified")
     if residency.memory_budget_bytes == 0:
         raise ValueError("--memory-budget 0 leaves no room for any model (use auto for the default)")
-    timeouts = pick(
-        Timeouts(),
-        load_seconds=args.load_timeout,
-        stall_seconds=args.stall_timeout,
-        idle_stream_seconds=args.idle_stream_timeout,
-        operation_seconds=args.operation_timeout,
-        stream_interval_seconds=args.stream_interval,
-        drain_seconds=args.drain_timeout,
-    )
+    timeouts = from_flags(args, Timeouts)
     if timeouts.stream_interval_seconds > 10:
         raise ValueError("--stream-interval is at most 10s (a held token is that much late)")
-    restart = pick(
-        RestartPolicy(),
-        backoff_initial=args.restart_backoff,
-        backoff_max=args.restart_backoff_max,
-        crash_limit=args.crash_limit,
-        crash_window=args.crash_window,
-    )
+    restart = from_flags(args, RestartPolicy)
     if restart.backoff_max < restart.backoff_initial:
         raise ValueError("--restart-backoff-max must be at least --restart-backoff")
     if args.max_output_tokens < 0 or args.num_ctx < 0:
@@ -362,13 +251,7 @@ def _cmd_describe(args: argparse.Namespace) -> int:
         digest=args.digest or "",
         config=Config(num_ctx=args.num_ctx, kv_cache_type=args.kv_cache_type, flash_attn=_flash_attn(args)),
     )
-    flags = {
-        "sequences": args.sequences,
-        "kv_unified": args.kv_unified,
-        "pool_tokens": args.kv_pool_tokens,
-        "memory_budget_bytes": args.memory_budget,
-    }
-    residency = dataclasses.replace(Residency(), **{k: v for k, v in flags.items() if v is not None})
+    residency = from_flags(args, Residency)
     info = Engine(backends=(args.type,), residency=residency).describe(request)
     if args.json:
         print(_json(info))
@@ -731,162 +614,29 @@ def _global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def _serve_settings(s: argparse.ArgumentParser) -> None:
-    """``modeld serve``'s flags for every setting (``modeld/settings.py``, the limits); unset
-    ones keep their defaults. ``modeld status`` shows the values in force."""
-    from modeld.settings import ISOLATIONS
+    """``modeld serve``'s flags for every setting (``modeld/settings.py``); unset ones keep
+    their defaults. ``modeld status`` shows the values in force."""
+    from modeld.settings import SETTINGS, Timeouts
 
-    size = "SIZE"
-    w = s.add_argument_group("warm state (blueprints/0016)")
-    w.add_argument(
-        "--sequences", type=_count(1, 256), metavar="N", help="warm KV sequences per loaded model (default 4)"
-    )
-    w.add_argument(
-        "--kv-unified",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="one KV pool of one window shared by every sequence (default on: llama-server's layout; "
-        "--no-kv-unified gives each sequence its own window, bit-exact warm output, sequences x the memory)",
-    )
-    w.add_argument(
-        "--kv-pool-tokens",
-        type=_count(0, 1 << 24),
-        metavar="N",
-        help="KV cells of the unified pool (default: one window)",
-    )
-    w.add_argument(
-        "--ram-tier-bytes",
-        type=parse_size,
-        metavar=size,
-        help="RAM tier budget, e.g. 2G (default auto: a quarter of free RAM, at most 8 GiB; 0: off)",
-    )
-    w.add_argument(
-        "--disk-tier-bytes",
-        type=parse_size,
-        metavar=size,
-        help="disk tier budget under the data directory (default auto: a tenth of free space, at most 32 GiB; 0: off)",
-    )
-    w.add_argument(
-        "--memory-budget",
-        type=parse_size,
-        metavar=size,
-        help="weights + KV of all loaded models; beyond it idle models are unloaded (default auto: 90%% of RAM)",
-    )
-    w.add_argument(
-        "--isolation",
-        choices=ISOLATIONS,
-        help="process: each model in a supervised worker; inline: in the daemon (default auto: inline "
-        "for memory, else process)",
-    )
-    w.add_argument(
-        "--slots",
-        type=_count(0, 4096),
-        metavar="N",
-        help="operations a model runs at once (default 0: as many as sequences)",
-    )
-    w.add_argument(
-        "--max-queue",
-        type=_count(0, 1 << 16),
-        metavar="N",
-        help="operations that may wait for one model (default 64)",
-    )
-    w.add_argument(
-        "--snapshot-min-tokens",
-        type=_count(0, 1 << 24),
-        metavar="N",
-        help="shorter contexts are not snapshotted (64)",
-    )
-    w.add_argument(
-        "--persist-min-tokens",
-        type=_count(0, 1 << 24),
-        metavar="N",
-        help="a prefix this long is written to the disk tier at once (512)",
-    )
-    f = s.add_argument_group("fleet (blueprints/0020)")
-    f.add_argument(
-        "--shared-store",
-        metavar="DIR",
-        help="a directory several daemons mount (NFS, a shared volume): persisted snapshots are "
-        "written through to it and a miss looks there, so a conversation moved to another box restores",
-    )
-    f.add_argument(
-        "--shared-store-bytes",
-        type=parse_size,
-        metavar=size,
-        help="the shared store's budget, the same on every daemon (default auto: a tenth of its free "
-        "space, at most 64 GiB)",
-    )
-    f.add_argument(
-        "--drain-timeout",
-        type=parse_duration,
-        metavar="DURATION",
-        help="on SIGTERM or modeld drain, how long running turns may finish before the daemon "
-        "persists its warm contexts and exits (60)",
-    )
-    t = s.add_argument_group("timeouts (0 switches one off; 90, 2.5m, 1h)")
-    t.add_argument("--load-timeout", type=parse_duration, metavar="DURATION", help="loading a model (600)")
-    t.add_argument(
-        "--stall-timeout",
-        type=parse_duration,
-        metavar="DURATION",
-        help="a busy worker without progress and CPU time is killed (120)",
-    )
-    t.add_argument(
-        "--idle-stream-timeout",
-        type=parse_duration,
-        metavar="DURATION",
-        help="a decode without a token (300)",
-    )
-    t.add_argument(
-        "--operation-timeout", type=parse_duration, metavar="DURATION", help="any one operation (default off)"
-    )
-    t.add_argument(
-        "--stream-interval",
-        type=parse_duration,
-        metavar="DURATION",
-        help="a decode's tokens that come faster than this are streamed together (50ms; 0: each token alone)",
-    )
-    t.add_argument(
-        "--queue-wait",
-        type=parse_duration,
-        metavar="DURATION",
-        help="how long an operation waits for a busy model before 'busy' (300)",
-    )
-    t.add_argument(
-        "--attach-timeout",
-        type=parse_duration,
-        metavar="DURATION",
-        help="an opened session without a Session stream is closed (30)",
-    )
-    t.add_argument(
+    groups = None
+    for cls in SETTINGS:
+        groups = add_flags(s, cls, groups)
+    assert groups is not None
+    groups[field_group(Timeouts, "load_seconds")].add_argument(
         "--describe-timeout",
         type=parse_duration,
         metavar="DURATION",
         help="Describe gives up on a model file that takes longer to read (30)",
     )
-    r = s.add_argument_group("worker restarts")
-    r.add_argument(
-        "--restart-backoff", type=parse_duration, metavar="DURATION", help="first restart delay (0.5)"
-    )
-    r.add_argument(
-        "--restart-backoff-max", type=parse_duration, metavar="DURATION", help="longest restart delay (30)"
-    )
-    r.add_argument(
-        "--crash-limit",
-        type=_count(1, 1000),
-        metavar="N",
-        help="deaths within the crash window that mark a model failed (5)",
-    )
-    r.add_argument("--crash-window", type=parse_duration, metavar="DURATION", help="(300)")
-    lim = s.add_argument_group("limits (blueprints/0006)")
-    lim.add_argument("--max-sessions", type=_count(1, 100_000), metavar="N", help="open sessions (64)")
-    lim.add_argument("--max-text-bytes", type=parse_positive_size, metavar=size, help="text of one call (8M)")
-    lim.add_argument(
-        "--max-message-bytes", type=parse_positive_size, metavar=size, help="one gRPC message (16M)"
-    )
-    lim.add_argument("--max-loaded-models", type=_count(1, 1024), metavar="N", help="models kept loaded (2)")
+
+
+_DESCRIBE_SETTINGS = ("sequences", "kv_unified", "pool_tokens", "memory_budget_bytes")
+"""The settings that size a model's memory, which ``modeld describe`` takes too."""
 
 
 def _parser() -> argparse.ArgumentParser:
+    from modeld.settings import Residency
+
     p = _Parser(prog="modeld", description="Local warm-prefix inference daemon.")
     _global_options(p, top=True)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -987,14 +737,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument(
         "--flash-attn", action="store_true", help="size for flash attention (needed by a q8_0/q4_0 KV cache)"
     )
-    d.add_argument("--sequences", type=_count(1, 256), metavar="N", help="as modeld serve's")
-    d.add_argument(
-        "--kv-unified", action=argparse.BooleanOptionalAction, default=None, help="as modeld serve's"
-    )
-    d.add_argument("--kv-pool-tokens", type=_count(0, 1 << 24), metavar="N", help="as modeld serve's")
-    d.add_argument(
-        "--memory-budget", type=parse_size, metavar="SIZE", help="as modeld serve's (default: 90%% of RAM)"
-    )
+    add_flags(d, Residency, only=_DESCRIBE_SETTINGS, help="as modeld serve's")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_describe)
 

@@ -44,7 +44,7 @@ from modeld.server.reflection import enable_reflection
 from modeld.settings import Residency, RestartPolicy, Timeouts
 
 if TYPE_CHECKING:
-    from modeld.engine.limits import Limits
+    from modeld.settings import Limits
 
 __all__ = ["ListenAddress", "ServeOptions", "Server", "parse_listen", "run"]
 

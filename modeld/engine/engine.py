@@ -55,7 +55,6 @@ from modeld.contract import (
     WorkerInfo,
 )
 from modeld.decoding.speculation import SPECULATION_MODES
-from modeld.engine.limits import Limits
 from modeld.engine.memory import accounting_tolerance, model_memory
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
@@ -75,7 +74,7 @@ from modeld.errors import (
 )
 from modeld.manifest import config_runtime_digest
 from modeld.observe.memory import rss as process_rss
-from modeld.settings import ISOLATIONS, Residency, RestartPolicy, Timeouts
+from modeld.settings import ISOLATIONS, Limits, Residency, RestartPolicy, Timeouts
 
 __all__ = ["Engine", "EngineObserver"]
 

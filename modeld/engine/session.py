@@ -51,14 +51,13 @@ from modeld.decoding.speculation import DecodeStats
 from modeld.engine.admission import Ticket
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
-from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_of
 from modeld.engine.validate import validate_decode, validate_logit_bias
 from modeld.errors import BusyError, ModeldError, PrefixRequiredError, SessionClosedError, ShuttingDownError
 from modeld.manifest import ContextManifest
-from modeld.settings import Timeouts
+from modeld.settings import Limits, Timeouts
 
 __all__ = ["EngineDecodeStream", "EngineSession", "SessionService"]
 

@@ -44,7 +44,7 @@ from modeld.errors import ModeldError, SessionNotFoundError
 from modeld.observe.metrics import Metrics, ObservedSession
 
 if TYPE_CHECKING:
-    from modeld.engine.limits import Limits
+    from modeld.settings import Limits
 
 __all__ = ["Gateway", "InterruptibleSession", "TransportSession", "OwnerView", "ServedEngine"]
 
