@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, ContextReport, OpenSessionRequest
+from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, OpenSessionRequest
 from modeld.errors import DaemonUnavailableError, ModeldError
 from modeld.flags import MAX_FLAG_CHARS, add_flags, field_group, from_flags, given, parse_duration
+from modeld.observe.views import format_model_info, format_report, format_sessions
 
 if TYPE_CHECKING:
     from modeld.daemon import ServeOptions
@@ -51,35 +52,6 @@ def _json(obj: Any) -> str:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         obj = dataclasses.asdict(obj)
     return json.dumps(obj, indent=2, sort_keys=True, default=default)
-
-
-def _short(digest: str, n: int = 12) -> str:
-    return digest[:n] if digest else "-"
-
-
-def _age(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    if seconds < 60:
-        return f"{seconds:.0f}s"
-    if seconds < 3600:
-        return f"{seconds // 60:.0f}m{seconds % 60:02.0f}s"
-    return f"{seconds // 3600:.0f}h{(seconds % 3600) // 60:02.0f}m"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def _num(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
-
-
-def _table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -256,57 +228,7 @@ def _cmd_describe(args: argparse.Namespace) -> int:
     if args.json:
         print(_json(info))
         return 0
-    fp = info.footprint
-    rows = [
-        ("model", f"{info.model_name}  ({info.path})"),
-        ("backend", f"{info.backend} {info.backend_version} on {info.device}"),
-        ("digest", info.model_digest),
-        (
-            "context",
-            f"{info.effective_context} tokens effective (trained {info.model_max_context}, asked {args.num_ctx})",
-        ),
-        (
-            "kv cache",
-            f"{info.kv_bytes_per_token} bytes per token ({args.kv_cache_type}); "
-            f"{_bytes(info.kv_bytes_per_token * info.effective_context)} at the effective context",
-        ),
-        ("weights", _bytes(info.weights_bytes)),
-    ]
-    if fp.layout:
-        attention = "flash attention on" if _flash_attn(args) else "flash attention off"
-        rows += [
-            (
-                "trained kv",
-                f"{_bytes(fp.trained_kv_bytes)} for one trained window ({fp.trained_window} tokens)",
-            ),
-            (
-                "layout",
-                f"{fp.layout}: {_bytes(fp.kv_bytes)} of KV allocated at load ({_layout_words(fp.layout)})",
-            ),
-            ("compute", f"~{_bytes(fp.compute_bytes)} (llama.cpp's compute buffer, {attention})"),
-            (
-                "total",
-                f"~{_bytes(fp.total_bytes)} = weights + KV + compute + {_bytes(fp.overhead_bytes)} per model "
-                f"(budget {_bytes(fp.budget_bytes)})",
-            ),
-            ("max window", f"{fp.max_window} tokens fit the budget under this layout"),
-        ]
-    rows += [
-        ("free memory", _bytes(info.free_bytes)),
-        ("vocabulary", f"{info.vocab_size} tokens, tokenizer {_short(info.tokenizer_digest)}"),
-        (
-            "template",
-            f"{_short(info.template_digest)}"
-            + (" (chat template present)" if info.chat_template else " (none)"),
-        ),
-        ("bos", "added" if info.add_bos else "not added"),
-        (
-            "capabilities",
-            f"truncation={'yes' if info.capabilities.truncation else 'no'} reuse={info.capabilities.reuse} "
-            f"formats={','.join(info.capabilities.prompt_formats)}",
-        ),
-    ]
-    print("\n".join(f"{k:<13} {v}" for k, v in rows))
+    print(format_model_info(info, args.num_ctx, args.kv_cache_type, _flash_attn(args)))
     return 0
 
 
@@ -314,19 +236,6 @@ def _flash_attn(args: argparse.Namespace) -> bool:
     """``--flash-attn``, implied by a quantized KV cache (llama.cpp needs it to quantize V, and
     llama-server's ``-fa auto`` turns it on for one)."""
     return bool(args.flash_attn or args.kv_cache_type in ("q8_0", "q4_0"))
-
-
-def _layout_words(layout: str) -> str:
-    """``unified/4:8704`` -> "4 sequences share 8704 cells"; ``split/4`` -> "4 streams of a window"."""
-    shape, _, n = layout.partition("/")
-    if shape == "unified":
-        seqs, _, pool = n.partition(":")
-        return (
-            f"{seqs} sequences share {pool} cells; warm output is bit-identical to a fresh evaluation "
-            "for a context alone in the pool and can differ when contexts share it"
-        )
-    streams = "1 stream" if n == "1" else f"{n} streams"
-    return f"{streams} of a window each; warm output bit-identical to a fresh evaluation"
 
 
 # --- observers ------------------------------------------------------------------------------
@@ -382,210 +291,14 @@ def _cmd_explain(args: argparse.Namespace) -> int:
             if not sessions:
                 print("no open sessions")
                 return 0
-            now = time.time()
-            # TOKENS: the session's context (prefix, suffix, generated); IN KV: how many of
-            # them the engine holds now (fewer once evicted: the next operation restores them).
-            rows = [
-                ("SESSION", "MODEL", "BACKEND", "TOKENS/CTX", "IN KV", "PREFIX", "LAST", "STREAM", "IDLE")
-            ]
-            for s in sessions:
-                rows.append(
-                    (
-                        s.session_id,
-                        s.model_name,
-                        s.backend,
-                        f"{s.resident_tokens}/{s.num_ctx}",
-                        str(s.kv_tokens),
-                        str(s.prefix_tokens),
-                        s.last_outcome or "-",
-                        "attached" if s.attached else "detached",
-                        _age(now - s.last_used_at),
-                    )
-                )
-            print(_table(rows))
+            print(format_sessions(sessions, time.time()))
             return 0
         report = client.explain_context(args.session_id)
     if args.json:
         print(_json(report))
         return 0
-    print(_format_report(report))
+    print(format_report(report))
     return 0
-
-
-def _numerics(r: ContextReport) -> str:
-    """Whether warm output equals a fresh evaluation here, and why (blueprint 0016)."""
-    if r.warm_exact:
-        return f"warm output is bit-identical to a fresh evaluation (KV layout {r.kv_layout})"
-    return (
-        f"warm output can differ from a fresh evaluation (KV layout {r.kv_layout}: a unified pool; "
-        "the attention sums in another order when other contexts hold cells, enough to change greedy "
-        "tokens; bit-identical while this context is alone in the pool; "
-        "`modeld serve --no-kv-unified` makes it exact by construction, at a window of memory per sequence)"
-    )
-
-
-def _speculation(r: ContextReport) -> str:
-    """What speculation did over the session's decodes (blueprint 0021)."""
-    line = f"speculation {r.speculation} (last decode)"
-    if r.draft_batches:
-        line += (
-            f"; {r.accepted_tokens} of {r.drafted_tokens} drafted tokens accepted "
-            f"({r.accepted_tokens / r.drafted_tokens:.0%}) in {r.draft_batches} batches "
-            f"(mean draft {r.drafted_tokens / r.draft_batches:.1f})"
-        )
-    if r.forced_tokens:
-        line += f"; {r.forced_tokens} tokens forced by constraints"
-    return line
-
-
-def _format_report(r: ContextReport) -> str:
-    state = "closed" if r.closed else "open"
-    out = [
-        f"session   {r.session_id}  ({r.backend} model {r.model_name!r}, owner epoch {r.owner_epoch}, {state})",
-        f"context   {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
-        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} of them in the KV now",
-        f"manifest  {r.manifest_digest or '-'}",
-    ]
-    if r.kv_layout:
-        out.append(f"numerics  {_numerics(r)}")
-    if r.speculation:
-        out.append(f"decode    {_speculation(r)}")
-    m = r.manifest
-    if m is not None:
-        out.append(
-            f"  backend {m.backend} {m.backend_version} · model {_short(m.model_digest)} · tokenizer "
-            f"{_short(m.tokenizer_digest)} · format {m.prompt_format} · template {_short(m.prompt_template_digest)} · "
-            f"runtime {_short(m.runtime_digest)} · bos {'yes' if m.add_bos else 'no'}"
-            + (f" · profile {m.profile_id}" if m.profile_id else "")
-        )
-        out.append(
-            f"  stable {m.stable_bytes} bytes (bytes {_short(m.stable_byte_hash)}, tokens {_short(m.stable_token_hash)}) · "
-            f"total {m.total_bytes} bytes · volatile tokens {_short(m.volatile_token_hash)}"
-        )
-        if m.segments:
-            rows = [("  KIND", "TOKENS", "BYTES", "STABLE", "CLASS", "HASH")]
-            for s in m.segments:
-                tokens = f"{s.token_start}-{s.token_end}" if s.token_start is not None else "?"
-                rows.append(
-                    (
-                        f"  {s.kind}",
-                        tokens,
-                        f"{s.byte_start}-{s.byte_end}",
-                        "yes" if s.stable else "no",
-                        s.cache_class or "-",
-                        _short(s.hash),
-                    )
-                )
-            if r.tools_token_start is not None and r.tools_token_end is not None:
-                # Not a segment of the text: the template renders tools_json (often the largest part).
-                rows.append(
-                    ("  tools", f"{r.tools_token_start}-{r.tools_token_end}", "(template)", "yes", "-", "-")
-                )
-            out.append("segments")
-            out.append(_table(rows))
-    if r.last_reuse is not None:
-        d = r.last_reuse
-        out.append(
-            f"last ensure_prefix: {d.outcome.upper()} ({d.reason}{': ' + d.field if d.field else ''}) - {d.message}"
-        )
-        if d.diverged_at_token is not None:
-            out.append(
-                f"  diverged at token {d.diverged_at_token}"
-                + (f", byte {d.diverged_at_byte}" if d.diverged_at_byte is not None else "")
-                + (f", in segment {d.diverged_segment!r}" if d.diverged_segment else "")
-            )
-        if r.last_prefix is not None:
-            p = r.last_prefix
-            out.append(
-                f"  reused {p.reused_tokens} · prefilled {p.prefilled_tokens} · dropped {p.dropped_tokens}"
-            )
-    else:
-        out.append("last ensure_prefix: none yet")
-    for c in r.changing_segments:
-        out.append(
-            f"likely cause of repeated misses: stable segment {c.kind!r} #{c.position} (segment {c.index}) "
-            f"changed on each of the last {c.turns} prefixes; move what changes (a timestamp, a request id) "
-            "into the volatile suffix"
-        )
-    out.extend(_warm_state_lines(r))
-    return "\n".join(out)
-
-
-_COLD_WHY = {
-    "empty_cache": "nothing compatible was warm",
-    "engine_reset": "the engine's state was lost (a failed operation or a worker restart)",
-    "manifest_changed": "a runtime field of the manifest changed, so no warm context was compatible",
-    "truncation_unsupported": "the model's memory cannot be cut inside a warm context",
-    "snapshot_rejected": "the snapshot that would have served was refused and removed",
-    "diverged": "the prefix differs from every warm context from its first token",
-}
-
-
-def _warm_state_lines(r: ContextReport) -> list[str]:
-    """Where the session's warm context lives, why its last turn was warm, restored or cold, its
-    place in the model's queue, pin and keep-alive, and the server-side timings."""
-    from modeld.observe.views import age, format_bytes, table
-
-    now = time.time()
-    out = ["warm state"]
-    own = next((c for c in r.contexts if c.id == r.context_id), None) if r.context_id else None
-    where = (
-        f"context {own.id} in the {own.tier} tier ({own.tokens} tokens, {format_bytes(own.bytes)})"
-        if own is not None
-        else "no warm context in the KV now"
-        + (" (closed)" if r.closed else " (the next operation restores or recomputes it)")
-    )
-    keep = (
-        f"keep-alive {_num(r.keep_alive_seconds)}s"
-        if r.keep_alive_seconds
-        else "kept until the pool needs room"
-    )
-    out.append(f"  this session  {where} · {'pinned' if r.pinned else 'not pinned'} · {keep}")
-    d, p = r.last_reuse, r.last_prefix
-    if d is not None:
-        if d.reason == "restored_from_shared" or (d.outcome != "cold" and d.tier == "shared"):
-            turn = f"{d.outcome}: restored from the shared store (snapshot {d.context or '?'}, written by this or another box)"
-        elif d.reason in ("restored_from_ram", "restored_from_disk") or (
-            d.outcome != "cold" and d.tier in ("ram", "disk")
-        ):
-            turn = f"{d.outcome}: restored from the {d.tier} tier (snapshot {d.context or '?'})"
-        elif d.outcome != "cold":
-            turn = f"{d.outcome}: reused from the KV" + (f" (warm context {d.context})" if d.context else "")
-        elif d.reason == "evicted":
-            went = f"evicted to the {d.tier} tier" if d.tier in ("ram", "disk") else "evicted and dropped"
-            turn = f"cold: this session's warm context had been {went}"
-        else:
-            turn = f"cold: {_COLD_WHY.get(d.reason, d.reason)}"
-        if p is not None:
-            turn += f" · reused {p.reused_tokens} of {p.prefix_tokens} tokens · prefill {p.prefill_ms:.1f} ms"
-            if p.restore_ms or d.tier in ("ram", "disk", "shared"):
-                turn += f" · restore {p.restore_ms:.1f} ms"
-        out.append(f"  last turn     {turn}")
-    if r.queue_position:
-        out.append(
-            f"  queue         waiting for a slot: position {r.queue_position}, {r.queue_wait_seconds:.1f}s so far"
-        )
-    else:
-        out.append(f"  queue         not waiting (last wait {r.queue_wait_seconds:.1f}s)")
-    if r.contexts:
-        rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
-        for c in r.contexts:
-            rows.append(
-                (
-                    c.id + (" *" if c.id == r.context_id else ""),
-                    c.tier,
-                    str(c.tokens),
-                    str(c.prefix_tokens),
-                    format_bytes(c.bytes),
-                    format_bytes(c.shared_bytes),
-                    f"{age(now - c.last_used_at)} ago",
-                    "yes" if c.pinned else "no",
-                    c.session_id or "-",
-                )
-            )
-        out.append("  the model's warm contexts (* this session's)")
-        out.extend(table(rows, indent="    "))
-    return out
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
