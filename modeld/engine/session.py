@@ -42,7 +42,6 @@ from modeld.contract import (
     PrefixInput,
     PrefixStatus,
     ProgressCallback,
-    SessionSummary,
     SuffixInput,
     SuffixStatus,
 )
@@ -57,6 +56,7 @@ from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_
 from modeld.engine.validate import validate_decode, validate_logit_bias
 from modeld.errors import BusyError, ModeldError, PrefixRequiredError, SessionClosedError, ShuttingDownError
 from modeld.manifest import ContextManifest
+from modeld.observe.status import SessionSummary
 from modeld.settings import Limits, Timeouts
 
 __all__ = ["EngineDecodeStream", "EngineSession", "SessionService"]

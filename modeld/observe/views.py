@@ -1,7 +1,7 @@
 """What ``modeld status``, ``logs``, ``describe`` and ``explain-context`` print for a person
 (``--json`` prints the data).
 
-:func:`format_status` renders a :class:`~modeld.contract.DaemonStatus`: who owns the machine,
+:func:`format_status` renders a :class:`~modeld.observe.status.DaemonStatus`: who owns the machine,
 the machine itself (what a coordinator places models by), the RAM and disk tiers, and per
 loaded model its engine worker (pid, state, uptime, restarts and why, RSS), where its memory
 goes (weights, KV allocated and used, compute buffer, runtime; the daemon's own and the RAM tier
@@ -21,17 +21,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from modeld.contract import (
-    ContextReport,
+from modeld.contract import ContextReport, ModelInfo, WarmContextInfo
+from modeld.observe.status import (
     DaemonMemory,
     DaemonStatus,
     LoadedModelSummary,
     Machine,
-    ModelInfo,
     ModelMemory,
     SessionSummary,
     TierStatus,
-    WarmContextInfo,
     WorkerInfo,
 )
 
