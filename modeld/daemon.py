@@ -33,7 +33,8 @@ from grpc_health.v1 import health, health_pb2_grpc
 from modeld import __version__
 from modeld.errors import ModeldError
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
-from modeld.observe.metrics import EngineEvents, Metrics
+from modeld.observe.metrics import Metrics
+from modeld.observe.status import EngineObserver
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.auth import TokenInterceptor, ensure_token
 from modeld.server.bridge import Bridge, Pools
@@ -44,7 +45,7 @@ from modeld.server.reflection import enable_reflection
 from modeld.settings import Residency, RestartPolicy, Timeouts
 
 if TYPE_CHECKING:
-    from modeld.engine.limits import Limits
+    from modeld.settings import Limits
 
 __all__ = ["ListenAddress", "ServeOptions", "Server", "parse_listen", "run"]
 
@@ -64,7 +65,7 @@ MIN_CLIENT_PING_INTERVAL_MS = 10_000
 class LifecycleEngine(ServedEngine, Protocol):
     """What the daemon needs beyond the gateway's view: its events, and stopping it."""
 
-    def add_observer(self, observer: EngineEvents) -> None: ...
+    def add_observer(self, observer: EngineObserver) -> None: ...
 
     def begin_shutdown(self) -> None: ...
 

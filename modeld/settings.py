@@ -1,27 +1,43 @@
-"""Settings of the warm state and the engine workers, in one typed place.
+"""Settings of the daemon, in one typed place: each field is its own ``modeld serve`` flag.
 
-``modeld serve`` sets them from its flags (``modeld serve --help``) and ``modeld status`` shows
-them; :class:`~modeld.engine.limits.Limits` holds the limits on client input beside them and the
-timeout profile is :class:`Timeouts`. Every default is chosen from a
-measurement recorded in ``blueprints/0016-warm-state.md``.
+``modeld serve`` sets them from its flags (``modeld serve --help``; each field's flag, parser
+and group are its metadata, its docstring is the help and its default the default: adding a
+setting touches one field, ``modeld/flags.py``) and ``modeld status`` shows them. Where warm
+state lives is :class:`Residency`, the timeout profile :class:`Timeouts`, worker restarts
+:class:`RestartPolicy` and the limits on client input :class:`Limits` (blueprint 0006). Every
+default of the warm state is chosen from a measurement recorded in
+``blueprints/0016-warm-state.md``.
+
+What not: true protocol or format constants (the Unix socket path length, a snapshot file's
+header bound, GGUF header bounds, grammar engine bounds, HTTP request shape bounds): they stay
+beside the code that reads them, fixed, and blueprint 0006 lists them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["ISOLATIONS", "Residency", "RestartPolicy", "Timeouts"]
+from modeld.flags import count, parse_duration, parse_positive_size, parse_size, setting
+
+__all__ = ["ISOLATIONS", "SETTINGS", "Limits", "Residency", "RestartPolicy", "Timeouts"]
 
 ISOLATIONS = ("auto", "process", "inline")
+MiB = 1 << 20
+
+_WARM = "warm state (blueprints/0016)"
+_FLEET = "fleet (blueprints/0020)"
+_TIMEOUTS = "timeouts (0 switches one off; 90, 2.5m, 1h)"
+_RESTARTS = "worker restarts"
+_LIMITS = "limits (blueprints/0006)"
 
 
 @dataclass(frozen=True, slots=True)
 class Residency:
     """Where warm state lives, and how much of it."""
 
-    sequences: int = 4
+    sequences: int = setting(4, "--sequences", _WARM, count(1, 256))
     """Warm KV sequences per loaded model (each session's turn runs on its own)."""
-    kv_unified: bool = True
+    kv_unified: bool = setting(True, "--kv-unified", _WARM)
     """One KV pool shared by every sequence (llama.cpp ``kv_unified``, llama-server's default):
     any sequence may grow to the whole pool, a copied prefix is stored once, and the pool is
     one window, so a model takes one window of KV however many sequences it keeps warm (more
@@ -30,33 +46,33 @@ class Residency:
     attention sums in another order); ``explain-context`` says which. Off: each sequence has its own window of
     cells (``sequences`` windows of memory), and warm output is bit-identical by construction.
     Chosen by measurement: blueprint 0016."""
-    pool_tokens: int = 0
+    pool_tokens: int = setting(0, "--kv-pool-tokens", _WARM, count(0, 1 << 24))
     """With ``kv_unified``: KV cells in the pool (0: one window; a smaller pool caps the window)."""
-    ram_tier_bytes: int = -1
-    """RAM tier budget; -1: a quarter of the RAM available at start (at most 8 GiB); 0: off."""
-    disk_tier_bytes: int = -1
-    """Disk tier budget under the data directory; -1: a tenth of its free space (at most
+    ram_tier_bytes: int = setting(-1, "--ram-tier-bytes", _WARM, parse_size)
+    """RAM tier budget; -1 (``auto``): a quarter of the RAM available at start (at most 8 GiB); 0: off."""
+    disk_tier_bytes: int = setting(-1, "--disk-tier-bytes", _WARM, parse_size)
+    """Disk tier budget under the data directory; -1 (``auto``): a tenth of its free space (at most
     32 GiB); 0: off."""
-    memory_budget_bytes: int = -1
+    memory_budget_bytes: int = setting(-1, "--memory-budget", _WARM, parse_size)
     """Weights + KV of all loaded models; beyond it the least recently used idle model is
-    unloaded (its warm contexts saved to the tiers first). -1: 90% of the machine's RAM."""
-    isolation: str = "auto"
+    unloaded (its warm contexts saved to the tiers first). -1 (``auto``): 90% of the machine's RAM."""
+    isolation: str = setting("auto", "--isolation", _WARM, choices=ISOLATIONS)
     """``process``: each loaded model runs in a supervised worker process; ``inline``: in the
     daemon (only sensible for the memory backend); ``auto``: inline for memory, else process."""
-    slots: int = 0
+    slots: int = setting(0, "--slots", _WARM, count(0, 4096))
     """Operations a model runs at once (0: as many as ``sequences``)."""
-    max_queue: int = 64
+    max_queue: int = setting(64, "--max-queue", _WARM, count(0, 1 << 16))
     """Operations that may wait for a slot of one model."""
-    snapshot_min_tokens: int = 64
+    snapshot_min_tokens: int = setting(64, "--snapshot-min-tokens", _WARM, count(0, 1 << 24))
     """Shorter warm contexts are not worth a snapshot."""
-    persist_min_tokens: int = 512
+    persist_min_tokens: int = setting(512, "--persist-min-tokens", _WARM, count(0, 1 << 24))
     """A prefix this long, just computed, is written to the disk tier at once."""
-    shared_store: str = ""
+    shared_store: str = setting("", "--shared-store", _FLEET, metavar="DIR")
     """A directory several daemons mount (NFS, a shared volume): persisted snapshots are written
     through to it and a miss looks there, so a conversation moved to another box restores
     (blueprint 0020). "": none."""
-    shared_store_bytes: int = -1
-    """The shared store's budget; -1: a tenth of its file system's free space (at most 64
+    shared_store_bytes: int = setting(-1, "--shared-store-bytes", _FLEET, parse_size)
+    """The shared store's budget; -1 (``auto``): a tenth of its file system's free space (at most 64
     GiB); give every daemon of a fleet the same value."""
 
     def as_dict(self) -> dict[str, str]:
@@ -67,18 +83,18 @@ class Residency:
 class Timeouts:
     """The daemon's timeout profile (``modeld serve`` flags; 0 switches one off)."""
 
-    load_seconds: float = 600.0
+    load_seconds: float = setting(600.0, "--load-timeout", _TIMEOUTS, parse_duration)
     """Loading a model (the worker's answer to ``Load``)."""
-    stall_seconds: float = 120.0
+    stall_seconds: float = setting(120.0, "--stall-timeout", _TIMEOUTS, parse_duration)
     """A busy worker with no progress and no CPU time for this long is killed (``stall_timeout``)."""
-    idle_stream_seconds: float = 300.0
+    idle_stream_seconds: float = setting(300.0, "--idle-stream-timeout", _TIMEOUTS, parse_duration)
     """A decode that produces no token for this long is stopped (``timeout``)."""
-    operation_seconds: float = 0.0
+    operation_seconds: float = setting(0.0, "--operation-timeout", _TIMEOUTS, parse_duration)
     """Any one operation (prefill or decode) longer than this is stopped (``timeout``); off by default."""
-    drain_seconds: float = 60.0
+    drain_seconds: float = setting(60.0, "--drain-timeout", _FLEET, parse_duration)
     """On SIGTERM or ``modeld drain``: how long turns already running may take to finish before
     the daemon persists its warm contexts and exits (new turns get 503 at once; blueprint 0020)."""
-    stream_interval_seconds: float = 0.05
+    stream_interval_seconds: float = setting(0.05, "--stream-interval", _TIMEOUTS, parse_duration)
     """A decode's tokens that come faster than this are streamed together, each at most this
     late (the first at once); 0: every token on its own. Each message costs the daemon and its
     client CPU that the engine's threads lose: 50 ms is 20 updates a second and measured
@@ -88,7 +104,53 @@ class Timeouts:
 
 @dataclass(frozen=True, slots=True)
 class RestartPolicy:
-    backoff_initial: float = 0.5
-    backoff_max: float = 30.0
-    crash_limit: int = 5
-    crash_window: float = 300.0
+    """How a dead engine worker is restarted (blueprint 0017)."""
+
+    backoff_initial: float = setting(0.5, "--restart-backoff", _RESTARTS, parse_duration)
+    """The first restart's delay; each further one doubles it."""
+    backoff_max: float = setting(30.0, "--restart-backoff-max", _RESTARTS, parse_duration)
+    """The longest restart delay."""
+    crash_limit: int = setting(5, "--crash-limit", _RESTARTS, count(1, 1000))
+    """Deaths within the crash window that mark a model failed."""
+    crash_window: float = setting(300.0, "--crash-window", _RESTARTS, parse_duration)
+    """The window the crash limit counts deaths in."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Explicit limits on client input and on what the daemon holds (blueprint 0006). Beyond a
+    limit the caller gets :class:`~modeld.errors.LimitExceededError` (or
+    ``InvalidArgumentError`` for a malformed value) and the daemon keeps serving. Text limits
+    count UTF-8 bytes."""
+
+    max_sessions: int = setting(64, "--max-sessions", _LIMITS, count(1, 100_000))
+    """Open sessions at once (attached or not)."""
+    max_text_bytes: int = setting(8 * MiB, "--max-text-bytes", _LIMITS, parse_positive_size)
+    """Text of one call: prefix text + tools JSON, or suffix text."""
+    max_message_bytes: int = setting(16 * MiB, "--max-message-bytes", _LIMITS, parse_positive_size)
+    """One gRPC message, either direction (must exceed max_text_bytes plus the manifest)."""
+    max_segments: int = setting(4096, "--max-segments", _LIMITS, count(1, 1 << 20))
+    """Segments in one manifest."""
+    max_string_bytes: int = setting(4096, "--max-string-bytes", _LIMITS, count(256, 1 << 20))
+    """Any name, path, digest, stop string or extra value."""
+    max_stop_strings: int = setting(16, "--max-stop-strings", _LIMITS, count(0, 1024))
+    """Stop strings of one decode."""
+    max_extra_entries: int = setting(32, "--max-extra-entries", _LIMITS, count(0, 1024))
+    """Extra (backend-specific) entries of one decode."""
+    max_context_tokens: int = setting(1 << 20, "--max-context-tokens", _LIMITS, count(1, 1 << 24))
+    """Largest num_ctx a session may ask for (the model and memory may allow less)."""
+    max_loaded_models: int = setting(2, "--max-loaded-models", _LIMITS, count(1, 1024))
+    """Models kept loaded; the least recently used idle one is unloaded beyond this."""
+    model_wait_seconds: float = setting(300.0, "--queue-wait", _TIMEOUTS, parse_duration)
+    """How long an operation waits for a model busy with other sessions before ``busy``."""
+    attach_timeout_seconds: float = setting(30.0, "--attach-timeout", _TIMEOUTS, parse_duration)
+    """How long an opened session may stay without a Session stream before it is closed."""
+    closed_reports_kept: int = setting(64, "--closed-reports-kept", _LIMITS, count(0, 1 << 16))
+    """Closed sessions whose last report stays visible to explain-context."""
+
+    def as_dict(self) -> dict[str, int | float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+SETTINGS: tuple[type, ...] = (Residency, Timeouts, RestartPolicy, Limits)
+"""Every settings dataclass; each of their fields is one ``modeld serve`` flag."""

@@ -29,7 +29,6 @@ from modeld.contract import (
     Config,
     Constraint,
     ContextReport,
-    DaemonStatus,
     DecodeConfig,
     Fence,
     ModelInfo,
@@ -38,7 +37,6 @@ from modeld.contract import (
     PrefixInput,
     PrefixStatus,
     ReuseDecision,
-    SessionSummary,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
@@ -76,6 +74,7 @@ from modeld.errors import (
     UnsupportedError,
 )
 from modeld.manifest import ContextManifest, Segment
+from modeld.observe.status import DaemonStatus, SessionSummary
 from runtime_client.aio import AsyncClient, AsyncClientSession, aconnect
 from runtime_client.builder import BuiltContext, ContextBuilder
 from runtime_client.client import Client, ClientDecodeStream, ClientSession, connect

@@ -25,7 +25,6 @@ from google.protobuf.message import Message
 
 from modeld.contract import (
     ContextReport,
-    DaemonStatus,
     DecodeConfig,
     Fence,
     ModelInfo,
@@ -33,7 +32,6 @@ from modeld.contract import (
     PrefixInput,
     PrefixStatus,
     ProgressCallback,
-    SessionSummary,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
@@ -50,6 +48,7 @@ from modeld.errors import (
     error_from_reason,
 )
 from modeld.manifest import ContextManifest
+from modeld.observe.status import DaemonStatus, SessionSummary
 from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
 from modeld.wire import convert

@@ -111,7 +111,7 @@ def test_a_snapshot_moves_between_split_and_unified(tmp_path: Path, written: boo
 
 @pytest.mark.llama
 def test_explain_context_says_when_warm_output_can_differ() -> None:
-    from modeld.cli import _format_report
+    from modeld.observe.views import format_report as _format_report
 
     tiny = str(testmodels.ensure_model(testmodels.TINY))
     with Engine(backends=("llama",)) as engine:

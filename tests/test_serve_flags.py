@@ -5,7 +5,9 @@ status`` shows them from a real daemon."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,8 +16,10 @@ import pytest
 from daemon_proc import modeld, start_serve, stop, wait_serving
 
 import runtime_client as rc
-from modeld.cli import parse_duration, parse_size
+from modeld.cli import _parser
 from modeld.contract import OpenSessionRequest, PrefixInput
+from modeld.flags import field_docs, flag_of, parse_duration, parse_size
+from modeld.settings import SETTINGS
 
 pytestmark = pytest.mark.wire
 
@@ -68,6 +72,58 @@ def test_durations(text: str, seconds: float) -> None:
 def test_bad_durations_are_refused(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
         parse_duration(text)
+
+
+def _serve_options() -> dict[str, argparse.Action]:
+    serve = _parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    return {o: a for a in serve._actions for o in a.option_strings}
+
+
+def test_every_setting_has_exactly_one_flag_with_help_and_the_readme_names_it() -> None:
+    """Adding a settings field adds its flag (``modeld/flags.py``): each field of every
+    settings dataclass is one ``modeld serve`` option, documented by the field's docstring,
+    unset by default, and listed in the README's command line block."""
+    options = _serve_options()
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    start = readme.index("## Command line")
+    block = readme[start : readme.index("modeld describe --type", start)]
+    seen: dict[str, str] = {}
+    for cls in SETTINGS:
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            name = flag_of(f).name
+            assert name not in seen, f"{cls.__name__}.{f.name} and {seen[name]} share {name}"
+            seen[name] = f"{cls.__name__}.{f.name}"
+            action = options[name]
+            assert action.dest == f"{cls.__name__.lower()}.{f.name}"
+            assert action.default is None
+            assert docs.get(f.name), f"{cls.__name__}.{f.name} has no docstring (its --help)"
+            assert (action.help or "").startswith(docs[f.name].replace("``", "")[:40])
+            assert re.search(re.escape(name) + r"\b", block) or f"--[no-]{name[2:]}" in block, (
+                f"README's modeld serve block does not name {name}"
+            )
+    settings_dests = {a.dest for a in options.values() if "." in a.dest}
+    assert len(settings_dests) == len(seen) == sum(len(dataclasses.fields(c)) for c in SETTINGS)
+
+
+def test_an_unset_flag_keeps_the_default_and_a_set_one_reaches_its_field() -> None:
+    from modeld.cli import serve_options
+    from modeld.settings import Limits, Residency, RestartPolicy, Timeouts
+
+    options = serve_options(_parser().parse_args(["serve"]))
+    assert (options.limits, options.residency, options.timeouts, options.restart) == (
+        Limits(),
+        Residency(),
+        Timeouts(),
+        RestartPolicy(),
+    )
+    options = serve_options(
+        _parser().parse_args(
+            ["serve", "--max-segments", "12", "--closed-reports-kept", "0", "--no-kv-unified"]
+        )
+    )
+    assert options.limits == Limits(max_segments=12, closed_reports_kept=0)
+    assert options.residency == Residency(kv_unified=False)
 
 
 @pytest.mark.parametrize(

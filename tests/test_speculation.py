@@ -559,9 +559,9 @@ def test_the_daemon_default_applies_when_a_decode_leaves_it_unset_and_a_request_
 
 def test_a_mode_the_backend_does_not_offer_is_refused_by_name() -> None:
     from modeld.contract import Capabilities
-    from modeld.engine.limits import Limits
     from modeld.engine.validate import validate_decode
     from modeld.errors import InvalidArgumentError, UnsupportedError
+    from modeld.settings import Limits
 
     plain_only = Capabilities(speculation=("off",))
     validate_decode(DecodeConfig(speculation="off"), Limits(), plain_only, 4096)

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
 
 import psutil
 
@@ -39,23 +38,8 @@ from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
-from modeld.contract import (
-    Accelerator,
-    ContextReport,
-    DaemonMemory,
-    DaemonStatus,
-    LoadedModelSummary,
-    Machine,
-    ModelInfo,
-    OpenSessionRequest,
-    PrefixInput,
-    SessionSummary,
-    SuffixInput,
-    TierStatus,
-    WorkerInfo,
-)
+from modeld.contract import ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.decoding.speculation import SPECULATION_MODES
-from modeld.engine.limits import Limits
 from modeld.engine.memory import accounting_tolerance, model_memory
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
@@ -75,31 +59,23 @@ from modeld.errors import (
 )
 from modeld.manifest import config_runtime_digest
 from modeld.observe.memory import rss as process_rss
-from modeld.settings import ISOLATIONS, Residency, RestartPolicy, Timeouts
+from modeld.observe.status import (
+    Accelerator,
+    DaemonMemory,
+    DaemonStatus,
+    EngineObserver,
+    LoadedModelSummary,
+    Machine,
+    SessionSummary,
+    TierStatus,
+)
+from modeld.settings import ISOLATIONS, Limits, Residency, RestartPolicy, Timeouts
 
-__all__ = ["Engine", "EngineObserver"]
+__all__ = ["Engine"]
 
 log = logging.getLogger("modeld.engine")
 
 _JANITOR_SECONDS = 2.0
-
-
-class EngineObserver(Protocol):
-    """What the engine reports as it happens, to metrics and health (the daemon subscribes).
-
-    Called on engine threads; an observer must be quick and must not raise."""
-
-    def queue_waited(self, seconds: float) -> None:
-        """An operation waited ``seconds`` for a slot of a busy model."""
-        ...
-
-    def worker_restarted(self) -> None:
-        """An engine worker died (or hung) and is being restarted."""
-        ...
-
-    def model_state(self, model_name: str, state: str) -> None:
-        """A loaded model's worker changed state (ready, restarting, failed, stopped)."""
-        ...
 
 
 class Engine:
@@ -644,18 +620,7 @@ class Engine:
             contexts=model.warm_contexts(listed),
             counters=dict(model.cache.counters),
             memory=model_memory(model, worker),
-            worker=WorkerInfo(
-                pid=worker.pid,
-                state=worker.state,
-                isolation=worker.isolation,
-                started_at=worker.started_at,
-                restarts=worker.restarts,
-                last_error=worker.last_error,
-                last_restart_reason=worker.last_restart_reason,
-                last_restart_at=worker.last_restart_at,
-                rss_bytes=worker.rss_bytes,
-                log_lines=worker.log_lines,
-            ),
+            worker=worker,
         )
 
     @property

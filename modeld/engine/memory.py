@@ -11,10 +11,9 @@ into the RAM tier (exact) and the rest, they add up to what the kernel counts, w
 from __future__ import annotations
 
 from modeld.backends.sizing import compute_bytes
-from modeld.contract import ModelMemory
 from modeld.engine.model import LoadedModel
 from modeld.observe.memory import file_rss
-from modeld.workers.supervisor import WorkerStatus
+from modeld.observe.status import ModelMemory, WorkerInfo
 
 __all__ = ["ACCOUNTING_SLACK", "accounting_tolerance", "model_memory"]
 
@@ -31,7 +30,7 @@ def accounting_tolerance(measured: int) -> int:
     return ACCOUNTING_SLACK + int(ACCOUNTING_SHARE * measured)
 
 
-def model_memory(model: LoadedModel, worker: WorkerStatus) -> ModelMemory:
+def model_memory(model: LoadedModel, worker: WorkerInfo) -> ModelMemory:
     """``model``'s parts now (``worker``: its worker's status, with its RSS and pid)."""
     layout = model.layout
     per = layout.kv_bytes_per_token
@@ -45,6 +44,6 @@ def model_memory(model: LoadedModel, worker: WorkerStatus) -> ModelMemory:
         kv_allocated_bytes=layout.pool_tokens * per,
         kv_used_bytes=model.cache.used_cells() * per,
         compute_bytes=compute_bytes(fp, cells) if has_compute else 0,
-        runtime_bytes=worker.base_rss if process else 0,
+        runtime_bytes=model.supervisor.base_rss if process else 0,
         rss_bytes=worker.rss_bytes if process else 0,
     )

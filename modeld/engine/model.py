@@ -31,10 +31,11 @@ from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.tiers import Tiers
 from modeld.cache.warm import ModelCache
-from modeld.contract import LoadedModelSummary, ModelInfo, OpenSessionRequest, WarmContextInfo
+from modeld.contract import ModelInfo, OpenSessionRequest, WarmContextInfo
 from modeld.engine.admission import Admission
 from modeld.engine.chat import ChatRenderer
 from modeld.errors import ModelChangedError, ModeldError
+from modeld.observe.status import LoadedModelSummary
 from modeld.settings import RestartPolicy, Timeouts
 from modeld.workers.host import Host, InlineHost
 from modeld.workers.protocol import Load

@@ -19,7 +19,6 @@ from typing import Any
 from modeld.backends.base import Vocab
 from modeld.contract import Config, ModelInfo, PrefixInput, SuffixInput
 from modeld.engine.chat import ChatRenderer, Message, messages_for, parse_tools
-from modeld.engine.limits import Limits
 from modeld.engine.validate import encode_text, validate_manifest_size
 from modeld.errors import ContextOverflowError, InvalidArgumentError, ManifestMismatchError
 from modeld.manifest import (
@@ -32,6 +31,7 @@ from modeld.manifest import (
     config_runtime_digest,
     token_hash,
 )
+from modeld.settings import Limits
 
 __all__ = [
     "ChatState",

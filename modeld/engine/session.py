@@ -42,7 +42,6 @@ from modeld.contract import (
     PrefixInput,
     PrefixStatus,
     ProgressCallback,
-    SessionSummary,
     SuffixInput,
     SuffixStatus,
 )
@@ -51,7 +50,6 @@ from modeld.decoding.speculation import DecodeStats
 from modeld.engine.admission import Ticket
 from modeld.engine.decode import ChoiceCall, ChoicesStream, DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
-from modeld.engine.limits import Limits
 from modeld.engine.model import LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_of
@@ -65,7 +63,8 @@ from modeld.errors import (
     UnsupportedError,
 )
 from modeld.manifest import ContextManifest
-from modeld.settings import Timeouts
+from modeld.observe.status import SessionSummary
+from modeld.settings import Limits, Timeouts
 
 __all__ = ["EngineDecodeStream", "EngineSession", "SessionService"]
 

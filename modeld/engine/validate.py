@@ -35,9 +35,9 @@ from modeld.contract import (
 from modeld.decoding.samplers import SAMPLERS, check_float, check_int
 from modeld.decoding.sampling import MAX_CHOICES
 from modeld.decoding.speculation import SPECULATION_MODES
-from modeld.engine.limits import Limits
 from modeld.errors import InvalidArgumentError, LimitExceededError, ModelLoadError, UnsupportedError, echo
 from modeld.manifest import ContextManifest
+from modeld.settings import Limits
 
 __all__ = [
     "MAX_ID_BYTES",

@@ -64,7 +64,7 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
 
 Every per-model series carries ``model`` (the model's name, never a path, at most
 :data:`MAX_MODELS` distinct values; beyond, ``other``; loaded models sharing a label are
-summed). The engine reports queue waits and worker restarts through :class:`EngineEvents`
+summed). The engine reports queue waits and worker restarts through :class:`~modeld.observe.status.EngineObserver`
 (the daemon subscribes :class:`Metrics` with ``Engine.add_observer``); an engine without a
 queue or workers never calls it, and those series stay at zero.
 
@@ -78,7 +78,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
-from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -86,7 +85,6 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encode
 
 from modeld.contract import (
     ContextReport,
-    DaemonStatus,
     DecodeConfig,
     DecodeStream,
     ModelInfo,
@@ -99,11 +97,11 @@ from modeld.contract import (
     SuffixStatus,
 )
 from modeld.manifest import ContextManifest
+from modeld.observe.status import DaemonStatus
 
 __all__ = [
     "MAX_MODELS",
     "WORKER_STATES",
-    "EngineEvents",
     "Metrics",
     "ObservedSession",
     "model_label",
@@ -139,20 +137,8 @@ def model_label(name: str) -> str:
     return base[:64]
 
 
-class EngineEvents(Protocol):
-    """What an engine reports as it happens (a queue for a busy model, supervised workers):
-    the shape of ``modeld.engine.EngineObserver``, so the server subscribes without importing
-    the engine."""
-
-    def queue_waited(self, seconds: float) -> None: ...
-
-    def worker_restarted(self) -> None: ...
-
-    def model_state(self, model_name: str, state: str) -> None: ...
-
-
 class Metrics:
-    """The daemon's metrics registry; also the :class:`EngineEvents` sink."""
+    """The daemon's metrics registry; also the :class:`~modeld.observe.status.EngineObserver` sink."""
 
     def __init__(self, status: Callable[[], DaemonStatus] | None = None) -> None:
         # No *_created series: they double the output and nobody graphs them.
@@ -242,7 +228,7 @@ class Metrics:
         if status is not None:
             r.register(_StatusCollector(status, self.label))
 
-    # --- EngineEvents ---------------------------------------------------------------------
+    # --- EngineObserver ---------------------------------------------------------------------
 
     def queue_waited(self, seconds: float) -> None:
         self.queue_wait.observe(max(0.0, seconds))

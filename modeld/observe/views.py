@@ -1,13 +1,16 @@
-"""What ``modeld status`` and ``modeld logs`` print for a person (``--json`` prints the data).
+"""What ``modeld status``, ``logs``, ``describe`` and ``explain-context`` print for a person
+(``--json`` prints the data).
 
-:func:`format_status` renders a :class:`~modeld.contract.DaemonStatus`: who owns the machine,
+:func:`format_status` renders a :class:`~modeld.observe.status.DaemonStatus`: who owns the machine,
 the machine itself (what a coordinator places models by), the RAM and disk tiers, and per
 loaded model its engine worker (pid, state, uptime, restarts and why, RSS), where its memory
 goes (weights, KV allocated and used, compute buffer, runtime; the daemon's own and the RAM tier
 beside them, with whether the parts add up to the measured RSS), its admission
 slots, its cumulative reuse counters and every warm context with the tier it lives in; then
 the settings and limits in force. :func:`format_logs` renders the workers' last log lines
-(``StatusRequest.debug``).
+(``StatusRequest.debug``). :func:`format_model_info` renders ``modeld describe``,
+:func:`format_sessions` and :func:`format_report` ``modeld explain-context`` (a session's
+context, its manifest and segments, why its last turn was warm, restored or cold).
 
 What not: fetching (the command line does), colours, or anything that needs a terminal: the
 output is plain text that survives ``| head`` and ``| grep``.
@@ -18,17 +21,30 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from modeld.contract import (
+from modeld.contract import ContextReport, ModelInfo, WarmContextInfo
+from modeld.observe.status import (
     DaemonMemory,
     DaemonStatus,
     LoadedModelSummary,
     Machine,
     ModelMemory,
+    SessionSummary,
     TierStatus,
     WorkerInfo,
 )
 
-__all__ = ["age", "format_bytes", "format_logs", "format_status", "match_models", "table"]
+__all__ = [
+    "age",
+    "format_bytes",
+    "format_logs",
+    "format_model_info",
+    "format_report",
+    "format_sessions",
+    "format_status",
+    "match_models",
+    "short",
+    "table",
+]
 
 _BYTE_SETTINGS = ("ram_tier_bytes", "disk_tier_bytes", "memory_budget_bytes", "shared_store_bytes")
 
@@ -176,7 +192,7 @@ def _counters(c: dict[str, int]) -> list[str]:
 
 def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
     head = (
-        f"  {m.model_name or '-'}  {m.backend} · digest {m.model_digest[:12] or '-'} · window {m.n_ctx} · "
+        f"  {m.model_name or '-'}  {m.backend} · digest {short(m.model_digest)} · window {m.n_ctx} · "
         f"{_plural(m.sessions, 'session')} · idle {age(now - m.last_used_at)}"
     )
     lines = [head]
@@ -191,22 +207,7 @@ def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
     lines.append(_model_memory(m.memory))
     lines += _counters(dict(m.counters))
     if m.contexts:
-        rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
-        for c in m.contexts:
-            rows.append(
-                (
-                    c.id,
-                    c.tier,
-                    str(c.tokens),
-                    str(c.prefix_tokens),
-                    format_bytes(c.bytes),
-                    format_bytes(c.shared_bytes),
-                    f"{age(now - c.last_used_at)} ago",
-                    "yes" if c.pinned else "no",
-                    c.session_id or "-",
-                )
-            )
-        rendered = table(rows)
+        rendered = _contexts(m.contexts, now)
         lines.append(f"    contexts  {rendered[0]}")
         lines += [f"              {row}" for row in rendered[1:]]
     else:
@@ -214,6 +215,28 @@ def _model(m: LoadedModelSummary, now: float, debug: bool) -> list[str]:
     if debug and m.worker is not None:
         lines += _log_lines(m.worker, indent="      ", title="    log")
     return lines
+
+
+def _contexts(
+    contexts: Iterable[WarmContextInfo], now: float, *, mark: str = "", indent: str = ""
+) -> list[str]:
+    """A model's warm contexts as a table, the one whose id is ``mark`` starred."""
+    rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
+    for c in contexts:
+        rows.append(
+            (
+                c.id + (" *" if mark and c.id == mark else ""),
+                c.tier,
+                str(c.tokens),
+                str(c.prefix_tokens),
+                format_bytes(c.bytes),
+                format_bytes(c.shared_bytes),
+                f"{age(now - c.last_used_at)} ago",
+                "yes" if c.pinned else "no",
+                c.session_id or "-",
+            )
+        )
+    return table(rows, indent=indent)
 
 
 def _log_lines(w: WorkerInfo, *, indent: str, title: str) -> list[str]:
@@ -285,3 +308,261 @@ def format_logs(models: Sequence[LoadedModelSummary]) -> str:
         title = f"== {m.model_name or m.path} ({m.backend}, {m.worker.state})"
         lines += _log_lines(m.worker, indent="", title=title)
     return "\n".join(lines)
+
+
+# --- modeld describe, explain-context ------------------------------------------------------
+
+
+def short(digest: str, n: int = 12) -> str:
+    """A digest's first characters, ``-`` for none."""
+    return digest[:n] if digest else "-"
+
+
+def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_attn: bool) -> str:
+    """What ``modeld describe`` prints: the model, its context and where its memory goes under
+    the asked window, KV precision and attention."""
+    fp = info.footprint
+    rows = [
+        ("model", f"{info.model_name}  ({info.path})"),
+        ("backend", f"{info.backend} {info.backend_version} on {info.device}"),
+        ("digest", info.model_digest),
+        (
+            "context",
+            f"{info.effective_context} tokens effective (trained {info.model_max_context}, asked {num_ctx})",
+        ),
+        (
+            "kv cache",
+            f"{info.kv_bytes_per_token} bytes per token ({kv_cache_type}); "
+            f"{format_bytes(info.kv_bytes_per_token * info.effective_context)} at the effective context",
+        ),
+        ("weights", format_bytes(info.weights_bytes)),
+    ]
+    if fp.layout:
+        attention = "flash attention on" if flash_attn else "flash attention off"
+        rows += [
+            (
+                "trained kv",
+                f"{format_bytes(fp.trained_kv_bytes)} for one trained window ({fp.trained_window} tokens)",
+            ),
+            (
+                "layout",
+                f"{fp.layout}: {format_bytes(fp.kv_bytes)} of KV allocated at load ({_layout_words(fp.layout)})",
+            ),
+            ("compute", f"~{format_bytes(fp.compute_bytes)} (llama.cpp's compute buffer, {attention})"),
+            (
+                "total",
+                f"~{format_bytes(fp.total_bytes)} = weights + KV + compute + {format_bytes(fp.overhead_bytes)} per model "
+                f"(budget {format_bytes(fp.budget_bytes)})",
+            ),
+            ("max window", f"{fp.max_window} tokens fit the budget under this layout"),
+        ]
+    rows += [
+        ("free memory", format_bytes(info.free_bytes)),
+        ("vocabulary", f"{info.vocab_size} tokens, tokenizer {short(info.tokenizer_digest)}"),
+        (
+            "template",
+            f"{short(info.template_digest)}"
+            + (" (chat template present)" if info.chat_template else " (none)"),
+        ),
+        ("bos", "added" if info.add_bos else "not added"),
+        (
+            "capabilities",
+            f"truncation={'yes' if info.capabilities.truncation else 'no'} reuse={info.capabilities.reuse} "
+            f"formats={','.join(info.capabilities.prompt_formats)}",
+        ),
+    ]
+    return "\n".join(f"{k:<13} {v}" for k, v in rows)
+
+
+def _layout_words(layout: str) -> str:
+    """``unified/4:8704`` -> "4 sequences share 8704 cells"; ``split/4`` -> "4 streams of a window"."""
+    shape, _, n = layout.partition("/")
+    if shape == "unified":
+        seqs, _, pool = n.partition(":")
+        return (
+            f"{seqs} sequences share {pool} cells; warm output is bit-identical to a fresh evaluation "
+            "for a context alone in the pool and can differ when contexts share it"
+        )
+    streams = "1 stream" if n == "1" else f"{n} streams"
+    return f"{streams} of a window each; warm output bit-identical to a fresh evaluation"
+
+
+def format_sessions(sessions: Sequence[SessionSummary], now: float) -> str:
+    """One line per open session (``modeld explain-context`` without an id)."""
+    # TOKENS: the session's context (prefix, suffix, generated); IN KV: how many of
+    # them the engine holds now (fewer once evicted: the next operation restores them).
+    rows = [("SESSION", "MODEL", "BACKEND", "TOKENS/CTX", "IN KV", "PREFIX", "LAST", "STREAM", "IDLE")]
+    for s in sessions:
+        rows.append(
+            (
+                s.session_id,
+                s.model_name,
+                s.backend,
+                f"{s.resident_tokens}/{s.num_ctx}",
+                str(s.kv_tokens),
+                str(s.prefix_tokens),
+                s.last_outcome or "-",
+                "attached" if s.attached else "detached",
+                age(now - s.last_used_at),
+            )
+        )
+    return "\n".join(table(rows))
+
+
+def _numerics(r: ContextReport) -> str:
+    """Whether warm output equals a fresh evaluation here, and why (blueprint 0016)."""
+    if r.warm_exact:
+        return f"warm output is bit-identical to a fresh evaluation (KV layout {r.kv_layout})"
+    return (
+        f"warm output can differ from a fresh evaluation (KV layout {r.kv_layout}: a unified pool; "
+        "the attention sums in another order when other contexts hold cells, enough to change greedy "
+        "tokens; bit-identical while this context is alone in the pool; "
+        "`modeld serve --no-kv-unified` makes it exact by construction, at a window of memory per sequence)"
+    )
+
+
+def _speculation(r: ContextReport) -> str:
+    """What speculation did over the session's decodes (blueprint 0021)."""
+    line = f"speculation {r.speculation} (last decode)"
+    if r.draft_batches:
+        line += (
+            f"; {r.accepted_tokens} of {r.drafted_tokens} drafted tokens accepted "
+            f"({r.accepted_tokens / r.drafted_tokens:.0%}) in {r.draft_batches} batches "
+            f"(mean draft {r.drafted_tokens / r.draft_batches:.1f})"
+        )
+    if r.forced_tokens:
+        line += f"; {r.forced_tokens} tokens forced by constraints"
+    return line
+
+
+def format_report(r: ContextReport) -> str:
+    state = "closed" if r.closed else "open"
+    out = [
+        f"session   {r.session_id}  ({r.backend} model {r.model_name!r}, owner epoch {r.owner_epoch}, {state})",
+        f"context   {r.resident_tokens} of {r.num_ctx} tokens: prefix {r.prefix_tokens}, suffix {r.suffix_tokens}, "
+        f"generated {r.generated_tokens}; {r.available_tokens} available; {r.kv_tokens} of them in the KV now",
+        f"manifest  {r.manifest_digest or '-'}",
+    ]
+    if r.kv_layout:
+        out.append(f"numerics  {_numerics(r)}")
+    if r.speculation:
+        out.append(f"decode    {_speculation(r)}")
+    m = r.manifest
+    if m is not None:
+        out.append(
+            f"  backend {m.backend} {m.backend_version} · model {short(m.model_digest)} · tokenizer "
+            f"{short(m.tokenizer_digest)} · format {m.prompt_format} · template {short(m.prompt_template_digest)} · "
+            f"runtime {short(m.runtime_digest)} · bos {'yes' if m.add_bos else 'no'}"
+            + (f" · profile {m.profile_id}" if m.profile_id else "")
+        )
+        out.append(
+            f"  stable {m.stable_bytes} bytes (bytes {short(m.stable_byte_hash)}, tokens {short(m.stable_token_hash)}) · "
+            f"total {m.total_bytes} bytes · volatile tokens {short(m.volatile_token_hash)}"
+        )
+        if m.segments:
+            rows = [("  KIND", "TOKENS", "BYTES", "STABLE", "CLASS", "HASH")]
+            for s in m.segments:
+                tokens = f"{s.token_start}-{s.token_end}" if s.token_start is not None else "?"
+                rows.append(
+                    (
+                        f"  {s.kind}",
+                        tokens,
+                        f"{s.byte_start}-{s.byte_end}",
+                        "yes" if s.stable else "no",
+                        s.cache_class or "-",
+                        short(s.hash),
+                    )
+                )
+            if r.tools_token_start is not None and r.tools_token_end is not None:
+                # Not a segment of the text: the template renders tools_json (often the largest part).
+                rows.append(
+                    ("  tools", f"{r.tools_token_start}-{r.tools_token_end}", "(template)", "yes", "-", "-")
+                )
+            out.append("segments")
+            out.extend(table(rows))
+    if r.last_reuse is not None:
+        d = r.last_reuse
+        out.append(
+            f"last ensure_prefix: {d.outcome.upper()} ({d.reason}{': ' + d.field if d.field else ''}) - {d.message}"
+        )
+        if d.diverged_at_token is not None:
+            out.append(
+                f"  diverged at token {d.diverged_at_token}"
+                + (f", byte {d.diverged_at_byte}" if d.diverged_at_byte is not None else "")
+                + (f", in segment {d.diverged_segment!r}" if d.diverged_segment else "")
+            )
+        if r.last_prefix is not None:
+            p = r.last_prefix
+            out.append(
+                f"  reused {p.reused_tokens} · prefilled {p.prefilled_tokens} · dropped {p.dropped_tokens}"
+            )
+    else:
+        out.append("last ensure_prefix: none yet")
+    for c in r.changing_segments:
+        out.append(
+            f"likely cause of repeated misses: stable segment {c.kind!r} #{c.position} (segment {c.index}) "
+            f"changed on each of the last {c.turns} prefixes; move what changes (a timestamp, a request id) "
+            "into the volatile suffix"
+        )
+    out.extend(_warm_state_lines(r))
+    return "\n".join(out)
+
+
+_COLD_WHY = {
+    "empty_cache": "nothing compatible was warm",
+    "engine_reset": "the engine's state was lost (a failed operation or a worker restart)",
+    "manifest_changed": "a runtime field of the manifest changed, so no warm context was compatible",
+    "truncation_unsupported": "the model's memory cannot be cut inside a warm context",
+    "snapshot_rejected": "the snapshot that would have served was refused and removed",
+    "diverged": "the prefix differs from every warm context from its first token",
+}
+
+
+def _warm_state_lines(r: ContextReport) -> list[str]:
+    """Where the session's warm context lives, why its last turn was warm, restored or cold, its
+    place in the model's queue, pin and keep-alive, and the server-side timings."""
+    now = time.time()
+    out = ["warm state"]
+    own = next((c for c in r.contexts if c.id == r.context_id), None) if r.context_id else None
+    where = (
+        f"context {own.id} in the {own.tier} tier ({own.tokens} tokens, {format_bytes(own.bytes)})"
+        if own is not None
+        else "no warm context in the KV now"
+        + (" (closed)" if r.closed else " (the next operation restores or recomputes it)")
+    )
+    keep = (
+        f"keep-alive {_num(r.keep_alive_seconds)}s"
+        if r.keep_alive_seconds
+        else "kept until the pool needs room"
+    )
+    out.append(f"  this session  {where} · {'pinned' if r.pinned else 'not pinned'} · {keep}")
+    d, p = r.last_reuse, r.last_prefix
+    if d is not None:
+        if d.reason == "restored_from_shared" or (d.outcome != "cold" and d.tier == "shared"):
+            turn = f"{d.outcome}: restored from the shared store (snapshot {d.context or '?'}, written by this or another box)"
+        elif d.reason in ("restored_from_ram", "restored_from_disk") or (
+            d.outcome != "cold" and d.tier in ("ram", "disk")
+        ):
+            turn = f"{d.outcome}: restored from the {d.tier} tier (snapshot {d.context or '?'})"
+        elif d.outcome != "cold":
+            turn = f"{d.outcome}: reused from the KV" + (f" (warm context {d.context})" if d.context else "")
+        elif d.reason == "evicted":
+            went = f"evicted to the {d.tier} tier" if d.tier in ("ram", "disk") else "evicted and dropped"
+            turn = f"cold: this session's warm context had been {went}"
+        else:
+            turn = f"cold: {_COLD_WHY.get(d.reason, d.reason)}"
+        if p is not None:
+            turn += f" · reused {p.reused_tokens} of {p.prefix_tokens} tokens · prefill {p.prefill_ms:.1f} ms"
+            if p.restore_ms or d.tier in ("ram", "disk", "shared"):
+                turn += f" · restore {p.restore_ms:.1f} ms"
+        out.append(f"  last turn     {turn}")
+    if r.queue_position:
+        out.append(
+            f"  queue         waiting for a slot: position {r.queue_position}, {r.queue_wait_seconds:.1f}s so far"
+        )
+    else:
+        out.append(f"  queue         not waiting (last wait {r.queue_wait_seconds:.1f}s)")
+    if r.contexts:
+        out.append("  the model's warm contexts (* this session's)")
+        out.extend(_contexts(r.contexts, now, mark=r.context_id, indent="    "))
+    return out

@@ -29,22 +29,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from modeld.contract import (
-    ContextReport,
-    DaemonStatus,
-    Machine,
-    ModelInfo,
-    OpenSessionRequest,
-    PrefixInput,
-    Session,
-    SessionSummary,
-    SuffixInput,
-)
+from modeld.contract import ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, Session, SuffixInput
 from modeld.errors import ModeldError, SessionNotFoundError
 from modeld.observe.metrics import Metrics, ObservedSession
+from modeld.observe.status import DaemonStatus, Machine, SessionSummary
 
 if TYPE_CHECKING:
-    from modeld.engine.limits import Limits
+    from modeld.settings import Limits
 
 __all__ = ["Gateway", "InterruptibleSession", "TransportSession", "OwnerView", "ServedEngine"]
 

@@ -21,43 +21,45 @@ from google.protobuf.message import Message
 from google.rpc import error_details_pb2
 
 from modeld.contract import (
-    Accelerator,
     Capabilities,
     ChangingSegment,
     Config,
     Constraint,
     ContextReport,
-    DaemonMemory,
-    DaemonStatus,
     DecodeConfig,
     ErrorDetail,
     Fence,
     Footprint,
-    LoadedModelSummary,
-    Machine,
     ModelInfo,
-    ModelMemory,
     OpenSessionRequest,
     PrefillProgress,
     PrefixInput,
     PrefixStatus,
     ReuseDecision,
-    SessionSummary,
     SpecialToken,
     StreamChunk,
     SuffixInput,
     SuffixStatus,
-    TierStatus,
     TokenLogprob,
     ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
     WarmContextInfo,
-    WorkerInfo,
 )
 from modeld.errors import InvalidArgumentError, UnsupportedError, echo
 from modeld.manifest import ContextManifest, Segment
+from modeld.observe.status import (
+    Accelerator,
+    DaemonMemory,
+    DaemonStatus,
+    LoadedModelSummary,
+    Machine,
+    ModelMemory,
+    SessionSummary,
+    TierStatus,
+    WorkerInfo,
+)
 from modeld.v1 import modeld_pb2 as pb
 
 __all__ = [

@@ -23,35 +23,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from modeld.errors import EngineRestartedError, ModeldError, ModelLoadError, StallTimeoutError
+from modeld.observe.status import WorkerInfo
 from modeld.settings import RestartPolicy, Timeouts
 from modeld.workers.host import Host
 from modeld.workers.protocol import Load
 from modeld.workers.proxy import WorkerHost
 
-__all__ = ["RestartPolicy", "Supervisor", "Timeouts", "WorkerStatus"]
+__all__ = ["RestartPolicy", "Supervisor", "Timeouts"]
 
 log = logging.getLogger("modeld.supervisor")
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerStatus:
-    """What ``modeld status`` shows per worker."""
-
-    pid: int
-    state: str  # loading, ready, busy, restarting, failed, stopped
-    isolation: str  # process or inline
-    started_at: float
-    restarts: int
-    last_error: str
-    last_restart_reason: str
-    last_restart_at: float
-    rss_bytes: int
-    log_lines: tuple[str, ...] = ()
-    base_rss: int = 0
-    """The worker's resident memory just before its model loaded (0: inline, or not running)."""
 
 
 class Supervisor:
@@ -309,13 +291,13 @@ class Supervisor:
 
     # --- status ----------------------------------------------------------------------------------
 
-    def status(self, *, debug: bool = False) -> WorkerStatus:
+    def status(self, *, debug: bool = False) -> WorkerInfo:
         host = self._host
         state = self.state
         if state == "ready" and host is not None and host.busy:
             state = "busy"
         process = isinstance(host, WorkerHost)
-        return WorkerStatus(
+        return WorkerInfo(
             pid=host.pid if host is not None else 0,
             state=state,
             isolation="process" if process else "inline",
@@ -326,5 +308,10 @@ class Supervisor:
             last_restart_at=self.last_restart_at,
             rss_bytes=host.rss_bytes() if isinstance(host, WorkerHost) and host.running else 0,
             log_lines=tuple(host.log_lines) if debug and isinstance(host, WorkerHost) else (),
-            base_rss=host.base_rss if isinstance(host, WorkerHost) else 0,
         )
+
+    @property
+    def base_rss(self) -> int:
+        """The worker's resident memory just before its model loaded (0: inline, or not running)."""
+        host = self._host
+        return host.base_rss if isinstance(host, WorkerHost) else 0

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from modeld import __version__
-from modeld.contract import DaemonStatus
+from modeld.observe.status import DaemonStatus
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.openai_chat import openai_error
 
