@@ -391,6 +391,43 @@ def test_llama_sampling_and_penalties_choose_as_plain_decoding(
 
 
 @pytest.mark.llama
+def test_llama_decodes_of_two_sequences_interleaved_read_their_own_rows(models: dict[str, str]) -> None:
+    """The worker runs its slots' jobs a step at a time: another sequence's batch may be
+    evaluated while a verified draft's rows are still being read. Each decode must still give
+    what plain decoding gives alone (the rows a foreign batch overwrote are evaluated again)."""
+    from modeld.backends.llama import LlamaBackend
+
+    request = _llama_request(models["copying"])
+    backend = LlamaBackend()
+    rt = backend.load(
+        request, backend.describe(request), LoadOptions(n_seq=2, window=2048, pool_tokens=4096, threads=1)
+    )
+    try:
+        prompts = [_prompt(rt), _prompt(rt, PREFIX.replace("json", "yaml") + SUFFIX)]
+        plain = []
+        for seq, prompt in enumerate(prompts):
+            list(rt.sync(seq, 0, prompt))
+            plain.append(list(rt.generate(seq, DecodeConfig(speculation="off"), 64)))
+        assert plain[0] != plain[1]
+        streams = []
+        for seq, prompt in enumerate(prompts):
+            list(rt.sync(seq, 0, prompt))
+            streams.append(rt.generate(seq, DecodeConfig(speculation="ngram"), 64))
+        got: list[list[int]] = [[], []]
+        live = [0, 1]
+        while live:  # one step of each in turn, as the worker's scheduler runs two slots
+            for seq in list(live):
+                try:
+                    got[seq].append(next(streams[seq]))
+                except StopIteration:
+                    live.remove(seq)
+        assert got == plain
+        assert rt.decode_stats(0).accepted >= 16 and rt.decode_stats(1).accepted >= 16
+    finally:
+        rt.close()
+
+
+@pytest.mark.llama
 def test_llama_logprobs_with_speculation(copying_runtime: Any) -> None:
     rt = copying_runtime
     prompt = _prompt(rt)

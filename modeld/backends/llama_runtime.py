@@ -425,7 +425,14 @@ class LlamaRuntime:
             while True:
                 token = -1
                 accepted = 0
+                overwritten = False
                 for i, row in enumerate(rows):
+                    if i and self._fresh != seq:
+                        # Another slot's batch was evaluated while this job yielded: the rows
+                        # left are gone. The last token kept is evaluated again (its cell cut
+                        # below) for fresh logits, as after a rejected draft.
+                        overwritten = True
+                        break
                     token = step.choose(row)
                     produced += 1
                     if drafter is not None:
@@ -439,7 +446,8 @@ class LlamaRuntime:
                         continue
                     break
                 if draft:
-                    lengths.record(len(draft), accepted)
+                    if not overwritten:  # an interruption says nothing of the drafts' quality
+                        lengths.record(len(draft), accepted)
                     self._cut(seq, base + produced - 1)  # the rejected drafted tokens' cells
                 # ``token`` is chosen, not yet evaluated. Tokens a constraint forces after it
                 # are the only choice plain decoding has: yield them and evaluate all at once.
