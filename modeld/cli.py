@@ -769,7 +769,8 @@ def _serve_settings(s: argparse.ArgumentParser) -> None:
         "--memory-budget",
         type=parse_size,
         metavar=size,
-        help="weights + KV of all loaded models; beyond it idle models are unloaded (default auto: 90%% of RAM)",
+        help="the loaded models (weights, KV, compute) and the RAM tier; beyond it the RAM tier spills to disk, then "
+        "idle models are unloaded (default auto: 90%% of RAM)",
     )
     w.add_argument(
         "--isolation",
