@@ -195,3 +195,47 @@ def test_more_workspaces_than_fit_stay_within_the_memory_budget() -> None:
     # The daemon grew by no more than the RAM tier's room and the slack.
     grown = peak.daemon_peak - before
     assert grown <= ROOM + accounting_tolerance(peak.daemon_peak), (grown >> 20, ram_seen)
+
+
+def test_the_ram_tier_holds_what_the_budget_leaves_and_spills_the_oldest_to_disk(tmp_path: Path) -> None:
+    """``Tiers.limit_ram``, the engine's half of one budget, without an engine: a smaller room
+    moves the least recently used blobs to disk at once; the tier's own budget still caps it."""
+    from modeld.cache.tiers import Tiers
+
+    tiers = Tiers(data_dir=tmp_path, ram_bytes=1 << 20, disk_bytes=64 << 20)
+    try:
+        entries = []
+        for i in range(4):
+            entry = tiers.put(
+                model_digest="m",
+                identity="i",
+                snapshot_format="f",
+                tokens=[1000 * i + t for t in range(50)],
+                prefix_tokens=50,
+                blob=bytes([i]) * 100_000,
+                truncatable=True,
+            )
+            assert entry is not None
+            entry.last_used = float(i)  # 0 is the least recently used
+            entries.append(entry)
+        assert tiers.stats()["ram_bytes"] == 400_000 and tiers.stats()["ram_budget"] == 1 << 20
+        tiers.limit_ram(250_000)  # the models took the rest of the budget
+        assert tiers.flush(30)
+        stats = tiers.stats()
+        assert stats["ram_budget"] == 250_000 and stats["ram_bytes"] == 200_000, stats
+        assert [e.tier for e in entries] == ["disk", "disk", "ram", "ram"]
+        assert stats["spilled_to_disk"] == 2 and stats["dropped"] == 0
+        big = tiers.put(
+            model_digest="m",
+            identity="i",
+            snapshot_format="f",
+            tokens=[9, 9, 9],
+            prefix_tokens=3,
+            blob=b"x" * 300_000,
+            truncatable=True,
+        )
+        assert big is not None and tiers.flush(30) and big.tier == "disk"  # larger than the room
+        tiers.limit_ram(10 << 20)  # a model went: the tier's own budget caps it again
+        assert tiers.stats()["ram_budget"] == 1 << 20
+    finally:
+        tiers.close()
