@@ -54,8 +54,9 @@ class Residency:
     """Disk tier budget under the data directory; -1 (``auto``): a tenth of its free space (at most
     32 GiB); 0: off."""
     memory_budget_bytes: int = setting(-1, "--memory-budget", _WARM, parse_size)
-    """Weights + KV of all loaded models; beyond it the least recently used idle model is
-    unloaded (its warm contexts saved to the tiers first). -1 (``auto``): 90% of the machine's RAM."""
+    """The loaded models (weights, KV, compute) and the RAM tier; beyond it the RAM tier spills
+    to disk, then the least recently used idle model is unloaded (its warm contexts saved to the
+    tiers first). -1 (``auto``): 90% of the machine's RAM."""
     isolation: str = setting("auto", "--isolation", _WARM, choices=ISOLATIONS)
     """``process``: each loaded model runs in a supervised worker process; ``inline``: in the
     daemon (only sensible for the memory backend); ``auto``: inline for memory, else process."""

@@ -50,7 +50,7 @@ def test_a_snapshot_never_claims_more_prefix_than_tokens(tmp_path: Path) -> None
             prefix_tokens=66,
             blob=b"x" * 64,
             truncatable=True,
-        )
+        )  # the RAM tier is off: straight to disk
         assert entry is not None and entry.prefix_tokens == 59
         assert tiers.flush(30)
         (path,) = (tmp_path / "kv").glob("*.kvs")

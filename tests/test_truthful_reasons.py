@@ -357,7 +357,9 @@ def test_status_metrics_and_the_turns_count_the_same_tokens(tmp_path: Path, tiny
             turn(a, TEXT, "why does migrate() hang?\n")  # warm: full match
             turn(a, TEXT, "why does migrate() hang?\n")  # the same request again: its suffix stays
             turn(b, TEXT + "lib/extra.c\n", "go on\n")  # partial: a copy of a's prefix
-            turn(c, other, "summarize\n")  # a third sequence: one is evicted to RAM
+            turn(
+                c, other, "summarize\n"
+            )  # a third sequence: a's context (the least recently used) is evicted
             turn(a, TEXT, "and now?\n")  # back: from the KV or the RAM tier
             turn(b, TEXT + "lib/extra.c\n", "go on\n")
 
@@ -407,7 +409,8 @@ def test_status_metrics_and_the_turns_count_the_same_tokens(tmp_path: Path, tiny
                 if key in ("queries", "reused_kv", "reused_ram", "reused_disk", "reused_shared", "prefilled"):
                     assert turns.get((key, label), 0) == counters[key], (label, key, counters, turns)
         agent_counters = by_model[name]
-        assert agent_counters["evicted_to_ram"] >= 1  # the scripted eviction happened
+        # The scripted eviction happened: a's prefix, already on disk (written behind), goes nowhere else.
+        assert agent_counters["evicted_to_ram"] + agent_counters["evicted_to_disk"] >= 1
         assert 0 < agent_counters["reused_kv"] < agent_counters["queries"]
     finally:
         _, err = stop(proc)

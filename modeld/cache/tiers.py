@@ -5,8 +5,9 @@ makes it reusable: the model digest, the runtime identity of the manifest it was
 the engine's ``snapshot_format``, and its tokens. Entries live in the daemon process (never in
 an engine worker), so they survive a worker crash; the disk tier survives a daemon restart.
 
-* **RAM tier**: blobs in memory, within ``ram_bytes``. Over budget, the least recently used
-  entry moves to the disk tier (or is dropped when the disk tier is off).
+* **RAM tier**: blobs in memory, within ``ram_bytes`` and within the room the memory budget
+  leaves beside the loaded models (:meth:`Tiers.limit_ram`). Over its limit, the least recently
+  used entry moves to the disk tier (or is dropped when the disk tier is off).
 * **Disk tier**: one file per entry under ``<data_dir>/kv/`` (``modeld/cache/snapfile.py``:
   atomic writes, checksums), within ``disk_bytes``, least recently used removed first. Files
   are written by one background thread; a daemon restart indexes them again (headers and
@@ -198,6 +199,9 @@ class Tiers:
 
     def __init__(self, *, data_dir: Path | None, ram_bytes: int, disk_bytes: int) -> None:
         self.ram_budget = max(0, ram_bytes)
+        self.ram_room: int | None = None
+        """What the memory budget leaves the RAM tier beside the loaded models (None: no budget
+        applies); :attr:`ram_limit` is the smaller of this and :attr:`ram_budget`."""
         self.disk_budget = max(0, disk_bytes) if data_dir is not None else 0
         self.directory = data_dir / "kv" if data_dir is not None else None
         self.disk_off_reason = "" if self.disk_budget else "disk tier off (budget 0)"
@@ -222,6 +226,20 @@ class Tiers:
                 self._writer.start()
 
     # --- state ------------------------------------------------------------------------------------
+
+    @property
+    def ram_limit(self) -> int:
+        """The bytes the RAM tier may hold now: its own budget, within the memory budget's room."""
+        room = self.ram_room
+        return self.ram_budget if room is None else max(0, min(self.ram_budget, room))
+
+    def limit_ram(self, room: int) -> None:
+        """The memory budget leaves the RAM tier ``room`` bytes (the budget minus what the loaded
+        models take: one budget for both). A smaller room moves the least recently used blobs to
+        disk (or drops them) at once; they leave the daemon's memory as their writes finish."""
+        with self._lock:
+            self.ram_room = room
+            self._enforce_ram()
 
     @property
     def disk_on(self) -> bool:
@@ -341,7 +359,7 @@ class Tiers:
             )
             if remote and self.remote is not None:
                 self.remote.write(entry, blob)
-            if self.ram_budget >= len(blob):
+            if self.ram_limit >= len(blob):
                 if truncatable:
                     self._supersede(entry)
                 entry.blob = blob
@@ -480,10 +498,11 @@ class Tiers:
     def _enforce_ram(self) -> None:
         """Over the RAM budget: move the least recently used blobs to disk, or drop them."""
         used = sum(e.nbytes for e in self._entries.values() if e.blob is not None)
-        if used <= self.ram_budget:
+        limit = self.ram_limit
+        if used <= limit:
             return
         for e in sorted(self._entries.values(), key=lambda e: e.last_used):
-            if used <= self.ram_budget:
+            if used <= limit:
                 break
             if e.blob is None:
                 continue
@@ -667,7 +686,7 @@ class Tiers:
             if entry.through and remote is not None and not remote.owns(entry):
                 remote.write(entry, SnapshotFile(path, header))
             if entry.leaving or (
-                sum(e.nbytes for e in self._entries.values() if e.blob is not None) > self.ram_budget
+                sum(e.nbytes for e in self._entries.values() if e.blob is not None) > self.ram_limit
             ):
                 entry.blob = None
                 entry.leaving = False
@@ -804,7 +823,7 @@ class Tiers:
                 **remote,
                 "ram_entries": len(ram),
                 "ram_bytes": sum(e.nbytes for e in ram),
-                "ram_budget": self.ram_budget,
+                "ram_budget": self.ram_limit,
                 "disk_entries": len(disk),
                 "disk_bytes": sum(e.nbytes for e in disk),
                 "disk_budget": self.disk_budget,

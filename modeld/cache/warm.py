@@ -400,7 +400,7 @@ class ModelCache:
         with self._lock:
             choice = self._choose(slot, target, head, remote=stage == "prefix")
             try:
-                dst = self._place(slot, choice, runtime)
+                dst = self._place(slot, choice, runtime, head)
             except eviction.NoRoom:
                 # The only sequence that could be freed holds the best candidate: copying from
                 # it is impossible, so it is saved and freed, and this turn starts from nothing
@@ -408,9 +408,13 @@ class ModelCache:
                 assert choice.context is not None
                 eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
                 choice = self._choose(slot, target, head, remote=stage == "prefix")
-                dst = self._place(slot, choice, runtime)
+                dst = self._place(slot, choice, runtime, head)
+            if choice.context is not None and pool.contexts.get(choice.context.seq) is not choice.context:
+                # The source shared only the format's head and was the least valuable context:
+                # it went to a tier; the head comes from another context, or is computed.
+                choice = self._choose(slot, target, head, remote=stage == "prefix")
             hold = Hold(self, dst, target, stage, manifest)
-            self._fill(slot, hold, choice, runtime)
+            self._fill(slot, hold, choice, runtime, head)
             # The cells of dst past what is kept are cut by this turn: they count as room (the
             # 8k coding loop's third turn, and a session editing the middle of a prefix longer
             # than half the pool, used to be busy).
@@ -474,8 +478,11 @@ class ModelCache:
                 choice = pick([*entries, *shared])
         return choice
 
-    def _place(self, slot: SessionSlot, choice: Choice, runtime: KVRuntime) -> WarmContext:
-        """The context this session's operation runs on (the session's own sequence)."""
+    def _place(self, slot: SessionSlot, choice: Choice, runtime: KVRuntime, head: int) -> WarmContext:
+        """The context this session's operation runs on (the session's own sequence). A source
+        that shares no more than the format's ``head`` (BOS, the chat template's head: any context
+        has it) does not keep the least valuable context from going to a tier: it used to,
+        whenever the least recently used context was the one the head would be copied from."""
         own = self._pool.own(slot)
         source = choice.context
         if source is not None and source is not own and source.owner is None and not source.busy:
@@ -487,13 +494,17 @@ class ModelCache:
             slot.context = source
             return source
         if own is None:
-            return eviction.new_context(self._pool, slot, runtime, keep_away=source)
+            keep_away = source if choice.keep > head else None
+            return eviction.new_context(self._pool, slot, runtime, keep_away=keep_away)
         if source is not own:
             eviction.save_before_overwrite(self._pool, own, choice.keep, runtime)
         return own
 
-    def _fill(self, slot: SessionSlot, hold: Hold, choice: Choice, runtime: KVRuntime) -> None:
-        """Bring the reused part into the hold's context: nothing to do, a copy, or a restore."""
+    def _fill(self, slot: SessionSlot, hold: Hold, choice: Choice, runtime: KVRuntime, head: int) -> None:
+        """Bring the reused part into the hold's context: nothing to do, a copy, or a restore.
+        A copy is a use of its source (it stays warm longer) unless it copied no more than the
+        format's ``head``: every new conversation copies that from whichever context holds it,
+        which made an idle context look recently used and another go to a tier before it."""
         dst = hold.context
         source = choice.context
         if source is dst:
@@ -508,7 +519,8 @@ class ModelCache:
             dst.prefix_tokens = min(source.prefix_tokens, n)
             dst.generation += 1
             dst.saved_key = ""
-            source.last_used = time.time()
+            if n > head:
+                source.last_used = time.time()
             self._pool.counters["copies"] += 1
             hold.keep = n
             hold.source = Candidate("kv", source.id, source.prefix_tokens, own=False)

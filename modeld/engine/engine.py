@@ -132,6 +132,7 @@ class Engine:
             self.tiers.attach_remote(_shared_tier(self.residency))
         budget = self.residency.memory_budget_bytes
         self.memory_budget = default_memory_budget() if budget < 0 else budget
+        self.tiers.limit_ram(self.memory_budget)  # one budget: the RAM tier within what models leave
         self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
         self._load_lock = threading.Lock()
@@ -380,6 +381,7 @@ class Engine:
                 + MODEL_OVERHEAD_BYTES
             )
             self._make_room_for_load(cost)
+            self._budget_ram_tier(loading=cost)  # the tier makes room before the worker allocates
             model = LoadedModel(
                 key,
                 request,
@@ -408,6 +410,7 @@ class Engine:
             model.sessions = 1
             with self._lock:
                 self._models[key] = model
+            self._budget_ram_tier()
             log.info(
                 "loaded %s model %s (%s): %d sequences of %d tokens, %s",
                 kind,
@@ -453,7 +456,16 @@ class Engine:
                 del self._models[model.key]
         model.cache.retire(f"the model was unloaded: {why}")
         model.close(persist=False)
+        self._budget_ram_tier()
         log.info("unloaded model %s: %s", model.info.path, why)
+
+    def _budget_ram_tier(self, loading: int = 0) -> None:
+        """One memory budget for the loaded models and the RAM tier: the tier may hold what the
+        models leave of it (a model loaded into that room spills the tier's least recently used
+        contexts to disk first, before any model is unloaded)."""
+        with self._lock:
+            used = sum(m.cost for m in self._models.values())
+        self.tiers.limit_ram(self.memory_budget - used - loading)
 
     def _model_changed(self, model: LoadedModel, error: ModelChangedError) -> None:
         """A loaded model's file no longer holds it (``LoadedModel.file_changed``): no new
@@ -473,6 +485,7 @@ class Engine:
             model.close(persist=False)
 
         threading.Thread(target=retire, name="model-retire", daemon=True).start()
+        self._budget_ram_tier()
 
     def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
         with self._lock:

@@ -122,7 +122,7 @@ def _tiers(t: TierStatus) -> list[str]:
         *shared,
         f"          written {t.written} · spilled to disk {t.spilled_to_disk} · dropped {t.dropped} · "
         f"rejected {t.rejected} · write failures {t.write_failures}",
-        f"          memory budget {format_bytes(t.memory_budget)} (weights + KV of the loaded models)",
+        f"          memory budget {format_bytes(t.memory_budget)} (the loaded models and the RAM tier)",
     ]
     if t.recent_rejections:
         lines.append("          recent rejections:")
