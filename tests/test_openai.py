@@ -535,6 +535,12 @@ def test_the_generated_llama_model_serves_warm_turns() -> None:
         assert "modeld-tiny" in [m["name"] for m in tags["models"]]
         show = httpx.post(f"{d.url}/api/show", json={"model": "modeld-tiny"}, timeout=60).json()
         assert show["model_info"]["general.name"] == "modeld-tiny"
+        # What it will take, before it loads: describe's footprint on every face, one figure.
+        footprint = described.footprint
+        assert footprint.total_bytes > footprint.weights_bytes > 0 and footprint.kv_bytes > 0
+        listed = httpx.get(f"{d.url}/v1/models/modeld-tiny", timeout=10).json()["modeld"]["footprint"]
+        for key in ("weights_bytes", "kv_bytes_per_token", "kv_bytes", "total_bytes", "max_window", "layout"):
+            assert listed[key] == getattr(footprint, key) == show["model_info"][f"modeld.{key}"], key
         messages = conversation("test_llama")
         first = d.client.chat.completions.create(
             model="modeld-tiny", messages=messages, max_tokens=8, temperature=0

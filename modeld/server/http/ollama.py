@@ -30,6 +30,7 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import asdict
 from datetime import UTC, datetime
 from typing import Any
 
@@ -497,8 +498,9 @@ def routes(service: HttpService) -> list[Route]:
                     "general.name": info.model_name,
                     f"{arch}.context_length": info.effective_context,
                     "modeld.trained_context_length": info.model_max_context,
-                    "modeld.kv_bytes_per_token": info.kv_bytes_per_token,
-                    "modeld.weights_bytes": info.weights_bytes,
+                    # What it takes in memory here (``modeld describe``): weights, KV per
+                    # token, the layout's KV and compute, the total, the largest window.
+                    **{f"modeld.{k}": v for k, v in asdict(info.footprint).items()},
                 },
                 "capabilities": capabilities,
                 "modified_at": _modified(entry),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from starlette.requests import Request
@@ -28,7 +29,8 @@ __all__ = ["model_meta", "routes"]
 def model_meta(info: ModelInfo | None) -> dict[str, Any]:
     """What clients read about a model beside its name: the context window under the names
     Codex (``context_window``), LiteLLM and vLLM clients (``max_model_len``) and llama-server
-    clients (``meta.n_ctx_train``) look for."""
+    clients (``meta.n_ctx_train``) look for; ``modeld.footprint`` its memory (weights, KV per
+    token, the configured layout's KV and compute, the total, the largest window that fits)."""
     if info is None:
         return {}
     return {
@@ -42,6 +44,8 @@ def model_meta(info: ModelInfo | None) -> dict[str, Any]:
             "n_vocab": info.vocab_size,
             "size": info.weights_bytes,
         },
+        # What it takes in memory here, known before it loads (``modeld describe``'s figures).
+        "modeld": {"footprint": asdict(info.footprint)},
     }
 
 
