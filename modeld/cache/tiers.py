@@ -104,6 +104,35 @@ class TierEntry:
     through: bool = False
     """Persisted: once its file is sealed, it is written through to the remote tier."""
 
+    @classmethod
+    def new(
+        cls,
+        model_digest: str,
+        identity: str,
+        snapshot_format: str,
+        tokens: list[int],
+        prefix_tokens: int,
+        nbytes: int,
+        *,
+        writing: bool = False,
+        truncatable: bool = False,
+        through: bool = False,
+    ) -> TierEntry:
+        """An entry keyed by what it holds; its prefix never claims more than its tokens (a
+        file claiming more is refused on reading)."""
+        return cls(
+            key=entry_key(model_digest, identity, snapshot_format, tokens),
+            model_digest=model_digest,
+            identity=identity,
+            snapshot_format=snapshot_format,
+            tokens=tokens,
+            prefix_tokens=min(prefix_tokens, len(tokens)),
+            nbytes=nbytes,
+            writing=writing,
+            truncatable=truncatable,
+            through=through,
+        )
+
     @property
     def tier(self) -> str:
         return "ram" if self.blob is not None else "disk"
@@ -339,8 +368,6 @@ class Tiers:
         when the engine can cut a restored sequence (``truncatable``); an entry that already
         covers ``tokens`` makes this one unnecessary. None if no tier could take it."""
         tokens = list(tokens)
-        prefix_tokens = min(prefix_tokens, len(tokens))  # a file claiming more is refused on reading
-        key = entry_key(model_digest, identity, snapshot_format, tokens)
         with self._lock:
             covering = self._covering(model_digest, identity, snapshot_format, tokens, truncatable)
             if covering is not None:
@@ -348,15 +375,8 @@ class Tiers:
                 if remote:
                     self.persist(covering)
                 return covering
-            entry = TierEntry(
-                key=key,
-                model_digest=model_digest,
-                identity=identity,
-                snapshot_format=snapshot_format,
-                tokens=tokens,
-                prefix_tokens=prefix_tokens,
-                nbytes=len(blob),
-            )
+            entry = TierEntry.new(model_digest, identity, snapshot_format, tokens, prefix_tokens, len(blob))
+            key = entry.key
             if remote and self.remote is not None:
                 self.remote.write(entry, blob)
             if self.ram_limit >= len(blob):
@@ -389,16 +409,7 @@ class Tiers:
         only (no disk tier here to write it to; no RAM-tier copy)."""
         if self.remote is None:
             return
-        tokens = list(tokens)
-        entry = TierEntry(
-            key=entry_key(model_digest, identity, snapshot_format, tokens),
-            model_digest=model_digest,
-            identity=identity,
-            snapshot_format=snapshot_format,
-            tokens=tokens,
-            prefix_tokens=min(prefix_tokens, len(tokens)),
-            nbytes=len(blob),
-        )
+        entry = TierEntry.new(model_digest, identity, snapshot_format, list(tokens), prefix_tokens, len(blob))
         self.remote.write(entry, blob)
 
     def reserve(
@@ -437,19 +448,18 @@ class Tiers:
                 self.persist(covering)
                 return covering, None
             assert self.directory is not None
-            key = entry_key(model_digest, identity, snapshot_format, tokens)
-            entry = TierEntry(
-                key=key,
-                model_digest=model_digest,
-                identity=identity,
-                snapshot_format=snapshot_format,
-                tokens=tokens,
-                prefix_tokens=min(prefix_tokens, len(tokens)),
-                nbytes=0,
+            entry = TierEntry.new(
+                model_digest,
+                identity,
+                snapshot_format,
+                tokens,
+                prefix_tokens,
+                0,
                 writing=True,
                 truncatable=truncatable,
                 through=True,
             )
+            key = entry.key
             self._entries[key] = entry
             entry.tmp = temporary(self.directory / f"{key}{SUFFIX}")
             self._pending_writes += 1  # until it is sealed (the writer's) or abandoned
