@@ -221,6 +221,80 @@ def test_sub_agents_share_their_common_prefix_once_on_a_unified_kv(tiny: str) ->
             assert (again.reuse.outcome, again.reused_tokens) == ("warm", st.prefix_tokens)
 
 
+def _in_kv(engine: Engine) -> set[str]:
+    """The sessions whose context is in the KV pool."""
+    return {c.session_id for c in engine.status().models[0].contexts if c.tier == "kv" and c.session_id}
+
+
+def _on_disk(engine: Engine) -> list[int]:
+    """The prompt tokens of each disk-tier entry, once every write has landed."""
+    assert engine.tiers.flush(30)
+    return sorted(c.tokens for c in engine.status().models[0].contexts if c.tier == "disk")
+
+
+@pytest.mark.llama
+def test_idle_contexts_leave_a_unified_pool_and_come_back_exact(tmp_path: Path, tiny: str) -> None:
+    """A unified pool's attention spans every used cell, so a turn that starts moves the idle
+    contexts whose prefix is on disk out of the pool (no copy is made) and their next turn restores
+    them, its output that of a fresh evaluation. A context inside its own turn (a prefix in place,
+    its decode to come) stays; so does one whose prefix is not on disk (it would cost a copy)."""
+    residency = Residency(sequences=4, kv_unified=True, pool_tokens=4096, persist_min_tokens=64)
+    reference = Reference(tiny)
+    long_a, long_b = WORKSPACES[0] * 2, WORKSPACES[1] * 2
+    try:
+        with Engine(backends=("llama",), residency=residency, data_dir=tmp_path / "data") as engine:
+            a, b, c = (engine.open_session(_request(tiny)) for _ in range(3))
+
+            def kv() -> set[str]:
+                names = {a.session_id: "a", b.session_id: "b", c.session_id: "c"}
+                return {names[i] for i in _in_kv(engine)}
+
+            def turn(session: Any, prefix: str, suffix: str) -> Any:
+                status = session.ensure_prefix(PrefixInput(text=prefix))
+                session.prefill_suffix(SuffixInput(text=suffix))
+                assert _greedy(session, 4) == reference.greedy(prefix, suffix, 4)
+                return status
+
+            first = turn(a, long_a, SUFFIXES[0])
+            assert first.prefilled_tokens >= 64  # written behind to disk
+            other = turn(b, long_b, SUFFIXES[1])
+            assert kv() == {"b"}
+            assert _on_disk(engine) == sorted([first.prefix_tokens, other.prefix_tokens])
+            assert engine.status().models[0].counters["evicted_to_disk"] == 1
+            again = turn(a, long_a, SUFFIXES[2])
+            assert (again.reuse.reason, again.reused_tokens) == ("restored_from_disk", first.prefix_tokens)
+            assert kv() == {"a"}
+
+            # Inside its turn: a's prefix is in place, its decode comes after c's turn.
+            a.ensure_prefix(PrefixInput(text=long_a))
+            short = "You are brief.\n"  # below --persist-min-tokens: never on disk, so it stays
+            turn(c, short, SUFFIXES[3])
+            assert kv() == {"a", "c"}
+            a.prefill_suffix(SuffixInput(text=SUFFIXES[0]))
+            assert _greedy(a, 4) == reference.greedy(long_a, SUFFIXES[0], 4)
+            back = turn(b, long_b, SUFFIXES[1])  # a's turn ended: it leaves; c has no disk copy
+            assert (back.reuse.reason, back.reused_tokens) == ("restored_from_disk", other.prefix_tokens)
+            assert kv() == {"b", "c"}
+            assert engine.status().models[0].counters["evicted_to_ram"] == 0  # no copy was made
+    finally:
+        reference.close()
+
+
+def test_idle_contexts_stay_where_attention_does_not_span_the_pool(tmp_path: Path) -> None:
+    """The memory backend's unified pool (and llama's split streams) costs an idle context
+    nothing: it stays in the KV."""
+    residency = Residency(sequences=4, kv_unified=True, pool_tokens=4096, persist_min_tokens=64)
+    with Engine(backends=("memory",), data_dir=tmp_path / "data", residency=residency) as engine:
+        a, b = (
+            engine.open_session(OpenSessionRequest(path="m")),
+            engine.open_session(OpenSessionRequest(path="m")),
+        )
+        assert a.ensure_prefix(PrefixInput(text=WORKSPACES[0] * 3)).prefilled_tokens >= 64
+        list(a.decode(DecodeConfig(max_tokens=2)))
+        b.ensure_prefix(PrefixInput(text=WORKSPACES[1] * 3))
+        assert _in_kv(engine) == {a.session_id, b.session_id}
+
+
 @pytest.mark.llama
 def test_concurrent_sessions_never_prefill_each_others_work(tiny: str) -> None:
     """N sessions with different prefixes, driven from N threads over the wire: after its first

@@ -72,6 +72,10 @@ class Layout:
     ``name`` says how the KV is laid out (``unified/4:8704``, ``split/4``), for people.
     ``forks``: :meth:`ModelRuntime.generate` decodes several choices of one prompt together on
     further sequences (``DecodeConfig.n``); without it the daemon decodes them one after another.
+    ``attention_spans_pool``: a sequence's attention covers every used cell of the pool up to the
+    highest one, other sequences' cells masked (llama.cpp's unified KV): an idle context's cells
+    slow every turn of the others, so the cache moves idle contexts whose prefix is on disk out of
+    the pool when another turn starts (blueprint 0016, "Idle contexts leave a unified pool").
     """
 
     n_seq: int
@@ -86,6 +90,7 @@ class Layout:
     exact: bool = True
     name: str = ""
     forks: bool = False
+    attention_spans_pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)

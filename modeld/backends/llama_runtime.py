@@ -234,6 +234,7 @@ class LlamaRuntime:
             exact=not unified,
             name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
             forks=can_truncate and n_seq > 1,
+            attention_spans_pool=unified and n_seq > 1,
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         self._io_magic = self._magic()  # every sequence is empty now

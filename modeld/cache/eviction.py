@@ -9,6 +9,10 @@
   keeps less than half of its prefix is saved too (llama-server's ``f_keep < 0.5`` rule).
 * **Room**: a free sequence for a session that has none, and (unified pool) free cells for the
   tokens a turn will add.
+* **Idle contexts leave a unified pool** (:func:`leave_idle`): where a sequence's attention spans
+  every used cell of the pool, a turn that starts evicts the idle contexts whose prefix is on
+  disk already (dropping them costs nothing, restoring them milliseconds), as llama-server moves
+  its idle slots to its RAM cache.
 * **Write-behind** (:class:`WriteBehind`, :func:`to_disk`): a long prefix just computed is
   written to the disk tier by the engine itself and sealed in the background, so it survives a
   crash of the worker or the daemon; the context stays in the KV pool and the RAM tier holds no
@@ -40,10 +44,12 @@ __all__ = [
     "WriteBehind",
     "evict",
     "evictable",
+    "leave_idle",
     "make_room",
     "new_context",
     "save",
     "save_before_overwrite",
+    "saved_entry",
     "score",
     "store",
     "to_disk",
@@ -168,13 +174,11 @@ def save(
     )
     if n < pool.settings.snapshot_min_tokens:
         return ""
-    if context.saved_key:
-        for entry in tiers.entries(pool.model_digest):
-            covers = entry.tokens == context.tokens[: len(entry.tokens)] and len(entry.tokens) >= n
-            if entry.key == context.saved_key and covers:
-                if persist:
-                    tiers.persist(entry)
-                return entry.tier
+    held = saved_entry(pool, context, n)
+    if held is not None:
+        if persist:
+            tiers.persist(held)
+        return held.tier
     if n < len(context.tokens):
         if not pool.layout.can_truncate:
             return ""
@@ -198,6 +202,37 @@ def save(
     prefix = min(context.prefix_tokens, n) if whole and context.prefix_tokens else n
     saved = store(pool, context, context.tokens, prefix, blob, remote=persist)
     return saved.tier if saved is not None else ""
+
+
+def saved_entry(pool: Pool, context: WarmContext, n: int = 0) -> TierEntry | None:
+    """The tier entry that holds ``context``'s first ``n`` tokens already (default: its prefix),
+    or None: evicting the context then costs no copy."""
+    if pool.tiers is None or not context.saved_key or not context.tokens:
+        return None
+    n = n or min(context.prefix_tokens or len(context.tokens), len(context.tokens))
+    for entry in pool.tiers.entries(pool.model_digest):
+        if entry.key == context.saved_key:
+            covers = len(entry.tokens) >= n and entry.tokens == context.tokens[: len(entry.tokens)]
+            return entry if covers else None
+    return None
+
+
+def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str) -> int:
+    """Evict every idle context whose prefix a tier holds already (no copy is made; its next
+    turn restores it in milliseconds), except ``keep``: on a layout whose attention spans the
+    pool (``Layout.attention_spans_pool``) its cells slow every token of the turn that starts.
+    Not idle: busy, pinned, or inside its own turn (``WarmContext.turn_until``). Returns how
+    many went."""
+    if not pool.layout.attention_spans_pool:
+        return 0
+    now = time.time()
+    gone = 0
+    for context in evictable(pool):
+        if context in keep or context.turn_until > now or saved_entry(pool, context) is None:
+            continue
+        evict(pool, context, runtime, why)
+        gone += 1
+    return gone
 
 
 def store(

@@ -29,7 +29,7 @@ from modeld.cache.reuse import Loss, common_prefix_len
 from modeld.cache.tiers import Tiers
 from modeld.contract import WarmContextInfo
 
-__all__ = ["COUNTERS", "CacheSettings", "Pool", "SessionSlot", "WarmContext"]
+__all__ = ["COUNTERS", "TURN_SECONDS", "CacheSettings", "Pool", "SessionSlot", "WarmContext"]
 
 COUNTERS = (
     "reused_kv",
@@ -66,6 +66,11 @@ class CacheSettings:
     the KV pool."""
 
 
+TURN_SECONDS = 30.0
+"""How long after a prefix or suffix a context counts as inside its turn when no decode ends it
+(a client that put a prefix in place and went away)."""
+
+
 @dataclass(eq=False)
 class WarmContext:
     """One sequence of the KV pool and what it holds."""
@@ -82,6 +87,9 @@ class WarmContext:
     last_used: float = field(default_factory=time.time)
     created: float = field(default_factory=time.time)
     saved_key: str = ""  # the tier entry that already holds this context's prefix
+    turn_until: float = 0.0
+    """Until when (``time.time()``) its session is inside a turn: a prefix or suffix put in place
+    whose decode has not ended yet (:data:`TURN_SECONDS` at most). Such a context is not idle."""
 
 
 @dataclass(eq=False)

@@ -42,7 +42,7 @@ from types import TracebackType
 from modeld.backends.base import Layout, SyncStep
 from modeld.cache import eviction
 from modeld.cache.choice import Choice, choose
-from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
+from modeld.cache.pool import TURN_SECONDS, CacheSettings, Pool, SessionSlot, WarmContext
 from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
 from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.cache.snapfile import SnapshotError
@@ -64,6 +64,12 @@ log = logging.getLogger("modeld.cache")
 
 PROGRESS_INTERVAL = 0.5
 """Seconds between two progress reports of a long prefill."""
+
+_IDLE = (
+    "it was idle while another session's turn ran, and a unified pool's attention spans every used "
+    "cell; its prefix is on disk"
+)
+"""Why :func:`eviction.leave_idle` moved a context out of the pool (its next turn restores it)."""
 
 _DEAD = (EngineRestartedError, StallTimeoutError)
 """Errors after which the engine's state is gone (the supervisor resets the cache)."""
@@ -273,9 +279,14 @@ class Hold:
             return
         self._released = True
         with self._cache._lock:
-            self.context.busy = False
-            self.context.floor = 0
-            self.context.last_used = time.time()
+            now = time.time()
+            context = self.context
+            context.busy = False
+            context.floor = 0
+            context.last_used = now
+            # A prefix or a suffix is the start of a turn whose decode comes next: the context
+            # is not idle in between (another session's turn does not evict it, see leave_idle).
+            context.turn_until = now + TURN_SECONDS if self.stage in ("prefix", "suffix") else 0.0
 
     def __enter__(self) -> Hold:
         return self
@@ -414,7 +425,14 @@ class ModelCache:
                 # it went to a tier; the head comes from another context, or is computed.
                 choice = self._choose(slot, target, head, remote=stage == "prefix")
             hold = Hold(self, dst, target, stage, manifest)
+            if stage == "prefix":
+                # Before the fill, so a restore lands in the cells they free (low in the pool).
+                eviction.leave_idle(
+                    pool, runtime, {dst, *([choice.context] if choice.context else [])}, _IDLE
+                )
             self._fill(slot, hold, choice, runtime, head)
+            if stage == "prefix" and choice.context is not None and choice.context is not dst:
+                eviction.leave_idle(pool, runtime, {dst}, _IDLE)  # the copy's source, idle too
             # The cells of dst past what is kept are cut by this turn: they count as room (the
             # 8k coding loop's third turn, and a session editing the middle of a prefix longer
             # than half the pool, used to be busy).
