@@ -10,7 +10,7 @@ concurrent decodes 33 against 61 in all). A spin of 10k rounds keeps the barrier
 hot and lets the threads sleep soon after it. The operator's own OpenMP settings win.
 
 libgomp reads its environment once, when it is loaded: the first ``import llama_cpp`` of the
-process. Every module of modeld that imports ``llama_cpp`` imports this module first (an earlier
+process. ``_llama_lib``, through which every module of modeld loads llama.cpp, imports this module first (an earlier
 version set the variable in ``llama_runtime`` after a sibling module had already loaded
 llama.cpp, so the setting silently did nothing).
 """

@@ -35,19 +35,22 @@ import ctypes
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama_cpp loads
+from modeld.backends import _llama_lib
 from modeld.decoding.constraints import CompiledConstraint, ConstraintFailed
 from modeld.errors import UnsupportedError
 
-try:
-    import llama_cpp as _llama
-except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
-    raise ImportError(f"llama-cpp-python is not installed: {exc}") from exc
+if TYPE_CHECKING:
+    import llama_cpp.llama_cpp as _llama
+else:
+    try:
+        _llama = _llama_lib.load()
+    except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
+        raise ImportError(f"llama-cpp-python is not installed: {exc}") from exc
 
 __all__ = [
     "GrammarSamplerConstraint",
@@ -243,7 +246,7 @@ class LlamaConstraints:
                     if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
                         piece = b"\xff" + piece
                     tokens.append(piece)
-                tokenize = ctypes.cast(_llama.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
+                tokenize = ctypes.cast(_llama._lib.llama_tokenize, ctypes.c_void_p).value
                 self._tokenizer = self._llg.LLTokenizer.from_llamacpp(
                     tokens=tokens,
                     vocab_ptr=self._vocab,

@@ -54,11 +54,11 @@ import threading
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama_cpp loads
+from modeld.backends import _llama_lib
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
@@ -76,10 +76,13 @@ from modeld.decoding.sampling import (
 from modeld.decoding.speculation import DRAFT_MAX, DecodeStats, Drafter, DraftLength
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
-try:
-    import llama_cpp as _llama
-except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
-    raise ImportError(f"llama-cpp-python is not installed: {exc}") from exc
+if TYPE_CHECKING:
+    import llama_cpp.llama_cpp as _llama
+else:
+    try:
+        _llama = _llama_lib.load()
+    except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
+        raise ImportError(f"llama-cpp-python is not installed: {exc}") from exc
 
 __all__ = ["LlamaRuntime", "chunk_sizes"]
 
@@ -229,7 +232,7 @@ class LlamaRuntime:
             can_truncate=can_truncate,
             snapshots=True,
             explicit=True,
-            snapshot_format=f"llama.cpp {_llama.__version__} {layout_name}",
+            snapshot_format=f"llama.cpp {_llama_lib.version()} {layout_name}",
             kv_bytes_per_token=info.kv_bytes_per_token,
             exact=not unified,
             name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
