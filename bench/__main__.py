@@ -130,21 +130,33 @@ def compatible_runs(runs_dir: Path, doc: dict[str, Any], limit: int = 2) -> list
 
 def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]:
     """Speculation from the context (``bench/speculation.py``, issue 19): the COPYING model, 5
-    rounds of 192 tokens; ``quick``: its SMALL construction, 1 round of 32 tokens (the smoke run's
+    rounds of 192 tokens, then REALISTIC (random weights, nothing copied), 3 rounds; ``quick``: its SMALL construction, 1 round of 32 tokens (the smoke run's
     budget: 2 rounds of 64, ``python -m bench.speculation --quick``, take a minute more). A
     failure is the run's error, recorded; the other measurements go on."""
     from bench.speculation import run_speculation
 
     print("bench: speculation from the context (bench/speculation.py)", flush=True)
+    binary = llama_server if llama_server and Path(llama_server).is_file() else ""
     try:
-        return run_speculation(
-            llama_server if llama_server and Path(llama_server).is_file() else "",
+        doc = run_speculation(
+            binary,
             threads=threads,
             quick=quick,
             runs=1 if quick else 5,
             max_tokens=32 if quick else 192,
             log=lambda s: print(f"  {s}", flush=True),
         )
+        if not quick:  # REALISTIC copies nothing: every draft fails, and that must cost nothing
+            print("bench: speculation on the realistic model (nothing to copy)", flush=True)
+            doc["realistic"] = run_speculation(
+                binary,
+                threads=threads,
+                runs=3,
+                max_tokens=192,
+                model_name="realistic",
+                log=lambda s: print(f"  {s}", flush=True),
+            )
+        return doc
     except Exception as exc:  # recorded as the run's error; the run goes on
         print(f"bench: speculation failed: {exc}", file=sys.stderr, flush=True)
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}

@@ -354,7 +354,11 @@ def speculation_lines(docs: list[Doc]) -> list[str]:
         "",
         *_goal_table(docs, "speculation"),
     ]
-    same = [(d["id"], r["summary"].get("greedy_identical")) for d in docs if (r := _ran(d, "speculation"))]
+    same = [
+        (d["id"], _identical(r["summary"].get("greedy_identical"), (r.get("realistic") or {}).get("summary")))
+        for d in docs
+        if (r := _ran(d, "speculation"))
+    ]
     if same:
         lines.append(
             "| greedy output identical to plain decoding, every turn | identical | "
@@ -367,7 +371,21 @@ def speculation_lines(docs: list[Doc]) -> list[str]:
     lines += ["", *_skipped(docs, "speculation")]
     if newest is not None:
         lines += ["", f"The newest run{_wall(newest)}:", "", newest["markdown"]]
+        realistic = newest.get("realistic")
+        if realistic and "markdown" in realistic:
+            lines += [
+                "",
+                "The same run on REALISTIC (random weights: nothing is copied, drafts fail):",
+                "",
+                realistic["markdown"],
+            ]
     return [*lines, ""]
+
+
+def _identical(copying: bool | None, realistic: dict[str, Any] | None) -> bool | None:
+    """Greedy output identical on every compared turn, COPYING's and REALISTIC's (None: none compared)."""
+    seen = [v for v in (copying, (realistic or {}).get("greedy_identical")) if v is not None]
+    return all(seen) if seen else None
 
 
 def fleet_lines(docs: list[Doc]) -> list[str]:

@@ -304,6 +304,19 @@ def test_speculation_figures_take_the_best_llama_server_mode_and_merge_two_runs_
     assert against["runs"] == [0.75, 1.1, None]
     assert against["met"] is False  # the mean 0.925 is below llama-server's best mode
     assert merged["prose_over_off"]["met"] is True  # 1.0 >= 0.97
+    realistic = merged["realistic_worst_over_off"]
+    assert realistic["runs"] == [None, None, None] and realistic["met"] is None  # not run
+
+    # REALISTIC (drafts fail): the lowest of the three workloads against the 0.97 goal.
+    flat = summary(_speculation_table([9.6, 10.0, 10.4]))  # rewrite 1.0, tool call 1.4, prose 1.0
+    slow = dict(flat, prose_over_off=0.9)
+    with_realistic = [
+        {"id": "r2", "speculation": {"summary": second, "realistic": {"summary": flat}}},
+        {"id": "r1", "speculation": {"summary": first, "realistic": {"summary": slow}}},
+    ]
+    worst = merge_extra(with_realistic, "speculation")["realistic_worst_over_off"]
+    assert worst["runs"] == [1.0, 0.9]
+    assert worst["met"] is False  # the mean 0.95 is below 0.97
 
 
 def test_fleet_figures_hold_the_moved_turn_against_the_goal_and_the_report_shows_both_runs(
