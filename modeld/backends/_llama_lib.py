@@ -10,6 +10,7 @@ stand-in for the package that runs no ``__init__``, then takes the stand-in away
 the loaded bindings. Where the package is imported already, its bindings are used as they are.
 
 OpenMP is set up first (``_omp``): libgomp reads its environment once, when llama.cpp loads.
+Use it as ``from modeld.backends._llama_lib import bindings as _llama``.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import importlib.metadata
 import importlib.util
 import sys
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama.cpp loads
 
-__all__ = ["load", "version"]
+__all__ = ["bindings", "load", "version"]
 
 
 def load() -> ModuleType:
@@ -45,3 +47,12 @@ def load() -> ModuleType:
 def version() -> str:
     """llama-cpp-python's version (the package's ``__version__``, from its metadata)."""
     return importlib.metadata.version("llama_cpp_python")
+
+
+if TYPE_CHECKING:
+    import llama_cpp.llama_cpp as bindings
+else:
+    try:
+        bindings = load()
+    except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
+        raise ImportError(f"llama-cpp-python is not installed: {exc}") from exc

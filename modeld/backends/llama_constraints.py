@@ -35,22 +35,14 @@ import ctypes
 import logging
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from modeld.backends import _llama_lib
+from modeld.backends._llama_lib import bindings as _llama
 from modeld.decoding.constraints import CompiledConstraint, ConstraintFailed
 from modeld.errors import UnsupportedError
-
-if TYPE_CHECKING:
-    import llama_cpp.llama_cpp as _llama
-else:
-    try:
-        _llama = _llama_lib.load()
-    except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
-        raise ImportError(f"llama-cpp-python is not installed: {exc}") from exc
 
 __all__ = [
     "GrammarSamplerConstraint",

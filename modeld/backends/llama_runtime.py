@@ -54,11 +54,12 @@ import threading
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from modeld.backends import _llama_lib
+from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
@@ -75,14 +76,6 @@ from modeld.decoding.sampling import (
 )
 from modeld.decoding.speculation import DRAFT_MAX, DecodeStats, Drafter, DraftLength
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
-
-if TYPE_CHECKING:
-    import llama_cpp.llama_cpp as _llama
-else:
-    try:
-        _llama = _llama_lib.load()
-    except ImportError as exc:  # pragma: no cover - the registry turns this into backend_unavailable
-        raise ImportError(f"llama-cpp-python is not installed: {exc}") from exc
 
 __all__ = ["LlamaRuntime", "chunk_sizes"]
 
