@@ -93,3 +93,27 @@ def test_status_and_metrics_add_up_to_the_processes_rss() -> None:
         assert metrics[("modeld_model_memory_bytes", (("model", name), ("part", part)))] == value
     assert metrics[("modeld_memory_bytes", (("part", "ram_tier"),))] == memory.ram_tier_bytes
     assert abs(metrics[("modeld_memory_bytes", (("part", "parts"),))] - memory.parts_bytes) < 16 * MIB
+
+
+LEAN = """
+import sys
+from modeld.backends import gguf_header, llama_runtime
+gguf_header._quant_sizes()
+heavy = sorted(m for m in ("numpy", "yaml", "jinja2", "diskcache", "sqlite3") if m in sys.modules)
+import gguf, llama_cpp
+print(heavy, gguf.GGUFReader.__name__, llama_cpp.Llama.__name__, llama_cpp.llama_cpp is llama_runtime._llama)
+"""
+
+
+def test_the_daemon_reads_gguf_and_the_worker_loads_llama_cpp_without_their_packages_extras() -> None:
+    """``_lean``: the daemon's GGUF reading takes gguf's constants without its ``__init__`` (which
+    loaded numpy, OpenBLAS and yaml into the daemon: 12 MiB of its peak RSS), the worker llama.cpp's
+    bindings without llama-cpp-python's high-level API (9 MiB); numpy stays for the worker's
+    sampling, so it is the only heavy module; a later ``import`` of either package is whole."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", LEAN], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["['numpy']", "GGUFReader", "Llama", "True"], out.stdout + out.stderr

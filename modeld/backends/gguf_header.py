@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Final
 
+from modeld.backends._lean import submodule
 from modeld.backends.probe import ModelFile
 
 __all__ = [
@@ -357,13 +358,15 @@ _QUANT_SIZES: dict[int, tuple[int, int]] = {}
 
 
 def _quant_sizes() -> dict[int, tuple[int, int]]:
-    """ggml tensor type -> (values per block, bytes per block), from the ``gguf`` package."""
+    """ggml tensor type -> (values per block, bytes per block), from the ``gguf`` package's
+    constants alone (``_lean``: its ``__init__`` would load numpy, OpenBLAS and yaml into the
+    daemon for this table)."""
     if not _QUANT_SIZES:
         try:
-            from gguf.constants import GGML_QUANT_SIZES
+            sizes = submodule("gguf", "constants").GGML_QUANT_SIZES
         except ImportError as exc:  # pragma: no cover - a dependency of the llama/openvino extras
             raise GGUFFormatError(f"cannot be read: reading GGUF needs the gguf package ({exc})") from None
-        _QUANT_SIZES.update({int(t): (int(b), int(s)) for t, (b, s) in GGML_QUANT_SIZES.items()})
+        _QUANT_SIZES.update({int(t): (int(b), int(s)) for t, (b, s) in sizes.items()})
     return _QUANT_SIZES
 
 
