@@ -19,7 +19,8 @@ import xxhash
 
 from modeld.contract import Constraint, DecodeConfig, ToolCall
 from modeld.decoding.constraints import cache_info, compile_constraint
-from modeld.decoding.gbnf import ByteMatcher, parse_gbnf
+from modeld.decoding.gbnf import parse_gbnf
+from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.guard import RepeatedLineGuard
 from modeld.decoding.output import OutputProcessor, plan_decode
 from modeld.decoding.toolcalls import make_parser

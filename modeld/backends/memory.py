@@ -67,7 +67,7 @@ from modeld.contract import (
     TokenLogprob,
 )
 from modeld.decoding.constraints import runtime_constraint
-from modeld.decoding.gbnf import ByteMatcher
+from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.decoding.sampling import SampledToken, adjust, logit_bias_of, logprob
 from modeld.decoding.speculation import DecodeStats, Drafter, DraftLength

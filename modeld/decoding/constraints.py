@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modeld.contract import CONSTRAINT_KINDS, Constraint, DecodeConfig
-from modeld.decoding.gbnf import ByteMatcher, Grammar, parse_gbnf
+from modeld.decoding.gbnf import parse_gbnf
+from modeld.decoding.gbnf_match import ByteMatcher, Grammar
 from modeld.decoding.regex import regex_gbnf
 from modeld.decoding.schema import json_object_gbnf, load_schema, schema_to_gbnf
 from modeld.errors import InvalidArgumentError, LimitExceededError

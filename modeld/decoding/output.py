@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from modeld.contract import TOOL_CHOICES, TOOL_FORMATS, Constraint, DecodeConfig, ToolCall, ToolCallDelta
 from modeld.decoding.constraints import CompiledConstraint, compile_constraint
-from modeld.decoding.gbnf import ByteMatcher
+from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.guard import RepeatedLineGuard
 from modeld.decoding.toolcalls import ToolCallParser, make_parser
 from modeld.decoding.tools import (
