@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Protocol
 
 from modeld.cache.pool import SessionSlot
@@ -33,6 +32,7 @@ from modeld.cache.reuse import common_prefix_len
 from modeld.cache.warm import Forks, Hold, Synced
 from modeld.context import SegmentChurn
 from modeld.contract import (
+    Closing,
     Config,
     ContextReport,
     DecodeConfig,
@@ -102,7 +102,7 @@ class _Turn:
         self.restore_ms += hold.restore_ms
 
 
-class EngineSession:
+class EngineSession(Closing):
     """A session: one client's logical context on one loaded model."""
 
     def __init__(
@@ -415,17 +415,6 @@ class EngineSession:
             self._service.forget(self, report)
         self._end.notify()
         log.info("session %s closed", self._id)
-
-    def __enter__(self) -> EngineSession:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # --- observers -----------------------------------------------------------------------
 
