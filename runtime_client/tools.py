@@ -162,6 +162,26 @@ class _Turn:
     retry_reason: str
 
 
+def _retry_after(exc: ModeldError, retry_reason: str) -> str:
+    """A turn's attempt failed with ``exc``: the reason to run it once more (``exc`` is raised
+    when a restart did not lose the operation, or when the turn ran again already)."""
+    if retry_reason or exc.reason not in RETRY_REASONS:
+        raise exc
+    return exc.reason
+
+
+def _settle(
+    prefix: PrefixStatus, suffix: SuffixStatus, chunks: list[StreamChunk], first: float, retry_reason: str
+) -> _Turn | str:
+    """The turn an attempt made, or the reason to run it once more (its stream ended with the
+    error of a lost operation, and it has not run again yet)."""
+    text, final = _collect(chunks)
+    again = _retryable(final)
+    if again and not retry_reason:
+        return again
+    return _Turn(prefix, suffix, text, final, first, retry_reason)
+
+
 def _turn(session: Session, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
     """One model turn (ensure_prefix, prefill_suffix, decode), run again once if a restart lost it."""
     retry_reason = ""
@@ -173,16 +193,12 @@ def _turn(session: Session, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
             with session.decode(config) as stream:
                 chunks, first = _read(stream, started)
         except ModeldError as exc:
-            if retry_reason or exc.reason not in RETRY_REASONS:
-                raise
-            retry_reason = exc.reason
+            retry_reason = _retry_after(exc, retry_reason)
             continue
-        text, final = _collect(chunks)
-        again = _retryable(final)
-        if again and not retry_reason:
-            retry_reason = again
-            continue
-        return _Turn(prefix, suffix, text, final, first, retry_reason)
+        done = _settle(prefix, suffix, chunks, first, retry_reason)
+        if isinstance(done, _Turn):
+            return done
+        retry_reason = done
 
 
 async def _aturn(session: AsyncSessionProtocol, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
@@ -204,16 +220,12 @@ async def _aturn(session: AsyncSessionProtocol, ctx: BuiltContext, config: Decod
             finally:
                 await stream.aclose()
         except ModeldError as exc:
-            if retry_reason or exc.reason not in RETRY_REASONS:
-                raise
-            retry_reason = exc.reason
+            retry_reason = _retry_after(exc, retry_reason)
             continue
-        text, final = _collect(chunks)
-        again = _retryable(final)
-        if again and not retry_reason:
-            retry_reason = again
-            continue
-        return _Turn(prefix, suffix, text, final, first, retry_reason)
+        done = _settle(prefix, suffix, chunks, first, retry_reason)
+        if isinstance(done, _Turn):
+            return done
+        retry_reason = done
 
 
 def _round(

@@ -32,8 +32,18 @@ from typing import Protocol
 
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.decoding.speculation import DecodeStats
+from modeld.errors import InvalidArgumentError
 
-__all__ = ["Backend", "DecodeStats", "Layout", "LoadOptions", "ModelRuntime", "SyncStep", "Vocab"]
+__all__ = [
+    "Backend",
+    "DecodeStats",
+    "HeldTokens",
+    "Layout",
+    "LoadOptions",
+    "ModelRuntime",
+    "SyncStep",
+    "Vocab",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +126,21 @@ class SyncStep:
     kept: int
     evaluated: int
     total: int
+
+
+class HeldTokens:
+    """The tokens each of a runtime's sequences holds, as every runtime keeps them (``_seqs``,
+    one list per sequence): ``resident`` and the bounds check of a sequence number."""
+
+    _seqs: list[list[int]]
+
+    def _seq(self, seq: int) -> list[int]:
+        if not 0 <= seq < len(self._seqs):
+            raise InvalidArgumentError(f"sequence {seq} does not exist", field="seq")
+        return self._seqs[seq]
+
+    def resident(self, seq: int) -> Sequence[int]:
+        return self._seq(seq)
 
 
 class ModelRuntime(Protocol):

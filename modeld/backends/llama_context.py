@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from modeld.backends import _omp  # noqa: F401 - OpenMP settings before llama_cpp loads
-from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
+from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
 from modeld.backends.llama_constraints import LlamaConstraints
@@ -130,7 +130,7 @@ def chunk_sizes(n: int, batch: int) -> list[int]:
     return sizes
 
 
-class LlamaContext:
+class LlamaContext(HeldTokens):
     """One llama.cpp model and context with ``n_seq`` sequences: their tokens, cells and batches."""
 
     def __init__(self, info: ModelInfo, meta: GGUFInfo, config: Config, options: LoadOptions) -> None:
@@ -288,14 +288,6 @@ class LlamaContext:
         if add_bos and self._bos >= 0:
             tokens.insert(0, self._bos)
         return tokens
-
-    def _seq(self, seq: int) -> list[int]:
-        if not 0 <= seq < len(self._seqs):
-            raise InvalidArgumentError(f"sequence {seq} does not exist", field="seq")
-        return self._seqs[seq]
-
-    def resident(self, seq: int) -> Sequence[int]:
-        return self._seq(seq)
 
     def _cut(self, seq: int, keep: int) -> int:
         """Drop ``seq``'s tokens after the first ``keep``; returns how many it kept."""

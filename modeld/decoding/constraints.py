@@ -37,6 +37,7 @@ __all__ = [
     "CompiledConstraint",
     "ConstraintFailed",
     "cache_info",
+    "check_constraint",
     "compile_constraint",
     "constraint_digest",
     "runtime_constraint",
@@ -96,11 +97,8 @@ def runtime_constraint(config: DecodeConfig) -> CompiledConstraint | None:
     return compile_constraint(config.constraint, max_bytes=None)
 
 
-def compile_constraint(
-    constraint: Constraint, *, max_bytes: int | None = MAX_CONSTRAINT_BYTES
-) -> CompiledConstraint:
-    """Validate and compile (or fetch from the cache). Raises InvalidArgumentError,
-    UnsupportedError or LimitExceededError; never anything else for bad input."""
+def check_constraint(constraint: object) -> None:
+    """A :class:`~modeld.contract.Constraint` of a known kind, or ``invalid_argument``."""
     if not isinstance(constraint, Constraint):
         raise InvalidArgumentError("constraint must be a Constraint", field="constraint")
     if constraint.kind not in CONSTRAINT_KINDS:
@@ -108,6 +106,14 @@ def compile_constraint(
             f"constraint.kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {constraint.kind!r}",
             field="constraint.kind",
         )
+
+
+def compile_constraint(
+    constraint: Constraint, *, max_bytes: int | None = MAX_CONSTRAINT_BYTES
+) -> CompiledConstraint:
+    """Validate and compile (or fetch from the cache). Raises InvalidArgumentError,
+    UnsupportedError or LimitExceededError; never anything else for bad input."""
+    check_constraint(constraint)
     if not isinstance(constraint.value, str):
         raise InvalidArgumentError("constraint.value must be a string", field=_FIELD)
     size = len(constraint.value.encode("utf-8", errors="surrogatepass"))

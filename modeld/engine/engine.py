@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -38,7 +38,7 @@ from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
-from modeld.contract import ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.contract import Config, ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
@@ -234,6 +234,13 @@ class Engine:
         """
         request = validate_request(request, self.limits)
         encode_text(text, "text", self.limits)
+        with self._lent(request) as (model, _info, _config):
+            return model.tokenize(text, False)
+
+    @contextlib.contextmanager
+    def _lent(self, request: OpenSessionRequest) -> Iterator[tuple[LoadedModel, ModelInfo, Config]]:
+        """The model ``request`` names (loaded if needed) for a question that opens no session,
+        held as a session would hold it until the question is answered."""
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
@@ -241,7 +248,7 @@ class Engine:
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
-            return model.tokenize(text, False)
+            yield model, info, config
         finally:
             with self._lock:
                 model.sessions -= 1
@@ -253,13 +260,7 @@ class Engine:
         tokenized as a session would (chat templates and BOS included), whatever the window.
         Opens no session and changes nothing resident (Anthropic's count_tokens)."""
         request = validate_request(request, self.limits)
-        if self._stopping:
-            raise ShuttingDownError("the daemon is shutting down")
-        kind = self._resolve_type(request)
-        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
-        config = replace(request.config, num_ctx=info.effective_context)
-        model = self._model_for(kind, replace(request, config=config), info)
-        try:
+        with self._lent(request) as (model, info, config):
             identity = identity_of(info, config)
             unbounded = 1 << 40  # counting: no window applies
             prep = prepare_prefix(
@@ -289,9 +290,6 @@ class Engine:
                 )
                 count += len(tail.tokens)
             return count
-        finally:
-            with self._lock:
-                model.sessions -= 1
 
     def _unified(self, kind: str) -> bool:
         return self.residency.kv_unified and kind in ("llama", "memory")

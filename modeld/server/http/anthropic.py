@@ -49,8 +49,17 @@ from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
 from modeld.server.http.anthropic_answers import anthropic_error, message_complete, message_stream
 from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.errors import HttpError, bad, unsupported
-from modeld.server.http.fields import MAX_MESSAGES, MAX_TOOLS, integer, number, obj, refuse_unknown, stop_list
+from modeld.server.http.errors import bad, unsupported
+from modeld.server.http.fields import (
+    MAX_MESSAGES,
+    MAX_TOOLS,
+    integer,
+    model_name,
+    number,
+    obj,
+    refuse_unknown,
+    stop_list,
+)
 from modeld.server.http.openai_chat import response_format
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 
@@ -350,11 +359,7 @@ def parse_messages(
     body: Mapping[str, Any], headers: Mapping[str, str], *, count_only: bool = False
 ) -> tuple[Turn, str]:
     """A Messages request as a Turn, and what to do with thinking (``show``, ``omit``, ``drop``)."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "model is required (one of the names GET /v1/models lists)")
-    if len(model) > 256:
-        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    model = model_name(body, code="invalid_value")
     refuse_unknown(body, _TOP_LEVEL)
     max_tokens = 1 if count_only else integer(body, "max_tokens", 0, 1 << 30)
     if max_tokens is None:

@@ -29,6 +29,7 @@ __all__ = [
     "choice",
     "integer",
     "logit_bias",
+    "model_name",
     "number",
     "obj",
     "stop_list",
@@ -49,6 +50,18 @@ MAX_STOP_CHARS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_DEPTH = 128
 """Nesting of a request body (JSON) at most."""
+
+
+def model_name(body: Mapping[str, Any], *, code: str = "missing_required_parameter") -> str:
+    """The ``model`` a request names (one of the names ``GET /v1/models`` lists): required; a
+    name longer than any served one is a model that does not exist (404). ``code``: the error
+    code of a missing name."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required (one of the names GET /v1/models lists)", code=code)
+    if len(model) > MAX_KEY_CHARS:
+        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    return model
 
 
 def check_strings(value: Any, depth: int = 0) -> None:

@@ -37,6 +37,7 @@ from modeld.server.http.fields import (
     choice,
     integer,
     logit_bias,
+    model_name,
     number,
     stop_list,
 )
@@ -334,19 +335,6 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
             elif value not in (None, False):
                 raise unsupported(f"stream_options.{key}", f"stream_options.{echo(key)} is not supported")
     return stream, include_usage
-
-
-def model_name(body: Mapping[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad(
-            "model",
-            "model is required (one of the names GET /v1/models lists)",
-            code="missing_required_parameter",
-        )
-    if len(model) > 256:
-        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
-    return model
 
 
 def _content(message: Mapping[str, Any], where: str) -> str:

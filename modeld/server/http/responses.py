@@ -54,6 +54,7 @@ from modeld.server.http.fields import (
     MAX_TOOLS,
     boolean,
     integer,
+    model_name,
     number,
     obj,
     refuse_unknown,
@@ -257,15 +258,7 @@ def parse_response_request(
     body: Mapping[str, Any], headers: Mapping[str, str], previous: Stored | None
 ) -> tuple[Turn, bool, tuple[Message, ...]]:
     """A Responses request as a Turn, whether to store it, and its new input messages."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad(
-            "model",
-            "model is required (one of the names GET /v1/models lists)",
-            code="missing_required_parameter",
-        )
-    if len(model) > 256:
-        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    model = model_name(body)
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise unsupported(name, f"{name} is not supported: {why}")
