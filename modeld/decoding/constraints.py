@@ -33,7 +33,6 @@ from modeld.errors import InvalidArgumentError, LimitExceededError
 from modeld.manifest import bytes_hash
 
 __all__ = [
-    "MAX_CONSTRAINT_BYTES",
     "CompiledConstraint",
     "ConstraintFailed",
     "cache_info",
@@ -43,8 +42,6 @@ __all__ = [
     "runtime_constraint",
 ]
 
-MAX_CONSTRAINT_BYTES = 256 << 10
-"""The largest constraint value (schema, regex or grammar text) accepted."""
 _CACHE_SIZE = 128
 
 
@@ -108,21 +105,21 @@ def check_constraint(constraint: object) -> None:
         )
 
 
-def compile_constraint(
-    constraint: Constraint, *, max_bytes: int | None = MAX_CONSTRAINT_BYTES
-) -> CompiledConstraint:
+def compile_constraint(constraint: Constraint, *, max_bytes: int | None = None) -> CompiledConstraint:
     """Validate and compile (or fetch from the cache). Raises InvalidArgumentError,
-    UnsupportedError or LimitExceededError; never anything else for bad input."""
+    UnsupportedError or LimitExceededError; never anything else for bad input. ``max_bytes``:
+    the largest constraint text (the daemon's ``Limits.max_constraint_bytes``; None: a text the
+    daemon made itself)."""
     check_constraint(constraint)
     if not isinstance(constraint.value, str):
         raise InvalidArgumentError("constraint.value must be a string", field=_FIELD)
     size = len(constraint.value.encode("utf-8", errors="surrogatepass"))
     if max_bytes is not None and size > max_bytes:
         raise LimitExceededError(
-            f"constraint.value is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
+            f"constraint.value is {size} bytes; the limit is {max_bytes} (modeld serve --max-constraint-bytes)",
             limit="max_constraint_bytes",
             value=size,
-            maximum=MAX_CONSTRAINT_BYTES,
+            maximum=max_bytes,
         )
     digest = constraint_digest(constraint)
     with _lock:

@@ -242,7 +242,14 @@ class EngineSession(Closing):
             if self._manifest is None or not self._tokens:
                 raise PrefixRequiredError("decode needs a resident context: call ensure_prefix first")
             chat_template = self._info.chat_template if self._chat is not None else ""
-            plan = plan_decode(config, prefix_tools_json=self._tools_json, chat_template=chat_template)
+            limits = self._service.limits
+            plan = plan_decode(
+                config,
+                prefix_tools_json=self._tools_json,
+                chat_template=chat_template,
+                max_tools=limits.max_tools,
+                max_constraint_bytes=limits.max_constraint_bytes,
+            )
             engine_config = plan.engine_config(config)  # tools, tool_choice, the constraint compiled
             n = config.n
             # Choices decode plainly, together (a batch of one token per choice per step).

@@ -32,7 +32,6 @@ from modeld.contract import (
 )
 from modeld.decoding.constraints import check_constraint
 from modeld.decoding.samplers import SAMPLERS, check_float, check_int
-from modeld.decoding.sampling import MAX_CHOICES
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import InvalidArgumentError, LimitExceededError, ModelLoadError, UnsupportedError, echo
 from modeld.manifest import ContextManifest
@@ -258,7 +257,8 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
     if not isinstance(config, DecodeConfig):
         raise InvalidArgumentError("expected a DecodeConfig", field="decode")
     check_int(config.max_tokens, "max_tokens", 1, max(1, window))
-    check_int(config.n, "n", 1, MAX_CHOICES)
+    check_int(config.n, "n", 1, 1 << 30)
+    limits.check("max_choices", config.n, "choices (n)")
     for sampler in SAMPLERS:  # the one table: ranges, and what this backend honours
         sampler.check(getattr(config, sampler.name))
     if config.top_logprobs and not config.logprobs:

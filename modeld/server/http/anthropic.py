@@ -51,8 +51,6 @@ from modeld.server.http.anthropic_answers import anthropic_error, message_comple
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
     integer,
     model_name,
     number,
@@ -62,6 +60,7 @@ from modeld.server.http.fields import (
 )
 from modeld.server.http.openai_chat import response_format
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
+from modeld.settings import Limits
 
 __all__ = ["parse_messages", "routes"]
 
@@ -169,12 +168,11 @@ def _tool_result(block: Mapping[str, Any], at: str) -> Message:
     return Message("tool", f"Error: {text}" if is_error else text)
 
 
-def _messages(body: Mapping[str, Any]) -> list[Message]:
+def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty array")
-    if len(messages) > MAX_MESSAGES:
-        raise bad("messages", f"{len(messages)} messages; the limit is {MAX_MESSAGES}")
+    limits.check("max_messages", len(messages), "messages")
     out: list[Message] = []
     for i, message in enumerate(messages):
         where = f"messages.{i}"
@@ -193,8 +191,7 @@ def _messages(body: Mapping[str, Any]) -> list[Message]:
             continue
         if not isinstance(content, list):
             raise bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
-        if len(content) > MAX_MESSAGES:
-            raise bad(f"{where}.content", f"{len(content)} content blocks; the limit is {MAX_MESSAGES}")
+        limits.check("max_messages", len(content), f"content blocks in {where}")
         if role == "assistant":
             out.append(_assistant(content, where))
         else:
@@ -254,15 +251,14 @@ def _user(content: list[Any], where: str) -> list[Message]:
     return out
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...], list[str]]:
+def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...], list[str]]:
     """(tools JSON, hosted tool types left out, tool names)."""
     tools = body.get("tools")
     if tools is None:
         return "", (), []
     if not isinstance(tools, list):
         raise bad("tools", "tools must be an array")
-    if len(tools) > MAX_TOOLS:
-        raise bad("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    limits.check("max_tools", len(tools), "tools")
     functions: list[dict[str, object]] = []
     hosted: list[str] = []
     for i, tool in enumerate(tools):
@@ -356,7 +352,7 @@ def _session(metadata: Mapping[str, Any] | None) -> str:
 
 
 def parse_messages(
-    body: Mapping[str, Any], headers: Mapping[str, str], *, count_only: bool = False
+    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, *, count_only: bool = False
 ) -> tuple[Turn, str]:
     """A Messages request as a Turn, and what to do with thinking (``show``, ``omit``, ``drop``)."""
     model = model_name(body, code="invalid_value")
@@ -365,8 +361,8 @@ def parse_messages(
     if max_tokens is None:
         raise bad("max_tokens", "max_tokens is required")
     system = _system(body.get("system"))
-    messages = ([Message("system", system)] if system else []) + _messages(body)
-    tools_json, hosted, names = _tools(body)
+    messages = ([Message("system", system)] if system else []) + _messages(body, limits)
+    tools_json, hosted, names = _tools(body, limits)
     choice, parallel = _tool_choice(body, names)
     if choice == "none":
         tools_json = ""  # the model is not shown tools it may not call
@@ -390,7 +386,7 @@ def parse_messages(
     turn = Turn(
         api="anthropic.messages",
         model=model,
-        decode=DecodeConfig(stop=stop_list(body, "stop_sequences"), **values),
+        decode=DecodeConfig(stop=stop_list(body, limits, "stop_sequences"), **values),
         keys=Keys(
             header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
             routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
@@ -414,7 +410,7 @@ def count_tokens_body(body: Mapping[str, Any]) -> dict[str, Any]:
 def routes(service: HttpService) -> list[Route]:
     async def messages(request: Request) -> Response:
         async with service.body(request) as body:
-            turn, thinking = parse_messages(body, request.headers)
+            turn, thinking = parse_messages(body, request.headers, service.gateway.limits)
             return await service.turn(
                 request,
                 turn,
@@ -426,7 +422,9 @@ def routes(service: HttpService) -> list[Route]:
 
     async def count_tokens(request: Request) -> Response:
         async with service.body(request) as body:
-            turn, _ = parse_messages(count_tokens_body(body), request.headers, count_only=True)
+            turn, _ = parse_messages(
+                count_tokens_body(body), request.headers, service.gateway.limits, count_only=True
+            )
             count = await service.count_tokens(turn)
         return JSONResponse({"input_tokens": count})
 
