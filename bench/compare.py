@@ -88,17 +88,23 @@ def compare(
         tolerance = max(min_ms if absolute else min_tolerance, b_spread or 0.0, c_spread or 0.0)
         if b is None and c is None:
             continue
-        if b is None or c is None:
-            verdict = "not measured"
-        elif absolute:
-            worse, better = c > b + tolerance, c < b - tolerance
-            verdict = "worse" if worse else "better" if better else "ok"
-        else:
-            worse = c > b * (1 + tolerance) if direction == "lower" else c < b / (1 + tolerance)
-            better = c < b / (1 + tolerance) if direction == "lower" else c > b * (1 + tolerance)
-            verdict = "worse" if worse else "better" if better else "ok"
-        findings.append(Finding(workload, name, b, c, tolerance, verdict))
+        findings.append(
+            Finding(workload, name, b, c, tolerance, _verdict(b, c, tolerance, direction, absolute))
+        )
     return findings
+
+
+def _verdict(b: float | None, c: float | None, tolerance: float, direction: str, absolute: bool) -> str:
+    """``c`` against ``b``: beyond the tolerance in the bad direction, the good one, or inside it
+    (absolute: in the figure's unit; else relative)."""
+    if b is None or c is None:
+        return "not measured"
+    if absolute:
+        up, down = c > b + tolerance, c < b - tolerance
+    else:
+        up, down = c > b * (1 + tolerance), c < b / (1 + tolerance)
+    worse, better = (up, down) if direction == "lower" else (down, up)
+    return "worse" if worse else "better" if better else "ok"
 
 
 @dataclass(frozen=True)
@@ -180,35 +186,9 @@ def compare_extras(
             else min_tolerance
         )
         tolerance = max(floor, (b.spread if b else None) or 0.0, (c.spread if c else None) or 0.0)
-        if b is None or c is None:
-            verdict = "not measured"
-        elif either.absolute:
-            worse = (
-                c.value > b.value + tolerance
-                if either.direction == "lower"
-                else c.value < b.value - tolerance
-            )
-            better = (
-                c.value < b.value - tolerance
-                if either.direction == "lower"
-                else c.value > b.value + tolerance
-            )
-            verdict = "worse" if worse else "better" if better else "ok"
-        else:
-            up, down = c.value > b.value * (1 + tolerance), c.value < b.value / (1 + tolerance)
-            worse, better = (up, down) if either.direction == "lower" else (down, up)
-            verdict = "worse" if worse else "better" if better else "ok"
-        findings.append(
-            Finding(
-                section,
-                name,
-                b.value if b else None,
-                c.value if c else None,
-                tolerance,
-                verdict,
-                either.absolute,
-            )
-        )
+        before, after = (b.value if b else None), (c.value if c else None)
+        verdict = _verdict(before, after, tolerance, either.direction, either.absolute)
+        findings.append(Finding(section, name, before, after, tolerance, verdict, either.absolute))
     return findings
 
 

@@ -74,13 +74,7 @@ class AsyncClient(ClientBase, AsyncClosing):
         resume_timeout: float = RESUME_TIMEOUT,
         discovery: Discovery | None = None,
     ) -> None:
-        super().__init__(
-            endpoint,
-            max_message_bytes=max_message_bytes,
-            resume=resume,
-            resume_timeout=resume_timeout,
-            discovery=discovery,
-        )
+        super().__init__(endpoint, max_message_bytes, resume, resume_timeout, discovery)
         self._follow_lock = asyncio.Lock()
         self._retired: list[grpc.aio.Channel] = []
         self._channel = self._dial(endpoint.target)
@@ -193,20 +187,11 @@ class AsyncClientSession(SessionBase, AsyncClosing):
     def __init__(
         self, client: AsyncClient, *, request: OpenSessionRequest, auto_fenced: bool = False
     ) -> None:
+        super().__init__(client, request, auto_fenced)
         self._client: AsyncClient = client
-        self._made = request
-        self._auto_fenced = auto_fenced
         self._lock = asyncio.Lock()
         self._stream: AsyncClientDecodeStream | None = None
-        self._closed = False
-        self._prefix = None
-        self._suffix = None
-        self._continued = False
-        self._generated_lost = False
-        self._lost = ""
-        self._resumes = []
         self._id = ""
-        self._failure = None
         self._call: Any = None  # the Session stream (a grpc.aio stream-stream call)
 
     async def _attach(self, opened: Any) -> None:

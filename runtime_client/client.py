@@ -126,13 +126,7 @@ class Client(ClientBase, Closing):
         resume_timeout: float = RESUME_TIMEOUT,
         discovery: Discovery | None = None,
     ) -> None:
-        super().__init__(
-            endpoint,
-            max_message_bytes=max_message_bytes,
-            resume=resume,
-            resume_timeout=resume_timeout,
-            discovery=discovery,
-        )
+        super().__init__(endpoint, max_message_bytes, resume, resume_timeout, discovery)
         self._keepalive_ms = keepalive_ms
         self._follow_lock = threading.Lock()
         self._retired: list[grpc.Channel] = []
@@ -273,18 +267,10 @@ class ClientSession(SessionBase, Closing):
     ) -> None:
         """Attach to the open session ``session_id``. ``request`` (what opened it) lets it be
         reopened on a restarted daemon; without it the session does not resume."""
+        super().__init__(client, request, auto_fenced)
         self._client: Client = client
-        self._made = request
-        self._auto_fenced = auto_fenced
         self._lock = threading.RLock()
         self._stream: ClientDecodeStream | None = None
-        self._closed = False
-        self._prefix = None
-        self._suffix = None
-        self._continued = False
-        self._generated_lost = False
-        self._lost = ""
-        self._resumes = []
         self._attach(session_id, info, identity, epoch, instance_id)
 
     @classmethod

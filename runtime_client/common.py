@@ -44,7 +44,6 @@ class ClientBase:
     def __init__(
         self,
         endpoint: Endpoint,
-        *,
         max_message_bytes: int,
         resume: bool,
         resume_timeout: float,
@@ -125,6 +124,17 @@ class SessionBase:
     _generated_lost: bool  # ... and a resume could not bring them back
     _lost: str  # why the stream's daemon went away (a resumable end), else ""
     _resumes: list[Resume]
+
+    def __init__(self, client: ClientBase, request: OpenSessionRequest | None, auto_fenced: bool) -> None:
+        """A session not yet attached (the subclass attaches it to its stream)."""
+        self._made = request
+        self._auto_fenced = auto_fenced
+        self._closed = False
+        self._prefix = self._suffix = None
+        self._continued = self._generated_lost = False
+        self._lost = ""
+        self._resumes = []
+        self._failure = None
 
     @property
     def session_id(self) -> str:

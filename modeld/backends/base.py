@@ -130,9 +130,11 @@ class SyncStep:
 
 class HeldTokens:
     """The tokens each of a runtime's sequences holds, as every runtime keeps them (``_seqs``,
-    one list per sequence): ``resident`` and the bounds check of a sequence number."""
+    one list per sequence): ``resident`` and the bounds check of a sequence number; and what
+    speculation did in each sequence's last decode (``_stats``, for a runtime that speculates)."""
 
     _seqs: list[list[int]]
+    _stats: list[DecodeStats]
 
     def _seq(self, seq: int) -> list[int]:
         if not 0 <= seq < len(self._seqs):
@@ -141,6 +143,10 @@ class HeldTokens:
 
     def resident(self, seq: int) -> Sequence[int]:
         return self._seq(seq)
+
+    def decode_stats(self, seq: int) -> DecodeStats:
+        self._seq(seq)
+        return self._stats[seq]
 
 
 class ModelRuntime(Protocol):

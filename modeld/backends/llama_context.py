@@ -370,10 +370,6 @@ class LlamaContext(HeldTokens):
             self._seqs[seq].append(token)
         self._fresh = -1
 
-    def decode_stats(self, seq: int) -> DecodeStats:
-        self._seq(seq)
-        return self._stats[seq]
-
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)
         self._seq(dst)

@@ -338,10 +338,6 @@ class MemoryRuntime(HeldTokens):
                     if draft and matcher is not None:
                         del draft[_valid_prefix(matcher, draft) :]
 
-    def decode_stats(self, seq: int) -> DecodeStats:
-        self._seq(seq)
-        return self._stats[seq]
-
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)
         self._seq(dst)
