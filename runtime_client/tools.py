@@ -182,6 +182,22 @@ def _settle(
     return _Turn(prefix, suffix, text, final, first, retry_reason)
 
 
+def _ended(
+    turn: _Turn, ctx: BuiltContext, rounds: list[ToolRound], max_tool_iterations: int
+) -> ToolLoopResult | None:
+    """The loop's result when this turn ends it (it called no tool, or the rounds are used up:
+    its calls are then pending), recording its round; None when its calls are to be run."""
+    final = turn.final
+    reason = final.finish_reason or "error"
+    calls = final.tool_calls
+    if reason == "tool_calls" and calls and len(rounds) < max_tool_iterations:
+        return None
+    rounds.append(_round(turn, reason, calls, (), ctx))
+    ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
+    pending = calls if ended == "max_tool_iterations" else ()
+    return ToolLoopResult(turn.text, ended, tuple(rounds), final.signal, pending)
+
+
 def _turn(session: Session, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
     """One model turn (ensure_prefix, prefill_suffix, decode), run again once if a restart lost it."""
     retry_reason = ""
@@ -275,14 +291,10 @@ def run_tools(
         while True:
             ctx = builder.build()
             turn = _turn(session, ctx, config)
-            text, final = turn.text, turn.final
-            reason = final.finish_reason or "error"
-            calls = final.tool_calls
-            if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-                rounds.append(_round(turn, reason, calls, (), ctx))
-                ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
-                pending = calls if ended == "max_tool_iterations" else ()
-                return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
+            done = _ended(turn, ctx, rounds, max_tool_iterations)
+            if done is not None:
+                return done
+            calls = turn.final.tool_calls
             results: list[str] = []
             for call in calls:
                 future = pool.submit(runner, call)
@@ -296,8 +308,8 @@ def run_tools(
                     )
                 except Exception as exc:
                     results.append(f"error: the tool {call.name!r} failed: {exc}")
-            rounds.append(_round(turn, reason, calls, tuple(results), ctx))
-            _grow(builder, text, final, results)
+            rounds.append(_round(turn, "tool_calls", calls, tuple(results), ctx))
+            _grow(builder, turn.text, turn.final, results)
             config = later
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -322,14 +334,10 @@ async def arun_tools(
     while True:
         ctx = builder.build()
         turn = await _aturn(session, ctx, config)
-        text, final = turn.text, turn.final
-        reason = final.finish_reason or "error"
-        calls = final.tool_calls
-        if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-            rounds.append(_round(turn, reason, calls, (), ctx))
-            ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
-            pending = calls if ended == "max_tool_iterations" else ()
-            return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
+        done = _ended(turn, ctx, rounds, max_tool_iterations)
+        if done is not None:
+            return done
+        calls = turn.final.tool_calls
         results: list[str] = []
         for call in calls:
             try:
@@ -343,6 +351,6 @@ async def arun_tools(
                 results.append(f"error: the tool {call.name!r} did not finish within {tool_timeout:g} s")
             except Exception as exc:
                 results.append(f"error: the tool {call.name!r} failed: {exc}")
-        rounds.append(_round(turn, reason, calls, tuple(results), ctx))
-        _grow(builder, text, final, results)
+        rounds.append(_round(turn, "tool_calls", calls, tuple(results), ctx))
+        _grow(builder, turn.text, turn.final, results)
         config = later
