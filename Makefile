@@ -63,8 +63,10 @@ bench-fleet: setup
 	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
 	$(PY) -m bench.fleet --llama-server "$$LLAMA_SERVER" $(FLEET_ARGS)
 
-# The newest full run against the committed bench/results/results.json; fails when a ratio got
-# worse beyond its measured run-to-run spread. RUN=path/to/run.json compares another run.
+# The newest full run against the committed bench/results/results.json; fails when a ratio, an
+# overhead row (ensure_prefix on an unchanged 8k prefix, worker IPC per turn, decode through the
+# worker paired) or an extra's headline figure got worse beyond its measured run-to-run spread.
+# RUN=path/to/run.json compares another run.
 bench-compare: setup
 	$(PY) -m bench.compare $(if $(RUN),--current $(RUN),)
 

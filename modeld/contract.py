@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, Self, runtime_checkable
 
 from modeld.manifest import ContextManifest
 
@@ -46,6 +46,7 @@ __all__ = [
     "PROMPT_FORMATS",
     "REUSE_OUTCOMES",
     "REUSE_REASONS",
+    "AsyncClosing",
     "AsyncDecodeStream",
     "AsyncService",
     "AsyncSession",
@@ -53,6 +54,7 @@ __all__ = [
     "CONSTRAINT_KINDS",
     "TOOL_CHOICES",
     "TOOL_FORMATS",
+    "Closing",
     "Constraint",
     "Footprint",
     "SpecialToken",
@@ -647,6 +649,43 @@ class WarmContextInfo:
     last_used_at: float
     pinned: bool
     session_id: str
+
+
+class Closing:
+    """``with x:`` closes ``x`` when the block ends: the ``__enter__``/``__exit__`` every
+    Session and DecodeStream has (a class with a ``close`` inherits them from here)."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncClosing:
+    """``async with x:`` closes ``x`` when the block ends (an AsyncSession's, an AsyncService's)."""
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
 
 
 @runtime_checkable

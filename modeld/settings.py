@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from modeld.errors import LimitExceededError
 from modeld.flags import count, parse_duration, parse_positive_size, parse_size, setting
 
 __all__ = ["ISOLATIONS", "SETTINGS", "Limits", "Residency", "RestartPolicy", "Timeouts"]
@@ -138,6 +139,14 @@ class Limits:
     """Stop strings of one decode."""
     max_extra_entries: int = setting(32, "--max-extra-entries", _LIMITS, count(0, 1024))
     """Extra (backend-specific) entries of one decode."""
+    max_messages: int = setting(4096, "--max-messages", _LIMITS, count(1, 1 << 20))
+    """Messages of one HTTP request (chat messages, Responses input items, one message's content blocks)."""
+    max_tools: int = setting(256, "--max-tools", _LIMITS, count(1, 1 << 16))
+    """Tool definitions of one HTTP request, and of one decode."""
+    max_choices: int = setting(8, "--max-choices", _LIMITS, count(1, 256))
+    """Choices (``n``) of one decode."""
+    max_constraint_bytes: int = setting(256 << 10, "--max-constraint-bytes", _LIMITS, parse_positive_size)
+    """Constraint text of one decode: a JSON schema, regex or grammar (or the grammar of a forced tool call)."""
     max_context_tokens: int = setting(1 << 20, "--max-context-tokens", _LIMITS, count(1, 1 << 24))
     """Largest num_ctx a session may ask for (the model and memory may allow less)."""
     max_loaded_models: int = setting(2, "--max-loaded-models", _LIMITS, count(1, 1024))
@@ -151,6 +160,18 @@ class Limits:
 
     def as_dict(self) -> dict[str, int | float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def check(self, name: str, value: int, what: str) -> None:
+        """``value`` (a count of ``what``) within the limit ``name``, else ``limit_exceeded``
+        naming it (and the flag that raises it)."""
+        maximum = getattr(self, name)
+        if value > maximum:
+            raise LimitExceededError(
+                f"{value} {what}; the limit is {maximum} (modeld serve --{name.replace('_', '-')})",
+                limit=name,
+                value=value,
+                maximum=maximum,
+            )
 
 
 SETTINGS: tuple[type, ...] = (Residency, Timeouts, RestartPolicy, Limits)

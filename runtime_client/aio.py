@@ -13,7 +13,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -22,9 +21,9 @@ import grpc
 import grpc.aio
 
 from modeld.contract import (
+    AsyncClosing,
     ContextReport,
     DecodeConfig,
-    Fence,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -35,22 +34,19 @@ from modeld.contract import (
     SuffixStatus,
 )
 from modeld.errors import (
-    DaemonUnavailableError,
     InternalError,
     InvalidArgumentError,
     ModeldError,
     NotOwnerError,
-    SessionClosedError,
     StaleFenceError,
-    error_from_reason,
 )
-from modeld.manifest import ContextManifest
 from modeld.observe.status import DaemonStatus, SessionSummary
 from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
 from modeld.wire import convert
 from modeld.wire.status import from_rpc_error, from_status
 from runtime_client.client import DEFAULT_MESSAGE_BYTES, channel_options, check_size, decode_chunk
+from runtime_client.common import ClientBase, DecodeStreamBase, SessionBase
 from runtime_client.discovery import Discovery, Endpoint
 from runtime_client.resume import (
     LOST_REASONS,
@@ -58,9 +54,6 @@ from runtime_client.resume import (
     PROBE_TIMEOUT,
     RESUME_TIMEOUT,
     Resume,
-    check_follow,
-    continuation_lost,
-    decode_lost,
 )
 
 __all__ = ["AsyncClient", "AsyncClientDecodeStream", "AsyncClientSession", "AsyncConnect", "aconnect"]
@@ -68,7 +61,7 @@ __all__ = ["AsyncClient", "AsyncClientDecodeStream", "AsyncClientSession", "Asyn
 _Result = TypeVar("_Result")
 
 
-class AsyncClient:
+class AsyncClient(ClientBase, AsyncClosing):
     """Implements the AsyncService contract over a grpc.aio channel. ``resume``: as
     :class:`~runtime_client.client.Client`."""
 
@@ -81,14 +74,7 @@ class AsyncClient:
         resume_timeout: float = RESUME_TIMEOUT,
         discovery: Discovery | None = None,
     ) -> None:
-        if not resume_timeout >= 0:
-            raise InvalidArgumentError("resume_timeout must be >= 0 seconds", field="resume_timeout")
-        self.endpoint = endpoint
-        self.max_message_bytes = max_message_bytes
-        self.resume = resume
-        self.resume_timeout = resume_timeout
-        self._discovery = discovery or Discovery(address=endpoint.target, token=endpoint.token)
-        self._auto_fence = bool(endpoint.instance_id)
+        super().__init__(endpoint, max_message_bytes, resume, resume_timeout, discovery)
         self._follow_lock = asyncio.Lock()
         self._retired: list[grpc.aio.Channel] = []
         self._channel = self._dial(endpoint.target)
@@ -105,11 +91,6 @@ class AsyncClient:
 
     # --- following a restarted daemon -------------------------------------------------------
 
-    def _fenced(self, request: OpenSessionRequest) -> tuple[OpenSessionRequest, bool]:
-        if not request.fence.owner_instance_id and self._auto_fence and self.endpoint.instance_id:
-            return replace(request, fence=Fence(self.endpoint.instance_id)), True
-        return request, False
-
     async def _follow(self, old_instance: str, old_epoch: int, *, fenced: bool, deadline: float) -> None:
         """As :meth:`runtime_client.client.Client._follow`."""
         async with self._follow_lock:
@@ -118,14 +99,7 @@ class AsyncClient:
                     await self._find(old_instance, old_epoch, fenced=fenced)
                     return
                 except ModeldError as exc:
-                    if exc.reason not in (*LOST_REASONS, "deadline_exceeded"):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise DaemonUnavailableError(
-                            f"the daemon went away and none served again within "
-                            f"{self.resume_timeout:g}s (resume_timeout): {exc.message}",
-                            resume_timeout=f"{self.resume_timeout:g}",
-                        ) from None
+                    self._still_lost(exc, deadline)
                 await asyncio.sleep(POLL_SECONDS)
 
     async def _find(self, old_instance: str, old_epoch: int, *, fenced: bool) -> None:
@@ -139,18 +113,16 @@ class AsyncClient:
                 )
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, endpoint.target) from None
-            if endpoint.source == "lease" and record is not None and record.instance_id != status.instance_id:
-                raise DaemonUnavailableError("the owner changed while it was being looked up")
-            check_follow(old_instance, old_epoch, status.instance_id, record, fenced=fenced)
+            self._may_follow(endpoint, record, status.instance_id, old_instance, old_epoch, fenced=fenced)
         except BaseException:
             await channel.close()
             raise
-        if status.instance_id == self.endpoint.instance_id and endpoint.target == self.endpoint.target:
+        if self._is_current(endpoint, status.instance_id):
             await channel.close()
             return
         self._retired.append(self._channel)
         self._channel, self._stub = channel, pb_grpc.ModeldStub(channel)
-        self.endpoint = replace(endpoint, instance_id=status.instance_id, epoch=int(status.epoch))
+        self._adopt(endpoint, status.instance_id, int(status.epoch))
 
     async def _open(self, request: OpenSessionRequest) -> tuple[Any, bool]:
         sent, auto = self._fenced(request)
@@ -207,67 +179,26 @@ class AsyncClient:
             await channel.close()
         self._retired.clear()
 
-    async def __aenter__(self) -> AsyncClient:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-
-class AsyncClientSession:
+class AsyncClientSession(SessionBase, AsyncClosing):
     """A session over one Session stream (asyncio). Operations are serialized by a lock.
     Resumes across a daemon restart as :class:`~runtime_client.client.ClientSession` does."""
 
     def __init__(
         self, client: AsyncClient, *, request: OpenSessionRequest, auto_fenced: bool = False
     ) -> None:
-        self._client = client
-        self._made = request
-        self._auto_fenced = auto_fenced
+        super().__init__(client, request, auto_fenced)
+        self._client: AsyncClient = client
         self._lock = asyncio.Lock()
         self._stream: AsyncClientDecodeStream | None = None
-        self._closed = False
-        self._prefix: PrefixInput | None = None
-        self._suffix: SuffixInput | None = None
-        self._continued = False
-        self._generated_lost = False
-        self._lost = ""
-        self._resumes: list[Resume] = []
         self._id = ""
-        self._failure: ModeldError | None = None
         self._call: Any = None  # the Session stream (a grpc.aio stream-stream call)
-
-    @property
-    def session_id(self) -> str:
-        return self._id
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def identity(self) -> ContextManifest:
-        return self._identity
-
-    @property
-    def resumes(self) -> tuple[Resume, ...]:
-        """Every resume of this session across a daemon restart, oldest first."""
-        return tuple(self._resumes)
-
-    @property
-    def last_resume(self) -> Resume | None:
-        return self._resumes[-1] if self._resumes else None
 
     async def _attach(self, opened: Any) -> None:
         """Open a Session stream for the freshly opened session and attach to it."""
         self._id = opened.session_id
         self._info = convert.model_info_from_pb(opened.info)
-        self._identity: ContextManifest = convert.manifest_from_pb(opened.identity)
+        self._identity = convert.manifest_from_pb(opened.identity)
         self.epoch = int(opened.owner_epoch)
         self._instance = opened.owner_instance_id
         self._ids = itertools.count(1)
@@ -278,13 +209,6 @@ class AsyncClientSession:
         resp = await self._request(pb.SessionRequest(attach=pb.Attach(session_id=self._id)))
         if resp.WhichOneof("result") != "attached":
             raise InternalError(f"unexpected answer to attach: {resp.WhichOneof('result')}")
-
-    def _note(self, failure: ModeldError) -> ModeldError:
-        """Record how the stream ended (resumable when its daemon went away)."""
-        self._failure = failure
-        if self._client.resume and not self._closed and failure.reason in LOST_REASONS:
-            self._lost = failure.reason
-        return failure
 
     async def _send(self, request: pb.SessionRequest, rid: int | None = None) -> int:
         request.request_id = next(self._ids) if rid is None else rid
@@ -306,25 +230,14 @@ class AsyncClientSession:
         except grpc.RpcError as exc:
             raise self._note(from_rpc_error(exc, self._client.endpoint.target)) from None
         if resp is grpc.aio.EOF:
-            self._failure = SessionClosedError(
-                f"session {self._id}: the daemon ended the stream", session_id=self._id
-            )
-            raise self._failure
+            raise self._ended()
         assert isinstance(resp, pb.SessionResponse)
         return resp
-
-    def _mark_lost(self, reason: str, message: str) -> None:
-        self._lost = reason
-        if self._failure is None:
-            self._failure = error_from_reason(reason, message, {"session_id": self._id})
 
     async def _request(
         self, request: pb.SessionRequest, progress: ProgressCallback | None = None
     ) -> pb.SessionResponse:
-        if self._closed:
-            raise SessionClosedError(f"session {self._id} is closed", session_id=self._id)
-        if self._failure is not None:
-            raise self._failure
+        self._check_usable()
         rid = await self._send(request)
         while True:
             resp = await self._receive()
@@ -374,23 +287,18 @@ class AsyncClientSession:
         while True:
             try:
                 await client._follow(self._instance, self.epoch, fenced=self._auto_fenced, deadline=deadline)
-                sent = self._made
-                if self._auto_fenced:
-                    sent = replace(sent, fence=Fence(client.endpoint.instance_id))
+                sent = self._reopen_request()
                 opened = await client._call(client._stub.OpenSession, convert.open_request_to_pb(sent), 600.0)
                 await self._attach(opened)
                 break
             except (StaleFenceError, NotOwnerError) as exc:
-                self._lost, self._failure = "", exc
+                self._taken_over(exc)
                 raise
             except ModeldError as exc:
                 if exc.reason not in LOST_REASONS or time.monotonic() >= deadline:
                     raise
                 await asyncio.sleep(POLL_SECONDS)
-        self._lost = ""
-        if self._continued:
-            self._generated_lost = True
-        self._continued = False
+        self._reopened()
         prefix_status: PrefixStatus | None = None
         suffix_status: SuffixStatus | None = None
         try:
@@ -399,27 +307,9 @@ class AsyncClientSession:
                 if replay >= 2 and self._suffix is not None:
                     suffix_status = await self._prefill(self._suffix, None)
         except ModeldError:
-            if not self._lost:
-                self._prefix = self._suffix = None
+            self._replay_failed()
             raise
-        if suffix_status is None:
-            self._suffix = None
-        if prefix_status is None and replay >= 1:
-            self._prefix = None
-        record = Resume(
-            cause=cause,
-            old_session_id=old[0],
-            session_id=self._id,
-            old_instance_id=old[1],
-            instance_id=self._instance,
-            old_epoch=old[2],
-            epoch=self.epoch,
-            prefix=prefix_status,
-            suffix=suffix_status,
-            seconds=round(time.monotonic() - started, 3),
-        )
-        self._resumes.append(record)
-        return record
+        return self._resumed(cause, old, started, replay, prefix_status, suffix_status)
 
     # --- contract ---------------------------------------------------------------------------
 
@@ -445,15 +335,7 @@ class AsyncClientSession:
             status, resumed = await self._resumable(lambda: self._prefill(suffix, progress), 1)
             self._suffix = suffix
             self._continued = self._generated_lost = False
-            if resumed is not None and resumed.prefix is not None:
-                replayed = resumed.prefix
-                status = replace(
-                    status,
-                    restored_tokens=status.restored_tokens + replayed.prefilled_tokens,
-                    prefill_ms=round(status.prefill_ms + replayed.prefill_ms, 3),
-                    restore_ms=round(status.restore_ms + replayed.restore_ms, 3),
-                )
-            return status
+            return self._with_replay(status, resumed)
 
     async def decode(self, config: DecodeConfig) -> AsyncClientDecodeStream:
         if not isinstance(config, DecodeConfig):
@@ -463,10 +345,7 @@ class AsyncClientSession:
             msg = pb.SessionRequest(decode=convert.decode_config_to_pb(config))
 
             async def start() -> pb.SessionResponse:
-                if self._generated_lost:
-                    self._generated_lost = False
-                    last = self.last_resume
-                    raise continuation_lost(self._id, last.cause if last else "")
+                self._check_continuation()
                 return await self._request(msg)
 
             started, _ = await self._resumable(start, 2)
@@ -500,26 +379,11 @@ class AsyncClientSession:
                 self._lost = ""
                 self._call.cancel()
 
-    async def __aenter__(self) -> AsyncClientSession:
-        return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.close()
-
-
-class AsyncClientDecodeStream:
+class AsyncClientDecodeStream(DecodeStreamBase):
     """The chunks of one decode (asyncio). Implements the AsyncDecodeStream contract."""
 
-    def __init__(self, session: AsyncClientSession, request_id: int) -> None:
-        self._session = session
-        self._rid = request_id
-        self._done = False
-        self._cancel_sent = False
+    _session: AsyncClientSession
 
     def __aiter__(self) -> AsyncClientDecodeStream:
         return self
@@ -527,32 +391,17 @@ class AsyncClientDecodeStream:
     async def __anext__(self) -> StreamChunk:
         if self._done:
             raise StopAsyncIteration
-        session = self._session
         while True:
             try:
-                chunk = decode_chunk(await session._receive(), self._rid)
+                chunk = decode_chunk(await self._session._receive(), self._rid)
             except ModeldError as exc:
-                self._done = True
-                if session._lost:
-                    raise decode_lost(exc, session.session_id) from None
-                raise
-            if chunk is None:
-                continue
-            self._done = chunk.final
-            if chunk.final and chunk.finish_reason == "error":
-                error = chunk.error
-                if error is not None and error.reason in LOST_REASONS and session._client.resume:
-                    session._mark_lost(error.reason, error.message)
-                    raise decode_lost(error_from_reason(error.reason, error.message, {}), session.session_id)
-            elif chunk.final:
-                session._continued = True
-            return chunk
+                raise self._failed(exc) from None
+            if chunk is not None:
+                return self._took(chunk)
 
     async def cancel(self) -> None:
-        if self._done or self._cancel_sent:
-            return
-        self._cancel_sent = True
-        await self._session._send(pb.SessionRequest(cancel_decode=pb.CancelDecode()), rid=self._rid)
+        if self._may_cancel():
+            await self._session._send(pb.SessionRequest(cancel_decode=pb.CancelDecode()), rid=self._rid)
 
     async def aclose(self) -> None:
         if self._done:

@@ -15,18 +15,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
-from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
 
 from modeld.contract import (
+    Closing,
     ContextReport,
     DecodeConfig,
-    Fence,
     ModelInfo,
     OpenSessionRequest,
     PrefixInput,
@@ -37,15 +35,12 @@ from modeld.contract import (
     SuffixStatus,
 )
 from modeld.errors import (
-    DaemonUnavailableError,
     InternalError,
     InvalidArgumentError,
     LimitExceededError,
     ModeldError,
     NotOwnerError,
-    SessionClosedError,
     StaleFenceError,
-    error_from_reason,
 )
 from modeld.manifest import ContextManifest
 from modeld.observe.status import DaemonStatus, SessionSummary
@@ -53,6 +48,7 @@ from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
 from modeld.wire import convert
 from modeld.wire.status import from_rpc_error, from_status
+from runtime_client.common import ClientBase, DecodeStreamBase, SessionBase
 from runtime_client.discovery import Discovery, Endpoint
 from runtime_client.resume import (
     LOST_REASONS,
@@ -60,9 +56,6 @@ from runtime_client.resume import (
     PROBE_TIMEOUT,
     RESUME_TIMEOUT,
     Resume,
-    check_follow,
-    continuation_lost,
-    decode_lost,
 )
 
 __all__ = [
@@ -111,7 +104,7 @@ def check_size(message: Message, maximum: int) -> None:
         )
 
 
-class Client:
+class Client(ClientBase, Closing):
     """A connection to the daemon. Implements the Service contract, plus observer calls.
 
     Timeouts: ``describe`` 60 s, ``open_session`` 600 s (it may load a model), observer calls
@@ -133,15 +126,8 @@ class Client:
         resume_timeout: float = RESUME_TIMEOUT,
         discovery: Discovery | None = None,
     ) -> None:
-        if not resume_timeout >= 0:
-            raise InvalidArgumentError("resume_timeout must be >= 0 seconds", field="resume_timeout")
-        self.endpoint = endpoint
-        self.max_message_bytes = max_message_bytes
-        self.resume = resume
-        self.resume_timeout = resume_timeout
+        super().__init__(endpoint, max_message_bytes, resume, resume_timeout, discovery)
         self._keepalive_ms = keepalive_ms
-        self._discovery = discovery or Discovery(address=endpoint.target, token=endpoint.token)
-        self._auto_fence = bool(endpoint.instance_id)  # found through the lease: fence sessions to it
         self._follow_lock = threading.Lock()
         self._retired: list[grpc.Channel] = []
         self._channel = self._dial(endpoint.target)
@@ -152,10 +138,6 @@ class Client:
             target, options=channel_options(self.max_message_bytes, self._keepalive_ms)
         )
 
-    @property
-    def target(self) -> str:
-        return self.endpoint.target
-
     def _call(self, method: Any, request: Any, timeout: float) -> Any:
         try:
             return method(request, timeout=timeout, metadata=self.endpoint.metadata)
@@ -163,12 +145,6 @@ class Client:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
     # --- following a restarted daemon -------------------------------------------------------
-
-    def _fenced(self, request: OpenSessionRequest) -> tuple[OpenSessionRequest, bool]:
-        """The request as sent: fenced to the owner found through the lease, unless it names one."""
-        if not request.fence.owner_instance_id and self._auto_fence and self.endpoint.instance_id:
-            return replace(request, fence=Fence(self.endpoint.instance_id)), True
-        return request, False
 
     def _follow(self, old_instance: str, old_epoch: int, *, fenced: bool, deadline: float) -> None:
         """Find the daemon serving now and talk to it from now on, if a session of
@@ -181,14 +157,7 @@ class Client:
                     self._find(old_instance, old_epoch, fenced=fenced)
                     return
                 except ModeldError as exc:
-                    if exc.reason not in (*LOST_REASONS, "deadline_exceeded"):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise DaemonUnavailableError(
-                            f"the daemon went away and none served again within "
-                            f"{self.resume_timeout:g}s (resume_timeout): {exc.message}",
-                            resume_timeout=f"{self.resume_timeout:g}",
-                        ) from None
+                    self._still_lost(exc, deadline)
                 time.sleep(POLL_SECONDS)
 
     def _find(self, old_instance: str, old_epoch: int, *, fenced: bool) -> None:
@@ -202,19 +171,17 @@ class Client:
                 )
             except grpc.RpcError as exc:
                 raise from_rpc_error(exc, endpoint.target) from None
-            if endpoint.source == "lease" and record is not None and record.instance_id != status.instance_id:
-                raise DaemonUnavailableError("the owner changed while it was being looked up")
-            check_follow(old_instance, old_epoch, status.instance_id, record, fenced=fenced)
+            self._may_follow(endpoint, record, status.instance_id, old_instance, old_epoch, fenced=fenced)
         except BaseException:
             channel.close()
             raise
-        if status.instance_id == self.endpoint.instance_id and endpoint.target == self.endpoint.target:
-            channel.close()  # already talking to it (another session followed first)
+        if self._is_current(endpoint, status.instance_id):
+            channel.close()
             return
         # Sessions still streaming on the old channel keep it until the client closes.
         self._retired.append(self._channel)
         self._channel, self._stub = channel, pb_grpc.ModeldStub(channel)
-        self.endpoint = replace(endpoint, instance_id=status.instance_id, epoch=int(status.epoch))
+        self._adopt(endpoint, status.instance_id, int(status.epoch))
 
     def _open(self, request: OpenSessionRequest) -> tuple[pb.OpenSessionResponse, bool]:
         sent, auto = self._fenced(request)
@@ -274,22 +241,11 @@ class Client:
             channel.close()
         self._retired.clear()
 
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 _Result = TypeVar("_Result")
 
 
-class ClientSession:
+class ClientSession(SessionBase, Closing):
     """A session over one Session stream. Not for concurrent use by several threads.
 
     With the client's ``resume`` on, the session remembers its last prefix and suffix (the
@@ -311,18 +267,10 @@ class ClientSession:
     ) -> None:
         """Attach to the open session ``session_id``. ``request`` (what opened it) lets it be
         reopened on a restarted daemon; without it the session does not resume."""
-        self._client = client
-        self._made = request  # as the caller asked (its fence as given): reopened the same way
-        self._auto_fenced = auto_fenced
+        super().__init__(client, request, auto_fenced)
+        self._client: Client = client
         self._lock = threading.RLock()
         self._stream: ClientDecodeStream | None = None
-        self._closed = False
-        self._prefix: PrefixInput | None = None  # the inputs a resume replays
-        self._suffix: SuffixInput | None = None
-        self._continued = False  # a decode's tokens follow the suffix
-        self._generated_lost = False  # ... and a resume could not bring them back
-        self._lost = ""  # why the stream's daemon went away (a resumable end), else ""
-        self._resumes: list[Resume] = []
         self._attach(session_id, info, identity, epoch, instance_id)
 
     @classmethod
@@ -353,34 +301,13 @@ class ClientSession:
         self._instance = instance_id
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._ids = itertools.count(1)
-        self._failure: ModeldError | None = None
+        self._failure = None
         self._responses: Iterator[pb.SessionResponse] = self._client._stub.Session(
             iter(self._outbox.get, _END), metadata=self._client.endpoint.metadata
         )
         attached = self._request(pb.SessionRequest(attach=pb.Attach(session_id=session_id)))
         if attached.WhichOneof("result") != "attached":
             raise InternalError(f"unexpected answer to attach: {attached.WhichOneof('result')}")
-
-    @property
-    def session_id(self) -> str:
-        return self._id
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
-
-    @property
-    def identity(self) -> ContextManifest:
-        return self._identity
-
-    @property
-    def resumes(self) -> tuple[Resume, ...]:
-        """Every resume of this session across a daemon restart, oldest first."""
-        return tuple(self._resumes)
-
-    @property
-    def last_resume(self) -> Resume | None:
-        return self._resumes[-1] if self._resumes else None
 
     # --- plumbing ---------------------------------------------------------------------------
 
@@ -397,20 +324,9 @@ class ClientSession:
         try:
             return next(self._responses)
         except StopIteration:
-            self._failure = SessionClosedError(
-                f"session {self._id}: the daemon ended the stream", session_id=self._id
-            )
+            raise self._ended() from None
         except grpc.RpcError as exc:
-            self._failure = from_rpc_error(exc, self._client.target)
-            if self._client.resume and not self._closed and self._failure.reason in LOST_REASONS:
-                self._lost = self._failure.reason
-        raise self._failure
-
-    def _mark_lost(self, reason: str, message: str) -> None:
-        """The daemon said it is going away (a decode ended ``shutting_down``): resume next time."""
-        self._lost = reason
-        if self._failure is None:
-            self._failure = error_from_reason(reason, message, {"session_id": self._id})
+            raise self._note(from_rpc_error(exc, self._client.target)) from None
 
     def _request(
         self, request: pb.SessionRequest, progress: ProgressCallback | None = None
@@ -419,10 +335,7 @@ class ClientSession:
 
         ``progress`` receives the daemon's progress reports of a long prefill, which arrive
         before the answer."""
-        if self._closed:
-            raise SessionClosedError(f"session {self._id} is closed", session_id=self._id)
-        if self._failure is not None:
-            raise self._failure
+        self._check_usable()
         rid = self._send(request)
         while True:
             resp = self._receive()
@@ -473,13 +386,7 @@ class ClientSession:
 
     def _resume(self, replay: int) -> Resume:
         client = self._client
-        if self._made is None:  # attached by id: there is nothing to reopen it with
-            self._lost, self._failure = (
-                "",
-                self._failure
-                or SessionClosedError(f"session {self._id}: its daemon went away", session_id=self._id),
-            )
-            raise self._failure
+        self._reopen_request()  # raises when there is nothing to reopen the session with
         started = time.monotonic()
         cause = self._lost
         old = (self._id, self._instance, self.epoch)
@@ -487,9 +394,7 @@ class ClientSession:
         while True:
             try:
                 client._follow(self._instance, self.epoch, fenced=self._auto_fenced, deadline=deadline)
-                sent: OpenSessionRequest = self._made
-                if self._auto_fenced:
-                    sent = replace(sent, fence=Fence(client.endpoint.instance_id))
+                sent = self._reopen_request()
                 opened = client._call(client._stub.OpenSession, convert.open_request_to_pb(sent), 600.0)
                 self._attach(
                     opened.session_id,
@@ -500,16 +405,13 @@ class ClientSession:
                 )
                 break
             except (StaleFenceError, NotOwnerError) as exc:
-                self._lost, self._failure = "", exc  # a takeover: the session ends here
+                self._taken_over(exc)
                 raise
             except ModeldError as exc:
                 if exc.reason not in LOST_REASONS or time.monotonic() >= deadline:
                     raise  # still lost: the next call tries again
                 time.sleep(POLL_SECONDS)
-        self._lost = ""
-        if self._continued:
-            self._generated_lost = True
-        self._continued = False
+        self._reopened()
         prefix_status: PrefixStatus | None = None
         suffix_status: SuffixStatus | None = None
         try:
@@ -518,27 +420,9 @@ class ClientSession:
                 if replay >= 2 and self._suffix is not None:
                     suffix_status = self._prefill(self._suffix, None)
         except ModeldError:
-            if not self._lost:  # not lost again: the new session has nothing; the caller rebuilds
-                self._prefix = self._suffix = None
+            self._replay_failed()
             raise
-        if suffix_status is None:
-            self._suffix = None
-        if prefix_status is None and replay >= 1:
-            self._prefix = None
-        record = Resume(
-            cause=cause,
-            old_session_id=old[0],
-            session_id=self._id,
-            old_instance_id=old[1],
-            instance_id=self._instance,
-            old_epoch=old[2],
-            epoch=self.epoch,
-            prefix=prefix_status,
-            suffix=suffix_status,
-            seconds=round(time.monotonic() - started, 3),
-        )
-        self._resumes.append(record)
-        return record
+        return self._resumed(cause, old, started, replay, prefix_status, suffix_status)
 
     # --- contract ---------------------------------------------------------------------------
 
@@ -564,15 +448,7 @@ class ClientSession:
             status, resumed = self._resumable(lambda: self._prefill(suffix, progress), 1)
             self._suffix = suffix
             self._continued = self._generated_lost = False
-            if resumed is not None and resumed.prefix is not None:
-                replayed = resumed.prefix
-                status = replace(
-                    status,
-                    restored_tokens=status.restored_tokens + replayed.prefilled_tokens,
-                    prefill_ms=round(status.prefill_ms + replayed.prefill_ms, 3),
-                    restore_ms=round(status.restore_ms + replayed.restore_ms, 3),
-                )
-            return status
+            return self._with_replay(status, resumed)
 
     def decode(self, config: DecodeConfig) -> ClientDecodeStream:
         """Generate (see the contract). If the daemon goes away mid-stream, the stream raises
@@ -584,9 +460,7 @@ class ClientSession:
             msg = pb.SessionRequest(decode=convert.decode_config_to_pb(config))
 
             def start() -> pb.SessionResponse:
-                if self._generated_lost:
-                    self._generated_lost = False
-                    raise continuation_lost(self._id, self.last_resume.cause if self.last_resume else "")
+                self._check_continuation()
                 return self._request(msg)
 
             started, _ = self._resumable(start, 2)
@@ -619,17 +493,6 @@ class ClientSession:
                 self._lost = ""
                 self._drop_stream()
 
-    def __enter__(self) -> ClientSession:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             self._outbox.put(_END)
@@ -648,14 +511,10 @@ def decode_chunk(resp: pb.SessionResponse, request_id: int) -> StreamChunk | Non
     return convert.chunk_from_pb(resp.chunk)
 
 
-class ClientDecodeStream:
+class ClientDecodeStream(DecodeStreamBase, Closing):
     """The chunks of one decode, as they arrive. Implements the DecodeStream contract."""
 
-    def __init__(self, session: ClientSession, request_id: int) -> None:
-        self._session = session
-        self._rid = request_id
-        self._done = False
-        self._cancel_sent = False
+    _session: ClientSession
 
     def __iter__(self) -> ClientDecodeStream:
         return self
@@ -663,33 +522,20 @@ class ClientDecodeStream:
     def __next__(self) -> StreamChunk:
         if self._done:
             raise StopIteration
-        session = self._session
         while True:
             try:
-                chunk = decode_chunk(session._receive(), self._rid)
+                chunk = decode_chunk(self._session._receive(), self._rid)
             except ModeldError as exc:
-                self._done = True
-                if session._lost:  # the daemon went away: the output is lost, the session is not
-                    raise decode_lost(exc, session.session_id) from None
-                raise
-            if chunk is None:
-                continue
-            self._done = chunk.final
-            if chunk.final and chunk.finish_reason == "error":
-                error = chunk.error
-                if error is not None and error.reason in LOST_REASONS and session._client.resume:
-                    session._mark_lost(error.reason, error.message)
-                    raise decode_lost(error_from_reason(error.reason, error.message, {}), session.session_id)
-            elif chunk.final:
-                session._continued = True  # the generated tokens are resident
-            return chunk
+                raise self._failed(exc) from None
+            if chunk is not None:
+                return self._took(chunk)
 
     def cancel(self) -> None:
         """Ask the engine to stop; the stream then ends with a ``canceled`` chunk."""
-        if self._done or self._cancel_sent:
-            return
-        self._cancel_sent = True
-        self._session._outbox.put(pb.SessionRequest(request_id=self._rid, cancel_decode=pb.CancelDecode()))
+        if self._may_cancel():
+            self._session._outbox.put(
+                pb.SessionRequest(request_id=self._rid, cancel_decode=pb.CancelDecode())
+            )
 
     def close(self) -> None:
         """Cancel if still running and read up to the final chunk (a stream whose daemon went
@@ -702,17 +548,6 @@ class ClientDecodeStream:
                 pass
         except ModeldError:
             pass
-
-    def __enter__(self) -> ClientDecodeStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def connect(

@@ -162,6 +162,42 @@ class _Turn:
     retry_reason: str
 
 
+def _retry_after(exc: ModeldError, retry_reason: str) -> str:
+    """A turn's attempt failed with ``exc``: the reason to run it once more (``exc`` is raised
+    when a restart did not lose the operation, or when the turn ran again already)."""
+    if retry_reason or exc.reason not in RETRY_REASONS:
+        raise exc
+    return exc.reason
+
+
+def _settle(
+    prefix: PrefixStatus, suffix: SuffixStatus, chunks: list[StreamChunk], first: float, retry_reason: str
+) -> _Turn | str:
+    """The turn an attempt made, or the reason to run it once more (its stream ended with the
+    error of a lost operation, and it has not run again yet)."""
+    text, final = _collect(chunks)
+    again = _retryable(final)
+    if again and not retry_reason:
+        return again
+    return _Turn(prefix, suffix, text, final, first, retry_reason)
+
+
+def _ended(
+    turn: _Turn, ctx: BuiltContext, rounds: list[ToolRound], max_tool_iterations: int
+) -> ToolLoopResult | None:
+    """The loop's result when this turn ends it (it called no tool, or the rounds are used up:
+    its calls are then pending), recording its round; None when its calls are to be run."""
+    final = turn.final
+    reason = final.finish_reason or "error"
+    calls = final.tool_calls
+    if reason == "tool_calls" and calls and len(rounds) < max_tool_iterations:
+        return None
+    rounds.append(_round(turn, reason, calls, (), ctx))
+    ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
+    pending = calls if ended == "max_tool_iterations" else ()
+    return ToolLoopResult(turn.text, ended, tuple(rounds), final.signal, pending)
+
+
 def _turn(session: Session, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
     """One model turn (ensure_prefix, prefill_suffix, decode), run again once if a restart lost it."""
     retry_reason = ""
@@ -173,16 +209,12 @@ def _turn(session: Session, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
             with session.decode(config) as stream:
                 chunks, first = _read(stream, started)
         except ModeldError as exc:
-            if retry_reason or exc.reason not in RETRY_REASONS:
-                raise
-            retry_reason = exc.reason
+            retry_reason = _retry_after(exc, retry_reason)
             continue
-        text, final = _collect(chunks)
-        again = _retryable(final)
-        if again and not retry_reason:
-            retry_reason = again
-            continue
-        return _Turn(prefix, suffix, text, final, first, retry_reason)
+        done = _settle(prefix, suffix, chunks, first, retry_reason)
+        if isinstance(done, _Turn):
+            return done
+        retry_reason = done
 
 
 async def _aturn(session: AsyncSessionProtocol, ctx: BuiltContext, config: DecodeConfig) -> _Turn:
@@ -204,16 +236,12 @@ async def _aturn(session: AsyncSessionProtocol, ctx: BuiltContext, config: Decod
             finally:
                 await stream.aclose()
         except ModeldError as exc:
-            if retry_reason or exc.reason not in RETRY_REASONS:
-                raise
-            retry_reason = exc.reason
+            retry_reason = _retry_after(exc, retry_reason)
             continue
-        text, final = _collect(chunks)
-        again = _retryable(final)
-        if again and not retry_reason:
-            retry_reason = again
-            continue
-        return _Turn(prefix, suffix, text, final, first, retry_reason)
+        done = _settle(prefix, suffix, chunks, first, retry_reason)
+        if isinstance(done, _Turn):
+            return done
+        retry_reason = done
 
 
 def _round(
@@ -263,14 +291,10 @@ def run_tools(
         while True:
             ctx = builder.build()
             turn = _turn(session, ctx, config)
-            text, final = turn.text, turn.final
-            reason = final.finish_reason or "error"
-            calls = final.tool_calls
-            if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-                rounds.append(_round(turn, reason, calls, (), ctx))
-                ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
-                pending = calls if ended == "max_tool_iterations" else ()
-                return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
+            done = _ended(turn, ctx, rounds, max_tool_iterations)
+            if done is not None:
+                return done
+            calls = turn.final.tool_calls
             results: list[str] = []
             for call in calls:
                 future = pool.submit(runner, call)
@@ -284,8 +308,8 @@ def run_tools(
                     )
                 except Exception as exc:
                     results.append(f"error: the tool {call.name!r} failed: {exc}")
-            rounds.append(_round(turn, reason, calls, tuple(results), ctx))
-            _grow(builder, text, final, results)
+            rounds.append(_round(turn, "tool_calls", calls, tuple(results), ctx))
+            _grow(builder, turn.text, turn.final, results)
             config = later
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -310,14 +334,10 @@ async def arun_tools(
     while True:
         ctx = builder.build()
         turn = await _aturn(session, ctx, config)
-        text, final = turn.text, turn.final
-        reason = final.finish_reason or "error"
-        calls = final.tool_calls
-        if reason != "tool_calls" or not calls or len(rounds) >= max_tool_iterations:
-            rounds.append(_round(turn, reason, calls, (), ctx))
-            ended = "max_tool_iterations" if reason == "tool_calls" and calls else reason
-            pending = calls if ended == "max_tool_iterations" else ()
-            return ToolLoopResult(text, ended, tuple(rounds), final.signal, pending)
+        done = _ended(turn, ctx, rounds, max_tool_iterations)
+        if done is not None:
+            return done
+        calls = turn.final.tool_calls
         results: list[str] = []
         for call in calls:
             try:
@@ -331,6 +351,6 @@ async def arun_tools(
                 results.append(f"error: the tool {call.name!r} did not finish within {tool_timeout:g} s")
             except Exception as exc:
                 results.append(f"error: the tool {call.name!r} failed: {exc}")
-        rounds.append(_round(turn, reason, calls, tuple(results), ctx))
-        _grow(builder, text, final, results)
+        rounds.append(_round(turn, "tool_calls", calls, tuple(results), ctx))
+        _grow(builder, turn.text, turn.final, results)
         config = later

@@ -103,3 +103,107 @@ def test_the_command_exits_non_zero_on_a_regression_and_zero_without(
 
     assert main(["--baseline", str(baseline), "--current", str(same)]) == 0
     assert "no ratio got worse" in capsys.readouterr().out
+
+
+# --- the overhead rows and the extras' figures ------------------------------------------------
+
+
+def _overhead(
+    ensure_ms: float, wire_ttft: float, worker_ttft: float, pairs: float | None = None
+) -> dict[str, Any]:
+    row = {"prefix_tokens": 7993.0, "prefill_suffix_ms": 0.5, "per_token_ms": 0.08}
+    overhead: dict[str, Any] = {
+        "in_process": {**row, "ensure_prefix_ms": ensure_ms / 2, "ttft_ms": 2.0},
+        "over_the_wire": {**row, "ensure_prefix_ms": ensure_ms, "ttft_ms": wire_ttft},
+        "worker_process": {**row, "ensure_prefix_ms": ensure_ms, "ttft_ms": worker_ttft, "per_token_ms": 0.1},
+    }
+    if pairs is not None:
+        overhead["decode_pairs"] = {
+            "ratio_median": pairs,
+            "ratio_min": pairs - 0.01,
+            "ratio_max": pairs + 0.01,
+        }
+    return overhead
+
+
+def _extras_run(ensure_ms: float, wire_ttft: float, worker_ttft: float, **more: Any) -> dict[str, Any]:
+    return {
+        "schema": 2,
+        "headline": {},
+        "overhead": _overhead(ensure_ms, wire_ttft, worker_ttft, more.get("pairs")),
+        "speculation": {
+            "summary": {"rewrite_over_off": more.get("rewrite", 4.8), "best_llama_server_ngram": "x"}
+        },
+        "fleet": {"systems": [{"system": "modeld", "moved_over_cold": {"median": more.get("moved", 0.05)}}]},
+    }
+
+
+EXTRAS_BASELINE = {  # two runs: ensure_prefix 1.8 and 2.0 ms (11% apart), IPC 2.0 and 2.4 ms a turn
+    "schema": 2,
+    "headline": {},
+    "run_docs": [_extras_run(1.8, 4.0, 6.0, pairs=0.98), _extras_run(2.0, 4.0, 6.4)],
+}
+
+
+def _extra_verdicts(current: dict[str, Any]) -> dict[str, str]:
+    from bench.compare import compare_extras
+
+    return {f.ratio: f.verdict for f in compare_extras(EXTRAS_BASELINE, current)}
+
+
+def test_the_overhead_rows_and_the_extras_pass_inside_their_spread() -> None:
+    from bench.compare import extra_figures
+
+    figures = extra_figures(EXTRAS_BASELINE)
+    assert figures[("overhead", "ensure_prefix_over_the_wire_ms")].value == pytest.approx(1.9)
+    assert figures[("overhead", "ensure_prefix_over_the_wire_ms")].spread == pytest.approx(2.0 / 1.8 - 1)
+    assert figures[("overhead", "worker_ipc_turn_ms")].spread == pytest.approx(0.4)  # in ms: may be near 0
+    assert figures[("overhead", "decode_pairs_over_limit")].spread == pytest.approx(
+        0.02 / 0.98
+    )  # its own range
+    current = _extras_run(2.05, 4.0, 6.6, pairs=0.95, rewrite=4.7, moved=0.052)
+    verdicts = _extra_verdicts(current)
+    assert set(verdicts.values()) == {"ok"}, verdicts
+    assert "speculation" not in {k for k, _ in extra_figures({"headline": {}})}
+
+
+def test_each_overhead_row_and_extra_is_flagged_in_its_own_direction() -> None:
+    current = _extras_run(2.4, 4.0, 7.0, pairs=0.90, rewrite=3.0, moved=0.2)
+    verdicts = _extra_verdicts(current)
+    assert verdicts["ensure_prefix_over_the_wire_ms"] == "worse"  # +26% against an 11% spread
+    assert verdicts["worker_ipc_turn_ms"] == "worse"  # 3.0 ms against 2.2 +- 0.5
+    assert verdicts["decode_pairs_over_limit"] == "worse"  # paired decode: down is worse
+    assert verdicts["rewrite_over_off"] == "worse"  # a speed-up: down is worse
+    assert verdicts["moved_over_cold"] == "worse"  # a TTFT ratio: up is worse
+    faster = _extras_run(1.0, 4.0, 4.5, pairs=1.1, rewrite=6.0, moved=0.01)
+    verdicts = _extra_verdicts(faster)
+    assert verdicts.pop("worker_ipc_token_ms") == "ok"  # the same 20 µs a token on both sides
+    assert set(verdicts.values()) == {"better"}, verdicts
+    assert _extra_verdicts({"schema": 2, "headline": {}})["moved_over_cold"] == "not measured"
+
+
+def test_a_run_of_the_committed_results_is_inside_their_spread(capsys: pytest.CaptureFixture[str]) -> None:
+    """On the real documents: each run a committed results.json merges lies inside the spread of
+    its overhead rows, and the command prints them."""
+    from bench.compare import compare_extras
+
+    committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "results.json"
+    merged = json.loads(committed.read_text())
+    assert merged["run_docs"] and all(run.get("overhead") for run in merged["run_docs"])
+    for run in merged["run_docs"]:
+        findings = compare_extras(merged, run)
+        assert {f.ratio for f in findings} >= {"ensure_prefix_over_the_wire_ms", "worker_ipc_turn_ms"}
+        assert "worse" not in {f.verdict for f in findings}, [f.line() for f in findings]
+    assert main(["--baseline", str(committed), "--current", str(committed)]) == 0
+    assert "ensure_prefix_worker_process_ms" in capsys.readouterr().out
+
+
+def test_a_worse_overhead_row_fails_the_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    baseline = tmp_path / "results.json"
+    baseline.write_text(json.dumps(EXTRAS_BASELINE))
+    worse = tmp_path / "run.json"
+    worse.write_text(json.dumps(_extras_run(1.9, 4.0, 9.0)))
+    assert main(["--baseline", str(baseline), "--current", str(worse)]) == 1
+    out = capsys.readouterr()
+    assert "worse        overhead               worker_ipc_turn_ms" in out.out
+    assert "got worse" in out.err

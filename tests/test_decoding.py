@@ -19,12 +19,14 @@ import xxhash
 
 from modeld.contract import Constraint, DecodeConfig, ToolCall
 from modeld.decoding.constraints import cache_info, compile_constraint
-from modeld.decoding.gbnf import ByteMatcher, parse_gbnf
+from modeld.decoding.gbnf import parse_gbnf
+from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.guard import RepeatedLineGuard
 from modeld.decoding.output import OutputProcessor, plan_decode
 from modeld.decoding.toolcalls import make_parser
 from modeld.decoding.tools import detect_format, forced_call_constraint, parse_tools
 from modeld.errors import InvalidArgumentError, LimitExceededError, UnsupportedError
+from modeld.settings import Limits
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -278,8 +280,9 @@ def test_compiling_is_cached_by_digest_and_bounded() -> None:
     after = cache_info()
     assert first is again
     assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (1, 1)
-    with pytest.raises(LimitExceededError):
-        compile_constraint(Constraint("regex", "a" * (300 << 10)))
+    with pytest.raises(LimitExceededError) as exc:
+        compile_constraint(Constraint("regex", "a" * (300 << 10)), max_bytes=Limits().max_constraint_bytes)
+    assert exc.value.limit == "max_constraint_bytes"
     with pytest.raises(InvalidArgumentError):
         compile_constraint(Constraint("yaml", "a: 1"))
 

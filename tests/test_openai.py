@@ -276,7 +276,7 @@ def test_openai_shaped_errors_name_the_field(daemon: Daemon) -> None:
     messages = conversation("errors")
     cases: list[tuple[dict[str, Any], type[openai.APIStatusError], str | None, str]] = [
         ({"model": "gpt-4o"}, openai.NotFoundError, "model", "model_not_found"),
-        ({"n": 9}, openai.BadRequestError, "n", "invalid_value"),
+        ({"n": 9}, openai.BadRequestError, "max_choices", "limit_exceeded"),
         ({"n": 2, "stream": True}, openai.BadRequestError, "n", "unsupported_parameter"),
         ({"max_tokens": -1}, openai.BadRequestError, "max_tokens", "invalid_value"),
         ({"max_completion_tokens": 0}, openai.BadRequestError, "max_completion_tokens", "invalid_value"),

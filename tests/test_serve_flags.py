@@ -12,12 +12,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import httpx
 import pytest
-from daemon_proc import modeld, start_serve, stop, wait_serving
+from daemon_proc import modeld, serve_http, start_serve, stop, wait_serving
 
 import runtime_client as rc
 from modeld.cli import _parser
-from modeld.contract import OpenSessionRequest, PrefixInput
+from modeld.contract import DecodeConfig, OpenSessionRequest, PrefixInput
 from modeld.flags import field_docs, flag_of, parse_duration, parse_size
 from modeld.settings import SETTINGS
 
@@ -241,6 +242,53 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
         assert "          disk  off (budget 0)" in human
         assert f"          shared 0 snapshots, 0 B of 32.00 MiB in {data / 'shared'}" in human
         assert (tiers["shared_location"], tiers["shared_budget"]) == (str(data / "shared"), 32 << 20)
+    finally:
+        stop(proc)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def test_lowered_limits_are_enforced_with_their_reason() -> None:
+    """Each operating limit lowered by its flag refuses what goes beyond it with
+    ``limit_exceeded`` naming the limit: over HTTP (OpenAI's and Anthropic's shapes, before the
+    turn runs, or at the decode for a constraint's size) and over gRPC (the engine's own check of
+    a decode's tools)."""
+    data = Path(tempfile.mkdtemp(prefix="mdf"))
+    flags = ["--max-messages", "2", "--max-tools", "1", "--max-choices", "2", "--max-stop-strings", "1"]
+    proc, record = serve_http(data, *flags, "--max-constraint-bytes", "1K")
+    url = record.http_endpoint
+    user = {"role": "user", "content": "hello"}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    schema = {"type": "object", "description": "x" * 2000}
+    try:
+        within = {"model": "modeld-tiny", "messages": [user, user], "max_tokens": 2, "n": 2, "stop": ["z"]}
+        assert httpx.post(f"{url}/v1/chat/completions", json=within, timeout=60).status_code == 200
+        for extra, limit in [
+            ({"messages": [user, user, user]}, "max_messages"),
+            ({"tools": [tool, tool]}, "max_tools"),
+            ({"n": 3}, "max_choices"),
+            ({"stop": ["y", "z"]}, "max_stop_strings"),
+            (
+                {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}},
+                "max_constraint_bytes",
+            ),
+        ]:
+            answer = httpx.post(f"{url}/v1/chat/completions", json={**within, "n": 1, **extra}, timeout=60)
+            error = answer.json()["error"]
+            assert (answer.status_code, error["code"], error["param"]) == (400, "limit_exceeded", limit), (
+                extra
+            )
+            assert f"--{limit.replace('_', '-')}" in error["message"]
+        messages = {"model": "modeld-tiny", "max_tokens": 2, "messages": [user, user, user]}
+        answer = httpx.post(f"{url}/v1/messages", json=messages, timeout=60)
+        assert answer.status_code == 400 and "max-messages" in answer.json()["error"]["message"]
+        with (
+            rc.connect(data_dir=data) as client,
+            client.open_session(OpenSessionRequest(type="memory", path="tiny")) as session,
+        ):
+            session.ensure_prefix(PrefixInput(text="hello\n"))
+            with pytest.raises(rc.LimitExceededError) as exc:
+                session.decode(DecodeConfig(max_tokens=2, tools_json=json.dumps([tool, tool])))
+            assert exc.value.limit == "max_tools"
     finally:
         stop(proc)
         shutil.rmtree(data, ignore_errors=True)

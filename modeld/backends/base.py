@@ -32,8 +32,18 @@ from typing import Protocol
 
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.decoding.speculation import DecodeStats
+from modeld.errors import InvalidArgumentError
 
-__all__ = ["Backend", "DecodeStats", "Layout", "LoadOptions", "ModelRuntime", "SyncStep", "Vocab"]
+__all__ = [
+    "Backend",
+    "DecodeStats",
+    "HeldTokens",
+    "Layout",
+    "LoadOptions",
+    "ModelRuntime",
+    "SyncStep",
+    "Vocab",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +131,27 @@ class SyncStep:
     kept: int
     evaluated: int
     total: int
+
+
+class HeldTokens:
+    """The tokens each of a runtime's sequences holds, as every runtime keeps them (``_seqs``,
+    one list per sequence): ``resident`` and the bounds check of a sequence number; and what
+    speculation did in each sequence's last decode (``_stats``, for a runtime that speculates)."""
+
+    _seqs: list[list[int]]
+    _stats: list[DecodeStats]
+
+    def _seq(self, seq: int) -> list[int]:
+        if not 0 <= seq < len(self._seqs):
+            raise InvalidArgumentError(f"sequence {seq} does not exist", field="seq")
+        return self._seqs[seq]
+
+    def resident(self, seq: int) -> Sequence[int]:
+        return self._seq(seq)
+
+    def decode_stats(self, seq: int) -> DecodeStats:
+        self._seq(seq)
+        return self._stats[seq]
 
 
 class ModelRuntime(Protocol):

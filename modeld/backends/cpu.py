@@ -1,5 +1,5 @@
 """What the CPU can do, as llama.cpp's build here cares: one place both the describing side and
-the worker read (no import between ``llama.py`` and ``llama_runtime.py``)."""
+the worker read (no import between ``llama.py`` and the worker-side ``llama_*`` modules)."""
 
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import psutil
 import xxhash
 
-from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
+from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.probe import ModelFile, open_model_file
 from modeld.backends.sizing import effective_context
 from modeld.contract import (
@@ -67,7 +67,7 @@ from modeld.contract import (
     TokenLogprob,
 )
 from modeld.decoding.constraints import runtime_constraint
-from modeld.decoding.gbnf import ByteMatcher
+from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.decoding.sampling import SampledToken, adjust, logit_bias_of, logprob
 from modeld.decoding.speculation import DecodeStats, Drafter, DraftLength
@@ -206,7 +206,7 @@ class MemoryBackend:
 _SNAPSHOT_MAGIC = b"MKV1"
 
 
-class MemoryRuntime:
+class MemoryRuntime(HeldTokens):
     """A loaded reference model: each KV sequence is a list of token ids."""
 
     def __init__(self, info: ModelInfo, config: Config, options: LoadOptions) -> None:
@@ -241,14 +241,6 @@ class MemoryRuntime:
     def tokenize(self, text: str, *, add_bos: bool) -> list[int]:
         data = text.encode("utf-8")
         return [BOS, *data] if add_bos else list(data)
-
-    def _seq(self, seq: int) -> list[int]:
-        if not 0 <= seq < len(self._seqs):
-            raise InvalidArgumentError(f"sequence {seq} does not exist", field="seq")
-        return self._seqs[seq]
-
-    def resident(self, seq: int) -> Sequence[int]:
-        return self._seq(seq)
 
     def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
         held = self._seq(seq)
@@ -345,10 +337,6 @@ class MemoryRuntime:
                     del draft[lengths.budget(drafter.matched) :]
                     if draft and matcher is not None:
                         del draft[_valid_prefix(matcher, draft) :]
-
-    def decode_stats(self, seq: int) -> DecodeStats:
-        self._seq(seq)
-        return self._stats[seq]
 
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)

@@ -30,13 +30,13 @@ from typing import Any
 
 import numpy as np
 
-from modeld.backends.base import Layout, LoadOptions, SyncStep, Vocab
+from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.openvino_constraints import apply_sampling
 from modeld.backends.openvino_source import KV_PRECISIONS, device, precision
 from modeld.contract import Config, DecodeConfig, ModelInfo
 from modeld.decoding.constraints import runtime_constraint
 from modeld.decoding.speculation import DecodeStats
-from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
+from modeld.errors import EngineError, ModelLoadError, UnsupportedError
 
 try:
     import openvino as ov
@@ -95,7 +95,7 @@ class _Streamer(og.StreamerBase):  # type: ignore[misc]
 _DONE = object()
 
 
-class OpenVINORuntime:
+class OpenVINORuntime(HeldTokens):
     """An LLMPipeline with prefix caching, and the token list modeld last sent per sequence."""
 
     def __init__(self, info: ModelInfo, config: Config, options: LoadOptions) -> None:
@@ -185,14 +185,6 @@ class OpenVINORuntime:
                 )
             tokens.extend(int(t) for t in ids)
         return tokens
-
-    def _seq(self, seq: int) -> list[int]:
-        if not 0 <= seq < len(self._seqs):
-            raise InvalidArgumentError(f"sequence {seq} does not exist", field="seq")
-        return self._seqs[seq]
-
-    def resident(self, seq: int) -> Sequence[int]:
-        return self._seq(seq)
 
     def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
         """Cut and append the sequence's token list; compute its new full blocks now (a warm-up

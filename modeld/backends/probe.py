@@ -38,8 +38,8 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
+from modeld.contract import Closing
 from modeld.errors import InvalidArgumentError, ModelLoadError
 
 __all__ = [
@@ -194,7 +194,7 @@ def _refuse_kind(raw: str, what: str, mode: int, hint: str, accepted: str) -> Mo
     )
 
 
-class ModelFile:
+class ModelFile(Closing):
     """A model file opened for reading (regular files only); close it, or use ``with``.
 
     ``path`` is what the daemon resolved (``~`` expanded; relative paths stay relative to the
@@ -242,14 +242,6 @@ class ModelFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-
-    def __enter__(self) -> ModelFile:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 def _open_checked(path: Path) -> tuple[int, os.stat_result]:

@@ -70,7 +70,7 @@ from modeld.cache.snapfile import (
     read_verified,
     write_atomic,
 )
-from modeld.cache.tiers import WRITER_NICE, Rejection, TierEntry, entry_key, key_prefix
+from modeld.cache.tiers import Rejection, TierEntry, entry_key, key_prefix, writer_loop
 
 __all__ = [
     "DirectoryStore",
@@ -478,20 +478,17 @@ class SharedTier:
         self._writes.put((entry, source))
 
     def _write_loop(self) -> None:
-        with contextlib.suppress(OSError):  # lowering one's own priority needs no privilege
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            entry, source = item
-            try:
-                self._write(entry, source)
-            finally:
-                with self._lock:
-                    self._queued.discard(entry.key)
-                    self._pending -= 1
-                    self._idle.notify_all()
+        writer_loop(self._writes, self._write_one)
+
+    def _write_one(self, item: tuple[TierEntry, bytes | SnapshotFile]) -> None:
+        entry, source = item
+        try:
+            self._write(entry, source)
+        finally:
+            with self._lock:
+                self._queued.discard(entry.key)
+                self._pending -= 1
+                self._idle.notify_all()
 
     def _write(self, entry: TierEntry, source: bytes | SnapshotFile) -> None:
         try:

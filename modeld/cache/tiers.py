@@ -37,10 +37,10 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from modeld.cache.reuse import common_prefix_len
 from modeld.cache.runtime import Saved
@@ -58,7 +58,16 @@ from modeld.cache.snapfile import (
 from modeld.cache.snapfile import seal as seal_file
 from modeld.manifest import bytes_hash, token_hash
 
-__all__ = ["Refused", "Rejection", "RemoteTier", "TierEntry", "Tiers", "entry_key", "key_prefix"]
+__all__ = [
+    "Refused",
+    "Rejection",
+    "RemoteTier",
+    "TierEntry",
+    "Tiers",
+    "entry_key",
+    "key_prefix",
+    "writer_loop",
+]
 
 log = logging.getLogger("modeld.cache")
 
@@ -221,6 +230,21 @@ WRITER_NICE = 19
 """The disk writer's scheduling priority (Linux ``nice`` is per thread): write-behind of a prefix
 just computed runs while that turn's suffix and decode compute, and its hashing and copying into
 the page cache took CPU from the engine's threads on a small machine (blueprint 0016)."""
+
+
+_Item = TypeVar("_Item")
+
+
+def writer_loop(writes: queue.SimpleQueue[_Item | None], write: Callable[[_Item], None]) -> None:
+    """A writer thread's life (the disk tier's, the shared store's): at :data:`WRITER_NICE`, each
+    queued item through ``write`` until None is queued."""
+    with contextlib.suppress(OSError):  # lowering one's own priority needs no privilege
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    while True:
+        item = writes.get()
+        if item is None:
+            return
+        write(item)
 
 
 class Tiers:
@@ -631,26 +655,23 @@ class Tiers:
         self._writes.put((entry, blob))
 
     def _write_loop(self) -> None:
-        with contextlib.suppress(OSError):  # lowering one's own priority needs no privilege
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        while True:
-            item = self._writes.get()
-            if item is None:
-                return
-            entry, blob = item
-            try:
-                self._write(entry, blob)
-            finally:
-                with self._lock:
-                    entry.writing = False
-                    if entry.tmp is not None:  # not sealed: the entry has nothing to restore from
-                        with contextlib.suppress(OSError):
-                            entry.tmp.unlink()
-                        entry.tmp = None
-                        if entry.path is None and entry.blob is None:
-                            self._entries.pop(entry.key, None)
-                    self._pending_writes -= 1
-                    self._idle.notify_all()
+        writer_loop(self._writes, self._write_one)
+
+    def _write_one(self, item: tuple[TierEntry, bytes | None]) -> None:
+        entry, blob = item
+        try:
+            self._write(entry, blob)
+        finally:
+            with self._lock:
+                entry.writing = False
+                if entry.tmp is not None:  # not sealed: the entry has nothing to restore from
+                    with contextlib.suppress(OSError):
+                        entry.tmp.unlink()
+                    entry.tmp = None
+                    if entry.path is None and entry.blob is None:
+                        self._entries.pop(entry.key, None)
+                self._pending_writes -= 1
+                self._idle.notify_all()
 
     def _write(self, entry: TierEntry, blob: bytes | None) -> None:
         """Write a RAM blob to its file, or seal a file the engine wrote (``blob`` None)."""

@@ -6,8 +6,9 @@ it. The modules:
 
 * :mod:`~modeld.decoding.constraints` compiles a :class:`~modeld.contract.Constraint` (JSON
   schema, regex, GBNF grammar, plain JSON) once, cached by digest, into GBNF;
-* :mod:`~modeld.decoding.gbnf` parses GBNF with error positions and matches it byte by byte
-  (the reference backend's enforcement);
+* :mod:`~modeld.decoding.gbnf` parses GBNF with error positions and
+  :mod:`~modeld.decoding.gbnf_match` matches it byte by byte (the reference backend's
+  enforcement);
 * :mod:`~modeld.decoding.schema` and :mod:`~modeld.decoding.regex` turn JSON schemas and
   regular expressions into GBNF;
 * :mod:`~modeld.decoding.toolcalls` parses tool calls out of a model's output, incrementally;

@@ -25,24 +25,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modeld.contract import CONSTRAINT_KINDS, Constraint, DecodeConfig
-from modeld.decoding.gbnf import ByteMatcher, Grammar, parse_gbnf
+from modeld.decoding.gbnf import parse_gbnf
+from modeld.decoding.gbnf_match import ByteMatcher, Grammar
 from modeld.decoding.regex import regex_gbnf
 from modeld.decoding.schema import json_object_gbnf, load_schema, schema_to_gbnf
 from modeld.errors import InvalidArgumentError, LimitExceededError
 from modeld.manifest import bytes_hash
 
 __all__ = [
-    "MAX_CONSTRAINT_BYTES",
     "CompiledConstraint",
     "ConstraintFailed",
     "cache_info",
+    "check_constraint",
     "compile_constraint",
     "constraint_digest",
     "runtime_constraint",
 ]
 
-MAX_CONSTRAINT_BYTES = 256 << 10
-"""The largest constraint value (schema, regex or grammar text) accepted."""
 _CACHE_SIZE = 128
 
 
@@ -95,11 +94,8 @@ def runtime_constraint(config: DecodeConfig) -> CompiledConstraint | None:
     return compile_constraint(config.constraint, max_bytes=None)
 
 
-def compile_constraint(
-    constraint: Constraint, *, max_bytes: int | None = MAX_CONSTRAINT_BYTES
-) -> CompiledConstraint:
-    """Validate and compile (or fetch from the cache). Raises InvalidArgumentError,
-    UnsupportedError or LimitExceededError; never anything else for bad input."""
+def check_constraint(constraint: object) -> None:
+    """A :class:`~modeld.contract.Constraint` of a known kind, or ``invalid_argument``."""
     if not isinstance(constraint, Constraint):
         raise InvalidArgumentError("constraint must be a Constraint", field="constraint")
     if constraint.kind not in CONSTRAINT_KINDS:
@@ -107,15 +103,23 @@ def compile_constraint(
             f"constraint.kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {constraint.kind!r}",
             field="constraint.kind",
         )
+
+
+def compile_constraint(constraint: Constraint, *, max_bytes: int | None = None) -> CompiledConstraint:
+    """Validate and compile (or fetch from the cache). Raises InvalidArgumentError,
+    UnsupportedError or LimitExceededError; never anything else for bad input. ``max_bytes``:
+    the largest constraint text (the daemon's ``Limits.max_constraint_bytes``; None: a text the
+    daemon made itself)."""
+    check_constraint(constraint)
     if not isinstance(constraint.value, str):
         raise InvalidArgumentError("constraint.value must be a string", field=_FIELD)
     size = len(constraint.value.encode("utf-8", errors="surrogatepass"))
     if max_bytes is not None and size > max_bytes:
         raise LimitExceededError(
-            f"constraint.value is {size} bytes; the limit is {MAX_CONSTRAINT_BYTES}",
+            f"constraint.value is {size} bytes; the limit is {max_bytes} (modeld serve --max-constraint-bytes)",
             limit="max_constraint_bytes",
             value=size,
-            maximum=MAX_CONSTRAINT_BYTES,
+            maximum=max_bytes,
         )
     digest = constraint_digest(constraint)
     with _lock:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from modeld.contract import TOOL_CHOICES, TOOL_FORMATS, Constraint, DecodeConfig, ToolCall, ToolCallDelta
 from modeld.decoding.constraints import CompiledConstraint, compile_constraint
-from modeld.decoding.gbnf import ByteMatcher
+from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.guard import RepeatedLineGuard
 from modeld.decoding.toolcalls import ToolCallParser, make_parser
 from modeld.decoding.tools import (
@@ -55,9 +55,17 @@ class DecodePlan:
         return config if wanted == config.constraint else replace(config, constraint=wanted)
 
 
-def plan_decode(config: DecodeConfig, *, prefix_tools_json: str = "", chat_template: str = "") -> DecodePlan:
+def plan_decode(
+    config: DecodeConfig,
+    *,
+    prefix_tools_json: str = "",
+    chat_template: str = "",
+    max_tools: int | None = None,
+    max_constraint_bytes: int | None = None,
+) -> DecodePlan:
     """Resolve and validate the decode's constraint and tools (``invalid_argument`` /
-    ``unsupported`` before anything runs). Compiling is cached by digest."""
+    ``unsupported`` / ``limit_exceeded`` before anything runs). Compiling is cached by digest.
+    ``max_tools``, ``max_constraint_bytes``: the daemon's limits (None: unbounded)."""
     choice = config.tool_choice
     if not isinstance(choice, str) or not choice:
         raise InvalidArgumentError(
@@ -68,7 +76,7 @@ def plan_decode(config: DecodeConfig, *, prefix_tools_json: str = "", chat_templ
             f"tool_format must be one of {', '.join(repr(f) for f in TOOL_FORMATS)}, got {config.tool_format!r}",
             field="tool_format",
         )
-    tools, exits = _tools(config.tools_json or prefix_tools_json, config.exit_tools_json)
+    tools, exits = _tools(config.tools_json or prefix_tools_json, config.exit_tools_json, max_tools)
     every = [*tools, *exits]
     fmt = config.tool_format or detect_format(chat_template)
     if fmt == "none" or choice == "none" or not every:
@@ -90,18 +98,21 @@ def plan_decode(config: DecodeConfig, *, prefix_tools_json: str = "", chat_templ
     compiled: CompiledConstraint | None = None
     if forced:
         compiled = compile_constraint(
-            _forced(config.tools_json or prefix_tools_json, config.exit_tools_json, choice, fmt)
+            _forced(config.tools_json or prefix_tools_json, config.exit_tools_json, choice, fmt),
+            max_bytes=max_constraint_bytes,
         )
     elif config.constraint is not None:
-        compiled = compile_constraint(config.constraint)
+        compiled = compile_constraint(config.constraint, max_bytes=max_constraint_bytes)
     return DecodePlan(compiled, tools, exits, fmt, forced)
 
 
 @functools.lru_cache(maxsize=64)
-def _tools(tools_json: str, exit_tools_json: str) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...]]:
+def _tools(
+    tools_json: str, exit_tools_json: str, limit: int | None
+) -> tuple[tuple[ToolSpec, ...], tuple[ToolSpec, ...]]:
     """Parsed tools and exit tools (cached: the same definitions come every turn)."""
-    tools = parse_tools(tools_json, field="tools_json")
-    exits = parse_tools(exit_tools_json, field="exit_tools_json", exit=True)
+    tools = parse_tools(tools_json, field="tools_json", limit=limit)
+    exits = parse_tools(exit_tools_json, field="exit_tools_json", exit=True, limit=limit)
     exit_names = {t.name for t in exits}
     # An exit tool also listed among the tools (so the template showed it) is an exit tool.
     return tuple(t for t in tools if t.name not in exit_names), tuple(exits)
@@ -110,7 +121,7 @@ def _tools(tools_json: str, exit_tools_json: str) -> tuple[tuple[ToolSpec, ...],
 @functools.lru_cache(maxsize=64)
 def _forced(tools_json: str, exit_tools_json: str, choice: str, fmt: str) -> Constraint:
     """The forcing grammar, built once per tool set, choice and format (then compiled by digest)."""
-    tools, exits = _tools(tools_json, exit_tools_json)
+    tools, exits = _tools(tools_json, exit_tools_json, None)  # counted by plan_decode already
     return forced_call_constraint([*tools, *exits], choice, fmt)
 
 

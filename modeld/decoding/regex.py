@@ -22,7 +22,8 @@ characters from every set, so the raw characters are also the JSON-encoded ones.
 
 from __future__ import annotations
 
-from modeld.decoding.gbnf import MAX_CODEPOINT, MAX_REPETITION, gbnf_literal
+from modeld.decoding.gbnf import MAX_REPETITION, gbnf_literal
+from modeld.decoding.gbnf_match import MAX_CODEPOINT
 from modeld.errors import InvalidArgumentError, UnsupportedError
 
 __all__ = ["regex_gbnf", "regex_to_gbnf_expr"]

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from numpy.typing import NDArray
 
 __all__ = [
-    "MAX_CHOICES",
     "ChoiceToken",
     "SampledToken",
     "adjust",
@@ -69,10 +68,6 @@ class ChoiceToken(int):
         self.choice = choice
         self.logprob = logprob
         return self
-
-
-MAX_CHOICES = 8
-"""The most choices (``DecodeConfig.n``, OpenAI's ``n``) one decode may ask for."""
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

@@ -34,11 +34,10 @@ from typing import Any
 from modeld.contract import Constraint, ToolCall
 from modeld.decoding.gbnf import gbnf_literal
 from modeld.decoding.schema import JSON_PRIMITIVES, schema_to_gbnf
-from modeld.errors import InvalidArgumentError, UnsupportedError
+from modeld.errors import InvalidArgumentError, LimitExceededError, UnsupportedError
 
 __all__ = [
     "FORMATS",
-    "MAX_TOOLS",
     "ToolSpec",
     "detect_format",
     "forced_call_constraint",
@@ -49,7 +48,6 @@ __all__ = [
 FORMATS: tuple[str, ...] = ("hermes", "llama3", "mistral")
 DEFAULT_FORMAT = "hermes"
 """Used to force a call when the template's format is not recognised (the most common one)."""
-MAX_TOOLS = 256
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 
 
@@ -63,8 +61,11 @@ class ToolSpec:
     description: str = ""
 
 
-def parse_tools(tools_json: str, *, field: str, exit: bool = False) -> list[ToolSpec]:
-    """Tool definitions from JSON text (empty text: none)."""
+def parse_tools(
+    tools_json: str, *, field: str, exit: bool = False, limit: int | None = None
+) -> list[ToolSpec]:
+    """Tool definitions from JSON text (empty text: none), at most ``limit`` of them (the
+    daemon's ``Limits.max_tools``; None: unbounded)."""
     if not tools_json:
         return []
     try:
@@ -73,8 +74,13 @@ def parse_tools(tools_json: str, *, field: str, exit: bool = False) -> list[Tool
         raise InvalidArgumentError(f"{field} is not valid JSON: {exc}", field=field) from exc
     if not isinstance(raw, list):
         raise InvalidArgumentError(f"{field} must be a JSON array of tool definitions", field=field)
-    if len(raw) > MAX_TOOLS:
-        raise InvalidArgumentError(f"{field} has {len(raw)} tools; the limit is {MAX_TOOLS}", field=field)
+    if limit is not None and len(raw) > limit:
+        raise LimitExceededError(
+            f"{field} has {len(raw)} tools; the limit is {limit} (modeld serve --max-tools)",
+            limit="max_tools",
+            value=len(raw),
+            maximum=limit,
+        )
     out: list[ToolSpec] = []
     for i, item in enumerate(raw):
         fn = item.get("function", item) if isinstance(item, dict) else None

@@ -20,10 +20,17 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
-from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Self
 
-from modeld.contract import DecodeConfig, ErrorDetail, StreamChunk, TokenLogprob, ToolCallDelta, Usage
+from modeld.contract import (
+    Closing,
+    DecodeConfig,
+    ErrorDetail,
+    StreamChunk,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
 from modeld.decoding.output import DecodePlan, OutputProcessor
 from modeld.engine.text import TextAssembler
 from modeld.errors import EngineError, ModeldError, OperationTimeoutError
@@ -89,7 +96,40 @@ class DecodeRun:
         """Called at the end with what speculation did (when the engine reported it)."""
 
 
-class EngineDecodeStream:
+class _Stream(Closing):
+    """What both decode streams do besides reading chunks: ``close`` cancels a running decode
+    and reads on until the engine has stopped; a ``with`` block closes; a stream dropped while
+    its job runs cancels the job."""
+
+    _done: bool
+
+    def __iter__(self) -> Self:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+    def _job(self) -> Call | ChoiceCall:
+        """The call a cancel stops."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Cancel if still running and wait until the engine has stopped."""
+        if self._done:
+            return
+        self.cancel()
+        for _ in self:
+            pass
+
+    def __del__(self) -> None:
+        if not self._done:
+            self._job().cancel()
+
+
+class EngineDecodeStream(_Stream):
     """A decode read as an iterator of chunks (see the module docstring)."""
 
     def __init__(self, run: DecodeRun, choice: int = 0) -> None:
@@ -109,9 +149,6 @@ class EngineDecodeStream:
         self._first_at: float | None = None
         self._last_at: float | None = None
         self._started_at = time.monotonic()
-
-    def __iter__(self) -> EngineDecodeStream:
-        return self
 
     def __next__(self) -> StreamChunk:
         if self._done:
@@ -280,29 +317,8 @@ class EngineDecodeStream:
             self._canceled = True
             self._run.call.cancel()
 
-    def close(self) -> None:
-        """Cancel if still running and wait until the engine has stopped."""
-        if self._done:
-            return
-        self._canceled = True
-        self._run.call.cancel()
-        for _ in self:
-            pass
-
-    def __enter__(self) -> EngineDecodeStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not self._done:
-            self._run.call.cancel()
+    def _job(self) -> Call | ChoiceCall:
+        return self._run.call
 
 
 def piece_text(piece: bytes) -> str:
@@ -334,7 +350,7 @@ class ChoiceCall:
         raise EngineError("a choice's events are read by its ChoicesStream")
 
 
-class ChoicesStream:
+class ChoicesStream(_Stream):
     """A decode of ``n`` choices of one prompt, decoded together by one generate job (one batch
     per step, ``Generate.forks``), read as one iterator of chunks: each chunk names its choice
     (``StreamChunk.choice``), chunks come in the order the engine sampled their tokens, and
@@ -349,9 +365,6 @@ class ChoicesStream:
         self._released: Callable[[], None] | None = released
         self._ready: deque[StreamChunk] = deque()
         self._done = False
-
-    def __iter__(self) -> ChoicesStream:
-        return self
 
     def __next__(self) -> StreamChunk:
         while True:
@@ -409,25 +422,5 @@ class ChoicesStream:
                 stream._canceled = True
             self._call.cancel()
 
-    def close(self) -> None:
-        """Cancel if still running and wait until the engine has stopped."""
-        if self._done:
-            return
-        self.cancel()
-        for _ in self:
-            pass
-
-    def __enter__(self) -> ChoicesStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not self._done:
-            self._call.cancel()
+    def _job(self) -> Call | ChoiceCall:
+        return self._call

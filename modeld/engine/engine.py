@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
@@ -38,12 +38,12 @@ from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
 from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
-from modeld.contract import ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.contract import Config, ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.decoding.speculation import SPECULATION_MODES
-from modeld.engine.memory import accounting_tolerance, model_memory
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import identity_of, prepare_prefix, prepare_suffix
+from modeld.engine.report import daemon_memory, fields_of, machine, model_summary, tier_status
 from modeld.engine.session import EngineSession
 from modeld.engine.validate import encode_text, validate_request
 from modeld.errors import (
@@ -58,16 +58,11 @@ from modeld.errors import (
     UnsupportedError,
 )
 from modeld.manifest import config_runtime_digest
-from modeld.observe.memory import rss as process_rss
 from modeld.observe.status import (
-    Accelerator,
-    DaemonMemory,
     DaemonStatus,
     EngineObserver,
-    LoadedModelSummary,
     Machine,
     SessionSummary,
-    TierStatus,
 )
 from modeld.settings import ISOLATIONS, Limits, Residency, RestartPolicy, Timeouts
 
@@ -239,6 +234,13 @@ class Engine:
         """
         request = validate_request(request, self.limits)
         encode_text(text, "text", self.limits)
+        with self._lent(request) as (model, _info, _config):
+            return model.tokenize(text, False)
+
+    @contextlib.contextmanager
+    def _lent(self, request: OpenSessionRequest) -> Iterator[tuple[LoadedModel, ModelInfo, Config]]:
+        """The model ``request`` names (loaded if needed) for a question that opens no session,
+        held as a session would hold it until the question is answered."""
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
@@ -246,7 +248,7 @@ class Engine:
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
-            return model.tokenize(text, False)
+            yield model, info, config
         finally:
             with self._lock:
                 model.sessions -= 1
@@ -258,13 +260,7 @@ class Engine:
         tokenized as a session would (chat templates and BOS included), whatever the window.
         Opens no session and changes nothing resident (Anthropic's count_tokens)."""
         request = validate_request(request, self.limits)
-        if self._stopping:
-            raise ShuttingDownError("the daemon is shutting down")
-        kind = self._resolve_type(request)
-        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
-        config = replace(request.config, num_ctx=info.effective_context)
-        model = self._model_for(kind, replace(request, config=config), info)
-        try:
+        with self._lent(request) as (model, info, config):
             identity = identity_of(info, config)
             unbounded = 1 << 40  # counting: no window applies
             prep = prepare_prefix(
@@ -294,9 +290,6 @@ class Engine:
                 )
                 count += len(tail.tokens)
             return count
-        finally:
-            with self._lock:
-                model.sessions -= 1
 
     def _unified(self, kind: str) -> bool:
         return self.residency.kv_unified and kind in ("llama", "memory")
@@ -537,7 +530,7 @@ class Engine:
     def status(self, *, debug: bool = False) -> DaemonStatus:
         with self._lock:
             listed: set[str] = set()  # each tier snapshot under one model, never under two
-            models = tuple(self._model_summary(m, debug=debug, listed=listed) for m in self._models.values())
+            models = tuple(model_summary(m, debug=debug, listed=listed) for m in self._models.values())
             sessions = len(self._sessions)
         return DaemonStatus(
             instance_id=self.owner.instance_id,
@@ -553,88 +546,20 @@ class Engine:
             sessions=sessions,
             limits=self.limits.as_dict(),
             owner_lost=self.owner.lost or "",
-            tiers=self._tier_status(),
+            tiers=tier_status(self.tiers, self.memory_budget),
             machine=self.machine(),
-            memory=self._memory(models),
+            memory=daemon_memory(models, self.tiers),
             settings={
                 **self.residency.as_dict(),
                 "speculation": self.speculation,
-                **{f"timeout_{k}": str(v) for k, v in _fields(self.timeouts).items()},
-                **{f"restart_{k}": str(v) for k, v in _fields(self.restart).items()},
+                **{f"timeout_{k}": str(v) for k, v in fields_of(self.timeouts).items()},
+                **{f"restart_{k}": str(v) for k, v in fields_of(self.restart).items()},
             },
-        )
-
-    def _memory(self, models: tuple[LoadedModelSummary, ...]) -> DaemonMemory:
-        """The daemon's memory in parts (its own, the RAM tier) beside its models' (each
-        summary's ``memory``), and what the kernel counts for all of it."""
-        rss = process_rss(os.getpid())
-        ram = int(self.tiers.stats()["ram_bytes"])
-        workers = sum(m.memory.rss_bytes for m in models if m.memory.isolation == "process")
-        own = max(0, rss - ram)
-        measured = rss + workers
-        return DaemonMemory(
-            rss_bytes=rss,
-            ram_tier_bytes=ram,
-            own_bytes=own,
-            parts_bytes=own + ram + sum(m.memory.parts_bytes for m in models),
-            measured_bytes=measured,
-            tolerance_bytes=accounting_tolerance(measured),
-            untouched_max_bytes=sum(
-                m.memory.compute_bytes for m in models if m.memory.isolation == "process"
-            ),
-        )
-
-    def _tier_status(self) -> TierStatus:
-        stats = self.tiers.stats()
-        return TierStatus(
-            **{k: v for k, v in stats.items() if k in TierStatus.__dataclass_fields__},  # type: ignore[arg-type]
-            memory_budget=self.memory_budget,
-            recent_rejections=tuple(
-                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(r.at))} {r.file}: {r.reason}"
-                for r in self.tiers.recent_rejections()
-            ),
         )
 
     def machine(self) -> Machine:
         """The machine, for placement (hardware inventory; never waits for a slow probe)."""
-        from modeld.observe.hardware import inventory
-
-        hw = inventory(self.data_dir, wait=False)
-        accelerators = tuple(
-            Accelerator(
-                kind="nvidia", name=g.name, memory_bytes=g.memory_total_bytes, driver=g.driver_version
-            )
-            for g in hw.gpus
-        ) + tuple(
-            Accelerator(kind="openvino", name=d.full_name or d.name, memory_bytes=d.memory_total_bytes or 0)
-            for d in hw.openvino_devices
-        )
-        return Machine(
-            cpu_count=hw.cpu_count,
-            ram_total_bytes=hw.ram_total_bytes,
-            ram_available_bytes=hw.ram_available_bytes,
-            disk_free_bytes=hw.disk_free_bytes,
-            accelerators=accelerators,
-            problems=tuple(f"{part}: {why}" for part, why in hw.problems),
-        )
-
-    def _model_summary(self, model: LoadedModel, *, debug: bool, listed: set[str]) -> LoadedModelSummary:
-        base = model.summary()
-        worker = model.supervisor.status(debug=debug)
-        return replace(
-            base,
-            sequences=model.layout.n_seq,
-            pool_tokens=model.layout.pool_tokens,
-            kv_bytes_per_token=model.layout.kv_bytes_per_token,
-            slots=model.admission.slots,
-            busy_slots=model.admission.busy,
-            queued=model.admission.queued,
-            busy_tokens=model.cache.busy_cells(),
-            contexts=model.warm_contexts(listed),
-            counters=dict(model.cache.counters),
-            memory=model_memory(model, worker),
-            worker=worker,
-        )
+        return machine(self.data_dir)
 
     @property
     def stopping(self) -> bool:
@@ -723,9 +648,3 @@ def _shared_tier(residency: Residency) -> SharedTier:
     except StoreError as exc:
         raise InvalidArgumentError(f"--shared-store: {exc}", field="shared_store") from None
     return SharedTier(store)
-
-
-def _fields(obj: object) -> dict[str, object]:
-    from dataclasses import fields
-
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}  # type: ignore[arg-type]

@@ -25,7 +25,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from types import TracebackType
 from typing import Protocol
 
 from modeld.cache.pool import SessionSlot
@@ -33,6 +32,7 @@ from modeld.cache.reuse import common_prefix_len
 from modeld.cache.warm import Forks, Hold, Synced
 from modeld.context import SegmentChurn
 from modeld.contract import (
+    Closing,
     Config,
     ContextReport,
     DecodeConfig,
@@ -102,7 +102,7 @@ class _Turn:
         self.restore_ms += hold.restore_ms
 
 
-class EngineSession:
+class EngineSession(Closing):
     """A session: one client's logical context on one loaded model."""
 
     def __init__(
@@ -242,7 +242,14 @@ class EngineSession:
             if self._manifest is None or not self._tokens:
                 raise PrefixRequiredError("decode needs a resident context: call ensure_prefix first")
             chat_template = self._info.chat_template if self._chat is not None else ""
-            plan = plan_decode(config, prefix_tools_json=self._tools_json, chat_template=chat_template)
+            limits = self._service.limits
+            plan = plan_decode(
+                config,
+                prefix_tools_json=self._tools_json,
+                chat_template=chat_template,
+                max_tools=limits.max_tools,
+                max_constraint_bytes=limits.max_constraint_bytes,
+            )
             engine_config = plan.engine_config(config)  # tools, tool_choice, the constraint compiled
             n = config.n
             # Choices decode plainly, together (a batch of one token per choice per step).
@@ -415,17 +422,6 @@ class EngineSession:
             self._service.forget(self, report)
         self._end.notify()
         log.info("session %s closed", self._id)
-
-    def __enter__(self) -> EngineSession:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # --- observers -----------------------------------------------------------------------
 

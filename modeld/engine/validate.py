@@ -18,22 +18,20 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 from modeld.contract import (
-    CONSTRAINT_KINDS,
     KV_CACHE_TYPES,
     PROMPT_FORMATS,
     TOOL_FORMATS,
     Capabilities,
     Config,
-    Constraint,
     DecodeConfig,
     OpenSessionRequest,
 )
+from modeld.decoding.constraints import check_constraint
 from modeld.decoding.samplers import SAMPLERS, check_float, check_int
-from modeld.decoding.sampling import MAX_CHOICES
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import InvalidArgumentError, LimitExceededError, ModelLoadError, UnsupportedError, echo
 from modeld.manifest import ContextManifest
@@ -226,6 +224,10 @@ def verify_sha256(path: str, digest: str) -> None:
         )
 
 
+_MANIFEST_STRINGS = tuple(f.name for f in fields(ContextManifest) if f.type == "str")
+"""The manifest's text fields (each bounded by ``max_string_bytes``)."""
+
+
 def validate_manifest_size(manifest: ContextManifest | None, limits: Limits) -> None:
     if manifest is None:
         return
@@ -238,19 +240,7 @@ def validate_manifest_size(manifest: ContextManifest | None, limits: Limits) -> 
             value=len(manifest.segments),
             maximum=limits.max_segments,
         )
-    for name in (
-        "profile_id",
-        "backend",
-        "backend_version",
-        "model_digest",
-        "tokenizer_digest",
-        "prompt_format",
-        "prompt_template_digest",
-        "runtime_digest",
-        "stable_byte_hash",
-        "stable_token_hash",
-        "volatile_token_hash",
-    ):
+    for name in _MANIFEST_STRINGS:
         validate_string(getattr(manifest, name), f"manifest.{name}", limits)
     for i, seg in enumerate(manifest.segments):
         for name, bound in (
@@ -267,7 +257,8 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
     if not isinstance(config, DecodeConfig):
         raise InvalidArgumentError("expected a DecodeConfig", field="decode")
     check_int(config.max_tokens, "max_tokens", 1, max(1, window))
-    check_int(config.n, "n", 1, MAX_CHOICES)
+    check_int(config.n, "n", 1, 1 << 30)
+    limits.check("max_choices", config.n, "choices (n)")
     for sampler in SAMPLERS:  # the one table: ranges, and what this backend honours
         sampler.check(getattr(config, sampler.name))
     if config.top_logprobs and not config.logprobs:
@@ -330,13 +321,7 @@ def _validate_decoding(config: DecodeConfig, limits: Limits, capabilities: Capab
     compiled by the decode, see ``modeld.decoding``)."""
     constraint = config.constraint
     if constraint is not None:
-        if not isinstance(constraint, Constraint):
-            raise InvalidArgumentError("constraint must be a Constraint", field="constraint")
-        if constraint.kind not in CONSTRAINT_KINDS:
-            raise InvalidArgumentError(
-                f"constraint.kind must be one of {', '.join(CONSTRAINT_KINDS)}, got {constraint.kind!r}",
-                field="constraint.kind",
-            )
+        check_constraint(constraint)
         encode_text(constraint.value, "constraint.value", limits)
         if constraint.kind not in capabilities.constraints:
             raise UnsupportedError(

@@ -77,13 +77,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from types import TracebackType
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, choose_encoder, generate_latest
 
 from modeld.contract import (
+    Closing,
     ContextReport,
     DecodeConfig,
     DecodeStream,
@@ -444,7 +444,7 @@ class _Sums:
         return family
 
 
-class ObservedSession:
+class ObservedSession(Closing):
     """A Session that counts what passes through it; otherwise the session it wraps.
 
     Not for concurrent use (like every Session). A turn starts with the first operation after
@@ -527,19 +527,8 @@ class ObservedSession:
     def close(self) -> None:
         self.inner.close()
 
-    def __enter__(self) -> ObservedSession:
-        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class _ObservedStream:
+class _ObservedStream(Closing):
     """A decode stream that times tokens and reports the final chunk to its session."""
 
     def __init__(self, session: ObservedSession, inner: DecodeStream, started: float) -> None:
@@ -575,14 +564,3 @@ class _ObservedStream:
 
     def close(self) -> None:
         self._inner.close()
-
-    def __enter__(self) -> _ObservedStream:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

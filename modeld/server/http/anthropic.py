@@ -1,11 +1,9 @@
 """Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``): what
 Claude Code speaks.
 
-A thin adapter over the conversation layer: the request becomes a Turn, the turn's events
-become a ``message`` or its SSE stream (``message_start``, ``content_block_start``,
-``content_block_delta`` with ``text_delta`` / ``input_json_delta`` / ``thinking_delta``,
-``content_block_stop``, ``message_delta`` with the stop reason and usage, ``message_stop``;
-``ping`` after the start). Field by field (``blueprints/0019-agent-apis.md``):
+A thin adapter over the conversation layer: the request becomes a Turn (here), the turn's
+events become a ``message`` or its SSE stream (:mod:`modeld.server.http.anthropic_answers`).
+Field by field (``blueprints/0019-agent-apis.md``):
 
 * ``system`` (a string or text blocks) is the first system message; a ``system`` message inside
   ``messages`` (Claude Code sends its environment so, after the first user message) is a system
@@ -40,7 +38,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -49,15 +47,22 @@ from starlette.routing import Route
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
+from modeld.server.http.anthropic_answers import anthropic_error, message_complete, message_stream
 from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
-from modeld.server.http.errors import HttpError, bad, unsupported
-from modeld.server.http.fields import MAX_MESSAGES, MAX_TOOLS, integer, number, obj, refuse_unknown, stop_list
-from modeld.server.http.openai_answers import extension
+from modeld.server.http.errors import bad, unsupported
+from modeld.server.http.fields import (
+    integer,
+    model_name,
+    number,
+    obj,
+    refuse_unknown,
+    stop_list,
+)
 from modeld.server.http.openai_chat import response_format
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
+from modeld.settings import Limits
 
-__all__ = ["anthropic_error", "parse_messages", "routes"]
+__all__ = ["parse_messages", "routes"]
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block: a per-request attribution line, not an instruction."""
@@ -104,25 +109,6 @@ _TOOL_FIELDS = frozenset(
         "allowed_callers",
     }
 )
-
-_STATUS_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "overloaded_error",
-    504: "timeout_error",
-}
-
-
-def anthropic_error(error: HttpError) -> dict[str, Any]:
-    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
-    kind = _STATUS_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
-
 
 # --- the request ----------------------------------------------------------------------------------
 
@@ -182,12 +168,11 @@ def _tool_result(block: Mapping[str, Any], at: str) -> Message:
     return Message("tool", f"Error: {text}" if is_error else text)
 
 
-def _messages(body: Mapping[str, Any]) -> list[Message]:
+def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty array")
-    if len(messages) > MAX_MESSAGES:
-        raise bad("messages", f"{len(messages)} messages; the limit is {MAX_MESSAGES}")
+    limits.check("max_messages", len(messages), "messages")
     out: list[Message] = []
     for i, message in enumerate(messages):
         where = f"messages.{i}"
@@ -206,8 +191,7 @@ def _messages(body: Mapping[str, Any]) -> list[Message]:
             continue
         if not isinstance(content, list):
             raise bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
-        if len(content) > MAX_MESSAGES:
-            raise bad(f"{where}.content", f"{len(content)} content blocks; the limit is {MAX_MESSAGES}")
+        limits.check("max_messages", len(content), f"content blocks in {where}")
         if role == "assistant":
             out.append(_assistant(content, where))
         else:
@@ -267,15 +251,14 @@ def _user(content: list[Any], where: str) -> list[Message]:
     return out
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...], list[str]]:
+def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...], list[str]]:
     """(tools JSON, hosted tool types left out, tool names)."""
     tools = body.get("tools")
     if tools is None:
         return "", (), []
     if not isinstance(tools, list):
         raise bad("tools", "tools must be an array")
-    if len(tools) > MAX_TOOLS:
-        raise bad("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    limits.check("max_tools", len(tools), "tools")
     functions: list[dict[str, object]] = []
     hosted: list[str] = []
     for i, tool in enumerate(tools):
@@ -369,21 +352,17 @@ def _session(metadata: Mapping[str, Any] | None) -> str:
 
 
 def parse_messages(
-    body: Mapping[str, Any], headers: Mapping[str, str], *, count_only: bool = False
+    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, *, count_only: bool = False
 ) -> tuple[Turn, str]:
     """A Messages request as a Turn, and what to do with thinking (``show``, ``omit``, ``drop``)."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad("model", "model is required (one of the names GET /v1/models lists)")
-    if len(model) > 256:
-        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    model = model_name(body, code="invalid_value")
     refuse_unknown(body, _TOP_LEVEL)
     max_tokens = 1 if count_only else integer(body, "max_tokens", 0, 1 << 30)
     if max_tokens is None:
         raise bad("max_tokens", "max_tokens is required")
     system = _system(body.get("system"))
-    messages = ([Message("system", system)] if system else []) + _messages(body)
-    tools_json, hosted, names = _tools(body)
+    messages = ([Message("system", system)] if system else []) + _messages(body, limits)
+    tools_json, hosted, names = _tools(body, limits)
     choice, parallel = _tool_choice(body, names)
     if choice == "none":
         tools_json = ""  # the model is not shown tools it may not call
@@ -407,7 +386,7 @@ def parse_messages(
     turn = Turn(
         api="anthropic.messages",
         model=model,
-        decode=DecodeConfig(stop=stop_list(body, "stop_sequences"), **values),
+        decode=DecodeConfig(stop=stop_list(body, limits, "stop_sequences"), **values),
         keys=Keys(
             header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
             routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
@@ -423,181 +402,6 @@ def parse_messages(
     return turn, _thinking(body)
 
 
-# --- the answer ------------------------------------------------------------------------------------
-
-
-def _stop_reason(finish: str) -> str:
-    if finish == "length":
-        return "max_tokens"
-    if finish == "stop_sequence":
-        return "stop_sequence"
-    if finish in ("tool_calls", "signal"):
-        return "tool_use"
-    return "end_turn"
-
-
-def _stop_sequence(finished: Finished) -> str | None:
-    """Which stop sequence ended the answer (the engine names the one that matched)."""
-    if finished.finish == "stop_sequence":
-        return finished.stop_sequence or None
-    return None
-
-
-def usage_dict(usage: TurnUsage, *, output: int | None = None) -> dict[str, Any]:
-    return {
-        "input_tokens": usage.uncached_tokens,
-        "cache_creation_input_tokens": usage.created_tokens,
-        "cache_read_input_tokens": usage.cached_tokens,
-        "output_tokens": usage.completion_tokens if output is None else output,
-    }
-
-
-def _message_id(turn: Turn) -> str:
-    return f"msg_{turn.id}"
-
-
-def _tool_use(call: ToolCall) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.arguments) if call.arguments else {}
-    except ValueError:
-        arguments = {}
-    return {
-        "type": "tool_use",
-        "id": call.id,
-        "name": call.name,
-        "input": arguments if isinstance(arguments, dict) else {},
-    }
-
-
-def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, Any]:
-    content: list[dict[str, Any]] = []
-    if done.reasoning and thinking != "drop":
-        content.append(
-            {"type": "thinking", "thinking": done.reasoning if thinking == "show" else "", "signature": ""}
-        )
-    if done.text:
-        content.append({"type": "text", "text": done.text})
-    content += [_tool_use(c) for c in done.finished.calls]
-    finish = done.finished.finish
-    return {
-        "id": _message_id(turn),
-        "type": "message",
-        "role": "assistant",
-        "model": turn.model,
-        "content": content,
-        "stop_reason": _stop_reason(finish),
-        "stop_sequence": _stop_sequence(done.finished),
-        "usage": usage_dict(done.finished.usage),
-        "modeld": {
-            **extension(done.started),
-            "finish_reason": finish,
-            "omitted_tools": list(turn.omitted_tools),
-        },
-    }
-
-
-def _event(kind: str, data: Mapping[str, Any]) -> bytes:
-    return (
-        f"event: {kind}\ndata: ".encode()
-        + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        + b"\n\n"
-    )
-
-
-class _Blocks:
-    """The content blocks of a streamed message, opened and closed in order."""
-
-    def __init__(self) -> None:
-        self.index = -1
-        self.kind = ""
-        self.calls: dict[int, int] = {}  # tool-call index -> block index
-
-    def open(self, kind: str, block: Mapping[str, Any]) -> bytes:
-        out = self.close()
-        self.index += 1
-        self.kind = kind
-        return out + _event(
-            "content_block_start",
-            {"type": "content_block_start", "index": self.index, "content_block": block},
-        )
-
-    def close(self) -> bytes:
-        if self.kind == "":
-            return b""
-        self.kind = ""
-        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
-
-    def delta(self, delta: Mapping[str, Any]) -> bytes:
-        return _event(
-            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
-        )
-
-
-async def message_stream(
-    turn: Turn, started: Started, events: AsyncIterator[Event], thinking: str
-) -> AsyncIterator[bytes]:
-    start_usage = usage_dict(started.usage, output=0)
-    yield _event(
-        "message_start",
-        {
-            "type": "message_start",
-            "message": {
-                "id": _message_id(turn),
-                "type": "message",
-                "role": "assistant",
-                "model": turn.model,
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": start_usage,
-            },
-        },
-    ) + _event("ping", {"type": "ping"})
-    blocks = _Blocks()
-    async for event in events:
-        if isinstance(event, Delta):
-            out = b""
-            if event.reasoning and thinking != "drop":
-                if blocks.kind != "thinking":
-                    out += blocks.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                if thinking == "show":
-                    out += blocks.delta({"type": "thinking_delta", "thinking": event.reasoning})
-            if event.text:
-                if blocks.kind != "text":
-                    out += blocks.open("text", {"type": "text", "text": ""})
-                out += blocks.delta({"type": "text_delta", "text": event.text})
-            for piece in event.calls:
-                if not turn.parallel_tool_calls and piece.index > 0:
-                    continue
-                if piece.id or piece.name:
-                    out += blocks.open(
-                        "tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
-                    )
-                    blocks.calls[piece.index] = blocks.index
-                if piece.arguments and blocks.calls.get(piece.index) == blocks.index:
-                    out += blocks.delta({"type": "input_json_delta", "partial_json": piece.arguments})
-            if out:
-                yield out
-        elif isinstance(event, Finished):
-            if event.error is not None:
-                yield blocks.close() + _event("error", anthropic_error(event.error))
-                return
-            out = blocks.close()
-            out += _event(
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {
-                        "stop_reason": _stop_reason(event.finish),
-                        "stop_sequence": _stop_sequence(event),
-                    },
-                    "usage": usage_dict(event.usage),
-                },
-            )
-            yield out + _event("message_stop", {"type": "message_stop"})
-            return
-
-
 def count_tokens_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A count_tokens request is a Messages request without max_tokens (it is ignored)."""
     return {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
@@ -606,7 +410,7 @@ def count_tokens_body(body: Mapping[str, Any]) -> dict[str, Any]:
 def routes(service: HttpService) -> list[Route]:
     async def messages(request: Request) -> Response:
         async with service.body(request) as body:
-            turn, thinking = parse_messages(body, request.headers)
+            turn, thinking = parse_messages(body, request.headers, service.gateway.limits)
             return await service.turn(
                 request,
                 turn,
@@ -618,7 +422,9 @@ def routes(service: HttpService) -> list[Route]:
 
     async def count_tokens(request: Request) -> Response:
         async with service.body(request) as body:
-            turn, _ = parse_messages(count_tokens_body(body), request.headers, count_only=True)
+            turn, _ = parse_messages(
+                count_tokens_body(body), request.headers, service.gateway.limits, count_only=True
+            )
             count = await service.count_tokens(turn)
         return JSONResponse({"input_tokens": count})
 

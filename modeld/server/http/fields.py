@@ -4,8 +4,11 @@ Every reader takes the body (a JSON object), a field name and its bounds, and re
 or None when the field is absent (or null); a wrong type or a value out of range is a 400 that
 names the field (``param``). :func:`check_strings` refuses a lone surrogate anywhere in a body
 (``json.loads`` accepts ``"\\ud800"``, which no UTF-8 encoder does), so nothing downstream ever
-meets one. Limits on strings and arrays are explicit here (:data:`MAX_KEY_CHARS`, ...), and the
-engine's own limits (text bytes, segments) apply after.
+meets one. Bounds of a request's shape are explicit here (:data:`MAX_KEY_CHARS`, ...); the
+operating limits a daemon is started with (messages, tools, stop strings, choices: the
+:class:`~modeld.settings.Limits`, each a ``modeld serve`` flag) are checked with
+:meth:`~modeld.settings.Limits.check` (``limit_exceeded`` naming the limit), and the engine's own
+(text bytes, segments) apply after.
 """
 
 from __future__ import annotations
@@ -14,21 +17,20 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from modeld.decoding.samplers import MAX_LOGIT_BIAS_ENTRIES
 from modeld.errors import echo
 from modeld.server.http.errors import HttpError, bad, unsupported
+from modeld.settings import Limits
 
 __all__ = [
     "MAX_KEY_CHARS",
-    "MAX_LOGIT_BIAS",
-    "MAX_MESSAGES",
-    "MAX_STOP",
     "MAX_TOOL_CALLS",
-    "MAX_TOOLS",
     "boolean",
     "check_strings",
     "choice",
     "integer",
     "logit_bias",
+    "model_name",
     "number",
     "obj",
     "stop_list",
@@ -37,18 +39,23 @@ __all__ = [
 
 MAX_KEY_CHARS = 256
 """Longest id-like string kept as given: conversation keys, call ids, tool and model names."""
-MAX_MESSAGES = 4096
-"""Messages (or input items, content blocks) in one request."""
 MAX_TOOL_CALLS = 256
 """Tool calls in one assistant message."""
-MAX_TOOLS = 512
-"""Tool definitions in one request."""
-MAX_STOP = 16
-"""Stop strings in one request."""
 MAX_STOP_CHARS = 1024
-MAX_LOGIT_BIAS = 1024
 MAX_DEPTH = 128
 """Nesting of a request body (JSON) at most."""
+
+
+def model_name(body: Mapping[str, Any], *, code: str = "missing_required_parameter") -> str:
+    """The ``model`` a request names (one of the names ``GET /v1/models`` lists): required; a
+    name longer than any served one is a model that does not exist (404). ``code``: the error
+    code of a missing name."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "model is required (one of the names GET /v1/models lists)", code=code)
+    if len(model) > MAX_KEY_CHARS:
+        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    return model
 
 
 def check_strings(value: Any, depth: int = 0) -> None:
@@ -149,7 +156,10 @@ def number(body: Mapping[str, Any], name: str, lo: float, hi: float, *, param: s
     return float(value)
 
 
-def stop_list(body: Mapping[str, Any], name: str = "stop", *, param: str = "") -> tuple[str, ...]:
+def stop_list(
+    body: Mapping[str, Any], limits: Limits, name: str = "stop", *, param: str = ""
+) -> tuple[str, ...]:
+    """Stop strings: one string or an array, at most ``limits.max_stop_strings``."""
     value = body.get(name)
     where = param or name
     if value is None:
@@ -158,8 +168,7 @@ def stop_list(body: Mapping[str, Any], name: str = "stop", *, param: str = "") -
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise bad(where, f"{where} must be a string or an array of strings")
-    if len(value) > MAX_STOP:
-        raise bad(where, f"{where} has {len(value)} strings; the limit is {MAX_STOP}")
+    limits.check("max_stop_strings", len(value), f"strings in {where}")
     if any(len(s) > MAX_STOP_CHARS for s in value):
         raise bad(where, f"a stop string is longer than {MAX_STOP_CHARS} characters")
     return tuple(s for s in value if s)
@@ -172,8 +181,8 @@ def logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
         return {}
     if not isinstance(value, dict):
         raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise bad("logit_bias", f"logit_bias has {len(value)} entries; the limit is {MAX_LOGIT_BIAS}")
+    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
+        raise bad("logit_bias", f"logit_bias has {len(value)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}")
     out: dict[int, float] = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):

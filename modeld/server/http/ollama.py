@@ -45,8 +45,6 @@ from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
     boolean,
     integer,
     number,
@@ -57,6 +55,7 @@ from modeld.server.http.fields import (
 from modeld.server.http.models import ModelEntry
 from modeld.server.http.openai_chat import response_format
 from modeld.server.http.turn import Keys, Message, Turn, key_value
+from modeld.settings import Limits
 
 __all__ = ["OLLAMA_API_VERSION", "ollama_error", "routes"]
 
@@ -145,7 +144,7 @@ def keep_alive(value: Any) -> float | None:
     return 0.0 if seconds < 0 else min(seconds, 365 * 24 * 3600.0)
 
 
-def _decode(body: Mapping[str, Any], tools: bool) -> tuple[DecodeConfig, int | None, int]:
+def _decode(body: Mapping[str, Any], tools: bool, limits: Limits) -> tuple[DecodeConfig, int | None, int]:
     """(the decode config, num_predict, num_ctx) from ``options`` and ``format``."""
     options = obj(body, "options") or {}
     refuse_unknown(options, _OPTIONS, "options")
@@ -183,7 +182,7 @@ def _decode(body: Mapping[str, Any], tools: bool) -> tuple[DecodeConfig, int | N
     if constraint is not None and tools:
         values["tool_choice"] = "none"  # a schema answers; tools would compete with it
     config = DecodeConfig(
-        stop=stop_list(options, "stop", param="options.stop"), constraint=constraint, **values
+        stop=stop_list(options, limits, "stop", param="options.stop"), constraint=constraint, **values
     )
     return config, (None if predict is None or predict < 0 else predict), num_ctx
 
@@ -193,12 +192,11 @@ def _images(message: Mapping[str, Any], where: str) -> None:
         raise unsupported(f"{where}.images", f"{where}.images: the models modeld serves read text only")
 
 
-def _messages(body: Mapping[str, Any]) -> list[Message]:
+def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise bad("messages", "messages must be an array")
-    if len(messages) > MAX_MESSAGES:
-        raise bad("messages", f"{len(messages)} messages; the limit is {MAX_MESSAGES}")
+    limits.check("max_messages", len(messages), "messages")
     out: list[Message] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -242,14 +240,13 @@ def _messages(body: Mapping[str, Any]) -> list[Message]:
     return out
 
 
-def _tools(body: Mapping[str, Any]) -> str:
+def _tools(body: Mapping[str, Any], limits: Limits) -> str:
     tools = body.get("tools")
     if tools is None or tools == []:
         return ""
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad("tools", "tools must be an array of tool objects")
-    if len(tools) > MAX_TOOLS:
-        raise bad("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    limits.check("max_tools", len(tools), "tools")
     return json.dumps(tools, ensure_ascii=False)
 
 
@@ -262,13 +259,15 @@ def _think(body: Mapping[str, Any]) -> bool:
     raise bad("think", f'think must be a boolean or "low", "medium", "high", got {echo(think)}')
 
 
-def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Turn, bool, float | None]:
+def parse_chat(
+    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
+) -> tuple[Turn, bool, float | None]:
     """An ``/api/chat`` body as a Turn, whether to show thinking, and keep_alive."""
     refuse_unknown(body, _CHAT_FIELDS)
     model = _model(body)
-    tools_json = _tools(body)
-    decode, predict, num_ctx = _decode(body, bool(tools_json))
-    messages = _messages(body)
+    tools_json = _tools(body, limits)
+    decode, predict, num_ctx = _decode(body, bool(tools_json), limits)
+    messages = _messages(body, limits)
     stream = boolean(body, "stream")
     turn = Turn(
         api="ollama.chat",
@@ -287,7 +286,9 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Tur
     return turn, _think(body), keep_alive(body.get("keep_alive"))
 
 
-def parse_generate(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Turn, bool, float | None]:
+def parse_generate(
+    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
+) -> tuple[Turn, bool, float | None]:
     """An ``/api/generate`` body as a Turn (``raw``: the prompt as given)."""
     refuse_unknown(body, _GENERATE_FIELDS)
     for name in ("context", "template", "suffix"):
@@ -298,7 +299,7 @@ def parse_generate(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple
             )
     _images(body, "request")
     model = _model(body)
-    decode, predict, num_ctx = _decode(body, False)
+    decode, predict, num_ctx = _decode(body, False, limits)
     prompt = body.get("prompt") or ""
     system = body.get("system") or ""
     if not isinstance(prompt, str) or not isinstance(system, str):
@@ -544,13 +545,13 @@ def routes(service: HttpService) -> list[Route]:
     async def chat(request: Request) -> Response:
         began = time.monotonic()
         async with service.body(request) as body:
-            turn, think, alive = parse_chat(body, request.headers)
+            turn, think, alive = parse_chat(body, request.headers, service.gateway.limits)
             return await _run(service, request, turn, think, alive, began, chat=True)
 
     async def generate(request: Request) -> Response:
         began = time.monotonic()
         async with service.body(request) as body:
-            turn, think, alive = parse_generate(body, request.headers)
+            turn, think, alive = parse_generate(body, request.headers, service.gateway.limits)
             if not body.get("prompt"):  # an empty prompt only loads the model (Ollama's preload)
                 await service.load(turn)
                 return JSONResponse(

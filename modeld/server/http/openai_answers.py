@@ -211,7 +211,22 @@ def choices_note(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
     return {"n": turn.n, "decoded": started.decoded, **({"why": started.why} if started.why else {})}
 
 
-def _with_choices(turn: Turn, dones: Sequence[Collected], answer: dict[str, Any]) -> dict[str, Any]:
+def _answer(
+    turn: Turn, dones: Sequence[Collected], answer_id: str, kind: str, choices: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A whole answer (chat or completion) of one or ``n`` choices, with usage and timings."""
+    usage = choices_usage(dones)
+    answer: dict[str, Any] = {
+        "id": answer_id,
+        "object": kind,
+        "created": turn.created,
+        "model": turn.model,
+        "choices": choices,
+        "usage": usage_dict(usage),
+        "timings": timings_dict(usage),
+        "system_fingerprint": None,
+        "modeld": extension(dones[0].started),
+    }
     note = choices_note(turn, dones)
     if note:
         answer["timings"]["choices"] = note
@@ -224,29 +239,16 @@ def chat_complete(turn: Turn, done: Collected) -> dict[str, Any]:
 
 
 def chat_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
-    return _with_choices(
-        turn,
-        dones,
+    choices = [
         {
-            "id": f"chatcmpl-{turn.id}",
-            "object": "chat.completion",
-            "created": turn.created,
-            "model": turn.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": chat_message(done),
-                    "logprobs": chat_logprobs(done.logprobs),
-                    "finish_reason": finish_reason(done.finished.finish),
-                }
-                for i, done in enumerate(dones)
-            ],
-            "usage": usage_dict(choices_usage(dones)),
-            "timings": timings_dict(choices_usage(dones)),
-            "system_fingerprint": None,
-            "modeld": extension(dones[0].started),
-        },
-    )
+            "index": i,
+            "message": chat_message(done),
+            "logprobs": chat_logprobs(done.logprobs),
+            "finish_reason": finish_reason(done.finished.finish),
+        }
+        for i, done in enumerate(dones)
+    ]
+    return _answer(turn, dones, f"chatcmpl-{turn.id}", "chat.completion", choices)
 
 
 def _chat_chunk(
@@ -260,18 +262,34 @@ def _chat_chunk(
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``; with ``delta`` None, the usage-only last chunk."""
+    choice = (
+        None if delta is None else {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+    )
+    return _stream_chunk(
+        f"chatcmpl-{turn.id}", "chat.completion.chunk", turn, choice, include_usage, usage, ext
+    )
+
+
+def _stream_chunk(
+    chunk_id: str,
+    kind: str,
+    turn: Turn,
+    choice: dict[str, Any] | None,
+    include_usage: bool,
+    usage: TurnUsage | None,
+    ext: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """One chunk of a chat or completion stream; with ``choice`` None, the usage-only last one."""
     chunk: dict[str, Any] = {
-        "id": f"chatcmpl-{turn.id}",
-        "object": "chat.completion.chunk",
+        "id": chunk_id,
+        "object": kind,
         "created": turn.created,
         "model": turn.model,
         "system_fingerprint": None,
-        "choices": []
-        if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": [] if choice is None else [choice],
     }
     if include_usage:
-        chunk["usage"] = usage_dict(usage) if delta is None else None
+        chunk["usage"] = usage_dict(usage) if choice is None else None
     if ext is not None:
         chunk["modeld"] = ext
     return chunk
@@ -313,29 +331,16 @@ def completion_complete(turn: Turn, done: Collected) -> dict[str, Any]:
 
 
 def completion_choices(turn: Turn, dones: Sequence[Collected]) -> dict[str, Any]:
-    return _with_choices(
-        turn,
-        dones,
+    choices = [
         {
-            "id": f"cmpl-{turn.id}",
-            "object": "text_completion",
-            "created": turn.created,
-            "model": turn.model,
-            "choices": [
-                {
-                    "index": i,
-                    "text": done.text,
-                    "logprobs": completion_logprobs(done.logprobs, 0),
-                    "finish_reason": finish_reason(done.finished.finish),
-                }
-                for i, done in enumerate(dones)
-            ],
-            "usage": usage_dict(choices_usage(dones)),
-            "timings": timings_dict(choices_usage(dones)),
-            "system_fingerprint": None,
-            "modeld": extension(dones[0].started),
-        },
-    )
+            "index": i,
+            "text": done.text,
+            "logprobs": completion_logprobs(done.logprobs, 0),
+            "finish_reason": finish_reason(done.finished.finish),
+        }
+        for i, done in enumerate(dones)
+    ]
+    return _answer(turn, dones, f"cmpl-{turn.id}", "text_completion", choices)
 
 
 def _completion_chunk(
@@ -348,21 +353,10 @@ def _completion_chunk(
     ext: dict[str, Any] | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": f"cmpl-{turn.id}",
-        "object": "text_completion",
-        "created": turn.created,
-        "model": turn.model,
-        "system_fingerprint": None,
-        "choices": []
-        if text is None
-        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
-    }
-    if include_usage:
-        chunk["usage"] = usage_dict(usage) if text is None else None
-    if ext is not None:
-        chunk["modeld"] = ext
-    return chunk
+    choice = (
+        None if text is None else {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    )
+    return _stream_chunk(f"cmpl-{turn.id}", "text_completion", turn, choice, include_usage, usage, ext)
 
 
 async def completion_stream(

@@ -25,25 +25,23 @@ from collections.abc import Mapping
 from typing import Any
 
 from modeld.contract import Constraint, DecodeConfig, ToolCall
-from modeld.decoding.sampling import MAX_CHOICES
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import echo
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
-    MAX_MESSAGES,
     MAX_TOOL_CALLS,
-    MAX_TOOLS,
     boolean,
     choice,
     integer,
     logit_bias,
+    model_name,
     number,
     stop_list,
 )
 from modeld.server.http.turn import Keys, Message, Turn, key_value
+from modeld.settings import Limits
 
 __all__ = [
-    "MAX_CHOICES",
     "SGLANG_FIELDS",
     "checked_call",
     "openai_error",
@@ -192,6 +190,7 @@ def _check_neutral(body: Mapping[str, Any], skip: set[str]) -> None:
 def decode_config(
     body: Mapping[str, Any],
     mapped: set[str] | frozenset[str],
+    limits: Limits,
     *,
     temperature_max: float = 2.0,
     extensions: bool = True,
@@ -254,7 +253,7 @@ def decode_config(
                 raise unsupported(
                     name, f"unknown field {echo(name)} with a non-scalar value is not supported"
                 )
-    return DecodeConfig(max_tokens=1, stop=stop_list(body), extra=extra, **values)
+    return DecodeConfig(max_tokens=1, stop=stop_list(body, limits), extra=extra, **values)
 
 
 def _chat_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -336,19 +335,6 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def model_name(body: Mapping[str, Any]) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad(
-            "model",
-            "model is required (one of the names GET /v1/models lists)",
-            code="missing_required_parameter",
-        )
-    if len(model) > 256:
-        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
-    return model
-
-
 def _content(message: Mapping[str, Any], where: str) -> str:
     content = message.get("content")
     if content is None:
@@ -372,12 +358,11 @@ def _content(message: Mapping[str, Any], where: str) -> str:
     return "".join(parts)
 
 
-def _messages(body: Mapping[str, Any]) -> list[Message]:
+def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "messages must be a non-empty array", code="missing_required_parameter")
-    if len(messages) > MAX_MESSAGES:
-        raise bad("messages", f"{len(messages)} messages; the limit is {MAX_MESSAGES}")
+    limits.check("max_messages", len(messages), "messages")
     out: list[Message] = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -468,7 +453,7 @@ def tool_choice(choice: object, param: str = "tool_choice") -> str:
     raise bad(param, f"{param} must be 'auto', 'none', 'required' or an object, got {echo(choice)}")
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[str, str]:
+def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, str]:
     """(tools JSON for the template, DecodeConfig.tool_choice)."""
     tools = body.get("tools")
     mode = tool_choice(body.get("tool_choice"))
@@ -481,8 +466,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[str, str]:
         return "", "auto"
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad("tools", "tools must be an array of tool objects")
-    if len(tools) > MAX_TOOLS:
-        raise bad("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    limits.check("max_tools", len(tools), "tools")
     if mode == "none":
         return "", "none"  # the model is not shown tools it may not call
     return json.dumps(tools, ensure_ascii=False), mode
@@ -497,15 +481,16 @@ def _keys(body: Mapping[str, Any], headers: Mapping[str, str]) -> Keys:
     )
 
 
-def _choices(body: Mapping[str, Any], stream: bool) -> int:
-    """``n``: how many choices (at most ``MAX_CHOICES``), each decoded from the same prompt."""
-    n = integer(body, "n", 1, MAX_CHOICES) or 1
+def _choices(body: Mapping[str, Any], stream: bool, limits: Limits) -> int:
+    """``n``: how many choices (at most ``limits.max_choices``), each decoded from the same prompt."""
+    n = integer(body, "n", 1, 1 << 30) or 1
+    limits.check("max_choices", n, "choices (n)")
     if n > 1 and stream:
         raise unsupported("n", f"n={n} is answered without stream (a stream carries one choice)")
     return n
 
 
-def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Turn, bool]:
+def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits) -> tuple[Turn, bool]:
     """A ``/v1/chat/completions`` body as a Turn, and whether usage is streamed."""
     model = model_name(body)
     _check_neutral(body, _CHAT_ONLY_NEUTRAL)
@@ -518,10 +503,10 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Tur
     max_tokens = integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = integer(body, "max_tokens", 1, 1 << 30)
-    messages = tuple(_messages(body))
-    tools_json, choice = _tools(body)
+    messages = tuple(_messages(body, limits))
+    tools_json, choice = _tools(body, limits)
     decode = decode_config(
-        body, _CHAT_MAPPED, constraint=constraint, tool_choice=choice, **_chat_logprobs(body)
+        body, _CHAT_MAPPED, limits, constraint=constraint, tool_choice=choice, **_chat_logprobs(body)
     )
     turn = Turn(
         api="openai.chat",
@@ -533,12 +518,14 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Tur
         tools_json=tools_json,
         max_tokens=max_tokens,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
-        n=_choices(body, stream),
+        n=_choices(body, stream, limits),
     )
     return turn, include_usage
 
 
-def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str]) -> tuple[Turn, bool]:
+def parse_completion(
+    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
+) -> tuple[Turn, bool]:
     """A ``/v1/completions`` body as a Turn: the prompt is evaluated as given (raw)."""
     model = model_name(body)
     _check_neutral(body, _COMPLETION_ONLY_NEUTRAL)
@@ -558,11 +545,11 @@ def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str]) -> tup
     turn = Turn(
         api="openai.completions",
         model=model,
-        decode=decode_config(body, _COMPLETION_MAPPED, **_completion_logprobs(body)),
+        decode=decode_config(body, _COMPLETION_MAPPED, limits, **_completion_logprobs(body)),
         keys=_keys(body, headers),
         stream=stream,
         prompt=prompt,
         max_tokens=16 if max_tokens is None else max_tokens,
-        n=_choices(body, stream),
+        n=_choices(body, stream, limits),
     )
     return turn, include_usage

@@ -64,7 +64,7 @@ def routes(service: HttpService) -> list[Route]:
 
     async def chat(request: Request) -> Response:
         async with service.body(request) as body:
-            turn, include_usage = parse_chat(body, request.headers)
+            turn, include_usage = parse_chat(body, request.headers, service.gateway.limits)
             if turn.n > 1:
                 return await service.choices(turn, chat_choices, openai_error)
             return await service.turn(
@@ -77,7 +77,7 @@ def routes(service: HttpService) -> list[Route]:
 
     async def completions(request: Request) -> Response:
         async with service.body(request) as body:
-            turn, include_usage = parse_completion(body, request.headers)
+            turn, include_usage = parse_completion(body, request.headers, service.gateway.limits)
             if turn.n > 1:
                 return await service.choices(turn, completion_choices, openai_error)
             return await service.turn(

@@ -50,10 +50,9 @@ from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.conversations import Collected
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
-    MAX_MESSAGES,
-    MAX_TOOLS,
     boolean,
     integer,
+    model_name,
     number,
     obj,
     refuse_unknown,
@@ -68,6 +67,7 @@ from modeld.server.http.responses_answers import (
 )
 from modeld.server.http.responses_store import ResponseStore, Stored
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
+from modeld.settings import Limits
 
 __all__ = ["parse_response_request", "routes"]
 
@@ -152,14 +152,13 @@ def _parts(content: Any, where: str) -> str:
     return "".join(out)
 
 
-def input_messages(value: Any, where: str = "input") -> list[Message]:
+def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
     """The ``input`` items as the conversation's messages (calls join their assistant turn)."""
     if isinstance(value, str):
         return [Message("user", value)]
     if not isinstance(value, list):
         raise bad(where, f"{where} must be a string or an array of items")
-    if len(value) > MAX_MESSAGES:
-        raise bad(where, f"{len(value)} input items; the limit is {MAX_MESSAGES}")
+    limits.check("max_messages", len(value), f"items in {where}")
     out: list[Message] = []
     for i, item in enumerate(value):
         at = f"{where}[{i}]"
@@ -227,12 +226,12 @@ def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[st
     return functions, hosted
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[str, tuple[str, ...], list[str]]:
+def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...], list[str]]:
     tools = body.get("tools")
     if tools is None:
         return "", (), []
-    if isinstance(tools, list) and len(tools) > MAX_TOOLS:
-        raise bad("tools", f"{len(tools)} tools; the limit is {MAX_TOOLS}")
+    if isinstance(tools, list):
+        limits.check("max_tools", len(tools), "tools")
     functions, hosted = _functions(tools, "tools")
     names = [str(f["function"]["name"]) for f in functions]  # type: ignore[index]
     return tools_json_of(functions), tuple(hosted), names
@@ -254,18 +253,10 @@ def _choice(body: Mapping[str, Any], names: list[str]) -> str:
 
 
 def parse_response_request(
-    body: Mapping[str, Any], headers: Mapping[str, str], previous: Stored | None
+    body: Mapping[str, Any], headers: Mapping[str, str], previous: Stored | None, limits: Limits
 ) -> tuple[Turn, bool, tuple[Message, ...]]:
     """A Responses request as a Turn, whether to store it, and its new input messages."""
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad(
-            "model",
-            "model is required (one of the names GET /v1/models lists)",
-            code="missing_required_parameter",
-        )
-    if len(model) > 256:
-        raise HttpError(404, f"the model {echo(model)} does not exist", code="model_not_found", param="model")
+    model = model_name(body)
     for name, why in _REFUSED.items():
         if body.get(name) is not None:
             raise unsupported(name, f"{name} is not supported: {why}")
@@ -276,14 +267,14 @@ def parse_response_request(
     refuse_unknown(body, _TOP_LEVEL)
     if "input" not in body or body["input"] is None:
         raise bad("input", "input is required", code="missing_required_parameter")
-    new = input_messages(body["input"])
+    new = input_messages(body["input"], limits)
     instructions = string(body, "instructions", limit=1 << 24) or ""
     history = list(previous.history) if previous is not None else []
     system = [Message("system", instructions)] if instructions else []
     messages = tuple(system + history + new)
     if not messages:
         raise bad("input", "the conversation is empty")
-    tools_json, hosted, names = _tools(body)
+    tools_json, hosted, names = _tools(body, limits)
     choice = _choice(body, names)
     if choice == "none":
         tools_json = ""
@@ -345,7 +336,9 @@ def routes(service: HttpService) -> list[Route]:
         async with service.body(request) as body:
             previous_id = string(body, "previous_response_id")
             previous = stored(previous_id) if previous_id else None
-            turn, keep_it, new = parse_response_request(body, request.headers, previous)
+            turn, keep_it, new = parse_response_request(
+                body, request.headers, previous, service.gateway.limits
+            )
             shape = ResponseShape(turn, body, previous_id, keep_it and store is not None)
 
             def keep(done: Collected, response: dict[str, Any]) -> None:

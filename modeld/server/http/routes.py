@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from modeld.server.http import anthropic, gateway_routes, ollama, openai_routes, responses
+from modeld.server.http.anthropic_answers import anthropic_error
 from modeld.server.http.app import HttpService, error_response, guarded
 from modeld.server.http.errors import ErrorStyle, HttpError, incident_id
 from modeld.server.http.openai_chat import openai_error
@@ -39,7 +40,7 @@ def build_app(service: HttpService) -> Starlette:
 
     def style_of(path: str) -> ErrorStyle:
         if path.startswith("/v1/messages"):
-            return anthropic.anthropic_error
+            return anthropic_error
         if path.startswith("/api/"):
             return ollama.ollama_error
         return openai_error

@@ -1,0 +1,213 @@
+"""Anthropic's Messages API, the answer: a ``message``, its SSE stream, the error envelope.
+
+The turn's events become a ``message`` (:func:`message_complete`) or its stream
+(:func:`message_stream`: ``message_start``, ``content_block_start``, ``content_block_delta``
+with ``text_delta`` / ``input_json_delta`` / ``thinking_delta``, ``content_block_stop``,
+``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` after the start).
+The request side and the routes are :mod:`modeld.server.http.anthropic`'s; the fields and the
+usage's cache accounting are described there and in ``blueprints/0019-agent-apis.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from modeld.contract import ToolCall
+from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
+from modeld.server.http.errors import HttpError
+from modeld.server.http.openai_answers import extension
+from modeld.server.http.turn import Turn
+
+__all__ = ["anthropic_error", "message_complete", "message_stream", "usage_dict"]
+
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def anthropic_error(error: HttpError) -> dict[str, Any]:
+    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _STATUS_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def _stop_reason(finish: str) -> str:
+    if finish == "length":
+        return "max_tokens"
+    if finish == "stop_sequence":
+        return "stop_sequence"
+    if finish in ("tool_calls", "signal"):
+        return "tool_use"
+    return "end_turn"
+
+
+def _stop_sequence(finished: Finished) -> str | None:
+    """Which stop sequence ended the answer (the engine names the one that matched)."""
+    if finished.finish == "stop_sequence":
+        return finished.stop_sequence or None
+    return None
+
+
+def usage_dict(usage: TurnUsage, *, output: int | None = None) -> dict[str, Any]:
+    return {
+        "input_tokens": usage.uncached_tokens,
+        "cache_creation_input_tokens": usage.created_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "output_tokens": usage.completion_tokens if output is None else output,
+    }
+
+
+def _message_id(turn: Turn) -> str:
+    return f"msg_{turn.id}"
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.arguments) if call.arguments else {}
+    except ValueError:
+        arguments = {}
+    return {
+        "type": "tool_use",
+        "id": call.id,
+        "name": call.name,
+        "input": arguments if isinstance(arguments, dict) else {},
+    }
+
+
+def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, Any]:
+    content: list[dict[str, Any]] = []
+    if done.reasoning and thinking != "drop":
+        content.append(
+            {"type": "thinking", "thinking": done.reasoning if thinking == "show" else "", "signature": ""}
+        )
+    if done.text:
+        content.append({"type": "text", "text": done.text})
+    content += [_tool_use(c) for c in done.finished.calls]
+    finish = done.finished.finish
+    return {
+        "id": _message_id(turn),
+        "type": "message",
+        "role": "assistant",
+        "model": turn.model,
+        "content": content,
+        "stop_reason": _stop_reason(finish),
+        "stop_sequence": _stop_sequence(done.finished),
+        "usage": usage_dict(done.finished.usage),
+        "modeld": {
+            **extension(done.started),
+            "finish_reason": finish,
+            "omitted_tools": list(turn.omitted_tools),
+        },
+    }
+
+
+def _event(kind: str, data: Mapping[str, Any]) -> bytes:
+    return (
+        f"event: {kind}\ndata: ".encode()
+        + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+        + b"\n\n"
+    )
+
+
+class _Blocks:
+    """The content blocks of a streamed message, opened and closed in order."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind = ""
+        self.calls: dict[int, int] = {}  # tool-call index -> block index
+
+    def open(self, kind: str, block: Mapping[str, Any]) -> bytes:
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        return out + _event(
+            "content_block_start",
+            {"type": "content_block_start", "index": self.index, "content_block": block},
+        )
+
+    def close(self) -> bytes:
+        if self.kind == "":
+            return b""
+        self.kind = ""
+        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def delta(self, delta: Mapping[str, Any]) -> bytes:
+        return _event(
+            "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
+        )
+
+
+async def message_stream(
+    turn: Turn, started: Started, events: AsyncIterator[Event], thinking: str
+) -> AsyncIterator[bytes]:
+    start_usage = usage_dict(started.usage, output=0)
+    yield _event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                "id": _message_id(turn),
+                "type": "message",
+                "role": "assistant",
+                "model": turn.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": start_usage,
+            },
+        },
+    ) + _event("ping", {"type": "ping"})
+    blocks = _Blocks()
+    async for event in events:
+        if isinstance(event, Delta):
+            out = b""
+            if event.reasoning and thinking != "drop":
+                if blocks.kind != "thinking":
+                    out += blocks.open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+                if thinking == "show":
+                    out += blocks.delta({"type": "thinking_delta", "thinking": event.reasoning})
+            if event.text:
+                if blocks.kind != "text":
+                    out += blocks.open("text", {"type": "text", "text": ""})
+                out += blocks.delta({"type": "text_delta", "text": event.text})
+            for piece in event.calls:
+                if not turn.parallel_tool_calls and piece.index > 0:
+                    continue
+                if piece.id or piece.name:
+                    out += blocks.open(
+                        "tool_use", {"type": "tool_use", "id": piece.id, "name": piece.name, "input": {}}
+                    )
+                    blocks.calls[piece.index] = blocks.index
+                if piece.arguments and blocks.calls.get(piece.index) == blocks.index:
+                    out += blocks.delta({"type": "input_json_delta", "partial_json": piece.arguments})
+            if out:
+                yield out
+        elif isinstance(event, Finished):
+            if event.error is not None:
+                yield blocks.close() + _event("error", anthropic_error(event.error))
+                return
+            out = blocks.close()
+            out += _event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {
+                        "stop_reason": _stop_reason(event.finish),
+                        "stop_sequence": _stop_sequence(event),
+                    },
+                    "usage": usage_dict(event.usage),
+                },
+            )
+            yield out + _event("message_stop", {"type": "message_stop"})
+            return
