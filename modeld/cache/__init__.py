@@ -1,7 +1,8 @@
 """Warm state: the one owner of "what is warm where" (``blueprints/0016-warm-state.md``).
 
-* :mod:`modeld.cache.warm`: per loaded model, :class:`~modeld.cache.warm.ModelCache` and the
-  :class:`~modeld.cache.warm.Hold` a turn does its KV work through;
+* :mod:`modeld.cache.warm`: per loaded model, :class:`~modeld.cache.warm.ModelCache`, which
+  chooses, places and makes room for a turn;
+* :mod:`modeld.cache.hold`: the :class:`~modeld.cache.hold.Hold` a turn does its KV work through;
 * :mod:`modeld.cache.pool`: the state of one model's KV pool (warm contexts, sessions' slots);
 * :mod:`modeld.cache.choice`: what a turn reuses (pure: the longest common token prefix);
 * :mod:`modeld.cache.eviction`: which context goes to make room, its prefix saved first;

@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from modeld.cache.hold import Forks, Hold, Synced
 from modeld.cache.pool import SessionSlot
 from modeld.cache.reuse import common_prefix_len
-from modeld.cache.warm import Forks, Hold, Synced
 from modeld.context import SegmentChurn
 from modeld.contract import (
     Closing,

@@ -1,0 +1,348 @@
+"""The hold one operation of a turn takes on its session's warm context (:class:`Hold`), the
+sequences a decode's further choices borrow (:class:`Forks`), and the wait on a sync job.
+
+:meth:`~modeld.cache.warm.ModelCache.hold` chooses, places and makes room, then hands the
+operation a :class:`Hold`: :meth:`Hold.sync` runs one sync job to the target (progress at most
+every :data:`PROGRESS_INTERVAL` seconds, cancel at the deadline), :meth:`Hold.commit` marks the
+prefix and writes it behind, :meth:`Hold.decoded` records a generate job, :meth:`Hold.fork` lends
+sequences for ``n`` > 1, and leaving the ``with`` block releases it (a prefix or a suffix leaves
+the context inside its turn until the decode ends: ``WarmContext.turn_until``). Split from
+``warm.py`` (issue 20): the cache's choice and placement there, what an operation does with its
+hold here. Design record: ``blueprints/0016-warm-state.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from modeld.backends.base import SyncStep
+from modeld.cache import eviction
+from modeld.cache.pool import TURN_SECONDS, WarmContext
+from modeld.cache.reuse import Candidate
+from modeld.cache.runtime import SyncEnd, SyncJob
+from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision
+from modeld.errors import (
+    BusyError,
+    EngineRestartedError,
+    ModeldError,
+    OperationTimeoutError,
+    StallTimeoutError,
+)
+from modeld.manifest import ContextManifest
+
+if TYPE_CHECKING:
+    from modeld.cache.warm import ModelCache
+
+__all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "Synced"]
+
+log = logging.getLogger("modeld.cache")
+
+PROGRESS_INTERVAL = 0.5
+"""Seconds between two progress reports of a long prefill."""
+
+_DEAD = (EngineRestartedError, StallTimeoutError)
+"""Errors after which the engine's state is gone (the supervisor resets the cache)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    """What :meth:`Hold.sync` did: ``evaluated`` tokens in ``ms`` milliseconds; ``complete``
+    is False when the job was canceled before the target was resident (the caller says why)."""
+
+    evaluated: int
+    ms: float
+    complete: bool = True
+
+
+class Hold:
+    """One operation's hold on its session's warm context (see the module docstring)."""
+
+    def __init__(
+        self,
+        cache: ModelCache,
+        context: WarmContext,
+        target: list[int],
+        stage: str,
+        manifest: ContextManifest,
+    ) -> None:
+        self._cache = cache
+        self.context = context
+        self.target = target
+        self.stage = stage
+        self._manifest = manifest
+        self.keep = 0
+        """Tokens reused from the chosen candidate (the rest is evaluated by :meth:`sync`)."""
+        self.decision = _PENDING
+        self.restore_ms = 0.0
+        self.tier = "kv"
+        self.source: Candidate | None = None
+        self.evaluated = 0
+        """Tokens the engine evaluated for this hold (:meth:`sync`)."""
+        self._job: SyncJob | None = None
+        self._canceled = False
+        self._released = False
+
+    @property
+    def seq(self) -> int:
+        return self.context.seq
+
+    def sync(self, progress: ProgressCallback | None, deadline: float | None) -> Synced:
+        """Bring the sequence to the target with one sync job, reporting ``progress`` at most
+        every :data:`PROGRESS_INTERVAL` seconds; past ``deadline`` (monotonic) the job is
+        canceled and ``timeout`` raised. A failed job empties the sequence (its content is
+        unknown) and its error is raised."""
+        target = self.target
+        tokens = self.context.tokens
+        if (
+            self.keep >= len(target)
+            and tokens[: len(target)] == target
+            and (len(tokens) == len(target) or self.stage == "prefix")
+        ):
+            # Resident already. A prefix leaves whatever follows it in place until the next
+            # operation: when that is a suffix the last turn already computed (the same request
+            # again, a retry), it is reused instead of recomputed.
+            return Synced(0, 0.0)
+        keep = self.keep
+        started = time.monotonic()
+        reporter = _Progress(self.stage, started, progress)
+        try:
+            runtime = self._cache.runtime()
+            for _attempt in range(2):
+                job = runtime.sync(self.context.seq, keep, target[keep:])
+                self._job = job
+                if self._canceled:
+                    job.cancel()
+                end = _wait(job, reporter, deadline)
+                with self._cache._lock:
+                    pool = self._cache._pool
+                    pool.record_sync(self.context, end.kept, end.resident, target)
+                    pool.counters["prefilled"] += max(0, end.resident - end.kept)
+                if not end.canceled and end.kept < keep:  # the memory could not be cut there
+                    keep = end.kept
+                    continue
+                break
+        except OperationTimeoutError:
+            raise
+        except ModeldError as exc:
+            self.fail(exc)
+            raise
+        finally:
+            self._job = None
+        complete = not end.canceled and end.resident >= len(target)
+        if not complete and deadline is not None and time.monotonic() >= deadline:
+            raise OperationTimeoutError(
+                f"the {self.stage} prefill ran past the operation timeout (operation_seconds): it was "
+                f"stopped after {end.resident} of {len(target)} tokens",
+                timeout="operation_seconds",
+            )
+        self.keep = keep  # what was really kept (less when the memory could not be cut)
+        self.evaluated = len(target) - keep
+        return Synced(self.evaluated, (time.monotonic() - started) * 1000.0, complete)
+
+    def commit(self, *, prefix: int) -> None:
+        """The target's first ``prefix`` tokens are the session's prefix now: others may copy
+        them, a long one is written behind to the disk tier, and the model file is warm under
+        this runtime (:class:`~modeld.cache.reuse.RuntimeHistory`)."""
+        cache = self._cache
+        with cache._lock:
+            self.context.prefix_tokens = prefix
+            self.context.floor = 0
+            # Counted here, once per prefix that is in place: what the metrics count from the
+            # same PrefixStatus (``modeld_prefix_cache_queries`` / ``_hits{source}``).
+            counters = cache._pool.counters
+            counters["queries"] += len(self.target)
+            counters[f"reused_{self.tier}"] += self.keep
+        cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
+        cache._history.record(cache._file_key, self._manifest)
+
+    def decoded(self, sampled: Sequence[int], resident: int | None, error: ModeldError | None) -> None:
+        """A generate job ended: ``sampled`` tokens, of which the sequence holds ``resident``
+        in all (None: unknown after ``error``). Ends the hold."""
+        try:
+            if resident is not None:
+                with self._cache._lock:
+                    self._cache._pool.record_generate(self.context, sampled, resident)
+            elif error is not None:
+                self.fail(error)
+        finally:
+            self.release()
+
+    def fork(self, count: int, cells: int) -> Forks | str:
+        """Sequences for ``count`` more choices of a decode of this hold's target (resident: call
+        after :meth:`sync`), each holding a copy of it (a unified pool shares the cells) and room
+        for ``cells`` more tokens; or why not, as a sentence. Forks take free sequences and free
+        cells, else they make room as a new session does (the least valuable idle contexts are
+        evicted, saved to a tier first); when even that cannot make room (busy or pinned
+        contexts, a pool too small for the choices' tokens) nothing is evicted and the choices
+        are decoded one after another instead. Give them back with :meth:`Forks.release` when
+        the decode ended."""
+        cache = self._cache
+        pool = cache._pool
+        layout = pool.layout
+        own = self.context
+        n = len(self.target)
+        runtime = cache.runtime()
+        with cache._lock:
+            if not layout.forks:
+                return "this backend decodes one choice at a time"
+            if not pool.holds(own) or own.tokens != self.target:
+                return "the prompt is not resident"
+            free = pool.free_seqs()
+            idle = [c for c in eviction.evictable(pool) if c is not own]
+            if len(free) + len(idle) < count:
+                return (
+                    f"{count} more choices need {count} more KV sequences; of {layout.n_seq} "
+                    f"(--sequences), {len(free)} are free and {len(idle)} hold idle contexts, the "
+                    "others busy or pinned ones"
+                )
+            if layout.shared_cells and n + (count + 1) * cells > layout.pool_tokens:
+                return (
+                    f"{count + 1} choices of up to {cells} tokens after a {n}-token prompt need "
+                    f"{n + (count + 1) * cells} KV cells; the pool has {layout.pool_tokens} "
+                    "(--kv-pool-tokens, or a smaller max_tokens)"
+                )
+            taken: list[WarmContext] = []
+            try:
+                for _ in range(count):
+                    free = pool.free_seqs()
+                    if not free:
+                        chosen = eviction.victim(pool, exclude={own})
+                        assert chosen is not None  # counted above, under the lock
+                        eviction.evict(
+                            pool, chosen, runtime, "its sequence was needed by a choice of a decode"
+                        )
+                        free = [chosen.seq]
+                    fork = WarmContext(id=f"{own.id}.fork", seq=free[0], identity="", tokens=[], busy=True)
+                    pool.contexts[fork.seq] = fork
+                    taken.append(fork)
+                    runtime.copy(own.seq, fork.seq, n)
+                    pool.ledger.copy(own.seq, fork.seq, n)
+                if layout.shared_cells:
+                    # Every choice's tokens (the first's too: not in the ledger yet).
+                    eviction.make_room(pool, own, n, (count + 1) * cells, runtime)
+                for fork in taken:
+                    pool.ledger.extend(fork.seq, cells)  # its choice's tokens: reserved until released
+            except BusyError as exc:
+                Forks(cache, taken).release()
+                return exc.message
+            except ModeldError:
+                Forks(cache, taken).release()
+                raise
+            return Forks(cache, taken)
+
+    def fail(self, error: ModeldError) -> None:
+        """A job failed: what the sequence holds is unknown, so it is emptied (when the engine
+        died, its restart empties everything anyway: nothing is sent to it)."""
+        self._cache._failed(self.context, error, engine_alive=not isinstance(error, _DEAD))
+
+    def cancel(self) -> None:
+        """Stop the running sync job before its next step (and any this hold starts later)."""
+        self._canceled = True
+        job = self._job
+        if job is not None:
+            job.cancel()
+
+    def release(self) -> None:
+        """End the hold: the context is idle again (idempotent)."""
+        if self._released:
+            return
+        self._released = True
+        with self._cache._lock:
+            now = time.time()
+            context = self.context
+            context.busy = False
+            context.floor = 0
+            context.last_used = now
+            # A prefix or a suffix is the start of a turn whose decode comes next: the context
+            # is not idle in between (another session's turn does not evict it, see leave_idle).
+            context.turn_until = now + TURN_SECONDS if self.stage in ("prefix", "suffix") else 0.0
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+class Forks:
+    """Sequences lent to one decode's further choices (:meth:`Hold.fork`). They are busy
+    contexts of no identity: never chosen, copied, evicted or saved; their cells are reserved in
+    the ledger until :meth:`release` frees them (the warm state is then what a one-choice decode
+    leaves)."""
+
+    def __init__(self, cache: ModelCache, contexts: list[WarmContext]) -> None:
+        self._cache = cache
+        self._contexts = contexts
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        return tuple(c.seq for c in self._contexts)
+
+    def release(self) -> None:
+        """Empty the forks and give their sequences back (idempotent)."""
+        cache = self._cache
+        contexts, self._contexts = self._contexts, []
+        if not contexts:
+            return
+        with cache._lock:
+            pool = cache._pool
+            for fork in contexts:
+                if not pool.holds(fork):
+                    continue  # the engine was reset meanwhile
+                with contextlib.suppress(ModeldError):
+                    cache.runtime().drop(fork.seq)
+                pool.remove(fork)
+
+
+class _Progress:
+    """Reports a long prefill at most every :data:`PROGRESS_INTERVAL` seconds."""
+
+    def __init__(self, stage: str, started: float, callback: ProgressCallback | None) -> None:
+        self.stage = stage
+        self.started = started
+        self.callback = callback
+        self.last = started
+
+    def __call__(self, step: SyncStep) -> None:
+        if self.callback is None:
+            return
+        now = time.monotonic()
+        if now - self.last < PROGRESS_INTERVAL:
+            return  # at most one report per interval (and none for a short prefill)
+        self.last = now
+        try:
+            self.callback(
+                PrefillProgress(self.stage, step.evaluated, step.total, (now - self.started) * 1000.0)
+            )
+        except Exception:
+            log.exception("a progress callback failed")
+
+
+def _wait(job: SyncJob, progress: _Progress, deadline: float | None) -> SyncEnd:
+    """Read a sync job's replies to its end, cancelling it at ``deadline``."""
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        event = job.next_event(timeout=timeout if timeout is None else max(timeout, 0.01))
+        if event is None:
+            job.cancel()
+            deadline = None
+            continue
+        if isinstance(event, SyncStep):
+            progress(event)
+        else:
+            return event
+
+
+_PENDING = ReuseDecision(outcome="cold", reason="empty_cache", message="")
+"""Placeholder until :meth:`ModelCache.hold` classifies the hold."""
