@@ -140,7 +140,7 @@ def test_the_import_map_is_read_from_the_source() -> None:
     """The map sees what the code imports, lazy imports included (a map that saw nothing would
     pass every rule below)."""
     assert {"modeld.cache.warm", "modeld.engine.session", "modeld.server.grpc.servicer"} <= set(MODULES)
-    assert "modeld.cache.warm" in IMPORTS["modeld.engine.session"]
+    assert "modeld.cache.hold" in IMPORTS["modeld.engine.session"]
     assert "modeld.backends.llama_runtime" in IMPORTS["modeld.backends.llama"]  # inside load()
     assert "modeld.cache.eviction" in IMPORTS["modeld.cache.warm"]  # from modeld.cache import eviction
     assert room("modeld.server.http.app") == "modeld.server.http"

@@ -117,3 +117,38 @@ def test_the_daemon_reads_gguf_and_the_worker_loads_llama_cpp_without_their_pack
         [sys.executable, "-c", LEAN], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split() == ["['numpy']", "GGUFReader", "Llama", "True"], out.stdout + out.stderr
+
+
+RACE = """
+import sys, threading
+from modeld.backends._lean import submodule
+errors, go = [], threading.Event()
+def read():
+    go.wait()
+    try:
+        submodule("gguf", "constants").GGML_QUANT_SIZES
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=read) for _ in range(8)]
+for t in threads:
+    t.start()
+go.set()
+for t in threads:
+    t.join()
+print(errors[:1], "numpy" in sys.modules)
+"""
+
+
+def test_threads_that_read_gguf_headers_at_once_all_get_the_table() -> None:
+    """The daemon reads GGUF headers on several threads (sessions opening at once): the
+    stand-in package is put in place and taken away under a lock. Without it, 8 threads starting
+    together failed with KeyError('gguf') or a partially initialized module in every try (the
+    chaos test's first OpenSession hit it as an internal error)."""
+    import subprocess
+    import sys
+
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", RACE], capture_output=True, text=True, timeout=120, check=True
+        )
+        assert out.stdout.split() == ["[]", "False"], out.stdout + out.stderr

@@ -18,24 +18,30 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 from types import ModuleType
 
 __all__ = ["submodule"]
+
+_LOCK = threading.Lock()
+"""One stand-in at a time: a second thread must never see it, nor have it taken away under it
+(the daemon reads GGUF headers on several threads at once)."""
 
 
 def submodule(package: str, name: str) -> ModuleType:
     """The module ``package.name``, its package's ``__init__`` not run (ImportError when missing)."""
     full = f"{package}.{name}"
-    loaded = sys.modules.get(full)
-    if loaded is not None:
-        return loaded
-    if package in sys.modules:
-        return importlib.import_module(full)
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.submodule_search_locations is None:
-        raise ImportError(f"No module named {package!r}")
-    sys.modules[package] = importlib.util.module_from_spec(spec)  # its __init__ is not run
-    try:
-        return importlib.import_module(full)
-    finally:
-        del sys.modules[package]
+    with _LOCK:
+        loaded = sys.modules.get(full)
+        if loaded is not None:
+            return loaded
+        if package in sys.modules:
+            return importlib.import_module(full)
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError(f"No module named {package!r}")
+        sys.modules[package] = importlib.util.module_from_spec(spec)  # its __init__ is not run
+        try:
+            return importlib.import_module(full)
+        finally:
+            del sys.modules[package]

@@ -7,7 +7,7 @@ every :data:`PROGRESS_INTERVAL` seconds, cancel at the deadline), :meth:`Hold.co
 prefix and writes it behind, :meth:`Hold.decoded` records a generate job, :meth:`Hold.fork` lends
 sequences for ``n`` > 1, and leaving the ``with`` block releases it (a prefix or a suffix leaves
 the context inside its turn until the decode ends: ``WarmContext.turn_until``). Split from
-``warm.py`` (issue 20): the cache's choice and placement there, what an operation does with its
+``warm.py``: the cache's choice and placement there, what an operation does with its
 hold here. Design record: ``blueprints/0016-warm-state.md``.
 """
 
@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from modeld.backends.base import SyncStep
 from modeld.cache import eviction
-from modeld.cache.pool import TURN_SECONDS, WarmContext
-from modeld.cache.reuse import Candidate
-from modeld.cache.runtime import SyncEnd, SyncJob
+from modeld.cache.pool import TURN_SECONDS, Pool, WarmContext
+from modeld.cache.reuse import Candidate, RuntimeHistory
+from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision
 from modeld.errors import (
     BusyError,
@@ -36,10 +37,23 @@ from modeld.errors import (
 )
 from modeld.manifest import ContextManifest
 
-if TYPE_CHECKING:
-    from modeld.cache.warm import ModelCache
 
-__all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "Synced"]
+class HoldOwner(Protocol):
+    """What a hold needs of its cache (:class:`~modeld.cache.warm.ModelCache`; named here so
+    ``hold.py`` does not import ``warm.py``, which imports it)."""
+
+    _lock: threading.RLock
+    _pool: Pool
+    _saver: eviction.WriteBehind
+    _history: RuntimeHistory
+    _file_key: tuple[str, str]
+
+    def runtime(self) -> KVRuntime: ...
+
+    def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None: ...
+
+
+__all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "HoldOwner", "Synced"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -65,7 +79,7 @@ class Hold:
 
     def __init__(
         self,
-        cache: ModelCache,
+        cache: HoldOwner,
         context: WarmContext,
         target: list[int],
         stage: str,
@@ -281,7 +295,7 @@ class Forks:
     the ledger until :meth:`release` frees them (the warm state is then what a one-choice decode
     leaves)."""
 
-    def __init__(self, cache: ModelCache, contexts: list[WarmContext]) -> None:
+    def __init__(self, cache: HoldOwner, contexts: list[WarmContext]) -> None:
         self._cache = cache
         self._contexts = contexts
 
