@@ -627,3 +627,28 @@ def test_the_counts_travel_over_the_wire(wire: Any) -> None:
         usage.draft_batches,
     )
     assert wire.service.describe(wire.request()).capabilities.speculation == ("off", "ngram")
+
+
+def test_a_rebased_drafter_indexes_what_a_fresh_one_does() -> None:
+    """A sequence's drafter lives across decodes (a warm prefix is indexed once): rebased on
+    the next decode's history (the prefix kept, a suffix cut or changed, tokens added), its
+    index and its drafts are a fresh drafter's, built or not yet built."""
+    import random
+
+    from modeld.decoding.speculation import Drafter, drafter_for
+
+    rng = random.Random(7)
+    for _ in range(400):
+        drafter = Drafter([rng.randrange(6) for _ in range(rng.randrange(60))])
+        if rng.random() < 0.7:
+            drafter.draft(4)  # the index is built at the first draft
+        for _ in range(rng.randrange(5)):
+            drafter.append(rng.randrange(6))
+        history = list(drafter._h[: rng.randrange(len(drafter) + 1)])
+        history += [rng.randrange(6) for _ in range(rng.randrange(30))]
+        drafters = {3: drafter}
+        assert drafter_for(drafters, 3, history) is drafter
+        fresh = Drafter(history)
+        for limit in (1, 3, 8):
+            assert (drafter.draft(limit), drafter.matched) == (fresh.draft(limit), fresh.matched)
+        assert drafter._built() == fresh._built()

@@ -45,7 +45,7 @@ from modeld.backends.llama_constraints import LlamaConstraints
 from modeld.backends.llama_state import SeqStates
 from modeld.backends.llama_step import Step
 from modeld.contract import Config, DecodeConfig, ModelInfo
-from modeld.decoding.speculation import DecodeStats
+from modeld.decoding.speculation import DecodeStats, Drafter
 from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError, UnsupportedError
 
 __all__ = ["LlamaContext", "chunk_sizes", "micro_batch"]
@@ -199,6 +199,7 @@ class LlamaContext(HeldTokens):
             self._ctx, portable=self._portable, unified=unified, n_stream=self._n_stream, path=meta.path
         )
         self._stats = [DecodeStats() for _ in range(n_seq)]
+        self._drafters: dict[int, Drafter] = {}  # per sequence: its history's n-gram index
         self._fresh = -1  # the sequence whose last token's logits are in the context, or -1
         self._pieces: tuple[bytes, ...] | None = None
         self._constraints: LlamaConstraints | None = None  # made on the first constrained decode

@@ -40,7 +40,7 @@ from modeld.backends.llama_context import LlamaContext, chunk_sizes, micro_batch
 from modeld.contract import DecodeConfig
 from modeld.decoding.constraints import ConstraintFailed, runtime_constraint
 from modeld.decoding.sampling import ChoiceToken, choice_seed
-from modeld.decoding.speculation import DRAFT_MAX, DecodeStats, Drafter, DraftLength
+from modeld.decoding.speculation import DRAFT_MAX, DecodeStats, DraftLength, drafter_for
 from modeld.errors import EngineError, InvalidArgumentError
 
 __all__ = ["LlamaRuntime", "chunk_sizes", "micro_batch"]
@@ -73,7 +73,7 @@ class LlamaRuntime(LlamaContext):
         base = len(held)
         window = self._layout.window
         produced = 0
-        drafter = Drafter(held) if speculate else None
+        drafter = drafter_for(self._drafters, seq, held) if speculate else None
         lengths = DraftLength(min(DRAFT_MAX, self._chunk - 1))
         try:
             if compiled is not None:

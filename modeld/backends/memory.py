@@ -70,7 +70,7 @@ from modeld.decoding.constraints import runtime_constraint
 from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.decoding.sampling import SampledToken, adjust, logit_bias_of, logprob
-from modeld.decoding.speculation import DecodeStats, Drafter, DraftLength
+from modeld.decoding.speculation import DecodeStats, Drafter, DraftLength, drafter_for
 from modeld.errors import InvalidArgumentError, ModelLoadError
 from modeld.manifest import bytes_hash
 
@@ -229,6 +229,7 @@ class MemoryRuntime(HeldTokens):
         )
         self._seqs: list[list[int]] = [[] for _ in range(options.n_seq)]
         self._stats = [DecodeStats() for _ in range(options.n_seq)]
+        self._drafters: dict[int, Drafter] = {}  # per sequence: its history's n-gram index
 
     @property
     def layout(self) -> Layout:
@@ -285,7 +286,7 @@ class MemoryRuntime(HeldTokens):
         # each position's token is chosen as without a draft, and the draft holds while the
         # choices equal it. The first differing choice, or the one after a fully accepted
         # draft, ends the verify step, and the next draft starts after it.
-        drafter = Drafter(held) if config.speculation == "ngram" else None
+        drafter = drafter_for(self._drafters, seq, held) if config.speculation == "ngram" else None
         lengths = DraftLength()
         draft: list[int] = []
         checked = 0  # draft tokens confirmed so far in this verify step
