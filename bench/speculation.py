@@ -63,8 +63,13 @@ ROOT = Path(__file__).resolve().parent
 FILE_LINES = 60
 
 
-def rewrite_prompt() -> str:
-    source = "".join(inspect.getsource(textwrap).splitlines(keepends=True)[:FILE_LINES])
+def rewrite_prompt(round_: int = 0) -> str:
+    """A new slice of the file each round: an engine that remembers earlier answers across
+    requests (llama-server's ngram-mod; modeld's recall of a sequence's cut-off answer) recalls
+    nothing, and the rewrite measures what is copied from the context."""
+    lines = inspect.getsource(textwrap).splitlines(keepends=True)
+    start = round_ * FILE_LINES % max(1, len(lines) - FILE_LINES)
+    source = "".join(lines[start : start + FILE_LINES])
     return (
         "<|im_start|>user\nRewrite this file with one change: rename `_whitespace` to `_blank`.\n"
         f"```python\n{source}```<|im_end|>\n<|im_start|>assistant\n```python\n"
@@ -80,28 +85,44 @@ SNIPPET = """def load(path):
 """
 
 
-def _call(old: str, new: str) -> str:
-    arguments = {"path": "src/app/config.py", "old": old, "new": new}
+def _call(path: str, old: str, new: str) -> str:
+    arguments = {"path": path, "old": old, "new": new}
     return json.dumps({"name": "apply_patch", "arguments": arguments}, separators=(",", ":"))
 
 
-def tool_call_messages() -> list[dict[str, str]]:
+def _patch(round_: int) -> tuple[str, str, str]:
+    """Round 0: a config loader whose default width changes; round r: the r-th function of 8 to
+    30 lines of the standard library's ``posixpath.py`` (new code each round, nothing to recall
+    from an earlier one), a comment added above it."""
+    if round_ == 0:
+        return "src/app/config.py", SNIPPET, SNIPPET.replace("80", "100")
+    import posixpath
+
+    chunks = inspect.getsource(posixpath).split("\ndef ")[1:]
+    functions = [f"def {c.strip(chr(10))}\n" for c in chunks if 8 <= c.strip("\n").count("\n") < 30]
+    body = functions[(round_ - 1) % len(functions)]
+    return f"src/app/paths_{round_}.py", body, "# checked\n" + body
+
+
+def tool_call_messages(round_: int = 0) -> list[dict[str, str]]:
+    path, old, new = _patch(round_)
     return [
         {
             "role": "user",
-            "content": "src/app/config.py:\n```python\n" + SNIPPET + "```\nMake the default width 100.",
+            "content": f"{path}:\n```python\n" + old + "```\nMake the change.",
         },
-        {"role": "assistant", "content": _call(SNIPPET, SNIPPET.replace("80", "100"))},
-        {"role": "user", "content": "The tests fail: the default height must be 30 as well. Patch it again."},
+        {"role": "assistant", "content": _call(path, old, new)},
+        {"role": "user", "content": "The tests fail: patch it again."},
     ]
 
 
-def tool_call_prompt() -> str:
+def tool_call_prompt(round_: int = 0) -> str:
     """The conversation as the model's template renders it (ChatML), the answer opening the call."""
-    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in tool_call_messages())
-    return (
-        turns + '<|im_start|>assistant\n{"name":"apply_patch","arguments":{"path":"src/app/config.py","old":"'
+    path = _patch(round_)[0]
+    turns = "".join(
+        f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in tool_call_messages(round_)
     )
+    return turns + f'<|im_start|>assistant\n{{"name":"apply_patch","arguments":{{"path":"{path}","old":"'
 
 
 TOPICS = (
@@ -191,6 +212,64 @@ class Result:
     accepted: int | None
     forced: int | None
     batches: int | None
+
+
+def round_prompt(workload: str, round_: int, default: Any) -> Any:
+    """The workload's prompt in a round: new text every round (nothing to recall from an
+    earlier request), the same for every system within it."""
+    if workload == "rewrite":
+        return rewrite_prompt(round_)
+    if workload == "tool_call":
+        return tool_call_prompt(round_)
+    if workload == "tool_call_schema":
+        return tool_call_messages(round_)
+    if workload == "prose":
+        return prose_prompt(round_)
+    return default
+
+
+def parting(
+    server: Server, prompt: Any, max_tokens: int, chat: bool, extra: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Where modeld's greedy text with speculation parts from its plain decoding's: both decoded
+    again, not streamed, with their top log-probabilities. Returns the first token that differs,
+    ``gap_plain`` (plain decoding's own choice over the speculating decode's there, None: not in
+    its top 5) and ``drift``: the most the chosen tokens' log-probabilities moved between the two
+    decodes at the positions before, where the tokens were the same (what evaluating tokens in
+    batches rather than one by one does to this model's logits: the kernels' rounding,
+    compounded through the K/V of the positions before). A parting where ``gap_plain`` is within
+    ``drift`` is a near tie that rounding ordered the other way (blueprint 0021, "Numerics").
+    None: the decodes did not part this time."""
+    tops: dict[str, list[tuple[str, float, dict[str, float]]]] = {}
+    for mode in ("off", "ngram"):
+        body: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            **server.body,
+            **extra,
+            "speculation": mode,
+        }
+        if chat:
+            body |= {"messages": prompt, "logprobs": True, "top_logprobs": 5}
+        else:
+            body |= {"prompt": prompt, "logprobs": 5}
+        resp = server.http.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
+        resp.raise_for_status()
+        lp = resp.json()["choices"][0]["logprobs"]
+        if chat:
+            tops[mode] = [
+                (t["token"], t["logprob"], {x["token"]: x["logprob"] for x in t["top_logprobs"]})
+                for t in lp["content"]
+            ]
+        else:
+            tops[mode] = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))
+    drift = 0.0
+    for i, ((a, lp_a, top_a), (b, lp_b, _)) in enumerate(zip(tops["off"], tops["ngram"], strict=False)):
+        if a != b:
+            gap = top_a[a] - top_a[b] if a in top_a and b in top_a else None
+            return {"token": i, "plain": a, "ngram": b, "gap_plain": gap, "drift": drift}
+        drift = max(drift, abs(lp_a - lp_b))
+    return None
 
 
 def request(
@@ -399,8 +478,7 @@ def run_speculation(
         log(f"speculation: model {spec.name}, {threads} threads, {runs} rounds, {max_tokens} tokens")
         for r in range(runs):
             for wname, prompt, chat, wextra, modeld_only in workloads:
-                if wname == "prose":
-                    prompt = prose_prompt(r + 1)
+                prompt = round_prompt(wname, r + 1, prompt)
                 order = systems[r % len(systems) :] + systems[: r % len(systems)]
                 for name, server, extra in order:
                     if modeld_only and server is not modeld:
@@ -409,7 +487,14 @@ def run_speculation(
                     results[wname].setdefault(name, []).append(res)
                     acc = f" accepted {res.accepted}/{res.drafted}" if res.drafted else ""
                     log(f"  round {r} {wname:16s} {name:24s} {res.tps:6.1f} tok/s{acc}")
-        doc = report(results, systems, servers, notes, spec.name, threads, runs, max_tokens)
+        partings: dict[str, dict[str, Any] | None] = {}
+        for wname, prompt, chat, wextra, _ in workloads:  # where speculation parted from plain
+            ours, plain = results[wname].get("modeld ngram", []), results[wname].get("modeld off", [])
+            if any(x.text != y.text for x, y in zip(ours, plain, strict=False)):
+                prompt = round_prompt(wname, runs, prompt)
+                partings[wname] = parting(modeld, prompt, max_tokens, chat, wextra)
+                log(f"  {wname}: parted from plain decoding: {partings[wname]}")
+        doc = report(results, systems, servers, notes, spec.name, threads, runs, max_tokens, partings)
     finally:
         for server in servers:
             server.close()
@@ -449,13 +534,20 @@ def summary(table: dict[str, Any]) -> dict[str, Any]:
         drafted = row.get("drafted", 0)
         out[f"{workload}_acceptance"] = row.get("accepted", 0) / drafted if drafted else None
         out[f"{workload}_mean_draft"] = drafted / row["batches"] if row.get("batches") else None
-    checked = [
+    checked = [  # modeld's (llama-server's own partings are in the table, not the goal)
         row["identical_to_reference"]
         for by_system in table.values()
-        for row in by_system.values()
-        if row["identical_to_reference"] is not None
+        for name, row in by_system.items()
+        if name.startswith("modeld") and row["identical_to_reference"] is not None
     ]
     out["greedy_identical"] = all(checked) if checked else None
+    # modeld's partings from its plain decoding, each at a near tie or not (the rounding of
+    # batch kernels, blueprint 0021): what "identical up to the kernels' rounding" checks.
+    ties = [
+        row["near_tie"] for by_system in table.values() for row in by_system.values() if "near_tie" in row
+    ]
+    out["modeld_partings"] = len(ties)
+    out["modeld_partings_at_near_ties"] = sum(1 for t in ties if t)
     return out
 
 
@@ -508,7 +600,9 @@ def report(
     threads: int,
     runs: int,
     max_tokens: int,
+    partings: dict[str, dict[str, Any] | None] | None = None,
 ) -> dict[str, Any]:
+    partings = partings or {}
     lines = [
         f"Model {model}, {threads} threads (every server pinned to the same cores), {runs} rounds, "
         f"{max_tokens} tokens per decode, greedy. Load average at the end: "
@@ -534,6 +628,9 @@ def report(
             ref = by_system.get(reference, [])
             same = all(x.text == y.text for x, y in zip(runs_, ref, strict=False)) if ref else None
             output = "-" if name == reference else ("identical" if same else "DIFFERS")
+            tie = near_tie(partings.get(wname)) if name == "modeld ngram" and same is False else None
+            if tie is not None:
+                output = f"DIFFERS ({'at a near tie' if tie else 'NOT at a near tie'})"
             acceptance = f"{accepted}/{drafted} ({accepted / drafted:.0%})" if drafted else "-"
             mean = f"{drafted / batches:.1f}" if batches else "-"
             lines.append(
@@ -549,6 +646,7 @@ def report(
                 "forced": forced,
                 "tokens": [x.tokens for x in runs_],
                 "identical_to_reference": same,
+                **({"parting": partings.get(wname), "near_tie": tie} if tie is not None else {}),
             }
     pairs = ["", "modeld ngram against each llama-server, paired by round: median (range)", ""]
     for wname, by_system in results.items():
@@ -558,6 +656,19 @@ def report(
                 ratios = [a.tps / b.tps for a, b in zip(ours, values, strict=False) if b.tps]
                 pairs.append(f"- {wname}: / {name} {_median_range(ratios)}")
     lines += [*pairs[: 3 if len(pairs) > 3 else 0], *pairs[3:]]
+    for wname, part in partings.items():
+        if part is None:
+            lines.append(
+                f"- {wname}: modeld ngram's text parted from modeld off's in a round, not when decoded again"
+            )
+        else:
+            gap = "more than the top 5" if part["gap_plain"] is None else f"{part['gap_plain']:.2g}"
+            lines.append(
+                f"- {wname}: modeld ngram parts from modeld off at token {part['token']}: {part['plain']!r} (off) "
+                f"against {part['ngram']!r} (ngram); plain decoding's log-probabilities of the two {gap} apart, "
+                f"the chosen tokens' log-probabilities before it moved by up to {part['drift']:.2g} between the "
+                f"two decodes (batches against single steps)"
+            )
     lines += ["", "Systems:", *(f"- `{s.flags}`" for s in servers), *(f"- note: {n}" for n in notes)]
     figures = summary(table)
     lines += ["", "Goals (issue 19), modeld ngram paired by round, median:", "", *goal_lines(figures)]
@@ -572,6 +683,15 @@ def report(
         "markdown": "\n".join(lines) + "\n",
         "notes": notes,
     }
+
+
+def near_tie(part: dict[str, Any] | None) -> bool | None:
+    """Whether a parting came at a near tie: plain decoding's top two there were closer than the
+    batch evaluation moved the log-probabilities before it (``parting``). None: no parting was
+    found when decoded again."""
+    if part is None:
+        return None
+    return part["gap_plain"] is not None and 0 <= part["gap_plain"] <= part["drift"]
 
 
 GOAL_TITLES = {
@@ -597,6 +717,12 @@ def goal_lines(figures: dict[str, Any]) -> list[str]:
     same = figures.get("greedy_identical")
     verdict = "not compared" if same is None else "met" if same else "MISSED (outputs differ)"
     out.append(f"- greedy output identical to plain decoding on every turn: {verdict}")
+    if figures.get("modeld_partings"):
+        out.append(
+            "- modeld's partings from its plain decoding at a near tie (plain's top two closer than the "
+            "batch evaluation moved the log-probabilities before): "
+            f"{figures['modeld_partings_at_near_ties']} of {figures['modeld_partings']}"
+        )
     return out
 
 

@@ -54,11 +54,17 @@ def test_a_long_match_allows_a_draft_as_long_as_the_match() -> None:
     assert d.draft(64) == (cycle * 2)[:64]
     assert d.matched == 30  # the whole tail: 100..129 (the history starts before it)
     lengths = DraftLength()
+    # No draft has failed yet: a long match gets the longest draft at once.
+    assert lengths.budget(d.matched) == DRAFT_MAX
+    assert lengths.budget(MATCH_LONG - 1) == DRAFT_START  # a short match: the usual length
+    lengths.record(DRAFT_MAX, 3)  # a draft failed: a long match allows as much as it matched
     assert lengths.budget(d.matched) == 30
     again = Drafter(list(range(40)) * 2)
     assert again.draft(1) == [0] and again.matched == MATCH_MAX  # compared up to MATCH_MAX
     assert lengths.budget(MATCH_MAX + 100) == min(DRAFT_MAX, MATCH_MAX + 100)
-    assert lengths.budget(MATCH_LONG - 1) == DRAFT_START  # a short match: the usual length
+    assert lengths.budget(MATCH_LONG - 1) == lengths.length
+    lengths.record(lengths.length, lengths.length)  # fully accepted again: the copy holds
+    assert lengths.budget(MATCH_LONG) == DRAFT_MAX
     assert Drafter([1, 2, 3]).draft(4) == [] and Drafter([1, 2, 3]).matched == 0
 
 
@@ -216,6 +222,7 @@ def test_speculative_sampling_keeps_the_output_distribution() -> None:
     seen: Counter[tuple[int, int]] = Counter()
     outcomes: Counter[int] = Counter()
     for seed in range(runs):
+        rt._drafters.clear()  # no recall of the last run's answer: the draft is the prompt's
         out = _generate(rt, prompt, replace(config, seed=10_000 + seed, speculation="ngram"), at + 2)
         seen[(out[at], out[at + 1])] += 1
         stats = rt.decode_stats(0)
@@ -649,6 +656,37 @@ def test_a_rebased_drafter_indexes_what_a_fresh_one_does() -> None:
         drafters = {3: drafter}
         assert drafter_for(drafters, 3, history) is drafter
         fresh = Drafter(history)
+        drafter._recall = None  # what the cut-off tail adds: test_a_cut_off_answer_is_recalled
         for limit in (1, 3, 8):
             assert (drafter.draft(limit), drafter.matched) == (fresh.draft(limit), fresh.matched)
         assert drafter._built() == fresh._built()
+
+
+def test_a_cut_off_answer_is_recalled() -> None:
+    """The tail a sequence's next decode cuts off (the answer a retry replaces) drafts the
+    retry's answer from its first token; the history's own matches win when they are longer,
+    and a recall is bounded."""
+    from modeld.decoding.speculation import RECALL_MAX, Drafter, drafter_for
+
+    prompt = [*range(1000, 1100)]
+    answer = [7, 3, 9, *range(500, 560), 3, 9]
+    drafters: dict[int, Drafter] = {}
+    drafter = drafter_for(drafters, 0, prompt)
+    for token in answer:
+        drafter.append(token)
+    assert drafter.draft(3) == [500, 501, 502]  # (3, 9) ended at answer[2]: copied from there
+    # The retry: the same prompt; the first token chosen is the answer's again.
+    drafter_for(drafters, 0, prompt).append(answer[0])
+    assert drafter.draft(DRAFT_MAX) == answer[1 : 1 + DRAFT_MAX]
+    assert drafter.matched == MATCH_MAX  # the prompt's end leads into it
+    fresh = Drafter([*prompt, answer[0]])
+    assert fresh.draft(8) == []  # without the recall: nothing to copy
+    # Text in the history itself matching longer is preferred (the recall is only a fallback).
+    again = drafter_for(drafters, 0, [*prompt, 3, 9, 42, *range(1070, 1100), 3, 9])
+    assert again.draft(2) == [42, 1070]
+    # A second cut replaces the recall; a long tail is kept up to RECALL_MAX tokens.
+    long_tail = [*prompt, *range(10**6, 10**6 + RECALL_MAX + 50)]
+    drafter_for(drafters, 0, long_tail)
+    drafter_for(drafters, 0, [*prompt, 10**6])
+    assert drafter.draft(4) == [10**6 + 1, 10**6 + 2, 10**6 + 3, 10**6 + 4]
+    assert len(drafter._recall.tokens) - drafter._recall.lead == RECALL_MAX

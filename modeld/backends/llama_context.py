@@ -371,6 +371,7 @@ class LlamaContext(HeldTokens):
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)
         self._seq(dst)
+        self._drafters.pop(dst, None)  # another context's text: nothing to recall from
         n = min(n, len(source))
         self._cut(dst, 0)
         if n == 0:
@@ -389,6 +390,7 @@ class LlamaContext(HeldTokens):
 
     def drop(self, seq: int) -> None:
         self._cut(seq, 0)
+        self._drafters.pop(seq, None)  # the sequence's next text is another context's
 
     # --- snapshots (the format: llama_state.py) -------------------------------------------------
 
@@ -405,6 +407,7 @@ class LlamaContext(HeldTokens):
     def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
         self._cut(seq, 0)
+        self._drafters.pop(seq, None)
         if len(tokens) > self._layout.window:
             return False
         return self._states.restore(seq, blob) and self._restored(seq, held, tokens)
@@ -414,6 +417,7 @@ class LlamaContext(HeldTokens):
         (verified by the caller)."""
         held = self._seq(seq)
         self._cut(seq, 0)
+        self._drafters.pop(seq, None)
         if len(tokens) > self._layout.window:
             return False
         return self._states.restore_file(seq, path, size) and self._restored(seq, held, tokens)

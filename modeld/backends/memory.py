@@ -342,10 +342,12 @@ class MemoryRuntime(HeldTokens):
     def copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)
         self._seq(dst)
+        self._drafters.pop(dst, None)  # another context's text: nothing to recall from
         self._seqs[dst] = list(source[:n])
 
     def drop(self, seq: int) -> None:
         self._seq(seq).clear()
+        self._drafters.pop(seq, None)  # the sequence's next text is another context's
 
     def snapshot(self, seq: int) -> bytes:
         held = self._seq(seq)
@@ -355,6 +357,7 @@ class MemoryRuntime(HeldTokens):
     def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
         held.clear()
+        self._drafters.pop(seq, None)
         blob = bytes(blob)  # a few bytes per token: a copy costs nothing here
         if len(blob) < 16 or blob[:4] != _SNAPSHOT_MAGIC:
             return False
