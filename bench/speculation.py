@@ -68,7 +68,15 @@ def rewrite_prompt(round_: int = 0) -> str:
     requests (llama-server's ngram-mod; modeld's recall of a sequence's cut-off answer) recalls
     nothing, and the rewrite measures what is copied from the context."""
     lines = inspect.getsource(textwrap).splitlines(keepends=True)
-    start = round_ * FILE_LINES % max(1, len(lines) - FILE_LINES)
+    # Round 0 the file's start, then slices that open on a function or class, as an agent shows
+    # a region of a file (a slice opening mid-docstring was not copied by the model at all:
+    # measured), and do not overlap (no text an earlier round's prompt or answer held).
+    starts, free = [0], FILE_LINES
+    for i, line in enumerate(lines):
+        if i >= free and i + FILE_LINES <= len(lines) and line.lstrip().startswith(("def ", "class ")):
+            starts.append(i)
+            free = i + FILE_LINES
+    start = starts[round_ % len(starts)]
     source = "".join(lines[start : start + FILE_LINES])
     return (
         "<|im_start|>user\nRewrite this file with one change: rename `_whitespace` to `_blank`.\n"
@@ -234,12 +242,14 @@ def parting(
     """Where modeld's greedy text with speculation parts from its plain decoding's: both decoded
     again, not streamed, with their top log-probabilities. Returns the first token that differs,
     ``gap_plain`` (plain decoding's own choice over the speculating decode's there, None: not in
-    its top 5) and ``drift``: the most the chosen tokens' log-probabilities moved between the two
-    decodes at the positions before, where the tokens were the same (what evaluating tokens in
-    batches rather than one by one does to this model's logits: the kernels' rounding,
-    compounded through the K/V of the positions before). A parting where ``gap_plain`` is within
-    ``drift`` is a near tie that rounding ordered the other way (blueprint 0021, "Numerics").
-    None: the decodes did not part this time."""
+    its top 5) and ``drift``: the most the log-probabilities of the candidates both decodes list
+    (their top 5) moved between the two decodes at the positions before, where the tokens were
+    the same (what evaluating tokens in batches rather than one by one does to this model's
+    logits: the kernels' rounding, compounded through the K/V of the positions before). A
+    parting where ``gap_plain`` is within ``drift`` is a near tie that rounding ordered the other
+    way (blueprint 0021, "Numerics"); one beyond it is no proof of a fault: the drift is a lower
+    bound of how far the engine's batch and single-step kernels part (on REALISTIC up to 1.2 over
+    the whole vocabulary by the 31st token). None: the decodes did not part this time."""
     tops: dict[str, list[tuple[str, float, dict[str, float]]]] = {}
     for mode in ("off", "ngram"):
         body: dict[str, Any] = {
@@ -264,11 +274,12 @@ def parting(
         else:
             tops[mode] = list(zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True))
     drift = 0.0
-    for i, ((a, lp_a, top_a), (b, lp_b, _)) in enumerate(zip(tops["off"], tops["ngram"], strict=False)):
+    for i, ((a, lp_a, top_a), (b, lp_b, top_b)) in enumerate(zip(tops["off"], tops["ngram"], strict=False)):
         if a != b:
             gap = top_a[a] - top_a[b] if a in top_a and b in top_a else None
             return {"token": i, "plain": a, "ngram": b, "gap_plain": gap, "drift": drift}
-        drift = max(drift, abs(lp_a - lp_b))
+        moved = [abs(lp_a - lp_b), *(abs(top_a[t] - top_b[t]) for t in top_a.keys() & top_b.keys())]
+        drift = max(drift, *moved)
     return None
 
 
@@ -630,7 +641,7 @@ def report(
             output = "-" if name == reference else ("identical" if same else "DIFFERS")
             tie = near_tie(partings.get(wname)) if name == "modeld ngram" and same is False else None
             if tie is not None:
-                output = f"DIFFERS ({'at a near tie' if tie else 'NOT at a near tie'})"
+                output = f"DIFFERS ({'at a near tie' if tie else 'beyond the drift seen before'})"
             acceptance = f"{accepted}/{drafted} ({accepted / drafted:.0%})" if drafted else "-"
             mean = f"{drafted / batches:.1f}" if batches else "-"
             lines.append(
@@ -666,7 +677,7 @@ def report(
             lines.append(
                 f"- {wname}: modeld ngram parts from modeld off at token {part['token']}: {part['plain']!r} (off) "
                 f"against {part['ngram']!r} (ngram); plain decoding's log-probabilities of the two {gap} apart, "
-                f"the chosen tokens' log-probabilities before it moved by up to {part['drift']:.2g} between the "
+                f"the top candidates' log-probabilities before it moved by up to {part['drift']:.2g} between the "
                 f"two decodes (batches against single steps)"
             )
     lines += ["", "Systems:", *(f"- `{s.flags}`" for s in servers), *(f"- note: {n}" for n in notes)]

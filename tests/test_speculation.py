@@ -54,9 +54,11 @@ def test_a_long_match_allows_a_draft_as_long_as_the_match() -> None:
     assert d.draft(64) == (cycle * 2)[:64]
     assert d.matched == 30  # the whole tail: 100..129 (the history starts before it)
     lengths = DraftLength()
-    # No draft has failed yet: a long match gets the longest draft at once.
-    assert lengths.budget(d.matched) == DRAFT_MAX
+    assert lengths.budget(d.matched) == 30  # a decode's first draft: as long as the match
     assert lengths.budget(MATCH_LONG - 1) == DRAFT_START  # a short match: the usual length
+    lengths.record(DRAFT_START, DRAFT_START)  # a draft fully accepted: the copy holds
+    assert lengths.budget(d.matched) == DRAFT_MAX  # a long match now gets the longest draft
+    assert lengths.budget(MATCH_LONG - 1) == 2 * DRAFT_START
     lengths.record(DRAFT_MAX, 3)  # a draft failed: a long match allows as much as it matched
     assert lengths.budget(d.matched) == 30
     again = Drafter(list(range(40)) * 2)

@@ -260,8 +260,9 @@ class DraftLength:
     A fully accepted draft doubles the length (up to ``maximum``); a partly accepted one halves
     it, but not below what was accepted plus one; a draft whose first token fails halves it. A
     match of ``MATCH_LONG`` tokens or more allows a draft as long as the match, and the longest
-    draft while no draft has failed since the last one fully accepted (the copy holds: ramping
-    up 4, 8, 16, 32 costs a 192-token rewrite a tenth of its time). When it halves to
+    draft once a draft was fully accepted and none has failed since (the copy holds: ramping up
+    4, 8, 16, 32 costs a 192-token rewrite a tenth of its time; a decode's first draft is not
+    trusted that far, so where nothing is copied a match costs at most its own length). When it halves to
     zero, drafting pauses for ``wait`` steps (1, 2, 4 ... ``WAIT_MAX``: the length is zero, and
     fresh text costs a counter) and resumes with a one-token probe; any accepted token resets
     the pause. A verify batch of ``k`` draft tokens costs more than a plain step (measured in
@@ -273,7 +274,7 @@ class DraftLength:
         self.length = min(start, self.maximum)
         self._wait = 0
         self._pause = 0
-        self._holding = True  # no draft failed since the last fully accepted one
+        self._holding = False  # a draft was fully accepted and none has failed since
 
     def budget(self, matched: int = 0) -> int:
         """The draft length for this step (0: do not draft now), given how many tokens the
