@@ -314,6 +314,11 @@ class Tiers:
         remote = self.remote
         return [] if remote is None else remote.candidates(model_digest, identity, snapshot_format)
 
+    def get(self, key: str) -> TierEntry | None:
+        """The entry of that key, if the tiers still hold it."""
+        with self._lock:
+            return self._entries.get(key)
+
     def entries(self, model_digest: str | None = None) -> list[TierEntry]:
         with self._lock:
             return [
