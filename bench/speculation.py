@@ -682,7 +682,7 @@ def report(
             )
     lines += ["", "Systems:", *(f"- `{s.flags}`" for s in servers), *(f"- note: {n}" for n in notes)]
     figures = summary(table)
-    lines += ["", "Goals (issue 19), modeld ngram paired by round, median:", "", *goal_lines(figures)]
+    lines += ["", "Goals (issue 19), modeld ngram paired by round, median:", "", *goal_lines(figures, model)]
     return {
         "model": model,
         "threads": threads,
@@ -713,10 +713,23 @@ GOAL_TITLES = {
 }
 
 
-def goal_lines(figures: dict[str, Any]) -> list[str]:
-    """One line per goal: the figure, the goal, met or missed (or why there is no figure)."""
+def goal_lines(figures: dict[str, Any], model: str = "copying") -> list[str]:
+    """One line per goal: the figure, the goal, met or missed (or why there is no figure). On
+    REALISTIC (nothing is copied) the one goal is that speculation costs nothing: the lowest of
+    the three workloads against 0.97."""
     out = []
+    if model == "realistic":
+        ratios = [figures.get(k) for k in ("rewrite_over_off", "tool_call_over_off", "prose_over_off")]
+        present = [r for r in ratios if r is not None]
+        if present:
+            low = min(present)
+            out.append(
+                f"- the lowest of rewrite, tool call and prose / modeld off: {low:.2f}, goal >= 0.97: "
+                f"{'met' if low >= 0.97 else 'missed'} (nothing is copied: speculation must cost nothing)"
+            )
     for key, (_, goal) in GOALS.items():
+        if model == "realistic":
+            break
         value = figures.get(key)
         title = GOAL_TITLES[key]
         if key == "rewrite_over_llama_server_ngram" and figures.get("best_llama_server_ngram"):

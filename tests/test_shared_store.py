@@ -347,3 +347,50 @@ def test_a_store_that_cannot_be_used_is_refused_at_start(directory: Path) -> Non
     directory.write_text("a file, not a directory")
     with pytest.raises(Exception, match="shared-store"):
         _engine(directory.parent / "a", directory)
+
+
+def test_a_snapshot_still_being_written_to_disk_counts_as_on_its_way_to_the_store(directory: Path) -> None:
+    """A snapshot the engine is writing to the disk tier goes through to the shared store only
+    once sealed; until it is in the store, ``shared_pending`` (the metric
+    ``modeld_shared_store_pending_writes``) counts it: what a SIGKILL would lose. Reading 0
+    while the disk write was in progress made the fleet test's kill lose the last turn's
+    snapshot now and then (``test_fleet``'s memory-kill case)."""
+    from modeld.cache.runtime import Saved
+    from modeld.cache.tiers import Tiers
+
+    tiers = Tiers(data_dir=directory.parent / "data", ram_bytes=0, disk_bytes=1 << 30)
+    tiers.attach_remote(SharedTier(DirectoryStore(directory, 1 << 30)))
+    try:
+        reserved = tiers.reserve(
+            model_digest=MODEL,
+            identity=IDENTITY,
+            snapshot_format=FORMAT,
+            tokens=TOKENS,
+            prefix_tokens=len(TOKENS),
+            truncatable=True,
+        )
+        assert reserved is not None
+        entry, tmp = reserved
+        assert tmp is not None
+        assert tiers.stats()["shared_pending"] == 1  # the engine is writing its file
+        tmp.write_bytes(b"p" * 4096)  # what the engine writes
+        tiers.seal(entry, Saved(ok=True, size=4096))
+        assert tiers.flush(30)
+        assert tiers.stats()["shared_pending"] == 0
+        assert tiers.stats()["shared_written"] == 1
+        assert (directory / f"{_key()}{SUFFIX}").exists()
+        # An abandoned write (the engine failed) is not on its way anywhere.
+        again = tiers.reserve(
+            model_digest=MODEL,
+            identity=IDENTITY,
+            snapshot_format=FORMAT,
+            tokens=[*TOKENS, 1],
+            prefix_tokens=len(TOKENS) + 1,
+            truncatable=True,
+        )
+        assert again is not None and again[1] is not None
+        assert tiers.stats()["shared_pending"] == 1
+        tiers.abandon(again[0])
+        assert tiers.stats()["shared_pending"] == 0
+    finally:
+        tiers.close()

@@ -210,11 +210,10 @@ def saved_entry(pool: Pool, context: WarmContext, n: int = 0) -> TierEntry | Non
     if pool.tiers is None or not context.saved_key or not context.tokens:
         return None
     n = n or min(context.prefix_tokens or len(context.tokens), len(context.tokens))
-    for entry in pool.tiers.entries(pool.model_digest):
-        if entry.key == context.saved_key:
-            covers = len(entry.tokens) >= n and entry.tokens == context.tokens[: len(entry.tokens)]
-            return entry if covers else None
-    return None
+    entry = pool.tiers.get(context.saved_key)
+    if entry is None or entry.model_digest != pool.model_digest or len(entry.tokens) < n:
+        return None
+    return entry if entry.tokens == context.tokens[: len(entry.tokens)] else None
 
 
 def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str) -> int:

@@ -314,6 +314,11 @@ class Tiers:
         remote = self.remote
         return [] if remote is None else remote.candidates(model_digest, identity, snapshot_format)
 
+    def get(self, key: str) -> TierEntry | None:
+        """The entry of that key, if the tiers still hold it."""
+        with self._lock:
+            return self._entries.get(key)
+
     def entries(self, model_digest: str | None = None) -> list[TierEntry]:
         with self._lock:
             return [
@@ -850,6 +855,13 @@ class Tiers:
         with self._lock:
             ram = [e for e in self._entries.values() if e.blob is not None]
             disk = [e for e in self._entries.values() if e.path is not None]
+            if remote:
+                # A snapshot still being written to disk goes through to the store once sealed:
+                # it is on its way there too (what a SIGKILL now would lose).
+                owns = self.remote.owns  # type: ignore[union-attr]
+                remote["shared_pending"] = int(remote.get("shared_pending", 0)) + sum(
+                    1 for e in self._entries.values() if e.writing and e.through and not owns(e)
+                )
             return {
                 **remote,
                 "ram_entries": len(ram),

@@ -59,7 +59,9 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             buffers not yet resident; blueprint 0016)
 ``modeld_shared_store_snapshots_total{event}``  what this daemon did with the shared store:
                                             written, restored, rejected, write_failed, gone
-``modeld_shared_store_pending_writes``      snapshots queued for the shared store (a backlog)
+``modeld_shared_store_pending_writes``      snapshots on their way to the shared store: queued,
+                                            or still being written to disk (a backlog; what a
+                                            SIGKILL now would lose)
 ==========================================  ==================================================
 
 Every per-model series carries ``model`` (the model's name, never a path, at most
@@ -417,7 +419,8 @@ class _StatusCollector:
                 yield shared
                 yield GaugeMetricFamily(
                     "modeld_shared_store_pending_writes",
-                    "Snapshots queued to be written to the shared store (a backlog: the store is slow).",
+                    "Snapshots on their way to the shared store: queued for it, or still being written to disk "
+                    "before it (a backlog; what a SIGKILL now would lose).",
                     value=tiers.shared_pending,
                 )
 

@@ -178,7 +178,7 @@ class TierStatus:
     shared_rejected: int = 0  # snapshots refused (corrupt, foreign) and removed
     shared_lookups: int = 0  # misses that looked it up
     shared_read_failures: int = 0  # snapshots gone between listing and reading (a miss)
-    shared_pending: int = 0  # snapshots queued to be written to it
+    shared_pending: int = 0  # snapshots on their way to it (queued, or still being written to disk)
 
 
 @dataclass(frozen=True, slots=True)
