@@ -360,15 +360,19 @@ def test_a_snapshot_still_being_written_to_disk_counts_as_on_its_way_to_the_stor
 
     tiers = Tiers(data_dir=directory.parent / "data", ram_bytes=0, disk_bytes=1 << 30)
     tiers.attach_remote(SharedTier(DirectoryStore(directory, 1 << 30)))
-    try:
-        reserved = tiers.reserve(
+
+    def reserve(tokens: list[int]) -> Any:
+        return tiers.reserve(
             model_digest=MODEL,
             identity=IDENTITY,
             snapshot_format=FORMAT,
-            tokens=TOKENS,
-            prefix_tokens=len(TOKENS),
+            tokens=tokens,
+            prefix_tokens=len(tokens),
             truncatable=True,
         )
+
+    try:
+        reserved = reserve(TOKENS)
         assert reserved is not None
         entry, tmp = reserved
         assert tmp is not None
@@ -380,14 +384,7 @@ def test_a_snapshot_still_being_written_to_disk_counts_as_on_its_way_to_the_stor
         assert tiers.stats()["shared_written"] == 1
         assert (directory / f"{_key()}{SUFFIX}").exists()
         # An abandoned write (the engine failed) is not on its way anywhere.
-        again = tiers.reserve(
-            model_digest=MODEL,
-            identity=IDENTITY,
-            snapshot_format=FORMAT,
-            tokens=[*TOKENS, 1],
-            prefix_tokens=len(TOKENS) + 1,
-            truncatable=True,
-        )
+        again = reserve([*TOKENS, 1])
         assert again is not None and again[1] is not None
         assert tiers.stats()["shared_pending"] == 1
         tiers.abandon(again[0])

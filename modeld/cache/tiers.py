@@ -855,10 +855,10 @@ class Tiers:
         with self._lock:
             ram = [e for e in self._entries.values() if e.blob is not None]
             disk = [e for e in self._entries.values() if e.path is not None]
-            if remote:
+            if self.remote is not None:
                 # A snapshot still being written to disk goes through to the store once sealed:
                 # it is on its way there too (what a SIGKILL now would lose).
-                owns = self.remote.owns  # type: ignore[union-attr]
+                owns = self.remote.owns
                 remote["shared_pending"] = int(remote.get("shared_pending", 0)) + sum(
                     1 for e in self._entries.values() if e.writing and e.through and not owns(e)
                 )
