@@ -81,31 +81,37 @@ class LlamaRuntime(LlamaContext):
             rows: list[int] = [-1]  # the logits rows to choose from, in order
             draft: list[int] = []  # draft[i]: the token drafted after rows[i]
             while True:
+                # Choose from every row the last batch left before handing any token over: the
+                # worker runs its jobs a step at a time, and another job's batch, evaluated while
+                # this one yields, would overwrite the rows not read yet (every accepted draft
+                # token would then be evaluated again: three concurrent copies paid a verify batch
+                # per token). Tokens are yielded after; a consumer that stops mid-way leaves what
+                # it took (``finally`` cuts the rest).
+                chosen: list[int] = []  # as yielded (with log-probabilities when asked for)
                 token = -1
                 accepted = 0
-                overwritten = False
+                ended = False
                 for i, row in enumerate(rows):
-                    if i and self._fresh != seq:
-                        # Another slot's batch was evaluated while this job yielded: the rows
-                        # left are gone. The last token kept is evaluated again (its cell cut
-                        # below) for fresh logits, as after a rejected draft.
-                        overwritten = True
-                        break
                     token = step.choose(row)
-                    produced += 1
+                    chosen.append(step.out(token))
                     if drafter is not None:
                         drafter.append(token)
-                    yield step.out(token)
-                    if step.eog(token) or produced >= max_tokens or base + produced > window:
-                        return
+                    total = produced + len(chosen)
+                    if step.eog(token) or total >= max_tokens or base + total > window:
+                        ended = True
+                        break
                     if i < len(draft) and token == draft[i]:
                         accepted += 1  # resident already: its row follows
-                        stats.accepted += 1
                         continue
                     break
+                stats.accepted += accepted
+                for out in chosen:
+                    produced += 1
+                    yield out
+                if ended:
+                    return
                 if draft:
-                    if not overwritten:  # an interruption says nothing of the drafts' quality
-                        lengths.record(len(draft), accepted)
+                    lengths.record(len(draft), accepted)
                     self._cut(seq, base + produced - 1)  # the rejected drafted tokens' cells
                 # ``token`` is chosen, not yet evaluated. Tokens a constraint forces after it
                 # are the only choice plain decoding has: yield them and evaluate all at once.
