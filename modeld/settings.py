@@ -48,7 +48,9 @@ class Residency:
     cells (``sequences`` windows of memory), and warm output is bit-identical by construction.
     Chosen by measurement: blueprint 0016."""
     pool_tokens: int = setting(0, "--kv-pool-tokens", _WARM, count(0, 1 << 24))
-    """With ``kv_unified``: KV cells in the pool (0: one window; a smaller pool caps the window)."""
+    """With ``kv_unified``: KV cells in the pool (0: one window; a smaller pool caps the window).
+    A pool of at least ``sequences`` windows is laid out as split streams: sharing it gains no
+    room, and concurrent turns then attend only over their own cells (blueprint 0016)."""
     ram_tier_bytes: int = setting(-1, "--ram-tier-bytes", _WARM, parse_size)
     """RAM tier budget; -1 (``auto``): a quarter of the RAM available at start (at most 8 GiB); 0: off."""
     disk_tier_bytes: int = setting(-1, "--disk-tier-bytes", _WARM, parse_size)

@@ -64,8 +64,32 @@ def test_a_short_budget_shrinks_the_pool_or_the_sequences() -> None:
 def test_an_explicit_pool_caps_the_window() -> None:
     options, _ = plan_layout(sequences=3, unified=True, pool_tokens=3000, window=4096, fp=FP, room=None)
     assert (options.window, options.pool_tokens) == (3000, 3000)
-    larger, _ = plan_layout(sequences=3, unified=True, pool_tokens=3 * 4096, window=4096, fp=FP, room=None)
-    assert (larger.window, larger.pool_tokens) == (4096, 3 * 4096)
+    larger, _ = plan_layout(sequences=4, unified=True, pool_tokens=3 * 4096, window=4096, fp=FP, room=None)
+    assert (larger.window, larger.pool_tokens, larger.unified) == (4096, 3 * 4096, True)
+
+
+def test_a_pool_of_every_sequences_window_is_split() -> None:
+    """Sharing a pool that holds every sequence's whole window gains no capacity (no sequence
+    grows past its window) and makes each sequence attend over the others' cells: split streams
+    hold the same, exactly. Unless the budget has room only for the pool as asked."""
+    options, note = plan_layout(sequences=3, unified=True, pool_tokens=3 * 4096, window=4096, fp=FP, room=None)
+    assert (options.n_seq, options.window, options.pool_tokens, options.unified, note) == (
+        3,
+        4096,
+        3 * 4096,
+        False,
+        "",
+    )
+    roomy, _ = plan_layout(
+        sequences=3, unified=True, pool_tokens=4 * 4096, window=4096, fp=FP, room=_cost(4 * 4096, 4 * 4096)
+    )
+    assert (roomy.pool_tokens, roomy.unified) == (3 * 4096, False)  # the fourth window could never be used
+    # The split layout's compute buffer is a window's; a budget that fits neither layout keeps
+    # the unified plan and its own shrinking rule.
+    short, note = plan_layout(
+        sequences=3, unified=True, pool_tokens=3 * 4096, window=4096, fp=FP, room=_cost(2048, 2048)
+    )
+    assert short.unified and short.pool_tokens == 2048 and "unified/3:2048" in note
 
 
 # --- on the engine ----------------------------------------------------------------------------

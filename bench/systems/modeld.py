@@ -44,8 +44,10 @@ def pool_flags(load: Workload, notes: list[str]) -> list[str]:
 
     modeld's default KV is one unified pool of one window that every sequence may fill
     (blueprint 0016): a single-workspace workload needs no flag; with several workspaces the
-    pool is ``--kv-pool-tokens`` cells, as llama-server's ``-c``. A modeld whose default is
-    split streams (before the unified default) gets ``--sequences`` windows instead.
+    pool is ``--kv-pool-tokens`` cells, as llama-server's ``-c``, and where it holds a window per
+    workspace modeld gets a sequence per workspace too (``--sequences``, llama-server's ``-np``;
+    modeld then lays the pool out as split streams). A modeld whose default is split streams
+    (before the unified default) gets ``--sequences`` windows instead.
     ``MODELD_BENCH_CAPACITY=default`` leaves modeld at its default capacity (one window, the rest
     through the tiers) to measure what several workspaces cost there."""
     if (load.workspaces <= 1 and not load.pool_tokens) or os.environ.get(
@@ -55,7 +57,8 @@ def pool_flags(load: Workload, notes: list[str]) -> list[str]:
     pool = load.pool_tokens or load.workspaces * load.n_ctx
     help_text = serve_help()
     if "--no-kv-unified" in help_text:
-        return ["--kv-pool-tokens", str(pool)]
+        every = [] if load.pool_tokens else ["--sequences", str(load.workspaces)]
+        return ["--kv-pool-tokens", str(pool), *every]
     if "--sequences" in help_text:
         return ["--sequences", str(max(1, pool // load.n_ctx))]
     notes.append(

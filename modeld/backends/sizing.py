@@ -127,20 +127,14 @@ def plan_layout(
     room: int | None,
 ) -> tuple[LoadOptions, str]:
     """The KV layout a model loads with: ``sequences`` sequences of ``window`` tokens, in a
-    unified pool (``pool_tokens`` cells, 0: one window) or in split streams of a window each.
+    unified pool (``pool_tokens`` cells, 0: one window) or in split streams of a window each
+    (also when ``unified`` asks for a pool of at least ``sequences`` windows: the same capacity).
     A window larger than the pool is cut to the pool. ``room``: the bytes the memory budget
     leaves for this model (None: no limit). A split
     layout that does not fit gets fewer sequences (at least 1); a unified pool that does not fit
     is made smaller, and the window with it. Returns the options and a note for the log ("" when
     the settings fit as asked)."""
     n_seq = max(1, sequences)
-    if unified:
-        pool = pool_tokens or window
-        options = LoadOptions(n_seq=n_seq, window=min(window, pool), pool_tokens=pool, unified=True)
-    else:
-        options = LoadOptions(n_seq=n_seq, window=window, pool_tokens=n_seq * window)
-    if room is None or fp.kv_bytes_per_token <= 0:
-        return options, ""
 
     def cost(o: LoadOptions) -> int:
         cells = o.pool_tokens if o.unified else o.window
@@ -151,6 +145,22 @@ def plan_layout(
             + MODEL_OVERHEAD_BYTES
         )
 
+    split = LoadOptions(n_seq=n_seq, window=window, pool_tokens=n_seq * window)
+    budgeted = room is not None and fp.kv_bytes_per_token > 0
+    if unified and pool_tokens >= n_seq * window and (not budgeted or cost(split) <= (room or 0)):
+        # A pool that holds every sequence's whole window gains nothing from sharing it (no
+        # sequence may grow past its window): split streams hold the same, stay exact, and no
+        # sequence's attention spans another's cells (three concurrent turns in one unified
+        # pool each paid for all three contexts' cells: blueprint 0016).
+        return split, ""
+    if unified:
+        pool = pool_tokens or window
+        options = LoadOptions(n_seq=n_seq, window=min(window, pool), pool_tokens=pool, unified=True)
+    else:
+        options = split
+    if not budgeted:
+        return options, ""
+    assert room is not None
     if cost(options) <= room:
         return options, ""
     if not unified:
