@@ -277,14 +277,7 @@ def _enc_value(out: bytearray, value: object) -> None:
 
 _MANIFEST_SCALARS: tuple[str, ...] = (
     "profile_id",
-    "backend",
-    "backend_version",
-    "model_digest",
-    "tokenizer_digest",
-    "prompt_format",
-    "prompt_template_digest",
-    "runtime_digest",
-    "add_bos",
+    *RUNTIME_FIELDS,  # the digest's layout: a change here changes every digest (the tests pin it)
     "stable_bytes",
     "total_bytes",
     "stable_byte_hash",

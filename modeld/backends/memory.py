@@ -71,7 +71,7 @@ from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.decoding.sampling import SampledToken, adjust, logit_bias_of, logprob
 from modeld.decoding.speculation import DecodeStats, Drafter, DraftLength, drafter_for
-from modeld.errors import InvalidArgumentError, ModelLoadError
+from modeld.errors import EngineError, InvalidArgumentError, ModelLoadError
 from modeld.manifest import bytes_hash
 
 __all__ = [
@@ -265,10 +265,10 @@ class MemoryRuntime(HeldTokens):
         stopped: Callable[[int], bool] | None = None,
     ) -> Iterator[int]:
         if forks:  # Layout.forks is False: the daemon decodes choices one after another
-            raise InvalidArgumentError("this backend decodes one choice at a time")
+            raise EngineError("this backend decodes one choice at a time")
         held = self._seq(seq)
         if not held:
-            raise InvalidArgumentError("nothing resident to decode from", field="resident")
+            raise EngineError("nothing resident to decode from")
         data = bytes(t for t in held if t < 256)
         state = xxhash.xxh3_64_intdigest(struct.pack(f"<{len(held)}I", *held))
         rng = random.Random(config.seed if config.seed is not None else int.from_bytes(os.urandom(8)))
@@ -290,7 +290,6 @@ class MemoryRuntime(HeldTokens):
         lengths = DraftLength()
         draft: list[int] = []
         checked = 0  # draft tokens confirmed so far in this verify step
-        len(held)
         for produced in range(max_tokens):
             if delay:
                 time.sleep(delay)
