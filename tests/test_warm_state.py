@@ -280,6 +280,63 @@ def test_idle_contexts_leave_a_unified_pool_and_come_back_exact(tmp_path: Path, 
         reference.close()
 
 
+@pytest.mark.llama
+def test_a_chat_whose_disk_copy_lacks_its_last_messages_leaves_the_pool_and_is_written_anew(
+    tmp_path: Path, tiny: str
+) -> None:
+    """A chat's prefix takes each turn's new messages, so after a short turn the context's disk
+    copy (written when a turn computed --persist-min-tokens or more) lacks its last messages, or
+    differs from it there (the message replaced). Idle, it still leaves a unified pool: its next
+    turn restores the copy and evaluates the few tokens it lacks (the OpenAI endpoint's
+    many-workspace turns otherwise kept every conversation in the pool, each turn attending over
+    all of them). Short turns that together leave that many tokens out of the copy write it anew."""
+    persist = 64
+    residency = Residency(sequences=4, kv_unified=True, pool_tokens=4096, persist_min_tokens=persist)
+    reference = Reference(tiny)
+    head_a, head_b = WORKSPACES[0] * 2, WORKSPACES[1] * 2
+    try:
+        with Engine(backends=("llama",), residency=residency, data_dir=tmp_path / "data") as engine:
+            a, b = (engine.open_session(_request(tiny)) for _ in range(2))
+
+            def kv() -> set[str]:
+                names = {a.session_id: "a", b.session_id: "b"}
+                return {names[i] for i in _in_kv(engine)}
+
+            def turn(session: Any, prefix: str, suffix: str) -> Any:
+                status = session.ensure_prefix(PrefixInput(text=prefix))
+                session.prefill_suffix(SuffixInput(text=suffix))
+                assert _greedy(session, 4) == reference.greedy(prefix, suffix, 4)
+                return status
+
+            first = turn(a, head_a + "user: fix the failing test\n", SUFFIXES[0])  # written behind
+            other = turn(b, head_b, SUFFIXES[1])
+            assert kv() == {"b"}
+            # The last message replaced: the copy differs from the context after the head.
+            replaced = turn(a, head_a + "user: add a docstring\n", SUFFIXES[2])
+            assert replaced.reuse.reason == "diverged"  # restored from disk, cut where it differs
+            assert replaced.reused_tokens > first.prefix_tokens - persist
+            assert 0 < replaced.prefilled_tokens < persist
+            assert _on_disk(engine) == sorted([first.prefix_tokens, other.prefix_tokens])  # not written
+            turn(b, head_b, SUFFIXES[3])
+            assert kv() == {"b"}  # a left all the same
+            assert engine.status().models[0].counters["evicted_to_ram"] == 0  # no copy was made
+            # Messages appended turn after turn, each below the threshold: once the copy lacks
+            # that many tokens, it is written anew.
+            chat = head_a + "user: add a docstring\n"
+            written = None
+            for i in range(12):
+                chat += f"assistant: done, step {i}\nuser: and the next one\n"
+                status = turn(a, chat, SUFFIXES[i % 4])
+                assert status.prefilled_tokens < persist
+                if status.prefix_tokens in _on_disk(engine):
+                    written = status
+                    break
+            assert written is not None, "the disk copy was never written anew"
+            assert written.prefix_tokens - first.prefix_tokens >= persist
+    finally:
+        reference.close()
+
+
 def test_idle_contexts_stay_where_attention_does_not_span_the_pool(tmp_path: Path) -> None:
     """The memory backend's unified pool (and llama's split streams) costs an idle context
     nothing: it stays in the KV."""

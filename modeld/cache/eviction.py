@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from modeld.cache.pool import Pool, SessionSlot, WarmContext
-from modeld.cache.reuse import Loss
+from modeld.cache.reuse import Loss, common_prefix_len
 from modeld.cache.runtime import KVRuntime
 from modeld.cache.tiers import TierEntry
 from modeld.errors import BusyError, ModeldError
@@ -42,6 +42,7 @@ from modeld.errors import BusyError, ModeldError
 __all__ = [
     "NoRoom",
     "WriteBehind",
+    "covered",
     "evict",
     "evictable",
     "leave_idle",
@@ -132,15 +133,23 @@ def make_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: 
         evict(pool, chosen, runtime, "its cells were needed by another session")
 
 
-def evict(pool: Pool, context: WarmContext, runtime: KVRuntime, why: str) -> None:
-    """Save a context's prefix to a tier, free its cells, and tell its session where it went."""
-    tier = save(pool, context, runtime)
+def evict(
+    pool: Pool, context: WarmContext, runtime: KVRuntime, why: str, *, held: TierEntry | None = None
+) -> None:
+    """Save a context's prefix to a tier, free its cells, and tell its session where it went.
+    ``held``: the entry that holds it already (all of its prefix or nearly: :func:`leave_idle`);
+    nothing is saved."""
+    tier = held.tier if held is not None else save(pool, context, runtime)
     runtime.drop(context.seq)
     pool.remove(context)
     pool.counters[f"evicted_to_{tier}" if tier else "evicted_dropped"] += 1
     owner = context.owner
     if owner is not None:
         where = f"saved to the {tier} tier" if tier else "not saved: " + _no_save_reason(pool, context)
+        if held is not None:
+            _entry, lacking = covered(pool, context)
+            if lacking:
+                where = f"in the {tier} tier but for its last {lacking} prefix tokens"
         owner.loss = Loss("evicted", f"{why}; {where}", tier or "none")
         owner.context = None
     log.info(
@@ -204,32 +213,59 @@ def save(
     return saved.tier if saved is not None else ""
 
 
+def _entry_of(pool: Pool, context: WarmContext) -> TierEntry | None:
+    """The tier entry last written from ``context`` (or restored into it), if still there."""
+    if pool.tiers is None or not context.saved_key or not context.tokens:
+        return None
+    entry = pool.tiers.get(context.saved_key)
+    return entry if entry is not None and entry.model_digest == pool.model_digest else None
+
+
 def saved_entry(pool: Pool, context: WarmContext, n: int = 0) -> TierEntry | None:
     """The tier entry that holds ``context``'s first ``n`` tokens already (default: its prefix),
     or None: evicting the context then costs no copy."""
-    if pool.tiers is None or not context.saved_key or not context.tokens:
-        return None
+    entry = _entry_of(pool, context)
     n = n or min(context.prefix_tokens or len(context.tokens), len(context.tokens))
-    entry = pool.tiers.get(context.saved_key)
-    if entry is None or entry.model_digest != pool.model_digest or len(entry.tokens) < n:
+    if entry is None or len(entry.tokens) < n:
         return None
     return entry if entry.tokens == context.tokens[: len(entry.tokens)] else None
 
 
+def covered(pool: Pool, context: WarmContext) -> tuple[TierEntry | None, int]:
+    """The tier entry holding the start of ``context``'s prefix, and how many prefix tokens it
+    lacks (0: all of them; with no entry, the whole prefix). An entry the context diverged from
+    counts where the engine can cut a restored sequence (a restore then reuses what the two
+    share): a chat's prefix takes the turn's new messages, so its disk copy, written when a turn
+    computed at least ``persist_min_tokens``, differs from the context after the last such turn."""
+    entry = _entry_of(pool, context)
+    n = min(context.prefix_tokens or len(context.tokens), len(context.tokens))
+    if entry is None:
+        return None, n
+    shared = common_prefix_len(entry.tokens, context.tokens)
+    if shared < len(entry.tokens) and not pool.layout.can_truncate:
+        return None, n
+    return entry, max(0, n - shared)
+
+
 def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str) -> int:
-    """Evict every idle context whose prefix a tier holds already (no copy is made; its next
-    turn restores it in milliseconds), except ``keep``: on a layout whose attention spans the
-    pool (``Layout.attention_spans_pool``) its cells slow every token of the turn that starts.
-    Not idle: busy, pinned, or inside its own turn (``WarmContext.turn_until``). Returns how
-    many went."""
+    """Evict every idle context whose prefix a tier holds already, all of it or all but fewer
+    than ``persist_min_tokens`` tokens (:func:`covered`; no copy is made: its next turn restores
+    it in milliseconds and evaluates what the copy lacks, as little as a turn that is not worth
+    a disk copy computes), except ``keep``: on a layout whose attention spans the pool
+    (``Layout.attention_spans_pool``) its cells slow every token of the turn that starts. Not
+    idle: busy, pinned, or inside its own turn (``WarmContext.turn_until``). Returns how many
+    went."""
     if not pool.layout.attention_spans_pool:
         return 0
     now = time.time()
     gone = 0
     for context in evictable(pool):
-        if context in keep or context.turn_until > now or saved_entry(pool, context) is None:
+        if context in keep or context.turn_until > now:
             continue
-        evict(pool, context, runtime, why)
+        entry, lacking = covered(pool, context)
+        if entry is None or (lacking and lacking >= pool.settings.persist_min_tokens):
+            continue
+        evict(pool, context, runtime, why, held=entry)
         gone += 1
     return gone
 
@@ -329,7 +365,10 @@ class WriteBehind:
         tiers = pool.tiers
         if tiers is None or computed <= 0 or len(context.tokens) < pool.settings.snapshot_min_tokens:
             return
-        if tiers.disk_on and computed >= pool.settings.persist_min_tokens:
+        # A turn long enough, or short turns that together left that much of the prefix out of
+        # its disk copy (a chat's prefix grows by a turn's messages): the copy is written anew.
+        _entry, unsaved = covered(pool, context)
+        if tiers.disk_on and max(computed, unsaved) >= pool.settings.persist_min_tokens:
             with self._lock:
                 finish = to_disk(pool, context, runtime)
             if finish is not None:
