@@ -232,6 +232,20 @@ def _on_disk(engine: Engine) -> list[int]:
     return sorted(c.tokens for c in engine.status().models[0].contexts if c.tier == "disk")
 
 
+def _checked_turn(reference: Reference, session: Any, prefix: str, suffix: str) -> Any:
+    """One turn (prefix, suffix, 4 greedy tokens checked against a fresh evaluation): its status."""
+    status = session.ensure_prefix(PrefixInput(text=prefix))
+    session.prefill_suffix(SuffixInput(text=suffix))
+    assert _greedy(session, 4) == reference.greedy(prefix, suffix, 4)
+    return status
+
+
+def _named_in_kv(engine: Engine, **sessions: Any) -> set[str]:
+    """The names (keyword) of the sessions whose context is in the KV pool."""
+    names = {session.session_id: name for name, session in sessions.items()}
+    return {names[i] for i in _in_kv(engine)}
+
+
 @pytest.mark.llama
 def test_idle_contexts_leave_a_unified_pool_and_come_back_exact(tmp_path: Path, tiny: str) -> None:
     """A unified pool's attention spans every used cell, so a turn that starts moves the idle
@@ -246,14 +260,10 @@ def test_idle_contexts_leave_a_unified_pool_and_come_back_exact(tmp_path: Path, 
             a, b, c = (engine.open_session(_request(tiny)) for _ in range(3))
 
             def kv() -> set[str]:
-                names = {a.session_id: "a", b.session_id: "b", c.session_id: "c"}
-                return {names[i] for i in _in_kv(engine)}
+                return _named_in_kv(engine, a=a, b=b, c=c)
 
             def turn(session: Any, prefix: str, suffix: str) -> Any:
-                status = session.ensure_prefix(PrefixInput(text=prefix))
-                session.prefill_suffix(SuffixInput(text=suffix))
-                assert _greedy(session, 4) == reference.greedy(prefix, suffix, 4)
-                return status
+                return _checked_turn(reference, session, prefix, suffix)
 
             first = turn(a, long_a, SUFFIXES[0])
             assert first.prefilled_tokens >= 64  # written behind to disk
@@ -299,14 +309,10 @@ def test_a_chat_whose_disk_copy_lacks_its_last_messages_leaves_the_pool_and_is_w
             a, b = (engine.open_session(_request(tiny)) for _ in range(2))
 
             def kv() -> set[str]:
-                names = {a.session_id: "a", b.session_id: "b"}
-                return {names[i] for i in _in_kv(engine)}
+                return _named_in_kv(engine, a=a, b=b)
 
             def turn(session: Any, prefix: str, suffix: str) -> Any:
-                status = session.ensure_prefix(PrefixInput(text=prefix))
-                session.prefill_suffix(SuffixInput(text=suffix))
-                assert _greedy(session, 4) == reference.greedy(prefix, suffix, 4)
-                return status
+                return _checked_turn(reference, session, prefix, suffix)
 
             first = turn(a, head_a + "user: fix the failing test\n", SUFFIXES[0])  # written behind
             other = turn(b, head_b, SUFFIXES[1])
