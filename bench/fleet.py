@@ -42,6 +42,7 @@ from typing import Any
 import httpx
 
 from bench.systems.base import free_port
+from modeld.backends.cpu import cpu_has_amx
 from modeld.lease import read_lease
 
 __all__ = [
@@ -407,7 +408,10 @@ def _start_workers(
         if store is not None:
             flags += ["--shared-store", str(store)]
         return [start_modeld(n, workdir / n, backend="llama", flags=flags) for n in names]
-    flags = ["--alias", SERVED, *LLAMA_SERVER_FLAGS]
+    # As modeld and the bench's own llama-server: llama.cpp's AMX matmul crashes (blueprint 0009;
+    # without it a fleet's second llama-server hung after its threadpool started, on an AMX box).
+    amx = ["--no-repack"] if cpu_has_amx() else []
+    flags = ["--alias", SERVED, *LLAMA_SERVER_FLAGS, *amx]
     return [start_llama_server(n, binary, model, workdir / n, flags) for n in names]
 
 
