@@ -21,6 +21,7 @@ import time
 from bench.systems.base import TurnResult, free_port, threaded_wave
 from bench.systems.openai_http import HttpServerSystem, stream_completion
 from bench.workloads import Turn, Workload
+from modeld.backends.cpu import cpu_has_amx
 
 __all__ = ["LcpServerSystem", "parse_prefills"]
 
@@ -47,6 +48,23 @@ def parse_prefills(log: str) -> list[int | None]:
     return out
 
 
+_NO_EXTRA_BUFFERS = """
+import runpy, llama_cpp.llama_cpp as low
+default = low.llama_model_default_params
+def params():
+    p = default()
+    p.use_extra_bufts = False
+    return p
+low.llama_model_default_params = params
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+"""``python -m llama_cpp.server`` with llama.cpp's extra buffer types off (its ``Llama`` reads
+the model parameters' defaults from this function). On a CPU with AMX, llama.cpp repacks
+weights for its AMX matmul, which crashes here (a general protection fault in libggml-cpu at
+the first completion; blueprint 0009): modeld loads without them, the bench's llama-server runs
+``--no-repack``, and the server has no setting for it."""
+
+
 class LcpServerSystem(HttpServerSystem):
     name = "lcp-server"
     ready_path = "/v1/models"
@@ -62,10 +80,10 @@ class LcpServerSystem(HttpServerSystem):
             "--interrupt_requests", "false",
             "--cache_type", "disk" if disk else "ram",
         ]  # fmt: skip
+        amx = cpu_has_amx()
         args = [
             sys.executable,
-            "-m",
-            "llama_cpp.server",
+            *(["-c", _NO_EXTRA_BUFFERS] if amx else ["-m", "llama_cpp.server"]),
             "--model",
             model,
             "--host",
@@ -79,7 +97,8 @@ class LcpServerSystem(HttpServerSystem):
         super().__init__(args)
         self.settings = {
             "command": "python -m llama_cpp.server --model MODEL --host 127.0.0.1 --verbose true "
-            + " ".join(flags),
+            + " ".join(flags)
+            + (" (llama.cpp's extra buffer types off: AMX crashes here)" if amx else ""),
             "why": "its disk cache survives a restart" if disk else "its RAM prompt cache",
         }
 
