@@ -72,7 +72,9 @@ def test_a_pool_of_every_sequences_window_is_split() -> None:
     """Sharing a pool that holds every sequence's whole window gains no capacity (no sequence
     grows past its window) and makes each sequence attend over the others' cells: split streams
     hold the same, exactly. Unless the budget has room only for the pool as asked."""
-    options, note = plan_layout(sequences=3, unified=True, pool_tokens=3 * 4096, window=4096, fp=FP, room=None)
+    options, note = plan_layout(
+        sequences=3, unified=True, pool_tokens=3 * 4096, window=4096, fp=FP, room=None
+    )
     assert (options.n_seq, options.window, options.pool_tokens, options.unified, note) == (
         3,
         4096,
