@@ -195,8 +195,11 @@ def save(
         pool.ledger.truncate(context.seq, n)
         context.tokens = context.tokens[:n]
         context.generation += 1
-    if persist and tiers.disk_on:
-        finish = to_disk(pool, context, runtime)
+    # Room in RAM before the blob comes (the tier within its limit with it); a blob the RAM
+    # tier cannot hold at all is written to disk by the engine, never passing through here.
+    to_ram = not persist and tiers.make_ram_room(n * max(0, pool.layout.kv_bytes_per_token))
+    if not to_ram and tiers.disk_on:
+        finish = to_disk(pool, context, runtime, through=persist)
         if finish is None:
             return "disk" if context.saved_key else ""
         if not finish():
@@ -293,7 +296,9 @@ def store(
     return entry
 
 
-def to_disk(pool: Pool, context: WarmContext, runtime: KVRuntime) -> Callable[[], bool] | None:
+def to_disk(
+    pool: Pool, context: WarmContext, runtime: KVRuntime, *, through: bool = True
+) -> Callable[[], bool] | None:
     """Have the engine write ``context`` (which stays in the KV pool) into a disk-tier file
     itself: its blob never reaches the daemon, and no RAM-tier copy is made (a byte is held
     once). The request is on its way when this returns (so the engine saves the sequence
@@ -311,6 +316,7 @@ def to_disk(pool: Pool, context: WarmContext, runtime: KVRuntime) -> Callable[[]
         tokens=tokens,
         prefix_tokens=context.prefix_tokens,
         truncatable=pool.layout.can_truncate,
+        through=through,
     )
     if reserved is None:
         return None

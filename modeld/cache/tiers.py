@@ -7,7 +7,9 @@ an engine worker), so they survive a worker crash; the disk tier survives a daem
 
 * **RAM tier**: blobs in memory, within ``ram_bytes`` and within the room the memory budget
   leaves beside the loaded models (:meth:`Tiers.limit_ram`). Over its limit, the least recently
-  used entry moves to the disk tier (or is dropped when the disk tier is off).
+  used entry moves to the disk tier (or is dropped when the disk tier is off); a blob on its way
+  there counts until it is written, and a snapshot that pushed it out waits for that
+  (:meth:`Tiers.make_ram_room`), so the tier never holds more than its limit.
 * **Disk tier**: one file per entry under ``<data_dir>/kv/`` (``modeld/cache/snapfile.py``:
   atomic writes, checksums), within ``disk_bytes``, least recently used removed first. Files
   are written by one background thread; a daemon restart indexes them again (headers and
@@ -226,6 +228,11 @@ class RemoteTier(Protocol):
     def stats(self) -> dict[str, int | str]: ...
 
 
+SPILL_WAIT = 60.0
+"""How long a snapshot entering a full RAM tier waits at most for the blobs it pushes out to be
+written to disk (:meth:`Tiers.make_ram_room`): past it the daemon goes over its memory budget
+until they are, and says so in its log."""
+
 WRITER_NICE = 19
 """The disk writer's scheduling priority (Linux ``nice`` is per thread): write-behind of a prefix
 just computed runs while that turn's suffix and decode compute, and its hashing and copying into
@@ -414,6 +421,7 @@ class Tiers:
                 entry.blob = blob
                 self._entries[key] = entry
                 self._enforce_ram()
+                self._await_ram(0, SPILL_WAIT)
                 return entry
             if self.disk_on and self.disk_budget >= len(blob):
                 if truncatable:
@@ -450,9 +458,11 @@ class Tiers:
         tokens: Sequence[int],
         prefix_tokens: int,
         truncatable: bool,
+        through: bool = True,
     ) -> tuple[TierEntry, Path | None] | None:
         """An entry for the snapshot of a context that stays in the KV pool, written to disk
-        for crash safety and never kept in RAM (blueprint 0016): the entry and the temporary
+        for crash safety and never kept in RAM (blueprint 0016), and through to the remote
+        tier unless ``through`` is False (an eviction's, not a persisted copy): the entry and the temporary
         file the engine is to write its blob into (then :meth:`seal`, or :meth:`abandon`), or
         an entry that holds these tokens already and None (nothing to write), or None when
         the disk tier is off.
@@ -473,8 +483,9 @@ class Tiers:
                         self._leave_ram(covering)
                     else:
                         self._queue_write(covering, covering.blob)
-                covering.through = True
-                self.persist(covering)
+                if through:
+                    covering.through = True
+                    self.persist(covering)
                 return covering, None
             assert self.directory is not None
             entry = TierEntry.new(
@@ -486,7 +497,7 @@ class Tiers:
                 0,
                 writing=True,
                 truncatable=truncatable,
-                through=True,
+                through=through,
             )
             key = entry.key
             self._entries[key] = entry
@@ -534,9 +545,51 @@ class Tiers:
             self._entries.pop(entry.key, None)
             entry.blob = None
 
-    def _enforce_ram(self) -> None:
-        """Over the RAM budget: move the least recently used blobs to disk, or drop them."""
-        used = sum(e.nbytes for e in self._entries.values() if e.blob is not None)
+    def make_ram_room(self, nbytes: int, timeout: float = SPILL_WAIT) -> bool:
+        """Room in the RAM tier for a blob of about ``nbytes`` about to be taken: the least
+        recently used blobs move to disk (or are dropped), and this waits until those on their
+        way there have left memory, so the tier with the newcomer stays within
+        :attr:`ram_limit`. False when such a blob cannot be kept in RAM at all (larger than the
+        limit): the caller has it written to disk without passing through here."""
+        with self._lock:
+            if nbytes > self.ram_limit:
+                return False
+            self._enforce_ram(nbytes)
+            self._await_ram(nbytes, timeout)
+            return True
+
+    def _ram_held(self) -> int:
+        """The bytes of blobs in memory: those kept, and those on their way to disk."""
+        return sum(e.nbytes for e in self._entries.values() if e.blob is not None)
+
+    def _await_ram(self, extra: int, timeout: float) -> None:
+        """Wait (the lock released meanwhile) until the blobs :meth:`_enforce_ram` sent to disk
+        have left memory and ``extra`` more bytes fit, or nothing more is on its way, or
+        ``timeout`` passes (logged: the daemon is over its budget until the writes finish).
+        A full tier of blobs with no disk copy so slows an eviction to the disk's speed,
+        rather than letting the writer's queue (and the daemon) grow past the budget."""
+        deadline = time.monotonic() + timeout
+        while self._ram_held() + extra > self.ram_limit:
+            if not any(e.blob is not None and e.writing for e in self._entries.values()):
+                self._enforce_ram(extra)  # a write failed (its blob stayed) or the limit fell
+                if not any(e.blob is not None and e.writing for e in self._entries.values()):
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                log.warning(
+                    "the RAM tier holds %d bytes over its limit of %d while their writes to disk "
+                    "finish (waited %.0f s)",
+                    self._ram_held() + extra - self.ram_limit,
+                    self.ram_limit,
+                    timeout,
+                )
+                return
+            self._idle.wait(left)
+
+    def _enforce_ram(self, extra: int = 0) -> None:
+        """Over the RAM budget (with ``extra`` bytes about to arrive): move the least recently
+        used blobs to disk, or drop them. A blob whose write is under way leaves when it ends."""
+        used = self._ram_held() + extra
         limit = self.ram_limit
         if used <= limit:
             return
@@ -721,9 +774,7 @@ class Tiers:
             remote = self.remote
             if entry.through and remote is not None and not remote.owns(entry):
                 remote.write(entry, SnapshotFile(path, header))
-            if entry.leaving or (
-                sum(e.nbytes for e in self._entries.values() if e.blob is not None) > self.ram_limit
-            ):
+            if entry.leaving or self._ram_held() > self.ram_limit:
                 entry.blob = None
                 entry.leaving = False
 
