@@ -15,10 +15,19 @@ test samples the daemon's and the worker's RSS all along and holds:
   workspace finds its context again (restored from RAM or disk, never cold);
 * no turn fails, the worker is never killed or restarted;
 * what ``status`` reports (the model's parts and the RAM tier) within the budget, and the peak
-  RSS of daemon and worker under the budget plus a margin: the daemon's own memory, which the
+  memory of daemon and worker under the budget plus a margin: the daemon's own memory, which the
   budget does not cover (measured before the model loaded), and the accounting's tolerance
   (``accounting_tolerance``: 32 MiB + 2%); the daemon grows by no more than the RAM tier's room
   and that tolerance.
+
+The memory measured is what the kernel cannot take back: anonymous and shared memory
+(``RssAnon + RssShmem``), plus the model's weights at their size (a mapped file, which the budget
+counts whole). RSS also counts clean pages of files (shared libraries, the mapped weights and
+snapshot files), and how many of those a process has mapped depends on the page cache, not on the
+daemon: on the same code, a fresh clone (its libraries just written, so whole in the cache)
+measured 134-142 MiB of them at the peak against 116-117 in a tree in use, the anonymous
+memory 178-180 MiB in both; RSS so failed the bound once in CI (342 MiB against 337) and never
+in the tree in use (293-297). The peak RSS is printed beside it.
 """
 
 from __future__ import annotations
@@ -61,13 +70,22 @@ def _text(i: int) -> str:
     )
 
 
+def _held(pid: int) -> int:
+    """The memory a process holds that the kernel cannot drop: anonymous and shared (its clean
+    file pages are the page cache's)."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return (int(fields["RssAnon"].split()[0]) + int(fields["RssShmem"].split()[0])) << 10
+
+
 class _Peak:
-    """Samples the summed RSS of the daemon and its children every 20 ms."""
+    """Samples the summed held memory (:func:`_held`) and RSS of the daemon and its children
+    every 20 ms."""
 
     def __init__(self, pid: int) -> None:
         self.daemon = psutil.Process(pid)
         self.peak = 0
         self.daemon_peak = 0
+        self.rss_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -75,12 +93,14 @@ class _Peak:
     def _run(self) -> None:
         while not self._stop.wait(0.02):
             try:
-                own = self.daemon.memory_info().rss
-                total = own + sum(c.memory_info().rss for c in self.daemon.children(recursive=True))
-            except psutil.Error:
+                procs = [self.daemon, *self.daemon.children(recursive=True)]
+                held = [_held(p.pid) for p in procs]
+                rss = sum(p.memory_info().rss for p in procs)
+            except (psutil.Error, OSError, KeyError):
                 continue
-            self.peak = max(self.peak, total)
-            self.daemon_peak = max(self.daemon_peak, own)
+            self.peak = max(self.peak, sum(held))
+            self.daemon_peak = max(self.daemon_peak, held[0])
+            self.rss_peak = max(self.rss_peak, rss)
 
     def stop(self) -> None:
         self._stop.set()
@@ -117,7 +137,7 @@ def test_more_workspaces_than_fit_stay_within_the_memory_budget() -> None:
         backend="llama",
         timeout=300,
     )
-    before = psutil.Process(record.pid).memory_info().rss  # the daemon alone, no model yet
+    before = _held(record.pid)  # the daemon alone, no model yet
     peak = _Peak(record.pid)
     outcomes: dict[int, list[str]] = {}
     ram_seen: list[int] = []
@@ -185,16 +205,18 @@ def test_more_workspaces_than_fit_stay_within_the_memory_budget() -> None:
     m = model.memory
     reported = m.weights_bytes + m.kv_allocated_bytes + m.compute_bytes + m.runtime_bytes
     assert reported + status.memory.ram_tier_bytes <= budget, (m, status.memory)
-    # The peak RSS of daemon and worker: within the budget plus the margin, the daemon's own
-    # memory (outside the budget) and the accounting's tolerance (blueprint 0016).
-    margin = before + accounting_tolerance(peak.peak)
+    # The peak of daemon and worker (what they hold, and the weights): within the budget plus
+    # the margin, the daemon's own memory (outside the budget) and the accounting's tolerance
+    # (blueprint 0016).
+    used = peak.peak + m.weights_bytes
+    margin = before + accounting_tolerance(used)
     print(
         f"budget {budget >> 20} MiB (model {cost >> 20} + room {ROOM >> 20}), daemon alone {before >> 20} MiB; "
-        f"peak RSS daemon + worker {peak.peak >> 20} MiB, daemon {peak.daemon_peak >> 20} MiB; "
-        f"RAM tier at most {max(ram_seen) >> 20} MiB; reported {(reported + status.memory.ram_tier_bytes) >> 20} MiB; "
-        f"worker {m}"
+        f"peak daemon + worker {peak.peak >> 20} MiB + weights {m.weights_bytes >> 20} (RSS {peak.rss_peak >> 20}), "
+        f"daemon {peak.daemon_peak >> 20} MiB; RAM tier at most {max(ram_seen) >> 20} MiB; "
+        f"reported {(reported + status.memory.ram_tier_bytes) >> 20} MiB; worker {m}"
     )
-    assert peak.peak <= budget + margin, (peak.peak >> 20, budget >> 20, margin >> 20)
+    assert used <= budget + margin, (used >> 20, budget >> 20, margin >> 20)
     # The daemon grew by no more than the RAM tier's room and the slack.
     grown = peak.daemon_peak - before
     assert grown <= ROOM + accounting_tolerance(peak.daemon_peak), (grown >> 20, ram_seen)
