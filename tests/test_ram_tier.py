@@ -13,6 +13,7 @@ with no disk copy, and the daemon never holds more than the limit.
 from __future__ import annotations
 
 import errno
+import logging
 import threading
 import time
 from pathlib import Path
@@ -115,5 +116,28 @@ def test_a_write_that_fails_while_a_snapshot_waits_drops_the_blob(
             assert stats["ram_bytes"] <= stats["ram_budget"], (i, stats)
         stats = tiers.stats()
         assert stats["disk_off_reason"] and stats["ram_entries"] == 2 and stats["dropped"] == 2, stats
+    finally:
+        tiers.close()
+
+
+def test_a_long_wait_for_the_disk_is_logged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    write = tiers_module.write_atomic
+
+    def slower(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(tiers_module.SLOW_SPILL + 0.1)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(tiers_module, "write_atomic", slower)
+    tiers = Tiers(data_dir=tmp_path, ram_bytes=MIB + 4096, disk_bytes=1 << 30)
+    try:
+        with caplog.at_level(logging.INFO, logger="modeld.cache"):
+            _put(tiers, 0)
+            assert not caplog.records
+            _put(tiers, 1)  # pushes blob 0 out and waits for its write
+        (record,) = [r for r in caplog.records if "waited" in r.getMessage()]
+        assert "written to disk" in record.getMessage()
+        assert tiers.stats()["ram_entries"] == 1
     finally:
         tiers.close()

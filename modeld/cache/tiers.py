@@ -233,6 +233,9 @@ SPILL_WAIT = 60.0
 written to disk (:meth:`Tiers.make_ram_room`): past it the daemon goes over its memory budget
 until they are, and says so in its log."""
 
+SLOW_SPILL = 1.0
+"""A wait for spilled blobs at least this long is logged (the disk is what a turn waits for)."""
+
 WRITER_NICE = 19
 """The disk writer's scheduling priority (Linux ``nice`` is per thread): write-behind of a prefix
 just computed runs while that turn's suffix and decode compute, and its hashing and copying into
@@ -568,12 +571,15 @@ class Tiers:
         ``timeout`` passes (logged: the daemon is over its budget until the writes finish).
         A full tier of blobs with no disk copy so slows an eviction to the disk's speed,
         rather than letting the writer's queue (and the daemon) grow past the budget."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         while self._ram_held() + extra > self.ram_limit:
             if not any(e.blob is not None and e.writing for e in self._entries.values()):
                 self._enforce_ram(extra)  # a write failed (its blob stayed) or the limit fell
                 if not any(e.blob is not None and e.writing for e in self._entries.values()):
-                    return
+                    break
+            if self._writer is None or not self._writer.is_alive():
+                return  # closed: nothing will be written
             left = deadline - time.monotonic()
             if left <= 0:
                 log.warning(
@@ -585,6 +591,9 @@ class Tiers:
                 )
                 return
             self._idle.wait(left)
+        waited = time.monotonic() - started
+        if waited >= SLOW_SPILL:
+            log.info("an eviction waited %.1f s for the RAM tier's blobs to be written to disk", waited)
 
     def _enforce_ram(self, extra: int = 0) -> None:
         """Over the RAM budget (with ``extra`` bytes about to arrive): move the least recently
