@@ -565,6 +565,10 @@ class Tiers:
         """The bytes of blobs in memory: those kept, and those on their way to disk."""
         return sum(e.nbytes for e in self._entries.values() if e.blob is not None)
 
+    def _spilling(self) -> bool:
+        """Some blob in memory is being written to disk (it may leave RAM when that ends)."""
+        return any(e.blob is not None and e.writing for e in self._entries.values())
+
     def _await_ram(self, extra: int, timeout: float) -> None:
         """Wait (the lock released meanwhile) until the blobs :meth:`_enforce_ram` sent to disk
         have left memory and ``extra`` more bytes fit, or nothing more is on its way, or
@@ -574,9 +578,9 @@ class Tiers:
         started = time.monotonic()
         deadline = started + timeout
         while self._ram_held() + extra > self.ram_limit:
-            if not any(e.blob is not None and e.writing for e in self._entries.values()):
+            if not self._spilling():
                 self._enforce_ram(extra)  # a write failed (its blob stayed) or the limit fell
-                if not any(e.blob is not None and e.writing for e in self._entries.values()):
+                if not self._spilling():
                     break
             if self._writer is None or not self._writer.is_alive():
                 return  # closed: nothing will be written
