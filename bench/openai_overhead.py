@@ -26,7 +26,7 @@ import openai
 
 import runtime_client as rc
 from bench.daemon import serve
-from modeld.server.http.openai_chat import parse_chat
+from modeld.server.http.openai.request import parse_chat
 from modeld.server.http.turn import chat_inputs, split_point
 from modeld.settings import Limits
 

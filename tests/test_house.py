@@ -85,13 +85,19 @@ for _name, _path in MODULES.items():
     EXTERNAL[_name] = {n for n in _names if not n.startswith("modeld")}
 
 
+PARTED = ("modeld.server.http",)
+"""Rooms whose subfolders are parts of them, not rooms: the HTTP API dialects (``openai/``,
+``anthropic/``, ...) live in the HTTP room, and their own rule is below."""
+
+
 def room(module: str) -> str:
     """The folder a module lives in, or the module itself at the top of ``modeld/``."""
     path = MODULES[module]
     folder = path.parent
     if folder == PACKAGE:
         return module
-    return _module_name(folder / "__init__.py")
+    name = _module_name(folder / "__init__.py")
+    return next((p for p in PARTED if name.startswith(p + ".")), name)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -15,11 +15,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from modeld.server.http import anthropic, gateway_routes, ollama, openai_routes, responses
-from modeld.server.http.anthropic_answers import anthropic_error
+from modeld.server.http.anthropic import request as anthropic
+from modeld.server.http.anthropic.answer import anthropic_error
 from modeld.server.http.app import HttpService, error_response, guarded
 from modeld.server.http.errors import ErrorStyle, HttpError, incident_id
-from modeld.server.http.openai_chat import openai_error
+from modeld.server.http.ollama import request as ollama
+from modeld.server.http.openai import routes as openai_routes
+from modeld.server.http.openai.request import openai_error
+from modeld.server.http.responses import request as responses
+from modeld.server.http.sglang import routes as gateway_routes
 
 __all__ = ["build_app"]
 

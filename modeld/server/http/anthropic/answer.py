@@ -4,7 +4,7 @@ The turn's events become a ``message`` (:func:`message_complete`) or its stream
 (:func:`message_stream`: ``message_start``, ``content_block_start``, ``content_block_delta``
 with ``text_delta`` / ``input_json_delta`` / ``thinking_delta``, ``content_block_stop``,
 ``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` after the start).
-The request side and the routes are :mod:`modeld.server.http.anthropic`'s; the fields and the
+The request side and the routes are :mod:`modeld.server.http.anthropic.request`'s; the fields and the
 usage's cache accounting are described there and in ``blueprints/0019-agent-apis.md``.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from modeld.contract import ToolCall
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.errors import HttpError
-from modeld.server.http.openai_answers import extension
+from modeld.server.http.openai.answer import extension
 from modeld.server.http.turn import Turn
 
 __all__ = ["anthropic_error", "message_complete", "message_stream", "usage_dict"]

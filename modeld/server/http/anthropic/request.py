@@ -2,7 +2,7 @@
 Claude Code speaks.
 
 A thin adapter over the conversation layer: the request becomes a Turn (here), the turn's
-events become a ``message`` or its SSE stream (:mod:`modeld.server.http.anthropic_answers`).
+events become a ``message`` or its SSE stream (:mod:`modeld.server.http.anthropic.answer`).
 Field by field (``blueprints/0019-agent-apis.md``):
 
 * ``system`` (a string or text blocks) is the first system message; a ``system`` message inside
@@ -47,7 +47,7 @@ from starlette.routing import Route
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
-from modeld.server.http.anthropic_answers import anthropic_error, message_complete, message_stream
+from modeld.server.http.anthropic.answer import anthropic_error, message_complete, message_stream
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import (
@@ -58,7 +58,7 @@ from modeld.server.http.fields import (
     refuse_unknown,
     stop_list,
 )
-from modeld.server.http.openai_chat import response_format
+from modeld.server.http.openai.request import response_format
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 from modeld.settings import Limits
 

@@ -53,7 +53,7 @@ from modeld.server.http.fields import (
     stop_list,
 )
 from modeld.server.http.models import ModelEntry
-from modeld.server.http.openai_chat import response_format
+from modeld.server.http.openai.request import response_format
 from modeld.server.http.turn import Keys, Message, Turn, key_value
 from modeld.settings import Limits
 

@@ -1,5 +1,5 @@
 """OpenAI chat completions and completions: a turn's events as OpenAI's JSON and SSE chunks
-(the requests are parsed in :mod:`modeld.server.http.openai_chat`; ``blueprints/0014``).
+(the requests are parsed in :mod:`modeld.server.http.openai.request`; ``blueprints/0014``).
 
 Usage carries the cached tokens where OpenAI clients read them, and DeepSeek's
 ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens``; ``n`` choices share one usage (the
@@ -16,7 +16,7 @@ from typing import Any
 
 from modeld.contract import TokenLogprob, ToolCall, ToolCallDelta
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
-from modeld.server.http.openai_chat import openai_error
+from modeld.server.http.openai.request import openai_error
 from modeld.server.http.turn import Turn
 
 __all__ = [

@@ -1,5 +1,5 @@
 """OpenAI chat completions and completions: the request as a Turn (the answers are shaped in
-:mod:`modeld.server.http.openai_answers`).
+:mod:`modeld.server.http.openai.answer`).
 
 Rules (``blueprints/0014-openai-http.md``; the field table is in ``blueprints/0019-agent-apis.md``):
 

@@ -12,7 +12,7 @@ from starlette.routing import Route
 from modeld.contract import ModelInfo
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.models import ModelEntry
-from modeld.server.http.openai_answers import (
+from modeld.server.http.openai.answer import (
     chat_choices,
     chat_complete,
     chat_stream,
@@ -21,7 +21,7 @@ from modeld.server.http.openai_answers import (
     completion_stream,
     models_response,
 )
-from modeld.server.http.openai_chat import openai_error, parse_chat, parse_completion
+from modeld.server.http.openai.request import openai_error, parse_chat, parse_completion
 
 __all__ = ["model_meta", "routes"]
 

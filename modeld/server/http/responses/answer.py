@@ -1,6 +1,6 @@
 """The Responses API's answers: a turn's events as a response object and as the documented
 stream of events (``response.created`` ... ``response.completed``); the requests are parsed in
-:mod:`modeld.server.http.responses` (``blueprints/0019-agent-apis.md``)."""
+:mod:`modeld.server.http.responses.request` (``blueprints/0019-agent-apis.md``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any
 from modeld.contract import ToolCall
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.errors import HttpError
-from modeld.server.http.openai_answers import chat_logprobs, extension
+from modeld.server.http.openai.answer import chat_logprobs, extension
 from modeld.server.http.turn import Message, Turn
 
 __all__ = ["ResponseShape", "complete_response", "history_message", "stream_response", "usage_dict"]

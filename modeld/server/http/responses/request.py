@@ -58,14 +58,14 @@ from modeld.server.http.fields import (
     refuse_unknown,
     string,
 )
-from modeld.server.http.openai_chat import checked_call, openai_error, response_format, tool_choice
-from modeld.server.http.responses_answers import (
+from modeld.server.http.openai.request import checked_call, openai_error, response_format, tool_choice
+from modeld.server.http.responses.answer import (
     ResponseShape,
     complete_response,
     history_message,
     stream_response,
 )
-from modeld.server.http.responses_store import ResponseStore, Stored
+from modeld.server.http.responses.store import ResponseStore, Stored
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 from modeld.settings import Limits
 

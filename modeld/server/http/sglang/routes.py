@@ -39,7 +39,7 @@ from starlette.routing import Route
 from modeld import __version__
 from modeld.observe.status import DaemonStatus
 from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.openai_chat import openai_error
+from modeld.server.http.openai.request import openai_error
 
 __all__ = ["load_report", "routes", "worker_loads"]
 

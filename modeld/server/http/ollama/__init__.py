@@ -1,0 +1,1 @@
+"""Ollama's API, for the editor integrations that speak it."""

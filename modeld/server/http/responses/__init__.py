@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: what Codex CLI speaks."""

@@ -1,0 +1,1 @@
+"""The worker routes the SGLang model gateway reads."""
