@@ -58,9 +58,9 @@ def _grpc_loop(client: rc.Client, turns: list[list[dict[str, str]]]) -> tuple[li
     ttft, total = [], []
     with client.open_session(request) as session:
         for messages in turns:
-            turn, _ = parse_chat(
+            turn = parse_chat(
                 {"model": MODEL, "messages": messages, "max_tokens": 32, "temperature": 0}, {}, Limits()
-            )
+            ).turn
             prefix, suffix = chat_inputs(
                 turn.messages, split_point(turn.messages), turn.tools_json, "hermes", None, "http.openai.chat"
             )

@@ -2,9 +2,10 @@
 Ollama providers, Open WebUI, JetBrains): ``GET /api/version``, ``GET /api/tags``, ``POST
 /api/show``, ``GET /api/ps``, ``POST /api/chat``, ``POST /api/generate``.
 
-A thin adapter over the conversation layer; answers stream as NDJSON by default (``stream``
-true), one JSON object per line, the last with ``done: true``, ``done_reason`` and the counts
-and durations (nanoseconds) Ollama reports. Field by field (``blueprints/0019-agent-apis.md``):
+The request as a Turn (here), the answers (``answer.py``: NDJSON by default, ``stream`` true, one
+JSON object per line, the last with ``done: true``, ``done_reason`` and the counts and durations
+(nanoseconds) Ollama reports), the routes (``routes.py``). Field by field
+(``blueprints/0019-agent-apis.md``):
 
 * ``model``: a name ``GET /api/tags`` lists; ``NAME:latest`` is the same model (Ollama's tag).
 * ``messages`` (roles system, user, assistant, tool; an assistant's ``tool_calls`` with object
@@ -28,40 +29,43 @@ from __future__ import annotations
 
 import json
 import re
-import time
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict
-from datetime import UTC, datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
-
-from modeld.contract import DecodeConfig, ModelInfo, ToolCall
-from modeld.decoding.toolcalls import new_call_id
+from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
-from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started
+from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import HttpError, bad, unsupported
-from modeld.server.http.fields import (
-    boolean,
-    integer,
-    number,
-    obj,
-    refuse_unknown,
-    stop_list,
-)
-from modeld.server.http.models import ModelEntry
-from modeld.server.http.openai.request import response_format
-from modeld.server.http.turn import Keys, Message, Turn, key_value
+from modeld.server.http.fields import boolean, integer, obj, refuse_unknown, stop_list
+from modeld.server.http.requests import Knob, SamplerMap, conversation_keys, response_format, samplers
+from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
-__all__ = ["OLLAMA_API_VERSION", "ollama_error", "routes"]
+__all__ = ["SAMPLERS", "OllamaAsked", "keep_alive", "model_of", "parse_chat", "parse_generate"]
 
-OLLAMA_API_VERSION = "0.12.0"
-"""The version of Ollama's API this endpoint follows (what ``/api/version`` says): clients
-check it before using features such as tools and thinking."""
+
+@dataclass(frozen=True, kw_only=True)
+class OllamaAsked(Asked):
+    """An ``/api/chat`` or ``/api/generate`` request: its turn (and ``keep_alive``), whether
+    thinking is shown, when the request began (Ollama's durations), and which of the two."""
+
+    think: bool = True
+    began: float = 0.0
+    chat: bool = True
+
+
+SAMPLERS: SamplerMap = {
+    "temperature": Knob("temperature", high=2.0),
+    "top_p": Knob("top_p", unset=0.0),
+    "min_p": Knob("min_p"),
+    "repeat_penalty": Knob("repeat_penalty"),
+    "presence_penalty": Knob("presence_penalty"),
+    "frequency_penalty": Knob("frequency_penalty"),
+    "top_k": Knob("top_k"),
+    "seed": Knob("seed", unset=-1),
+}
+"""Ollama's sampler ``options`` (a ``top_p`` of 0 and a seed of -1 are unset)."""
 
 _OPTIONS = frozenset(
     {
@@ -107,16 +111,7 @@ _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
 _UNIT = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 
-def ollama_error(error: HttpError) -> dict[str, Any]:
-    """Ollama's error body: ``{"error": "message"}``."""
-    return {"error": error.message}
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
-
-def _model(body: Mapping[str, Any]) -> str:
+def model_of(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required")
@@ -148,26 +143,7 @@ def _decode(body: Mapping[str, Any], tools: bool, limits: Limits) -> tuple[Decod
     """(the decode config, num_predict, num_ctx) from ``options`` and ``format``."""
     options = obj(body, "options") or {}
     refuse_unknown(options, _OPTIONS, "options")
-    values: dict[str, Any] = {}
-    for name, lo, hi in (
-        ("temperature", 0.0, 2.0),
-        ("top_p", 0.0, 1.0),
-        ("min_p", 0.0, 1.0),
-        ("repeat_penalty", 0.0, 10.0),
-    ):
-        value = number(options, name, lo, hi, param=f"options.{name}")
-        if value is not None and not (name == "top_p" and value == 0):
-            values[name] = value
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = number(options, name, -2, 2, param=f"options.{name}")
-        if value is not None:
-            values[name] = value
-    top_k = integer(options, "top_k", 0, 1 << 30, param="options.top_k")
-    if top_k is not None:
-        values["top_k"] = top_k
-    seed = integer(options, "seed", -1, (1 << 64) - 1, param="options.seed")
-    if seed is not None and seed >= 0:
-        values["seed"] = seed
+    values: dict[str, Any] = samplers(options, SAMPLERS, where="options")
     predict = integer(options, "num_predict", -2, 1 << 30, param="options.num_predict")
     num_ctx = integer(options, "num_ctx", 1, 1 << 24, param="options.num_ctx") or 0
     fmt = body.get("format")
@@ -260,11 +236,11 @@ def _think(body: Mapping[str, Any]) -> bool:
 
 
 def parse_chat(
-    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
-) -> tuple[Turn, bool, float | None]:
+    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, began: float
+) -> OllamaAsked:
     """An ``/api/chat`` body as a Turn, whether to show thinking, and keep_alive."""
     refuse_unknown(body, _CHAT_FIELDS)
-    model = _model(body)
+    model = model_of(body)
     tools_json = _tools(body, limits)
     decode, predict, num_ctx = _decode(body, bool(tools_json), limits)
     messages = _messages(body, limits)
@@ -273,22 +249,20 @@ def parse_chat(
         api="ollama.chat",
         model=model,
         decode=decode,
-        keys=Keys(
-            header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
-            routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
-        ),
+        keys=conversation_keys(headers),
         stream=stream is not False,
         messages=tuple(messages),
         tools_json=tools_json,
         max_tokens=predict,
         num_ctx=num_ctx,
     )
-    return turn, _think(body), keep_alive(body.get("keep_alive"))
+    alive = keep_alive(body.get("keep_alive"))
+    return OllamaAsked(turn, alive, think=_think(body), began=began, chat=True)
 
 
 def parse_generate(
-    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
-) -> tuple[Turn, bool, float | None]:
+    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, began: float
+) -> OllamaAsked:
     """An ``/api/generate`` body as a Turn (``raw``: the prompt as given)."""
     refuse_unknown(body, _GENERATE_FIELDS)
     for name in ("context", "template", "suffix"):
@@ -298,17 +272,14 @@ def parse_generate(
                 f"{name} is not supported by modeld (send the whole prompt; raw: true evaluates it as given)",
             )
     _images(body, "request")
-    model = _model(body)
+    model = model_of(body)
     decode, predict, num_ctx = _decode(body, False, limits)
     prompt = body.get("prompt") or ""
     system = body.get("system") or ""
     if not isinstance(prompt, str) or not isinstance(system, str):
         raise bad("prompt", "prompt and system must be strings")
     raw = boolean(body, "raw") or False
-    keys = Keys(
-        header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
-        routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
-    )
+    keys = conversation_keys(headers)
     common: dict[str, Any] = {
         "model": model,
         "decode": decode,
@@ -322,278 +293,5 @@ def parse_generate(
     else:
         messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
         turn = Turn(api="ollama.generate", messages=tuple(messages), **common)
-    return turn, _think(body), keep_alive(body.get("keep_alive"))
-
-
-# --- answers -------------------------------------------------------------------------------------
-
-
-def _done_reason(finish: str) -> str:
-    return "length" if finish == "length" else "stop"
-
-
-def _final_fields(started: Started, finished: Finished, began: float) -> dict[str, Any]:
-    usage = finished.usage
-    elapsed = time.monotonic() - began
-    return {
-        "done": True,
-        "done_reason": _done_reason(finished.finish),
-        "total_duration": int(elapsed * 1e9),
-        "load_duration": 0,
-        "prompt_eval_count": usage.computed_tokens,
-        "prompt_eval_duration": int(usage.prefill_ms * 1e6),
-        "eval_count": usage.completion_tokens,
-        "eval_duration": int(usage.decode_ms * 1e6),
-        "modeld": {
-            "session_id": started.session_id,
-            "reuse": started.status.reuse.outcome,
-            "reason": started.status.reuse.reason,
-            "prompt_tokens": usage.prompt_tokens,
-            "cached_tokens": usage.cached_tokens,
-        },
-    }
-
-
-def _calls(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
-    out = []
-    for call in calls:
-        try:
-            arguments = json.loads(call.arguments) if call.arguments else {}
-        except ValueError:
-            arguments = {}
-        out.append({"id": call.id or new_call_id(), "function": {"name": call.name, "arguments": arguments}})
-    return out
-
-
-def _line(obj: Mapping[str, Any]) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-
-
-def chat_complete(turn: Turn, done: Collected, think: bool, began: float) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": done.text}
-    if done.reasoning and think:
-        message["thinking"] = done.reasoning
-    if done.finished.calls:
-        message["tool_calls"] = _calls(done.finished.calls)
-    return {
-        "model": turn.model,
-        "created_at": _now(),
-        "message": message,
-        **_final_fields(done.started, done.finished, began),
-    }
-
-
-def generate_complete(turn: Turn, done: Collected, think: bool, began: float) -> dict[str, Any]:
-    out: dict[str, Any] = {"model": turn.model, "created_at": _now(), "response": done.text}
-    if done.reasoning and think:
-        out["thinking"] = done.reasoning
-    return {**out, **_final_fields(done.started, done.finished, began)}
-
-
-async def _stream(
-    turn: Turn, started: Started, events: AsyncIterator[Event], think: bool, began: float, chat: bool
-) -> AsyncIterator[bytes]:
-    async for event in events:
-        if isinstance(event, Delta):
-            thinking = event.reasoning if think else ""
-            if not (event.text or thinking):
-                continue
-            if chat:
-                message: dict[str, Any] = {"role": "assistant", "content": event.text}
-                if thinking:
-                    message["thinking"] = thinking
-                yield _line({"model": turn.model, "created_at": _now(), "message": message, "done": False})
-            else:
-                piece: dict[str, Any] = {
-                    "model": turn.model,
-                    "created_at": _now(),
-                    "response": event.text,
-                    "done": False,
-                }
-                if thinking:
-                    piece["thinking"] = thinking
-                yield _line(piece)
-        elif isinstance(event, Finished):
-            if event.error is not None:
-                yield _line(ollama_error(event.error))
-                return
-            final = _final_fields(started, event, began)
-            if chat:
-                message = {"role": "assistant", "content": ""}
-                if event.calls:
-                    message["tool_calls"] = _calls(event.calls)
-                yield _line({"model": turn.model, "created_at": _now(), "message": message, **final})
-            else:
-                yield _line({"model": turn.model, "created_at": _now(), "response": "", **final})
-            return
-
-
-# --- models --------------------------------------------------------------------------------------
-
-
-def _details(info: ModelInfo | None) -> dict[str, Any]:
-    family = info.architecture if info is not None else ""
-    return {
-        "parent_model": "",
-        "format": "gguf"
-        if info is not None and info.backend in ("llama", "openvino")
-        else (info.backend if info else ""),
-        "family": family,
-        "families": [family] if family else [],
-        "parameter_size": "",
-        "quantization_level": "",
-    }
-
-
-def _modified(entry: ModelEntry) -> str:
-    return datetime.fromtimestamp(entry.created, UTC).isoformat().replace("+00:00", "Z")
-
-
-def _digest(info: ModelInfo | None) -> str:
-    return info.model_digest if info is not None else ""
-
-
-def routes(service: HttpService) -> list[Route]:
-    async def version(_request: Request) -> Response:
-        return JSONResponse({"version": OLLAMA_API_VERSION})
-
-    async def tags(_request: Request) -> Response:
-        models = []
-        for entry in service.registry.entries():
-            info = await service.describe(entry)
-            models.append(
-                {
-                    "name": entry.name,
-                    "model": entry.name,
-                    "modified_at": _modified(entry),
-                    "size": info.weights_bytes if info is not None else 0,
-                    "digest": _digest(info),
-                    "details": _details(info),
-                }
-            )
-        return JSONResponse({"models": models})
-
-    async def show(request: Request) -> Response:
-        async with service.body(request) as body:
-            name = body.get("model") or body.get("name")
-            if not isinstance(name, str) or not name:
-                raise bad("model", "model is required")
-            entry = service.entry(name.removesuffix(":latest"))
-        info = await service.describe(entry)
-        if info is None:
-            raise HttpError(500, f"the model {echo(entry.name)} could not be read", code="model_load_failed")
-        arch = info.architecture or info.backend
-        capabilities = ["completion"]
-        if info.tool_format:
-            capabilities.append("tools")
-        if "<think>" in info.chat_template:
-            capabilities.append("thinking")
-        return JSONResponse(
-            {
-                "modelfile": f"# served by modeld\nFROM {entry.name}\nPARAMETER num_ctx {info.effective_context}\n",
-                "parameters": f"num_ctx {info.effective_context}",
-                "template": info.chat_template,
-                "details": _details(info),
-                "model_info": {
-                    "general.architecture": arch,
-                    "general.name": info.model_name,
-                    f"{arch}.context_length": info.effective_context,
-                    "modeld.trained_context_length": info.model_max_context,
-                    # What it takes in memory here (``modeld describe``): weights, KV per
-                    # token, the layout's KV and compute, the total, the largest window.
-                    **{f"modeld.{k}": v for k, v in asdict(info.footprint).items()},
-                },
-                "capabilities": capabilities,
-                "modified_at": _modified(entry),
-            }
-        )
-
-    async def ps(_request: Request) -> Response:
-        status = await service.bridge.observe(service.gateway.status, "ps")
-        names = {e.path: e.name for e in service.registry.entries()}
-        models = []
-        for m in status.models:
-            name = names.get(m.path, m.model_name)
-            models.append(
-                {
-                    "name": name,
-                    "model": name,
-                    "size": m.pool_tokens * m.kv_bytes_per_token,
-                    "size_vram": 0,
-                    "digest": m.model_digest,
-                    "details": {"format": "gguf" if m.backend in ("llama", "openvino") else m.backend},
-                    "expires_at": None,
-                    "context_length": m.n_ctx,
-                    "modeld": {
-                        "backend": m.backend,
-                        "sessions": m.sessions,
-                        "contexts": [
-                            {
-                                "id": c.id,
-                                "tier": c.tier,
-                                "tokens": c.tokens,
-                                "bytes": c.bytes,
-                                "pinned": c.pinned,
-                            }
-                            for c in m.contexts
-                        ],
-                    },
-                }
-            )
-        return JSONResponse({"models": models})
-
-    async def chat(request: Request) -> Response:
-        began = time.monotonic()
-        async with service.body(request) as body:
-            turn, think, alive = parse_chat(body, request.headers, service.gateway.limits)
-            return await _run(service, request, turn, think, alive, began, chat=True)
-
-    async def generate(request: Request) -> Response:
-        began = time.monotonic()
-        async with service.body(request) as body:
-            turn, think, alive = parse_generate(body, request.headers, service.gateway.limits)
-            if not body.get("prompt"):  # an empty prompt only loads the model (Ollama's preload)
-                await service.load(turn)
-                return JSONResponse(
-                    {
-                        "model": turn.model,
-                        "created_at": _now(),
-                        "response": "",
-                        "done": True,
-                        "done_reason": "load",
-                    }
-                )
-            return await _run(service, request, turn, think, alive, began, chat=False)
-
-    return [
-        Route("/api/version", guarded(service, version, ollama_error), methods=["GET", "HEAD"]),
-        Route("/api/tags", guarded(service, tags, ollama_error), methods=["GET", "HEAD"]),
-        Route("/api/show", guarded(service, show, ollama_error), methods=["POST"]),
-        Route("/api/ps", guarded(service, ps, ollama_error), methods=["GET"]),
-        Route("/api/chat", guarded(service, chat, ollama_error), methods=["POST"]),
-        Route("/api/generate", guarded(service, generate, ollama_error), methods=["POST"]),
-    ]
-
-
-async def _run(
-    service: HttpService,
-    request: Request,
-    turn: Turn,
-    think: bool,
-    alive: float | None,
-    began: float,
-    *,
-    chat: bool,
-) -> Response:
-    def complete(t: Turn, done: Collected) -> dict[str, Any]:
-        return chat_complete(t, done, think, began) if chat else generate_complete(t, done, think, began)
-
-    return await service.turn(
-        request,
-        turn,
-        complete,
-        lambda t, s, e: _stream(t, s, e, think, began, chat),
-        ollama_error,
-        media_type="application/x-ndjson",
-        keep_alive=alive,
-    )
+    alive = keep_alive(body.get("keep_alive"))
+    return OllamaAsked(turn, alive, think=_think(body), began=began, chat=False)
