@@ -32,7 +32,6 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from modeld import __version__
 from modeld.errors import ModeldError
-from modeld.flags import default_of
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
 from modeld.observe.metrics import Metrics
 from modeld.observe.status import EngineObserver
@@ -176,7 +175,7 @@ class Server:
         min_ping_interval_ms: int = MIN_CLIENT_PING_INTERVAL_MS,
         token: str = "",
         metrics: Metrics | None = None,
-        describe_timeout: float = default_of(Serving, "describe_seconds"),
+        describe_timeout: float = Serving().describe_seconds,
     ) -> None:
         self.engine = engine
         self.address = address

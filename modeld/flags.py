@@ -29,7 +29,6 @@ __all__ = [
     "Flag",
     "add_flags",
     "count",
-    "default_of",
     "field_docs",
     "field_group",
     "flag_name",
@@ -186,11 +185,6 @@ def field_group(cls: type, name: str) -> str:
 def flag_name(cls: type, name: str) -> str:
     """The option that sets field ``name`` (``--queue-wait`` for ``Limits.model_wait_seconds``)."""
     return flag_of(_field(cls, name)).name
-
-
-def default_of(cls: type, name: str) -> Any:
-    """Field ``name``'s default, where it is written (its one place)."""
-    return _field(cls, name).default
 
 
 def _dest(cls: type, name: str) -> str:

@@ -148,7 +148,7 @@ class Bodies:
                 raise HttpError(
                     503,
                     f"the daemon is reading {self._inflight} bytes of requests; the limit is "
-                    f"{self.max_inflight_bytes} (max_inflight_bytes): retry shortly",
+                    f"{self.max_inflight_bytes} (modeld serve --max-inflight-bytes): retry shortly",
                     code="limit_exceeded",
                     param="max_inflight_bytes",
                     retry_after=1,

@@ -29,7 +29,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from modeld.errors import ModeldError
-from modeld.flags import default_of
 from modeld.server.bridge import Bridge, Pools
 from modeld.server.gateway import Gateway
 from modeld.server.http.access import Access, Bodies
@@ -73,7 +72,7 @@ class HttpService:
         self.access = Access(settings.api_key, settings.allowed_origins, bound_host)
         self.bodies = Bodies(gateway.limits.max_message_bytes, settings.max_inflight_bytes)
         self.drain = Drain()
-        seconds = default_of(Serving, "describe_seconds") if describe_seconds is None else describe_seconds
+        seconds = Serving().describe_seconds if describe_seconds is None else describe_seconds
         self.catalog = Catalog(gateway, registry, self.bridge, settings, seconds)
         self.conversations = Conversations(
             gateway,

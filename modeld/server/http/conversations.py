@@ -170,8 +170,8 @@ class Conversations:
         gateway: Gateway,
         bridge: Bridge,
         *,
-        max_conversations: int = 16,
-        idle_seconds: float = 600.0,
+        max_conversations: int,
+        idle_seconds: float,
     ) -> None:
         self._gateway = gateway
         self._bridge = bridge
