@@ -45,7 +45,7 @@ from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad
-from modeld.server.http.fields import integer, model_name, obj, refuse_unknown, stop_list
+from modeld.server.http.fields import MAX_KEY_CHARS, integer, model_name, obj, refuse_unknown, stop_list
 from modeld.server.http.requests import (
     Knob,
     SamplerMap,
@@ -258,7 +258,7 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...
             raise bad(where, f"{where} must be an object")
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            if not isinstance(kind, str) or len(kind) > 256:
+            if not isinstance(kind, str) or len(kind) > MAX_KEY_CHARS:
                 raise bad(f"{where}.type", f"{where}.type must be a string")
             hosted.append(kind)  # a server tool (web search, code execution...): not runnable here
             continue

@@ -37,7 +37,7 @@ from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import HttpError, bad, unsupported
-from modeld.server.http.fields import boolean, integer, obj, refuse_unknown, stop_list
+from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, obj, refuse_unknown, stop_list
 from modeld.server.http.requests import Knob, SamplerMap, conversation_keys, response_format, samplers
 from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
@@ -115,7 +115,7 @@ def model_of(body: Mapping[str, Any]) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "model is required")
-    if len(model) > 256:
+    if len(model) > MAX_KEY_CHARS:
         raise HttpError(404, f"model {echo(model)} not found", code="model_not_found")
     return model.removesuffix(":latest")
 
@@ -203,7 +203,7 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
                 role != "assistant"
                 or not isinstance(name, str)
                 or not name
-                or len(name) > 256
+                or len(name) > MAX_KEY_CHARS
                 or not isinstance(arguments, dict)
             ):
                 raise bad(
@@ -211,7 +211,7 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
                     f'{at} must be {{"function": {{"name": ..., "arguments": {{...}}}}}} on an assistant message',
                 )
             call_id = call.get("id") if isinstance(call.get("id"), str) else ""
-            calls.append(ToolCall(call_id[:256], name, json.dumps(arguments, ensure_ascii=False)))
+            calls.append(ToolCall(call_id[:MAX_KEY_CHARS], name, json.dumps(arguments, ensure_ascii=False)))
         out.append(Message(role, content, tuple(calls), thinking))
     return out
 

@@ -43,7 +43,7 @@ from typing import Any
 from modeld.contract import DecodeConfig
 from modeld.errors import echo
 from modeld.server.http.errors import bad, unsupported
-from modeld.server.http.fields import boolean, integer, model_name, obj, refuse_unknown, string
+from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, model_name, obj, refuse_unknown, string
 from modeld.server.http.requests import (
     Knob,
     SamplerMap,
@@ -204,7 +204,7 @@ def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[st
             inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools")
             functions += inner
             hosted += inner_hosted
-        elif isinstance(kind, str) and len(kind) <= 256:
+        elif isinstance(kind, str) and len(kind) <= MAX_KEY_CHARS:
             hosted.append(kind)  # a hosted or custom tool modeld cannot run: left out of the prompt
         else:
             raise bad(f"{at}.type", f"{at}.type must be a string")
