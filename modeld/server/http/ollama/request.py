@@ -203,7 +203,7 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
                 role != "assistant"
                 or not isinstance(name, str)
                 or not name
-                or len(name) > MAX_KEY_CHARS
+                or len(name) > 256
                 or not isinstance(arguments, dict)
             ):
                 raise bad(
@@ -211,7 +211,7 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
                     f'{at} must be {{"function": {{"name": ..., "arguments": {{...}}}}}} on an assistant message',
                 )
             call_id = call.get("id") if isinstance(call.get("id"), str) else ""
-            calls.append(ToolCall(call_id[:MAX_KEY_CHARS], name, json.dumps(arguments, ensure_ascii=False)))
+            calls.append(ToolCall(call_id[:256], name, json.dumps(arguments, ensure_ascii=False)))
         out.append(Message(role, content, tuple(calls), thinking))
     return out
 
