@@ -59,30 +59,30 @@ APIS: list[tuple[str, Callable[[Mapping[str, Any]], DecodeConfig], SamplerMap, s
 ]
 
 
-def _scalar_knobs() -> Iterator[Any]:
-    for api, parse, knobs, where in APIS:
-        for name, knob in knobs.items():
-            if sampler(knob.sampler).kind in ("int", "float"):
-                yield pytest.param(parse, name, knob, where, id=f"{api}-{name}")
+def _scalar_samplers() -> Iterator[Any]:
+    for api, parse, fields_, where in APIS:
+        for name, field in fields_.items():
+            if sampler(field.sampler).kind in ("int", "float"):
+                yield pytest.param(parse, name, field, where, id=f"{api}-{name}")
 
 
-@pytest.mark.parametrize(("parse", "name", "knob", "where"), list(_scalar_knobs()))
+@pytest.mark.parametrize(("parse", "name", "field", "where"), list(_scalar_samplers()))
 def test_every_api_reads_a_sampler_within_the_sampler_tables_range(
-    parse: Callable[[Mapping[str, Any]], DecodeConfig], name: str, knob: Any, where: str
+    parse: Callable[[Mapping[str, Any]], DecodeConfig], name: str, field: Any, where: str
 ) -> None:
     """The top of a sampler's range is the table's, or the API's own where its spec narrows it
     (OpenAI's temperature 2, Anthropic's 1): the top is taken, beyond it is a 400 naming the
     field; a value that means "unset" to the API leaves the sampler off."""
-    row = sampler(knob.sampler)
-    top = row.high if knob.high is None else knob.high
+    row = sampler(field.sampler)
+    top = row.high if field.high is None else field.high
     value = int(top) if row.kind == "int" else top
     assert getattr(parse({name: value}), row.name) == value
     beyond = value + 1 if row.kind == "int" else value * 1.5 + 0.5
     with pytest.raises(HttpError) as refused:
         parse({name: beyond})
     assert (refused.value.status, refused.value.param) == (400, where + name)
-    if knob.unset is not None:
-        assert getattr(parse({name: knob.unset}), row.name) == row.default
+    if field.unset is not None:
+        assert getattr(parse({name: field.unset}), row.name) == row.default
     elif row.low_open:
         with pytest.raises(HttpError) as low:
             parse({name: row.low})

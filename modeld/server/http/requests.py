@@ -41,7 +41,7 @@ from modeld.server.http.turn import Keys
 
 __all__ = [
     "MEDIA",
-    "Knob",
+    "SamplerField",
     "SamplerMap",
     "checked_call",
     "conversation_keys",
@@ -58,7 +58,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class Knob:
+class SamplerField:
     """One sampler field of an API's request: the sampler it sets (a row of
     ``modeld/decoding/samplers.py``, whose range it takes), the API's own narrower top where it
     has one, and the value that means "unset" where the API has one (llama.cpp's seed -1; a
@@ -69,21 +69,21 @@ class Knob:
     unset: float | None = None
 
 
-SamplerMap = Mapping[str, Knob]
-"""An API's sampler fields: wire name -> :class:`Knob` (data, in each API's ``request.py``)."""
+SamplerMap = Mapping[str, SamplerField]
+"""An API's sampler fields: wire name -> :class:`SamplerField` (data, in each API's ``request.py``)."""
 
 
 def samplers(body: Mapping[str, Any], fields: SamplerMap, *, where: str = "") -> dict[str, Any]:
     """The sampler values ``body`` sets, as ``DecodeConfig`` keyword arguments. A value out of
     its range is a 400 naming the field (``where.name``); an unset value is left out."""
     values: dict[str, Any] = {}
-    for name, knob in fields.items():
+    for name, field in fields.items():
         if body.get(name) is None:
             continue
-        row = sampler(knob.sampler)
+        row = sampler(field.sampler)
         param = f"{where}.{name}" if where else name
-        low = row.low if knob.unset is None else min(row.low, knob.unset)
-        high = row.high if knob.high is None else min(row.high, knob.high)
+        low = row.low if field.unset is None else min(row.low, field.unset)
+        high = row.high if field.high is None else min(row.high, field.high)
         value: Any
         if row.kind == "token_map":
             value = logit_bias(body, name, param=param) or None
@@ -93,7 +93,7 @@ def samplers(body: Mapping[str, Any], fields: SamplerMap, *, where: str = "") ->
             value = number(body, name, low, high, param=param)
         else:
             raise TypeError(f"sampler {row.name} ({row.kind}) is not read from a request by value")
-        if value is None or (knob.unset is not None and value == knob.unset):
+        if value is None or (field.unset is not None and value == field.unset):
             continue
         if row.low_open and value == row.low:
             raise bad(param, f"{param} must be in ({row.low:g}, {high:g}], got {value:g}")

@@ -47,7 +47,7 @@ from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad
 from modeld.server.http.fields import MAX_KEY_CHARS, integer, model_name, obj, refuse_unknown, stop_list
 from modeld.server.http.requests import (
-    Knob,
+    SamplerField,
     SamplerMap,
     conversation_keys,
     function_tool,
@@ -74,9 +74,9 @@ class MessagesAsked(Asked):
 
 
 SAMPLERS: SamplerMap = {
-    "temperature": Knob("temperature", high=1.0),
-    "top_p": Knob("top_p", unset=0.0),
-    "top_k": Knob("top_k"),
+    "temperature": SamplerField("temperature", high=1.0),
+    "top_p": SamplerField("top_p", unset=0.0),
+    "top_k": SamplerField("top_k"),
 }
 """Anthropic's sampler fields (its temperature is 0-1; a ``top_p`` of 0 is unset)."""
 

@@ -38,7 +38,7 @@ from modeld.errors import echo
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, obj, refuse_unknown, stop_list
-from modeld.server.http.requests import Knob, SamplerMap, conversation_keys, response_format, samplers
+from modeld.server.http.requests import SamplerField, SamplerMap, conversation_keys, response_format, samplers
 from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
@@ -56,14 +56,14 @@ class OllamaAsked(Asked):
 
 
 SAMPLERS: SamplerMap = {
-    "temperature": Knob("temperature", high=2.0),
-    "top_p": Knob("top_p", unset=0.0),
-    "min_p": Knob("min_p"),
-    "repeat_penalty": Knob("repeat_penalty"),
-    "presence_penalty": Knob("presence_penalty"),
-    "frequency_penalty": Knob("frequency_penalty"),
-    "top_k": Knob("top_k"),
-    "seed": Knob("seed", unset=-1),
+    "temperature": SamplerField("temperature", high=2.0),
+    "top_p": SamplerField("top_p", unset=0.0),
+    "min_p": SamplerField("min_p"),
+    "repeat_penalty": SamplerField("repeat_penalty"),
+    "presence_penalty": SamplerField("presence_penalty"),
+    "frequency_penalty": SamplerField("frequency_penalty"),
+    "top_k": SamplerField("top_k"),
+    "seed": SamplerField("seed", unset=-1),
 }
 """Ollama's sampler ``options`` (a ``top_p`` of 0 and a seed of -1 are unset)."""
 

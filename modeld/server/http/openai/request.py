@@ -36,7 +36,7 @@ from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import MAX_TOOL_CALLS, boolean, choice, integer, model_name, stop_list
 from modeld.server.http.requests import (
-    Knob,
+    SamplerField,
     SamplerMap,
     checked_call,
     conversation_keys,
@@ -61,15 +61,15 @@ class OpenAIAsked(Asked):
 
 
 SAMPLERS: SamplerMap = {
-    "temperature": Knob("temperature", high=2.0),
-    "top_p": Knob("top_p"),
-    "seed": Knob("seed", unset=-1),
-    "top_k": Knob("top_k"),
-    "min_p": Knob("min_p"),
-    "repeat_penalty": Knob("repeat_penalty"),
-    "presence_penalty": Knob("presence_penalty"),
-    "frequency_penalty": Knob("frequency_penalty"),
-    "logit_bias": Knob("logit_bias"),
+    "temperature": SamplerField("temperature", high=2.0),
+    "top_p": SamplerField("top_p"),
+    "seed": SamplerField("seed", unset=-1),
+    "top_k": SamplerField("top_k"),
+    "min_p": SamplerField("min_p"),
+    "repeat_penalty": SamplerField("repeat_penalty"),
+    "presence_penalty": SamplerField("presence_penalty"),
+    "frequency_penalty": SamplerField("frequency_penalty"),
+    "logit_bias": SamplerField("logit_bias"),
 }
 """OpenAI's sampler fields (``top_k``, ``min_p``, ``repeat_penalty``: llama-server's and vLLM's
 extensions, under their names)."""

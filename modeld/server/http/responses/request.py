@@ -45,7 +45,7 @@ from modeld.errors import echo
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, model_name, obj, refuse_unknown, string
 from modeld.server.http.requests import (
-    Knob,
+    SamplerField,
     SamplerMap,
     checked_call,
     conversation_keys,
@@ -65,9 +65,9 @@ from modeld.settings import Limits
 __all__ = ["SAMPLERS", "input_messages", "parse_response_request"]
 
 SAMPLERS: SamplerMap = {
-    "temperature": Knob("temperature", high=2.0),
-    "top_p": Knob("top_p", unset=0.0),
-    "top_logprobs": Knob("top_logprobs"),
+    "temperature": SamplerField("temperature", high=2.0),
+    "top_p": SamplerField("top_p", unset=0.0),
+    "top_logprobs": SamplerField("top_logprobs"),
 }
 """The Responses API's sampler fields (a ``top_p`` of 0 is the default's, unset)."""
 TEXT_PARTS = {
