@@ -52,7 +52,7 @@ from modeld.settings import Limits
 __all__ = ["SAMPLERS", "SGLANG_FIELDS", "OpenAIAsked", "parse_chat", "parse_completion"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OpenAIAsked(Asked):
     """A chat completions or completions request: its turn, and whether a stream ends with a
     usage chunk (``stream_options.include_usage``)."""
