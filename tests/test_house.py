@@ -20,9 +20,9 @@ at the top of ``modeld/`` (``contract.py``, ``settings.py``, ...); an HTTP API's
    names nothing that does not exist, and each room imports only the rooms its row allows.
 6. Every package has a caption (its docstring); a caption that names its modules (``x.py``)
    names every one, and only ones that exist.
-7. No file of ``modeld/``, ``runtime_client/`` or ``bench/`` is longer than
-   :data:`MAX_LINES` lines, except those named in :data:`KNOWN_LARGE` with the reason (each
-   stated in its blueprint too); a named one that shrank below the budget leaves the list.
+7. Every file of ``modeld/``, ``runtime_client/`` and ``bench/`` stays under :data:`MAX_LINES`
+   lines, except those named in :data:`KNOWN_LARGE` with the reason (each stated in its
+   blueprint too); a named one that shrank under the budget leaves the list.
 8. Every ``blueprints/NNNN...`` path, every ``tests/...py`` path and every path of a file in the
    code's own folders named in the code, the Makefile, the README or a blueprint exists (in
    tests, their docstrings and comments are read: their strings are data).
@@ -58,11 +58,13 @@ MAX_LINES = 650
 KNOWN_LARGE: dict[str, str] = {
     "modeld/contract.py": "the contract's types, read top to bottom by every backend (blueprints/0001)",
     "modeld/cache/tiers.py": "the RAM and disk tiers are one index under one lock (blueprints/0016)",
+    "modeld/engine/engine.py": "the Service's one class: its registry under one lock (blueprints/0001); "
+    "model loading is to move to a module of its own",
     "bench/agent_apis.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
     "bench/speculation.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
     "bench/fleet.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
 }
-"""Files longer than :data:`MAX_LINES`, and why."""
+"""Files of :data:`MAX_LINES` lines or more, and why."""
 
 # --- the import map ----------------------------------------------------------------------------
 
@@ -373,10 +375,10 @@ def test_every_package_has_a_caption_that_names_what_is_there() -> None:
 
 
 def test_files_keep_to_the_size_budget() -> None:
-    """Files are split by job before they grow past :data:`MAX_LINES` lines; the few that are
-    not say why (:data:`KNOWN_LARGE`, and their blueprint)."""
+    """Files are split by job before they reach :data:`MAX_LINES` lines; the few that are not
+    say why (:data:`KNOWN_LARGE`, and their blueprint)."""
     lines = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in MODULES.values()}
-    large = {name for name, n in lines.items() if n > MAX_LINES}
+    large = {name for name, n in lines.items() if n >= MAX_LINES}
     assert large - set(KNOWN_LARGE) == set()
     assert set(KNOWN_LARGE) - large == set(), "a file named in KNOWN_LARGE is within the budget now"
 
