@@ -54,7 +54,8 @@ from modeld.contract import (
     ToolCallDelta,
     Usage,
 )
-from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning
+from modeld.decoding.harmony import HarmonySplitter
+from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning, make_splitter
 from modeld.errors import (
     LimitExceededError,
     ModeldError,
@@ -366,7 +367,7 @@ class Conversations:
             yield started
             fmt_reasoning = detect_reasoning(info.chat_template) if turn.chat else None
             splitters = [
-                ReasoningSplitter(fmt_reasoning) if fmt_reasoning is not None else None
+                make_splitter(fmt_reasoning) if fmt_reasoning is not None else None
                 for _ in range(started.choices)
             ]
             reasoning_tokens = [0] * started.choices
@@ -430,7 +431,7 @@ class Conversations:
         )
 
 
-def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delta, int]:
+def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | HarmonySplitter | None) -> tuple[Delta, int]:
     """A chunk as a Delta (answer and reasoning split), and how many of its tokens were reasoning
     (a chunk that carries the end of the thinking splits its tokens by characters)."""
     if splitter is None or not chunk.text:
