@@ -350,7 +350,7 @@ RECORDED = [
     (
         "hermes",
         '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>',
-        "\n",
+        "",  # the whitespace between calls is markup
         [("read_file", {"path": "a.py"}), ("run_tests", {})],
         "",
     ),

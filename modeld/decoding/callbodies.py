@@ -129,12 +129,17 @@ def _one(got: RawCall | str) -> list[RawCall] | str:
 
 
 _KIMI = re.compile(r"\s*(?:functions\.)?([^\s:<]+)(?::(\d+))?\s*<\|tool_call_argument_begin\|>(.*)\Z", re.S)
-_KIMI_NAME = re.compile(r"\s*(?:functions\.)?([^\s:<]+):")
+_KIMI_NAME = re.compile(r"\s*(?:functions\.)?([^\s:<]+):(\d+)\s*<")
 
 
 def kimi_name(body: str) -> str | None:
     m = _KIMI_NAME.match(body)
     return m.group(1) if m else None
+
+
+def kimi_id(body: str) -> str:
+    m = _KIMI_NAME.match(body)
+    return f"functions.{m.group(1)}:{m.group(2)}" if m else ""
 
 
 def kimi_body(body: str, schemas: Schemas) -> list[RawCall] | str:

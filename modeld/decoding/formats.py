@@ -272,6 +272,7 @@ KIMI_K2 = ToolFormat(
             b.kimi_body,
             b.kimi_name,
             section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+            ident=b.kimi_id,
         )
     ),
     lambda r, t: (

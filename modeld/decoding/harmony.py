@@ -68,6 +68,12 @@ class HarmonyParser(ToolCallParser):
 
     def finish(self, *, cut: bool = False) -> ParseStep:
         step = ParseStep()
+        if cut and self._state == "header" and MESSAGE not in self._buf:
+            self.raw += self._buf  # a header cut short is markup
+            self._buf = ""
+        elif cut and self._state == "body" and (held := _tail(self._buf, (START,))):
+            self.raw += self._buf[len(self._buf) - held :]
+            self._buf = self._buf[: len(self._buf) - held]
         self._run(step, final=True)
         if not step.malformed and self._buf:
             step.text += self._buf
@@ -79,9 +85,10 @@ class HarmonyParser(ToolCallParser):
             if self._state == "header":
                 at = self._buf.find(MESSAGE)
                 if at < 0:
-                    if final or len(self._buf) > MAX_HEADER:
-                        self._state = "body"  # not a header: plain text
-                        continue
+                    if final or len(self._buf) > MAX_HEADER:  # not a header: plain text
+                        step.text += self._buf
+                        self._buf = ""
+                        self._state = "body"
                     return
                 header = self._buf[: at + len(MESSAGE)]
                 self._buf = self._buf[at + len(MESSAGE) :]

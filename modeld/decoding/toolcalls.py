@@ -160,6 +160,7 @@ class ToolCallParser:
         self.calls: list[ToolCall] = []
         self._named = False  # the current call's name delta went out
         self._pending_id = ""
+        self._after_call = False  # a call just ended: whitespace that follows may be markup
 
     # --- public -----------------------------------------------------------------------------
 
@@ -216,9 +217,27 @@ class ToolCallParser:
     def _held(self) -> int:
         return max((_marker_tail(self._buf, m) for m in self.start_markers), default=0)
 
+    def _between(self, *, final: bool) -> bool:
+        """After a call: whitespace up to the next call (or the end) is markup, not content.
+        False while it cannot be told yet."""
+        rest = self._buf.lstrip()
+        if not rest and not final:
+            return False
+        if not rest or any(rest.startswith(m) or m.startswith(rest) for m in self.start_markers):
+            if rest or final:
+                space = len(self._buf) - len(rest)
+                self.raw += self._buf[:space]
+                self._buf = rest
+            if rest and not final and not any(rest.startswith(m) for m in self.start_markers):
+                return False  # a marker may be beginning
+        self._after_call = False
+        return True
+
     def _run(self, step: ParseStep, *, final: bool) -> None:
         while not step.malformed:
             if not self._in_call:
+                if self._after_call and not self._between(final=final):
+                    return
                 found = [(at, m) for m in self.start_markers if (at := self._buf.find(m)) >= 0]
                 if not found:
                     keep = 0 if final else self._held()
@@ -244,6 +263,10 @@ class ToolCallParser:
     def _name_of(self, body: str) -> str | None:
         return json_name(body)
 
+    def _id_of(self, body: str) -> str:
+        """The model's own id for the call ``body`` begins, when the name is readable ("": none)."""
+        return ""
+
     def _partial_arguments(self, body: str) -> str:
         keys = re.search(r'"(?:' + "|".join(self.args_keys) + r')"\s*:\s*', body)
         return body[keys.end() :].rstrip() if keys is not None else ""
@@ -255,7 +278,7 @@ class ToolCallParser:
         name = self._name_of(body)
         if name is not None:
             self._named = True
-            self._pending_id = new_call_id()
+            self._pending_id = self._id_of(body) or new_call_id()
             step.deltas.append(ToolCallDelta(index=len(self.calls), id=self._pending_id, name=name))
 
     def _complete(self, step: ParseStep, obj: Any, raw: str) -> bool:
@@ -271,7 +294,9 @@ class ToolCallParser:
         """A parsed call: its deltas (completing the announced one) and the call."""
         index = len(self.calls)
         arguments = json.dumps(call.arguments, ensure_ascii=False)
-        call_id = call.id or (self._pending_id if self._named else new_call_id())
+        # An announced call keeps the id its first delta carried (the model's own when it was
+        # readable then, as Kimi's ``functions.NAME:0``).
+        call_id = self._pending_id if self._named else (call.id or new_call_id())
         if self._named:
             step.deltas.append(ToolCallDelta(index=index, arguments=arguments))
         else:
@@ -280,6 +305,7 @@ class ToolCallParser:
         self.calls.append(done)
         step.completed.append(done)
         self._named = False
+        self._after_call = True
 
     def _body(self, step: ParseStep, *, final: bool) -> bool:
         """Consume what can be consumed of an open call; True to go on scanning."""
@@ -309,6 +335,7 @@ class Markup:
     section: tuple[str, str] | None = None
     aliases: tuple[str, ...] = ()
     close_optional: bool = False
+    ident: Callable[[str], str] | None = None  # the model's own call id, read with the name
 
 
 class DelimitedParser(ToolCallParser):
@@ -322,9 +349,10 @@ class DelimitedParser(ToolCallParser):
         self._inside = False  # inside a call (a section may be between calls)
         self._in_section = 0  # calls completed in the open section
         self._seen = 0  # how far the close marker was searched for
+        self._skip = 0  # close markers before this index were inside a value
 
     def _opened(self) -> None:
-        self._seen = 0
+        self._seen = self._skip = 0
         if self._m.section is None:
             self._inside = True
             if self._opener in self._m.aliases:
@@ -334,6 +362,9 @@ class DelimitedParser(ToolCallParser):
 
     def _name_of(self, body: str) -> str | None:
         return self._m.name(body)
+
+    def _id_of(self, body: str) -> str:
+        return self._m.ident(body) if self._m.ident is not None else ""
 
     def _partial_arguments(self, body: str) -> str:
         return super()._partial_arguments(body) if self._m.name is json_name else ""
@@ -349,7 +380,7 @@ class DelimitedParser(ToolCallParser):
                     self.raw += self._buf[: space + len(marker)]
                     self._buf = rest[len(marker) :]
                     if inside:
-                        self._inside, self._named, self._seen = True, False, 0
+                        self._inside, self._named, self._seen, self._skip = True, False, 0, 0
                     else:
                         self._in_call = False
                     return True
@@ -364,18 +395,34 @@ class DelimitedParser(ToolCallParser):
             self._buf = ""
             step.malformed = "unexpected text inside the tool-call section"
             return False
-        end = self._buf.find(m.call_close, max(0, self._seen - len(m.call_close)))
+        # The close marker may also occur inside a value (a JSON string, a parameter's text):
+        # the call ends at the first one after which the body parses; at the end of the output
+        # the first one decides (then the call is malformed).
+        parsed: list[RawCall] | str = ""
+        used = -1
+        end = self._buf.find(m.call_close, max(self._skip, self._seen - len(m.call_close)))
         self._seen = len(self._buf)
         self._announce(step, self._buf if end < 0 else self._buf[:end])
-        if end < 0:
-            if not (final and m.close_optional and self._buf.strip()):
+        while end >= 0:
+            parsed = m.body(self._buf[:end], self._schemas)
+            if not isinstance(parsed, str):
+                used = end + len(m.call_close)
+                break
+            self._skip = end + 1
+            end = self._buf.find(m.call_close, end + 1)
+        if used < 0:
+            if not final:
                 return False
-            body, used = self._buf, len(self._buf)
-        else:
-            body, used = self._buf[:end], end + len(m.call_close)
+            first = self._buf.find(m.call_close)
+            if first >= 0:
+                used, parsed = first + len(m.call_close), m.body(self._buf[:first], self._schemas)
+            elif m.close_optional and self._buf.strip():
+                used, parsed = len(self._buf), m.body(self._buf, self._schemas)
+            else:
+                return False
         self.raw += self._buf[:used]
         self._buf = self._buf[used:]
-        parsed = m.body(body, self._schemas)
+        self._skip = 0
         if isinstance(parsed, str):
             step.malformed = parsed
             return False
