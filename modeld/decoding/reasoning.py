@@ -174,13 +174,14 @@ class ReasoningGate:
 
 class ReasoningSplitter:
     """Per decode: feed text deltas, get ``(reasoning, answer)`` pieces back (markers and
-    answer wrappers dropped; the newlines that follow the close marker belong to it)."""
+    answer wrappers dropped; the newlines that follow either marker belong to it)."""
 
     def __init__(self, fmt: ReasoningFormat) -> None:
         self._fmt = fmt
         self._gate = ReasoningGate(fmt)
         self._answered = False
         self._hold = ""
+        self._fresh = False  # just after the open marker
 
     @property
     def thinking(self) -> bool:
@@ -202,6 +203,10 @@ class ReasoningSplitter:
                 stripped = body.lstrip()
                 if stripped.startswith(fmt.open):
                     body = stripped[len(fmt.open) :]
+                    self._fresh = True
+                if self._fresh:  # the newlines after the open marker belong to it
+                    body = body.lstrip("\n")
+                    self._fresh = not body
                 reasoning += body.removesuffix(fmt.close)
             else:
                 answer += piece
