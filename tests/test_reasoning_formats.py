@@ -86,7 +86,7 @@ TEMPLATES = {
     "think": "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}{{ '</think>' }}",
     "seed": "<seed:bos>{{ '<seed:think>' }}...{{ '</seed:think>' }}",
     "magistral": "[SYSTEM_PROMPT]...[THINK]...[/THINK]",
-    "granite": "<think>...</think><response>...</response>",
+    "granite": "<|start_of_role|>assistant<|end_of_role|><think>...</think><response>...</response>",
     "command_r": "<|START_THINKING|>...<|END_THINKING|>",
     "gemma4": "{{ '<|channel>thought' }}...{{ '<channel|>' }}",
     "harmony": "<|start|>assistant<|channel|>analysis<|message|>",

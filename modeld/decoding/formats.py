@@ -459,7 +459,7 @@ LFM2 = ToolFormat(
         )
         + "]<|tool_call_end|>"
     ),
-    lambda t: "<|tool_call_start|>" in t or "List of tools: [" in t,
+    lambda t: "<|tool_call_start|>" in t or "List of tools: " in t or "<|tool_list_start|>" in t,
 )
 
 HARMONY = ToolFormat(

@@ -109,7 +109,8 @@ def detect_reasoning(chat_template: str) -> ReasoningFormat | None:
     if "[THINK]" in t and "[/THINK]" in t:
         return REASONING_FORMATS["magistral"]
     if OPEN in t and CLOSE in t:
-        return REASONING_FORMATS["granite" if "<response>" in t else "think"]
+        granite = "<response>" in t and "<|start_of_role|>" in t  # Granite's own role markers
+        return REASONING_FORMATS["granite" if granite else "think"]
     return None
 
 
