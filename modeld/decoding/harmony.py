@@ -32,6 +32,7 @@ MESSAGE = "<|message|>"
 START = "<|start|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 MAX_HEADER = 512
+MAX_MARKER = max(len(m) for m in (*ENDS, START))
 _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 _CHANNEL = re.compile(r"<\|channel\|>(\w+)")
 
@@ -53,6 +54,7 @@ class HarmonyParser(ToolCallParser):
         super().__init__()
         self._state = "header"  # header | body (passing through) | args (a call's JSON)
         self._name = ""
+        self._seen = 0  # how far a call's end was searched for
 
     def _name_of(self, body: str) -> str | None:
         return self._name or None
@@ -99,6 +101,7 @@ class HarmonyParser(ToolCallParser):
                     continue
                 self.raw += header
                 self._state, self._name, self._in_call, self._named = "args", m.group(1), True, False
+                self._seen = 0
                 self._announce(step, "")
                 continue
             if self._state == "body":
@@ -112,7 +115,9 @@ class HarmonyParser(ToolCallParser):
                 self._buf = self._buf[at:]
                 self._state = "header"
                 continue
-            ends = [(at, e) for e in (*ENDS, START) if (at := self._buf.find(e)) >= 0]
+            since = max(0, self._seen - MAX_MARKER)  # searched already up to there
+            ends = [(at, e) for e in (*ENDS, START) if (at := self._buf.find(e, since)) >= 0]
+            self._seen = len(self._buf)
             if not ends and not final:
                 return
             at, end = min(ends) if ends else (len(self._buf), "")

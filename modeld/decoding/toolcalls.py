@@ -77,28 +77,63 @@ Body = Callable[[str, Schemas], "list[RawCall] | str"]
 """A family's body parser: the text between a call's markers -> its calls, or why it is malformed."""
 
 
-def _json_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object/array starting at ``start`` (None while incomplete)."""
-    depth = 0
-    in_string = escape = False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+_IN_STRING = re.compile(r'["\\]')
+_OUTSIDE = re.compile(r'["{}\[\]]')
+
+
+class JsonEnd:
+    """Where the JSON object or array at the start of a growing text ends, found incrementally:
+    each call scans only what arrived since the last (a long call streamed in small deltas
+    would otherwise be scanned again on every delta). :meth:`reset` before another value."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self._pos = 0
+        self._depth = 0
+        self._in_string = False
+        self._escape = False
+
+    def find(self, text: str) -> int | None:
+        """Index just past the value that ``text`` (the same text as before, grown) starts
+        with, or None while it is incomplete."""
+        i, n = self._pos, len(text)
+        while i < n:
+            if self._escape:
+                self._escape = False
+                i += 1
+                continue
+            if self._in_string:
+                m = _IN_STRING.search(text, i)
+                if m is None:
+                    i = n
+                    break
+                i = m.start()
+                if text[i] == "\\":
+                    self._escape = True
+                else:
+                    self._in_string = False
+                i += 1
+                continue
+            m = _OUTSIDE.search(text, i)
+            if m is None:
+                i = n
+                break
+            i = m.start()
+            c = text[i]
+            i += 1
+            if c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            else:
+                self._depth -= 1
+                if self._depth == 0:
+                    self.reset()
+                    return i
+        self._pos = i
+        return None
 
 
 _NAME_RE = re.compile(r'"(?:name|tool_name)"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -161,6 +196,7 @@ class ToolCallParser:
         self._named = False  # the current call's name delta went out
         self._pending_id = ""
         self._after_call = False  # a call just ended: whitespace that follows may be markup
+        self._json = JsonEnd()  # the open call's JSON, for the formats without a close marker
 
     # --- public -----------------------------------------------------------------------------
 
@@ -500,7 +536,7 @@ class Llama3Parser(ToolCallParser):
             self.raw += self._buf
             self._buf = ""
             return False
-        end = _json_end(buf, 0)
+        end = self._json.find(buf)
         self._announce(step, buf if end is None else buf[:end])
         if end is None:
             return False
@@ -541,7 +577,7 @@ class MistralParser(ToolCallParser):
         if not buf:
             return False
         if buf[0] == "[":
-            end = _json_end(buf, 0)
+            end = self._json.find(buf)
             self._announce(step, buf if end is None else buf[:end])
             if end is None:
                 return False
@@ -572,7 +608,7 @@ class MistralParser(ToolCallParser):
         rest = buf[at + len("[ARGS]") :].lstrip()
         if not rest:
             return False
-        end = _json_end(rest, 0) if rest[0] in "{[" else None
+        end = self._json.find(rest) if rest[0] in "{[" else None
         if end is None:
             if rest[0] not in "{[":
                 self.raw += buf
