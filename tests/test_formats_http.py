@@ -4,8 +4,8 @@ here in a family's shape (only ``tokenizer.chat_template`` changed). The daemon 
 format from the template, forces the call by a grammar in that markup, parses it back (whole
 and streamed), and writes it back into the next turn's history in the same markup.
 
-Families: Qwen3-Coder's XML parameters (string values raw, others typed by the schema) and
-GLM's ``<arg_key>``/``<arg_value>`` pairs, neither of them Hermes JSON.
+Families: Qwen3-Coder's XML parameters (string values raw, others typed by the schema), GLM's
+``<arg_key>``/``<arg_value>`` pairs and gpt-oss's harmony channels, none of them Hermes JSON.
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ TEMPLATES = {
     "glm45": _HEAD
     + "{{- '\\n\\nTo call a function:\\n<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE"
     "</arg_value>\\n</tool_call>' }}" + _TAIL,
+    # gpt-oss's harmony: the call on the commentary channel, addressed to functions.NAME.
+    "harmony": _HEAD
+    + "{{- '\\n\\nTo call a function:\\n<|start|>assistant<|channel|>commentary to=functions.NAME "
+    "<|constrain|>json<|message|>{...}<|call|>' }}"
+    + _TAIL,
 }
 READ_FILE: dict[str, Any] = {
     "type": "function",
