@@ -506,3 +506,11 @@ def test_a_long_call_streamed_in_small_deltas_parses_whole(fmt: str) -> None:
     text = format_calls(fmt, [call])
     _, calls, _, reason = run(fmt, [text[i : i + 4] for i in range(0, len(text), 4)])
     assert reason == "" and [json.loads(c.arguments) for c in calls] == [{"code": code}]
+
+
+def test_text_after_a_call_that_only_looks_like_a_marker_keeps_its_whitespace() -> None:
+    out = '<tool_call>\n{"name": "empty_args", "arguments": {}}\n</tool_call>\n<toolbox> is a tag.'
+    for pieces in ([out], list(out)):
+        text, calls, _, reason = run("hermes", pieces)
+        assert reason == "" and [c.name for c in calls] == ["empty_args"]
+        assert text == "\n<toolbox> is a tag.", pieces

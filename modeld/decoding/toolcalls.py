@@ -259,13 +259,11 @@ class ToolCallParser:
         rest = self._buf.lstrip()
         if not rest and not final:
             return False
-        if not rest or any(rest.startswith(m) or m.startswith(rest) for m in self.start_markers):
-            if rest or final:
-                space = len(self._buf) - len(rest)
-                self.raw += self._buf[:space]
-                self._buf = rest
-            if rest and not final and not any(rest.startswith(m) for m in self.start_markers):
-                return False  # a marker may be beginning
+        if not rest or any(rest.startswith(m) for m in self.start_markers):
+            self.raw += self._buf[: len(self._buf) - len(rest)]
+            self._buf = rest
+        elif not final and any(m.startswith(rest) for m in self.start_markers):
+            return False  # a marker may be beginning
         self._after_call = False
         return True
 
