@@ -54,8 +54,7 @@ TEMPLATES = {
     # gpt-oss's harmony: the call on the commentary channel, addressed to functions.NAME.
     "harmony": _HEAD
     + "{{- '\\n\\nTo call a function:\\n<|start|>assistant<|channel|>commentary to=functions.NAME "
-    "<|constrain|>json<|message|>{...}<|call|>' }}"
-    + _TAIL,
+    "<|constrain|>json<|message|>{...}<|call|>' }}" + _TAIL,
 }
 READ_FILE: dict[str, Any] = {
     "type": "function",
