@@ -59,7 +59,7 @@ from modeld.decoding.toolcalls import (
     ToolCallParser,
 )
 
-__all__ = ["FORMATS", "ToolFormat", "detect_format", "make_parser"]
+__all__ = ["FORMATS", "MARKERS", "ToolFormat", "detect_format", "make_parser"]
 
 
 class GraniteParser(MistralParser):
@@ -535,6 +535,58 @@ def _mistral_ids_call(rules: Rules, tools: Sequence[Tool]) -> str:
         alts.append(f"{lit(f'[TOOL_CALLS]{tool.name}[CALL_ID]')} [A-Za-z0-9]{{9}} {lit('[ARGS]')} {args}")
     return "( " + " | ".join(alts) + " )"
 
+
+MARKERS: frozenset[str] = frozenset(
+    {
+        "<tool_call>",
+        "</tool_call>",
+        "<function=",
+        "</function>",
+        "<parameter=",
+        "</parameter>",
+        "<|channel|>",
+        "<|constrain|>",
+        "<|message|>",
+        "<|python_tag|>",
+        "[TOOL_CALLS]",
+        "[ARGS]",
+        "[CALL_ID]",
+        "<arg_key>",
+        "</arg_key>",
+        "<arg_value>",
+        "</arg_value>",
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        *_DS,
+        b.DS_SEP,
+        "<minimax:tool_call>",
+        "</minimax:tool_call>",
+        "<seed:tool_call>",
+        "</seed:tool_call>",
+        "<TOOLCALL>",
+        "</TOOLCALL>",
+        "<|tool_call>",
+        "<tool_call|>",
+        b.GEMMA_QUOTE,
+        "<|tool_call_start|>",
+        "<|tool_call|>",
+        "<|START_ACTION|>",
+        "<|END_ACTION|>",
+        "</think>",
+        "</seed:think>",
+        "[/THINK]",
+        "<|END_THINKING|>",
+        "<channel|>",
+    }
+)
+"""The families' markers a vocabulary may hold as tokens of their own (special or added): the
+forcing grammars write them as text, and a backend that keeps special tokens out of grammar
+text must let these through (``backends/llama_constraints.py``), so a forced call is written
+with the model's own marker tokens, as it writes calls unforced and as its template's text is
+tokenized in the next turn's history."""
 
 # Detection order: the most specific markers first (several families share <tool_call>).
 FORMATS: dict[str, ToolFormat] = {
