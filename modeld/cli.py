@@ -120,6 +120,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         http=args.http or "",
         api_key=args.api_key or os.environ.get("MODELD_API_KEY", ""),
         models=tuple(args.model or ()),
+        tool_formats=tuple(args.tool_format or ()),
         models_dir=Path(args.models_dir) if args.models_dir else None,
         num_ctx=args.num_ctx or 0,
         allowed_origins=tuple(args.allow_origin or ()),
@@ -376,6 +377,14 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         metavar="NAME=PATH",
         help="a model the HTTP API serves under NAME (repeatable; default: the generated tiny model)",
+    )
+    s.add_argument(
+        "--tool-format",
+        action="append",
+        metavar="NAME=FORMAT",
+        help="the tool-call format of the model served as NAME, instead of the one recognised from its "
+        "chat template (repeatable; a family such as hermes, qwen3_coder, harmony, glm45; none: no calls "
+        "are parsed; blueprint 0018 lists them)",
     )
     s.add_argument("--models-dir", metavar="DIR", help="serve every model file in DIR under its file name")
     s.add_argument(

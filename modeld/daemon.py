@@ -314,6 +314,7 @@ class ServeOptions:
     http: str = ""  # HOST:PORT for the OpenAI-compatible endpoint
     api_key: str = ""
     models: tuple[str, ...] = ()  # NAME=PATH
+    tool_formats: tuple[str, ...] = ()  # NAME=FORMAT: a model's tool-call format, over its template's
     models_dir: Path | None = None
     num_ctx: int = 0  # context window of HTTP sessions (0: the model's own, as the memory budget allows)
     allowed_origins: tuple[str, ...] = ()  # web origins (besides loopback ones) the HTTP API serves
@@ -328,11 +329,32 @@ class ServeOptions:
     worker_log_level: str = "INFO"
 
 
+def tool_formats(specs: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """``--tool-format NAME=FORMAT`` values, checked: FORMAT is one of ``TOOL_FORMATS``."""
+    from modeld.contract import TOOL_FORMATS
+
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, fmt = spec.partition("=")
+        if not sep or not name or fmt not in TOOL_FORMATS or not fmt:
+            raise ServeError(
+                f"--tool-format wants NAME=FORMAT with FORMAT one of {', '.join(f for f in TOOL_FORMATS if f)}, "
+                f"got {spec!r}"
+            )
+        if name in out:
+            raise ServeError(f"--tool-format {name} is given twice")
+        out[name] = fmt
+    return tuple(out.items())
+
+
 def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, Any] | None:
     """Check the HTTP options and build the model registry, before taking the lease."""
+    tool_formats(options.tool_formats)
     if not options.http:
-        if options.models or options.models_dir is not None:
-            raise ServeError("--model and --models-dir name the models --http serves; add --http HOST:PORT")
+        if options.models or options.models_dir is not None or options.tool_formats:
+            raise ServeError(
+                "--model, --models-dir and --tool-format name the models --http serves; add --http HOST:PORT"
+            )
         return None
     address = parse_listen(options.http, allow_remote=options.allow_remote, option="--http")
     if address.unix_path is not None:
@@ -544,6 +566,7 @@ def _start_http(
         data_dir=str(options.data_dir),
         allowed_origins=options.allowed_origins,
         max_output_tokens=options.max_output_tokens,
+        tool_formats=tool_formats(options.tool_formats),
     )
     listener = HttpListener(
         HttpService(gateway, registry, settings, bridge), address.host, address.port, grace=options.grace

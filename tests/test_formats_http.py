@@ -81,6 +81,8 @@ def client() -> Iterator[openai.OpenAI]:
     for fmt, template in TEMPLATES.items():
         path = tiny.set("tokenizer.chat_template", template, STRING).write(tmp / f"tiny-{fmt}.gguf")
         models += ["--model", f"tiny-{fmt}={path}"]
+    # The same file under another name, told to parse no calls (--tool-format, a per-model override).
+    models += ["--model", f"tiny-none={tmp / 'tiny-glm45.gguf'}", "--tool-format", "tiny-none=none"]
     proc, record = serve_http(tmp, *models, backend="llama", timeout=300)
     sdk = openai.OpenAI(base_url=f"{record.http_endpoint}/v1", api_key="unused", max_retries=0, timeout=300)
     try:
@@ -146,3 +148,34 @@ def test_describe_says_which_format_each_model_writes(client: openai.OpenAI) -> 
 
     for fmt, template in TEMPLATES.items():
         assert detect_format(template) == fmt
+
+
+def test_a_models_tool_format_can_be_set_at_serve(client: openai.OpenAI) -> None:
+    """``--tool-format tiny-none=none``: that model parses no calls, so a forced call is refused
+    (the same file under its own name forces and parses GLM calls, as above)."""
+    with pytest.raises(openai.BadRequestError, match="tool_format is 'none'"):
+        client.chat.completions.create(
+            model="tiny-none",
+            messages=[{"role": "user", "content": "Open the failing test."}],
+            tools=[READ_FILE],  # type: ignore[list-item]
+            tool_choice="required",
+            max_tokens=20,
+        )
+    answer = client.chat.completions.create(
+        model="tiny-none",
+        messages=[{"role": "user", "content": "Open the failing test."}],
+        tools=[READ_FILE],  # type: ignore[list-item]
+        max_tokens=4,
+    )
+    assert answer.choices[0].finish_reason == "length" and not answer.choices[0].message.tool_calls
+
+
+@pytest.mark.parametrize(
+    "specs", [("tiny=yaml",), ("tiny",), ("=hermes",), ("tiny=",), ("tiny=hermes", "tiny=glm45")]
+)
+def test_a_bad_tool_format_option_is_refused_before_serving(specs: tuple[str, ...]) -> None:
+    from modeld.daemon import ServeError, tool_formats
+
+    with pytest.raises(ServeError, match="--tool-format"):
+        tool_formats(specs)
+    assert tool_formats(("a=hermes", "b=none")) == (("a", "hermes"), ("b", "none"))

@@ -81,6 +81,7 @@ class HttpSettings:
     idle_seconds: float = 600.0
     allowed_origins: tuple[str, ...] = ()
     data_dir: str = ""
+    tool_formats: tuple[tuple[str, str], ...] = ()  # (model name, its tool-call format) over the template's
 
 
 def is_loopback_host(host: str) -> bool:
@@ -124,6 +125,7 @@ class HttpService:
             self.bridge,
             max_conversations=settings.max_conversations,
             idle_seconds=settings.idle_seconds,
+            tool_formats=dict(settings.tool_formats),
         )
         self._inflight = 0
         self._inflight_lock = threading.Lock()

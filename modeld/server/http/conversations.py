@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
 from modeld.contract import (
@@ -173,9 +173,11 @@ class Conversations:
         *,
         max_conversations: int = 16,
         idle_seconds: float = 600.0,
+        tool_formats: Mapping[str, str] | None = None,
     ) -> None:
         self._gateway = gateway
         self._bridge = bridge
+        self.tool_formats = dict(tool_formats or {})  # model name -> its format (--tool-format)
         self.max_conversations = max_conversations
         self.idle_seconds = idle_seconds
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
@@ -314,7 +316,9 @@ class Conversations:
         """The turn as the contract's prefix and suffix for this model (its tool-call format)."""
         if not turn.chat:
             return PrefixInput(text=turn.prompt or ""), None
-        fmt = info.tool_format or "hermes"  # calls in the history, in the model's format
+        fmt = (
+            self._format(turn) or info.tool_format or "hermes"
+        )  # calls in the history, in the model's format
         return chat_inputs(
             turn.messages,
             split_point(turn.messages),
@@ -323,6 +327,11 @@ class Conversations:
             self.recall_calls,
             f"http.{turn.api}",
         )
+
+    def _format(self, turn: Turn) -> str:
+        """The turn's tool-call format: its own, else the model's ``--tool-format`` ("": the
+        one the engine recognises from the template)."""
+        return turn.decode.tool_format or self.tool_formats.get(turn.model, "")
 
     async def _run(self, turn: Turn, session: BridgedSession) -> AsyncIterator[Event]:
         info = session.info
@@ -353,7 +362,12 @@ class Conversations:
             yield started
             yield Finished("length", usage)
             return
-        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context, n=turn.n)
+        config = replace(
+            turn.decode,
+            max_tokens=turn.max_tokens or info.effective_context,
+            n=turn.n,
+            tool_format=self._format(turn),
+        )
         try:
             stream = await session.decode(config)
         except UnsupportedError as exc:
