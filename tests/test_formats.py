@@ -514,3 +514,34 @@ def test_text_after_a_call_that_only_looks_like_a_marker_keeps_its_whitespace() 
         text, calls, _, reason = run("hermes", pieces)
         assert reason == "" and [c.name for c in calls] == ["empty_args"]
         assert text == "\n<toolbox> is a tag.", pieces
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_mangled_outputs_never_raise_and_never_lose_text(fmt: str) -> None:
+    """Whatever a model writes (here: every recorded output of every family, cut, spliced and
+    mangled), each family's parser returns content, calls or a malformed reason, never an
+    exception, and every character ends up in the content or in the calls' raw text."""
+    rng = random.Random(fmt)
+    sources = [out for _, out, _, _ in RECORDED] + [out for _, out, _ in MALFORMED]
+    for _ in range(150):
+        text = rng.choice(sources)
+        for _ in range(rng.randint(1, 4)):
+            i, j = sorted(rng.randrange(len(text) + 1) for _ in range(2))
+            other = rng.choice(sources)
+            k = rng.randrange(len(other) + 1)
+            text = rng.choice([text[:i] + text[j:], text[:i] + other[k : k + 12] + text[i:], text[:i]])
+        cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        parser = make_parser(fmt, SCHEMAS)
+        assert parser is not None
+        shown = ""
+        for piece in pieces:
+            step = parser.feed(piece)
+            shown += step.text
+            if step.malformed:
+                break
+        else:
+            end = parser.finish(cut=rng.random() < 0.5)
+            shown += end.text
+            if not end.malformed:  # all of it is content or the calls' raw text, in order
+                assert len(shown) + len(parser.raw) == len(text), (text, shown, parser.raw)
