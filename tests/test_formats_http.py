@@ -4,8 +4,10 @@ here in a family's shape (only ``tokenizer.chat_template`` changed). The daemon 
 format from the template, forces the call by a grammar in that markup, parses it back (whole
 and streamed), and writes it back into the next turn's history in the same markup.
 
-Families: Qwen3-Coder's XML parameters (string values raw, others typed by the schema), GLM's
-``<arg_key>``/``<arg_value>`` pairs and gpt-oss's harmony channels, none of them Hermes JSON.
+Every family, each template showing a call in its markup (as real templates teach their
+models): Qwen3-Coder's XML parameters (string values raw, others typed by the schema), GLM's
+``<arg_key>``/``<arg_value>`` pairs, gpt-oss's harmony channels, Kimi's and DeepSeek's sections,
+Gemma 4's and LFM2's literals, and the JSON families.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import pytest
 from daemon_proc import serve_http, stop
 from gguf_craft import STRING, load
 
+from modeld.contract import ToolCall
+from modeld.decoding.formats import FORMATS
+from modeld.decoding.tools import format_calls
 from modeld.testmodels import TINY, ensure_model
 
 pytestmark = [pytest.mark.wire, pytest.mark.llama]
@@ -42,20 +47,22 @@ _TAIL = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-TEMPLATES = {
-    # Qwen3-Coder / Qwen3.5: the call's shape taught in the system turn, as the real one does.
-    "qwen3_coder": _HEAD
-    + "{{- '\\n\\nTo call a function:\\n<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n"
-    "</parameter>\\n</function>\\n</tool_call>' }}" + _TAIL,
-    # GLM 4.5/4.6: the name on the <tool_call> line, then key/value pairs.
-    "glm45": _HEAD
-    + "{{- '\\n\\nTo call a function:\\n<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE"
-    "</arg_value>\\n</tool_call>' }}" + _TAIL,
-    # gpt-oss's harmony: the call on the commentary channel, addressed to functions.NAME.
-    "harmony": _HEAD
-    + "{{- '\\n\\nTo call a function:\\n<|start|>assistant<|channel|>commentary to=functions.NAME "
-    "<|constrain|>json<|message|>{...}<|call|>' }}" + _TAIL,
-}
+
+
+def _jinja_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+def template_for(fmt: str) -> str:
+    """A ChatML template (Qwen's shape) whose system turn shows a call in the family's markup,
+    as real templates teach their models (what the daemon recognises the family by)."""
+    example = format_calls(fmt, [ToolCall("call_1", "NAME", json.dumps({"KEY": "VALUE"}))])
+    if fmt == "llama3":
+        example = "<|python_tag|>" + example
+    return _HEAD + "{{- '\\n\\nTo call a function:\\n' + " + _jinja_string(example) + " }}" + _TAIL
+
+
+TEMPLATES = {fmt: template_for(fmt) for fmt in FORMATS}
 READ_FILE: dict[str, Any] = {
     "type": "function",
     "function": {
