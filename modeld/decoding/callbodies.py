@@ -30,6 +30,8 @@ from modeld.decoding.toolcalls import RawCall, Schemas, call_from, checked_call
 
 __all__ = [
     "command_r_body",
+    "gemma_literal",
+    "python_literal",
     "deepseek_r1_body",
     "deepseek_v31_body",
     "gemma4_body",
@@ -439,3 +441,29 @@ def lfm2_body(body: str, schemas: Schemas) -> list[RawCall] | str:
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError) as exc:
         return f"the tool calls are not a Python list of calls: {exc}"
     return out
+
+
+def gemma_literal(value: Any) -> str:
+    """``value`` as Gemma 4 writes it (strings between ``<|\"|>``, bare keys)."""
+    if isinstance(value, str):
+        return f"{GEMMA_QUOTE}{value}{GEMMA_QUOTE}"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{gemma_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(gemma_literal(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+def python_literal(value: Any) -> str:
+    """``value`` as a Python literal (LFM2's calls)."""
+    if value is True:
+        return "True"
+    if value is False:
+        return "False"
+    if value is None:
+        return "None"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {python_literal(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(python_literal(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)

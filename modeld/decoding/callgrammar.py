@@ -20,15 +20,17 @@ What not: no parsing (:mod:`modeld.decoding.callbodies`), no choice of family
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from modeld.decoding.callbodies import GEMMA_QUOTE
 from modeld.decoding.gbnf import gbnf_literal
 from modeld.decoding.regex import regex_to_gbnf_expr
 from modeld.decoding.schema import schema_to_gbnf
 from modeld.errors import InvalidArgumentError, UnsupportedError
 
-__all__ = ["Rules", "json_arguments", "lit", "parameters", "raw_text"]
+__all__ = ["Rules", "Tool", "gemma_call", "json_arguments", "lit", "parameters", "raw_text"]
 
 
 def lit(text: str) -> str:
@@ -179,3 +181,50 @@ def parameters(
     else:
         starts.append('""')
     return rules.add(f"{prefix}params", " | ".join(starts))
+
+
+@dataclass(frozen=True)
+class Tool:
+    """What a grammar needs of a tool (a :class:`~modeld.decoding.tools.ToolSpec`'s part)."""
+
+    name: str
+    parameters: Any
+
+
+GEMMA_ANY = r"""gemma-value ::= gemma-string | json-number | "true" | "false" | "null" | gemma-object | gemma-array
+gemma-object ::= "{" ( gemma-key ":" gemma-value ( "," gemma-key ":" gemma-value )* )? "}"
+gemma-array ::= "[" ( gemma-value ( "," gemma-value )* )? "]"
+gemma-key ::= [A-Za-z_] [A-Za-z0-9_]*
+"""
+
+
+def gemma_call(rules: Rules, tools: Sequence[Tool]) -> str:
+    """One call of any of ``tools`` in Gemma 4's markup (``call:NAME{key:value,...}``)."""
+    rules.extend(GEMMA_ANY)
+    quote = rules.until(GEMMA_QUOTE)
+    rules.add("gemma-string", f"{lit(GEMMA_QUOTE)} {quote} {lit(GEMMA_QUOTE)}")
+
+    def spell(key: str, value: str) -> str:
+        return f"{lit(key + ':')} {value}"
+
+    alts = []
+    for i, tool in enumerate(tools):
+        props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
+        gemma_schema = {
+            "type": "object",
+            "properties": {k: _gemma_typed(v) for k, v in props.items()} if isinstance(props, dict) else {},
+            "required": tool.parameters.get("required", []) if isinstance(tool.parameters, dict) else [],
+        }
+        params = parameters(rules, f"t{i}-", tool.name, gemma_schema, spell, GEMMA_QUOTE, ",", GEMMA_QUOTE)
+        alts.append(
+            " ".join(p for p in (lit(f"<|tool_call>call:{tool.name}{{"), params, lit("}<tool_call|>")) if p)
+        )
+    return "( " + " | ".join(alts) + " )"
+
+
+def _gemma_typed(schema: Any) -> Any:
+    """A parameter's schema for Gemma 4's grammar: strings stay (raw text between quotes),
+    scalars are JSON already, objects and arrays are any Gemma literal (not schema-checked)."""
+    if isinstance(schema, dict) and schema.get("type") in ("object", "array"):
+        return {"$rule": "gemma-value"}
+    return schema

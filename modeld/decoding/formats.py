@@ -48,32 +48,12 @@ from typing import Any
 
 from modeld.contract import ToolCall
 from modeld.decoding import callbodies as b
-from modeld.decoding.callgrammar import Rules, json_arguments, lit, parameters
+from modeld.decoding.callgrammar import Rules, Tool, gemma_call, json_arguments, lit, parameters
 from modeld.decoding.harmony import HarmonyParser, harmony_calls
-from modeld.decoding.toolcalls import (
-    DelimitedParser,
-    Llama3Parser,
-    Markup,
-    MistralParser,
-    Schemas,
-    ToolCallParser,
-)
+from modeld.decoding.jsoncalls import GraniteParser, Llama3Parser, MistralParser
+from modeld.decoding.toolcalls import DelimitedParser, Markup, Schemas, ToolCallParser
 
 __all__ = ["FORMATS", "MARKERS", "ToolFormat", "detect_format", "make_parser"]
-
-
-class GraniteParser(MistralParser):
-    """``<|tool_call|>[{...}, ...]`` to the end of the output (Granite 3.x)."""
-
-    start_markers = ("<|tool_call|>",)
-
-
-@dataclass(frozen=True)
-class Tool:
-    """What a grammar needs of a tool (a :class:`~modeld.decoding.tools.ToolSpec`'s part)."""
-
-    name: str
-    parameters: Any
 
 
 CallRule = Callable[[Rules, Sequence[Tool]], str]
@@ -367,77 +347,13 @@ GRANITE = ToolFormat(
 )
 
 
-def _gemma_value(value: Any) -> str:
-    if isinstance(value, str):
-        return f"{b.GEMMA_QUOTE}{value}{b.GEMMA_QUOTE}"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{_gemma_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ",".join(_gemma_value(v) for v in value) + "]"
-    return json.dumps(value)
-
-
-GEMMA_ANY = r"""gemma-value ::= gemma-string | json-number | "true" | "false" | "null" | gemma-object | gemma-array
-gemma-object ::= "{" ( gemma-key ":" gemma-value ( "," gemma-key ":" gemma-value )* )? "}"
-gemma-array ::= "[" ( gemma-value ( "," gemma-value )* )? "]"
-gemma-key ::= [A-Za-z_] [A-Za-z0-9_]*
-"""
-
-
-def _gemma_call(rules: Rules, tools: Sequence[Tool]) -> str:
-    rules.extend(GEMMA_ANY)
-    quote = rules.until(b.GEMMA_QUOTE)
-    rules.add("gemma-string", f"{lit(b.GEMMA_QUOTE)} {quote} {lit(b.GEMMA_QUOTE)}")
-
-    def spell(key: str, value: str) -> str:
-        return f"{lit(key + ':')} {value}"
-
-    alts = []
-    for i, tool in enumerate(tools):
-        props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
-        gemma_schema = {
-            "type": "object",
-            "properties": {k: _gemma_typed(v) for k, v in props.items()} if isinstance(props, dict) else {},
-            "required": tool.parameters.get("required", []) if isinstance(tool.parameters, dict) else [],
-        }
-        params = parameters(
-            rules, f"t{i}-", tool.name, gemma_schema, spell, b.GEMMA_QUOTE, ",", b.GEMMA_QUOTE
-        )
-        alts.append(
-            " ".join(p for p in (lit(f"<|tool_call>call:{tool.name}{{"), params, lit("}<tool_call|>")) if p)
-        )
-    return "( " + " | ".join(alts) + " )"
-
-
-def _gemma_typed(schema: Any) -> Any:
-    """A parameter's schema for Gemma 4's grammar: strings stay (raw text between quotes),
-    scalars are JSON already, objects and arrays are any Gemma literal (not schema-checked)."""
-    if isinstance(schema, dict) and schema.get("type") in ("object", "array"):
-        return {"$rule": "gemma-value"}
-    return schema
-
-
 GEMMA4 = ToolFormat(
     "gemma4",
     _delimited(Markup("<|tool_call>", "<tool_call|>", b.gemma4_body, b.gemma4_name)),
-    _gemma_call,
-    lambda calls: "".join(f"<|tool_call>call:{c.name}{_gemma_value(_args(c))}<tool_call|>" for c in calls),
+    gemma_call,
+    lambda calls: "".join(f"<|tool_call>call:{c.name}{b.gemma_literal(_args(c))}<tool_call|>" for c in calls),
     lambda t: "<|tool_call>" in t,
 )
-
-
-def _py(value: Any) -> str:
-    if value is True:
-        return "True"
-    if value is False:
-        return "False"
-    if value is None:
-        return "None"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k)}: {_py(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, list):
-        return "[" + ", ".join(_py(v) for v in value) + "]"
-    return json.dumps(value, ensure_ascii=False)
 
 
 LFM2 = ToolFormat(
@@ -455,7 +371,8 @@ LFM2 = ToolFormat(
     lambda calls: (
         "<|tool_call_start|>["
         + ", ".join(
-            f"{c.name}(" + ", ".join(f"{k}={_py(v)}" for k, v in _args(c).items()) + ")" for c in calls
+            f"{c.name}(" + ", ".join(f"{k}={b.python_literal(v)}" for k, v in _args(c).items()) + ")"
+            for c in calls
         )
         + "]<|tool_call_end|>"
     ),

@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from modeld.contract import Constraint, ToolCall
-from modeld.decoding.callgrammar import Rules
+from modeld.decoding.callgrammar import Rules, Tool
 from modeld.decoding.formats import FORMATS as FAMILIES
-from modeld.decoding.formats import Tool, detect_format
+from modeld.decoding.formats import detect_format
 from modeld.decoding.gbnf import gbnf_literal
 from modeld.decoding.schema import JSON_PRIMITIVES
 from modeld.errors import InvalidArgumentError, LimitExceededError
