@@ -545,3 +545,15 @@ def test_mangled_outputs_never_raise_and_never_lose_text(fmt: str) -> None:
             shown += end.text
             if not end.malformed:  # all of it is content or the calls' raw text, in order
                 assert len(shown) + len(parser.raw) == len(text), (text, shown, parser.raw)
+
+
+def test_calls_sent_back_are_known_by_id_name_and_arguments() -> None:
+    """The exact text of calls this daemon generated is recalled by this key: Kimi writes
+    ``functions.read_file:0`` in every turn, so the id alone would recall another turn's call."""
+    from modeld.decoding.tools import call_key
+
+    first = ToolCall("functions.read_file:0", "read_file", '{"path": "a.py", "start": 1}')
+    later = ToolCall("functions.read_file:0", "read_file", '{"path": "b.py"}')
+    assert call_key([first]) != call_key([later])
+    # A client's own spacing and key order are the same call.
+    assert call_key([first]) == call_key([ToolCall(first.id, "read_file", '{"start":1,"path":"a.py"}')])

@@ -37,7 +37,9 @@ from modeld.errors import InvalidArgumentError, LimitExceededError
 
 __all__ = [
     "FORMATS",
+    "CallKey",
     "ToolSpec",
+    "call_key",
     "detect_format",
     "forced_call_constraint",
     "format_calls",
@@ -134,3 +136,21 @@ def format_calls(fmt: str, calls: Sequence[ToolCall]) -> str:
         return ""
     family = FAMILIES.get(fmt) or FAMILIES[DEFAULT_FORMAT]
     return family.write(calls)
+
+
+CallKey = tuple[tuple[str, str, str], ...]
+
+
+def call_key(calls: Sequence[ToolCall]) -> CallKey:
+    """What identifies calls sent back in a history: each call's id, name and arguments (as
+    canonical JSON, so a client's own spacing or key order does not matter). The id alone is
+    not enough: families with ids of their own repeat them (Kimi's ``functions.NAME:0`` in every
+    turn, Mistral's), and the text of another turn's call would be recalled."""
+    out: list[tuple[str, str, str]] = []
+    for c in calls:
+        try:
+            args = json.dumps(json.loads(c.arguments or "{}"), sort_keys=True, ensure_ascii=False)
+        except ValueError:
+            args = c.arguments
+        out.append((c.id, c.name, args))
+    return tuple(out)

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from modeld.contract import (
@@ -56,6 +56,7 @@ from modeld.contract import (
 )
 from modeld.decoding.harmony import HarmonySplitter
 from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning, make_splitter
+from modeld.decoding.tools import CallKey, call_key
 from modeld.errors import (
     LimitExceededError,
     ModeldError,
@@ -182,7 +183,7 @@ class Conversations:
         self.idle_seconds = idle_seconds
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
-        self._calls: OrderedDict[tuple[str, ...], str] = OrderedDict()
+        self._calls: OrderedDict[CallKey, str] = OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
@@ -254,20 +255,21 @@ class Conversations:
             entry.busy = False
             entry.last_used = time.monotonic()
 
-    def remember_calls(self, ids: tuple[str, ...], text: str) -> None:
-        """The calls ``ids`` of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
-        if not ids or not text:
+    def remember_calls(self, calls: Sequence[ToolCall], text: str) -> None:
+        """The calls of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
+        if not calls or not text:
             return
+        key = call_key(calls)  # ids, names and arguments: some families repeat their ids
         with self._lock:
-            self._calls[ids] = text
-            self._calls.move_to_end(ids)
+            self._calls[key] = text
+            self._calls.move_to_end(key)
             while len(self._calls) > REMEMBERED_CALLS:
                 self._calls.popitem(last=False)
 
-    def recall_calls(self, ids: tuple[str, ...]) -> str | None:
-        """The generated text of the calls ``ids`` (in order, as returned), if remembered."""
+    def recall_calls(self, calls: Sequence[ToolCall]) -> str | None:
+        """The generated text of ``calls`` (in order, as returned), if remembered."""
         with self._lock:
-            return self._calls.get(ids)
+            return self._calls.get(call_key(calls))
 
     def sweep(self) -> int:
         """Close conversations idle for longer than ``idle_seconds``; returns how many."""
@@ -434,7 +436,7 @@ class Conversations:
         if not turn.parallel_tool_calls:
             calls = calls[:1]
         if chunk.tool_calls:
-            self.remember_calls(tuple(c.id for c in chunk.tool_calls), chunk.tool_text)
+            self.remember_calls(chunk.tool_calls, chunk.tool_text)
         return Finished(
             chunk.finish_reason or "stop",
             usage,
