@@ -557,3 +557,27 @@ def test_calls_sent_back_are_known_by_id_name_and_arguments() -> None:
     assert call_key([first]) != call_key([later])
     # A client's own spacing and key order are the same call.
     assert call_key([first]) == call_key([ToolCall(first.id, "read_file", '{"start":1,"path":"a.py"}')])
+
+
+@pytest.mark.parametrize(("fmt", "output", "content", "calls"), RECORDED)
+def test_a_decode_cut_off_anywhere_shows_no_markup_and_keeps_the_call_as_far_as_it_got(
+    fmt: str, output: str, content: str, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """The decode's view (``OutputProcessor``, finish ``length``): what is shown is a prefix of
+    the content; a call cut off after its name is written comes back as that call, partial;
+    ``text + tool_text`` is everything the model wrote."""
+    from modeld.contract import DecodeConfig
+    from modeld.decoding.output import OutputProcessor, plan_decode
+
+    config = DecodeConfig(tools_json=TOOLS_JSON, tool_format=fmt)
+    plan = plan_decode(config)
+    names = [name for name, _ in calls]
+    for i in range(len(output)):
+        out = OutputProcessor(config, plan)
+        shown = out.feed(output[:i]).text
+        final = out.finish("length")
+        shown += final.text
+        assert content.startswith(shown), (i, shown)
+        assert final.finish_reason == "length"
+        assert [c.name for c in final.tool_calls] == names[: len(final.tool_calls)], (i, final.tool_calls)
+        assert len(shown) + len(final.tool_text) == i, (i, shown, final.tool_text)

@@ -174,6 +174,9 @@ class Llama3Parser(_JsonCalls):
             self._buf = ""
         elif not step.malformed and self._in_call and not self.calls:
             step.malformed = "the output ended inside a tool call"
+        elif not step.malformed and self._in_call:
+            self.raw += rest  # whitespace after the calls: markup
+            self._buf = ""
         return step
 
 

@@ -329,7 +329,8 @@ class DelimitedParser(ToolCallParser):
         self._seen = self._skip = 0
         if self._m.section is None:
             self._inside = True
-            if self._opener in self._m.aliases:
+            if self._opener in self._m.aliases:  # part of the body: raw gets it with the body
+                self.raw = self.raw[: len(self.raw) - len(self._opener)]
                 self._buf = self._opener + self._buf
         else:
             self._inside, self._in_section = False, 0
