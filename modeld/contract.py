@@ -135,6 +135,7 @@ TOOL_FORMATS: tuple[str, ...] = (
     "mistral_args",
     "mistral_ids",
     "glm45",
+    "glm47",
     "kimi_k2",
     "deepseek_v31",
     "deepseek_r1",

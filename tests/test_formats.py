@@ -138,7 +138,7 @@ RECORDED: list[tuple[str, str, str, list[tuple[str, dict[str, Any]]]]] = [
         [("read_file", {"path": "a b.py", "start": 7})],
     ),
     (
-        "glm45",  # GLM 4.7: no newlines; a call without arguments
+        "glm47",  # no newlines; a call without arguments
         "<tool_call>special_function<arg_key>arg1</arg_key><arg_value>1</arg_value></tool_call>"
         "<tool_call>empty_args</tool_call>",
         "",
@@ -470,7 +470,8 @@ TEMPLATES = {
     "lfm2": "{{- '<|tool_list_start|>' }}...<|tool_call_start|>",
     "minimax_m2": "{{- '<minimax:tool_call>\\n' }}",
     "seed_oss": "{{ '<seed:tool_call>\\n<function=' }}",
-    "glm45": "<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key>",
+    "glm45": "<tool_call>{{ tc.name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>",
+    "glm47": "<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key><arg_value>{{ v }}</arg_value>",
     "qwen3_coder": "<tool_call>\\n<function={{ name }}>\\n<parameter={{ k }}>",
     "nemotron": "{{- '<TOOLCALL>[' -}}",
     "command_r": "<|START_ACTION|>{{ calls }}<|END_ACTION|>",

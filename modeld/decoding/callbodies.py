@@ -444,11 +444,12 @@ def lfm2_body(body: str, schemas: Schemas) -> list[RawCall] | str:
 
 
 def gemma_literal(value: Any) -> str:
-    """``value`` as Gemma 4 writes it (strings between ``<|\"|>``, bare keys)."""
+    """``value`` as Gemma 4 writes it (strings between ``<|\"|>``, bare keys in sorted order,
+    as its template's ``dictsort`` writes them)."""
     if isinstance(value, str):
         return f"{GEMMA_QUOTE}{value}{GEMMA_QUOTE}"
     if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{gemma_literal(v)}" for k, v in value.items()) + "}"
+        return "{" + ",".join(f"{k}:{gemma_literal(v)}" for k, v in sorted(value.items())) + "}"
     if isinstance(value, list):
         return "[" + ",".join(gemma_literal(v) for v in value) + "]"
     return json.dumps(value)

@@ -212,7 +212,10 @@ def gemma_call(rules: Rules, tools: Sequence[Tool]) -> str:
         props = tool.parameters.get("properties") if isinstance(tool.parameters, dict) else None
         gemma_schema = {
             "type": "object",
-            "properties": {k: _gemma_typed(v) for k, v in props.items()} if isinstance(props, dict) else {},
+            # In sorted order: Gemma 4's template lists and writes keys with dictsort.
+            "properties": {k: _gemma_typed(v) for k, v in sorted(props.items())}
+            if isinstance(props, dict)
+            else {},
             "required": tool.parameters.get("required", []) if isinstance(tool.parameters, dict) else [],
         }
         params = parameters(rules, f"t{i}-", tool.name, gemma_schema, spell, GEMMA_QUOTE, ",", GEMMA_QUOTE)

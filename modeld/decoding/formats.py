@@ -21,7 +21,8 @@ markers first; a model's override wins over it: ``DecodeConfig.tool_format``, th
     mistral       [TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]       Mistral v3, Nemo
     mistral_args  [TOOL_CALLS]NAME[ARGS]{...}                                       Devstral, Magistral
     mistral_ids   [TOOL_CALLS]NAME[CALL_ID]ID[ARGS]{...}                            Mistral Small 3.2
-    glm45         <tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>   GLM 4.5-4.7
+    glm45         <tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>   GLM 4.5, 4.6
+    glm47         the same without the newlines                                     GLM 4.7
     kimi_k2       <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:I<|tool_call_argument_begin|>{...}
                   <|tool_call_end|><|tool_calls_section_end|>                       Kimi K2
     deepseek_v31  <|tool_calls_begin|><|tool_call_begin|>NAME<|tool_sep|>{...}<|tool_call_end|><|tool_calls_end|>
@@ -207,6 +208,26 @@ GLM45 = ToolFormat(
         for c in calls
     ),
     lambda t: "<arg_key>" in t,
+)
+
+GLM47 = ToolFormat(
+    "glm47",
+    _delimited(Markup("<tool_call>", "</tool_call>", b.glm_body, b.glm_name)),
+    lambda r, t: _param_alts(
+        r,
+        t,
+        lambda n: f"<tool_call>{n}",
+        _tags("<arg_key>{k}</arg_key><arg_value>", "</arg_value>"),
+        "</arg_value>",
+        "</tool_call>",
+    ),
+    lambda calls: "".join(
+        f"<tool_call>{c.name}"
+        + "".join(f"<arg_key>{k}</arg_key><arg_value>{_text(v)}</arg_value>" for k, v in _args(c).items())
+        + "</tool_call>"
+        for c in calls
+    ),
+    lambda t: "</arg_key><arg_value>" in t,  # GLM 4.7: no newlines between the tags
 )
 
 MINIMAX_M2 = ToolFormat(
@@ -517,6 +538,7 @@ FORMATS: dict[str, ToolFormat] = {
         LFM2,
         MINIMAX_M2,
         SEED_OSS,
+        GLM47,
         GLM45,
         QWEN3_CODER,
         NEMOTRON,
