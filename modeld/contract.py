@@ -129,8 +129,31 @@ backend honours."""
 TOOL_CHOICES: tuple[str, ...] = ("auto", "none", "required")
 """``DecodeConfig.tool_choice``: these, or the name of one tool (forced)."""
 
-TOOL_FORMATS: tuple[str, ...] = ("", "hermes", "llama3", "mistral", "none")
-"""How tool calls look in a model's output. ``""``: recognised from the chat template."""
+TOOL_FORMATS: tuple[str, ...] = (
+    "",
+    "hermes",
+    "qwen3_coder",
+    "harmony",
+    "llama3",
+    "mistral",
+    "mistral_args",
+    "mistral_ids",
+    "glm45",
+    "glm47",
+    "kimi_k2",
+    "deepseek_v31",
+    "deepseek_r1",
+    "minimax_m2",
+    "seed_oss",
+    "nemotron",
+    "gemma4",
+    "lfm2",
+    "granite",
+    "command_r",
+    "none",
+)
+"""How tool calls look in a model's output (one per family: ``modeld.decoding.formats``).
+``""``: recognised from the chat template."""
 
 KV_CACHE_TYPES: tuple[str, ...] = ("f16", "f32", "bf16", "q8_0", "q4_0")
 PROMPT_FORMATS: tuple[str, ...] = ("raw", "chat")

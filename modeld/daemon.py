@@ -42,7 +42,15 @@ from modeld.server.gateway import Gateway, ServedEngine
 from modeld.server.grpc.servicer import SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.settings import HttpSettings, Limits, Residency, RestartPolicy, Serving, Timeouts
+from modeld.settings import (
+    HttpSettings,
+    Limits,
+    Residency,
+    RestartPolicy,
+    Serving,
+    Timeouts,
+    parse_tool_formats,
+)
 
 if TYPE_CHECKING:
     from modeld.server.http.models import ModelRegistry
@@ -318,9 +326,15 @@ class ServeOptions:
 def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | None:
     """Check the HTTP options and build the model registry, before taking the lease."""
     http, backend = options.http, options.serving.backend
+    try:
+        parse_tool_formats(http.tool_formats)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     if not http.http:
-        if http.models or http.models_dir:
-            raise ServeError("--model and --models-dir name the models --http serves; add --http HOST:PORT")
+        if http.models or http.models_dir or http.tool_formats:
+            raise ServeError(
+                "--model, --models-dir and --tool-format name the models --http serves; add --http HOST:PORT"
+            )
         return None
     address = parse_listen(http.http, allow_remote=options.serving.allow_remote, option="--http")
     if address.unix_path is not None:

@@ -70,6 +70,9 @@ __all__ = ["EngineDecodeStream", "EngineSession", "SessionService"]
 
 log = logging.getLogger("modeld.engine")
 
+_PROMPT_TAIL = 16
+"""Tokens of the prompt's end read for whether it opened a thinking block (the generation prompt)."""
+
 
 class SessionService(Protocol):
     """What a session needs from the service that opened it."""
@@ -243,10 +246,13 @@ class EngineSession(Closing):
                 raise PrefixRequiredError("decode needs a resident context: call ensure_prefix first")
             chat_template = self._info.chat_template if self._chat is not None else ""
             limits = self._service.limits
+            tail = b"".join(model.vocab.piece(t) for t in self._tokens[-_PROMPT_TAIL:])
             plan = plan_decode(
                 config,
                 prefix_tools_json=self._tools_json,
                 chat_template=chat_template,
+                model_format=self._info.tool_format if self._chat is not None else "",
+                prompt_tail=tail.decode("utf-8", errors="replace") if chat_template else "",
                 max_tools=limits.max_tools,
                 max_constraint_bytes=limits.max_constraint_bytes,
             )

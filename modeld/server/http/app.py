@@ -38,7 +38,7 @@ from modeld.server.http.drain import Drain
 from modeld.server.http.errors import ErrorStyle, HttpError, from_modeld, incident_id
 from modeld.server.http.models import ModelRegistry
 from modeld.server.http.runner import Runner, error_response
-from modeld.settings import HttpSettings, Limits, Serving
+from modeld.settings import HttpSettings, Limits, Serving, parse_tool_formats
 
 __all__ = ["HttpService", "error_response", "guarded"]
 
@@ -79,6 +79,7 @@ class HttpService:
             self.bridge,
             max_conversations=settings.max_conversations,
             idle_seconds=settings.conversation_idle_seconds,
+            tool_formats=parse_tool_formats(settings.tool_formats),
         )
         self.runner = Runner(
             gateway, self.bridge, self.catalog, self.conversations, self.drain, settings.max_output_tokens

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from modeld.contract import (
@@ -54,7 +54,9 @@ from modeld.contract import (
     ToolCallDelta,
     Usage,
 )
-from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning
+from modeld.decoding.harmony import HarmonySplitter
+from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning, make_splitter
+from modeld.decoding.tools import CallKey, call_key
 from modeld.errors import (
     LimitExceededError,
     ModeldError,
@@ -172,14 +174,16 @@ class Conversations:
         *,
         max_conversations: int,
         idle_seconds: float,
+        tool_formats: Mapping[str, str] | None = None,
     ) -> None:
         self._gateway = gateway
         self._bridge = bridge
+        self.tool_formats = dict(tool_formats or {})  # model name -> its format (--tool-format)
         self.max_conversations = max_conversations
         self.idle_seconds = idle_seconds
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
-        self._calls: OrderedDict[tuple[str, ...], str] = OrderedDict()
+        self._calls: OrderedDict[CallKey, str] = OrderedDict()
 
     def __len__(self) -> int:
         with self._lock:
@@ -251,20 +255,21 @@ class Conversations:
             entry.busy = False
             entry.last_used = time.monotonic()
 
-    def remember_calls(self, ids: tuple[str, ...], text: str) -> None:
-        """The calls ``ids`` of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
-        if not ids or not text:
+    def remember_calls(self, calls: Sequence[ToolCall], text: str) -> None:
+        """The calls of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
+        if not calls or not text:
             return
+        key = call_key(calls)  # ids, names and arguments: some families repeat their ids
         with self._lock:
-            self._calls[ids] = text
-            self._calls.move_to_end(ids)
+            self._calls[key] = text
+            self._calls.move_to_end(key)
             while len(self._calls) > REMEMBERED_CALLS:
                 self._calls.popitem(last=False)
 
-    def recall_calls(self, ids: tuple[str, ...]) -> str | None:
-        """The generated text of the calls ``ids`` (in order, as returned), if remembered."""
+    def recall_calls(self, calls: Sequence[ToolCall]) -> str | None:
+        """The generated text of ``calls`` (in order, as returned), if remembered."""
         with self._lock:
-            return self._calls.get(ids)
+            return self._calls.get(call_key(calls))
 
     def sweep(self) -> int:
         """Close conversations idle for longer than ``idle_seconds`` (0: never); returns how many."""
@@ -315,7 +320,9 @@ class Conversations:
         """The turn as the contract's prefix and suffix for this model (its tool-call format)."""
         if not turn.chat:
             return PrefixInput(text=turn.prompt or ""), None
-        fmt = info.tool_format or "hermes"  # calls in the history, in the model's format
+        fmt = (
+            self._format(turn) or info.tool_format or "hermes"
+        )  # calls in the history, in the model's format
         return chat_inputs(
             turn.messages,
             split_point(turn.messages),
@@ -324,6 +331,11 @@ class Conversations:
             self.recall_calls,
             f"http.{turn.api}",
         )
+
+    def _format(self, turn: Turn) -> str:
+        """The turn's tool-call format: its own, else the model's ``--tool-format`` ("": the
+        one the engine recognises from the template)."""
+        return turn.decode.tool_format or self.tool_formats.get(turn.model, "")
 
     async def _run(self, turn: Turn, session: BridgedSession) -> AsyncIterator[Event]:
         info = session.info
@@ -354,7 +366,12 @@ class Conversations:
             yield started
             yield Finished("length", usage)
             return
-        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context, n=turn.n)
+        config = replace(
+            turn.decode,
+            max_tokens=turn.max_tokens or info.effective_context,
+            n=turn.n,
+            tool_format=self._format(turn),
+        )
         try:
             stream = await session.decode(config)
         except UnsupportedError as exc:
@@ -368,7 +385,7 @@ class Conversations:
             yield started
             fmt_reasoning = detect_reasoning(info.chat_template) if turn.chat else None
             splitters = [
-                ReasoningSplitter(fmt_reasoning) if fmt_reasoning is not None else None
+                make_splitter(fmt_reasoning) if fmt_reasoning is not None else None
                 for _ in range(started.choices)
             ]
             reasoning_tokens = [0] * started.choices
@@ -421,7 +438,7 @@ class Conversations:
         if not turn.parallel_tool_calls:
             calls = calls[:1]
         if chunk.tool_calls:
-            self.remember_calls(tuple(c.id for c in chunk.tool_calls), chunk.tool_text)
+            self.remember_calls(chunk.tool_calls, chunk.tool_text)
         return Finished(
             chunk.finish_reason or "stop",
             usage,
@@ -432,7 +449,7 @@ class Conversations:
         )
 
 
-def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delta, int]:
+def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | HarmonySplitter | None) -> tuple[Delta, int]:
     """A chunk as a Delta (answer and reasoning split), and how many of its tokens were reasoning
     (a chunk that carries the end of the thinking splits its tokens by characters)."""
     if splitter is None or not chunk.text:

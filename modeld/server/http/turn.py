@@ -143,8 +143,8 @@ def split_point(messages: Sequence[Message]) -> int:
     return max(k, 1)
 
 
-Recall = Callable[[tuple[str, ...]], str | None]
-"""The exact generated text of calls this daemon returned, by their ids (None: not known)."""
+Recall = Callable[[Sequence[ToolCall]], str | None]
+"""The exact generated text of calls this daemon returned (None: not known)."""
 
 
 def chat_inputs(
@@ -165,7 +165,7 @@ def chat_inputs(
     for i, m in enumerate(messages):
         text = m.content
         if m.calls:
-            known = recall(tuple(c.id for c in m.calls)) if recall is not None else None
+            known = recall(m.calls) if recall is not None else None
             text += known if known is not None else (("\n" if text else "") + format_calls(fmt, m.calls))
         data = text.encode("utf-8")
         stable = i < k
