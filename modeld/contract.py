@@ -301,12 +301,16 @@ class ModelInfo:
 
 @dataclass(frozen=True, slots=True)
 class PrefixInput:
-    """The stable prefix. ``manifest`` is optional: without one the daemon builds a minimal one."""
+    """The stable prefix. ``manifest`` is optional: without one the daemon builds a minimal one.
+    ``tools_json`` (a JSON array of tool definitions) and ``template_args_json`` (a JSON object:
+    ``enable_thinking``, ``reasoning_effort``, a request's ``chat_template_kwargs``) are passed
+    to the model's chat template (prompt_format ``chat``; blueprint 0010)."""
 
     text: str
     manifest: ContextManifest | None = None
     tools_json: str = ""
     no_wait: bool | None = None  # None: the session's choice (OpenSessionRequest.no_wait)
+    template_args_json: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -280,7 +280,7 @@ class Engine:
                     suffix,
                     current=prep.manifest,
                     chat=prep.chat,
-                    n_prefix=count,
+                    prefix_tokens=prep.tokens,
                     identity=identity,
                     limits=self.limits,
                     window=unbounded,
@@ -288,7 +288,7 @@ class Engine:
                     renderer=model.chat_renderer,
                     tokenize=model.tokenize,
                 )
-                count += len(tail.tokens)
+                count = tail.keep + len(tail.tokens)
             return count
 
     def _unified(self, kind: str) -> bool:

@@ -324,6 +324,7 @@ class LoadedModel:
         else:
             from modeld.cache.reuse import common_prefix_len
             from modeld.engine.chat import Message
+            from modeld.engine.chat_env import TemplateRefusedError
 
             renderer, bos = self.chat_renderer(), self.info.bos_token
             found = []
@@ -331,9 +332,13 @@ class LoadedModel:
                 ab = []
                 for text in ("A", "Z"):
                     first = Message("system" if opening else "user", text, ())
-                    rendered = renderer.render([first, *opening], None, add_generation_prompt=False).text
+                    try:  # a template that refuses this opening has no head for it
+                        rendered = renderer.render([first, *opening], None, add_generation_prompt=True)
+                    except TemplateRefusedError:
+                        break
                     ab.append(self.tokenize(rendered, add_bos and not (bos and rendered.startswith(bos))))
-                found.append(tuple(ab[0][: common_prefix_len(ab[0], ab[1])]))
+                if len(ab) == 2:
+                    found.append(tuple(ab[0][: common_prefix_len(ab[0], ab[1])]))
             heads = tuple(found)
         self._heads[key] = heads
         return heads

@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from modeld.backends.base import Vocab
+from modeld.cache.reuse import common_prefix_len
 from modeld.contract import Config, ModelInfo, PrefixInput, SuffixInput
-from modeld.engine.chat import ChatRenderer, Message, messages_for, parse_tools
+from modeld.engine.chat import ChatRenderer, Message, locate, messages_for, parse_template_args, parse_tools
 from modeld.engine.validate import encode_text, validate_manifest_size
 from modeld.errors import ContextOverflowError, InvalidArgumentError, ManifestMismatchError
 from modeld.manifest import (
@@ -42,6 +43,7 @@ __all__ = [
     "identity_of",
     "prepare_prefix",
     "prepare_suffix",
+    "template_note",
 ]
 
 Tokenize = Callable[[str, bool], list[int]]
@@ -80,10 +82,15 @@ def byte_ends(vocab: Vocab, tokens: Sequence[int], *, added_bos: bool) -> list[i
 
 @dataclass(frozen=True)
 class ChatState:
-    """What a chat-format prefix was rendered from (the suffix continues the conversation)."""
+    """What a chat-format prefix was rendered from (the suffix continues the conversation):
+    its messages, tools and template arguments, the prefix's bytes (to locate its segments in
+    the whole rendering) and whether tokenizing added a BOS."""
 
     messages: list[Message]
     tools: list[Any] | None
+    args: dict[str, Any]
+    data: bytes
+    added_bos: bool
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,13 @@ class PreparedPrefix:
 
 @dataclass(frozen=True)
 class PreparedSuffix:
+    """``tokens`` follow the first ``keep`` tokens of the resident prefix (all of it, unless the
+    chat template renders the prefix otherwise once the suffix follows it: then the prefix is
+    cut back to ``keep``)."""
+
     tokens: list[int]
     manifest: ContextManifest
+    keep: int
 
 
 def _complete(manifest: ContextManifest, identity: ContextManifest) -> ContextManifest:
@@ -176,13 +188,15 @@ def prepare_prefix(
     if not isinstance(prefix, PrefixInput):
         raise InvalidArgumentError("expected a PrefixInput", field="prefix")
     tools = encode_text(prefix.tools_json, "tools_json", limits)
-    data = encode_text(prefix.text, "text", limits, extra_bytes=len(tools))
-    if tools and config.prompt_format == "raw":
-        raise InvalidArgumentError(
-            "tools_json needs prompt_format 'chat' (the model's template renders it); "
-            "with prompt_format 'raw' put tool definitions in the text",
-            field="tools_json",
-        )
+    args_bytes = encode_text(prefix.template_args_json, "template_args_json", limits, extra_bytes=len(tools))
+    data = encode_text(prefix.text, "text", limits, extra_bytes=len(tools) + len(args_bytes))
+    for name, given in (("tools_json", tools), ("template_args_json", args_bytes)):
+        if given and config.prompt_format == "raw":
+            raise InvalidArgumentError(
+                f"{name} needs prompt_format 'chat' (the model's template renders it); "
+                "with prompt_format 'raw' render the prompt yourself",
+                field=name,
+            )
     validate_manifest_size(prefix.manifest, limits)
     manifest = _complete(
         prefix.manifest or ContextManifest(stable_bytes=len(data), total_bytes=len(data)), identity
@@ -195,18 +209,19 @@ def prepare_prefix(
         segments=tuple(_fill_segments(manifest.segments, data, 0, stable=True)),
     )
     chat: ChatState | None = None
+    bos = info.bos_token
     if config.prompt_format == "chat":
         tool_list = parse_tools(prefix.tools_json)
+        args = parse_template_args(prefix.template_args_json)
         messages = messages_for(manifest.segments, data, 0, stable=True, default_role="system")
-        rendered = renderer().render_prefix(messages, manifest.segments, data, 0, tool_list)
-        text, spans = rendered.text, rendered.spans
-        chat = ChatState(messages, tool_list)
+        following = next((s.chat_role for s in manifest.segments if not s.stable), "user")
+        text = renderer().render_prefix(messages, following, tool_list, args)
+        spans = locate(text, manifest.segments, messages, data, 0)
+        added_bos = bool(identity.add_bos) and not (bos and text.startswith(bos))
+        chat = ChatState(messages, tool_list, args, data, added_bos)
     else:
         text, spans = prefix.text, _identity_spans(manifest.segments, 0, stable=True)
-    bos = info.bos_token
-    added_bos = bool(identity.add_bos) and not (
-        config.prompt_format == "chat" and bos and text.startswith(bos)
-    )
+        added_bos = bool(identity.add_bos)
     tokens = tokenize(text, added_bos)
     if len(tokens) > window:
         raise ContextOverflowError(stage="prefix", resident=0, additional=len(tokens), window=window)
@@ -282,7 +297,7 @@ def prepare_suffix(
     *,
     current: ContextManifest,
     chat: ChatState | None,
-    n_prefix: int,
+    prefix_tokens: Sequence[int],
     identity: ContextManifest,
     limits: Limits,
     window: int,
@@ -290,28 +305,75 @@ def prepare_suffix(
     renderer: Callable[[], ChatRenderer],
     tokenize: Tokenize,
 ) -> PreparedSuffix:
-    """Validate, render and tokenize a suffix for the resident prefix ``current``."""
+    """Validate, render and tokenize a suffix for the resident prefix ``current``.
+
+    Chat format: the whole conversation is rendered and tokenized whole; the suffix is what
+    follows its longest common token prefix with ``prefix_tokens`` (``keep``)."""
     if not isinstance(suffix, SuffixInput):
         raise InvalidArgumentError("expected a SuffixInput", field="suffix")
     data = encode_text(suffix.text, "text", limits)
     validate_manifest_size(suffix.manifest, limits)
     manifest = suffix_manifest(suffix.manifest, data, current, identity)
     base = manifest.stable_bytes
-    if chat is not None:
-        messages = messages_for(manifest.segments, data, base, stable=False, default_role="user")
-        rendered = renderer().render_suffix(
-            chat.messages, messages, manifest.segments, data, base, chat.tools
-        )
-        text, spans = rendered.text, rendered.spans
-    else:
-        text, spans = suffix.text, _identity_spans(manifest.segments, base, stable=False)
-    tokens = tokenize(text, False)
-    if n_prefix + len(tokens) > window:
-        raise ContextOverflowError(stage="suffix", resident=n_prefix, additional=len(tokens), window=window)
+    n_prefix = len(prefix_tokens)
+    if chat is None:
+        tokens = tokenize(suffix.text, False)
+        if n_prefix + len(tokens) > window:
+            raise ContextOverflowError(
+                stage="suffix", resident=n_prefix, additional=len(tokens), window=window
+            )
+        spans = _identity_spans(manifest.segments, base, stable=False)
+        if spans:
+            manifest = _with_token_ranges(
+                manifest, byte_ends(vocab, tokens, added_bos=False), spans, n_prefix
+            )
+        return PreparedSuffix(tokens, replace(manifest, volatile_token_hash=token_hash(tokens)), n_prefix)
+    messages = messages_for(manifest.segments, data, base, stable=False, default_role="user")
+    conversation = [*chat.messages, *messages]
+    whole = renderer().render(conversation, chat.tools, add_generation_prompt=True, args=chat.args)
+    everything = tokenize(whole, chat.added_bos)
+    keep = common_prefix_len(everything, list(prefix_tokens))
+    tokens = everything[keep:]
+    if len(everything) > window:
+        raise ContextOverflowError(stage="suffix", resident=keep, additional=len(tokens), window=window)
+    spans = locate(whole, manifest.segments, conversation, chat.data + data, 0)
     if spans:
-        manifest = _with_token_ranges(manifest, byte_ends(vocab, tokens, added_bos=False), spans, n_prefix)
-    manifest = replace(manifest, volatile_token_hash=token_hash(tokens))
-    return PreparedSuffix(tokens=tokens, manifest=manifest)
+        manifest = _with_token_ranges(
+            manifest, byte_ends(vocab, everything, added_bos=chat.added_bos), spans, 0
+        )
+    if keep < n_prefix:
+        manifest = replace(manifest, stable_token_hash=token_hash(everything[:keep]))
+    return PreparedSuffix(tokens, replace(manifest, volatile_token_hash=token_hash(tokens)), keep)
+
+
+def template_note(previous: ContextManifest | None, current: ContextManifest, token: int) -> str:
+    """Why a chat prefix diverged at ``token`` when the client did not change its text: the
+    message holding it (the first whose token range ends past it) is the same as last turn's,
+    or is last turn's reply sent back, and every message before it is unchanged: the template
+    renders it otherwise now ("" when a message before it changed: the client's doing)."""
+    if previous is None:
+        return ""
+    index = next(
+        (i for i, s in enumerate(current.segments) if s.token_end is not None and s.token_end > token), None
+    )
+    if index is None:
+        return ""
+    before = previous.segments
+    for i in range(min(index, len(before))):
+        if before[i].hash != current.segments[i].hash:
+            return ""
+    role = current.segments[index].chat_role
+    if index < len(before) and before[index].hash == current.segments[index].hash:
+        return (
+            f"message {index} ({role}) is the same as last turn's: the chat template renders it otherwise "
+            "once later messages follow it (the template did it, not the client)"
+        )
+    if index >= len(before):
+        return (
+            f"message {index} ({role}) is last turn's reply sent back: the chat template renders it otherwise "
+            "than the model generated it (e.g. without its reasoning; the template did it, not the client)"
+        )
+    return ""
 
 
 @dataclass(frozen=True)
@@ -341,13 +403,18 @@ class Preparer:
         )
 
     def suffix(
-        self, suffix: SuffixInput, *, current: ContextManifest, chat: ChatState | None, n_prefix: int
+        self,
+        suffix: SuffixInput,
+        *,
+        current: ContextManifest,
+        chat: ChatState | None,
+        prefix_tokens: Sequence[int],
     ) -> PreparedSuffix:
         return prepare_suffix(
             suffix,
             current=current,
             chat=chat,
-            n_prefix=n_prefix,
+            prefix_tokens=prefix_tokens,
             identity=self.identity,
             limits=self.limits,
             window=self.window,

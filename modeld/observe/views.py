@@ -465,7 +465,7 @@ def format_report(r: ContextReport) -> str:
                 tokens = f"{s.token_start}-{s.token_end}" if s.token_start is not None else "?"
                 rows.append(
                     (
-                        f"  {s.kind}",
+                        f"  {s.kind} {s.role}" if s.kind == "message" else f"  {s.kind}",
                         tokens,
                         f"{s.byte_start}-{s.byte_end}",
                         "yes" if s.stable else "no",

@@ -294,16 +294,18 @@ class ContextManifest(_message.Message):
     def __init__(self, profile_id: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., prompt_format: _Optional[str] = ..., prompt_template_digest: _Optional[str] = ..., runtime_digest: _Optional[str] = ..., add_bos: _Optional[bool] = ..., stable_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class PrefixInput(_message.Message):
-    __slots__ = ("text", "manifest", "tools_json", "no_wait")
+    __slots__ = ("text", "manifest", "tools_json", "no_wait", "template_args_json")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     text: str
     manifest: ContextManifest
     tools_json: str
     no_wait: bool
-    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+    template_args_json: str
+    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ..., no_wait: _Optional[bool] = ..., template_args_json: _Optional[str] = ...) -> None: ...
 
 class ReuseDecision(_message.Message):
     __slots__ = ("outcome", "reason", "message", "field", "diverged_at_token", "diverged_segment", "diverged_at_byte", "tier", "context")

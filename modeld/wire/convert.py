@@ -278,7 +278,9 @@ def manifest_from_pb(msg: pb.ContextManifest) -> ContextManifest:
 
 @_guard("prefix")
 def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
-    msg = pb.PrefixInput(text=prefix.text, tools_json=prefix.tools_json)
+    msg = pb.PrefixInput(
+        text=prefix.text, tools_json=prefix.tools_json, template_args_json=prefix.template_args_json
+    )
     if prefix.no_wait is not None:
         msg.no_wait = prefix.no_wait
     if prefix.manifest is not None:
@@ -290,7 +292,13 @@ def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
 def prefix_input_from_pb(msg: pb.PrefixInput) -> PrefixInput:
     manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
     no_wait = msg.no_wait if msg.HasField("no_wait") else None
-    return PrefixInput(text=msg.text, manifest=manifest, tools_json=msg.tools_json, no_wait=no_wait)
+    return PrefixInput(
+        text=msg.text,
+        manifest=manifest,
+        tools_json=msg.tools_json,
+        no_wait=no_wait,
+        template_args_json=msg.template_args_json,
+    )
 
 
 @_guard("suffix")
