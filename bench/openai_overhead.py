@@ -27,7 +27,7 @@ import openai
 import runtime_client as rc
 from bench.daemon import serve
 from modeld.server.http.openai_chat import parse_chat
-from modeld.server.http.turn import chat_inputs, split_point, template_args
+from modeld.server.http.turn import chat_inputs, split_point, template_args_json
 from modeld.settings import Limits
 
 __all__ = ["run_openai_overhead"]
@@ -66,7 +66,7 @@ def _grpc_loop(client: rc.Client, turns: list[list[dict[str, str]]]) -> tuple[li
                 split_point(turn.messages),
                 turn.tools_json,
                 "http.openai.chat",
-                template_args(turn),
+                template_args_json(turn),
             )
             t0 = time.perf_counter()
             session.ensure_prefix(prefix)

@@ -59,6 +59,7 @@ from modeld.server.http.fields import (
     stop_list,
 )
 from modeld.server.http.openai_chat import response_format
+from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 from modeld.settings import Limits
 
@@ -165,7 +166,7 @@ def _tool_result(block: Mapping[str, Any], at: str) -> Message:
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise bad(f"{at}.is_error", f"{at}.is_error must be a boolean")
-    return Message("tool", f"Error: {text}" if is_error else text)
+    return Message("tool", f"Error: {text}" if is_error else text, tool_call_id=call_id)
 
 
 def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
@@ -325,6 +326,15 @@ def _thinking(body: Mapping[str, Any]) -> str:
     return "omit" if display == "omitted" else "show"
 
 
+def _thinking_args(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``thinking.type`` as the template's ``enable_thinking`` (checked by :func:`_thinking`):
+    disabled turns it off, enabled and adaptive on; absent leaves the template's default."""
+    thinking = obj(body, "thinking")
+    if thinking is None:
+        return ()
+    return template_args(enable_thinking=thinking.get("type") != "disabled")
+
+
 MAX_USER_ID_CHARS = 4096
 
 
@@ -398,6 +408,7 @@ def parse_messages(
         max_tokens=max_tokens,
         parallel_tool_calls=parallel,
         omitted_tools=hosted,
+        template_args=_thinking_args(body),
     )
     return turn, _thinking(body)
 

@@ -68,7 +68,7 @@ from modeld.errors import (
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
-from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args
+from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args_json
 
 __all__ = [
     "REMEMBERED_CALLS",
@@ -329,7 +329,7 @@ class Conversations:
             split_point(turn.messages),
             turn.tools_json,
             f"http.{turn.api}",
-            template_args(turn),
+            template_args_json(turn),
             self.recall,
         )
 

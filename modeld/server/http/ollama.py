@@ -54,6 +54,7 @@ from modeld.server.http.fields import (
 )
 from modeld.server.http.models import ModelEntry
 from modeld.server.http.openai_chat import response_format
+from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, key_value
 from modeld.settings import Limits
 
@@ -204,7 +205,9 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
             raise bad(where, f"{where} must be an object")
         refuse_unknown(
             message,
-            frozenset({"role", "content", "images", "tool_calls", "thinking", "tool_name", "name"}),
+            frozenset(
+                {"role", "content", "images", "tool_calls", "thinking", "tool_name", "name", "tool_call_id"}
+            ),
             where,
         )
         role = message.get("role")
@@ -236,7 +239,20 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
                 )
             call_id = call.get("id") if isinstance(call.get("id"), str) else ""
             calls.append(ToolCall(call_id[:256], name, json.dumps(arguments, ensure_ascii=False)))
-        out.append(Message(role, content, tuple(calls), thinking))
+        ids = {k: message.get(k) for k in ("tool_call_id", "tool_name", "name")}
+        for key, value in ids.items():
+            if value is not None and (not isinstance(value, str) or len(value) > 256):
+                raise bad(f"{where}.{key}", f"{where}.{key} must be a string of at most 256 characters")
+        out.append(
+            Message(
+                role,
+                content,
+                tuple(calls),
+                thinking,
+                tool_call_id=(ids["tool_call_id"] or "") if role == "tool" else "",
+                name=ids["tool_name"] or ids["name"] or "",
+            )
+        )
     return out
 
 
@@ -248,6 +264,17 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> str:
         raise bad("tools", "tools must be an array of tool objects")
     limits.check("max_tools", len(tools), "tools")
     return json.dumps(tools, ensure_ascii=False)
+
+
+def _think_args(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``think`` as the template's: a boolean is ``enable_thinking``, a level (gpt-oss) is
+    ``reasoning_effort``; absent leaves the template's default (checked by :func:`_think`)."""
+    think = body.get("think")
+    if isinstance(think, bool):
+        return template_args(enable_thinking=think)
+    if think in ("low", "medium", "high"):
+        return template_args(reasoning_effort=think, effort_field="think")
+    return ()
 
 
 def _think(body: Mapping[str, Any]) -> bool:
@@ -282,6 +309,7 @@ def parse_chat(
         tools_json=tools_json,
         max_tokens=predict,
         num_ctx=num_ctx,
+        template_args=_think_args(body),
     )
     return turn, _think(body), keep_alive(body.get("keep_alive"))
 

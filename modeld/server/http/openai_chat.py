@@ -38,6 +38,7 @@ from modeld.server.http.fields import (
     number,
     stop_list,
 )
+from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, key_value
 from modeld.settings import Limits
 
@@ -96,6 +97,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 _CHAT_MAPPED = {
     "model",
+    "chat_template_kwargs",
     "messages",
     "stream",
     "stream_options",
@@ -385,8 +387,31 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
         reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
         if not isinstance(reasoning, str):
             raise bad(f"{where}.reasoning_content", f"{where}.reasoning_content must be a string")
-        out.append(Message(role, _content(message, where), calls, reasoning))
+        text = _content(message, where)  # checks the parts: text parts only
+        content = message.get("content")
+        parts = tuple(p["text"] for p in content) if isinstance(content, list) else ()
+        out.append(
+            Message(
+                role,
+                text,
+                calls,
+                reasoning,
+                tool_call_id=_short(message, "tool_call_id", where) if role == "tool" else "",
+                name=_short(message, "name", where),
+                parts=parts,
+            )
+        )
     return out
+
+
+def _short(message: Mapping[str, Any], key: str, where: str) -> str:
+    """A message's id or name field: a string of at most 256 characters ("" when absent)."""
+    value = message.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > 256:
+        raise bad(f"{where}.{key}", f"{where}.{key} must be a string of at most 256 characters")
+    return value
 
 
 def message_calls(value: Any, where: str, role: str) -> tuple[ToolCall, ...]:
@@ -519,6 +544,10 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
         max_tokens=max_tokens,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         n=_choices(body, stream, limits),
+        template_args=template_args(
+            body.get("chat_template_kwargs"),
+            reasoning_effort=body.get("reasoning_effort"),
+        ),
     )
     return turn, include_usage
 

@@ -66,6 +66,7 @@ from modeld.server.http.responses_answers import (
     stream_response,
 )
 from modeld.server.http.responses_store import ResponseStore, Stored
+from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 from modeld.settings import Limits
 
@@ -184,7 +185,8 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
                     f"{at}.call_id", f"{at}.call_id must be a non-empty string of at most 256 characters"
                 )
             output = item.get("output")
-            out.append(Message("tool", output if isinstance(output, str) else _parts(output, f"{at}.output")))
+            text = output if isinstance(output, str) else _parts(output, f"{at}.output")
+            out.append(Message("tool", text, tool_call_id=call_id))
         elif kind == "reasoning":
             thought = _parts(item.get("content") or item.get("summary") or [], f"{at}.content")
             if out and out[-1].role == "assistant" and not out[-1].content:
@@ -316,8 +318,22 @@ def parse_response_request(
         max_tokens=integer(body, "max_output_tokens", 1, 1 << 30),
         parallel_tool_calls=parallel is not False,
         omitted_tools=hosted,
+        template_args=_reasoning(body),
     )
     return turn, store is not False, tuple(new)
+
+
+def _reasoning(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``reasoning.effort`` as the template's (``none``: thinking off); its summary settings are
+    the hosted service's (no effect here)."""
+    reasoning = obj(body, "reasoning")
+    if reasoning is None:
+        return ()
+    refuse_unknown(reasoning, frozenset({"effort", "summary", "generate_summary"}), "reasoning")
+    effort = reasoning.get("effort")
+    return (
+        template_args(reasoning_effort=effort, effort_field="reasoning.effort") if effort is not None else ()
+    )
 
 
 def routes(service: HttpService) -> list[Route]:

@@ -41,7 +41,7 @@ from modeld.errors import echo
 from modeld.manifest import ContextManifest, Segment
 from modeld.server.http.errors import bad
 
-__all__ = ["Keys", "Message", "Recall", "Turn", "chat_inputs", "split_point", "template_args"]
+__all__ = ["Keys", "Message", "Recall", "Turn", "chat_inputs", "split_point", "template_args_json"]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -243,7 +243,7 @@ def chat_inputs(
     )
 
 
-def template_args(turn: Turn) -> str:
+def template_args_json(turn: Turn) -> str:
     """The turn's chat-template arguments as the JSON object the prefix carries ("" for none)."""
     return (
         json.dumps(dict(turn.template_args), ensure_ascii=False, sort_keys=True) if turn.template_args else ""
