@@ -121,6 +121,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         api_key=args.api_key or os.environ.get("MODELD_API_KEY", ""),
         models=tuple(args.model or ()),
         models_dir=Path(args.models_dir) if args.models_dir else None,
+        chat_templates=tuple(args.chat_template_file or ()),
         num_ctx=args.num_ctx or 0,
         allowed_origins=tuple(args.allow_origin or ()),
         max_output_tokens=args.max_output_tokens,
@@ -378,6 +379,13 @@ def _parser() -> argparse.ArgumentParser:
         help="a model the HTTP API serves under NAME (repeatable; default: the generated tiny model)",
     )
     s.add_argument("--models-dir", metavar="DIR", help="serve every model file in DIR under its file name")
+    s.add_argument(
+        "--chat-template-file",
+        action="append",
+        metavar="NAME=PATH",
+        help="render the model served as NAME with the Jinja chat template in PATH instead of its file's "
+        "(repeatable; llama-server's --chat-template-file, per model)",
+    )
     s.add_argument(
         "--num-ctx",
         type=int,

@@ -198,6 +198,9 @@ class OpenSessionRequest:
     no_wait: bool = False
     """When every slot of the model is busy, fail with ``no_slot_available`` at once instead of
     queueing (each operation may override it)."""
+    chat_template: str = ""
+    """A chat template to render with instead of the model file's (llama-server's
+    ``--chat-template-file``); its digest is the session's template digest. "": the file's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +300,8 @@ class ModelInfo:
     tool_format: str = ""  # how the chat template writes tool calls (TOOL_FORMATS); "" unknown
     architecture: str = ""  # the model's architecture (GGUF ``general.architecture``); "" unknown
     footprint: Footprint = field(default_factory=Footprint)  # what it takes in memory (describe)
+    template_source: str = ""  # where chat_template comes from: "model" (the file) or "override"
+    reasoning_format: str = ""  # how the chat template marks thinking; "" none recognised
 
 
 @dataclass(frozen=True, slots=True)

@@ -315,6 +315,7 @@ class ServeOptions:
     api_key: str = ""
     models: tuple[str, ...] = ()  # NAME=PATH
     models_dir: Path | None = None
+    chat_templates: tuple[str, ...] = ()  # --chat-template-file NAME=PATH
     num_ctx: int = 0  # context window of HTTP sessions (0: the model's own, as the memory budget allows)
     allowed_origins: tuple[str, ...] = ()  # web origins (besides loopback ones) the HTTP API serves
     max_output_tokens: int = 0  # the HTTP output limit of a request that sets none (0: the window)
@@ -331,8 +332,10 @@ class ServeOptions:
 def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, Any] | None:
     """Check the HTTP options and build the model registry, before taking the lease."""
     if not options.http:
-        if options.models or options.models_dir is not None:
-            raise ServeError("--model and --models-dir name the models --http serves; add --http HOST:PORT")
+        if options.models or options.models_dir is not None or options.chat_templates:
+            raise ServeError(
+                "--model, --models-dir and --chat-template-file name the models --http serves; add --http HOST:PORT"
+            )
         return None
     address = parse_listen(options.http, allow_remote=options.allow_remote, option="--http")
     if address.unix_path is not None:
@@ -353,7 +356,13 @@ def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, A
         raise ServeError(
             f"--http needs the http extra ({', '.join(missing)} missing): pip install 'modeld[http]'"
         )
-    from modeld.server.http.models import ModelRegistry, RegistryError, default_models, parse_model_option
+    from modeld.server.http.models import (
+        ModelRegistry,
+        RegistryError,
+        default_models,
+        parse_model_option,
+        parse_template_option,
+    )
 
     try:
         entries = {}
@@ -363,7 +372,13 @@ def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, A
                 raise RegistryError(f"--model {entry.name} is given twice")
             entries[entry.name] = entry
         fallback = default_models(options.backend) if not entries and options.models_dir is None else None
-        registry = ModelRegistry(options.backend, entries, options.models_dir, fallback)
+        templates: dict[str, tuple[str, str]] = {}
+        for spec in options.chat_templates:
+            name, path, text = parse_template_option(spec)
+            if name in templates:
+                raise RegistryError(f"--chat-template-file {name} is given twice")
+            templates[name] = (path, text)
+        registry = ModelRegistry(options.backend, entries, options.models_dir, fallback, templates)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None
     return address, registry

@@ -41,15 +41,20 @@ import contextlib
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from modeld.contract import ModelInfo
+from modeld.decoding.reasoning import detect_reasoning
+from modeld.decoding.tools import detect_format
 from modeld.engine.chat_env import TemplateRefusedError, compile_template, render_template
 from modeld.errors import InvalidArgumentError, UnsupportedError
-from modeld.manifest import ROLES, Segment
+from modeld.manifest import ROLES, Segment, bytes_hash
 
 __all__ = [
     "RESERVED_ARGS",
+    "reasoning_name",
+    "with_template",
     "ChatRenderer",
     "Message",
     "messages_for",
@@ -311,6 +316,36 @@ class ChatRenderer:
             return self.render(messages, tools, add_generation_prompt=False, args=args)
         except TemplateRefusedError:
             return ""
+
+
+def reasoning_name(template: str) -> str:
+    """A name for how ``template`` marks thinking (``decoding.reasoning``): ``think`` (the model
+    opens ``<think>``), ``think-open`` (the generation prompt opens it), or ""."""
+    found = detect_reasoning(template) if template else None
+    if found is None:
+        return ""
+    return "think-open" if found.starts_inside else "think"
+
+
+def with_template(info: ModelInfo, override: str) -> ModelInfo:
+    """``info`` for sessions rendering with ``override`` instead of the file's template (a
+    session's ``chat_template``; ``--chat-template-file``): its digest, source and formats.
+    An override that does not compile is refused here (``unsupported``), before any session."""
+    if not override:
+        return (
+            info
+            if info.template_source or not info.chat_template
+            else replace(info, template_source="model", reasoning_format=reasoning_name(info.chat_template))
+        )
+    compile_template(override)
+    return replace(
+        info,
+        chat_template=override,
+        template_digest=bytes_hash(override),
+        template_source="override",
+        tool_format=detect_format(override),
+        reasoning_format=reasoning_name(override),
+    )
 
 
 def _common_start(a: str, b: str) -> str:

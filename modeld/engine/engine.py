@@ -40,6 +40,7 @@ from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import Config, ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.decoding.speculation import SPECULATION_MODES
+from modeld.engine.chat import with_template
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import identity_of, prepare_prefix, prepare_suffix
@@ -175,7 +176,10 @@ class Engine:
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         request = validate_request(request, self.limits)
         kind = self._resolve_type(request)
-        return self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
+        return with_template(
+            self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget)),
+            request.chat_template,
+        )
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
         request = validate_request(request, self.limits)
@@ -184,7 +188,10 @@ class Engine:
         epoch = self.owner.check_open(request.fence)
         kind = self._resolve_type(request)
         self._check_session_room()
-        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
+        info = with_template(
+            self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget)),
+            request.chat_template,
+        )
         config = request.config
         if config.prompt_format not in info.capabilities.prompt_formats:
             raise UnsupportedError(
@@ -244,7 +251,10 @@ class Engine:
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
-        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
+        info = with_template(
+            self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget)),
+            request.chat_template,
+        )
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
@@ -271,7 +281,7 @@ class Engine:
                 limits=self.limits,
                 window=unbounded,
                 vocab=model.vocab,
-                renderer=model.chat_renderer,
+                renderer=lambda: model.chat_renderer(info.chat_template),
                 tokenize=model.tokenize,
             )
             count = len(prep.tokens)
@@ -285,7 +295,7 @@ class Engine:
                     limits=self.limits,
                     window=unbounded,
                     vocab=model.vocab,
-                    renderer=model.chat_renderer,
+                    renderer=lambda: model.chat_renderer(info.chat_template),
                     tokenize=model.tokenize,
                 )
                 count = tail.keep + len(tail.tokens)

@@ -132,7 +132,7 @@ class EngineSession(Closing):
             service.limits,
             model.window,
             model.vocab,
-            model.chat_renderer,
+            lambda: model.chat_renderer(info.chat_template),
             model.tokenize,
         )
         pinned, keep_alive = request.pin, request.keep_alive_seconds or None
@@ -521,7 +521,9 @@ class EngineSession(Closing):
     def _head(self, tokens: list[int]) -> int:
         """How many of a prefix's first tokens any prefix of this session's format starts with
         (the chat template's head, or BOS): sharing no more is a new conversation, cold."""
-        heads = self.model.prefix_heads(self._chat_format, bool(self._identity.add_bos))
+        heads = self.model.prefix_heads(
+            self._chat_format, bool(self._identity.add_bos), self._info.chat_template
+        )
         return max((common_prefix_len(tokens, list(h)) for h in heads), default=0)
 
     def _model_intact(self) -> ErrorDetail | None:

@@ -229,6 +229,7 @@ def open_request_to_pb(request: OpenSessionRequest) -> pb.OpenSessionRequest:
         pin=request.pin,
         keep_alive_seconds=request.keep_alive_seconds,
         no_wait=request.no_wait,
+        chat_template=request.chat_template,
     )
 
 
@@ -246,6 +247,7 @@ def open_request_from_pb(msg: pb.OpenSessionRequest) -> OpenSessionRequest:
         pin=msg.pin,
         keep_alive_seconds=msg.keep_alive_seconds,
         no_wait=msg.no_wait,
+        chat_template=msg.chat_template,
     )
 
 

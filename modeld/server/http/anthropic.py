@@ -49,6 +49,7 @@ from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
 from modeld.server.http.anthropic_answers import anthropic_error, message_complete, message_stream
 from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import (
     integer,
@@ -59,7 +60,6 @@ from modeld.server.http.fields import (
     stop_list,
 )
 from modeld.server.http.openai_chat import response_format
-from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 from modeld.settings import Limits
 

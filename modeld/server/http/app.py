@@ -127,7 +127,7 @@ class HttpService:
         )
         self._inflight = 0
         self._inflight_lock = threading.Lock()
-        self._infos: dict[tuple[str, float], ModelInfo] = {}
+        self._infos: dict[tuple[str, float, str], ModelInfo] = {}
         self.draining = False
         self._drained = threading.Event()
         self._running = 0
@@ -303,6 +303,7 @@ class HttpService:
                 flash_attn=self.settings.flash_attn,
             ),
             keep_alive_seconds=keep_alive or 0.0,
+            chat_template=entry.chat_template,
         )
 
     async def load(self, turn: Turn) -> None:
@@ -313,7 +314,7 @@ class HttpService:
 
     async def describe(self, entry: ModelEntry) -> ModelInfo | None:
         """What the model can do here (cached per file version); None if it cannot be read."""
-        key = (entry.path, float(entry.created))
+        key = (entry.path, float(entry.created), entry.chat_template)
         info = self._infos.get(key)
         if info is not None:
             return info
@@ -326,6 +327,7 @@ class HttpService:
                 kv_cache_type=self.settings.kv_cache_type,
                 flash_attn=self.settings.flash_attn,
             ),
+            chat_template=entry.chat_template,
         )
 
         def late() -> ModeldError:

@@ -42,6 +42,7 @@ from modeld.contract import DecodeConfig, ModelInfo, ToolCall
 from modeld.decoding.toolcalls import new_call_id
 from modeld.errors import echo
 from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.chat_template import template_args, template_meta
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
@@ -54,7 +55,6 @@ from modeld.server.http.fields import (
 )
 from modeld.server.http.models import ModelEntry
 from modeld.server.http.openai_chat import response_format
-from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, key_value
 from modeld.settings import Limits
 
@@ -514,7 +514,7 @@ def routes(service: HttpService) -> list[Route]:
         capabilities = ["completion"]
         if info.tool_format:
             capabilities.append("tools")
-        if "<think>" in info.chat_template:
+        if info.reasoning_format:
             capabilities.append("thinking")
         return JSONResponse(
             {
@@ -530,6 +530,8 @@ def routes(service: HttpService) -> list[Route]:
                     # What it takes in memory here (``modeld describe``): weights, KV per
                     # token, the layout's KV and compute, the total, the largest window.
                     **{f"modeld.{k}": v for k, v in asdict(info.footprint).items()},
+                    # Which chat template it renders with (GET /v1/models says the same).
+                    **{f"modeld.chat_template.{k}": v for k, v in template_meta(info).items()},
                 },
                 "capabilities": capabilities,
                 "modified_at": _modified(entry),

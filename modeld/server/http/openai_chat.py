@@ -27,6 +27,7 @@ from typing import Any
 from modeld.contract import Constraint, DecodeConfig, ToolCall
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
     MAX_TOOL_CALLS,
@@ -38,7 +39,6 @@ from modeld.server.http.fields import (
     number,
     stop_list,
 )
-from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, key_value
 from modeld.settings import Limits
 

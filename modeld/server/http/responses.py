@@ -47,6 +47,7 @@ from starlette.routing import Route
 from modeld.contract import DecodeConfig
 from modeld.errors import echo
 from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.conversations import Collected
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import (
@@ -66,7 +67,6 @@ from modeld.server.http.responses_answers import (
     stream_response,
 )
 from modeld.server.http.responses_store import ResponseStore, Stored
-from modeld.server.http.template_args import template_args
 from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
 from modeld.settings import Limits
 

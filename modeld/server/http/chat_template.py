@@ -1,5 +1,6 @@
-"""What a request asks of the model's chat template: thinking on or off, a reasoning effort, and
-any template variables (``chat_template_kwargs``), the same way for every API.
+"""The model's chat template as the HTTP APIs see it: what a request asks of it (thinking on or
+off, a reasoning effort, any template variables: :func:`template_args`), the same way for every
+API, and what every API says about it (:func:`template_meta`).
 
 Each API names these in its own words; all become ``Turn.template_args`` (the variables the
 template is rendered with, blueprint 0010):
@@ -29,6 +30,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from modeld.contract import ModelInfo
 from modeld.errors import echo
 from modeld.server.http.errors import bad
 
@@ -39,6 +41,7 @@ __all__ = [
     "MAX_TEMPLATE_ARGS_BYTES",
     "RESERVED",
     "template_args",
+    "template_meta",
 ]
 
 MAX_TEMPLATE_ARGS = 64
@@ -94,3 +97,15 @@ def template_args(
     if enable_thinking is not None:
         out["enable_thinking"] = enable_thinking
     return tuple(sorted(out.items()))
+
+
+def template_meta(info: ModelInfo) -> dict[str, str]:
+    """Which chat template a model renders with (``GET /v1/models``, ``/api/show``): ``source``
+    (``model``: its file's; ``override``: ``--chat-template-file`` or the session's), its
+    digest, and the tool-call and reasoning formats read from it ("" when none is recognised)."""
+    return {
+        "source": info.template_source,
+        "digest": info.template_digest,
+        "tool_format": info.tool_format,
+        "reasoning_format": info.reasoning_format,
+    }
