@@ -247,9 +247,11 @@ class ChatRenderer:
         text); else such content reaches it as one string."""
         messages: list[dict[str, Any]] = [{"role": "user", "content": [{"type": "text", "text": "pArT7"}]}]
         try:
-            return "pArT7" in self._render_values(messages, None, {}, add_generation_prompt=True)
+            text = self._render_values(messages, None, {}, add_generation_prompt=True)
         except TemplateRefusedError:
             return False
+        printed = ("'text': 'pArT7'", '"text": "pArT7"')  # the list itself, printed: not read
+        return "pArT7" in text and not any(p in text for p in printed)
 
     def _render_values(
         self,

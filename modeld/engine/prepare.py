@@ -346,11 +346,16 @@ def prepare_suffix(
     return PreparedSuffix(tokens, replace(manifest, volatile_token_hash=token_hash(tokens)), keep)
 
 
-def template_note(previous: ContextManifest | None, current: ContextManifest, token: int) -> str:
-    """Why a chat prefix diverged at ``token`` when the client did not change its text: the
-    message holding it (the first whose token range ends past it) is the same as last turn's,
-    or is last turn's reply sent back, and every message before it is unchanged: the template
-    renders it otherwise now ("" when a message before it changed: the client's doing)."""
+def template_note(
+    previous: ContextManifest | None, current: ContextManifest, token: int, generated: bytes, data: bytes
+) -> str:
+    """Why a chat prefix diverged at ``token``, when every message before the one holding it
+    (the first whose token range ends past it) is unchanged: that message is the same as last
+    turn's, so the template renders it otherwise once later messages follow; or it is last
+    turn's reply, whose text (``data``: the prefix's bytes) is in what the model ``generated``,
+    so the template renders the reply otherwise than the model wrote it; or it is a reply the
+    client changed. "" when a message before it changed (the client's doing, named by the
+    segment already)."""
     if previous is None:
         return ""
     index = next(
@@ -369,11 +374,25 @@ def template_note(previous: ContextManifest | None, current: ContextManifest, to
             "once later messages follow it (the template did it, not the client)"
         )
     if index >= len(before):
-        return (
-            f"message {index} ({role}) is last turn's reply sent back: the chat template renders it otherwise "
-            "than the model generated it (e.g. without its reasoning; the template did it, not the client)"
-        )
+        seg = current.segments[index]
+        text = _message_text(data[seg.byte_start : seg.byte_end]) if seg.stable else b""
+        if text and text.strip() in generated:
+            return (
+                f"message {index} ({role}) is last turn's reply sent back: the chat template renders it "
+                "otherwise than the model wrote it (e.g. without its reasoning; the template did it, not the client)"
+            )
+        return f"message {index} ({role}) is not the reply the model generated last turn (the client sent another)"
     return ""
+
+
+def _message_text(raw: bytes) -> bytes:
+    """A segment's text: a ``message`` segment's content (its JSON), else the bytes."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    content = value.get("content") if isinstance(value, dict) else None
+    return content.encode("utf-8") if isinstance(content, str) else b""
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,7 @@ class EngineSession(Closing):
             tokens = prep.tokens
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
             had = list(self._tokens)
-            previous = self._manifest
+            previous, prompt_before = self._manifest, self._n_prefix + self._n_suffix
             head = self._head(tokens)
             with self.model.cache.hold(
                 self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
@@ -198,7 +198,12 @@ class EngineSession(Closing):
             self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
             self._prefix_status = self._status(
-                prep, hold, synced, dropped=max(0, before - hold.keep), had=had, previous=previous
+                prep,
+                hold,
+                synced,
+                dropped=max(0, before - hold.keep),
+                had=had,
+                previous=(previous, prompt_before),
             )
             return self._prefix_status
 
@@ -555,16 +560,21 @@ class EngineSession(Closing):
         synced: Synced,
         dropped: int,
         had: list[int],
-        previous: ContextManifest | None,
+        previous: tuple[ContextManifest | None, int],
     ) -> PrefixStatus:
         """An ensure_prefix's accounting; a divergence names its byte in the prefix too, says
         when the text there is the same and only its tokens differ (:func:`_same_text`), and
-        when the chat template rendered an unchanged message otherwise (``template_note``)."""
+        when the chat template rendered an unchanged message otherwise (``template_note``;
+        ``previous``: last turn's manifest and prompt length)."""
         decision = hold.decision
         if decision.diverged_at_token is not None:
             k = decision.diverged_at_token
             decision = replace(decision, diverged_at_byte=prep.ends[k - 1] if k > 0 else 0)
-            note = template_note(previous, prep.manifest, k) if prep.chat is not None else ""
+            note = ""
+            if prep.chat is not None:
+                manifest, prompt = previous  # last turn's; what followed its prompt was generated
+                generated = b"".join(self.model.vocab.piece(t) for t in had[prompt:])
+                note = template_note(manifest, prep.manifest, k, generated, prep.chat.data)
             if note:
                 decision = replace(decision, message=f"{decision.message}; {note}")
                 log.info("session %s: prefix diverged at token %d: %s", self._id, k, note)
