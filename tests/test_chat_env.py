@@ -87,18 +87,45 @@ def test_generation_blocks_render_their_body() -> None:  # Hugging Face's assist
 
 def test_the_constructs_real_templates_lean_on() -> None:
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": " ok "}]
-    assert render("{% for m in messages %}{{ loop.previtem.role if loop.previtem else '-' }}{% endfor %}", messages=messages) == "-user"
-    assert render("{% for m in messages %}{{ loop.nextitem.role if loop.nextitem else '.' }}{% endfor %}", messages=messages) == "assistant."
-    assert render("{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}", messages=messages) == "2"
-    assert render("{{ messages | selectattr('role', 'equalto', 'user') | list | length }}", messages=messages) == "1"
+    assert (
+        render(
+            "{% for m in messages %}{{ loop.previtem.role if loop.previtem else '-' }}{% endfor %}",
+            messages=messages,
+        )
+        == "-user"
+    )
+    assert (
+        render(
+            "{% for m in messages %}{{ loop.nextitem.role if loop.nextitem else '.' }}{% endfor %}",
+            messages=messages,
+        )
+        == "assistant."
+    )
+    assert (
+        render(
+            "{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}",
+            messages=messages,
+        )
+        == "2"
+    )
+    assert (
+        render("{{ messages | selectattr('role', 'equalto', 'user') | list | length }}", messages=messages)
+        == "1"
+    )
     assert render("{{ messages[::-1][0].role }}", messages=messages) == "assistant"
     assert render("{% for k, v in d | items %}{{ k }}={{ v }};{% endfor %}", d={"b": 1, "a": 2}) == "b=1;a=2;"
     assert render("{% for k, v in d | dictsort %}{{ k }}{% endfor %}", d={"b": 1, "a": 2}) == "ab"
     assert render("{{ d.get('x', 'none') }}{{ d.items() | list | length }}", d={"a": 1}) == "none1"
     assert render("{{ s.split('</think>')[-1].lstrip('\\n') | trim }}", s="<think>a</think>\n b ") == "b"
-    assert render("{{ s.startswith('<t') }}{{ s.endswith('>') }}{{ '{}!'.format(s) }}", s="<t>") == "TrueTrue<t>!"
+    assert (
+        render("{{ s.startswith('<t') }}{{ s.endswith('>') }}{{ '{}!'.format(s) }}", s="<t>")
+        == "TrueTrue<t>!"
+    )
     tests = "{{ [a is string, b is mapping, c is sequence, c is iterable, d is boolean, n is none, u is defined, d is false] }}"
-    assert render(tests, a="x", b={}, c=[1], d=False, n=None) == "[True, True, True, True, True, True, False, True]"
+    assert (
+        render(tests, a="x", b={}, c=[1], d=False, n=None)
+        == "[True, True, True, True, True, True, False, True]"
+    )
     assert render("{{ x | default('d', true) }}{{ 'a,b' | replace(',', ';') | upper }}", x="") == "dA;B"
 
 
@@ -139,7 +166,10 @@ def test_arguments_stay_text_for_a_template_that_shows_text_as_it_is() -> None:
     renderer = ChatRenderer(source)
     assert renderer.string_arguments is True
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"q":"x"}'}}
-    assert renderer.render([whole("assistant", "", tool_calls=[call])], None, add_generation_prompt=False) == '{"q":"x"}'
+    assert (
+        renderer.render([whole("assistant", "", tool_calls=[call])], None, add_generation_prompt=False)
+        == '{"q":"x"}'
+    )
 
 
 def test_content_parts_reach_only_a_template_that_reads_parts() -> None:

@@ -49,12 +49,17 @@ def engine() -> Iterator[Engine]:
 def open_family(engine: Engine, name: str) -> Session:
     return engine.open_session(
         OpenSessionRequest(
-            type="memory", path="agent", config=Config(prompt_format="chat"), chat_template=family(name).template
+            type="memory",
+            path="agent",
+            config=Config(prompt_format="chat"),
+            chat_template=family(name).template,
         )
     )
 
 
-def turn(session: Session, messages: list[Message], tools: str = TOOLS, decode: int = 0) -> tuple[int, int, int]:
+def turn(
+    session: Session, messages: list[Message], tools: str = TOOLS, decode: int = 0
+) -> tuple[int, int, int]:
     """One turn as the HTTP layer runs it: (reused prefix tokens, prefix tokens kept, prompt)."""
     prefix, suffix = chat_inputs(messages, split_point(messages), tools, "test")
     status = session.ensure_prefix(prefix)
@@ -121,7 +126,9 @@ def test_the_reason_of_a_divergence_names_the_templates_doing_or_the_clients() -
         prefix, _suffix = chat_inputs(messages, len(messages), "", "t")
         assert prefix.manifest is not None
         segments = tuple(
-            replace(seg, hash=prefix.text[seg.byte_start : seg.byte_end], token_start=10 * i, token_end=10 * i + 9)
+            replace(
+                seg, hash=prefix.text[seg.byte_start : seg.byte_end], token_start=10 * i, token_end=10 * i + 9
+            )
             for i, seg in enumerate(prefix.manifest.segments)
         )
         return replace(prefix.manifest, segments=segments), prefix.text.encode()

@@ -199,6 +199,8 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
         raise bad("messages", "messages must be an array")
     limits.check("max_messages", len(messages), "messages")
     out: list[Message] = []
+    pending: list[str] = []  # the last assistant's call ids its results have not named yet
+    numbered = 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
@@ -238,18 +240,32 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
                     f'{at} must be {{"function": {{"name": ..., "arguments": {{...}}}}}} on an assistant message',
                 )
             call_id = call.get("id") if isinstance(call.get("id"), str) else ""
-            calls.append(ToolCall(call_id[:256], name, json.dumps(arguments, ensure_ascii=False)))
+            numbered += 1
+            # Ollama's calls carry no id: number them in order (9 characters: templates such as
+            # Mistral's want that), so their results can name them and every turn renders alike.
+            calls.append(
+                ToolCall(
+                    call_id[:256] or f"call{numbered:05d}", name, json.dumps(arguments, ensure_ascii=False)
+                )
+            )
         ids = {k: message.get(k) for k in ("tool_call_id", "tool_name", "name")}
         for key, value in ids.items():
             if value is not None and (not isinstance(value, str) or len(value) > 256):
                 raise bad(f"{where}.{key}", f"{where}.{key} must be a string of at most 256 characters")
+        if calls:
+            pending = [c.id for c in calls]
+        answered = ""
+        if role == "tool":  # a result answers the call it names, else the next one in order
+            answered = ids["tool_call_id"] or (pending[0] if pending else "")
+            if answered in pending:
+                pending.remove(answered)
         out.append(
             Message(
                 role,
                 content,
                 tuple(calls),
                 thinking,
-                tool_call_id=(ids["tool_call_id"] or "") if role == "tool" else "",
+                tool_call_id=answered,
                 name=ids["tool_name"] or ids["name"] or "",
             )
         )
