@@ -20,7 +20,8 @@ renders it):
 
 * the prefix is what every rendering of the conversation shares once a message follows it:
   the common start of the prefix's messages followed by a probe message (of the first volatile
-  segment's role, else ``user``) with two different contents. So a template that renders the
+  segment's role, else ``user``) with two different contents; when the manifest says nothing
+  follows but the generation prompt, what the messages rendered with and without it share. So a template that renders the
   last assistant turn otherwise once a user turn follows (Qwen3 drops its reasoning), or that
   refuses a system message alone (Llama 3.3 with tools, Qwen3.5), renders the prefix as it
   will render it in the whole conversation, and is never asked to render the prefix alone;
@@ -294,30 +295,42 @@ class ChatRenderer:
     def render_prefix(
         self,
         messages: Sequence[Message],
-        next_role: str,
+        next_role: str | None,
         tools: list[Any] | None,
         args: Mapping[str, Any] | None = None,
     ) -> str:
         """The text every rendering of ``messages`` followed by a ``next_role`` message starts
-        with (module docstring). A template that refuses even that gets the messages rendered
-        alone, and if it refuses those too, the prefix is empty (the whole conversation is then
-        rendered with the suffix)."""
+        with (module docstring); ``next_role`` None: only the generation prompt follows, and the
+        prefix is what the messages rendered with and without it share. A template that refuses
+        that gets the probe of a user message; one that refuses everything an empty prefix (the
+        whole conversation is then rendered with the suffix)."""
+        if next_role is None:
+            both = self._renderings([(messages, False), (messages, True)], tools, args)
+            if both is not None:
+                return _common_start(*both)
+            next_role = "user"
         last_call = _last_call(messages)
-        renderings = []
-        for content in _PROBES:
-            probe = _probe(next_role, content, last_call)
-            try:
-                renderings.append(
-                    self.render([*messages, probe], tools, add_generation_prompt=True, args=args)
-                )
-            except TemplateRefusedError:
-                break
-        if len(renderings) == len(_PROBES):
-            return _common_start(renderings[0], renderings[1])
+        probes = [([*messages, _probe(next_role, c, last_call)], True) for c in _PROBES]
+        found = self._renderings(probes, tools, args)
+        if found is not None:
+            return _common_start(*found)
         try:
             return self.render(messages, tools, add_generation_prompt=False, args=args)
         except TemplateRefusedError:
             return ""
+
+    def _renderings(
+        self,
+        cases: Sequence[tuple[Sequence[Message], bool]],
+        tools: list[Any] | None,
+        args: Mapping[str, Any] | None,
+    ) -> tuple[str, str] | None:
+        """Two renderings (messages, with the generation prompt or not), or None if refused."""
+        try:
+            first, second = (self.render(m, tools, add_generation_prompt=g, args=args) for m, g in cases)
+        except TemplateRefusedError:
+            return None
+        return first, second
 
 
 def reasoning_name(template: str) -> str:

@@ -214,7 +214,7 @@ def prepare_prefix(
         tool_list = parse_tools(prefix.tools_json)
         args = parse_template_args(prefix.template_args_json)
         messages = messages_for(manifest.segments, data, 0, stable=True, default_role="system")
-        following = next((s.chat_role for s in manifest.segments if not s.stable), "user")
+        following = _following(manifest)
         text = renderer().render_prefix(messages, following, tool_list, args)
         spans = locate(text, manifest.segments, messages, data, 0)
         added_bos = bool(identity.add_bos) and not (bos and text.startswith(bos))
@@ -231,6 +231,18 @@ def prepare_prefix(
     manifest = replace(manifest, stable_token_hash=token_hash(tokens))
     tools_span = _tools_tokens(text, chat.tools if chat is not None else None, ends)
     return PreparedPrefix(tokens=tokens, manifest=manifest, chat=chat, ends=ends, tools=tools_span)
+
+
+def _following(manifest: ContextManifest) -> str | None:
+    """The role of the message after the prefix (its first volatile segment's); None when the
+    manifest says the suffix is empty (only the generation prompt follows); ``user`` when it
+    does not say."""
+    for seg in manifest.segments:
+        if not seg.stable:
+            return seg.chat_role
+    if manifest.segments and manifest.total_bytes == manifest.stable_bytes:
+        return None
+    return "user"
 
 
 def _tools_tokens(text: str, tools: list[Any] | None, ends: Sequence[int]) -> tuple[int, int] | None:
