@@ -215,3 +215,10 @@ def test_the_prefix_is_what_every_rendering_shares_once_a_message_follows() -> N
     assert renderer.render_prefix(system, "user", tools) == "<system>S</system><user>"
     full = renderer.render([*system, Message("user", "hello", ())], tools, add_generation_prompt=True)
     assert full.startswith(renderer.render_prefix(system, "user", tools))
+
+
+def test_a_template_reading_thinking_gets_the_reasoning_there() -> None:  # gpt-oss, LFM2
+    renderer = ChatRenderer("{% for m in messages %}[{{ m.thinking }}]{{ m.content }}{% endfor %}")
+    assert renderer.reads_thinking
+    message = whole("assistant", "answer", reasoning_content="because")
+    assert renderer.render([message], None, add_generation_prompt=False) == "[because]answer"

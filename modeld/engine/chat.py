@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -67,6 +68,10 @@ RESERVED_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_to
 """Template variables modeld sets itself: template arguments may not name them."""
 
 _MESSAGE_ROLES = (*ROLES, "developer")
+_THINKING = re.compile(
+    r"""\.thinking\b|\[['"]thinking['"]\]|['"]thinking['"]\s+in\s|get\(\s*['"]thinking['"]"""
+)
+"""A template reading a message's ``thinking`` field (how gpt-oss and LFM2 name reasoning)."""
 _PROBES = ("A", "Z")
 """Two contents of the probe message; the prefix is what both renderings share."""
 
@@ -81,14 +86,20 @@ class Message:
     segments: tuple[int, ...]  # indexes into the manifest's segments
     whole: str = ""
 
-    def value(self, string_arguments: bool, reads_parts: bool) -> dict[str, Any]:
+    def value(
+        self, string_arguments: bool, reads_parts: bool, reads_thinking: bool = False
+    ) -> dict[str, Any]:
         """What the template sees: a fresh dict (a template may change what it is given).
         ``string_arguments``: tool-call arguments as JSON text (for templates that print them
         as they are), else as objects. ``reads_parts``: content sent as a list of parts stays
-        one, else its text parts are joined with newlines (as llama-server joins them)."""
+        one, else its text parts are joined with newlines (as llama-server joins them).
+        ``reads_thinking``: the template reads an assistant's reasoning as ``thinking``
+        (gpt-oss, LFM2), which gets ``reasoning_content`` (as llama-server copies it)."""
         if not self.whole:
             return {"role": self.role, "content": self.content}
         value: dict[str, Any] = json.loads(self.whole)
+        if reads_thinking and isinstance(value.get("reasoning_content"), str) and "thinking" not in value:
+            value["thinking"] = value["reasoning_content"]
         content = value.get("content")
         if isinstance(content, list) and not reads_parts:
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -243,6 +254,11 @@ class ChatRenderer:
         return marker in text
 
     @functools.cached_property
+    def reads_thinking(self) -> bool:
+        """Whether the template reads a message's reasoning as ``thinking``."""
+        return _THINKING.search(self.source) is not None
+
+    @functools.cached_property
     def reads_parts(self) -> bool:
         """Whether the template reads content given as a list of parts (it shows a text part's
         text); else such content reaches it as one string."""
@@ -286,7 +302,7 @@ class ChatRenderer:
         strings = self.string_arguments if whole else False
         parts = self.reads_parts if whole else False
         return self._render_values(
-            [m.value(strings, parts) for m in messages],
+            [m.value(strings, parts, self.reads_thinking) for m in messages],
             tools,
             json.loads(json.dumps(args or {})),
             add_generation_prompt=add_generation_prompt,
