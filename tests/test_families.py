@@ -86,12 +86,7 @@ def conversation(fam: Family, turn: int) -> list[TurnMessage]:
 
 def render(fam: Family, messages: list[TurnMessage]) -> str:
     """The whole conversation as the family's template renders it (what modeld evaluates)."""
-    names: dict[str, str] = {}
-    whole = []
-    for m in messages:
-        for c in m.calls:
-            names[c.id] = c.name
-        whole.append(Message(m.role, m.content, (), message_json(m, names)))
+    whole = [Message(m.role, m.content, (), message_json(m)) for m in messages]
     renderer = ChatRenderer(fam.template, bos_token=fam.bos or "<|endoftext|>", eos_token=fam.eos)
     tools = [{"type": "function", "function": TOOL}] if fam.tools else None
     return renderer.render(whole, tools, add_generation_prompt=True)
@@ -422,13 +417,7 @@ class LlamaServer:
 
 def openai_messages(messages: list[TurnMessage]) -> list[dict[str, Any]]:
     """The conversation as the OpenAI messages llama-server's /apply-template takes."""
-    names: dict[str, str] = {}
-    out = []
-    for m in messages:
-        for c in m.calls:
-            names[c.id] = c.name
-        out.append(json.loads(message_json(m, names)))
-    return out
+    return [json.loads(message_json(m)) for m in messages]
 
 
 @pytest.fixture(scope="module")

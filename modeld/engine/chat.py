@@ -86,20 +86,22 @@ class Message:
     segments: tuple[int, ...]  # indexes into the manifest's segments
     whole: str = ""
 
-    def value(
-        self, string_arguments: bool, reads_parts: bool, reads_thinking: bool = False
-    ) -> dict[str, Any]:
+    def value(self, string_arguments: bool, reads_parts: bool, reads_thinking: str = "") -> dict[str, Any]:
         """What the template sees: a fresh dict (a template may change what it is given).
         ``string_arguments``: tool-call arguments as JSON text (for templates that print them
         as they are), else as objects. ``reads_parts``: content sent as a list of parts stays
         one, else its text parts are joined with newlines (as llama-server joins them).
         ``reads_thinking``: the template reads an assistant's reasoning as ``thinking``
-        (gpt-oss, LFM2), which gets ``reasoning_content`` (as llama-server copies it)."""
+        (gpt-oss, LFM2), which gets ``reasoning_content`` (as llama-server copies it); for a
+        harmony template (``harmony``: gpt-oss), a call's content then goes, as llama-server
+        drops it (the template refuses a call with both)."""
         if not self.whole:
             return {"role": self.role, "content": self.content}
         value: dict[str, Any] = json.loads(self.whole)
         if reads_thinking and isinstance(value.get("reasoning_content"), str) and "thinking" not in value:
             value["thinking"] = value["reasoning_content"]
+            if reads_thinking == "harmony" and value.get("tool_calls"):
+                value.pop("content", None)  # harmony shows a call's analysis once: the thinking
         content = value.get("content")
         if isinstance(content, list) and not reads_parts:
             texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
@@ -234,29 +236,44 @@ class ChatRenderer:
 
     @functools.cached_property
     def string_arguments(self) -> bool:
-        """Whether the template shows tool-call arguments given as JSON text as they are (a
-        template that checks ``arguments is string``, or prints them): then calls keep their
-        arguments as the client sent them, the model's own text of its call, byte for byte.
-        Else (a template that formats arguments itself: ``tojson``, key by key) they are objects.
-        Found by rendering a call whose arguments are text and looking for that text."""
-        marker = '{"qQ":"wW7"}'
-        call = {"id": "call_1", "type": "function", "function": {"name": "probe", "arguments": marker}}
+        """Whether tool-call arguments reach the template as the JSON text the client sent (the
+        model's own text of its call, byte for byte: its tokens stay warm) rather than as
+        objects. Objects where the template formats them key by key (Gemma 4's ``k:v``,
+        Qwen3-Coder's ``<parameter=k>``: what it was trained on) or cannot show text (it
+        refuses it, or prints it otherwise than sent); text where it shows text as it is (Qwen3's
+        ``arguments is string`` branch) and would only serialize an object. Found by rendering a
+        probe call both ways."""
+        as_object = self._probe_call({"qQ": "wW7"})
+        if as_object is not None and "wW7" in as_object:
+            printed = ('{"qQ": "wW7"}', "{'qQ': 'wW7'}")  # serialized (tojson) or Python's repr
+            if not any(p in as_object for p in printed):
+                return False  # formatted key by key
+            if printed[1] in as_object:
+                return True  # an object is printed as Python's repr: it wants text
+        text = '{"qQ":"wW7"}'
+        as_text = self._probe_call(text)
+        return as_text is not None and text in as_text
+
+    def _probe_call(self, arguments: object) -> str | None:
+        call = {"id": "call_1", "type": "function", "function": {"name": "probe", "arguments": arguments}}
         messages: list[dict[str, Any]] = [
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": "r", "tool_call_id": "call_1", "name": "probe"},
+            {"role": "tool", "content": "r", "tool_call_id": "call_1"},
         ]
         tool = {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
         try:
-            text = self._render_values(messages, [tool], {}, add_generation_prompt=True)
+            return self._render_values(messages, [tool], {}, add_generation_prompt=True)
         except TemplateRefusedError:
-            return False
-        return marker in text
+            return None
 
     @functools.cached_property
-    def reads_thinking(self) -> bool:
-        """Whether the template reads a message's reasoning as ``thinking``."""
-        return _THINKING.search(self.source) is not None
+    def reads_thinking(self) -> str:
+        """Whether the template reads a message's reasoning as ``thinking``: ``harmony`` for a
+        harmony template (channels), ``yes`` for another, "" when it does not."""
+        if _THINKING.search(self.source) is None:
+            return ""
+        return "harmony" if "<|channel|>" in self.source else "yes"
 
     @functools.cached_property
     def reads_parts(self) -> bool:

@@ -171,10 +171,11 @@ Recall = Callable[[ToolCall], str]
 """A call's arguments text as the model wrote it, when the daemon knows it (else as sent)."""
 
 
-def message_json(message: Message, names: dict[str, str], recall: Recall | None = None) -> str:
+def message_json(message: Message, recall: Recall | None = None) -> str:
     """One message whole, as the JSON a ``message`` segment carries (the same bytes for the same
-    message on every turn). ``names``: function names by call id, for a tool result that does
-    not name its function (templates show it); ``recall``: a call's arguments as written."""
+    message on every turn): the fields the client sent, nothing made up (a tool result names
+    its function only if the client did: templates that need it look it up by the call's id, as
+    with llama-server); ``recall``: a call's arguments as the model wrote them."""
     value: dict[str, object] = {"role": message.role}
     if message.parts:
         value["content"] = [{"type": "text", "text": p} for p in message.parts]
@@ -191,13 +192,9 @@ def message_json(message: Message, names: dict[str, str], recall: Recall | None 
             }
             for c in message.calls
         ]
-    if message.role == "tool":
-        if message.tool_call_id:
-            value["tool_call_id"] = message.tool_call_id
-        name = message.name or names.get(message.tool_call_id, "")
-        if name:
-            value["name"] = name
-    elif message.name:
+    if message.tool_call_id:
+        value["tool_call_id"] = message.tool_call_id
+    if message.name:
         value["name"] = message.name
     return json.dumps(value, ensure_ascii=False)
 
@@ -216,12 +213,9 @@ def chat_inputs(
     prefix_parts: list[bytes] = []
     suffix_parts: list[bytes] = []
     segments: list[Segment] = []
-    names: dict[str, str] = {}
     offset = 0
     for i, m in enumerate(messages):
-        for call in m.calls:
-            names[call.id] = call.name
-        data = message_json(m, names, recall).encode("utf-8")
+        data = message_json(m, recall).encode("utf-8")
         stable = i < k
         segments.append(
             Segment(
