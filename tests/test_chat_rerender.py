@@ -106,9 +106,16 @@ def test_a_template_cut_names_the_message_and_keeps_the_prefix_up_to_there(engin
         turn(s, [SYSTEM, ASK])
         call = Message("assistant", "", (CALL,), reasoning="Read main.py first.")
         result = Message("tool", "def main(): return 1 / 0", tool_call_id=CALL.id)
-        _reused, kept, prompt = turn(s, [SYSTEM, ASK, call, result, Message("user", "Also check the tests.")])
+        messages = [SYSTEM, ASK, call, result, Message("user", "Also check the tests.")]
+        reused, kept, prompt = turn(s, messages)
         report = s.explain_context()
         assert report.resident_tokens == prompt and report.prefix_tokens == kept
+        assert reused < kept  # turn 1's prompt, all of it: the cut falls after it, at the reasoning
+        # The usage counts as cached what was reused and kept: what ensure_prefix computed past
+        # the cut is not part of the prompt, and is not counted against it.
+        with s.decode(DecodeConfig(max_tokens=1)) as stream:
+            usage = [c.usage for c in stream if c.usage is not None][-1]
+        assert usage.prompt_tokens == prompt and usage.cached_tokens == min(reused, kept)
         assert report.last_reuse is not None
         words = report.last_reuse.message
         assert "the chat template renders the whole conversation otherwise than the prefix" in words

@@ -39,6 +39,7 @@ can still be reported and a divergence named by its message.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import json
 import re
@@ -295,7 +296,13 @@ class ChatRenderer:
         *,
         add_generation_prompt: bool,
     ) -> str:
-        values: dict[str, Any] = dict(args)
+        now = datetime.datetime.now()
+        values: dict[str, Any] = {  # what llama-server gives every template, unless args say otherwise
+            "enable_thinking": True,
+            "date_string": now.strftime("%d %b %Y"),
+            "datetime": now.strftime("%b %d %Y"),
+        }
+        values.update(args)
         values.update(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -404,22 +411,20 @@ def _common_start(a: str, b: str) -> str:
     return a[:i]
 
 
-def _last_call(messages: Sequence[Message]) -> tuple[str, str]:
-    """The id and function name of the last tool call in ``messages`` (a tool probe answers it)."""
+def _last_call(messages: Sequence[Message]) -> str:
+    """The id of the last tool call in ``messages`` (a tool probe answers it)."""
     for m in reversed(messages):
         if not m.whole:
             continue
         for call in reversed(json.loads(m.whole).get("tool_calls") or []):
-            function = call.get("function") if isinstance(call, dict) else None
-            name = function.get("name") if isinstance(function, dict) else None
-            return str(call.get("id") or ""), str(name or "")
-    return "", ""
+            return str(call.get("id") or "") if isinstance(call, dict) else ""
+    return ""
 
 
-def _probe(role: str, content: str, last_call: tuple[str, str]) -> Message:
+def _probe(role: str, content: str, last_call: str) -> Message:
+    """A probe message; a tool result answers the last call (by its id only, as clients send)."""
     if role == "tool":
-        call_id, name = last_call
-        whole = json.dumps({"role": "tool", "content": content, "tool_call_id": call_id, "name": name})
+        whole = json.dumps({"role": "tool", "content": content, "tool_call_id": last_call})
         return Message("tool", content, (), whole)
     return Message(role, content, ())
 

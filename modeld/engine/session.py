@@ -221,6 +221,10 @@ class EngineSession(Closing):
                 synced = self._sync(hold, progress)
             if keep < self._n_prefix:
                 self._cut_prefix(keep, prep.manifest)
+                # What ensure_prefix computed past the cut is not part of the prompt: the usage
+                # counts a prompt token as computed (not cached) only where this turn computed it.
+                reused = self._prefix_status.reused_tokens if self._prefix_status else 0
+                self._turn.computed -= max(0, self._n_prefix - max(keep, reused))
             self._tokens, self._n_suffix, self._manifest = target, len(prep.tokens), prep.manifest
             self._n_prefix = keep
             self._turn.add(len(target) - hold.keep, synced, hold)

@@ -34,8 +34,10 @@ GEMMA3: Final = r"""{{- bos_token }}
 # results of the tool messages after it inside its own turn (so it renders otherwise once
 # they exist); reasoning shows only on a call after the last user turn; the generation prompt
 # closes an empty thought channel unless thinking is on; no generation prompt right after a
-# call or a result (the model continues its turn).
-GEMMA4: Final = r"""{%- macro arg(v) %}
+# call or a result (the model continues its turn). Its first line says it takes OpenAI-style
+# tool messages (llama-server rewrites the messages of Gemma 4 templates that do not say so).
+GEMMA4: Final = r"""{#- OpenAI Chat Completions: a call's results are role tool messages after it -#}
+{%- macro arg(v) %}
 {%- if v is string %}{{- '<|"|>' + v + '<|"|>' }}
 {%- elif v is mapping %}{{- '{' }}{%- for k, x in v | dictsort %}{{- k + ':' + arg(x) }}{%- if not loop.last %},{% endif %}{%- endfor %}{{- '}' }}
 {%- elif v is sequence %}{{- '[' }}{%- for x in v %}{{- arg(x) }}{%- if not loop.last %},{% endif %}{%- endfor %}{{- ']' }}

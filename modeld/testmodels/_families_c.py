@@ -203,8 +203,8 @@ GRANITE: Final = r"""{%- if messages[0].role == 'system' %}{%- set system = mess
 # Command R7B: <BOS_TOKEN>, turns <|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|> / <|USER_TOKEN|> /
 # <|CHATBOT_TOKEN|> ending <|END_OF_TURN_TOKEN|>; a preamble with the tools as JSON lines; an
 # assistant's reasoning in <|START_THINKING|> (its calls' plan), calls as a JSON list in
-# <|START_ACTION|> numbered by tool_call_id in order, results in <|START_TOOL_RESULT|> as a
-# JSON list (by the same numbers); the answer in <|START_RESPONSE|>.
+# <|START_ACTION|> numbered in order, results in <|START_TOOL_RESULT|> as a JSON list numbered
+# in the same order (the k-th result answers the k-th call); the answer in <|START_RESPONSE|>.
 COMMAND_R: Final = r"""{{- bos_token }}
 {%- set system = messages[0].content if messages[0].role == 'system' else '' %}
 {%- set rest = messages[1:] if messages[0].role == 'system' else messages %}
@@ -212,7 +212,7 @@ COMMAND_R: Final = r"""{{- bos_token }}
 {%- if tools %}{{- '\n\n## Available Tools\n```json\n[' }}{%- for t in tools %}{{- '\n    ' + t.function | tojson + (',' if not loop.last else '') }}{%- endfor %}{{- '\n]\n```' }}{%- endif %}
 {%- if system %}{{- '\n\n# Developer Preamble\n' + system }}{%- endif %}
 {{- '<|END_OF_TURN_TOKEN|>' }}
-{%- set ns = namespace(n=0, ids={}) %}
+{%- set ns = namespace(n=0, results=0) %}
 {%- for m in rest %}
 {%- if m.role == 'user' %}{{- '<|START_OF_TURN_TOKEN|><|USER_TOKEN|>' + m.content + '<|END_OF_TURN_TOKEN|>' }}
 {%- elif m.role == 'system' %}{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|>' + m.content + '<|END_OF_TURN_TOKEN|>' }}
@@ -221,7 +221,6 @@ COMMAND_R: Final = r"""{{- bos_token }}
 {%- if m.tool_calls %}
 {{- '<|START_THINKING|>' + (m.reasoning_content or m.content or '') + '<|END_THINKING|><|START_ACTION|>[' }}
 {%- for call in m.tool_calls %}
-{%- set _ = ns.ids.update({call.id: ns.n | string}) %}
 {{- '\n    {"tool_call_id": "' + ns.n | string + '", "tool_name": "' + call.function.name + '", "parameters": ' + call.function.arguments | tojson + '}' + (',' if not loop.last else '') }}
 {%- set ns.n = ns.n + 1 %}
 {%- endfor %}
@@ -229,7 +228,8 @@ COMMAND_R: Final = r"""{{- bos_token }}
 {%- else %}{{- '<|START_RESPONSE|>' + m.content + '<|END_RESPONSE|>' }}{%- endif %}
 {{- '<|END_OF_TURN_TOKEN|>' }}
 {%- elif m.role == 'tool' %}
-{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>[\n    {"tool_call_id": "' + ns.ids.get(m.tool_call_id, '0') + '", "results": {"0": ' + m.content | tojson + '}, "is_error": null}\n]<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>' }}
+{{- '<|START_OF_TURN_TOKEN|><|SYSTEM_TOKEN|><|START_TOOL_RESULT|>[\n    {"tool_call_id": "' + ns.results | string + '", "results": {"0": ' + m.content | tojson + '}, "is_error": null}\n]<|END_TOOL_RESULT|><|END_OF_TURN_TOKEN|>' }}
+{%- set ns.results = ns.results + 1 %}
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|START_OF_TURN_TOKEN|><|CHATBOT_TOKEN|>' }}{%- endif %}

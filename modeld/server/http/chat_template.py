@@ -14,9 +14,10 @@ template is rendered with, blueprint 0010):
 * Ollama: ``think`` false/true -> ``enable_thinking``; ``"low"``/``"medium"``/``"high"``
   (gpt-oss) -> ``reasoning_effort``.
 
-Without any of these the template renders with its own defaults (Hugging Face's behaviour): a
-model's author chose them. Thinking off reaches the template, so a template that supports it
-opens no thinking block and the turn spends no tokens on it.
+Without any of these the template renders with the variables llama-server gives every template
+(``enable_thinking`` true, today's ``date_string``: ``modeld/engine/chat.py``), so a prompt is
+the one llama-server would evaluate. Thinking off reaches the template, so a template that
+supports it opens no thinking block and the turn spends no tokens on it.
 
 Limits (blueprint 0006): at most :data:`MAX_TEMPLATE_ARGS` variables, names of at most
 :data:`MAX_NAME_CHARS` characters, the whole at most :data:`MAX_TEMPLATE_ARGS_BYTES` of JSON;
