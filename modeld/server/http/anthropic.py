@@ -229,7 +229,8 @@ def _assistant(content: list[Any], where: str) -> Message:
             continue  # opaque to modeld: nothing to show the model
         else:
             _text_blocks([block], at)  # refuses images, documents and unknown blocks by name
-    return Message("assistant", "".join(text), tuple(calls), "".join(reasoning))
+    parts = tuple(text) if len(text) > 1 else ()  # several text blocks: parts, as llama-server reads them
+    return Message("assistant", "".join(text), tuple(calls), "".join(reasoning), parts=parts)
 
 
 def _user(content: list[Any], where: str) -> list[Message]:
@@ -242,14 +243,20 @@ def _user(content: list[Any], where: str) -> list[Message]:
             raise bad(at, f"{at} must be an object")
         if block.get("type") == "tool_result":
             if text:
-                out.append(Message("user", "".join(text)))
+                out.append(_user_text(text))
                 text = []
             out.append(_tool_result(block, at))
         else:
             text.extend(_text_blocks([block], at))
     if text or not out:
-        out.append(Message("user", "".join(text)))
+        out.append(_user_text(text))
     return out
+
+
+def _user_text(text: list[str]) -> Message:
+    """A user message of text blocks; several are its content's parts (a template that reads
+    parts sees each, another their text joined by newlines: what llama-server does)."""
+    return Message("user", "".join(text), parts=tuple(text) if len(text) > 1 else ())
 
 
 def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...], list[str]]:
