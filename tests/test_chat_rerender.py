@@ -177,3 +177,35 @@ def test_a_refusing_template_is_an_invalid_argument_with_its_own_words(engine: E
         # The warm context is untouched: the same first turn is still a full hit.
         reused, kept, _prompt = turn(s, [SYSTEM, ASK], tools="")
         assert reused == kept
+
+
+def test_only_what_follows_the_prefixs_last_control_token_is_tokenized_again() -> None:
+    """The whole rendering is tokenized as a whole would be, but the long part already tokenized
+    for the prefix, up to its last control token (where the engines split text first), is not
+    tokenized again."""
+    from itertools import accumulate
+
+    from modeld.engine.prepare import ChatState, _tokenize_whole
+
+    control = "<|x|>"
+    seen: list[str] = []
+
+    def tokenize(text: str, add_bos: bool) -> list[int]:  # one token per character, <|x|> one
+        seen.append(text)
+        out = [1] if add_bos else []
+        for part in text.split(control):
+            out += [ord(c) for c in part] + [1000]
+        return out[:-1]
+
+    prefix = f"{control}system\nS{control}{control}user\n"
+    whole = prefix + f"hello{control}{control}assistant\n"
+    tokens = tokenize(prefix, True)
+    ends = [0, *accumulate(len(control) if t == 1000 else 1 for t in tokens[1:])]
+    chat = ChatState([], None, {}, b"", True, prefix, tuple(ends))
+    seen.clear()
+    got = _tokenize_whole(whole, chat, tokens, frozenset({1, 1000}), tokenize)
+    assert seen == ["user\nhello<|x|><|x|>assistant\n"]  # after the prefix's last control token
+    assert got == tokenize(whole, True)
+    assert _tokenize_whole("other" + whole, chat, tokens, frozenset({1, 1000}), tokenize) == tokenize(
+        "other" + whole, True
+    )  # a rendering that does not start with the prefix is tokenized whole

@@ -40,10 +40,11 @@ import pytest
 from modeld.cache.reuse import common_prefix_len
 from modeld.contract import ToolCall
 from modeld.engine.chat import ChatRenderer, Message
+from modeld.manifest import token_hash
 from modeld.server.http.turn import Message as TurnMessage
 from modeld.server.http.turn import message_json
 from modeld.testmodels.families import FAMILIES, Family, ensure_family_model
-from tests.daemon_proc import serve_http, stop
+from tests.daemon_proc import modeld, serve_http, stop
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -114,8 +115,10 @@ class Vocab:
 class Clients:
     """One client of each SDK for the daemon (closed with it)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, data_dir: Path) -> None:
         self.url = url
+        self.data_dir = data_dir
+        self.last_session = ""  # the session of the last OpenAI chat turn
         self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         self.anthropic = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120)
         self.ollama = ollama.Client(host=url, timeout=120)  # its conversations are told apart by model
@@ -153,6 +156,7 @@ def openai_chat(clients: Clients, fam: Family, turn: int) -> tuple[int, int]:
     )
     usage = done.usage
     assert usage is not None and usage.prompt_tokens_details is not None
+    clients.last_session = (done.model_extra or {})["modeld"]["session_id"]
     return usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens or 0
 
 
@@ -268,7 +272,7 @@ def daemon() -> Iterator[Clients]:
     proc, record = serve_http(
         tmp, *models, "--max-output-tokens", str(MAX_TOKENS), backend="llama", timeout=300
     )
-    clients = Clients(record.http_endpoint)
+    clients = Clients(record.http_endpoint, tmp)
     try:
         yield clients
     finally:
@@ -295,6 +299,21 @@ def test_a_three_turn_agent_conversation_is_warm_over_every_api(daemon: Clients,
                 kept = common_prefix_len(previous, expected)  # what the template did not render otherwise
                 assert kept <= cached <= len(expected), f"{fam.name} over {api}, turn {t}: reuse"
             previous = expected
+            if api == "openai-chat" and t == 3:  # token for token: the session's resident prompt
+                assert_resident(daemon, expected)
+
+
+def assert_resident(daemon: Clients, expected: list[int]) -> None:
+    """The last chat turn's session holds exactly ``expected`` as its prompt: its prefix's and
+    suffix's token hashes are those of the whole rendering tokenized whole, cut where it says."""
+    shown = modeld("explain-context", daemon.last_session, "--json", data_dir=daemon.data_dir)
+    assert shown.returncode == 0, shown.stderr
+    report = json.loads(shown.stdout)
+    report = report.get("report", report)
+    n = report["prefix_tokens"]
+    assert report["prefix_tokens"] + report["suffix_tokens"] == len(expected)
+    assert report["stable_token_hash"] == token_hash(expected[:n])
+    assert report["volatile_token_hash"] == token_hash(expected[n:])
 
 
 def test_a_template_that_refuses_a_conversation_answers_400_with_its_words(daemon: Clients) -> None:

@@ -84,13 +84,16 @@ def byte_ends(vocab: Vocab, tokens: Sequence[int], *, added_bos: bool) -> list[i
 class ChatState:
     """What a chat-format prefix was rendered from (the suffix continues the conversation):
     its messages, tools and template arguments, the prefix's bytes (to locate its segments in
-    the whole rendering) and whether tokenizing added a BOS."""
+    the whole rendering), whether tokenizing added a BOS, the rendered prefix and the byte end
+    of each of its tokens (to tokenize only what follows its last control token)."""
 
     messages: list[Message]
     tools: list[Any] | None
     args: dict[str, Any]
     data: bytes
     added_bos: bool
+    text: str = ""
+    ends: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -218,7 +221,7 @@ def prepare_prefix(
         text = renderer().render_prefix(messages, following, tool_list, args)
         spans = locate(text, manifest.segments, messages, data, 0)
         added_bos = bool(identity.add_bos) and not (bos and text.startswith(bos))
-        chat = ChatState(messages, tool_list, args, data, added_bos)
+        chat = ChatState(messages, tool_list, args, data, added_bos, text)
     else:
         text, spans = prefix.text, _identity_spans(manifest.segments, 0, stable=True)
         added_bos = bool(identity.add_bos)
@@ -226,6 +229,8 @@ def prepare_prefix(
     if len(tokens) > window:
         raise ContextOverflowError(stage="prefix", resident=0, additional=len(tokens), window=window)
     ends = byte_ends(vocab, tokens, added_bos=added_bos)
+    if chat is not None:
+        chat = replace(chat, ends=tuple(ends))
     if spans:
         manifest = _with_token_ranges(manifest, ends, spans, 0)
     manifest = replace(manifest, stable_token_hash=token_hash(tokens))
@@ -316,6 +321,7 @@ def prepare_suffix(
     vocab: Vocab,
     renderer: Callable[[], ChatRenderer],
     tokenize: Tokenize,
+    specials: frozenset[int] = frozenset(),
 ) -> PreparedSuffix:
     """Validate, render and tokenize a suffix for the resident prefix ``current``.
 
@@ -343,7 +349,7 @@ def prepare_suffix(
     messages = messages_for(manifest.segments, data, base, stable=False, default_role="user")
     conversation = [*chat.messages, *messages]
     whole = renderer().render(conversation, chat.tools, add_generation_prompt=True, args=chat.args)
-    everything = tokenize(whole, chat.added_bos)
+    everything = _tokenize_whole(whole, chat, prefix_tokens, specials, tokenize)
     keep = common_prefix_len(everything, list(prefix_tokens))
     tokens = everything[keep:]
     if len(everything) > window:
@@ -356,6 +362,24 @@ def prepare_suffix(
     if keep < n_prefix:
         manifest = replace(manifest, stable_token_hash=token_hash(everything[:keep]))
     return PreparedSuffix(tokens, replace(manifest, volatile_token_hash=token_hash(tokens)), keep)
+
+
+def _tokenize_whole(
+    whole: str, chat: ChatState, prefix_tokens: Sequence[int], specials: frozenset[int], tokenize: Tokenize
+) -> list[int]:
+    """The tokens of the whole rendering, as tokenizing it whole gives them. The engines split
+    text at control tokens before anything else and tokenize what lies between alone, so when
+    the whole rendering starts with the rendered prefix, the prefix's tokens through its last
+    control token parsed from the text are the whole's too, and only the rest is tokenized
+    (once per turn, the long part of a prompt is then tokenized once, not twice)."""
+    if specials and chat.ends and len(chat.ends) == len(prefix_tokens) and whole.startswith(chat.text):
+        first = 1 if chat.added_bos else 0  # a BOS tokenizing added is not in the text
+        for j in range(len(prefix_tokens) - 1, first - 1, -1):
+            if prefix_tokens[j] in specials:
+                cut = chat.ends[j]
+                rest = whole.encode("utf-8")[cut:].decode("utf-8")
+                return [*prefix_tokens[: j + 1], *tokenize(rest, False)]
+    return tokenize(whole, chat.added_bos)
 
 
 def template_note(
@@ -452,4 +476,5 @@ class Preparer:
             vocab=self.vocab,
             renderer=self.renderer,
             tokenize=self.tokenize,
+            specials=frozenset(t.id for t in self.info.special_tokens),
         )
