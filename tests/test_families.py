@@ -88,12 +88,14 @@ def conversation(fam: Family, turn: int, api: str = "") -> list[TurnMessage]:
     return out
 
 
-def render(fam: Family, messages: list[TurnMessage], args: dict[str, Any] | None = None) -> str:
+def render(
+    fam: Family, messages: list[TurnMessage], args: dict[str, Any] | None = None, *, tools: bool = True
+) -> str:
     """The whole conversation as the family's template renders it (what modeld evaluates)."""
     whole = [Message(m.role, m.content, (), message_json(m)) for m in messages]
     renderer = ChatRenderer(fam.template, bos_token=fam.bos or "<|endoftext|>", eos_token=fam.eos)
-    tools = [{"type": "function", "function": TOOL}] if fam.tools else None
-    return renderer.render(whole, tools, add_generation_prompt=True, args=args)
+    given = [{"type": "function", "function": TOOL}] if fam.tools and tools else None
+    return renderer.render(whole, given, add_generation_prompt=True, args=args)
 
 
 class Vocab:
@@ -483,3 +485,52 @@ def test_modelds_prompt_is_llama_servers_rendering(llama_server: str, fam: Famil
                 assert vocab.tokens(whole) == vocab.tokens(theirs)
     finally:
         server.close()
+
+
+def test_thinking_off_reaches_the_template_over_every_api(daemon: Clients) -> None:
+    """Qwen3.5's generation prompt opens <think>; with thinking off it closes an empty one, so
+    the turn spends no tokens thinking. Each API's own words for "off" reach the template."""
+    fam = next(f for f in FAMILIES if f.name == "qwen3.5")
+    vocab = Vocab(fam)
+    messages = [TurnMessage("system", SYSTEM), TurnMessage("user", "Answer at once: 2 + 2?")]
+    off = len(vocab.tokens(render(fam, messages, {"enable_thinking": False}, tools=False)))
+    on = len(vocab.tokens(render(fam, messages, tools=False)))
+    assert off > on  # "\n\n</think>\n\n" closes the block the prompt opened
+    chat = daemon.openai.chat.completions.create(
+        model=fam.name,
+        messages=[
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Answer at once: 2 + 2?"},
+        ],
+        max_tokens=1,
+        reasoning_effort="none",
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == off
+    kwargs = daemon.openai.chat.completions.create(
+        model=fam.name,
+        messages=[
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Answer at once: 2 + 2?"},
+        ],
+        max_tokens=1,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert kwargs.usage is not None and kwargs.usage.prompt_tokens == off
+    responses = daemon.openai.responses.create(
+        model=fam.name,
+        instructions=SYSTEM,
+        input="Answer at once: 2 + 2?",
+        max_output_tokens=1,
+        reasoning={"effort": "none"},  # type: ignore[typeddict-item]
+        store=False,
+    )
+    assert responses.usage is not None and responses.usage.input_tokens == off
+    message = daemon.anthropic.messages.create(
+        model=fam.name,
+        system=SYSTEM,
+        messages=[{"role": "user", "content": "Answer at once: 2 + 2?"}],
+        max_tokens=1,
+        thinking={"type": "disabled"},
+    )
+    u = message.usage
+    assert u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0) == off
