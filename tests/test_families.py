@@ -20,6 +20,7 @@ conversation has no call, and a request with a tool result gets a 400 with the t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,6 +42,7 @@ import pytest
 from modeld.cache.reuse import common_prefix_len
 from modeld.contract import ToolCall
 from modeld.engine.chat import ChatRenderer, Message
+from modeld.engine.chat_env import TemplateRefusedError
 from modeld.manifest import token_hash
 from modeld.server.http.turn import Message as TurnMessage
 from modeld.server.http.turn import message_json
@@ -534,3 +537,70 @@ def test_thinking_off_reaches_the_template_over_every_api(daemon: Clients) -> No
     )
     u = message.usage
     assert u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0) == off
+
+
+def variants() -> dict[str, list[TurnMessage]]:
+    """Conversations that test what templates read or refuse beyond the agent loop."""
+    first = ToolCall(CALL_ID, TOOL["name"], json.dumps(ARGS))  # type: ignore[arg-type]
+    second = ToolCall("call00002", TOOL["name"], json.dumps({"path": "test_main.py"}))  # type: ignore[arg-type]
+    return {
+        "parallel calls": [
+            TurnMessage("system", SYSTEM),
+            TurnMessage("user", ASK),
+            TurnMessage("assistant", "", (first, second)),
+            TurnMessage("tool", RESULT, tool_call_id=CALL_ID),
+            TurnMessage("tool", "def test(): main()", tool_call_id="call00002"),
+            TurnMessage("assistant", ANSWER),
+            TurnMessage("user", FIX),
+        ],
+        "content parts": [
+            TurnMessage("system", SYSTEM),
+            TurnMessage("user", "Look:\nmain.py crashes", parts=("Look:", "main.py crashes")),
+            TurnMessage("assistant", ANSWER),
+            TurnMessage("user", FIX),
+        ],
+        "a system message later": [
+            TurnMessage("system", SYSTEM),
+            TurnMessage("user", ASK),
+            TurnMessage("assistant", ANSWER),
+            TurnMessage("system", "Reminder: be brief."),
+            TurnMessage("user", FIX),
+        ],
+        "no system message": [
+            TurnMessage("user", ASK),
+            TurnMessage("assistant", ANSWER),
+            TurnMessage("user", FIX),
+        ],
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_harder_conversations_render_as_llama_server_renders_them_or_both_refuse(
+    llama_server: str, fam: Family
+) -> None:
+    """Parallel calls, content parts, a system message in the middle, none at all: the same
+    text as llama-server's, or both refuse (the template raises: Llama 3.3 takes one call per
+    message, Qwen3.5 a system message only first, Mistral and Gemma 3 alternating roles; modeld
+    answers 400 with the template's words, llama-server 400 or, for Qwen3.5's, 500)."""
+    server = LlamaServer(llama_server, ensure_family_model(fam.name))
+    try:
+        for name, messages in variants().items():
+            body: dict[str, Any] = {"messages": openai_messages(messages)}
+            if fam.tools:
+                body["tools"] = [{"type": "function", "function": TOOL}]
+            theirs: str | None = None  # llama-server refuses with a 4xx or a 500 (Qwen3.5's raise)
+            try:
+                theirs = server.post("/apply-template", body)["prompt"]
+            except urllib.error.HTTPError as err:
+                err.close()
+            whole: str | None = None
+            with contextlib.suppress(TemplateRefusedError):  # the template refused
+                whole = render(fam, messages)
+            if whole is None or theirs is None:
+                assert whole is None and theirs is None, f"{fam.name}, {name}: only one of them refused"
+                continue
+            ours = whole[len(fam.bos) :] if fam.bos and fam.add_bos and whole.startswith(fam.bos) else whole
+            assert ours == theirs, f"{fam.name}, {name}"
+    finally:
+        server.close()
