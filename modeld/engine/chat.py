@@ -56,17 +56,19 @@ from modeld.manifest import ROLES, Segment, bytes_hash
 
 __all__ = [
     "RESERVED_ARGS",
-    "reasoning_name",
-    "with_template",
     "ChatRenderer",
     "Message",
+    "locate",
     "messages_for",
     "parse_template_args",
     "parse_tools",
+    "reasoning_name",
+    "with_template",
 ]
 
 RESERVED_ARGS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
-"""Template variables modeld sets itself: template arguments may not name them."""
+"""Template variables modeld sets itself: template arguments may not name them (the HTTP layer
+refuses the same names early, ``server/http/chat_template.RESERVED``)."""
 
 _MESSAGE_ROLES = (*ROLES, "developer")
 _THINKING = re.compile(
@@ -141,7 +143,7 @@ def _whole_message(raw: bytes, where: str, role: str) -> tuple[str, str, str]:
     """A ``message`` segment's JSON, checked: (role, its text content, the JSON)."""
     try:
         value = json.loads(raw.decode("utf-8"))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # too deep a nesting is as bad
         raise InvalidArgumentError(f"{where} is a message segment but not JSON: {exc}", field=where) from None
     if not isinstance(value, dict):
         raise InvalidArgumentError(f"{where} is a message segment but not a JSON object", field=where)
@@ -194,7 +196,7 @@ def parse_tools(tools_json: str) -> list[Any] | None:
         return None
     try:
         tools = json.loads(tools_json)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # too deep a nesting is as bad
         raise InvalidArgumentError(f"tools_json is not valid JSON: {exc}", field="tools_json") from exc
     if not isinstance(tools, list):
         raise InvalidArgumentError("tools_json must be a JSON array of tool definitions", field="tools_json")
@@ -207,7 +209,7 @@ def parse_template_args(args_json: str) -> dict[str, Any]:
         return {}
     try:
         args = json.loads(args_json)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # too deep a nesting is as bad
         raise InvalidArgumentError(
             f"template_args_json is not valid JSON: {exc}", field="template_args_json"
         ) from exc
