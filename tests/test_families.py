@@ -604,3 +604,67 @@ def test_harder_conversations_render_as_llama_server_renders_them_or_both_refuse
             assert ours == theirs, f"{fam.name}, {name}"
     finally:
         server.close()
+
+
+def chat_messages(fam: Family, turn: int, system: str) -> list[Any]:
+    """The conversation of ``turn`` as OpenAI chat messages (what both servers are sent)."""
+    messages: list[Any] = [{"role": "system", "content": system}, {"role": "user", "content": ASK}]
+    if turn >= 2 and fam.tools:
+        call = {
+            "id": CALL_ID,
+            "type": "function",
+            "function": {"name": TOOL["name"], "arguments": json.dumps(ARGS)},
+        }
+        messages += [
+            {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": REASONING},
+            {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT},
+        ]
+    elif turn >= 2:
+        messages += [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": FIX}]
+    if turn >= 3:
+        messages += [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": FIX}]
+    return messages
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
+def test_no_family_recomputes_more_than_llama_server(daemon: Clients, llama_server: str, fam: Family) -> None:
+    """The same three turns, byte for byte, on modeld and on llama-server (``--jinja``, one
+    slot, prompt caching on): each turn's prompt has the same tokens, and modeld computes no more
+    of them than llama-server does (measured here: exactly as many on every family and turn,
+    llama-server's rule being the same). llama-server answers 500 for gpt-oss and Command R (its
+    parser refuses output not in their format): those turns are compared on modeld's side only."""
+    system = f"Conversation {fam.name}-parity. {SYSTEM}"  # no earlier test warmed this text
+    tools = [{"type": "function", "function": TOOL}] if fam.tools else openai.NOT_GIVEN
+    server = LlamaServer(llama_server, ensure_family_model(fam.name))
+    theirs = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    try:
+        for t in (1, 2, 3):
+            messages = chat_messages(fam, t, system)
+            ours = daemon.openai.chat.completions.create(
+                model=fam.name,
+                messages=messages,
+                tools=tools,  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_headers={"X-Modeld-Conversation": f"{fam.name}-parity"},
+            ).usage
+            assert ours is not None and ours.prompt_tokens_details is not None
+            refused = ""
+            try:
+                peer = theirs.chat.completions.create(
+                    model=fam.name, messages=messages, tools=tools, max_tokens=MAX_TOKENS, temperature=0
+                ).usage
+            except openai.InternalServerError as err:
+                refused = err.message
+            if refused:
+                assert "does not match the expected" in refused, f"{fam.name}, turn {t}"
+                continue
+            assert peer is not None and peer.prompt_tokens_details is not None
+            assert ours.prompt_tokens == peer.prompt_tokens, f"{fam.name}, turn {t}"
+            computed = ours.prompt_tokens - (ours.prompt_tokens_details.cached_tokens or 0)
+            peer_computed = peer.prompt_tokens - (peer.prompt_tokens_details.cached_tokens or 0)
+            assert computed <= peer_computed, f"{fam.name}, turn {t}"
+    finally:
+        theirs.close()
+        server.close()
