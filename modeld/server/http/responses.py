@@ -131,8 +131,13 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 
 
 def _parts(content: Any, where: str) -> str:
+    return "".join(_texts(content, where))
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """A string, or the texts of an array of content parts (text parts only)."""
     if isinstance(content, str):
-        return content
+        return [content]
     if not isinstance(content, list):
         raise bad(where, f"{where} must be a string or an array of content parts")
     out: list[str] = []
@@ -150,7 +155,7 @@ def _parts(content: Any, where: str) -> str:
             out.append(str(part.get("refusal", "")))
         else:
             raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported (text parts only)")
-    return "".join(out)
+    return out
 
 
 def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
@@ -170,7 +175,10 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
             role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise bad(f"{at}.role", f"{at}.role must be user, assistant, system or developer")
-            out.append(Message(role, _parts(item.get("content"), f"{at}.content")))
+            texts = _texts(item.get("content"), f"{at}.content")
+            # Several parts stay parts (Codex sends its environment and the prompt so), as
+            # llama-server hands them to the template.
+            out.append(Message(role, "".join(texts), parts=tuple(texts) if len(texts) > 1 else ()))
         elif kind == "function_call":
             call = checked_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), at)
             if out and out[-1].role == "assistant":  # parallel calls: one assistant turn
