@@ -51,6 +51,11 @@ from tests.daemon_proc import modeld, serve_http, stop
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
+pytestmark = [pytest.mark.wire, pytest.mark.llama]
+
+BUILD_SECONDS = 3600
+"""A test that needs llama-server may wait for its first build (~10 minutes on 2 cores)."""
+
 SYSTEM = "You are a coding agent working in a Python repository. Read files before you answer. " * 8
 ASK = "Why does main() crash?"
 REASONING = "The traceback points at main.py; read it first."
@@ -383,7 +388,7 @@ def llama_server_binary() -> str:
     cached = subprocess.run([str(script), "--cached-only"], capture_output=True, text=True, check=False)
     if cached.returncode == 0 and cached.stdout.strip():
         return cached.stdout.strip().splitlines()[-1]
-    built = subprocess.run([str(script)], capture_output=True, text=True, check=False, timeout=3600)
+    built = subprocess.run([str(script)], capture_output=True, text=True, check=False, timeout=BUILD_SECONDS)
     if built.returncode != 0 or not built.stdout.strip():
         pytest.skip(f"llama-server could not be built here: {built.stderr.strip()[-400:]}")
     return built.stdout.strip().splitlines()[-1]
@@ -461,6 +466,7 @@ KNOWN: dict[str, str] = {}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(BUILD_SECONDS)
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_modelds_prompt_is_llama_servers_rendering(llama_server: str, fam: Family) -> None:
     """For every turn of the conversation, with thinking as the request leaves it and turned off:
@@ -575,6 +581,7 @@ def variants() -> dict[str, list[TurnMessage]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(BUILD_SECONDS)
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_harder_conversations_render_as_llama_server_renders_them_or_both_refuse(
     llama_server: str, fam: Family
@@ -627,6 +634,7 @@ def chat_messages(fam: Family, turn: int, system: str) -> list[Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(BUILD_SECONDS)
 @pytest.mark.parametrize("fam", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_no_family_recomputes_more_than_llama_server(daemon: Clients, llama_server: str, fam: Family) -> None:
     """The same three turns, byte for byte, on modeld and on llama-server (``--jinja``, one
