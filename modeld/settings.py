@@ -118,6 +118,11 @@ class HttpSettings:
     one's session is closed."""
     conversation_idle_seconds: float = setting(600.0, "--conversation-idle", _HTTP, parse_duration)
     """A conversation idle this long has its session closed (0: never)."""
+    chat_templates: tuple[str, ...] = setting(
+        (), "--chat-template-file", _HTTP, metavar="NAME=PATH", repeat=True
+    )
+    """Render the model served as NAME with the Jinja chat template in PATH instead of its
+    file's (repeatable; llama-server's --chat-template-file, per model)."""
     tool_formats: tuple[str, ...] = setting((), "--tool-format", _HTTP, metavar="NAME=FORMAT", repeat=True)
     """The tool-call format of the model served as NAME, instead of the one recognised from its
     chat template (repeatable; a family such as hermes, qwen3_coder, harmony, glm45; none: no

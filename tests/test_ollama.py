@@ -137,3 +137,20 @@ def test_errors_are_ollama_shaped(daemon: Daemon) -> None:
     with pytest.raises(ollama.ResponseError) as image:
         daemon.client.chat(model=MODEL, messages=[{"role": "user", "content": "hi", "images": [b"\x89PNG"]}])
     assert image.value.status_code == 400 and "images" in image.value.error
+
+
+def test_think_reaches_the_template_as_enable_thinking_or_an_effort() -> None:
+    """Ollama's ``think``: a boolean is the template's ``enable_thinking``, a level (gpt-oss)
+    its ``reasoning_effort``; absent, the template's defaults (tests/test_families.py runs the
+    rendering end to end)."""
+    from modeld.server.http.ollama.request import parse_chat
+    from modeld.settings import Limits
+
+    def args(**extra: object) -> dict[str, object]:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+        return dict(parse_chat(body, {}, Limits(), began=0.0).turn.template_args)
+
+    assert args(think=False) == {"enable_thinking": False}
+    assert args(think=True) == {"enable_thinking": True}
+    assert args(think="high") == {"reasoning_effort": "high"}
+    assert args() == {}

@@ -349,7 +349,9 @@ def test_metrics_count_turns_and_parse_with_prometheus_client(daemon: Daemon) ->
     messages = conversation("metrics")
     done = daemon.client.chat.completions.create(model="modeld-tiny", messages=messages, max_tokens=3)
     after = daemon.metrics()
-    prefix = tokens(chatml(messages[:1], generation=False))
+    # The prefix: the system turn as the template renders it once a user turn follows, through
+    # that turn's header (blueprint 0010).
+    prefix = tokens(chatml(messages[:1], generation=False) + "<|im_start|>user\n")
     extension = done.model_extra["modeld"]  # type: ignore[index]
     assert done.usage is not None
     assert (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -226,3 +227,22 @@ def test_refused_and_unknown_fields_name_themselves(daemon: Daemon) -> None:
     assert "input[0]" in err.value.body["param"]  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         daemon.client.responses.create(model="gpt-5", input="x")
+
+
+def test_a_stored_conversation_keeps_every_field_its_template_reads(tmp_path: Path) -> None:
+    """A response continued by ``previous_response_id`` renders its history from the store: the
+    store keeps what the template is given (a result's call id and name, content parts), so the
+    history renders as it rendered when it was new."""
+    from modeld.contract import ToolCall
+    from modeld.server.http.responses.store import ResponseStore, Stored
+    from modeld.server.http.turn import Message
+
+    history = (
+        Message("user", "ab", parts=("a", "b")),
+        Message("assistant", "", (ToolCall("call00001", "read_file", '{"path": "x"}'),), "why"),
+        Message("tool", "x = 1", tool_call_id="call00001", name="read_file"),
+    )
+    store = ResponseStore(tmp_path)
+    assert store.put(Stored("resp_" + "0" * 24, {"id": "r"}, history, "conv", time.time()))
+    got = store.get("resp_" + "0" * 24)
+    assert got is not None and got.history == history

@@ -20,10 +20,12 @@ a conversation whose session is busy runs on a session of its own, closed when i
 (sessions are not for concurrent use). A session goes back to its conversation only once the
 engine has really stopped working on it (a cancelled request interrupts the engine first).
 
-It also remembers the exact text of the tool calls it returned (the last
-:data:`REMEMBERED_CALLS` replies, by their call ids), so when a tool sends those calls back in
-the history they are written as the model generated them and the next turn reuses every
-generated token (``blueprints/0018``).
+It also remembers how the model wrote the arguments of the tool calls it returned (the last
+:data:`REMEMBERED_CALLS` calls, by id: the JSON text in ``StreamChunk.tool_text`` that the
+parser read them from; a client gets them re-serialized). When a client sends such a call back
+unchanged, its arguments go to the template as the model wrote them, so a template that shows
+arguments text as it is renders the call byte for byte and the next turn reuses every
+generated token (``blueprints/0010``, ``0018``).
 
 Usage (:class:`TurnUsage`), the same numbers on every API: ``prompt_tokens`` the turn's whole
 prompt; ``cached_tokens`` those not computed this turn (reused from warm state: the KV, or a
@@ -35,11 +37,12 @@ volatile suffix, and anything another session displaced).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
 from modeld.contract import (
@@ -67,7 +70,7 @@ from modeld.errors import (
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
-from modeld.server.http.turn import Turn, chat_inputs, split_point
+from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args_json
 
 __all__ = [
     "REMEMBERED_CALLS",
@@ -83,8 +86,8 @@ __all__ = [
     "first_event",
 ]
 
-REMEMBERED_CALLS = 256
-"""Replies with tool calls whose exact text is kept (a few KiB each at most)."""
+REMEMBERED_CALLS = 1024
+"""Tool calls whose arguments text, as the model wrote it, is kept (by call id)."""
 
 log = logging.getLogger("modeld.http")
 
@@ -255,21 +258,29 @@ class Conversations:
             entry.busy = False
             entry.last_used = time.monotonic()
 
-    def remember_calls(self, calls: Sequence[ToolCall], text: str) -> None:
-        """The calls of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
-        if not calls or not text:
-            return
-        key = call_key(calls)  # ids, names and arguments: some families repeat their ids
-        with self._lock:
-            self._calls[key] = text
-            self._calls.move_to_end(key)
-            while len(self._calls) > REMEMBERED_CALLS:
-                self._calls.popitem(last=False)
+    def remember_calls(self, calls: tuple[ToolCall, ...], text: str) -> None:
+        """The model wrote ``calls`` as ``text`` (``StreamChunk.tool_text``): keep each call's
+        arguments as written there (found as the JSON object equal to its arguments), by the
+        call's id, name and arguments (:func:`~modeld.decoding.tools.call_key`: families with
+        ids of their own repeat them, Kimi's ``functions.NAME:0`` in every turn, so the id
+        alone would recall another turn's call)."""
+        for call in calls:
+            written = written_arguments(text, call.arguments)
+            if written is None or written == call.arguments:
+                continue
+            key = call_key([call])
+            with self._lock:
+                self._calls[key] = written
+                self._calls.move_to_end(key)
+                while len(self._calls) > REMEMBERED_CALLS:
+                    self._calls.popitem(last=False)
 
-    def recall_calls(self, calls: Sequence[ToolCall]) -> str | None:
-        """The generated text of ``calls`` (in order, as returned), if remembered."""
+    def recall(self, call: ToolCall) -> str:
+        """The arguments of ``call`` as the model wrote them, when it is one this daemon returned
+        and the client sent it back (its arguments equal as JSON); else as the client sent them."""
         with self._lock:
-            return self._calls.get(call_key(calls))
+            written = self._calls.get(call_key([call]))
+        return call.arguments if written is None else written
 
     def sweep(self) -> int:
         """Close conversations idle for longer than ``idle_seconds`` (0: never); returns how many."""
@@ -317,19 +328,17 @@ class Conversations:
             raise from_modeld(exc, incident_id()) from None
 
     def inputs(self, turn: Turn, info: ModelInfo) -> tuple[PrefixInput, SuffixInput | None]:
-        """The turn as the contract's prefix and suffix for this model (its tool-call format)."""
+        """The turn as the contract's prefix and suffix (messages whole: the model's template
+        renders them, tool calls in its own format)."""
         if not turn.chat:
             return PrefixInput(text=turn.prompt or ""), None
-        fmt = (
-            self._format(turn) or info.tool_format or "hermes"
-        )  # calls in the history, in the model's format
         return chat_inputs(
             turn.messages,
             split_point(turn.messages),
             turn.tools_json,
-            fmt,
-            self.recall_calls,
             f"http.{turn.api}",
+            template_args_json(turn),
+            self.recall,
         )
 
     def _format(self, turn: Turn) -> str:
@@ -343,11 +352,13 @@ class Conversations:
         status = await session.ensure_prefix(prefix)
         restored = 0
         suffix_tokens = 0
+        kept = status.prefix_tokens
         if suffix is not None:
             after = await session.prefill_suffix(suffix)
             restored, suffix_tokens = after.restored_tokens, after.suffix_tokens
-        prompt = status.prefix_tokens + suffix_tokens
-        cached = max(0, status.reused_tokens - restored)
+            kept = after.prefix_tokens  # the template may have cut the prefix back (blueprint 0010)
+        prompt = kept + suffix_tokens
+        cached = max(0, min(status.reused_tokens, kept) - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
         message = await self._diverged_message(session, status) if turn.chat else None
         if status.reuse.diverged_at_token is not None:
@@ -437,7 +448,7 @@ class Conversations:
         calls = chunk.tool_calls + ((chunk.signal,) if chunk.signal is not None else ())
         if not turn.parallel_tool_calls:
             calls = calls[:1]
-        if chunk.tool_calls:
+        if chunk.tool_calls and chunk.tool_text:
             self.remember_calls(chunk.tool_calls, chunk.tool_text)
         return Finished(
             chunk.finish_reason or "stop",
@@ -492,6 +503,25 @@ def _usage(usage: Usage | None, started: TurnUsage, reasoning_tokens: int) -> Tu
         draft_batches=usage.draft_batches,
         forced_tokens=usage.forced_tokens,
     )
+
+
+def written_arguments(text: str, arguments: str) -> str | None:
+    """The JSON object in ``text`` equal to ``arguments`` (JSON text), as written there."""
+    try:
+        wanted = json.loads(arguments)
+    except ValueError:
+        return None
+    decoder = json.JSONDecoder()
+    at = text.find("{")
+    while at >= 0:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            value, end = None, at + 1
+        if value == wanted and isinstance(value, dict):
+            return text[at:end]
+        at = text.find("{", at + 1)
+    return None
 
 
 def _close(hosted: TransportSession) -> None:

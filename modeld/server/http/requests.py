@@ -47,6 +47,7 @@ __all__ = [
     "conversation_keys",
     "function_tool",
     "ident",
+    "ident_field",
     "key_value",
     "response_format",
     "samplers",
@@ -108,6 +109,13 @@ def ident(value: object, where: str, *, required: bool = True) -> str:
         what = "a non-empty string" if required else "a string"
         raise bad(where, f"{where} must be {what} of at most {MAX_KEY_CHARS} characters")
     return value
+
+
+def ident_field(obj: Mapping[str, Any], key: str, where: str) -> str:
+    """An optional id or name field of a message (``tool_call_id``, ``name``): "" when absent,
+    else as :func:`ident` checks it."""
+    value = obj.get(key)
+    return "" if value is None else ident(value, f"{where}.{key}", required=False)
 
 
 MEDIA = frozenset({"image", "image_url", "input_image", "document", "file", "input_file", "input_audio"})

@@ -43,6 +43,7 @@ from typing import Any
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad
 from modeld.server.http.fields import MAX_KEY_CHARS, integer, model_name, obj, refuse_unknown, stop_list
@@ -153,13 +154,13 @@ def _system(value: Any) -> str:
 
 
 def _tool_result(block: Mapping[str, Any], at: str) -> Message:
-    ident(block.get("tool_use_id"), f"{at}.tool_use_id")
+    call_id = ident(block.get("tool_use_id"), f"{at}.tool_use_id")
     content = block.get("content")
     text = "" if content is None else "\n".join(_text_blocks(content, f"{at}.content"))
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise bad(f"{at}.is_error", f"{at}.is_error must be a boolean")
-    return Message("tool", f"Error: {text}" if is_error else text)
+    return Message("tool", f"Error: {text}" if is_error else text, tool_call_id=call_id)
 
 
 def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
@@ -219,7 +220,8 @@ def _assistant(content: list[Any], where: str) -> Message:
             continue  # opaque to modeld: nothing to show the model
         else:
             text_part(block, at)  # refuses images, documents and unknown blocks by name
-    return Message("assistant", "".join(text), tuple(calls), "".join(reasoning))
+    parts = tuple(text) if len(text) > 1 else ()  # several text blocks: parts, as llama-server reads them
+    return Message("assistant", "".join(text), tuple(calls), "".join(reasoning), parts=parts)
 
 
 def _user(content: list[Any], where: str) -> list[Message]:
@@ -232,14 +234,20 @@ def _user(content: list[Any], where: str) -> list[Message]:
             raise bad(at, f"{at} must be an object")
         if block.get("type") == "tool_result":
             if text:
-                out.append(Message("user", "".join(text)))
+                out.append(_user_text(text))
                 text = []
             out.append(_tool_result(block, at))
         else:
             text.append(text_part(block, at) or "")
     if text or not out:
-        out.append(Message("user", "".join(text)))
+        out.append(_user_text(text))
     return out
+
+
+def _user_text(text: list[str]) -> Message:
+    """A user message of text blocks; several are its content's parts (a template that reads
+    parts sees each, another their text joined by newlines: what llama-server does)."""
+    return Message("user", "".join(text), parts=tuple(text) if len(text) > 1 else ())
 
 
 def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...], list[str]]:
@@ -316,6 +324,15 @@ def _thinking(body: Mapping[str, Any]) -> str:
     return "omit" if display == "omitted" else "show"
 
 
+def _thinking_args(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``thinking.type`` as the template's ``enable_thinking`` (checked by :func:`_thinking`):
+    disabled turns it off, enabled and adaptive on; absent leaves the template's default."""
+    thinking = obj(body, "thinking")
+    if thinking is None:
+        return ()
+    return template_args(enable_thinking=thinking.get("type") != "disabled")
+
+
 MAX_USER_ID_CHARS = 4096
 
 
@@ -376,6 +393,7 @@ def parse_messages(
         max_tokens=max_tokens,
         parallel_tool_calls=parallel,
         omitted_tools=hosted,
+        template_args=_thinking_args(body),
     )
     return MessagesAsked(turn, thinking=_thinking(body))
 

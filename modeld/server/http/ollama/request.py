@@ -35,10 +35,18 @@ from typing import Any
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, obj, refuse_unknown, stop_list
-from modeld.server.http.requests import SamplerField, SamplerMap, conversation_keys, response_format, samplers
+from modeld.server.http.requests import (
+    SamplerField,
+    SamplerMap,
+    conversation_keys,
+    ident_field,
+    response_format,
+    samplers,
+)
 from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
@@ -174,13 +182,17 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
         raise bad("messages", "messages must be an array")
     limits.check("max_messages", len(messages), "messages")
     out: list[Message] = []
+    pending: list[str] = []  # the last assistant's call ids its results have not named yet
+    numbered = 0
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad(where, f"{where} must be an object")
         refuse_unknown(
             message,
-            frozenset({"role", "content", "images", "tool_calls", "thinking", "tool_name", "name"}),
+            frozenset(
+                {"role", "content", "images", "tool_calls", "thinking", "tool_name", "name", "tool_call_id"}
+            ),
             where,
         )
         role = message.get("role")
@@ -211,8 +223,34 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
                     f'{at} must be {{"function": {{"name": ..., "arguments": {{...}}}}}} on an assistant message',
                 )
             call_id = call.get("id") if isinstance(call.get("id"), str) else ""
-            calls.append(ToolCall(call_id[:256], name, json.dumps(arguments, ensure_ascii=False)))
-        out.append(Message(role, content, tuple(calls), thinking))
+            numbered += 1
+            # Ollama's calls carry no id: number them in order (9 characters: templates such as
+            # Mistral's want that), so their results can name them and every turn renders alike.
+            calls.append(
+                ToolCall(
+                    call_id[:MAX_KEY_CHARS] or f"call{numbered:05d}",
+                    name,
+                    json.dumps(arguments, ensure_ascii=False),
+                )
+            )
+        ids = {k: ident_field(message, k, where) for k in ("tool_call_id", "tool_name", "name")}
+        if calls:
+            pending = [c.id for c in calls]
+        answered = ""
+        if role == "tool":  # a result answers the call it names, else the next one in order
+            answered = ids["tool_call_id"] or (pending[0] if pending else "")
+            if answered in pending:
+                pending.remove(answered)
+        out.append(
+            Message(
+                role,
+                content,
+                tuple(calls),
+                thinking,
+                tool_call_id=answered,
+                name=ids["tool_name"] or ids["name"] or "",
+            )
+        )
     return out
 
 
@@ -224,6 +262,17 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> str:
         raise bad("tools", "tools must be an array of tool objects")
     limits.check("max_tools", len(tools), "tools")
     return json.dumps(tools, ensure_ascii=False)
+
+
+def _think_args(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``think`` as the template's: a boolean is ``enable_thinking``, a level (gpt-oss) is
+    ``reasoning_effort``; absent leaves the template's default (checked by :func:`_think`)."""
+    think = body.get("think")
+    if isinstance(think, bool):
+        return template_args(enable_thinking=think)
+    if think in ("low", "medium", "high"):
+        return template_args(reasoning_effort=think, effort_field="think")
+    return ()
 
 
 def _think(body: Mapping[str, Any]) -> bool:
@@ -238,7 +287,8 @@ def _think(body: Mapping[str, Any]) -> bool:
 def parse_chat(
     body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, began: float
 ) -> OllamaAsked:
-    """An ``/api/chat`` body as a Turn, whether to show thinking, and keep_alive."""
+    """An ``/api/chat`` body as its turn, whether to show thinking, and keep_alive (``began``:
+    when the request began, for Ollama's durations)."""
     refuse_unknown(body, _CHAT_FIELDS)
     model = model_of(body)
     tools_json = _tools(body, limits)
@@ -255,6 +305,7 @@ def parse_chat(
         tools_json=tools_json,
         max_tokens=predict,
         num_ctx=num_ctx,
+        template_args=_think_args(body),
     )
     alive = keep_alive(body.get("keep_alive"))
     return OllamaAsked(turn, alive, think=_think(body), began=began, chat=True)

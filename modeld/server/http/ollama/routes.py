@@ -12,6 +12,7 @@ from starlette.routing import Route
 
 from modeld.errors import echo
 from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.chat_template import template_meta
 from modeld.server.http.errors import HttpError, bad
 from modeld.server.http.ollama.answer import OLLAMA, OLLAMA_API_VERSION, details, digest, modified, now
 from modeld.server.http.ollama.request import parse_chat, parse_generate
@@ -52,7 +53,7 @@ def routes(service: HttpService) -> list[Route]:
         capabilities = ["completion"]
         if info.tool_format:
             capabilities.append("tools")
-        if "<think>" in info.chat_template:
+        if info.reasoning_format:
             capabilities.append("thinking")
         return JSONResponse(
             {
@@ -68,6 +69,8 @@ def routes(service: HttpService) -> list[Route]:
                     # What it takes in memory here (``modeld describe``): weights, KV per
                     # token, the layout's KV and compute, the total, the largest window.
                     **{f"modeld.{k}": v for k, v in asdict(info.footprint).items()},
+                    # Which chat template it renders with (GET /v1/models says the same).
+                    **{f"modeld.chat_template.{k}": v for k, v in template_meta(info).items()},
                 },
                 "capabilities": capabilities,
                 "modified_at": modified(entry),

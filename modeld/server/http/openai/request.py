@@ -32,6 +32,7 @@ from typing import Any
 from modeld.contract import SPECULATION_MODES, DecodeConfig, ToolCall
 from modeld.decoding.samplers import sampler
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import MAX_TOOL_CALLS, boolean, choice, integer, model_name, stop_list
@@ -40,6 +41,7 @@ from modeld.server.http.requests import (
     SamplerMap,
     checked_call,
     conversation_keys,
+    ident_field,
     key_value,
     response_format,
     samplers,
@@ -119,6 +121,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 _CHAT_MAPPED = {
     "model",
+    "chat_template_kwargs",
     "messages",
     "stream",
     "stream_options",
@@ -301,7 +304,20 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
         reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
         if not isinstance(reasoning, str):
             raise bad(f"{where}.reasoning_content", f"{where}.reasoning_content must be a string")
-        out.append(Message(role, _content(message, where), calls, reasoning))
+        text = _content(message, where)  # checks the parts: text parts only
+        content = message.get("content")
+        parts = tuple(p["text"] for p in content) if isinstance(content, list) else ()
+        out.append(
+            Message(
+                role,
+                text,
+                calls,
+                reasoning,
+                tool_call_id=ident_field(message, "tool_call_id", where) if role == "tool" else "",
+                name=ident_field(message, "name", where),
+                parts=parts,
+            )
+        )
     return out
 
 
@@ -400,6 +416,10 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
         max_tokens=max_tokens,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         n=_choices(body, stream, limits),
+        template_args=template_args(
+            body.get("chat_template_kwargs"),
+            reasoning_effort=body.get("reasoning_effort"),
+        ),
     )
     return OpenAIAsked(turn, include_usage=include_usage)
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from modeld.contract import DecodeConfig
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, model_name, obj, refuse_unknown, string
 from modeld.server.http.requests import (
@@ -138,7 +139,12 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 
 
 def _parts(content: Any, where: str) -> str:
-    return "".join(text_parts(content, where, TEXT_PARTS))
+    return "".join(_texts(content, where))
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """A string, or the texts of an array of content parts (text parts only)."""
+    return text_parts(content, where, TEXT_PARTS)
 
 
 def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
@@ -158,7 +164,10 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
             role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise bad(f"{at}.role", f"{at}.role must be user, assistant, system or developer")
-            out.append(Message(role, _parts(item.get("content"), f"{at}.content")))
+            texts = _texts(item.get("content"), f"{at}.content")
+            # Several parts stay parts (Codex sends its environment and the prompt so), as
+            # llama-server hands them to the template.
+            out.append(Message(role, "".join(texts), parts=tuple(texts) if len(texts) > 1 else ()))
         elif kind == "function_call":
             call = checked_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), at)
             if out and out[-1].role == "assistant":  # parallel calls: one assistant turn
@@ -167,9 +176,10 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
             else:
                 out.append(Message("assistant", "", (call,)))
         elif kind == "function_call_output":
-            ident(item.get("call_id"), f"{at}.call_id")
+            call_id = ident(item.get("call_id"), f"{at}.call_id")
             output = item.get("output")
-            out.append(Message("tool", output if isinstance(output, str) else _parts(output, f"{at}.output")))
+            text = output if isinstance(output, str) else _parts(output, f"{at}.output")
+            out.append(Message("tool", text, tool_call_id=call_id))
         elif kind == "reasoning":
             thought = _parts(item.get("content") or item.get("summary") or [], f"{at}.content")
             if out and out[-1].role == "assistant" and not out[-1].content:
@@ -295,5 +305,19 @@ def parse_response_request(
         max_tokens=integer(body, "max_output_tokens", 1, 1 << 30),
         parallel_tool_calls=parallel is not False,
         omitted_tools=hosted,
+        template_args=_reasoning(body),
     )
     return turn, store is not False, tuple(new)
+
+
+def _reasoning(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``reasoning.effort`` as the template's (``none``: thinking off); its summary settings are
+    the hosted service's (no effect here)."""
+    reasoning = obj(body, "reasoning")
+    if reasoning is None:
+        return ()
+    refuse_unknown(reasoning, frozenset({"effort", "summary", "generate_summary"}), "reasoning")
+    effort = reasoning.get("effort")
+    return (
+        template_args(reasoning_effort=effort, effort_field="reasoning.effort") if effort is not None else ()
+    )
