@@ -351,7 +351,7 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
             entries[entry.name] = entry
         models_dir = Path(http.models_dir) if http.models_dir else None
         fallback = default_models(backend) if not entries and models_dir is None else None
-        registry = ModelRegistry(backend, entries, models_dir, fallback)
+        registry = ModelRegistry(backend, entries, models_dir, fallback, aliases=http.aliases)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None
     return address, registry

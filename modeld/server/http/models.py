@@ -9,6 +9,11 @@ only, never paths: ``/v1/models`` lists names, and errors about a model name it.
 resolved by the daemon when it starts (relative to its working directory) and checked to
 exist, so a typo fails at ``serve``, not at the first request.
 
+``--alias PATTERN=MODEL`` (repeatable, first match wins) serves a name no model is registered
+under that matches the glob PATTERN by MODEL, so an agent's default model names (Claude Code's
+``claude-*``, Codex's ``gpt-*``) work with no client setting; the answer keeps the name the
+client asked for, and ``/v1/models`` lists the patterns.
+
 ``--models-dir`` is read again when a name is not found (at most once a second), so a model
 copied into the directory is served without a restart: GGUF files (``NAME.gguf``) for llama
 and OpenVINO, IR directories (``NAME/openvino_model.xml``) for OpenVINO, any file for memory.
@@ -16,6 +21,7 @@ and OpenVINO, IR directories (``NAME/openvino_model.xml``) for OpenVINO, any fil
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import threading
 import time
@@ -31,6 +37,7 @@ __all__ = [
     "ModelRegistry",
     "RegistryError",
     "default_model",
+    "parse_alias",
 ]
 
 DEFAULT_MODEL_NAME = "modeld-tiny"
@@ -78,6 +85,18 @@ def parse_model_option(spec: str, backend: str) -> ModelEntry:
     if not path.exists():
         raise RegistryError(f"--model {name}={raw}: {raw} does not exist")
     return ModelEntry(name, str(path.resolve()), _created(path))
+
+
+def parse_alias(spec: str) -> tuple[str, str]:
+    """``PATTERN=MODEL`` from the command line (a glob pattern, a model name)."""
+    pattern, sep, target = spec.partition("=")
+    if not sep or not pattern or not target:
+        raise RegistryError(f"--alias wants PATTERN=MODEL (e.g. 'claude-*=modeld-reply'), got {spec!r}")
+    if len(pattern) > MAX_NAME_CHARS or any(c.isspace() or not c.isprintable() for c in pattern):
+        raise RegistryError(
+            f"--alias pattern {pattern[:MAX_NAME_CHARS]!r} must be 1-{MAX_NAME_CHARS} printable characters without spaces"
+        )
+    return pattern, _check_name(target)
 
 
 def _scan(directory: Path, backend: str) -> dict[str, ModelEntry]:
@@ -133,6 +152,8 @@ class ModelRegistry:
         models: Mapping[str, ModelEntry] | None = None,
         models_dir: Path | None = None,
         fallback: ModelEntry | tuple[ModelEntry, ...] | None = None,
+        *,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self.backend = backend
         self._explicit = dict(models or {})
@@ -148,6 +169,10 @@ class ModelRegistry:
             self._rescan(force=True)
         if not self._explicit and self._dir is None and not self._fallback:
             raise RegistryError("no model is registered")
+        self.aliases = tuple(parse_alias(spec) for spec in aliases)
+        for pattern, target in self.aliases:
+            if self._get(target) is None:
+                raise RegistryError(f"--alias {pattern}={target}: no model is registered as {target}")
 
     def _rescan(self, *, force: bool = False) -> None:
         if self._dir is None:
@@ -180,6 +205,17 @@ class ModelRegistry:
         return None
 
     def get(self, name: str) -> ModelEntry | None:
+        """The model registered as ``name``, else the target of the first alias whose pattern
+        matches it (None: neither)."""
+        entry = self._get(name)
+        if entry is not None:
+            return entry
+        for pattern, target in self.aliases:
+            if fnmatch.fnmatchcase(name, pattern):
+                return self._get(target)
+        return None
+
+    def _get(self, name: str) -> ModelEntry | None:
         with self._lock:
             entry = self._explicit.get(name) or self._scanned.get(name)
         if entry is None:

@@ -34,7 +34,7 @@ from modeld.decoding.sampling import choice_seed
 from modeld.decoding.tools import format_calls
 from modeld.manifest import ContextManifest, Segment
 
-__all__ = ["Keys", "Message", "Recall", "Turn", "chat_inputs", "split_point"]
+__all__ = ["Keys", "Message", "Recall", "Turn", "chat_inputs", "split_point", "turn_bytes"]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -97,6 +97,7 @@ class Turn:
     num_ctx: int = 0  # a context window the request asks for (Ollama's options.num_ctx); 0: default
     omitted_tools: tuple[str, ...] = ()
     n: int = 1  # choices (OpenAI's n): decoded together from the same prompt (else one after another)
+    truncate: bool = False  # a prompt beyond the window loses its oldest messages (Ollama's way)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -115,6 +116,20 @@ class Turn:
         return self.keys.resolve() or (
             f"completions:{self.model}" if not self.chat else auto_key(self.model, self.messages)
         )
+
+
+def turn_bytes(turn: Turn) -> int:
+    """The bytes of text the turn sends the model (its messages, calls and tools, or its raw
+    prompt): what its prompt's size is estimated from before it is counted."""
+    if not turn.chat:
+        return len((turn.prompt or "").encode("utf-8", "surrogatepass"))
+    size = len(turn.tools_json.encode("utf-8", "surrogatepass"))
+    for m in turn.messages:
+        size += len(m.content.encode("utf-8", "surrogatepass")) + len(
+            m.reasoning.encode("utf-8", "surrogatepass")
+        )
+        size += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) for c in m.calls)
+    return size
 
 
 def auto_key(model: str, messages: Sequence[Message]) -> str:

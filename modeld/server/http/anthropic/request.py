@@ -354,9 +354,7 @@ def parse_messages(
     system = _system(body.get("system"))
     messages = ([Message("system", system)] if system else []) + _messages(body, limits)
     tools_json, hosted, names = _tools(body, limits)
-    choice, parallel = _tool_choice(body, names)
-    if choice == "none":
-        tools_json = ""  # the model is not shown tools it may not call
+    choice, parallel = _tool_choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix)
     output = obj(body, "output_config") or {}
     refuse_unknown(output, frozenset({"effort", "format"}), "output_config")
     constraint = response_format(output.get("format"), "output_config.format")

@@ -28,6 +28,7 @@ JSON object per line, the last with ``done: true``, ``done_reason`` and the coun
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,7 +43,18 @@ from modeld.server.http.requests import SamplerField, SamplerMap, conversation_k
 from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
-__all__ = ["SAMPLERS", "OllamaAsked", "keep_alive", "model_of", "parse_chat", "parse_generate"]
+__all__ = [
+    "SAMPLERS",
+    "UNLOAD",
+    "OllamaAsked",
+    "ignored",
+    "keep_alive",
+    "model_of",
+    "parse_chat",
+    "parse_generate",
+]
+
+log = logging.getLogger("modeld.http")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +65,7 @@ class OllamaAsked(Asked):
     think: bool = True
     began: float = 0.0
     chat: bool = True
+    unload: bool = False  # keep_alive 0: unload the model once answered
 
 
 SAMPLERS: SamplerMap = {
@@ -89,7 +102,9 @@ _OPTIONS = frozenset(
         "num_keep",
     }
 )
-_CHAT_FIELDS = frozenset({"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think"})
+_CHAT_FIELDS = frozenset(
+    {"model", "messages", "tools", "format", "options", "stream", "keep_alive", "think", "truncate", "shift"}
+)
 _GENERATE_FIELDS = frozenset(
     {
         "model",
@@ -105,6 +120,8 @@ _GENERATE_FIELDS = frozenset(
         "images",
         "context",
         "template",
+        "truncate",
+        "shift",
     }
 )
 _DURATION = re.compile(r"^(-?\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)?$")
@@ -120,9 +137,13 @@ def model_of(body: Mapping[str, Any]) -> str:
     return model.removesuffix(":latest")
 
 
+UNLOAD = -1.0
+"""``keep_alive: 0``: unload the model once the request is answered (Ollama's way)."""
+
+
 def keep_alive(value: Any) -> float | None:
     """Ollama's ``keep_alive`` (seconds, or a duration such as ``5m``) in seconds; None: unset.
-    A negative value means "keep it" (0 to modeld: no idle limit)."""
+    A negative value means "keep it" (0 to modeld: no idle limit); 0 is :data:`UNLOAD`."""
     if value is None:
         return None
     if isinstance(value, bool):
@@ -136,13 +157,24 @@ def keep_alive(value: Any) -> float | None:
             "keep_alive",
             f"keep_alive must be a number of seconds or a duration such as '5m', got {echo(value)}",
         )
+    if seconds == 0:
+        return UNLOAD
     return 0.0 if seconds < 0 else min(seconds, 365 * 24 * 3600.0)
+
+
+def ignored(fields: Mapping[str, Any], known: frozenset[str], where: str) -> list[str]:
+    """The fields of ``fields`` this endpoint does not know: ignored with a warning in the
+    daemon's log, as Ollama does ("invalid option provided"), never a 400."""
+    unknown = sorted(k for k in fields if k not in known)
+    if unknown:
+        log.warning("ollama: ignored unknown %s: %s", where, ", ".join(echo(k) for k in unknown[:16]))
+    return unknown
 
 
 def _decode(body: Mapping[str, Any], tools: bool, limits: Limits) -> tuple[DecodeConfig, int | None, int]:
     """(the decode config, num_predict, num_ctx) from ``options`` and ``format``."""
     options = obj(body, "options") or {}
-    refuse_unknown(options, _OPTIONS, "options")
+    ignored(options, _OPTIONS, "options")
     values: dict[str, Any] = samplers(options, SAMPLERS, where="options")
     predict = integer(options, "num_predict", -2, 1 << 30, param="options.num_predict")
     num_ctx = integer(options, "num_ctx", 1, 1 << 24, param="options.num_ctx") or 0
@@ -180,7 +212,9 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
             raise bad(where, f"{where} must be an object")
         refuse_unknown(
             message,
-            frozenset({"role", "content", "images", "tool_calls", "thinking", "tool_name", "name"}),
+            frozenset(
+                {"role", "content", "images", "tool_calls", "thinking", "tool_name", "name", "tool_call_id"}
+            ),
             where,
         )
         role = message.get("role")
@@ -239,7 +273,7 @@ def parse_chat(
     body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, began: float
 ) -> OllamaAsked:
     """An ``/api/chat`` body as a Turn, whether to show thinking, and keep_alive."""
-    refuse_unknown(body, _CHAT_FIELDS)
+    ignored(body, _CHAT_FIELDS, "fields")
     model = model_of(body)
     tools_json = _tools(body, limits)
     decode, predict, num_ctx = _decode(body, bool(tools_json), limits)
@@ -255,16 +289,17 @@ def parse_chat(
         tools_json=tools_json,
         max_tokens=predict,
         num_ctx=num_ctx,
+        truncate=boolean(body, "truncate") is not False,
     )
     alive = keep_alive(body.get("keep_alive"))
-    return OllamaAsked(turn, alive, think=_think(body), began=began, chat=True)
+    return OllamaAsked(turn, alive, think=_think(body), began=began, chat=True, unload=alive == UNLOAD)
 
 
 def parse_generate(
     body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, began: float
 ) -> OllamaAsked:
     """An ``/api/generate`` body as a Turn (``raw``: the prompt as given)."""
-    refuse_unknown(body, _GENERATE_FIELDS)
+    ignored(body, _GENERATE_FIELDS, "fields")
     for name in ("context", "template", "suffix"):
         if body.get(name):
             raise unsupported(
@@ -287,6 +322,7 @@ def parse_generate(
         "stream": boolean(body, "stream") is not False,
         "max_tokens": predict,
         "num_ctx": num_ctx,
+        "truncate": boolean(body, "truncate") is not False,
     }
     if raw:
         turn = Turn(api="ollama.generate", prompt=system + prompt, **common)
@@ -294,4 +330,4 @@ def parse_generate(
         messages = ([Message("system", system)] if system else []) + [Message("user", prompt)]
         turn = Turn(api="ollama.generate", messages=tuple(messages), **common)
     alive = keep_alive(body.get("keep_alive"))
-    return OllamaAsked(turn, alive, think=_think(body), began=began, chat=False)
+    return OllamaAsked(turn, alive, think=_think(body), began=began, chat=False, unload=alive == UNLOAD)

@@ -349,8 +349,7 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, str]:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad("tools", "tools must be an array of tool objects")
     limits.check("max_tools", len(tools), "tools")
-    if mode == "none":
-        return "", "none"  # the model is not shown tools it may not call
+    # "none" keeps the tools in the prompt (the warm prefix stays the same) and forbids calls.
     return json.dumps(tools, ensure_ascii=False), mode
 
 

@@ -158,9 +158,14 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
             role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise bad(f"{at}.role", f"{at}.role must be user, assistant, system or developer")
-            out.append(Message(role, _parts(item.get("content"), f"{at}.content")))
+            text = _parts(item.get("content"), f"{at}.content")
+            last = out[-1] if out else None
+            if role == "assistant" and last is not None and _thought_only(last):
+                out[-1] = replace(last, content=text)  # a reasoning item and its message: one turn
+            else:
+                out.append(Message(role, text))
         elif kind == "function_call":
-            call = checked_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), at)
+            call = checked_call(item.get("call_id"), _qualified(item, at), item.get("arguments", "{}"), at)
             if out and out[-1].role == "assistant":  # parallel calls: one assistant turn
                 last = out[-1]
                 out[-1] = replace(last, calls=(*last.calls, call))
@@ -183,7 +188,25 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
     return [m for m in out if m.role != "assistant" or m.content or m.calls or m.reasoning]
 
 
-def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[str]]:
+def _thought_only(message: Message) -> bool:
+    """An assistant turn that so far holds only its reasoning (a ``reasoning`` item)."""
+    return (
+        message.role == "assistant" and not message.content and not message.calls and bool(message.reasoning)
+    )
+
+
+def _qualified(item: Mapping[str, Any], at: str) -> object:
+    """A call's name as the model saw its tool: ``NAMESPACE.NAME`` for a namespaced tool's call
+    (Codex's sub-agent tools), else the name."""
+    namespace = item.get("namespace")
+    if namespace is None or namespace == "":
+        return item.get("name")
+    name = item.get("name")
+    ident(namespace, f"{at}.namespace")
+    return f"{namespace}.{name}" if isinstance(name, str) else name
+
+
+def _functions(tools: Any, where: str, namespace: str = "") -> tuple[list[dict[str, object]], list[str]]:
     if not isinstance(tools, list):
         raise bad(where, f"{where} must be an array")
     functions: list[dict[str, object]] = []
@@ -197,11 +220,13 @@ def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[st
             refuse_unknown(
                 tool, frozenset({"type", "name", "description", "parameters", "strict", "defer_loading"}), at
             )
-            functions.append(
-                function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), at)
-            )
-        elif kind == "namespace":
-            inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools")
+            name = tool.get("name")
+            if namespace and isinstance(name, str):
+                name = f"{namespace}.{name}"  # unique across namespaces; the call carries both back
+            functions.append(function_tool(name, tool.get("description"), tool.get("parameters"), at))
+        elif kind == "namespace" and not namespace:
+            space = ident(tool.get("name"), f"{at}.name")
+            inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools", space)
             functions += inner
             hosted += inner_hosted
         elif isinstance(kind, str) and len(kind) <= MAX_KEY_CHARS:
@@ -260,9 +285,7 @@ def parse_response_request(
     if not messages:
         raise bad("input", "the conversation is empty")
     tools_json, hosted, names = _tools(body, limits)
-    choice = _choice(body, names)
-    if choice == "none":
-        tools_json = ""
+    choice = _choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix): no call is made
     text = obj(body, "text") or {}
     refuse_unknown(text, frozenset({"format", "verbosity"}), "text")
     values: dict[str, Any] = {
