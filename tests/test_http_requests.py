@@ -211,6 +211,7 @@ def test_a_path_no_route_serves_is_answered_in_the_words_of_the_api_that_owns_it
         assert anthropic_words.json() == {
             "type": "error",
             "error": {"type": "not_found_error", "message": "no such route"},
+            "request_id": anthropic_words.headers["request-id"],  # Anthropic's, in body and header
         }
         openai_words = _get(service, "/v1/nothing")
         assert openai_words.json()["error"]["code"] == "not_found"

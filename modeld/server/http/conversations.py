@@ -130,6 +130,7 @@ class Started:
     choices: int = 1  # the choices this turn's events carry (n, or 1 when they are decoded one by one)
     decoded: str = "together"  # how n > 1 choices are decoded: together, once (greedy), one by one
     why: str = ""  # why they are not decoded together
+    omitted: tuple[str, ...] = ()  # the turn's content left out of the prompt (images...: "where: kind")
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,7 +443,9 @@ class Conversations:
                 status.reuse.diverged_at_token,
                 "?" if message is None else message,
             )
-        started = Started(session.session_id, status, message, info, usage, choices=turn.n)
+        started = Started(
+            session.session_id, status, message, info, usage, choices=turn.n, omitted=turn.omitted_content
+        )
         if turn.max_tokens == 0:  # only the prompt: warm it, generate nothing
             yield started
             yield Finished("length", usage)

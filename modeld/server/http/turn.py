@@ -98,6 +98,7 @@ class Turn:
     omitted_tools: tuple[str, ...] = ()
     n: int = 1  # choices (OpenAI's n): decoded together from the same prompt (else one after another)
     truncate: bool = False  # a prompt beyond the window loses its oldest messages (Ollama's way)
+    omitted_content: tuple[str, ...] = ()  # images, documents of earlier turns left out ("where: kind")
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 

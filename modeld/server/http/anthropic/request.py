@@ -53,6 +53,7 @@ from modeld.server.http.requests import (
     function_tool,
     ident,
     key_value,
+    media_omitted,
     response_format,
     samplers,
     text_part,
@@ -80,6 +81,8 @@ SAMPLERS: SamplerMap = {
 }
 """Anthropic's sampler fields (its temperature is 0-1; a ``top_p`` of 0 is unset)."""
 
+SEPARATOR = "\n"
+"""Between the text blocks of one message (llama.cpp joins a message's text parts so)."""
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block: a per-request attribution line, not an instruction."""
 
@@ -152,9 +155,20 @@ def _system(value: Any) -> str:
     return "\n\n".join(_text_blocks(value, "system"))
 
 
+def _referenced(block: object, at: str) -> object:
+    """A ``tool_reference`` block (Claude Code's ToolSearch names the tools it found so; the next
+    request carries their schemas) as the text Claude Code itself writes for one: ``Tool loaded``
+    with the tool's name."""
+    if isinstance(block, dict) and block.get("type") == "tool_reference":
+        return {"type": "text", "text": f"Tool loaded: {ident(block.get('tool_name'), f'{at}.tool_name')}"}
+    return block
+
+
 def _tool_result(block: Mapping[str, Any], at: str) -> Message:
     ident(block.get("tool_use_id"), f"{at}.tool_use_id")
     content = block.get("content")
+    if isinstance(content, list):
+        content = [_referenced(b, f"{at}.content.{j}") for j, b in enumerate(content)]
     text = "" if content is None else "\n".join(_text_blocks(content, f"{at}.content"))
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
@@ -181,7 +195,7 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
             out.append(Message(role, content))
             continue
         if role == "system":  # Claude Code sends its environment as a system message (text blocks)
-            out.append(Message("system", "".join(_text_blocks(content, f"{where}.content"))))
+            out.append(Message("system", SEPARATOR.join(_text_blocks(content, f"{where}.content"))))
             continue
         if not isinstance(content, list):
             raise bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
@@ -219,7 +233,7 @@ def _assistant(content: list[Any], where: str) -> Message:
             continue  # opaque to modeld: nothing to show the model
         else:
             text_part(block, at)  # refuses images, documents and unknown blocks by name
-    return Message("assistant", "".join(text), tuple(calls), "".join(reasoning))
+    return Message("assistant", SEPARATOR.join(text), tuple(calls), "".join(reasoning))
 
 
 def _user(content: list[Any], where: str) -> list[Message]:
@@ -232,13 +246,13 @@ def _user(content: list[Any], where: str) -> list[Message]:
             raise bad(at, f"{at} must be an object")
         if block.get("type") == "tool_result":
             if text:
-                out.append(Message("user", "".join(text)))
+                out.append(Message("user", SEPARATOR.join(text)))
                 text = []
             out.append(_tool_result(block, at))
         else:
             text.append(text_part(block, at) or "")
     if text or not out:
-        out.append(Message("user", "".join(text)))
+        out.append(Message("user", SEPARATOR.join(text)))
     return out
 
 
@@ -351,8 +365,10 @@ def parse_messages(
     max_tokens = 1 if count_only else integer(body, "max_tokens", 0, 1 << 30)
     if max_tokens is None:
         raise bad("max_tokens", "max_tokens is required")
-    system = _system(body.get("system"))
-    messages = ([Message("system", system)] if system else []) + _messages(body, limits)
+    with media_omitted() as media:  # images, documents: placeholders in earlier turns
+        system = _system(body.get("system"))
+        messages = ([Message("system", system)] if system else []) + _messages(body, limits)
+    omitted = media.settle([m.get("role", "") if isinstance(m, dict) else "" for m in body["messages"]])
     tools_json, hosted, names = _tools(body, limits)
     choice, parallel = _tool_choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix)
     output = obj(body, "output_config") or {}
@@ -374,6 +390,7 @@ def parse_messages(
         max_tokens=max_tokens,
         parallel_tool_calls=parallel,
         omitted_tools=hosted,
+        omitted_content=omitted,
     )
     return MessagesAsked(turn, thinking=_thinking(body))
 

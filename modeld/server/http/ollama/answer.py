@@ -66,6 +66,7 @@ def _final_fields(started: Started, finished: Finished, began: float) -> dict[st
             "reason": started.status.reuse.reason,
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
+            **({"omitted_content": list(started.omitted)} if started.omitted else {}),
         },
     }
 

@@ -39,7 +39,14 @@ from modeld.errors import echo
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import HttpError, bad, unsupported
 from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, obj, refuse_unknown, stop_list
-from modeld.server.http.requests import SamplerField, SamplerMap, conversation_keys, response_format, samplers
+from modeld.server.http.requests import (
+    Media,
+    SamplerField,
+    SamplerMap,
+    conversation_keys,
+    response_format,
+    samplers,
+)
 from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
@@ -200,7 +207,17 @@ def _images(message: Mapping[str, Any], where: str) -> None:
         raise unsupported(f"{where}.images", f"{where}.images: the models modeld serves read text only")
 
 
-def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
+def _history_images(message: Mapping[str, Any], where: str, media: Media) -> str:
+    """A message's ``images`` as named placeholders (refused in the newest turn: ``Media``)."""
+    images = message.get("images")
+    if not images:
+        return ""
+    if not isinstance(images, list):
+        raise bad(f"{where}.images", f"{where}.images must be an array of images")
+    return "".join("\n" + media.omit(f"{where}.images[{j}]", "image") for j in range(len(images)))
+
+
+def _messages(body: Mapping[str, Any], limits: Limits, media: Media) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise bad("messages", "messages must be an array")
@@ -222,11 +239,11 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
             raise bad(
                 f"{where}.role", f"{where}.role must be system, user, assistant or tool, got {echo(role)}"
             )
-        _images(message, where)
         content = message.get("content") or ""
         thinking = message.get("thinking") or ""
         if not isinstance(content, str) or not isinstance(thinking, str):
             raise bad(f"{where}.content", f"{where}.content must be a string")
+        content += _history_images(message, where, media)
         calls: list[ToolCall] = []
         for j, call in enumerate(message.get("tool_calls") or []):
             at = f"{where}.tool_calls[{j}]"
@@ -277,7 +294,9 @@ def parse_chat(
     model = model_of(body)
     tools_json = _tools(body, limits)
     decode, predict, num_ctx = _decode(body, bool(tools_json), limits)
-    messages = _messages(body, limits)
+    media = Media()
+    messages = _messages(body, limits, media)
+    omitted = media.settle([m.get("role", "") if isinstance(m, dict) else "" for m in body["messages"]])
     stream = boolean(body, "stream")
     turn = Turn(
         api="ollama.chat",
@@ -290,6 +309,7 @@ def parse_chat(
         max_tokens=predict,
         num_ctx=num_ctx,
         truncate=boolean(body, "truncate") is not False,
+        omitted_content=omitted,
     )
     alive = keep_alive(body.get("keep_alive"))
     return OllamaAsked(turn, alive, think=_think(body), began=began, chat=True, unload=alive == UNLOAD)

@@ -41,6 +41,7 @@ from modeld.server.http.requests import (
     checked_call,
     conversation_keys,
     key_value,
+    media_omitted,
     response_format,
     samplers,
     text_parts,
@@ -271,7 +272,7 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 def _content(message: Mapping[str, Any], where: str) -> str:
     content = message.get("content")
-    return "" if content is None else "".join(text_parts(content, f"{where}.content", TEXT_PARTS))
+    return "" if content is None else "\n".join(text_parts(content, f"{where}.content", TEXT_PARTS))
 
 
 def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
@@ -383,7 +384,9 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
     max_tokens = integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = integer(body, "max_tokens", 1, 1 << 30)
-    messages = tuple(_messages(body, limits))
+    with media_omitted() as media:  # images: placeholders in earlier turns, refused in the newest
+        messages = tuple(_messages(body, limits))
+    omitted = media.settle([m.get("role", "") if isinstance(m, dict) else "" for m in body["messages"]])
     tools_json, choice = _tools(body, limits)
     decode = decode_config(
         body, _CHAT_MAPPED, limits, constraint=constraint, tool_choice=choice, **_chat_logprobs(body)
@@ -399,6 +402,7 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
         max_tokens=max_tokens,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         n=_choices(body, stream, limits),
+        omitted_content=omitted,
     )
     return OpenAIAsked(turn, include_usage=include_usage)
 

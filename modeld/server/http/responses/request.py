@@ -52,6 +52,7 @@ from modeld.server.http.requests import (
     function_tool,
     ident,
     key_value,
+    media_omitted,
     response_format,
     samplers,
     text_parts,
@@ -138,7 +139,17 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 
 
 def _parts(content: Any, where: str) -> str:
-    return "".join(text_parts(content, where, TEXT_PARTS))
+    return "\n".join(text_parts(content, where, TEXT_PARTS))
+
+
+def _role(item: object) -> str:
+    """An input item's role: ``assistant`` for what the model produced (its messages, calls,
+    reasoning)."""
+    if not isinstance(item, dict):
+        return ""
+    if item.get("type") in ("function_call", "reasoning"):
+        return "assistant"
+    return str(item.get("role", ""))
 
 
 def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
@@ -277,7 +288,10 @@ def parse_response_request(
     refuse_unknown(body, _TOP_LEVEL)
     if "input" not in body or body["input"] is None:
         raise bad("input", "input is required", code="missing_required_parameter")
-    new = input_messages(body["input"], limits)
+    with media_omitted() as media:  # images (Codex's view_image): placeholders in earlier turns
+        new = input_messages(body["input"], limits)
+    given = body["input"]
+    omitted = media.settle([_role(item) for item in given] if isinstance(given, list) else [])
     instructions = string(body, "instructions", limit=1 << 24) or ""
     history = list(previous.history) if previous is not None else []
     system = [Message("system", instructions)] if instructions else []
@@ -318,5 +332,6 @@ def parse_response_request(
         max_tokens=integer(body, "max_output_tokens", 1, 1 << 30),
         parallel_tool_calls=parallel is not False,
         omitted_tools=hosted,
+        omitted_content=omitted,
     )
     return turn, store is not False, tuple(new)
