@@ -11,7 +11,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import anthropic as anthropic_sdk
 import httpx
+import httpx2
 import pytest
 
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
@@ -242,5 +244,45 @@ def test_the_describe_timeout_reaches_the_http_api(monkeypatch: pytest.MonkeyPat
         assert service.catalog.describe_seconds == 0.5
     finally:
         release.set()
+        service.close()
+        engine.shutdown()
+
+
+def test_an_overloaded_daemon_is_anthropics_529_with_its_request_id() -> None:
+    """A draining daemon's 503 is Anthropic's 529 ``overloaded_error`` on the Messages API (what
+    Claude Code retries), the SDK's ``OverloadedError``; the error body carries the
+    ``request_id`` the ``request-id`` header carries. Other APIs keep 503."""
+    engine = Engine(backends=("memory",))
+    service = _service(engine)
+
+    async def ask() -> tuple[anthropic_sdk.APIStatusError, httpx2.Response]:
+        transport = httpx2.ASGITransport(app=build_app(service))  # the SDK's own HTTP client
+        async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            client = anthropic_sdk.AsyncAnthropic(
+                base_url="http://127.0.0.1", api_key="x", http_client=http, max_retries=0
+            )
+            try:
+                await client.messages.create(
+                    model="modeld-tiny", max_tokens=1, messages=[{"role": "user", "content": "hi"}]
+                )
+            except anthropic_sdk.APIStatusError as exc:
+                openai_words = await http.post(
+                    "/v1/chat/completions",
+                    json={"model": "modeld-tiny", "messages": [{"role": "user", "content": "hi"}]},
+                )
+                return exc, openai_words
+        raise AssertionError("the draining daemon answered")
+
+    try:
+        service.drain.begin()
+        service.drain.release()  # the warm state is saved: held turns get their 503
+        error, other = asyncio.run(ask())
+        assert isinstance(error, anthropic_sdk.OverloadedError) and error.status_code == 529
+        body = error.body
+        assert isinstance(body, dict) and body["error"]["type"] == "overloaded_error"
+        assert body["request_id"] == error.response.headers["request-id"] == error.request_id
+        assert error.response.headers["retry-after"]
+        assert other.status_code == 503
+    finally:
         service.close()
         engine.shutdown()
