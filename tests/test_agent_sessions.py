@@ -9,7 +9,7 @@ window (``--num-ctx 600``), so a session goes past it in a few requests.
   the stream (what Codex reads), OpenAI's ``context_length_exceeded``, and Ollama's truncation.
 - ``max_tokens`` beyond the window decodes until the window is full and stops with the API's
   own reason.
-- Images and documents in earlier turns are named placeholders; the newest turn's are refused;
+- Images and documents in earlier messages are named placeholders; the newest message's are refused;
   ``tool_reference`` is text.
 - Codex's shapes: namespaced calls, reasoning with its message, integer ``created_at``.
 - Errors as each API documents them; model aliases; Ollama as its clients expect.
@@ -211,7 +211,16 @@ def test_an_image_in_history_is_a_named_placeholder_and_the_newest_one_is_refuse
     newest: Any = [*earlier[:2], {"role": "user", "content": [{"type": "text", "text": "This one:"}, IMAGE]}]
     with pytest.raises(anthropic.BadRequestError) as refused:
         daemon.anthropic.messages.create(model=MODEL, max_tokens=4, messages=newest)
-    assert "messages.2.content.1" in refused.value.message and "newest turn" in refused.value.message
+    assert "messages.2.content.1" in refused.value.message and "newest message" in refused.value.message
+    # The refused turn stays in the agent's history with no answer after it (Claude Code resends
+    # it so): the next message goes on, the image now a placeholder.
+    after: Any = [*newest, {"role": "user", "content": "Never mind."}]
+    went_on = daemon.anthropic.messages.create(model=MODEL, max_tokens=2, messages=after)
+    assert went_on.model_extra is not None
+    assert went_on.model_extra["modeld"]["omitted_content"] == [
+        "messages.0.content.1: image",
+        "messages.2.content.1: image",
+    ]
     # A Read of a PNG in a tool result, and a document, in history.
     tool_turn: Any = [
         {"role": "user", "content": "Read it."},
@@ -294,7 +303,7 @@ def test_images_in_history_on_the_other_apis(daemon: Daemon) -> None:
     response = daemon.openai.responses.create(model=MODEL, input=seen, max_output_tokens=1, store=False)  # type: ignore[arg-type]
     assert response.model_extra is not None
     assert response.model_extra["modeld"]["omitted_content"] == ["input[0].content[0]: image"]
-    with pytest.raises(openai.BadRequestError):  # Codex's view_image in the newest turn
+    with pytest.raises(openai.BadRequestError):  # Codex's view_image in the newest message
         daemon.openai.responses.create(model=MODEL, input=seen[:1], max_output_tokens=1, store=False)  # type: ignore[arg-type]
     body = {
         "model": MODEL,

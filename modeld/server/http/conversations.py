@@ -374,6 +374,12 @@ class Conversations:
         if count + need <= window:
             return turn
         if not (turn.truncate and turn.chat):
+            log.info(
+                "%s: the prompt (%d tokens) exceeds the %d-token window: refused before any prefill",
+                turn.conversation(),
+                count,
+                window,
+            )
             raise overflow(count, window)
         droppable = [i for i, m in enumerate(turn.messages[:-1]) if m.role != "system"]
         low, high = 1, len(droppable)  # drop the first `high` droppable messages: does it fit?

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +119,7 @@ def ident(value: object, where: str, *, required: bool = True) -> str:
 
 MEDIA = frozenset({"image", "image_url", "input_image", "document", "file", "input_file", "input_audio"})
 """Content part types that carry images, documents or sound (the models modeld serves read text
-only): in an earlier turn a named placeholder (:class:`Media`), in the newest turn refused by name."""
+only): in an earlier message a named placeholder (:class:`Media`), in the newest refused by name."""
 _KIND = {"image_url": "image", "input_image": "image", "input_file": "file", "input_audio": "audio"}
 _ITEM = re.compile(r"^(?:messages|input)[.\[](\d+)")
 
@@ -133,9 +133,9 @@ class Media:
     """The images, documents and files of one request's content, as it is parsed (the models
     modeld serves read text only). A session must not die of one: Claude Code's screenshots and
     Reads of a PNG, Codex's ``view_image`` stay in the history of every later request. So in an
-    earlier turn each becomes a named placeholder (:func:`placeholder`) and is listed in the
-    answer's ``modeld.omitted_content``; in the newest turn (after the last assistant message,
-    what the model is asked to look at now) it is refused by name. Collected while
+    earlier message each becomes a named placeholder (:func:`placeholder`) and is listed in the
+    answer's ``modeld.omitted_content``; in the newest message (the last: what the model is asked
+    to look at now) it is refused by name. Collected while
     :func:`media_omitted` is open; :meth:`settle` decides."""
 
     def __init__(self) -> None:
@@ -146,17 +146,19 @@ class Media:
         self.omitted.append((at, kind))
         return placeholder(kind)
 
-    def settle(self, roles: Sequence[str]) -> tuple[str, ...]:
-        """Refuse what is in the newest turn (``roles``: the role of each of the request's items,
-        ``assistant`` for the model's own); the rest as ``"<where>: <kind>"`` for the answer."""
-        newest = 1 + max((i for i, role in enumerate(roles) if role == "assistant"), default=-1)
+    def settle(self, items: int) -> tuple[str, ...]:
+        """Refuse what is in the newest message (the last of the request's ``items``); the rest as
+        ``"<where>: <kind>"`` for the answer. Only the last message is the question: a turn that
+        failed on an image (refused) stays in the agent's history without an answer, and the next
+        request, a new message after it, must go on."""
+        newest = items - 1
         for at, kind in self.omitted:
             found = _ITEM.match(at)
             if found is None or int(found.group(1)) >= newest:
                 raise unsupported(
                     f"{at}.type",
-                    f"{at} is {kind} content in the newest turn: the models modeld serves read text only "
-                    f"(in an earlier turn it is left out and named)",
+                    f"{at} is {kind} content in the newest message: the models modeld serves read text only "
+                    f"(in an earlier message it is left out and named)",
                 )
         return tuple(f"{at}: {kind}" for at, kind in self.omitted)
 

@@ -11,14 +11,18 @@ Field by field (``blueprints/0019-agent-apis.md``):
   ``text``; an assistant's ``tool_use`` (a call, written back in the model's tool-call
   format) and ``thinking``/``redacted_thinking`` (accepted in history; the template decides
   what the model sees again); a user's ``tool_result`` (a string or text blocks; ``is_error``
-  prefixes ``Error:``), which becomes a ``tool`` message. ``image`` and ``document`` are refused
-  by name: the models modeld serves read text. Claude Code's billing header block (the first
+  prefixes ``Error:``; its ``tool_reference`` blocks, Claude Code's ToolSearch, read ``Tool
+  loaded: NAME``), which becomes a ``tool`` message. A message's text blocks are joined by a
+  newline. ``image`` and ``document`` (also in a tool result) are named placeholders in an
+  earlier message and refused by name in the newest (``requests.Media``): the models modeld
+  serves read text, and a session must not die of a screenshot. Claude Code's billing header block (the first
   system block, ``x-anthropic-billing-header: ...``) changes on every request and means
   nothing to a model: it is left out of the prompt, so the system prompt stays warm.
 * ``tools`` (``input_schema``; ``defer_loading``, ``strict``, ``cache_control`` accepted)
   become function tools; Anthropic's server tools (a ``type`` such as ``web_search_...``) cannot
   run here and are left out of the prompt. ``tool_choice`` ``auto``, ``any`` (a call is
-  forced), ``tool`` (that call is forced), ``none``; ``disable_parallel_tool_use`` keeps the
+  forced), ``tool`` (that call is forced), ``none`` (the tools stay in the prompt, its warm
+  prefix, and no call is parsed); ``disable_parallel_tool_use`` keeps the
   first call. ``output_config.format`` (``json_schema``) is a constraint.
 * ``stop_sequences``, ``temperature`` (0-1), ``top_p``, ``top_k``, ``max_tokens`` (0: only
   prefill, the documented way to warm the prompt cache). ``thinking``: with a reasoning model
@@ -368,7 +372,7 @@ def parse_messages(
     with media_omitted() as media:  # images, documents: placeholders in earlier turns
         system = _system(body.get("system"))
         messages = ([Message("system", system)] if system else []) + _messages(body, limits)
-    omitted = media.settle([m.get("role", "") if isinstance(m, dict) else "" for m in body["messages"]])
+    omitted = media.settle(len(body["messages"]))
     tools_json, hosted, names = _tools(body, limits)
     choice, parallel = _tool_choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix)
     output = obj(body, "output_config") or {}

@@ -9,14 +9,17 @@ JSON object per line, the last with ``done: true``, ``done_reason`` and the coun
 
 * ``model``: a name ``GET /api/tags`` lists; ``NAME:latest`` is the same model (Ollama's tag).
 * ``messages`` (roles system, user, assistant, tool; an assistant's ``tool_calls`` with object
-  arguments; ``thinking`` accepted in history; ``images`` refused by name), ``tools`` (OpenAI
+  arguments; a tool message's ``tool_call_id``; ``thinking`` accepted in history; ``images`` a
+  named placeholder in an earlier message, refused by name in the newest), ``tools`` (OpenAI
   function definitions, as Ollama takes them), ``format`` (``"json"`` or a JSON schema: a
   constraint), ``think`` (a reasoning model's thinking is returned as ``message.thinking``;
   false drops it), ``options`` (``num_ctx``, ``num_predict``, ``temperature``, ``top_p``,
   ``top_k``, ``min_p``, ``seed``, ``stop``, ``repeat_penalty``, ``presence_penalty``,
-  ``frequency_penalty``; others refused by name), ``keep_alive`` (a duration: the
-  conversation's warm context moves out of the KV, to the RAM tier, after that long idle; the
-  model stays loaded under the memory budget).
+  ``frequency_penalty``; any other option or field is ignored with a warning in the daemon's
+  log, as Ollama does), ``keep_alive`` (a duration: the conversation's warm context moves out of
+  the KV, to the RAM tier, after that long idle; the model stays loaded under the memory budget;
+  ``0`` unloads the model once the answer is sent), ``truncate`` (default true: a prompt beyond
+  the window loses its oldest messages, as Ollama does; false: an error).
 * ``/api/generate``: ``prompt`` (with ``system``) is one user turn rendered with the model's
   template; ``raw: true`` evaluates it as given. An empty prompt only loads the model.
   ``context`` (the deprecated token array) and ``template`` are refused by name.
@@ -296,7 +299,7 @@ def parse_chat(
     decode, predict, num_ctx = _decode(body, bool(tools_json), limits)
     media = Media()
     messages = _messages(body, limits, media)
-    omitted = media.settle([m.get("role", "") if isinstance(m, dict) else "" for m in body["messages"]])
+    omitted = media.settle(len(body["messages"]))
     stream = boolean(body, "stream")
     turn = Turn(
         api="ollama.chat",

@@ -386,7 +386,7 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
         max_tokens = integer(body, "max_tokens", 1, 1 << 30)
     with media_omitted() as media:  # images: placeholders in earlier turns, refused in the newest
         messages = tuple(_messages(body, limits))
-    omitted = media.settle([m.get("role", "") if isinstance(m, dict) else "" for m in body["messages"]])
+    omitted = media.settle(len(body["messages"]))
     tools_json, choice = _tools(body, limits)
     decode = decode_config(
         body, _CHAT_MAPPED, limits, constraint=constraint, tool_choice=choice, **_chat_logprobs(body)

@@ -5,11 +5,14 @@ Codex CLI speaks. The request as a Turn (here), the answers (``answer.py``), the
 Field by field (``blueprints/0019-agent-apis.md``):
 
 * ``input`` (a string, or items: ``message`` with ``input_text``/``output_text`` parts and roles
-  user, assistant, system, developer; ``function_call`` and ``function_call_output``;
-  ``reasoning``, accepted in history) and ``instructions`` (the first system message; not
+  user, assistant, system, developer; ``function_call`` (with its ``namespace``) and
+  ``function_call_output``; ``reasoning``, accepted in history: with the assistant ``message``
+  after it, one assistant turn; ``input_image``/``input_file`` parts a named placeholder in an
+  earlier item, refused by name in the newest) and ``instructions`` (the first system message; not
   carried over by ``previous_response_id``, as OpenAI defines it).
 * ``tools``: ``function`` tools are flat (``name``/``parameters`` at the top level);
-  ``namespace`` tools are flattened into their functions; hosted tools that cannot run here
+  ``namespace`` tools (Codex's sub-agents) are flattened into their functions, which the model
+  sees as ``NAMESPACE.NAME`` (their calls come back with ``namespace`` and ``name``); hosted tools that cannot run here
   (``web_search``, ``file_search``, ``computer_use``, image generation, ...) are left out of the
   prompt and listed in the response's ``modeld.omitted_tools``, never a 400. ``tool_choice``,
   ``parallel_tool_calls`` (every call parsed), ``text.format`` (``json_schema``,
@@ -140,16 +143,6 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 
 def _parts(content: Any, where: str) -> str:
     return "\n".join(text_parts(content, where, TEXT_PARTS))
-
-
-def _role(item: object) -> str:
-    """An input item's role: ``assistant`` for what the model produced (its messages, calls,
-    reasoning)."""
-    if not isinstance(item, dict):
-        return ""
-    if item.get("type") in ("function_call", "reasoning"):
-        return "assistant"
-    return str(item.get("role", ""))
 
 
 def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
@@ -291,7 +284,7 @@ def parse_response_request(
     with media_omitted() as media:  # images (Codex's view_image): placeholders in earlier turns
         new = input_messages(body["input"], limits)
     given = body["input"]
-    omitted = media.settle([_role(item) for item in given] if isinstance(given, list) else [])
+    omitted = media.settle(len(given) if isinstance(given, list) else 1)
     instructions = string(body, "instructions", limit=1 << 24) or ""
     history = list(previous.history) if previous is not None else []
     system = [Message("system", instructions)] if instructions else []
