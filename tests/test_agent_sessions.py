@@ -322,6 +322,27 @@ def test_images_in_history_on_the_other_apis(daemon: Daemon) -> None:
     assert refused.value.status_code == 400 and "images[0]" in refused.value.error
 
 
+def test_tool_choice_none_keeps_the_tools_in_the_prompt(daemon: Daemon) -> None:
+    """``tool_choice: none`` forbids calls; the tools stay in the prompt, so the warm prefix of
+    the turns that may call them is the same."""
+    tool: Any = {
+        "name": "read_file",
+        "description": "Read",
+        "input_schema": {"type": "object", "properties": {}},
+    }
+    ask: Any = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "Read a file."}]}
+    auto = daemon.anthropic.messages.create(**ask, tools=[tool])
+    none = daemon.anthropic.messages.create(**ask, tools=[tool], tool_choice={"type": "none"})
+    plain = daemon.anthropic.messages.create(**ask)
+
+    def prompt(done: Any) -> int:
+        u = done.usage
+        return int(u.input_tokens + u.cache_read_input_tokens + (u.cache_creation_input_tokens or 0))
+
+    assert prompt(none) == prompt(auto) > prompt(plain)
+    assert none.usage.cache_read_input_tokens == prompt(none)  # all warm from the turn with tools
+
+
 # --- 4. Codex ------------------------------------------------------------------------------------
 
 SPAWN = {
@@ -542,9 +563,16 @@ def test_ollama_answers_as_ollama_clients_expect(daemon: Daemon) -> None:
 
 
 def test_ollama_keep_alive_zero_unloads_the_model(tmp_path: Path) -> None:
+    """``keep_alive: 0`` unloads the model once answered (and an empty generate with it unloads
+    at once); an unknown option is answered, with a warning in the daemon's log."""
     d = Daemon(tmp_path)
+    err = ""
     try:
-        d.ollama.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1})
+        d.ollama.chat(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            options={"num_predict": 1, "mirostat": 2},
+        )
         assert [m.model for m in d.ollama.ps().models] == [MODEL]
         d.ollama.chat(
             model=MODEL,
@@ -557,7 +585,8 @@ def test_ollama_keep_alive_zero_unloads_the_model(tmp_path: Path) -> None:
         gone = d.ollama.generate(model=MODEL, keep_alive=0)  # Ollama's "unload it now"
         assert gone.done_reason == "unload" and _unloaded(d)
     finally:
-        d.close()
+        err = d.close()
+    assert "ollama: ignored unknown options: 'mirostat'" in err, err[-2000:]
 
 
 def _unloaded(d: Daemon) -> bool:
