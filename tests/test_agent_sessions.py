@@ -212,6 +212,13 @@ def test_an_image_in_history_is_a_named_placeholder_and_the_newest_one_is_refuse
     with pytest.raises(anthropic.BadRequestError) as refused:
         daemon.anthropic.messages.create(model=MODEL, max_tokens=4, messages=newest)
     assert "messages.2.content.1" in refused.value.message and "newest message" in refused.value.message
+    # counting it answers (Claude Code estimates with count_tokens): the image counts as its placeholder
+    counted = daemon.anthropic.messages.count_tokens(model=MODEL, messages=newest).input_tokens
+    assert counted == tokens(
+        chatml(
+            [("user", "Look:\n" + PLACEHOLDER), ("assistant", "Seen."), ("user", "This one:\n" + PLACEHOLDER)]
+        )
+    )
     # The refused turn stays in the agent's history with no answer after it (Claude Code resends
     # it so): the next message goes on, the image now a placeholder.
     after: Any = [*newest, {"role": "user", "content": "Never mind."}]

@@ -146,12 +146,12 @@ class Media:
         self.omitted.append((at, kind))
         return placeholder(kind)
 
-    def settle(self, items: int) -> tuple[str, ...]:
+    def settle(self, items: int, *, refuse: bool = True) -> tuple[str, ...]:
         """Refuse what is in the newest message (the last of the request's ``items``); the rest as
         ``"<where>: <kind>"`` for the answer. Only the last message is the question: a turn that
         failed on an image (refused) stays in the agent's history without an answer, and the next
         request, a new message after it, must go on."""
-        newest = items - 1
+        newest = items - 1 if refuse else items  # (a count of tokens answers for any message)
         for at, kind in self.omitted:
             found = _ITEM.match(at)
             if found is None or int(found.group(1)) >= newest:

@@ -372,7 +372,7 @@ def parse_messages(
     with media_omitted() as media:  # images, documents: placeholders in earlier turns
         system = _system(body.get("system"))
         messages = ([Message("system", system)] if system else []) + _messages(body, limits)
-    omitted = media.settle(len(body["messages"]))
+    omitted = media.settle(len(body["messages"]), refuse=not count_only)
     tools_json, hosted, names = _tools(body, limits)
     choice, parallel = _tool_choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix)
     output = obj(body, "output_config") or {}
