@@ -6,7 +6,10 @@ warm session, through the one asyncio bridge (:mod:`modeld.server.bridge`): ``en
 prompt was reused and why), then :class:`Delta` events (answer text, reasoning, tool-call
 pieces, logprobs) and one :class:`Finished` (the contract's finish reason, the complete calls,
 :class:`TurnUsage`). Every API adapter shapes these same events, so warm mapping, tool-call
-parsing, reasoning, usage accounting and errors are written once. A failure before
+parsing, reasoning, usage accounting and errors are written once. Before anything is computed
+the turn is checked against the window (:mod:`modeld.server.http.window`: a prompt that does not
+fit is refused in each API's words, or truncated where the API truncates), and an output limit
+beyond the window decodes until the window is full. A failure before
 :class:`Started` raises :class:`~modeld.server.http.errors.HttpError` (the API answers with its
 status); after it, the stream's :class:`Finished` carries ``error``.
 
@@ -65,8 +68,9 @@ from modeld.errors import (
 )
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
-from modeld.server.http.errors import HttpError, from_modeld, incident_id, overflow
-from modeld.server.http.turn import Turn, chat_inputs, split_point, turn_bytes
+from modeld.server.http.errors import HttpError, from_modeld, incident_id
+from modeld.server.http.turn import Turn, chat_inputs, split_point
+from modeld.server.http.window import Window
 
 __all__ = [
     "REMEMBERED_CALLS",
@@ -83,11 +87,7 @@ __all__ = [
 ]
 
 REMEMBERED_CALLS = 256
-"""Replies with tool calls whose exact text is kept (a few KiB each at most); also the
-conversations whose tokens per byte are kept (for the window check)."""
-OVERFLOW_MARGIN = 1.25
-"""How much more than its conversation's last measure a turn's tokens per byte may be before
-its prompt is counted against the window (code, prose and JSON differ by about this much)."""
+"""Replies with tool calls whose exact text is kept (a few KiB each at most)."""
 
 log = logging.getLogger("modeld.http")
 
@@ -186,7 +186,7 @@ class Conversations:
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._calls: OrderedDict[tuple[str, ...], str] = OrderedDict()
-        self._ratios: OrderedDict[str, float] = OrderedDict()
+        self.window = Window()
 
     def __len__(self) -> int:
         with self._lock:
@@ -330,78 +330,10 @@ class Conversations:
         except ModeldError as exc:
             raise from_modeld(exc, incident_id()) from None
 
-    # --- the window -------------------------------------------------------------------------
-
-    def _may_overflow(self, turn: Turn, window: int) -> bool:
-        """Whether the turn's prompt may not fit ``window`` (then it is counted before any
-        prefill). Counting renders and tokenizes the whole prompt, as long as a warm turn's own
-        preparation, so a turn far from the window is not counted: its size is estimated from
-        its bytes and the tokens per byte its conversation's last turn measured (1 per byte for a
-        conversation not seen yet, above what byte-level vocabularies give). A turn the estimate
-        lets through that does not fit is still refused before its suffix is computed (the
-        engine checks every stage), in the same words."""
-        with self._lock:
-            ratio = self._ratios.get(turn.conversation(), 1.0)
-        estimate = turn_bytes(turn) * ratio * OVERFLOW_MARGIN + 16 * len(turn.messages) + 256
-        return estimate >= window
-
-    def _measured(self, turn: Turn, prompt_tokens: int) -> None:
-        """Remember the conversation's tokens per byte (for :meth:`_may_overflow`)."""
-        size = turn_bytes(turn)
-        if size <= 0 or prompt_tokens <= 0:
-            return
-        key = turn.conversation()
-        with self._lock:
-            self._ratios[key] = prompt_tokens / size
-            self._ratios.move_to_end(key)
-            while len(self._ratios) > REMEMBERED_CALLS:
-                self._ratios.popitem(last=False)
-
     async def _count(self, turn: Turn, info: ModelInfo, request: OpenSessionRequest) -> int:
+        """The turn's prompt in tokens on this model (rendered and tokenized; nothing computed)."""
         prefix, suffix = self.inputs(turn, info)
         return await self._bridge.call(self._gateway.count_tokens, request, prefix, suffix)
-
-    async def _fitted(self, turn: Turn, info: ModelInfo, request: OpenSessionRequest) -> Turn:
-        """The turn, checked against the window before anything is computed: a prompt that does
-        not fit (with one token for the answer) is ``context_length_exceeded``, or, where the
-        API truncates (``Turn.truncate``: Ollama), loses its oldest messages until it fits (the
-        system messages and the newest message always stay)."""
-        window = info.effective_context
-        if not self._may_overflow(turn, window):
-            return turn
-        need = 0 if turn.max_tokens == 0 else 1
-        count = await self._count(turn, info, request)
-        if count + need <= window:
-            return turn
-        if not (turn.truncate and turn.chat):
-            log.info(
-                "%s: the prompt (%d tokens) exceeds the %d-token window: refused before any prefill",
-                turn.conversation(),
-                count,
-                window,
-            )
-            raise overflow(count, window)
-        droppable = [i for i, m in enumerate(turn.messages[:-1]) if m.role != "system"]
-        low, high = 1, len(droppable)  # drop the first `high` droppable messages: does it fit?
-        best: Turn | None = None
-        while low <= high:
-            mid = (low + high) // 2
-            gone = set(droppable[:mid])
-            trial = replace(turn, messages=tuple(m for i, m in enumerate(turn.messages) if i not in gone))
-            if await self._count(trial, info, request) + need <= window:
-                best, high = trial, mid - 1
-            else:
-                low = mid + 1
-        if best is None:
-            raise overflow(count, window)
-        log.warning(
-            "%s: the prompt (%d tokens) exceeds the %d-token window: its %d oldest messages were left out",
-            turn.conversation(),
-            count,
-            window,
-            len(turn.messages) - len(best.messages),
-        )
-        return best
 
     def inputs(self, turn: Turn, info: ModelInfo) -> tuple[PrefixInput, SuffixInput | None]:
         """The turn as the contract's prefix and suffix for this model (its tool-call format)."""
@@ -425,7 +357,7 @@ class Conversations:
         progress: ProgressCallback | None,
     ) -> AsyncIterator[Event]:
         info = session.info
-        turn = await self._fitted(turn, info, request)
+        turn = await self.window.fitted(turn, info.effective_context, lambda t: self._count(t, info, request))
         prefix, suffix = self.inputs(turn, info)
         status = await session.ensure_prefix(prefix, progress)
         restored = 0
@@ -436,7 +368,7 @@ class Conversations:
         prompt = status.prefix_tokens + suffix_tokens
         cached = max(0, status.reused_tokens - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
-        self._measured(turn, prompt)
+        self.window.measured(turn, prompt)
         message = await self._diverged_message(session, status) if turn.chat else None
         if status.reuse.diverged_at_token is not None:
             log.info(
