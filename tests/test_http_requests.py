@@ -286,3 +286,39 @@ def test_an_overloaded_daemon_is_anthropics_529_with_its_request_id() -> None:
     finally:
         service.close()
         engine.shutdown()
+
+
+def test_a_turn_is_counted_against_the_window_only_near_it() -> None:
+    """Counting a prompt costs about a warm turn's own preparation: a turn far from the window
+    is not counted (its conversation's measured tokens per byte say so); one near it is, and one
+    beyond it is refused with the numbers, or truncated oldest-first where the API truncates."""
+    from modeld.contract import DecodeConfig as Decode
+    from modeld.server.http.errors import WindowExceededError
+    from modeld.server.http.turn import Keys, Message, Turn
+    from modeld.server.http.window import Window
+
+    counted: list[int] = []
+
+    async def count(turn: Turn) -> int:  # one token per byte, as the memory backend counts
+        tokens = sum(len(m.content) for m in turn.messages) + 8 * len(turn.messages)
+        counted.append(tokens)
+        return tokens
+
+    def turn(*texts: str, truncate: bool = False, key: str = "c") -> Turn:
+        messages = tuple(Message("user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(texts))
+        return Turn(
+            api="t", model="m", decode=Decode(), keys=Keys(header=key), messages=messages, truncate=truncate
+        )
+
+    window = Window()
+    small = turn("a" * 1000)
+    assert asyncio.run(window.fitted(small, 100_000, count)) is small and counted == []  # far: not counted
+    assert asyncio.run(window.fitted(small, 1200, count)) is small and counted == [1008]  # near: counted
+    window.measured(small, 250)  # this conversation takes a token per 4 bytes
+    assert asyncio.run(window.fitted(small, 1200, count)) is small and counted == [1008]  # now far
+    with pytest.raises(WindowExceededError) as refused:
+        asyncio.run(window.fitted(turn("a" * 2000, key="new"), 1200, count))
+    assert (refused.value.prompt_tokens, refused.value.window) == (2008, 1200)
+    long = turn("a" * 500, "b" * 500, "c" * 500, "d" * 100, truncate=True, key="ollama")
+    kept = asyncio.run(window.fitted(long, 1200, count))
+    assert [m.content[0] for m in kept.messages] == ["b", "c", "d"]  # the oldest left out, no more
