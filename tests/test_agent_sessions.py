@@ -444,6 +444,7 @@ def test_a_failure_inside_an_anthropic_stream_is_an_error_event(tmp_path: Path) 
     overflow is found: it arrives as Anthropic's ``error`` event (with its ``event:`` line), which
     the SDK raises, and pings kept the stream alive before it."""
     d = Daemon(tmp_path, "--keepalive-interval", "1ms")
+    huge = "x" * 300_000  # counting it takes longer than the interval, whatever the machine
     try:
         with httpx.stream(
             "POST",
@@ -452,7 +453,7 @@ def test_a_failure_inside_an_anthropic_stream_is_an_error_event(tmp_path: Path) 
                 "model": MODEL,
                 "max_tokens": 8,
                 "stream": True,
-                "messages": [{"role": "user", "content": BIG}],
+                "messages": [{"role": "user", "content": huge}],
             },
             timeout=60,
         ) as r:
@@ -466,7 +467,7 @@ def test_a_failure_inside_an_anthropic_stream_is_an_error_event(tmp_path: Path) 
         with (
             pytest.raises(anthropic.APIStatusError) as raised,
             d.anthropic.messages.stream(
-                model=MODEL, max_tokens=8, messages=[{"role": "user", "content": BIG}]
+                model=MODEL, max_tokens=8, messages=[{"role": "user", "content": huge}]
             ) as stream,
         ):
             for _ in stream:
