@@ -378,7 +378,7 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
             if name in templates:
                 raise RegistryError(f"--chat-template-file {name} is given twice")
             templates[name] = (path, text)
-        registry = ModelRegistry(backend, entries, models_dir, fallback, templates)
+        registry = ModelRegistry(backend, entries, models_dir, fallback, templates, aliases=http.aliases)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None
     return address, registry

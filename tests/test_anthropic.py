@@ -299,7 +299,9 @@ def test_errors_use_anthropics_envelope_and_types(daemon: Daemon) -> None:
     assert missing.value.body == {
         "type": "error",
         "error": {"type": "not_found_error", "message": missing.value.body["error"]["message"]},
+        "request_id": missing.value.request_id,  # the body's request_id is the request-id header's
     }  # type: ignore[index]
+    assert str(missing.value.request_id).startswith("req_")
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     with pytest.raises(anthropic.BadRequestError) as refused:
         daemon.client.messages.create(

@@ -150,8 +150,10 @@ def test_previous_response_id_continues_warm_with_only_the_new_input(daemon: Dae
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     with pytest.raises(openai.NotFoundError):
         daemon.client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:  # OpenAI's 400 for an unknown previous response
         daemon.client.responses.create(model=MODEL, previous_response_id=first.id, input="again")
+    assert refused.value.code == "previous_response_not_found"
+    assert refused.value.param == "previous_response_id"
 
 
 def test_store_false_keeps_nothing(daemon: Daemon) -> None:

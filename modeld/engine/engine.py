@@ -430,6 +430,13 @@ class Engine:
                 victim, "it was the least recently used idle model and another model needed the room"
             )
 
+    def unload(self, path: str) -> int:
+        """Unload the file's loaded models no session holds (Ollama's ``keep_alive: 0``)."""
+        idle = [m for m in self.models() if m.info.path == path and not m.sessions and not m.admission.busy]
+        for model in idle:
+            self._unload(model, "a client asked for it (keep_alive 0)")
+        return len(idle)
+
     def _unload(self, model: LoadedModel, why: str) -> None:
         with self._lock:
             if self._models.get(model.key) is model:

@@ -9,7 +9,8 @@ with the same files: ``<api>/request.py`` (its wire format to the one turn), ``<
 where the API has one. An API imports only the shared layer below, never another API:
 
 * the turn and the conversation layer: ``turn.py`` (what every API parses into),
-  ``conversations.py`` (a turn run on its conversation's warm session: its events);
+  ``conversations.py`` (a turn run on its conversation's warm session: its events),
+  ``window.py`` (a turn's prompt checked against the window before anything is computed);
 * reading requests and shaping answers alike: ``fields.py`` (typed, bounded field readers),
   ``requests.py`` (samplers from each API's sampler map, ids, text parts, tool calls, response
   formats), ``chat_template.py`` (the template's arguments each API maps, what every API says

@@ -76,7 +76,7 @@ class Catalog:
             type=self.backend,
             path=entry.path,
             config=replace(self._config(turn.num_ctx), prompt_format="chat" if turn.chat else "raw"),
-            keep_alive_seconds=keep_alive or 0.0,
+            keep_alive_seconds=max(keep_alive or 0.0, 0.0),
             chat_template=entry.chat_template,
         )
 

@@ -6,7 +6,10 @@ warm session, through the one asyncio bridge (:mod:`modeld.server.bridge`): ``en
 prompt was reused and why), then :class:`Delta` events (answer text, reasoning, tool-call
 pieces, logprobs) and one :class:`Finished` (the contract's finish reason, the complete calls,
 :class:`TurnUsage`). Every API adapter shapes these same events, so warm mapping, tool-call
-parsing, reasoning, usage accounting and errors are written once. A failure before
+parsing, reasoning, usage accounting and errors are written once. Before anything is computed
+the turn is checked against the window (:mod:`modeld.server.http.window`: a prompt that does not
+fit is refused in each API's words, or truncated where the API truncates), and an output limit
+beyond the window decodes until the window is full. A failure before
 :class:`Started` raises :class:`~modeld.server.http.errors.HttpError` (the API answers with its
 status); after it, the stream's :class:`Finished` carries ``error``.
 
@@ -50,6 +53,7 @@ from modeld.contract import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ProgressCallback,
     StreamChunk,
     SuffixInput,
     TokenLogprob,
@@ -71,6 +75,7 @@ from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
 from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args_json
+from modeld.server.http.window import Window
 
 __all__ = [
     "REMEMBERED_CALLS",
@@ -130,6 +135,7 @@ class Started:
     choices: int = 1  # the choices this turn's events carry (n, or 1 when they are decoded one by one)
     decoded: str = "together"  # how n > 1 choices are decoded: together, once (greedy), one by one
     why: str = ""  # why they are not decoded together
+    omitted: tuple[str, ...] = ()  # the turn's content left out of the prompt (images...: "where: kind")
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +193,7 @@ class Conversations:
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._calls: OrderedDict[CallKey, str] = OrderedDict()
+        self.window = Window()
 
     def __len__(self) -> int:
         with self._lock:
@@ -301,6 +308,15 @@ class Conversations:
         for hosted in closing:
             _close(hosted)
 
+    def close_model(self, model_name: str) -> int:
+        """Close the idle conversations on the model ``model_name`` (before it is unloaded)."""
+        with self._lock:
+            stale = [k for k, e in self._table.items() if not e.busy and k[1] == model_name]
+            closing = [self._table.pop(k).hosted for k in stale]
+        for hosted in closing:
+            _close(hosted)
+        return len(closing)
+
     def close_all(self) -> None:
         with self._lock:
             closing = [e.hosted for e in self._table.values()]
@@ -315,17 +331,25 @@ class Conversations:
 
     # --- running a turn ---------------------------------------------------------------------
 
-    async def run(self, turn: Turn, request: OpenSessionRequest) -> AsyncGenerator[Event, None]:
-        """Run ``turn`` on its conversation's session: Started, Deltas, Finished.
+    async def run(
+        self, turn: Turn, request: OpenSessionRequest, progress: ProgressCallback | None = None
+    ) -> AsyncGenerator[Event, None]:
+        """Run ``turn`` on its conversation's session: Started, Deltas, Finished (``progress``
+        hears how a long prefill goes, on the event loop).
 
         Closing the iterator early (the client went away) cancels the decode within one token
         step, or interrupts the prefill it waits for."""
         try:
             async with self.session(turn.conversation(), request) as session:
-                async for event in self._run(turn, session):
+                async for event in self._run(turn, session, request, progress):
                     yield event
         except ModeldError as exc:
             raise from_modeld(exc, incident_id()) from None
+
+    async def _count(self, turn: Turn, info: ModelInfo, request: OpenSessionRequest) -> int:
+        """The turn's prompt in tokens on this model (rendered and tokenized; nothing computed)."""
+        prefix, suffix = self.inputs(turn, info)
+        return await self._bridge.call(self._gateway.count_tokens, request, prefix, suffix)
 
     def inputs(self, turn: Turn, info: ModelInfo) -> tuple[PrefixInput, SuffixInput | None]:
         """The turn as the contract's prefix and suffix (messages whole: the model's template
@@ -346,20 +370,28 @@ class Conversations:
         one the engine recognises from the template)."""
         return turn.decode.tool_format or self.tool_formats.get(turn.model, "")
 
-    async def _run(self, turn: Turn, session: BridgedSession) -> AsyncIterator[Event]:
+    async def _run(
+        self,
+        turn: Turn,
+        session: BridgedSession,
+        request: OpenSessionRequest,
+        progress: ProgressCallback | None,
+    ) -> AsyncIterator[Event]:
         info = session.info
+        turn = await self.window.fitted(turn, info.effective_context, lambda t: self._count(t, info, request))
         prefix, suffix = self.inputs(turn, info)
-        status = await session.ensure_prefix(prefix)
+        status = await session.ensure_prefix(prefix, progress)
         restored = 0
         suffix_tokens = 0
         kept = status.prefix_tokens
         if suffix is not None:
-            after = await session.prefill_suffix(suffix)
+            after = await session.prefill_suffix(suffix, progress)
             restored, suffix_tokens = after.restored_tokens, after.suffix_tokens
             kept = after.prefix_tokens  # the template may have cut the prefix back (blueprint 0010)
         prompt = kept + suffix_tokens
         cached = max(0, min(status.reused_tokens, kept) - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
+        self.window.measured(turn, prompt)
         message = await self._diverged_message(session, status) if turn.chat else None
         if status.reuse.diverged_at_token is not None:
             log.info(
@@ -372,14 +404,19 @@ class Conversations:
                 status.reuse.diverged_at_token,
                 "?" if message is None else message,
             )
-        started = Started(session.session_id, status, message, info, usage, choices=turn.n)
+        started = Started(
+            session.session_id, status, message, info, usage, choices=turn.n, omitted=turn.omitted_content
+        )
         if turn.max_tokens == 0:  # only the prompt: warm it, generate nothing
             yield started
             yield Finished("length", usage)
             return
+        # An output limit beyond the window decodes until the window is full and stops there
+        # ("length", each API's own reason), as llama-server does: never a 400 after the prefill.
+        window = info.effective_context
         config = replace(
             turn.decode,
-            max_tokens=turn.max_tokens or info.effective_context,
+            max_tokens=min(turn.max_tokens or window, window),
             n=turn.n,
             tool_format=self._format(turn),
         )

@@ -14,6 +14,11 @@ instead of its file's (llama-server's ``--chat-template-file``, per model): read
 daemon starts (at most :data:`MAX_TEMPLATE_BYTES`), and sent with every session of that model
 (``OpenSessionRequest.chat_template``).
 
+``--alias PATTERN=MODEL`` (repeatable, first match wins) serves a name no model is registered
+under that matches the glob PATTERN by MODEL, so an agent's default model names (Claude Code's
+``claude-*``, Codex's ``gpt-*``) work with no client setting; the answer keeps the name the
+client asked for, and ``/v1/models`` lists the patterns.
+
 ``--models-dir`` is read again when a name is not found (at most once a second), so a model
 copied into the directory is served without a restart: GGUF files (``NAME.gguf``) for llama
 and OpenVINO, IR directories (``NAME/openvino_model.xml``) for OpenVINO, any file for memory.
@@ -21,6 +26,7 @@ and OpenVINO, IR directories (``NAME/openvino_model.xml``) for OpenVINO, any fil
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import threading
 import time
@@ -38,6 +44,7 @@ __all__ = [
     "ModelRegistry",
     "RegistryError",
     "default_model",
+    "parse_alias",
 ]
 
 DEFAULT_MODEL_NAME = "modeld-tiny"
@@ -114,6 +121,18 @@ def parse_template_option(spec: str) -> tuple[str, str, str]:
     return name, str(path.resolve()), text
 
 
+def parse_alias(spec: str) -> tuple[str, str]:
+    """``PATTERN=MODEL`` from the command line (a glob pattern, a model name)."""
+    pattern, sep, target = spec.partition("=")
+    if not sep or not pattern or not target:
+        raise RegistryError(f"--alias wants PATTERN=MODEL (e.g. 'claude-*=modeld-reply'), got {spec!r}")
+    if len(pattern) > MAX_NAME_CHARS or any(c.isspace() or not c.isprintable() for c in pattern):
+        raise RegistryError(
+            f"--alias pattern {pattern[:MAX_NAME_CHARS]!r} must be 1-{MAX_NAME_CHARS} printable characters without spaces"
+        )
+    return pattern, _check_name(target)
+
+
 def _scan(directory: Path, backend: str) -> dict[str, ModelEntry]:
     found: dict[str, ModelEntry] = {}
     try:
@@ -168,6 +187,8 @@ class ModelRegistry:
         models_dir: Path | None = None,
         fallback: ModelEntry | tuple[ModelEntry, ...] | None = None,
         templates: Mapping[str, tuple[str, str]] | None = None,
+        *,
+        aliases: tuple[str, ...] = (),
     ) -> None:
         self.backend = backend
         self._templates = dict(templates or {})  # name -> (file, template): --chat-template-file
@@ -184,6 +205,10 @@ class ModelRegistry:
             self._rescan(force=True)
         if not self._explicit and self._dir is None and not self._fallback:
             raise RegistryError("no model is registered")
+        self.aliases = tuple(parse_alias(spec) for spec in aliases)
+        for pattern, target in self.aliases:
+            if self._get(target) is None:
+                raise RegistryError(f"--alias {pattern}={target}: no model is registered as {target}")
 
     def _rescan(self, *, force: bool = False) -> None:
         if self._dir is None:
@@ -222,6 +247,17 @@ class ModelRegistry:
         return None
 
     def get(self, name: str) -> ModelEntry | None:
+        """The model registered as ``name``, else the target of the first alias whose pattern
+        matches it (None: neither)."""
+        entry = self._get(name)
+        if entry is not None:
+            return entry
+        for pattern, target in self.aliases:
+            if fnmatch.fnmatchcase(name, pattern):
+                return self._get(target)
+        return None
+
+    def _get(self, name: str) -> ModelEntry | None:
         with self._lock:
             entry = self._explicit.get(name) or self._scanned.get(name)
         if entry is None:

@@ -39,7 +39,16 @@ from modeld.contract import DecodeConfig, PrefixInput, SuffixInput, ToolCall
 from modeld.decoding.sampling import choice_seed
 from modeld.manifest import ContextManifest, Segment
 
-__all__ = ["Keys", "Message", "Recall", "Turn", "chat_inputs", "split_point", "template_args_json"]
+__all__ = [
+    "Keys",
+    "Message",
+    "Recall",
+    "Turn",
+    "chat_inputs",
+    "split_point",
+    "template_args_json",
+    "turn_bytes",
+]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -108,6 +117,8 @@ class Turn:
     omitted_tools: tuple[str, ...] = ()
     template_args: tuple[tuple[str, object], ...] = ()  # chat-template variables (``template_args``)
     n: int = 1  # choices (OpenAI's n): decoded together from the same prompt (else one after another)
+    truncate: bool = False  # a prompt beyond the window loses its oldest messages (Ollama's way)
+    omitted_content: tuple[str, ...] = ()  # images, documents of earlier turns left out ("where: kind")
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -126,6 +137,20 @@ class Turn:
         return self.keys.resolve() or (
             f"completions:{self.model}" if not self.chat else auto_key(self.model, self.messages)
         )
+
+
+def turn_bytes(turn: Turn) -> int:
+    """The bytes of text the turn sends the model (its messages, calls and tools, or its raw
+    prompt): what its prompt's size is estimated from before it is counted."""
+    if not turn.chat:
+        return len((turn.prompt or "").encode("utf-8", "surrogatepass"))
+    size = len(turn.tools_json.encode("utf-8", "surrogatepass"))
+    for m in turn.messages:
+        size += len(m.content.encode("utf-8", "surrogatepass")) + len(
+            m.reasoning.encode("utf-8", "surrogatepass")
+        )
+        size += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) for c in m.calls)
+    return size
 
 
 def auto_key(model: str, messages: Sequence[Message]) -> str:

@@ -43,6 +43,7 @@ from modeld.server.http.requests import (
     conversation_keys,
     ident_field,
     key_value,
+    media_omitted,
     response_format,
     samplers,
     text_parts,
@@ -272,11 +273,6 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _content(message: Mapping[str, Any], where: str) -> str:
-    content = message.get("content")
-    return "" if content is None else "".join(text_parts(content, f"{where}.content", TEXT_PARTS))
-
-
 def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -304,9 +300,10 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
         reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
         if not isinstance(reasoning, str):
             raise bad(f"{where}.reasoning_content", f"{where}.reasoning_content must be a string")
-        text = _content(message, where)  # checks the parts: text parts only
         content = message.get("content")
-        parts = tuple(p["text"] for p in content) if isinstance(content, list) else ()
+        texts = [] if content is None else text_parts(content, f"{where}.content", TEXT_PARTS)
+        text = "\n".join(texts)  # parts of images or documents are placeholders here (Media)
+        parts = tuple(texts) if isinstance(content, list) else ()
         out.append(
             Message(
                 role,
@@ -365,8 +362,7 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, str]:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad("tools", "tools must be an array of tool objects")
     limits.check("max_tools", len(tools), "tools")
-    if mode == "none":
-        return "", "none"  # the model is not shown tools it may not call
+    # "none" keeps the tools in the prompt (the warm prefix stays the same) and forbids calls.
     return json.dumps(tools, ensure_ascii=False), mode
 
 
@@ -400,7 +396,9 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
     max_tokens = integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = integer(body, "max_tokens", 1, 1 << 30)
-    messages = tuple(_messages(body, limits))
+    with media_omitted() as media:  # images: placeholders in earlier turns, refused in the newest
+        messages = tuple(_messages(body, limits))
+    omitted = media.settle(len(body["messages"]))
     tools_json, choice = _tools(body, limits)
     decode = decode_config(
         body, _CHAT_MAPPED, limits, constraint=constraint, tool_choice=choice, **_chat_logprobs(body)
@@ -420,6 +418,7 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
             body.get("chat_template_kwargs"),
             reasoning_effort=body.get("reasoning_effort"),
         ),
+        omitted_content=omitted,
     )
     return OpenAIAsked(turn, include_usage=include_usage)
 

@@ -47,13 +47,20 @@ def routes(service: HttpService) -> list[Route]:
     async def models(_request: Request) -> Response:
         entries: list[ModelEntry] = service.registry.entries()
         listed = [(e.name, e.created, model_meta(await service.catalog.describe(e))) for e in entries]
+        by_name = {e.name: e for e in entries}
+        for pattern, target in service.registry.aliases:  # an agent's default names, served by target
+            if pattern not in by_name and (entry := by_name.get(target)) is not None:
+                meta = model_meta(await service.catalog.describe(entry))
+                alias = {**meta, "modeld": {**meta.get("modeld", {}), "alias_of": target}}
+                listed.append((pattern, entry.created, alias))
         return JSONResponse(models_response(listed))
 
     async def model(request: Request) -> Response:
-        entry = service.catalog.entry(request.path_params["name"])
+        name = request.path_params["name"]
+        entry = service.catalog.entry(name)  # an alias's name (--alias) answers as itself
         meta = model_meta(await service.catalog.describe(entry))
         return JSONResponse(
-            {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "modeld", **meta}
+            {"id": name, "object": "model", "created": entry.created, "owned_by": "modeld", **meta}
         )
 
     async def chat(request: Request) -> Response:
