@@ -88,6 +88,13 @@ def choose(
         n = common_prefix_len(entry.tokens, target)
         if n < len(entry.tokens) and not can_truncate:
             continue
-        if n > 0 and n - max(best.keep, head) >= restore_min_gain:
+        gains = n > 0 and n - max(best.keep, head) >= restore_min_gain
+        if gains or (best.entry is not None and n == best.keep and _fuller(entry, best.entry)):
             best = Choice(n, None, entry, blocked=best.blocked, seen=True)
     return best
+
+
+def _fuller(a: TierEntry, b: TierEntry) -> bool:
+    """Of two snapshots reusing as much, ``a`` is the better one: it holds more tokens (a
+    context saved whole: its suffix and decode may serve the turn's suffix), or as many in RAM."""
+    return len(a.tokens) > len(b.tokens) or (len(a.tokens) == len(b.tokens) and a.tier == "ram" != b.tier)

@@ -29,7 +29,6 @@ from modeld.cache.reuse import Candidate, RuntimeHistory
 from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision
 from modeld.errors import (
-    BusyError,
     EngineRestartedError,
     ModeldError,
     OperationTimeoutError,
@@ -49,6 +48,8 @@ class HoldOwner(Protocol):
     _file_key: tuple[str, str]
 
     def runtime(self) -> KVRuntime: ...
+
+    def room_freed(self) -> None: ...
 
     def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None: ...
 
@@ -101,6 +102,9 @@ class Hold:
         self._job: SyncJob | None = None
         self._canceled = False
         self._released = False
+        self._decoding: tuple[float, int] | None = None
+        """When the sync ended and the cells in use then, while this hold ran alone: a decode
+        that follows is a sample of the attention's cost (``cost.py``)."""
 
     @property
     def seq(self) -> int:
@@ -121,8 +125,12 @@ class Hold:
             # Resident already. A prefix leaves whatever follows it in place until the next
             # operation: when that is a suffix the last turn already computed (the same request
             # again, a retry), it is reused instead of recomputed.
+            self._synced(0, 0.0, alone=self._alone())
             return Synced(0, 0.0)
         keep = self.keep
+        alone = self._alone()
+        with self._cache._lock:
+            span = self._cache._pool.ledger.used(cut=(self.context.seq, keep))
         started = time.monotonic()
         reporter = _Progress(self.stage, started, progress)
         try:
@@ -157,7 +165,27 @@ class Hold:
             )
         self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
-        return Synced(self.evaluated, (time.monotonic() - started) * 1000.0, complete)
+        ms = (time.monotonic() - started) * 1000.0
+        if complete and alone and self._alone():
+            with self._cache._lock:
+                self._cache._pool.costs.prefilled(self.evaluated, span, ms)
+        self._synced(self.evaluated, ms, alone=alone)
+        return Synced(self.evaluated, ms, complete)
+
+    def _alone(self) -> bool:
+        """No other operation runs on this model now (its jobs' steps would interleave with
+        this one's, and their time would count as this one's)."""
+        with self._cache._lock:
+            return not any(c.busy for c in self._cache._pool.contexts.values() if c is not self.context)
+
+    def _synced(self, evaluated: int, ms: float, *, alone: bool) -> None:
+        """What a turn's suffix evaluates (the turn's work after its prefix), and where a decode
+        that follows starts."""
+        with self._cache._lock:
+            pool = self._cache._pool
+            if self.stage == "suffix":
+                pool.costs.turn_prefill.add(float(evaluated))
+            self._decoding = (time.monotonic(), pool.ledger.used()) if alone else None
 
     def commit(self, *, prefix: int) -> None:
         """The target's first ``prefix`` tokens are the session's prefix now: others may copy
@@ -181,7 +209,12 @@ class Hold:
         try:
             if resident is not None:
                 with self._cache._lock:
-                    self._cache._pool.record_generate(self.context, sampled, resident)
+                    pool = self._cache._pool
+                    pool.record_generate(self.context, sampled, resident)
+                    started = self._decoding
+                    if error is None and started is not None and sampled and self._alone():
+                        ms = (time.monotonic() - started[0]) * 1000.0
+                        pool.costs.decoded(len(sampled), started[1], ms)
             elif error is not None:
                 self.fail(error)
         finally:
@@ -242,9 +275,9 @@ class Hold:
                     eviction.make_room(pool, own, n, (count + 1) * cells, runtime)
                 for fork in taken:
                     pool.ledger.extend(fork.seq, cells)  # its choice's tokens: reserved until released
-            except BusyError as exc:
+            except eviction.NeedRoom as exc:
                 Forks(cache, taken).release()
-                return exc.message
+                return exc.why
             except ModeldError:
                 Forks(cache, taken).release()
                 raise
@@ -272,10 +305,16 @@ class Hold:
             context = self.context
             context.busy = False
             context.floor = 0
+            if self._cache._pool.holds(context):
+                self._cache._pool.reserved.pop(context.seq, None)
             context.last_used = now
             # A prefix or a suffix is the start of a turn whose decode comes next: the context
             # is not idle in between (another session's turn does not evict it, see leave_idle).
             context.turn_until = now + TURN_SECONDS if self.stage in ("prefix", "suffix") else 0.0
+            owner = context.owner
+            if owner is not None and self._cache._pool.holds(context):
+                owner.computed = list(context.tokens)
+        self._cache.room_freed()
 
     def __enter__(self) -> Hold:
         return self
@@ -317,6 +356,7 @@ class Forks:
                 with contextlib.suppress(ModeldError):
                     cache.runtime().drop(fork.seq)
                 pool.remove(fork)
+        cache.room_freed()
 
 
 class _Progress:

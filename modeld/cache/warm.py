@@ -38,18 +38,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from modeld.backends.base import Layout
 from modeld.cache import eviction
 from modeld.cache.choice import Choice, choose
+from modeld.cache.cost import Costs
 from modeld.cache.hold import Hold
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
-from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
+from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify, common_prefix_len
 from modeld.cache.runtime import KVRuntime
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import WarmContextInfo
 from modeld.errors import (
+    BusyError,
     ModeldError,
     echo,
 )
@@ -59,11 +62,9 @@ __all__ = ["ModelCache"]
 
 log = logging.getLogger("modeld.cache")
 
-_IDLE = (
-    "it was idle while another session's turn ran, and a unified pool's attention spans every used "
-    "cell; its prefix is on disk"
-)
-"""Why :func:`eviction.leave_idle` moved a context out of the pool (its next turn restores it)."""
+_IDLE = "it was idle while another session's turn ran, and a unified pool's attention spans every used cell"
+"""Why :func:`eviction.leave_idle` moved a context out of the pool (its next turn restores it;
+the eviction adds the measured costs that decided it)."""
 
 
 class ModelCache:
@@ -93,11 +94,21 @@ class ModelCache:
         self._file_key = file_key
         self._history = history or RuntimeHistory()
         self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)
+        """Notified whenever an operation ends (its context idle: evictable) or cells free up."""
+        self._waiting: list[object] = []
+        """Turns waiting for room, in the order they came (the first one tries first)."""
+        self._closed = False
         self._saver = eviction.WriteBehind(self._pool, self._lock)
 
     @property
     def counters(self) -> dict[str, int]:
         return self._pool.counters
+
+    @property
+    def costs(self) -> Costs:
+        """What this model's warm contexts cost where they are, as measured (``cost.py``)."""
+        return self._pool.costs
 
     # --- sessions -------------------------------------------------------------------------------
 
@@ -143,65 +154,151 @@ class ModelCache:
         runtime = self.runtime()
         changed = self._history.changed(self._file_key, manifest)
         self._saver.settle()  # a choice must see every tier entry
-        pool = self._pool
+        wait = self._pool.settings.room_wait_seconds
+        waiter: object | None = None
+        logged = False
+        started = time.monotonic()
         with self._lock:
-            choice = self._choose(slot, target, head, remote=stage == "prefix")
             try:
-                dst = self._place(slot, choice, runtime, head)
-            except eviction.NoRoom:
-                # The only sequence that could be freed holds the best candidate: copying from
-                # it is impossible, so it is saved and freed, and this turn starts from nothing
-                # (or from its snapshot, found by choosing again).
-                assert choice.context is not None
-                eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
-                choice = self._choose(slot, target, head, remote=stage == "prefix")
-                dst = self._place(slot, choice, runtime, head)
-            if choice.context is not None and pool.contexts.get(choice.context.seq) is not choice.context:
-                # The source shared only the format's head and was the least valuable context:
-                # it went to a tier; the head comes from another context, or is computed.
-                choice = self._choose(slot, target, head, remote=stage == "prefix")
-            hold = Hold(self, dst, target, stage, manifest)
-            if stage == "prefix":
-                # Before the fill, so a restore lands in the cells they free (low in the pool).
-                eviction.leave_idle(
-                    pool, runtime, {dst, *([choice.context] if choice.context else [])}, _IDLE
-                )
-            self._fill(slot, hold, choice, runtime, head)
-            if stage == "prefix" and choice.context is not None and choice.context is not dst:
-                eviction.leave_idle(pool, runtime, {dst}, _IDLE)  # the copy's source, idle too
-            # The cells of dst past what is kept are cut by this turn: they count as room (the
-            # 8k coding loop's third turn, and a session editing the middle of a prefix longer
-            # than half the pool, used to be busy).
-            eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
-            dst.busy = True
-            dst.floor = max(0, min(floor, hold.keep - 2))
-            cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
-            if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
-                # A snapshot file refused when the disk tier was indexed would have served this
-                # cold turn: say so, as for one refused when it was tried.
-                refused = pool.tiers.claim_refused(
-                    pool.model_digest,
-                    slot.identity,
-                    pool.layout.snapshot_format,
-                    target,
-                    pool.settings.restore_min_gain,
-                )
-                if refused is not None:
-                    pool.counters["snapshots_rejected"] += 1
-                    slot.loss = Loss("snapshot_rejected", f"{refused.reason}; at the daemon's start")
-            hold.decision = classify(
-                wanted=len(target),
-                keep=hold.keep,
-                candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
-                manifest=manifest,
-                loss=slot.loss if cold else None,
-                changed=changed if hold.keep == 0 and not choice.seen else None,
-                truncation_blocked=choice.blocked and hold.keep == 0,
-                model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
-                head=head,
+                while True:
+                    # A turn that starts queues behind the turns waiting for room (in the order
+                    # they came); a turn's later operations never do (those waited for end them).
+                    if stage == "prefix" and self._waiting and waiter is None:
+                        waiter = object()
+                        self._waiting.append(waiter)
+                    if waiter is None or self._waiting[0] is waiter:
+                        try:
+                            return self._hold(
+                                slot, target, stage, manifest, floor, extra_cells, head, runtime, changed
+                            )
+                        except eviction.NeedRoom as need:
+                            if not need.waitable or self._closed:
+                                raise BusyError(
+                                    f"{need.why}; no wait frees them", needed_cells=need.needed
+                                ) from None
+                            if waiter is None:
+                                waiter = object()
+                                self._waiting.append(waiter)
+                            left = started + wait - time.monotonic()
+                            if left <= 0:
+                                raise BusyError(
+                                    f"{need.why}; waited {wait:.0f}s (--queue-wait) for them to free up",
+                                    needed_cells=need.needed,
+                                    wait_seconds=int(wait),
+                                ) from None
+                            if not logged:
+                                logged = True
+                                log.info(
+                                    "%s: a turn's %s waits for KV room: %s", self._pool.name, stage, need.why
+                                )
+                    left = started + wait - time.monotonic()
+                    if left <= 0:
+                        raise BusyError(
+                            f"{self._pool.name}: turns that came first still wait for KV cells after "
+                            f"{wait:.0f}s (--queue-wait)",
+                            wait_seconds=int(wait),
+                        )
+                    self._room.wait(min(left, 1.0))
+            finally:
+                if waiter is not None:
+                    self._waiting.remove(waiter)
+                    self._room.notify_all()
+
+    def _hold(
+        self,
+        slot: SessionSlot,
+        target: list[int],
+        stage: str,
+        manifest: ContextManifest,
+        floor: int,
+        extra_cells: int,
+        head: int,
+        runtime: KVRuntime,
+        changed: tuple[str, str, str] | None,
+    ) -> Hold:
+        """:meth:`hold`'s choice, placement and room, under the lock (raises
+        :class:`~modeld.cache.eviction.NeedRoom` when busy contexts hold the room it needs)."""
+        pool = self._pool
+        choice = self._choose(slot, target, head, remote=stage == "prefix")
+        try:
+            dst = self._place(slot, choice, runtime, head)
+        except eviction.NoRoom:
+            # The only sequence that could be freed holds the best candidate: copying from
+            # it is impossible, so it is saved and freed, and this turn starts from nothing
+            # (or from its snapshot, found by choosing again).
+            assert choice.context is not None
+            eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
+            choice = self._choose(slot, target, head, remote=stage == "prefix")
+            dst = self._place(slot, choice, runtime, head)
+        if choice.context is not None and pool.contexts.get(choice.context.seq) is not choice.context:
+            # The source shared only the format's head and was the least valuable context:
+            # it went to a tier; the head comes from another context, or is computed.
+            choice = self._choose(slot, target, head, remote=stage == "prefix")
+        hold = Hold(self, dst, target, stage, manifest)
+        prefill = max(0, len(target) - choice.keep)
+        if stage == "prefix":
+            # Before the fill, so a restore lands in the cells they free (low in the pool).
+            eviction.leave_idle(
+                pool, runtime, {dst, *([choice.context] if choice.context else [])}, _IDLE, prefill
             )
-            slot.loss = None
-            return hold
+        self._fill(slot, hold, choice, runtime, head)
+        if stage == "prefix" and choice.context is not None and choice.context is not dst:
+            eviction.leave_idle(pool, runtime, {dst}, _IDLE, prefill)  # the copy's source, idle too
+        # The cells of dst past what is kept are cut by this turn: they count as room (the
+        # 8k coding loop's third turn, and a session editing the middle of a prefix longer
+        # than half the pool, used to be busy).
+        eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
+        if pool.layout.shared_cells:
+            pool.reserved[dst.seq] = len(target) - hold.keep + extra_cells  # until the hold ends
+        dst.busy = True
+        dst.floor = max(0, min(floor, hold.keep - 2))
+        cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
+        if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
+            # A snapshot file refused when the disk tier was indexed would have served this
+            # cold turn: say so, as for one refused when it was tried.
+            refused = pool.tiers.claim_refused(
+                pool.model_digest,
+                slot.identity,
+                pool.layout.snapshot_format,
+                target,
+                pool.settings.restore_min_gain,
+            )
+            if refused is not None:
+                pool.counters["snapshots_rejected"] += 1
+                slot.loss = Loss("snapshot_rejected", f"{refused.reason}; at the daemon's start")
+        hold.decision = classify(
+            wanted=len(target),
+            keep=hold.keep,
+            candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
+            manifest=manifest,
+            loss=slot.loss if cold else None,
+            changed=changed if hold.keep == 0 and not choice.seen else None,
+            truncation_blocked=choice.blocked and hold.keep == 0,
+            model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
+            head=head,
+        )
+        self._recomputed(slot, hold, target, choice)
+        slot.loss = None
+        return hold
+
+    def _recomputed(self, slot: SessionSlot, hold: Hold, target: list[int], choice: Choice) -> None:
+        """A turn that will compute tokens its session had in its warm context before says
+        where they went, in its decision and in the log, and counts them (``recomputed``)."""
+        before = common_prefix_len(slot.computed, target)
+        again = before - hold.keep
+        if again <= 0:
+            return
+        pool = self._pool
+        pool.counters["recomputed"] += again
+        if slot.loss is not None:
+            where = f"its warm context was {slot.loss.kind.replace('_', ' ')}: {slot.loss.message}"
+        elif choice.entry is not None and hold.tier != "kv":
+            where = f"the {hold.tier} tier's copy it came back from held {len(choice.entry.tokens)} tokens"
+        else:
+            where = "its warm context no longer held them"
+        said = f"{again} tokens this session computed before are computed again: {where}"
+        hold.decision = replace(hold.decision, message=f"{hold.decision.message}; {said}")
+        log.warning("session %s on %s: %s", slot.session_id, pool.name, said)
 
     def _choose(self, slot: SessionSlot, target: list[int], head: int, *, remote: bool = False) -> Choice:
         """The choice among the KV and the local tiers; a prefix they do not cover whole is
@@ -289,17 +386,22 @@ class ModelCache:
         dst = hold.context
         started = time.perf_counter()
         tier = entry.tier  # where it comes from (a restore may move it out of RAM)
+        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
+        # other warm contexts makes the engine refuse it, and a good snapshot must not be
+        # rejected (and removed: from the shared store, for every box) for want of room.
         try:
             blob = pool.tiers.load(entry)
         except SnapshotError as exc:
             pool.counters["snapshots_rejected"] += 1
             slot.loss = Loss("snapshot_rejected", str(exc))
             return
-        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
-        # other warm contexts makes the engine refuse it, and a good snapshot must not be
-        # rejected (and removed: from the shared store, for every box) for want of room.
+        loaded = time.perf_counter()
         eviction.make_room(pool, dst, 0, len(entry.tokens), runtime)
+        moving = time.perf_counter()
         restored = runtime.restore(dst.seq, entry.tokens, blob)
+        if restored.ok and tier in ("ram", "disk"):
+            ms = (loaded - started + time.perf_counter() - moving) * 1000.0  # not the room's evictions
+            pool.costs.moved(f"restore_{tier}", len(entry.tokens), ms)
         dst.generation += 1
         if not restored.ok:
             if restored.refused:
@@ -315,9 +417,11 @@ class ModelCache:
         dst.saved_key = entry.key
         pool.ledger.set(dst.seq, len(entry.tokens))
         pool.tiers.touch(entry)
-        if keep >= len(entry.tokens):
-            # The KV pool holds the whole entry again: its RAM copy goes (moved, not copied;
-            # a disk copy stays, or is written first, for a worker crash).
+        own = len(slot.computed) >= len(entry.tokens) and slot.computed[: len(entry.tokens)] == entry.tokens
+        if keep >= len(entry.tokens) or own:
+            # The KV pool holds the whole entry again (a prefix of it, or what this session
+            # computed last, its suffix to follow): its RAM copy goes (moved, not copied; a
+            # disk copy stays, or is written first, for a worker crash).
             pool.tiers.take(entry)
         hold.keep = keep
         hold.tier = tier
@@ -329,6 +433,9 @@ class ModelCache:
     def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None:
         with self._lock:
             context.busy = False
+            if self._pool.holds(context):
+                self._pool.reserved.pop(context.seq, None)
+            self._room.notify_all()
             if engine_alive and self._pool.holds(context):
                 with contextlib.suppress(ModeldError):
                     self.runtime().drop(context.seq)
@@ -339,6 +446,7 @@ class ModelCache:
     def reset(self, error: ModeldError) -> None:
         """The engine lost every sequence (its worker died or the model was unloaded)."""
         with self._lock:
+            self._room.notify_all()
             for context in self._pool.contexts.values():
                 if context.owner is not None:
                     context.owner.loss = Loss("engine_reset", error.message)
@@ -390,7 +498,15 @@ class ModelCache:
                     eviction.evict(self._pool, context, runtime, why)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._room.notify_all()
         self._saver.close()
+
+    def room_freed(self) -> None:
+        """An operation ended or cells were freed: the turns waiting for room try again."""
+        with self._lock:
+            self._room.notify_all()
 
     # --- observers ----------------------------------------------------------------------------
 

@@ -387,6 +387,7 @@ class Engine:
                 cache_settings=CacheSettings(
                     snapshot_min_tokens=self.residency.snapshot_min_tokens,
                     persist_min_tokens=self.residency.persist_min_tokens,
+                    room_wait_seconds=self.limits.model_wait_seconds,
                 ),
                 timeouts=self.timeouts,
                 restart=self.restart,

@@ -1,0 +1,140 @@
+"""Never compute a token twice (issue 30): conversations that take turns on one model, as a new
+user runs them (a real ``modeld serve --http``, default flags, the official ``openai`` SDK, the
+generated tiny llama model), each reuse their whole previous prompt on every later turn.
+
+The scenario is the issue's repro: three chat conversations of about 2.4k tokens sharing a
+system prompt, taking turns, three turns each. Before, every turn evicted the other idle
+contexts from the unified pool ("its prefix is on disk"), and each conversation's next turn
+reused only the shared system prompt: its own history was computed again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from daemon_proc import serve_http, stop
+
+pytestmark = [pytest.mark.wire, pytest.mark.llama]
+
+SYSTEM = "You are a careful engineer. The repository's handlers follow.\n" + "".join(
+    f"def handler_{i}(request, config):\n"
+    f'    """Serve route {i} of the web app."""\n'
+    f"    return render(request, 'page_{i}.html', config.get('k{i}'))\n\n"
+    for i in range(40)
+)
+"""About 2.3k tokens of the tiny model's vocabulary: the prompt every conversation shares."""
+
+QUESTIONS = {
+    "a": ["Why does handler_3 fail?", "And handler_4?", "Fix both."],
+    "b": ["Rename handler_7.", "Add a docstring to it.", "Now test it."],
+    "c": ["What does config.get return?", "Where is k12 set?", "Remove k12."],
+}
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[tuple[openai.OpenAI, Path]]:
+    tmp = Path(tempfile.mkdtemp(prefix="mdr"))
+    proc, record = serve_http(tmp, backend="llama")
+    client = openai.OpenAI(
+        base_url=f"{record.http_endpoint}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    try:
+        yield client, tmp
+    finally:
+        client.close()
+        stop(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_conversations_taking_turns_reuse_their_whole_previous_prompt(
+    daemon: tuple[openai.OpenAI, Path],
+) -> None:
+    """Three conversations, three turns each, round robin: every warm turn reuses at least the
+    whole prompt of its conversation's previous turn (the history the daemon computed before),
+    however the other conversations' turns came between."""
+    client, _tmp = daemon
+    history: dict[str, list[dict[str, str]]] = {k: [{"role": "system", "content": SYSTEM}] for k in QUESTIONS}
+    previous: dict[str, int] = {}
+    seen: list[tuple[str, int, int, int]] = []
+    for turn in range(3):
+        for key, questions in QUESTIONS.items():
+            messages = history[key]
+            messages.append({"role": "user", "content": questions[turn]})
+            done = client.chat.completions.create(
+                model="modeld-tiny",
+                messages=messages,
+                max_tokens=8,
+                temperature=0,  # type: ignore[arg-type]
+            )
+            usage = done.usage
+            assert usage is not None and usage.prompt_tokens_details is not None
+            cached = usage.prompt_tokens_details.cached_tokens or 0
+            seen.append((key, turn, usage.prompt_tokens, cached))
+            if key in previous:
+                assert cached >= previous[key], seen
+            previous[key] = usage.prompt_tokens
+            messages.append({"role": "assistant", "content": done.choices[0].message.content or ""})
+    assert len(seen) == 9 and all(p > 2000 for _k, _t, p, _c in seen), seen
+
+
+def _workspace(agent: int, handlers: int = 108) -> str:
+    """About 2.8k tokens of one agent's own context (no two agents share more than a line)."""
+    return f"You are agent {agent}.\n" + "".join(
+        f"def agent{agent}_step_{i}(state):\n    return state.advance({agent}, {i})\n\n"
+        for i in range(handlers)
+    )
+
+
+def test_three_agents_at_once_on_an_8k_window_wait_for_cells_instead_of_failing() -> None:
+    """Three agents of about 2.8k tokens each, concurrently, on the default layout (one window of
+    8192 cells shared by four sequences): they do not fit together, so a turn that needs cells
+    held by a running operation waits for it (in the order turns came), and the context that
+    gives way leaves with all of its tokens. No turn fails ``busy``; every second turn reuses its
+    whole first one (prompt and decode), and nothing is computed twice."""
+    from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+    from modeld.engine import Engine
+    from modeld.testmodels import TINY, ensure_model
+
+    path = str(ensure_model(TINY))
+    errors: list[BaseException] = []
+    rows: dict[int, list[tuple[int, int, int, int]]] = {}
+    with Engine(backends=("llama",)) as engine:
+        barrier = threading.Barrier(3)
+
+        def agent(i: int) -> None:
+            try:
+                session = engine.open_session(
+                    OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
+                )
+                text = _workspace(i)
+                barrier.wait(timeout=60)
+                for turn in range(2):
+                    st = session.ensure_prefix(PrefixInput(text=text))
+                    sf = session.prefill_suffix(SuffixInput(text=f"turn {turn}: go on\n"))
+                    out = list(session.decode(DecodeConfig(max_tokens=200, temperature=0.0)))
+                    generated = sum(len(c.token_ids) for c in out)
+                    rows.setdefault(i, []).append(
+                        (st.prefix_tokens, st.reused_tokens, sf.suffix_tokens, generated)
+                    )
+                    text += f"turn {turn}: go on\n" + "".join(f"step {k}\n" for k in range(5))
+                session.close()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=agent, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert not errors, errors
+        counters = engine.status().models[0].counters
+    for i, (first, second) in rows.items():
+        assert first[0] > 2500, rows
+        assert second[1] >= first[0], (i, rows)  # the whole first prefix came back
+    assert counters["recomputed"] == 0, counters
