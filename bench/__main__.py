@@ -35,7 +35,7 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis", "speculation", "fleet"]
+EXTRAS = ["agent_apis", "claude_code", "speculation", "fleet"]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -256,6 +256,24 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda s: print(s, flush=True),
         )
 
+    claude_code = None
+    if not wanted or "claude_code" in wanted:  # the real Claude Code, three runs (issue 30)
+        from bench.claude_code import run_claude_code
+        from modeld import testmodels
+
+        claude_code = run_claude_code(
+            str(testmodels.ensure_model(testmodels.REPLY)),
+            args.llama_server,
+            threads,
+            runs=2 if args.quick else 3,
+            systems=[
+                s
+                for s in ("modeld", "llama-server")
+                if s in names or (s == "modeld" and "modeld-http" in names)
+            ],
+            log=lambda s: print(s, flush=True),
+        )
+
     speculation = None
     if not wanted or "speculation" in wanted:
         began = time.monotonic()
@@ -311,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_parts": data.rss_parts,
         "overhead": overhead,
         "agent_apis": agent_apis,
+        "claude_code": claude_code,
         "speculation": speculation,
         "fleet": fleet,
         "errors": data.errors,
@@ -330,7 +349,11 @@ def main(argv: list[str] | None = None) -> int:
             f"bench: wrote {out} from {len(docs)} run(s) ({', '.join(d['id'] for d in docs)}) in {machine['duration_s']} s",
             flush=True,
         )
-    errors = data.errors + (agent_apis["errors"] if agent_apis else 0)
+    errors = (
+        data.errors
+        + (agent_apis["errors"] if agent_apis else 0)
+        + (claude_code["errors"] if claude_code else 0)
+    )
     errors += sum(1 for extra in (speculation, fleet) if extra and "error" in extra)
     errors += fleet["errors"] if fleet and "errors" in fleet else 0
     if errors:

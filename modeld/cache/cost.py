@@ -1,4 +1,4 @@
-"""What a warm context costs where it is, measured on the running engine (issue 30).
+"""What a warm context costs where it is, measured on the running engine.
 
 Where a sequence's attention spans every used cell of a pool (llama.cpp's unified KV: it attends
 up to the highest used cell, other sequences' cells masked), an idle context left resident makes

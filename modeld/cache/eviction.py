@@ -178,7 +178,7 @@ def evict(pool: Pool, context: WarmContext, runtime: KVRuntime, why: str) -> Non
     """Save all of a context's tokens to a tier (nothing when a tier holds them already), free
     its cells, and tell its session where it went. A context leaves the KV whole: its prefix,
     its last suffix and what it decoded (the next turn of a chat resends them), so nothing it
-    computed is computed again (issue 30)."""
+    computed is computed again."""
     tokens = len(context.tokens)
     whole = pool.layout.can_truncate
     tier = save(pool, context, runtime, whole=whole)

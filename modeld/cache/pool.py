@@ -112,7 +112,7 @@ class SessionSlot:
     loss: Loss | None = None
     computed: list[int] = field(default_factory=list)
     """The tokens its context held when its last operation ended: what this session computed
-    (or reused) before, which a later turn must not compute again (issue 30)."""
+    (or reused) before, which a later turn must not compute again."""
 
 
 class Pool:
