@@ -540,13 +540,17 @@ def write_report(out: Path, docs: list[Doc]) -> None:
         from bench.claude_code import report_lines
 
         lines += report_lines(doc["claude_code"])
+    if doc.get("chat_agents"):
+        from bench.chat_agents import report_lines as chat_agents_lines
+
+        lines += chat_agents_lines(doc["chat_agents"])
     if any(d.get("speculation") for d in docs):
         lines += speculation_lines(docs)
     if any(d.get("fleet") for d in docs):
         lines += fleet_lines(docs)
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
-        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `claude_code`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
+        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `claude_code`, `chat_agents`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
         "`make bench-compare` (the newest run against the committed results).",
         "",
     ]
