@@ -10,11 +10,14 @@ reused only the shared system prompt: its own history was computed again.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -138,3 +141,92 @@ def test_three_agents_at_once_on_an_8k_window_wait_for_cells_instead_of_failing(
         assert first[0] > 2500, rows
         assert second[1] >= first[0], (i, rows)  # the whole first prefix came back
     assert counters["recomputed"] == 0, counters
+
+
+def _memory_engine(**residency: Any) -> Any:
+    from modeld.engine import Engine
+    from modeld.settings import Residency
+
+    return Engine(backends=("memory",), residency=Residency(**{"snapshot_min_tokens": 8, **residency}))
+
+
+def _agent_turn(engine: Any, *, tool: bool, text: str, pinned: bool = False, keep_alive: float = 0.0) -> Any:
+    """A chat session's turn on the memory backend: a forced tool call (the agent then runs its
+    tool) or an answer."""
+    from modeld.contract import Config, DecodeConfig, OpenSessionRequest
+    from runtime_client import ContextBuilder
+
+    session = engine.open_session(
+        OpenSessionRequest(
+            type="memory",
+            path="agent",
+            config=Config(prompt_format="chat"),
+            pin=pinned,
+            keep_alive_seconds=keep_alive,
+        )
+    )
+    built = ContextBuilder(identity=session.identity, tools_json=TOOLS).system(text).user_turn("Why?").build()
+    session.ensure_prefix(built.prefix_input())
+    session.prefill_suffix(built.suffix_input())
+    config = DecodeConfig(max_tokens=400 if tool else 16, tool_choice="read_file" if tool else "none")
+    final = list(session.decode(config))[-1]
+    assert final.finish_reason == ("tool_calls" if tool else "length"), final
+    return session, built
+
+
+TOOLS = json.dumps(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "description": "Read a file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"path": {"type": "string"}},
+                    "required": ["path"],
+                },
+            },
+        }
+    ]
+)
+
+
+def _in_kv(engine: Any) -> set[str]:
+    return {c.session_id for c in engine.status().models[0].contexts if c.tier == "kv" and c.session_id}
+
+
+def test_an_agent_running_its_tool_keeps_its_cells_and_a_one_off_gives_way_first() -> None:
+    """Two sequences: an agent whose turn ended in a tool call, then a one-off request (answered,
+    not coming back). A third session needs a sequence: the one-off gives way, though the agent
+    has been idle longer; the agent's next turn reuses everything it computed."""
+    with _memory_engine(sequences=2) as engine:
+        agent, _ = _agent_turn(engine, tool=True, text="You are a coding agent. " * 8)
+        time.sleep(0.05)
+        _once, _ = _agent_turn(engine, tool=False, text="Write a title for this conversation. " * 8)
+        third, _ = _agent_turn(engine, tool=False, text="You review code. " * 8)
+        assert _in_kv(engine) == {agent.session_id, third.session_id}
+        assert engine.status().models[0].counters["recomputed"] == 0
+
+
+def test_a_context_that_left_while_its_tool_ran_comes_back_before_it_asks() -> None:
+    """An agent's turn ends in a tool call; another session needs its sequence meanwhile (the
+    only other one is pinned), so the agent's context leaves, whole. When a sequence frees up
+    (the other session's keep-alive ran out), the context is brought back before the agent's
+    next turn asks, which then reuses all of it and says so."""
+    from modeld.contract import PrefixInput
+
+    with _memory_engine(sequences=2) as engine:
+        agent, built = _agent_turn(engine, tool=True, text="You are a coding agent. " * 8)
+        _agent_turn(engine, tool=False, text="You are pinned. " * 8, pinned=True)
+        passing, _ = _agent_turn(engine, tool=False, text="You pass by. " * 8, keep_alive=1.0)
+        assert agent.session_id not in _in_kv(engine)  # it left, whole, for the tiers
+        deadline = time.monotonic() + 15
+        while agent.session_id not in _in_kv(engine) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert agent.session_id in _in_kv(engine) and passing.session_id not in _in_kv(engine)
+        counters = engine.status().models[0].counters
+        assert counters["prefetched"] == 1
+        status = agent.ensure_prefix(PrefixInput(text=built.prefix_text + "next turn\n"))
+        assert status.reuse.tier == "kv" and "brought back from the ram tier" in status.reuse.message
+        assert engine.status().models[0].counters["recomputed"] == 0

@@ -84,8 +84,9 @@ class Layout:
     further sequences (``DecodeConfig.n``); without it the daemon decodes them one after another.
     ``attention_spans_pool``: a sequence's attention covers every used cell of the pool up to the
     highest one, other sequences' cells masked (llama.cpp's unified KV): an idle context's cells
-    slow every turn of the others, so the cache moves idle contexts whose prefix is on disk out of
-    the pool when another turn starts (blueprint 0016, "Idle contexts leave a unified pool").
+    slow every turn of the others, so the cache moves an idle context out of the pool when a turn
+    starts whose attention over its cells costs more, as measured, than moving it out and back
+    (blueprint 0016, "Where a context goes").
     """
 
     n_seq: int

@@ -46,6 +46,7 @@ __all__ = [
     "covered",
     "evict",
     "evictable",
+    "kind",
     "leave_idle",
     "make_room",
     "new_context",
@@ -62,6 +63,12 @@ log = logging.getLogger("modeld.cache")
 
 DETACHED_WEIGHT = 4.0
 """A detached context (its session closed) serves nobody right now: it goes this much sooner."""
+
+KIND_WEIGHT = {"tool_calls": 0.25, "one-off": 4.0}
+"""How much sooner a context goes by what it is (:func:`kind`): an agent whose turn ended in a
+tool call comes back when the tool returns (its history stays: 4x later); a one-off (one
+request, answered: a title, a quota check) is not coming back (4x sooner); a finished agent
+(a sub-agent's final answer, a turn waiting for a person) between the two."""
 
 
 class NoRoom(Exception):  # noqa: N818 - internal control flow
@@ -80,9 +87,23 @@ class NeedRoom(Exception):  # noqa: N818 - internal control flow
         self.needed = needed
 
 
+def kind(context: WarmContext) -> str:
+    """What a context is, from how its decodes ended: ``tool_calls`` (an agent running a tool),
+    ``one-off`` (one request, answered), ``finished`` (an agent's answer after several turns: a
+    sub-agent that ended, or a turn waiting for a person), or ``""`` (no decode ended on it)."""
+    if context.ended == "tool_calls":
+        return "tool_calls"
+    if context.ended and context.turns <= 1:
+        return "one-off"
+    return "finished" if context.ended else ""
+
+
 def score(context: WarmContext, now: float) -> float:
-    """How little a context is worth keeping: idle seconds per 1k tokens of recompute."""
+    """How little a context is worth keeping: idle seconds per 1k tokens it holds (the larger,
+    the costlier to move and to lose), a detached one :data:`DETACHED_WEIGHT` times sooner, and
+    by its :func:`kind` (:data:`KIND_WEIGHT`)."""
     value = (now - context.last_used + 1.0) / (1.0 + len(context.tokens) / 1024.0)
+    value *= KIND_WEIGHT.get(kind(context), 1.0)
     return value * DETACHED_WEIGHT if context.owner is None else value
 
 

@@ -102,6 +102,7 @@ class Hold:
         self._job: SyncJob | None = None
         self._canceled = False
         self._released = False
+        self._finish = ""
         self._decoding: tuple[float, int] | None = None
         """When the sync ended and the cells in use then, while this hold ran alone: a decode
         that follows is a sample of the attention's cost (``cost.py``)."""
@@ -203,6 +204,11 @@ class Hold:
         cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
         cache._history.record(cache._file_key, self._manifest)
 
+    def ended(self, finish_reason: str) -> None:
+        """How the decode of this hold ended (before :meth:`decoded`): what the context's next
+        use will be (``eviction.score``, ``ModelCache.prefetch``)."""
+        self._finish = finish_reason
+
     def decoded(self, sampled: Sequence[int], resident: int | None, error: ModeldError | None) -> None:
         """A generate job ended: ``sampled`` tokens, of which the sequence holds ``resident``
         in all (None: unknown after ``error``). Ends the hold."""
@@ -211,6 +217,12 @@ class Hold:
                 with self._cache._lock:
                     pool = self._cache._pool
                     pool.record_generate(self.context, sampled, resident)
+                    if self._finish and pool.holds(self.context):
+                        context = self.context
+                        context.turns += 1
+                        context.ended = self._finish
+                        if context.owner is not None:
+                            context.owner.ended, context.owner.ended_at = self._finish, time.time()
                     started = self._decoding
                     if error is None and started is not None and sampled and self._alone():
                         ms = (time.monotonic() - started[0]) * 1000.0

@@ -47,6 +47,7 @@ COUNTERS = (
     "restore_failures",
     "copies",
     "recomputed",
+    "prefetched",
 )
 """What ``modeld status`` and the metrics count per loaded model (tokens, events), each meaning
 what the metric of the same name counts: ``queries`` prompt-prefix tokens looked up and
@@ -55,7 +56,7 @@ suffix and decode of its turn); ``prefilled`` prompt tokens the engine computed 
 suffixes, and what a displaced context needed again); evictions by destination; snapshots taken,
 rejected and refused by the engine; prefixes copied from another warm context; ``recomputed``
 prompt tokens a session had in its warm context before and computed again (each such turn says
-where they went)."""
+where they went); ``prefetched`` contexts brought back into the pool before their turn asked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,11 @@ class WarmContext:
     turn_until: float = 0.0
     """Until when (``time.time()``) its session is inside a turn: a prefix or suffix put in place
     whose decode has not ended yet (:data:`TURN_SECONDS` at most). Such a context is not idle."""
+    turns: int = 0
+    """Decodes that ended on it: one answered request (a one-off) or an agent's history."""
+    ended: str = ""
+    """How its last decode ended (``tool_calls``: its agent runs a tool and comes back soon;
+    ``stop``: an answer, a finished sub-agent's or a turn waiting for a person)."""
 
 
 @dataclass(eq=False)
@@ -110,6 +116,11 @@ class SessionSlot:
     context: WarmContext | None = None
     seen_generation: int = -1
     loss: Loss | None = None
+    ended: str = ""
+    """How the last decode of its context ended (``WarmContext.ended``)."""
+    ended_at: float = 0.0
+    note: str = ""
+    """Said in its next turn's decision (its context was brought back before it asked)."""
     computed: list[int] = field(default_factory=list)
     """The tokens its context held when its last operation ended: what this session computed
     (or reused) before, which a later turn must not compute again."""

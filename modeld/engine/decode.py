@@ -69,6 +69,7 @@ class DecodeRun:
         finish: Callable[[list[int], list[int], int | None, ModeldError | None], None],
         verify: Callable[[], ErrorDetail | None] | None = None,
         speculated: Callable[[DecodeStats], None] | None = None,
+        ended: Callable[[str], None] | None = None,
     ) -> None:
         self.call = call
         self.vocab = vocab
@@ -94,6 +95,9 @@ class DecodeRun:
         sequence holds or None if unknown, the error that ended it or None)."""
         self.speculated = speculated
         """Called at the end with what speculation did (when the engine reported it)."""
+        self.ended = ended
+        """Called at the end, before ``finish``, with the finish reason (the warm context's next
+        use depends on it: a turn ending in a tool call comes back soon)."""
 
 
 class _Stream(Closing):
@@ -278,6 +282,8 @@ class EngineDecodeStream(_Stream):
         result = self._processor.finish(step.stop or finish)
         if result.finish_reason == "malformed_tool_call":
             log.info("a decode ended with a malformed tool call: %s", self._processor.malformed_reason)
+        if run.ended is not None:
+            run.ended(result.finish_reason)
         run.finish(self._emitted, self._sampled, resident, exc)
         if stats is not None and run.speculated is not None:
             run.speculated(stats)

@@ -324,6 +324,7 @@ class EngineSession(Closing):
                     verify=self._model_intact,
                     finish=finish,
                     speculated=self._speculated if choice == 0 else None,
+                    ended=hold.ended if choice == 0 else None,
                 )
 
             if forks is None:
