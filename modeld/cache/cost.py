@@ -200,20 +200,24 @@ class Costs:
         decode = self.turn_decode.value()
         return cells * (self.prefill.per_cell() * (prefill + suffix) + self.decode.per_cell() * decode)
 
-    def leave_ms(self, tokens: int, saved: str) -> float:
+    def leave_ms(self, tokens: int, saved: str, returning: float = 1.0) -> float:
         """What moving a context of ``tokens`` out and back costs: its snapshot into RAM (none
-        when a tier holds all of it: ``saved`` names that tier) and its restore from there."""
+        when a tier holds all of it: ``saved`` names that tier) and its restore from there,
+        weighed by how likely it is to come back (``returning``: 1 for an open session's, less
+        for a detached context's)."""
         if saved:
-            return self.move_ms(f"restore_{saved}", tokens)
-        return self.move_ms("save_ram", tokens) + self.move_ms("restore_ram", tokens)
+            return returning * self.move_ms(f"restore_{saved}", tokens)
+        return self.move_ms("save_ram", tokens) + returning * self.move_ms("restore_ram", tokens)
 
-    def worth_leaving(self, cells: int, tokens: int, saved: str, prefill: int) -> bool:
+    def worth_leaving(
+        self, cells: int, tokens: int, saved: str, prefill: int, returning: float = 1.0
+    ) -> bool:
         """An idle context holding ``cells`` cells only it holds (``tokens`` in all) leaves the
         pool: its cells cost the turn that starts more than moving it out and back (``saved``:
-        the tier that holds all of it already, or "")."""
+        the tier that holds all of it already, or ""; ``returning`` as :meth:`leave_ms`)."""
         if cells <= 0 or not self.known():
             return False
-        return self.stay_ms(cells, prefill) > self.leave_ms(tokens, saved)
+        return self.stay_ms(cells, prefill) > self.leave_ms(tokens, saved, returning)
 
     def summary(self) -> dict[str, float]:
         """The figures, for people (``modeld status``'s log line, the blueprint's tables)."""

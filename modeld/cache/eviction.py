@@ -340,10 +340,11 @@ def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str,
         cells = pool.ledger.unique(context.seq)
         held = saved_entry(pool, context, len(context.tokens))
         saved = held.tier if held is not None else ""
-        if not costs.worth_leaving(cells, len(context.tokens), saved, prefill):
+        returning = 1.0 / DETACHED_WEIGHT if context.owner is None else 1.0
+        if not costs.worth_leaving(cells, len(context.tokens), saved, prefill, returning):
             continue
         stay = costs.stay_ms(cells, prefill)
-        leave = costs.leave_ms(len(context.tokens), saved)
+        leave = costs.leave_ms(len(context.tokens), saved, returning)
         evict(
             pool,
             context,
