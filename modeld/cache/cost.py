@@ -169,6 +169,15 @@ class Costs:
     """Tokens a turn evaluates after its prefix (its suffix, and what it recomputes)."""
     turn_decode: Mean = field(default_factory=Mean)
     """Tokens a turn decodes."""
+    announced: bool = False
+    """The figures were logged once they became known (:meth:`newly_known`)."""
+
+    def newly_known(self) -> bool:
+        """True once, when the attention's cost has just become known (to log the figures)."""
+        if self.announced or not self.known():
+            return False
+        self.announced = True
+        return True
 
     def prefilled(self, n: int, span: int, ms: float) -> None:
         self.prefill.add(n, span, ms)

@@ -170,8 +170,16 @@ class Hold:
         if complete and alone and self._alone():
             with self._cache._lock:
                 self._cache._pool.costs.prefilled(self.evaluated, span, ms)
+                self._announce()
         self._synced(self.evaluated, ms, alone=alone)
         return Synced(self.evaluated, ms, complete)
+
+    def _announce(self) -> None:
+        """Log the measured costs once they are known (the lock held)."""
+        pool = self._cache._pool
+        if pool.costs.newly_known():
+            figures = ", ".join(f"{k} {v:.3g}" for k, v in pool.costs.summary().items())
+            log.info("%s: the attention's cost is measured: %s", pool.name, figures)
 
     def _alone(self) -> bool:
         """No other operation runs on this model now (its jobs' steps would interleave with
@@ -227,6 +235,7 @@ class Hold:
                     if error is None and started is not None and sampled and self._alone():
                         ms = (time.monotonic() - started[0]) * 1000.0
                         pool.costs.decoded(len(sampled), started[1], ms)
+                        self._announce()
             elif error is not None:
                 self.fail(error)
         finally:
