@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from modeld.backends.base import Layout
-from modeld.cache import eviction
+from modeld.cache import eviction, prefetch
 from modeld.cache.choice import Choice, choose
 from modeld.cache.cost import Costs
 from modeld.cache.hold import Hold
@@ -65,10 +65,6 @@ log = logging.getLogger("modeld.cache")
 _IDLE = "it was idle while another session's turn ran, and a unified pool's attention spans every used cell"
 """Why :func:`eviction.leave_idle` moved a context out of the pool (its next turn restores it;
 the eviction adds the measured costs that decided it)."""
-
-PREFETCH_SECONDS = 600.0
-"""How long after a turn ended in a tool call its context is brought back before it asks
-(:meth:`ModelCache.prefetch`): tools that run longer are rare, and the session may be gone."""
 
 
 class ModelCache:
@@ -493,88 +489,19 @@ class ModelCache:
 
     def prefetch(self, now: float) -> int:
         """Bring back into the KV pool, before they ask, the contexts of open sessions whose last
-        turn ended in a tool call (their agent runs the tool and comes back within seconds) and
-        which left the pool meanwhile: each from the tier entry holding what it computed, into a
-        free sequence, when the pool is idle (no operation runs or waits: it would attend over
-        the cells) and has the cells without evicting anything. Returns how many came back."""
+        turn ended in a tool call and which left the pool meanwhile (``prefetch.py``), when the
+        pool is idle. Returns how many came back."""
         pool = self._pool
-        tiers = pool.tiers
-        if tiers is None or not pool.layout.explicit:
+        if pool.tiers is None or not pool.layout.explicit:
             return 0
         if not self._lock.acquire(timeout=0.2):
             return 0
         try:
             if self._closed or self._waiting or any(c.busy for c in pool.contexts.values()):
                 return 0
-            back = 0
-            fmt = pool.layout.snapshot_format
-            for slot in list(pool.slots.values()):
-                if pool.own(slot) is not None or slot.ended != "tool_calls" or not slot.computed:
-                    continue
-                if now - slot.ended_at > PREFETCH_SECONDS:
-                    continue
-                entries = [
-                    e
-                    for e in tiers.candidates(pool.model_digest, slot.identity, fmt)
-                    if len(e.tokens) <= len(slot.computed) and slot.computed[: len(e.tokens)] == e.tokens
-                ]
-                free = pool.free_seqs()
-                if not entries or not free:
-                    continue
-                entry = max(entries, key=lambda e: (len(e.tokens), e.tier == "ram"))
-                used = pool.ledger.used() + sum(pool.reserved.values())
-                if pool.layout.shared_cells and used + len(entry.tokens) > pool.layout.pool_tokens:
-                    continue
-                if self._bring_back(slot, entry, free[0]):
-                    back += 1
-            return back
+            return prefetch.bring_back(pool, self.runtime, now)
         finally:
             self._lock.release()
-
-    def _bring_back(self, slot: SessionSlot, entry: TierEntry, seq: int) -> bool:
-        """Restore ``entry`` into the free sequence ``seq`` as ``slot``'s context (the lock held)."""
-        pool = self._pool
-        assert pool.tiers is not None
-        tier = entry.tier
-        started = time.perf_counter()
-        try:
-            blob = pool.tiers.load(entry)
-            runtime = self.runtime()
-            context = pool.add(slot, seq)
-            restored = runtime.restore(seq, entry.tokens, blob)
-        except (SnapshotError, ModeldError) as exc:
-            log.info("could not bring back session %s's context: %s", slot.session_id, exc)
-            if pool.own(slot) is not None:
-                pool.remove(pool.contexts[seq])
-            slot.context = None
-            return False
-        if not restored.ok:
-            pool.remove(context)
-            slot.context = None
-            return False
-        ms = (time.perf_counter() - started) * 1000.0
-        pool.costs.moved(f"restore_{tier}", len(entry.tokens), ms)
-        context.tokens = list(entry.tokens)
-        context.prefix_tokens = entry.prefix_tokens
-        context.saved_key = entry.key
-        context.ended, context.turns = slot.ended, 1
-        pool.ledger.set(seq, len(entry.tokens))
-        pool.tiers.take(entry)
-        slot.seen_generation = context.generation
-        slot.loss = None
-        slot.note = (
-            f"its context was brought back from the {tier} tier ({len(entry.tokens)} tokens, "
-            f"{ms:.0f} ms) while its tool ran"
-        )
-        pool.counters["prefetched"] += 1
-        log.info(
-            "%s: session %s's context (%d tokens) brought back from the %s tier while its tool ran",
-            pool.name,
-            slot.session_id,
-            len(entry.tokens),
-            tier,
-        )
-        return True
 
     def expire(self, now: float) -> None:
         """Evict contexts idle past their session's keep-alive (to the tiers)."""
