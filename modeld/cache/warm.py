@@ -466,16 +466,18 @@ class ModelCache:
                     continue
                 tier = ""
                 with contextlib.suppress(ModeldError):
-                    tier = eviction.save(self._pool, context, runtime)
+                    tier = eviction.save(self._pool, context, runtime, whole=self._pool.layout.can_truncate)
                 if context.owner is not None:
                     where = f"saved to the {tier} tier" if tier else "not saved"
                     context.owner.loss = Loss(kind, f"{why}; {where}", tier or "none")
                     context.owner.context = None
             self._pool.clear()
 
-    def persist_all(self, *, whole: bool = False) -> None:
-        """Write every warm context's prefix (``whole``: every resident token) to the disk tier
-        and through to the shared store (an orderly daemon stop; a drain saves them whole)."""
+    def persist_all(self, *, whole: bool | None = None) -> None:
+        """Write every warm context, every resident token (``whole`` False: its prefix), to the
+        disk tier and through to the shared store (an orderly daemon stop, a drain): what leaves
+        the KV keeps every token (blueprint 0016, "Where a context goes"). By default whole where
+        the memory can be cut (memory that cannot keeps its state at the prefix, as evicted)."""
         tiers = self._pool.tiers
         if tiers is None or not tiers.persistent:
             return
@@ -485,7 +487,8 @@ class ModelCache:
             for context in list(self._pool.contexts.values()):
                 if not context.busy:
                     with contextlib.suppress(ModeldError):
-                        eviction.save(self._pool, context, runtime, persist=True, whole=whole)
+                        every = self._pool.layout.can_truncate if whole is None else whole
+                        eviction.save(self._pool, context, runtime, persist=True, whole=every)
 
     def prefetch(self, now: float) -> int:
         """Bring back into the KV pool, before they ask, the contexts of open sessions whose last
