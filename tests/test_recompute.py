@@ -230,3 +230,34 @@ def test_a_context_that_left_while_its_tool_ran_comes_back_before_it_asks() -> N
         status = agent.ensure_prefix(PrefixInput(text=built.prefix_text + "next turn\n"))
         assert status.reuse.tier == "kv" and "brought back from the ram tier" in status.reuse.message
         assert engine.status().models[0].counters["recomputed"] == 0
+
+
+def test_a_decode_takes_its_cells_as_it_grows_never_its_whole_room_up_front() -> None:
+    """A one-window pool of 2048 cells (the memory backend's unified layout): an idle context of
+    ~600 tokens, and another session's decode asking for 2048 tokens after a ~600-token prompt
+    (Claude Code sends max_tokens 32000). The decode starts with 512 cells, so the idle context
+    stays; stopped early, it never took the rest. Let run, it takes cells as it grows: the idle
+    context leaves (whole) only when they are needed, and the decode fills the window."""
+    from modeld.contract import Constraint, DecodeConfig, OpenSessionRequest, PrefixInput
+
+    with _memory_engine(sequences=2, pool_tokens=2048) as engine:
+        idle = engine.open_session(OpenSessionRequest(type="memory", path="m"))
+        idle.ensure_prefix(PrefixInput(text="idle workspace\n" * 40))
+        writer = engine.open_session(OpenSessionRequest(type="memory", path="m"))
+        writer.ensure_prefix(PrefixInput(text="a long answer follows\n" * 27))
+        with writer.decode(DecodeConfig(max_tokens=2048)) as stream:
+            first = next(iter(stream))
+            assert first.token_ids
+            assert idle.session_id in _in_kv(engine)  # no room for 2048 taken up front
+        assert idle.session_id in _in_kv(engine)
+        prompt = len(engine.status().models[0].contexts)  # two contexts
+        assert prompt == 2
+        long = Constraint("grammar", 'root ::= [a-d]{600} [a-d]{600} "."')  # 1200 tokens, then it may end
+        chunks = list(writer.decode(DecodeConfig(max_tokens=2048, constraint=long)))
+        final = chunks[-1]
+        assert final.error is None and final.finish_reason in ("length", "stop", "constraint_failed"), final
+        generated = sum(len(c.token_ids) for c in chunks)
+        assert generated > 1000, generated  # well past its first 512 cells
+        assert idle.session_id not in _in_kv(engine)  # it gave way when the cells were needed
+        counters = engine.status().models[0].counters
+        assert counters["evicted_to_ram"] == 1 and counters["recomputed"] == 0

@@ -180,6 +180,12 @@ def _no_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int) -> NeedRoo
     busy = sum(ledger.unique(c.seq) for c in pool.contexts.values() if c is not dst and c.busy)
     busy += pool.reserved_beside(dst.seq)
     need = min(keep, ledger.length(dst.seq)) + max(0, new_cells)
+    if need > layout.pool_tokens:
+        return NeedRoom(
+            f"the turn needs {need} KV cells; the pool has {layout.pool_tokens} (--kv-pool-tokens)",
+            waitable=False,
+            needed=need,
+        )
     if need + pinned > layout.pool_tokens:
         return NeedRoom(
             f"the turn needs {need} KV cells and pinned contexts hold {pinned} of the pool's "

@@ -29,6 +29,7 @@ from modeld.cache.reuse import Candidate, RuntimeHistory
 from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision
 from modeld.errors import (
+    BusyError,
     EngineRestartedError,
     ModeldError,
     OperationTimeoutError,
@@ -42,6 +43,9 @@ class HoldOwner(Protocol):
     ``hold.py`` does not import ``warm.py``, which imports it)."""
 
     _lock: threading.RLock
+    _room: threading.Condition
+    _growing: set[WarmContext]
+    _closed: bool
     _pool: Pool
     _saver: eviction.WriteBehind
     _history: RuntimeHistory
@@ -54,12 +58,17 @@ class HoldOwner(Protocol):
     def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None: ...
 
 
-__all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "HoldOwner", "Synced"]
+__all__ = ["DECODE_CELLS", "PROGRESS_INTERVAL", "Forks", "Hold", "HoldOwner", "Synced"]
 
 log = logging.getLogger("modeld.cache")
 
 PROGRESS_INTERVAL = 0.5
 """Seconds between two progress reports of a long prefill."""
+
+DECODE_CELLS = 512
+"""The KV cells a decode on a shared pool takes at a time (:meth:`Hold.grow`): it never reserves
+``max_tokens`` up front (Claude Code asks for 32000), which moved every other idle context out
+of a one-window pool at each decode and made concurrent turns wait for cells it never used."""
 
 _DEAD = (EngineRestartedError, StallTimeoutError)
 """Errors after which the engine's state is gone (the supervisor resets the cache)."""
@@ -103,6 +112,8 @@ class Hold:
         self._canceled = False
         self._released = False
         self._finish = ""
+        self.grow_error: ModeldError | None = None
+        """Why :meth:`grow` granted no cells."""
         self._decoding: tuple[float, int] | None = None
         """When the sync ended and the cells in use then, while this hold ran alone: a decode
         that follows is a sample of the attention's cost (``cost.py``)."""
@@ -240,6 +251,58 @@ class Hold:
                 self.fail(error)
         finally:
             self.release()
+
+    def grow(self, resident: int, end: int) -> int:
+        """The decode of this hold filled the cells it took (its sequence holds ``resident``
+        tokens, and may hold ``end`` at most): room for :data:`DECODE_CELLS` more, made as a
+        turn's room is (idle contexts leave, whole), waiting as a turn waits for cells running
+        operations hold (``--queue-wait``). Returns the cells granted, -1 when they are all it
+        may still take (no limit any more); 0 when no wait helps (pinned contexts, or every
+        operation holding cells waits to grow as this one does: the later one gives way) or the
+        wait ran out, with the reason in :attr:`grow_error`."""
+        cache = self._cache
+        pool = cache._pool
+        dst = self.context
+        rest = max(1, end - resident)
+        cells = min(DECODE_CELLS, rest)
+        wait = pool.settings.room_wait_seconds
+        started = time.monotonic()
+        runtime = cache.runtime()
+        with cache._lock:
+            cache._growing.add(dst)
+            try:
+                while pool.holds(dst) and not cache._closed:
+                    held = pool.ledger.length(dst.seq)
+                    more = max(0, resident - held) + cells
+                    try:
+                        eviction.make_room(pool, dst, held, more, runtime)
+                    except eviction.NeedRoom as need:
+                        others = [c for c in pool.contexts.values() if c.busy and c is not dst]
+                        if not need.waitable or all(c in cache._growing for c in others):
+                            self.grow_error = BusyError(
+                                f"the decode needs KV cells past {resident} tokens: {need.why}; every "
+                                "operation holding them waits to grow too"
+                                if need.waitable
+                                else need.why,
+                                needed_cells=need.needed,
+                            )
+                            return 0
+                        left = started + wait - time.monotonic()
+                        if left <= 0:
+                            self.grow_error = BusyError(
+                                f"the decode needs KV cells past {resident} tokens: {need.why}; waited "
+                                f"{wait:.0f}s (--queue-wait) for them to free up",
+                                needed_cells=need.needed,
+                                wait_seconds=int(wait),
+                            )
+                            return 0
+                        cache._room.wait(min(left, 1.0))
+                        continue
+                    pool.reserved[dst.seq] = more
+                    return cells if cells < rest else -1
+                return 0
+            finally:
+                cache._growing.discard(dst)
 
     def fork(self, count: int, cells: int) -> Forks | str:
         """Sequences for ``count`` more choices of a decode of this hold's target (resident: call

@@ -99,6 +99,9 @@ class ModelCache:
         self._waiting: list[object] = []
         """Turns waiting for room, in the order they came (the first one tries first)."""
         self._closed = False
+        self._growing: set[WarmContext] = set()
+        """Decodes waiting for more cells (``Hold.grow``): when every operation holding cells
+        is one of them, the one that asks next gives way instead of waiting for ever."""
         self._saver = eviction.WriteBehind(self._pool, self._lock)
 
     @property

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from modeld.cache.hold import Forks, Hold, Synced
+from modeld.cache.hold import DECODE_CELLS, Forks, Hold, Synced
 from modeld.cache.pool import SessionSlot
 from modeld.cache.reuse import common_prefix_len
 from modeld.context import SegmentChurn
@@ -259,13 +259,17 @@ class EngineSession(Closing):
             host = model.host()
             tokens = list(self._tokens)
             room = max(0, min(config.max_tokens, self._window - len(tokens)))
+            # On a shared pool a decode takes its cells as it grows (DECODE_CELLS at a time), never
+            # its whole room up front; choices decoded together reserve theirs (Hold.fork).
+            grows = n == 1 and model.layout.shared_cells and room > DECODE_CELLS
+            cells = DECODE_CELLS if grows else room
             hold = model.cache.hold(
                 self.slot,
                 tokens,
                 stage="decode",
                 manifest=self._manifest,
                 floor=self._n_prefix,
-                extra_cells=room,
+                extra_cells=cells,
             )
             timeouts = self._service.timeouts
             forks: Forks | None = None
@@ -283,6 +287,7 @@ class EngineSession(Closing):
                     room,
                     timeouts.stream_interval_seconds,
                     forks.seqs if forks is not None else (),
+                    cells=cells if grows else 0,
                 )
             except BaseException:
                 if forks is not None:
@@ -325,6 +330,8 @@ class EngineSession(Closing):
                     finish=finish,
                     speculated=self._speculated if choice == 0 else None,
                     ended=hold.ended if choice == 0 else None,
+                    room=self._grow(hold, len(tokens) + room) if grows else None,
+                    room_error=(lambda: hold.grow_error) if grows else None,
                 )
 
             if forks is None:
@@ -550,6 +557,15 @@ class EngineSession(Closing):
             prefill_ms=round(synced.ms, 3),
             restore_ms=round(hold.restore_ms, 3),
         )
+
+    @staticmethod
+    def _grow(hold: Hold, end: int) -> Callable[[int], int]:
+        """The decode's way to more cells (``DecodeRun.room``): it may reach ``end`` tokens."""
+
+        def room(resident: int) -> int:
+            return hold.grow(resident, end)
+
+        return room
 
     def _decoded(
         self,

@@ -28,6 +28,7 @@ from typing import Any
 
 from modeld.backends.base import ModelRuntime, SyncStep
 from modeld.cache.snapfile import SnapshotError, verify_payload
+from modeld.decoding.speculation import DRAFT_MAX
 from modeld.errors import EngineError, ModeldError
 from modeld.workers.protocol import (
     REFUSED,
@@ -38,12 +39,14 @@ from modeld.workers.protocol import (
     Failed,
     Finished,
     Generate,
+    Grant,
     Load,
     Loaded,
     Message,
     Progress,
     Restore,
     Result,
+    Room,
     Save,
     Snapshot,
     Sync,
@@ -51,13 +54,17 @@ from modeld.workers.protocol import (
     Tokens,
 )
 
-__all__ = ["Scheduler"]
+__all__ = ["GROW_MARGIN", "Scheduler"]
 
 log = logging.getLogger("modeld.worker")
 
 Send = Callable[[int, Message], None]
 Loader = Callable[[Load], tuple[ModelRuntime, int]]
 """Loads a ``Load``'s model: the runtime, and the process's RSS just before it loaded."""
+
+GROW_MARGIN = DRAFT_MAX + 2
+"""Cells one step of a generate job may add at most (a verify batch: the last token and a draft);
+a job with a cell limit pauses when fewer than this are left."""
 
 
 @dataclass
@@ -76,6 +83,8 @@ class _Job:
     stopped: set[int] = field(default_factory=set)
     """Generate with forks: the choices the daemon canceled (the others go on)."""
     sent_at: float = float("-inf")
+    limit: int = 0
+    """Generate: the tokens its sequence may hold before it pauses for a ``Grant`` (0: none)."""
 
 
 class Scheduler:
@@ -90,6 +99,8 @@ class Scheduler:
         self._by_op: dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._cancels: set[int] = set()
+        self._parked: dict[int, _Job] = {}
+        """Generate jobs paused at their cell limit (``Room`` sent), until a ``Grant`` or a cancel."""
         self._closed = False
 
     # --- any thread ----------------------------------------------------------------------------
@@ -128,7 +139,15 @@ class Scheduler:
                 self._step()
 
     def _handle(self, op: int, message: Message) -> None:
-        if isinstance(message, Cancel):
+        if isinstance(message, Cancel | Grant):
+            job = self._parked.pop(message.target, None)
+            if job is not None:
+                if isinstance(message, Grant):
+                    if message.cells == 0:
+                        self._finish(job, canceled=False)  # no room: it ends where it is
+                        return
+                    job.limit = job.limit + message.cells if message.cells > 0 else 0
+                self._jobs.append(job)  # a cancel takes effect at its next step
             return
         try:
             if isinstance(message, Load):
@@ -149,6 +168,8 @@ class Scheduler:
                 else:
                     tokens = runtime.generate(message.seq, message.config, message.max_tokens)
                 job = _Job(op, message.seq, tokens, generate=True, interval=message.interval, stopped=stopped)
+                if message.cells > 0:
+                    job.limit = len(runtime.resident(message.seq)) + message.cells
                 self._start(job)
             elif isinstance(message, Tokenize):
                 self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
@@ -201,6 +222,13 @@ class Scheduler:
         if job.canceled.is_set():
             self._finish(job, canceled=True)
             return
+        if job.limit and self._runtime is not None:
+            resident = len(self._runtime.resident(job.seq))
+            if resident + GROW_MARGIN > job.limit:  # its next step could overfill its cells
+                self._flush(job, 0.0)
+                self._parked[job.op] = job
+                self._send(job.op, Room(resident))
+                return
         try:
             item = next(job.steps)
         except StopIteration:
@@ -258,9 +286,10 @@ class Scheduler:
             self._by_op.pop(job.op, None)
 
     def _close(self) -> None:
-        for job in list(self._jobs):
+        for job in [*self._jobs, *self._parked.values()]:
             self._finish(job, canceled=True)
         self._jobs.clear()
+        self._parked.clear()
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None
