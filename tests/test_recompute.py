@@ -261,3 +261,35 @@ def test_a_decode_takes_its_cells_as_it_grows_never_its_whole_room_up_front() ->
         assert idle.session_id not in _in_kv(engine)  # it gave way when the cells were needed
         counters = engine.status().models[0].counters
         assert counters["evicted_to_ram"] == 1 and counters["recomputed"] == 0
+
+
+@pytest.mark.llama
+def test_a_decode_that_grows_past_its_cells_on_llama_equals_one_that_had_them_all() -> None:
+    """The tiny llama model, greedy, speculation on (verify batches): a decode of 1500 tokens
+    after a ~300-token prompt, in a pool of 2048 cells where an idle context holds ~300, pauses
+    at each 512 cells for more (the idle context leaves, whole, when they are needed) and gives
+    the same tokens as the same decode in a pool with room for all of it up front."""
+    from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput
+    from modeld.engine import Engine
+    from modeld.settings import Residency
+    from modeld.testmodels import TINY, ensure_model
+
+    path = str(ensure_model(TINY))
+    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=2048))
+    prompt = "def f(x):\n    return x * 2\n" * 30
+    outputs = []
+    for pool in (2048, 8192):
+        residency = Residency(sequences=2, pool_tokens=pool)
+        with Engine(backends=("llama",), residency=residency) as engine:
+            idle = engine.open_session(request)
+            idle.ensure_prefix(PrefixInput(text="class Idle:\n    pass\n" * 40))
+            writer = engine.open_session(request)
+            writer.ensure_prefix(PrefixInput(text=prompt))
+            chunks = list(writer.decode(DecodeConfig(max_tokens=1500, temperature=0.0)))
+            assert chunks[-1].error is None, chunks[-1]
+            outputs.append([t for c in chunks for t in c.token_ids])
+            counters = engine.status().models[0].counters
+            assert counters["recomputed"] == 0
+            if pool == 2048:
+                assert counters["evicted_to_ram"] == 1, counters  # the idle one gave way, whole
+    assert len(outputs[0]) > 1300 and outputs[0] == outputs[1]

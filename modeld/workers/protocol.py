@@ -310,7 +310,8 @@ class Tokens(Message):
 @dataclass(frozen=True)
 class Room(Message):
     """A generate job reached the cells it may fill (``Generate.cells``): its sequence holds
-    ``resident`` tokens, and it waits for a ``Grant`` (tokens it sampled are sent first)."""
+    ``resident`` tokens once the tokens it sent are evaluated, and it waits for a ``Grant``
+    (tokens it sampled are sent first)."""
 
     kind: ClassVar[str] = "room"
     resident: int

@@ -63,8 +63,9 @@ Loader = Callable[[Load], tuple[ModelRuntime, int]]
 """Loads a ``Load``'s model: the runtime, and the process's RSS just before it loaded."""
 
 GROW_MARGIN = DRAFT_MAX + 2
-"""Cells one step of a generate job may add at most (a verify batch: the last token and a draft);
-a job with a cell limit pauses when fewer than this are left."""
+"""Cells one step of a generate job may add beyond the tokens it yielded (a verify batch
+evaluates a draft before its tokens are yielded); a job with a cell limit pauses when fewer
+than this are left."""
 
 
 @dataclass
@@ -85,6 +86,9 @@ class _Job:
     sent_at: float = float("-inf")
     limit: int = 0
     """Generate: the tokens its sequence may hold before it pauses for a ``Grant`` (0: none)."""
+    bound: int = 0
+    """Generate with a limit: what its sequence holds at most once every token it yielded is
+    evaluated (tokens a constraint forces are yielded before their batch is evaluated)."""
 
 
 class Scheduler:
@@ -169,7 +173,8 @@ class Scheduler:
                     tokens = runtime.generate(message.seq, message.config, message.max_tokens)
                 job = _Job(op, message.seq, tokens, generate=True, interval=message.interval, stopped=stopped)
                 if message.cells > 0:
-                    job.limit = len(runtime.resident(message.seq)) + message.cells
+                    job.bound = len(runtime.resident(message.seq))
+                    job.limit = job.bound + message.cells
                 self._start(job)
             elif isinstance(message, Tokenize):
                 self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
@@ -223,11 +228,11 @@ class Scheduler:
             self._finish(job, canceled=True)
             return
         if job.limit and self._runtime is not None:
-            resident = len(self._runtime.resident(job.seq))
-            if resident + GROW_MARGIN > job.limit:  # its next step could overfill its cells
+            bound = max(job.bound, len(self._runtime.resident(job.seq)))
+            if bound + GROW_MARGIN > job.limit:  # its next step could overfill its cells
                 self._flush(job, 0.0)
                 self._parked[job.op] = job
-                self._send(job.op, Room(resident))
+                self._send(job.op, Room(bound))
                 return
         try:
             item = next(job.steps)
@@ -250,6 +255,7 @@ class Scheduler:
             self._send(job.op, Progress(item.kept, item.evaluated, item.total))
         else:
             job.held.append(int(item))
+            job.bound += 1
             logprob = getattr(item, "logprob", None)  # a SampledToken (DecodeConfig.logprobs)
             if logprob is not None:
                 job.held_logprobs.append(logprob)
