@@ -3,16 +3,19 @@
 * **Victim**: the least valuable context that is not busy and not pinned: the highest idle
   seconds per 1k tokens it would cost to recompute (:func:`score`), a detached context (its
   session closed) four times sooner.
-* **Save before evict**: an evicted context's prefix is snapshotted into the RAM tier (from there
-  it moves to disk; one whose prefix is on disk already goes nowhere else) before its cells are freed, and its session's next turn says where it went
-  (``evicted`` with the tier). A session's own context about to be overwritten by something that
-  keeps less than half of its prefix is saved too (llama-server's ``f_keep < 0.5`` rule).
+* **Save before evict**: an evicted context is snapshotted whole (every token it holds: its
+  prefix, its last suffix and decode) into the RAM tier (from there it moves to disk), or written
+  to disk when the RAM tier has no room; nothing when a tier holds all of its tokens already. Its
+  session's next turn says where it went (``evicted`` with the tier). A session's own context
+  about to be overwritten by something that keeps less than half of its prefix is saved too
+  (llama-server's ``f_keep < 0.5`` rule).
 * **Room**: a free sequence for a session that has none, and (unified pool) free cells for the
-  tokens a turn will add.
-* **Idle contexts leave a unified pool** (:func:`leave_idle`): where a sequence's attention spans
-  every used cell of the pool, a turn that starts evicts the idle contexts whose prefix is on
-  disk already (dropping them costs nothing, restoring them milliseconds), as llama-server moves
-  its idle slots to its RAM cache.
+  tokens a turn will add beside what running operations reserved (``Pool.reserved``); when only
+  busy or pinned contexts could give way, :class:`NeedRoom` says whether waiting helps.
+* **Idle contexts leave a unified pool when they cost more than moving them**
+  (:func:`leave_idle`): where a sequence's attention spans every used cell of the pool, a turn
+  that starts evicts the idle contexts whose attention cost, measured (``cost.py``), exceeds a
+  snapshot and a restore, as llama-server moves its idle slots to its RAM cache.
 * **Write-behind** (:class:`WriteBehind`, :func:`to_disk`): a long prefix just computed is
   written to the disk tier by the engine itself and sealed in the background, so it survives a
   crash of the worker or the daemon; the context stays in the KV pool and the RAM tier holds no

@@ -18,9 +18,11 @@ through one :class:`~modeld.cache.hold.Hold` (``hold.py``)::
    that only tags cells: the prefix is stored once); a detached context (its session closed) is
    adopted as is; a snapshot is restored into it.
 3. **Make room** (``eviction.py``): a free sequence, and free cells for the new tokens, by
-   evicting the least valuable contexts, their prefixes saved to a tier first; where the pool's
-   attention spans every used cell, the idle contexts whose prefix is on disk leave it when a
-   turn starts (``eviction.leave_idle``).
+   evicting the least valuable contexts, every token of each saved to a tier first; when only
+   running operations hold the room, the turn waits for them (in the order turns came, at most
+   ``room_wait_seconds``); where the pool's attention spans every used cell, an idle context
+   leaves it when a turn starts and its cells cost that turn more than moving it out and back,
+   both measured (``eviction.leave_idle``, ``cost.py``).
 4. **Classify** (``reuse.py``): why the turn is warm, partial or cold, for people.
 
 The hold marks the context busy; its ``floor`` is how many tokens the running operation will not
