@@ -293,3 +293,27 @@ def test_a_decode_that_grows_past_its_cells_on_llama_equals_one_that_had_them_al
             if pool == 2048:
                 assert counters["evicted_to_ram"] == 1, counters  # the idle one gave way, whole
     assert len(outputs[0]) > 1300 and outputs[0] == outputs[1]
+
+
+def test_busy_only_when_no_wait_helps_and_it_says_which() -> None:
+    """A pool of 1024 cells, 800 of them held by a pinned session's context: a turn needing 600
+    cannot have them by waiting (a pin holds until its session closes), so it fails ``busy`` at
+    once, saying so; once the pinned session closes, the same turn runs (the closed context
+    gives way, whole)."""
+    from modeld.contract import OpenSessionRequest, PrefixInput
+    from modeld.errors import BusyError
+
+    with _memory_engine(sequences=2, pool_tokens=1024) as engine:
+        pinned = engine.open_session(OpenSessionRequest(type="memory", path="m", pin=True))
+        pinned.ensure_prefix(PrefixInput(text="p" * 800))
+        other = engine.open_session(OpenSessionRequest(type="memory", path="m"))
+        started = time.monotonic()
+        with pytest.raises(BusyError) as err:
+            other.ensure_prefix(PrefixInput(text="o" * 600))
+        assert time.monotonic() - started < 5  # no wait: it could not help
+        assert (
+            "pinned contexts hold 800" in err.value.message
+            and "until their sessions close" in err.value.message
+        )
+        pinned.close()
+        assert other.ensure_prefix(PrefixInput(text="o" * 600)).prefix_tokens == 601
