@@ -137,7 +137,8 @@ def new_context(
     """A fresh context for a session that has none, on a free sequence or on an evicted one's.
 
     Raises :class:`NoRoom` when the only sequence that could be freed is ``keep_away`` (the
-    source the turn wants to copy from), and ``busy`` when every sequence is busy or pinned."""
+    source the turn wants to copy from), and :class:`NeedRoom` when every sequence is busy or
+    pinned (waiting helps when some are busy)."""
     free = pool.free_seqs()
     if not free:
         chosen = victim(pool, exclude={keep_away} if keep_away is not None else set())
