@@ -266,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
             args.llama_server,
             threads,
             runs=2 if args.quick else 3,
+            cached_only=args.quick,  # the smoke run never installs from npm
             systems=[
                 s
                 for s in ("modeld", "llama-server")

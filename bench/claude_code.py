@@ -188,10 +188,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             )
 
 
-def _claude() -> Path:
-    """The installed Claude Code (``scripts/install_agents.sh``: cached, or installed from npm)."""
+def _claude(*, cached_only: bool = False) -> Path:
+    """The installed Claude Code (``scripts/install_agents.sh``: cached, or installed from npm
+    unless ``cached_only``)."""
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "install_agents.sh")],
+        ["bash", str(ROOT / "scripts" / "install_agents.sh"), *(["--cached-only"] if cached_only else [])],
         capture_output=True,
         text=True,
         timeout=900,
@@ -306,12 +307,14 @@ def run_claude_code(
     *,
     runs: int = RUNS,
     systems: list[str] | None = None,
+    cached_only: bool = False,
     log: Log = print,
 ) -> dict[str, Any]:
-    """Three runs on each system; the document ``make bench`` stores as the run's ``claude_code``."""
+    """Three runs on each system; the document ``make bench`` stores as the run's ``claude_code``
+    (``cached_only``: skip it, with a note, unless Claude Code is installed already)."""
     notes: list[str] = []
     try:
-        claude = _claude()
+        claude = _claude(cached_only=cached_only)
     except Unsupported as e:
         return {"runs": runs, "notes": [str(e)], "exchanges": [], "errors": 0, "skipped": str(e)}
     tmp = Path(tempfile.mkdtemp(prefix="bcc"))
