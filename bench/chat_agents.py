@@ -297,7 +297,9 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
 
     warm, pair = ratios("warm"), ratios("pair")
     records = result.get("records") or []
+    ran = {r["system"] for r in records}
     return {
+        "systems": sorted(ran),
         "warm_ratio": statistics.median(warm) if warm else None,
         "pair_ratio": statistics.median(pair) if pair else None,
         "three_errors": {
@@ -332,10 +334,12 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         f"| warm turns (rounds 2 on) | {ratio(f['warm_ratio'])} | <= 0.4 |",
         f"| two sub-agents at once | {ratio(f['pair_ratio'])} | <= 0.25 |",
         "",
-        f"Three agents at once: errors modeld {f['three_errors']['modeld']}, llama-server "
-        f"{f['three_errors']['llama-server']}. Tokens computed that the server had computed before "
-        f"(computed minus what it never saw): modeld {f['recomputed']['modeld']}, llama-server "
-        f"{f['recomputed']['llama-server']}.",
+        "Three agents at once, errors: "
+        + ", ".join(f"{name} {f['three_errors'][name]}" for name in SYSTEMS if name in f["systems"])
+        + ". Tokens computed that the server had computed before (computed minus what it never "
+        "saw): "
+        + ", ".join(f"{name} {f['recomputed'][name]}" for name in SYSTEMS if name in f["systems"])
+        + ".",
         "",
         *(f"- {n}" for n in result.get("notes") or []),
         "",

@@ -402,7 +402,7 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     if result.get("skipped"):
         return ["## The real Claude Code", "", f"Skipped: {result['skipped']}", ""]
     lines = [
-        "## The real Claude Code, three runs of one task (TTFT of its main request)",
+        f"## The real Claude Code, {result.get('runs', RUNS)} runs of one task (TTFT of its main request)",
         "",
         f"`claude -p {json.dumps(result.get('task', TASK))}`, each run a new session in the same "
         f"repository, the reply model, a {result.get('window', WINDOW)}-token window; both servers "
