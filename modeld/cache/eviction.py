@@ -44,6 +44,7 @@ from modeld.errors import ModeldError
 
 __all__ = [
     "NeedRoom",
+    "ahead",
     "NoRoom",
     "WriteBehind",
     "covered",
@@ -115,15 +116,24 @@ def evictable(pool: Pool) -> list[WarmContext]:
     return [c for c in pool.contexts.values() if not c.busy and not (c.owner is not None and c.owner.pinned)]
 
 
-def victim(pool: Pool, exclude: set[WarmContext]) -> WarmContext | None:
+def ahead(context: WarmContext, of: WarmContext | None, now: float) -> bool:
+    """``context`` is inside a turn that began before ``of``'s (which then waits for it, never
+    takes its cells in the middle of it: ``WarmContext.turn_started``)."""
+    if of is None or context.turn_until <= now:
+        return False
+    return context.turn_started < (of.turn_started or now)
+
+
+def victim(pool: Pool, exclude: set[WarmContext], *, turn: WarmContext | None = None) -> WarmContext | None:
     """The evictable context with the highest :func:`score` (never busy, pinned or excluded); a
     context inside its own turn (its decode to come: ``WarmContext.turn_until``) only when no
-    other is left (it would come back at once)."""
+    other is left (it would come back at once), and never one whose turn began before ``turn``'s
+    (:func:`ahead`: the later turn waits for it)."""
     now = time.time()
     best: WarmContext | None = None
     best_score = -1.0
     for context in evictable(pool):
-        if context in exclude:
+        if context in exclude or ahead(context, turn, now):
             continue
         value = score(context, now) + (0.0 if context.turn_until > now else 1e12)
         if value > best_score:
@@ -156,12 +166,15 @@ def new_context(
     return pool.add(slot, free[0])
 
 
-def make_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: KVRuntime) -> None:
+def make_room(
+    pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: KVRuntime, *, in_line: bool = True
+) -> None:
     """Free cells for ``new_cells`` more tokens in ``dst`` after its first ``keep`` (only a
     unified pool is shared). What ``dst`` holds beyond ``keep`` (the last turn's suffix and
     decode) is freed by the turn's own cut, so it is not counted as in use; what running
-    operations reserved (``Pool.reserved``) is. Raises :class:`NeedRoom` when only busy or
-    pinned contexts are left to give way."""
+    operations reserved (``Pool.reserved``) is. ``in_line``: a turn that began before ``dst``'s
+    keeps its cells (:func:`ahead`; a decode growing in the middle of its turn takes them).
+    Raises :class:`NeedRoom` when only busy or pinned contexts are left to give way."""
     layout = pool.layout
     if not layout.shared_cells or not layout.explicit:
         return
@@ -169,19 +182,27 @@ def make_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: 
         pool.ledger.used(cut=(dst.seq, keep)) + pool.reserved_beside(dst.seq) + max(0, new_cells)
         > layout.pool_tokens
     ):
-        chosen = victim(pool, exclude={dst})
+        chosen = victim(pool, exclude={dst}, turn=dst if in_line else None)
         if chosen is None:
-            raise _no_room(pool, dst, keep, new_cells)
+            raise _no_room(pool, dst, keep, new_cells, in_line)
         evict(pool, chosen, runtime, "its cells were needed by another session")
 
 
-def _no_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int) -> NeedRoom:
+def _no_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, in_line: bool) -> NeedRoom:
     """Why ``new_cells`` more cells for ``dst`` cannot be had now, and whether waiting helps:
     cells held by busy contexts free up when their operations end; pinned ones do not."""
     layout = pool.layout
     ledger = pool.ledger
-    pinned = sum(ledger.unique(c.seq) for c in pool.contexts.values() if c is not dst and not c.busy)
-    busy = sum(ledger.unique(c.seq) for c in pool.contexts.values() if c is not dst and c.busy)
+    now = time.time()
+    turn = dst if in_line else None
+    evict_ok = set(evictable(pool))  # a pinned context's turn ending frees nothing
+    running = {
+        c
+        for c in pool.contexts.values()
+        if c is not dst and (c.busy or (c in evict_ok and ahead(c, turn, now)))
+    }
+    pinned = sum(ledger.unique(c.seq) for c in pool.contexts.values() if c is not dst and c not in running)
+    busy = sum(ledger.unique(c.seq) for c in running)
     busy += pool.reserved_beside(dst.seq)
     need = min(keep, ledger.length(dst.seq)) + max(0, new_cells)
     if need > layout.pool_tokens:
@@ -199,7 +220,7 @@ def _no_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int) -> NeedRoo
         )
     return NeedRoom(
         f"the turn needs {need} KV cells of the pool's {layout.pool_tokens}; running operations "
-        f"hold {busy}" + (f" and pinned contexts {pinned}" if pinned else ""),
+        f"and turns that began first hold {busy}" + (f" and pinned contexts {pinned}" if pinned else ""),
         waitable=busy > 0,
         needed=need,
     )

@@ -275,7 +275,7 @@ class Hold:
                     held = pool.ledger.length(dst.seq)
                     more = max(0, resident - held) + cells
                     try:
-                        eviction.make_room(pool, dst, held, more, runtime)
+                        eviction.make_room(pool, dst, held, more, runtime, in_line=False)
                     except eviction.NeedRoom as need:
                         others = [c for c in pool.contexts.values() if c.busy and c is not dst]
                         if not need.waitable or all(c in cache._growing for c in others):

@@ -98,6 +98,10 @@ class WarmContext:
     turn_until: float = 0.0
     """Until when (``time.time()``) its session is inside a turn: a prefix or suffix put in place
     whose decode has not ended yet (:data:`TURN_SECONDS` at most). Such a context is not idle."""
+    turn_started: float = 0.0
+    """When its session's current turn began (``time.time()``, while :attr:`turn_until` holds):
+    a turn that began earlier goes first, and a later one waits for its cells rather than take
+    them in the middle of it (two turns evicting each other at every step)."""
     turns: int = 0
     """Decodes that ended on it: one answered request (a one-off) or an agent's history."""
     ended: str = ""
@@ -118,6 +122,9 @@ class SessionSlot:
     loss: Loss | None = None
     ended: str = ""
     """How the last decode of its context ended (``WarmContext.ended``)."""
+    turn_started: float = 0.0
+    """When its current (or last) turn began: its place in line for cells, kept when its
+    context leaves and comes back within the turn (``WarmContext.turn_started``)."""
     ended_at: float = 0.0
     note: str = ""
     """Said in its next turn's decision (its context was brought back before it asked)."""

@@ -240,6 +240,9 @@ class ModelCache:
             # it went to a tier; the head comes from another context, or is computed.
             choice = self._choose(slot, target, head, remote=stage == "prefix")
         hold = Hold(self, dst, target, stage, manifest)
+        if stage == "prefix" or not slot.turn_started:
+            slot.turn_started = time.time()  # a turn begins: its place in line for cells
+        dst.turn_started = slot.turn_started
         prefill = max(0, len(target) - choice.keep)
         if stage == "prefix":
             # Before the fill, so a restore lands in the cells they free (low in the pool).
