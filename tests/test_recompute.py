@@ -317,3 +317,47 @@ def test_busy_only_when_no_wait_helps_and_it_says_which() -> None:
         )
         pinned.close()
         assert other.ensure_prefix(PrefixInput(text="o" * 600)).prefix_tokens == 601
+
+
+@pytest.mark.llama
+def test_a_restored_context_stores_the_start_it_shares_with_another_once_again() -> None:
+    """Two sessions of the tiny llama model share a system prompt of ~600 tokens (the second
+    copied it: its cells are tagged, not duplicated). The first leaves the pool (its keep-alive)
+    and comes back from the RAM tier into cells of its own; it then shares that start with the
+    other again, so the pool holds what it held before it left, and its output is unchanged."""
+    from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+    from modeld.engine import Engine
+    from modeld.settings import Residency
+    from modeld.testmodels import TINY, ensure_model
+
+    path = str(ensure_model(TINY))
+    system = "You are a careful engineer. Rules follow.\n" + "".join(
+        f"Rule {i}: test it.\n" for i in range(80)
+    )
+
+    def request(keep_alive: float = 0.0) -> OpenSessionRequest:
+        return OpenSessionRequest(
+            type="llama", path=path, config=Config(num_ctx=2048, num_batch=32), keep_alive_seconds=keep_alive
+        )
+
+    with Engine(backends=("llama",), residency=Residency(sequences=3, pool_tokens=2048)) as engine:
+        a = engine.open_session(request(keep_alive=1.0))
+        a.ensure_prefix(PrefixInput(text=system + "Task: fix the test.\n"))
+        a.prefill_suffix(SuffixInput(text="go\n"))
+        first = [t for c in a.decode(DecodeConfig(max_tokens=4, temperature=0.0)) for t in c.token_ids]
+        b = engine.open_session(request())
+        shared = b.ensure_prefix(PrefixInput(text=system + "Task: add a docstring.\n"))
+        assert shared.reused_tokens > 600
+        (model,) = engine.models()
+        together = engine.status().models[0].resident_tokens
+        deadline = time.monotonic() + 15
+        while a.session_id in _in_kv(engine) and time.monotonic() < deadline:
+            time.sleep(0.1)  # a's keep-alive runs out: it leaves, whole, for the RAM tier
+        assert a.session_id not in _in_kv(engine)
+        back = a.ensure_prefix(PrefixInput(text=system + "Task: fix the test.\n"))
+        assert back.reuse.reason == "restored_from_ram" and back.prefilled_tokens == 0, back
+        assert engine.status().models[0].resident_tokens == together  # the start is stored once
+        a.prefill_suffix(SuffixInput(text="go\n"))
+        again = [t for c in a.decode(DecodeConfig(max_tokens=4, temperature=0.0)) for t in c.token_ids]
+        assert again == first
+        assert model.cache.counters["recomputed"] == 0

@@ -215,6 +215,13 @@ class ModelRuntime(Protocol):
         """Empty ``seq`` (its cells are freed unless another sequence shares them)."""
         ...
 
+    def share(self, src: int, dst: int, n: int) -> bool:
+        """``dst``'s first ``n`` tokens, the same as ``src``'s first ``n``, are held in ``src``'s
+        cells from now on and ``dst``'s own are freed (``Layout.shared_cells``: a context
+        restored beside another that shares its start stores that start once again); False
+        (nothing changed) when the tokens differ or the layout cannot share."""
+        ...
+
     def snapshot(self, seq: int) -> bytes:
         """The state of ``seq`` as an opaque blob (``Layout.snapshots`` must be True)."""
         ...

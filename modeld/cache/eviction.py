@@ -58,6 +58,7 @@ __all__ = [
     "save_before_overwrite",
     "saved_entry",
     "score",
+    "share_start",
     "store",
     "to_disk",
     "victim",
@@ -455,6 +456,40 @@ def to_disk(
         return saved.ok
 
     return finish
+
+
+SHARE_MIN_TOKENS = 64
+"""A restored context shares the start it has in common with a resident one from this many
+tokens on (:func:`share_start`)."""
+
+
+def share_start(pool: Pool, dst: WarmContext, runtime: KVRuntime) -> int:
+    """A context just restored into cells of its own shares the start it has in common with a
+    resident context of the same identity (a system prompt two sub-agents share): those cells
+    are held once again, as a copy holds them (``KVRuntime.share``; a busy source only up to its
+    floor). Returns the cells freed. Only where cells are shared (a unified pool)."""
+    layout = pool.layout
+    if not (layout.shared_cells and layout.can_truncate and layout.explicit) or not dst.tokens:
+        return 0
+    best: WarmContext | None = None
+    n = 0
+    for context in pool.contexts.values():
+        if context is dst or context.identity != dst.identity or not context.tokens:
+            continue
+        k = common_prefix_len(context.tokens, dst.tokens)
+        if context.busy:
+            k = min(k, context.floor)
+        if k > n:
+            best, n = context, k
+    if best is None or n < SHARE_MIN_TOKENS:
+        return 0
+    before = pool.ledger.used()
+    if not runtime.share(best.seq, dst.seq, n):
+        return 0
+    pool.ledger.share(best.seq, dst.seq, n)
+    freed = before - pool.ledger.used()
+    log.debug("%s: restored context %s shares its first %d tokens with %s", pool.name, dst.id, n, best.id)
+    return freed
 
 
 def save_before_overwrite(pool: Pool, own: WarmContext, keep: int, runtime: KVRuntime) -> None:

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from modeld.cache.eviction import share_start
 from modeld.cache.pool import Pool, SessionSlot
 from modeld.cache.runtime import KVRuntime
 from modeld.cache.snapfile import SnapshotError
@@ -90,6 +91,7 @@ def _restore(
     context.saved_key = entry.key
     context.ended, context.turns = slot.ended, 1
     pool.ledger.set(seq, len(entry.tokens))
+    share_start(pool, context, runtime())
     pool.tiers.take(entry)
     slot.seen_generation = context.generation
     slot.loss = None

@@ -321,6 +321,13 @@ class ModelCache:
         fmt = pool.layout.snapshot_format
         entries = tiers.candidates(pool.model_digest, slot.identity, fmt) if tiers is not None else []
 
+        computed = slot.computed
+        # What this session left the KV with (saved whole): restored for any gain, since its
+        # suffix and decode serve the turn's next operations too (never computed again).
+        mine = {
+            e.key for e in entries if len(e.tokens) <= len(computed) and computed[: len(e.tokens)] == e.tokens
+        }
+
         def pick(candidates: list[TierEntry]) -> Choice:
             return choose(
                 target,
@@ -331,6 +338,7 @@ class ModelCache:
                 can_truncate=pool.layout.can_truncate,
                 restore_min_gain=pool.settings.restore_min_gain,
                 head=head,
+                mine=mine,
             )
 
         choice = pick(entries)
@@ -427,6 +435,7 @@ class ModelCache:
         dst.prefix_tokens = entry.prefix_tokens
         dst.saved_key = entry.key
         pool.ledger.set(dst.seq, len(entry.tokens))
+        eviction.share_start(pool, dst, runtime)  # a start another context holds: stored once
         pool.tiers.touch(entry)
         own = len(slot.computed) >= len(entry.tokens) and slot.computed[: len(entry.tokens)] == entry.tokens
         if keep >= len(entry.tokens) or own:

@@ -48,6 +48,7 @@ from modeld.workers.protocol import (
     Result,
     Room,
     Save,
+    Share,
     Snapshot,
     Sync,
     Tokenize,
@@ -275,6 +276,9 @@ class Host:
 
     def drop(self, seq: int) -> None:
         self.call(Drop(seq)).result(Result)
+
+    def share(self, src: int, dst: int, n: int) -> bool:
+        return self.call(Share(src, dst, n)).result(Result).ok
 
     def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> SyncCall:
         return SyncCall(self.call(Sync(seq, keep, tuple(tokens))))

@@ -52,6 +52,7 @@ __all__ = [
     "Result",
     "Room",
     "Save",
+    "Share",
     "Snapshot",
     "Sync",
     "Tokenize",
@@ -160,6 +161,17 @@ class Copy(Message):
 class Drop(Message):
     kind: ClassVar[str] = "drop"
     seq: int
+
+
+@dataclass(frozen=True)
+class Share(Message):
+    """``dst``'s first ``n`` tokens are held in ``src``'s cells from now on (``ModelRuntime.share``);
+    answered by ``Result(ok)``."""
+
+    kind: ClassVar[str] = "share"
+    src: int
+    dst: int
+    n: int
 
 
 @dataclass(frozen=True)
@@ -349,6 +361,7 @@ _KINDS: dict[str, type[Message]] = {
         Generate,
         Copy,
         Drop,
+        Share,
         Snapshot,
         Save,
         Restore,

@@ -48,6 +48,7 @@ from modeld.workers.protocol import (
     Result,
     Room,
     Save,
+    Share,
     Snapshot,
     Sync,
     Tokenize,
@@ -184,6 +185,8 @@ class Scheduler:
             elif isinstance(message, Drop):
                 runtime.drop(message.seq)
                 self._send(op, Result())
+            elif isinstance(message, Share):
+                self._send(op, Result(ok=runtime.share(message.src, message.dst, message.n)))
             elif isinstance(message, Snapshot):
                 self._send(op, Result(payload=runtime.snapshot(message.seq)))
             elif isinstance(message, Save):
