@@ -337,10 +337,12 @@ def test_a_restored_context_stores_the_start_it_shares_with_another_once_again()
 
     def request(keep_alive: float = 0.0) -> OpenSessionRequest:
         return OpenSessionRequest(
-            type="llama", path=path, config=Config(num_ctx=2048, num_batch=32), keep_alive_seconds=keep_alive
+            type="llama", path=path, config=Config(num_ctx=1536, num_batch=32), keep_alive_seconds=keep_alive
         )
 
-    with Engine(backends=("llama",), residency=Residency(sequences=3, pool_tokens=2048)) as engine:
+    # A pool that runs short once both are in it: the restored start is shared (with room to
+    # spare a restored context keeps its own cells: blueprint 0016).
+    with Engine(backends=("llama",), residency=Residency(sequences=3, pool_tokens=1536)) as engine:
         a = engine.open_session(request(keep_alive=1.0))
         a.ensure_prefix(PrefixInput(text=system + "Task: fix the test.\n"))
         a.prefill_suffix(SuffixInput(text="go\n"))

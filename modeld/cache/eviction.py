@@ -462,14 +462,23 @@ SHARE_MIN_TOKENS = 64
 """A restored context shares the start it has in common with a resident one from this many
 tokens on (:func:`share_start`)."""
 
+SHARE_BELOW = 0.25
+"""... and only when the pool's free cells are fewer than this share of it after the restore."""
+
 
 def share_start(pool: Pool, dst: WarmContext, runtime: KVRuntime) -> int:
     """A context just restored into cells of its own shares the start it has in common with a
     resident context of the same identity (a system prompt two sub-agents share): those cells
     are held once again, as a copy holds them (``KVRuntime.share``; a busy source only up to its
-    floor). Returns the cells freed. Only where cells are shared (a unified pool)."""
+    floor). Returns the cells freed. Only where cells are shared (a unified pool), and only when
+    the pool runs short (fewer than :data:`SHARE_BELOW` of its cells free): the shared cells were
+    computed by the other context, so the restored one then attends over values summed in another
+    order (the unified pool's numerics, blueprint 0016); with room to spare it keeps its own."""
     layout = pool.layout
     if not (layout.shared_cells and layout.can_truncate and layout.explicit) or not dst.tokens:
+        return 0
+    free = layout.pool_tokens - pool.ledger.used() - pool.reserved_beside(dst.seq)
+    if free >= SHARE_BELOW * layout.pool_tokens:
         return 0
     best: WarmContext | None = None
     n = 0
