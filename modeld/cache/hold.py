@@ -14,10 +14,11 @@ hold here. Design record: ``blueprints/0016-warm-state.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -251,6 +252,10 @@ class Hold:
                 self.fail(error)
         finally:
             self.release()
+
+    def grower(self, end: int) -> Callable[[int], int]:
+        """The decode's way to more cells (``DecodeRun.room``): :meth:`grow`, up to ``end`` tokens."""
+        return functools.partial(self.grow, end=end)
 
     def grow(self, resident: int, end: int) -> int:
         """The decode of this hold filled the cells it took (its sequence holds ``resident``

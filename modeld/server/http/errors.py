@@ -7,7 +7,10 @@ for people, the parameter at fault and a stable code. Contract errors become one
 ``no_slot_available`` is 429 with ``Retry-After``, ``engine_restarted`` 503, ``timeout`` 504,
 on every API alike. An API only decides how the error is written (:class:`ErrorStyle`: OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``, Anthropic's ``{"type": "error", "error":
-{"type", "message"}}``, Ollama's ``{"error": "..."}``).
+{"type", "message"}}``, Ollama's ``{"error": "..."}``). OpenAI's (:func:`openai_error`) is here,
+not in an API's folder: it is every OpenAI-compatible server's (llama-server, vLLM, SGLang), so
+chat completions, the Responses API, the SGLang gateway's worker routes, ``/metrics`` and a route
+that does not exist all write it.
 
 Server-side failures (5xx) keep their reason and an incident id, never the message: it may name
 paths the HTTP endpoint never shows. The daemon logs the message under the incident id.
@@ -21,9 +24,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from modeld.errors import ModeldError
+from modeld.errors import ContextOverflowError, ModeldError
 
-__all__ = ["ErrorStyle", "HttpError", "bad", "from_modeld", "incident_id", "unsupported"]
+__all__ = [
+    "WindowExceededError",
+    "ErrorStyle",
+    "HttpError",
+    "bad",
+    "from_modeld",
+    "incident_id",
+    "openai_error",
+    "overflow",
+    "unsupported",
+]
 
 log = logging.getLogger("modeld.http")
 
@@ -53,6 +66,31 @@ class HttpError(Exception):
         if self.status == 401:
             out["WWW-Authenticate"] = "Bearer"
         return out
+
+
+@dataclass
+class WindowExceededError(HttpError):
+    """The prompt does not fit the window (``prompt_tokens`` of a ``window``-token window, with
+    the one token the answer needs). Every API words it as its clients recover from it
+    (Anthropic's ``prompt is too long: N tokens > M maximum``, which Claude Code parses to
+    compact; OpenAI's ``context_length_exceeded``; Ollama's own words); the Responses API sends
+    it inside the stream, where Codex looks for it."""
+
+    prompt_tokens: int = 0
+    window: int = 0
+
+
+def overflow(prompt_tokens: int, window: int) -> WindowExceededError:
+    """The 400 for a prompt of ``prompt_tokens`` that does not fit a ``window``-token window."""
+    return WindowExceededError(
+        400,
+        f"the prompt is {prompt_tokens} tokens and the model's window is {window} tokens "
+        "(one is needed for the answer): shorten the conversation",
+        code="context_length_exceeded",
+        param="messages",
+        prompt_tokens=prompt_tokens,
+        window=window,
+    )
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> HttpError:
@@ -89,6 +127,8 @@ def from_modeld(exc: ModeldError, incident: str) -> HttpError:
         log.error("request failed (incident %s): %s [%s]", incident, exc.message, exc.reason)
     else:
         message = exc.message
+    if isinstance(exc, ContextOverflowError):
+        return overflow(exc.resident + exc.additional, exc.window)
     field = exc.details.get("field")
     param = _PARAMS.get(field, field) if field else exc.details.get("limit") or None
     if status < 500:
@@ -114,3 +154,19 @@ class ErrorStyle(Protocol):
     """How one API writes an error body."""
 
     def __call__(self, error: HttpError) -> dict[str, Any]: ...
+
+
+def openai_error(error: HttpError) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    if error.status == 429:
+        kind = "rate_limit_error"
+    if error.status == 401:
+        kind = "authentication_error"
+    message = error.message
+    if isinstance(error, WindowExceededError):  # OpenAI's own words for it
+        message = (
+            f"This model's maximum context length is {error.window} tokens. However, your messages "
+            f"resulted in {error.prompt_tokens} tokens. Please reduce the length of the messages."
+        )
+    return {"error": {"message": message, "type": kind, "param": error.param, "code": error.code}}

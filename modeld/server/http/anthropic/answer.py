@@ -3,24 +3,37 @@
 The turn's events become a ``message`` (:func:`message_complete`) or its stream
 (:func:`message_stream`: ``message_start``, ``content_block_start``, ``content_block_delta``
 with ``text_delta`` / ``input_json_delta`` / ``thinking_delta``, ``content_block_stop``,
-``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` after the start).
-The request side and the routes are :mod:`modeld.server.http.anthropic`'s; the fields and the
-usage's cache accounting are described there and in ``blueprints/0019-agent-apis.md``.
+``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` after the start and
+whenever the stream is silent, ``error`` on a failure).
+The request side is :mod:`modeld.server.http.anthropic.request`'s; the fields and the usage's
+cache accounting are described there and in ``blueprints/0019-agent-apis.md``. :data:`ANTHROPIC`
+is the dialect: Anthropic's error envelope (also for any path under ``/v1/messages``) with its
+``request_id`` and 529 for an overloaded daemon, a ``request-id`` header on every answer.
 """
 
 from __future__ import annotations
 
-import json
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from modeld.contract import ToolCall
+from modeld.contract import PrefillProgress, ToolCall
+from modeld.server.http.answers import call_arguments, extension, sse_event
+from modeld.server.http.anthropic.request import MessagesAsked
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
-from modeld.server.http.errors import HttpError
-from modeld.server.http.openai_answers import extension
+from modeld.server.http.dialect import Dialect
+from modeld.server.http.errors import HttpError, WindowExceededError
 from modeld.server.http.turn import Turn
 
-__all__ = ["anthropic_error", "message_complete", "message_stream", "usage_dict"]
+__all__ = [
+    "ANTHROPIC",
+    "anthropic_error",
+    "anthropic_status",
+    "message_complete",
+    "message_stream",
+    "request_id",
+    "usage_dict",
+]
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -32,13 +45,30 @@ _STATUS_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
+    529: "overloaded_error",
 }
+OVERLOADED = 529
+"""Anthropic's status for "overloaded, retry" (modeld's 503s: a worker restarting, a drain)."""
+
+
+def request_id() -> str:
+    return f"req_{uuid.uuid4().hex[:24]}"
 
 
 def anthropic_error(error: HttpError) -> dict[str, Any]:
-    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"},
+    "request_id"}``. A prompt beyond the window says ``prompt is too long: N tokens > M
+    maximum``, the words Claude Code reads both numbers from to compact the conversation."""
     kind = _STATUS_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if isinstance(error, WindowExceededError):
+        message = f"prompt is too long: {error.prompt_tokens} tokens > {error.window - 1} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id()}
+
+
+def anthropic_status(error: HttpError) -> int:
+    """The status Anthropic answers ``error`` with: 529 where modeld says 503."""
+    return OVERLOADED if error.status == 503 else error.status
 
 
 def _stop_reason(finish: str) -> str:
@@ -72,16 +102,7 @@ def _message_id(turn: Turn) -> str:
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.arguments) if call.arguments else {}
-    except ValueError:
-        arguments = {}
-    return {
-        "type": "tool_use",
-        "id": call.id,
-        "name": call.name,
-        "input": arguments if isinstance(arguments, dict) else {},
-    }
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call_arguments(call)}
 
 
 def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, Any]:
@@ -111,14 +132,6 @@ def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, An
     }
 
 
-def _event(kind: str, data: Mapping[str, Any]) -> bytes:
-    return (
-        f"event: {kind}\ndata: ".encode()
-        + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        + b"\n\n"
-    )
-
-
 class _Blocks:
     """The content blocks of a streamed message, opened and closed in order."""
 
@@ -131,7 +144,7 @@ class _Blocks:
         out = self.close()
         self.index += 1
         self.kind = kind
-        return out + _event(
+        return out + sse_event(
             "content_block_start",
             {"type": "content_block_start", "index": self.index, "content_block": block},
         )
@@ -140,10 +153,10 @@ class _Blocks:
         if self.kind == "":
             return b""
         self.kind = ""
-        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def delta(self, delta: Mapping[str, Any]) -> bytes:
-        return _event(
+        return sse_event(
             "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
         )
 
@@ -152,7 +165,7 @@ async def message_stream(
     turn: Turn, started: Started, events: AsyncIterator[Event], thinking: str
 ) -> AsyncIterator[bytes]:
     start_usage = usage_dict(started.usage, output=0)
-    yield _event(
+    yield sse_event(
         "message_start",
         {
             "type": "message_start",
@@ -167,7 +180,7 @@ async def message_stream(
                 "usage": start_usage,
             },
         },
-    ) + _event("ping", {"type": "ping"})
+    ) + sse_event("ping", {"type": "ping"})
     blocks = _Blocks()
     async for event in events:
         if isinstance(event, Delta):
@@ -195,10 +208,10 @@ async def message_stream(
                 yield out
         elif isinstance(event, Finished):
             if event.error is not None:
-                yield blocks.close() + _event("error", anthropic_error(event.error))
+                yield blocks.close() + stream_error(event.error)
                 return
             out = blocks.close()
-            out += _event(
+            out += sse_event(
                 "message_delta",
                 {
                     "type": "message_delta",
@@ -209,5 +222,33 @@ async def message_stream(
                     "usage": usage_dict(event.usage),
                 },
             )
-            yield out + _event("message_stop", {"type": "message_stop"})
+            yield out + sse_event("message_stop", {"type": "message_stop"})
             return
+
+
+def stream_error(error: HttpError) -> bytes:
+    """A failure inside a stream: an ``error`` event (with its ``event:`` line, which the SDKs
+    read it by)."""
+    return sse_event("error", anthropic_error(error))
+
+
+def _request_id() -> Mapping[str, str]:
+    return {"request-id": request_id()}
+
+
+def _ping(_asked: MessagesAsked, _progress: PrefillProgress | None) -> bytes:
+    return sse_event("ping", {"type": "ping"})
+
+
+ANTHROPIC: Dialect[MessagesAsked] = Dialect(
+    "anthropic",
+    anthropic_error,
+    lambda asked, done: message_complete(asked.turn, done, asked.thinking),
+    lambda asked, started, events: message_stream(asked.turn, started, events, asked.thinking),
+    headers=_request_id,
+    paths=("/v1/messages",),
+    alive=_ping,
+    failed=lambda _asked, error: stream_error(error),
+    status=anthropic_status,
+)
+"""Anthropic's Messages API."""

@@ -1,14 +1,18 @@
 """OpenAI's Responses API (``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}``): what
-Codex CLI speaks.
+Codex CLI speaks. The request as a Turn (here), the answers (``answer.py``), the routes
+(``routes.py``), stored responses (``store.py``).
 
-A thin adapter over the conversation layer. Field by field (``blueprints/0019-agent-apis.md``):
+Field by field (``blueprints/0019-agent-apis.md``):
 
 * ``input`` (a string, or items: ``message`` with ``input_text``/``output_text`` parts and roles
-  user, assistant, system, developer; ``function_call`` and ``function_call_output``;
-  ``reasoning``, accepted in history) and ``instructions`` (the first system message; not
+  user, assistant, system, developer; ``function_call`` (with its ``namespace``) and
+  ``function_call_output``; ``reasoning``, accepted in history: with the assistant ``message``
+  after it, one assistant turn; ``input_image``/``input_file`` parts a named placeholder in an
+  earlier item, refused by name in the newest) and ``instructions`` (the first system message; not
   carried over by ``previous_response_id``, as OpenAI defines it).
 * ``tools``: ``function`` tools are flat (``name``/``parameters`` at the top level);
-  ``namespace`` tools are flattened into their functions; hosted tools that cannot run here
+  ``namespace`` tools (Codex's sub-agents) are flattened into their functions, which the model
+  sees as ``NAMESPACE.NAME`` (their calls come back with ``namespace`` and ``name``); hosted tools that cannot run here
   (``web_search``, ``file_search``, ``computer_use``, image generation, ...) are left out of the
   prompt and listed in the response's ``modeld.omitted_tools``, never a 400. ``tool_choice``,
   ``parallel_tool_calls`` (every call parsed), ``text.format`` (``json_schema``,
@@ -37,39 +41,48 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from modeld.contract import DecodeConfig
 from modeld.errors import echo
-from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.conversations import Collected
-from modeld.server.http.errors import HttpError, bad, unsupported
-from modeld.server.http.fields import (
-    boolean,
-    integer,
-    model_name,
-    number,
-    obj,
-    refuse_unknown,
-    string,
+from modeld.server.http.chat_template import template_args
+from modeld.server.http.errors import bad, unsupported
+from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, model_name, obj, refuse_unknown, string
+from modeld.server.http.requests import (
+    SamplerField,
+    SamplerMap,
+    checked_call,
+    conversation_keys,
+    function_tool,
+    ident,
+    key_value,
+    media_omitted,
+    response_format,
+    samplers,
+    text_parts,
+    tool_choice,
+    tools_json_of,
 )
-from modeld.server.http.openai_chat import checked_call, openai_error, response_format, tool_choice
-from modeld.server.http.responses_answers import (
-    ResponseShape,
-    complete_response,
-    history_message,
-    stream_response,
-)
-from modeld.server.http.responses_store import ResponseStore, Stored
-from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
+from modeld.server.http.responses.store import Stored
+from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
-__all__ = ["parse_response_request", "routes"]
+__all__ = ["SAMPLERS", "input_messages", "parse_response_request"]
+
+SAMPLERS: SamplerMap = {
+    "temperature": SamplerField("temperature", high=2.0),
+    "top_p": SamplerField("top_p", unset=0.0),
+    "top_logprobs": SamplerField("top_logprobs"),
+}
+"""The Responses API's sampler fields (a ``top_p`` of 0 is the default's, unset)."""
+TEXT_PARTS = {
+    "input_text": "text",
+    "output_text": "text",
+    "text": "text",
+    "summary_text": "text",
+    "reasoning_text": "text",
+    "refusal": "refusal",
+}
 
 _TOP_LEVEL = frozenset(
     {
@@ -130,26 +143,12 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 
 
 def _parts(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, f"{where} must be a string or an array of content parts")
-    out: list[str] = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(at, f"{at} must be an object")
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad(f"{at}.text", f"{at}.text must be a string")
-            out.append(text)
-        elif kind == "refusal":
-            out.append(str(part.get("refusal", "")))
-        else:
-            raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported (text parts only)")
-    return "".join(out)
+    return "\n".join(_texts(content, where))
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """A string, or the texts of an array of content parts (text parts only)."""
+    return text_parts(content, where, TEXT_PARTS)
 
 
 def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
@@ -169,22 +168,29 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
             role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise bad(f"{at}.role", f"{at}.role must be user, assistant, system or developer")
-            out.append(Message(role, _parts(item.get("content"), f"{at}.content")))
+            texts = _texts(item.get("content"), f"{at}.content")
+            # Several parts stay parts (Codex sends its environment and the prompt so), as
+            # llama-server hands them to the template; joined, they are one per line.
+            text, parts = "\n".join(texts), tuple(texts) if len(texts) > 1 else ()
+            last = out[-1] if out else None
+            if role == "assistant" and last is not None and _thought_only(last):
+                out[-1] = replace(
+                    last, content=text, parts=parts
+                )  # a reasoning item and its message: one turn
+            else:
+                out.append(Message(role, text, parts=parts))
         elif kind == "function_call":
-            call = checked_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), at)
+            call = checked_call(item.get("call_id"), _qualified(item, at), item.get("arguments", "{}"), at)
             if out and out[-1].role == "assistant":  # parallel calls: one assistant turn
                 last = out[-1]
                 out[-1] = replace(last, calls=(*last.calls, call))
             else:
                 out.append(Message("assistant", "", (call,)))
         elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
-                raise bad(
-                    f"{at}.call_id", f"{at}.call_id must be a non-empty string of at most 256 characters"
-                )
+            call_id = ident(item.get("call_id"), f"{at}.call_id")
             output = item.get("output")
-            out.append(Message("tool", output if isinstance(output, str) else _parts(output, f"{at}.output")))
+            text = output if isinstance(output, str) else _parts(output, f"{at}.output")
+            out.append(Message("tool", text, tool_call_id=call_id))
         elif kind == "reasoning":
             thought = _parts(item.get("content") or item.get("summary") or [], f"{at}.content")
             if out and out[-1].role == "assistant" and not out[-1].content:
@@ -198,7 +204,25 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
     return [m for m in out if m.role != "assistant" or m.content or m.calls or m.reasoning]
 
 
-def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[str]]:
+def _thought_only(message: Message) -> bool:
+    """An assistant turn that so far holds only its reasoning (a ``reasoning`` item)."""
+    return (
+        message.role == "assistant" and not message.content and not message.calls and bool(message.reasoning)
+    )
+
+
+def _qualified(item: Mapping[str, Any], at: str) -> object:
+    """A call's name as the model saw its tool: ``NAMESPACE.NAME`` for a namespaced tool's call
+    (Codex's sub-agent tools), else the name."""
+    namespace = item.get("namespace")
+    if namespace is None or namespace == "":
+        return item.get("name")
+    name = item.get("name")
+    ident(namespace, f"{at}.namespace")
+    return f"{namespace}.{name}" if isinstance(name, str) else name
+
+
+def _functions(tools: Any, where: str, namespace: str = "") -> tuple[list[dict[str, object]], list[str]]:
     if not isinstance(tools, list):
         raise bad(where, f"{where} must be an array")
     functions: list[dict[str, object]] = []
@@ -212,14 +236,16 @@ def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[st
             refuse_unknown(
                 tool, frozenset({"type", "name", "description", "parameters", "strict", "defer_loading"}), at
             )
-            functions.append(
-                function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), at)
-            )
-        elif kind == "namespace":
-            inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools")
+            name = tool.get("name")
+            if namespace and isinstance(name, str):
+                name = f"{namespace}.{name}"  # unique across namespaces; the call carries both back
+            functions.append(function_tool(name, tool.get("description"), tool.get("parameters"), at))
+        elif kind == "namespace" and not namespace:
+            space = ident(tool.get("name"), f"{at}.name")
+            inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools", space)
             functions += inner
             hosted += inner_hosted
-        elif isinstance(kind, str) and len(kind) <= 256:
+        elif isinstance(kind, str) and len(kind) <= MAX_KEY_CHARS:
             hosted.append(kind)  # a hosted or custom tool modeld cannot run: left out of the prompt
         else:
             raise bad(f"{at}.type", f"{at}.type must be a string")
@@ -267,7 +293,10 @@ def parse_response_request(
     refuse_unknown(body, _TOP_LEVEL)
     if "input" not in body or body["input"] is None:
         raise bad("input", "input is required", code="missing_required_parameter")
-    new = input_messages(body["input"], limits)
+    with media_omitted() as media:  # images (Codex's view_image): placeholders in earlier turns
+        new = input_messages(body["input"], limits)
+    given = body["input"]
+    omitted = media.settle(len(given) if isinstance(given, list) else 1)
     instructions = string(body, "instructions", limit=1 << 24) or ""
     history = list(previous.history) if previous is not None else []
     system = [Message("system", instructions)] if instructions else []
@@ -275,22 +304,15 @@ def parse_response_request(
     if not messages:
         raise bad("input", "the conversation is empty")
     tools_json, hosted, names = _tools(body, limits)
-    choice = _choice(body, names)
-    if choice == "none":
-        tools_json = ""
+    choice = _choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix): no call is made
     text = obj(body, "text") or {}
     refuse_unknown(text, frozenset({"format", "verbosity"}), "text")
     values: dict[str, Any] = {
         "tool_choice": choice,
         "constraint": response_format(text.get("format"), "text.format"),
+        **samplers(body, SAMPLERS),
     }
-    temperature = number(body, "temperature", 0, 2)
-    if temperature is not None:
-        values["temperature"] = temperature
-    top_p = number(body, "top_p", 0, 1)
-    if top_p is not None and top_p > 0:
-        values["top_p"] = top_p
-    top_logprobs = integer(body, "top_logprobs", 0, 20)
+    top_logprobs = values.pop("top_logprobs", None)
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise bad("include", "include must be an array of strings")
@@ -304,9 +326,8 @@ def parse_response_request(
         api="openai.responses",
         model=model,
         decode=DecodeConfig(**values),
-        keys=Keys(
-            header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
-            routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
+        keys=conversation_keys(
+            headers,
             prompt_cache_key=key or (previous.conversation if previous is not None else ""),
             user=key_value("user", body.get("user")),
         ),
@@ -316,59 +337,20 @@ def parse_response_request(
         max_tokens=integer(body, "max_output_tokens", 1, 1 << 30),
         parallel_tool_calls=parallel is not False,
         omitted_tools=hosted,
+        template_args=_reasoning(body),
+        omitted_content=omitted,
     )
     return turn, store is not False, tuple(new)
 
 
-def routes(service: HttpService) -> list[Route]:
-    directory = service.settings.data_dir
-    store = ResponseStore(Path(directory) / "responses") if directory else None
-
-    def stored(response_id: str) -> Stored:
-        found = store.get(response_id) if store is not None else None
-        if found is None:
-            raise HttpError(
-                404, f"no stored response {echo(response_id)}", code="not_found", param="previous_response_id"
-            )
-        return found
-
-    async def create(request: Request) -> Response:
-        async with service.body(request) as body:
-            previous_id = string(body, "previous_response_id")
-            previous = stored(previous_id) if previous_id else None
-            turn, keep_it, new = parse_response_request(
-                body, request.headers, previous, service.gateway.limits
-            )
-            shape = ResponseShape(turn, body, previous_id, keep_it and store is not None)
-
-            def keep(done: Collected, response: dict[str, Any]) -> None:
-                if shape.store and store is not None and done.finished.error is None:
-                    history = (*(previous.history if previous else ()), *new, history_message(done))
-                    store.put(Stored(shape.id, response, history, turn.conversation(), shape.created_at))
-
-            def complete(_turn: Turn, done: Collected) -> dict[str, Any]:
-                response = complete_response(shape, done)
-                keep(done, response)
-                return response
-
-            return await service.turn(
-                request, turn, complete, lambda _t, s, e: stream_response(shape, s, e, keep), openai_error
-            )
-
-    async def fetch(request: Request) -> Response:
-        return JSONResponse(stored(request.path_params["id"]).response)
-
-    async def delete(request: Request) -> Response:
-        response_id = request.path_params["id"]
-        if store is None or not store.delete(response_id):
-            raise HttpError(404, f"no stored response {echo(response_id)}", code="not_found")
-        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-
-    out: list[Route] = []
-    for prefix in ("/v1", ""):
-        out += [
-            Route(f"{prefix}/responses", guarded(service, create, openai_error), methods=["POST"]),
-            Route(f"{prefix}/responses/{{id}}", guarded(service, fetch, openai_error), methods=["GET"]),
-            Route(f"{prefix}/responses/{{id}}", guarded(service, delete, openai_error), methods=["DELETE"]),
-        ]
-    return out
+def _reasoning(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``reasoning.effort`` as the template's (``none``: thinking off); its summary settings are
+    the hosted service's (no effect here)."""
+    reasoning = obj(body, "reasoning")
+    if reasoning is None:
+        return ()
+    refuse_unknown(reasoning, frozenset({"effort", "summary", "generate_summary"}), "reasoning")
+    effort = reasoning.get("effort")
+    return (
+        template_args(reasoning_effort=effort, effort_field="reasoning.effort") if effort is not None else ()
+    )

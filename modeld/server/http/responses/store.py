@@ -7,7 +7,8 @@ a later request may send only its new input with ``previous_response_id`` and co
 same warm session. Files are written atomically (a temporary file, then a rename) and read
 back checked (its id, its shape); one that does not read is removed with a logged reason.
 
-Bounds (``modeld serve`` flags): responses older than ``max_age_seconds`` are removed; beyond
+Bounds (:class:`StoreSettings`, fixed: blueprint 0019): responses older than ``max_age_seconds``
+are removed; beyond
 ``max_bytes`` in all, the oldest go first; one response is at most ``max_record_bytes``
 (larger ones are not stored, and the answer says so in its ``modeld`` object). ``GET`` and
 ``DELETE /v1/responses/{id}`` read and remove one. The store belongs to the daemon that owns
@@ -57,11 +58,19 @@ class Stored:
 
 
 def _message_json(m: Message) -> dict[str, Any]:
+    """A message as stored: every field the template is given (0010), so a conversation that
+    continues from a stored response renders its history as it rendered it then."""
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.calls:
         out["calls"] = [[c.id, c.name, c.arguments] for c in m.calls]
     if m.reasoning:
         out["reasoning"] = m.reasoning
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    if m.parts:
+        out["parts"] = list(m.parts)
     return out
 
 
@@ -73,7 +82,18 @@ def _message(obj: Any) -> Message:
     ):
         raise ValueError("a stored message is malformed")
     calls = tuple(ToolCall(str(c[0]), str(c[1]), str(c[2])) for c in obj.get("calls", []))
-    return Message(obj["role"], obj["content"], calls, str(obj.get("reasoning", "")))
+    parts = obj.get("parts", [])
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        raise ValueError("a stored message's parts are malformed")
+    return Message(
+        obj["role"],
+        obj["content"],
+        calls,
+        str(obj.get("reasoning", "")),
+        tool_call_id=str(obj.get("tool_call_id", "")),
+        name=str(obj.get("name", "")),
+        parts=tuple(parts),
+    )
 
 
 class ResponseStore:
