@@ -536,13 +536,21 @@ def write_report(out: Path, docs: list[Doc]) -> None:
             ]
     if doc.get("agent_apis"):
         lines += agent_apis_lines(doc["agent_apis"], model["name"])
+    if doc.get("claude_code"):
+        from bench.claude_code import report_lines
+
+        lines += report_lines(doc["claude_code"])
+    if doc.get("chat_agents"):
+        from bench.chat_agents import report_lines as chat_agents_lines
+
+        lines += chat_agents_lines(doc["chat_agents"])
     if any(d.get("speculation") for d in docs):
         lines += speculation_lines(docs)
     if any(d.get("fleet") for d in docs):
         lines += fleet_lines(docs)
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
-        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
+        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `claude_code`, `chat_agents`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
         "`make bench-compare` (the newest run against the committed results).",
         "",
     ]

@@ -275,7 +275,8 @@ class Limits:
     max_loaded_models: int = setting(2, "--max-loaded-models", _LIMITS, count(1, 1024))
     """Models kept loaded; the least recently used idle one is unloaded beyond this."""
     model_wait_seconds: float = setting(300.0, "--queue-wait", _TIMEOUTS, parse_duration)
-    """How long an operation waits for a model busy with other sessions before ``busy``."""
+    """How long an operation waits for a model busy with other sessions (a slot, or KV cells
+    that running operations hold) before ``busy``."""
     attach_timeout_seconds: float = setting(30.0, "--attach-timeout", _TIMEOUTS, parse_duration)
     """How long an opened session may stay without a Session stream before it is closed."""
     closed_reports_kept: int = setting(64, "--closed-reports-kept", _LIMITS, count(0, 1 << 16))

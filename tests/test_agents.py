@@ -116,7 +116,10 @@ def test_claude_code_runs_twice_and_the_second_run_is_warm(daemon: tuple[str, Pa
         runs.append({k: after.get(k, 0.0) - before.get(k, 0.0) for k in after})
     prompt, cached = runs[1]["modeld_prompt_tokens_total"], runs[1]["modeld_prompt_tokens_cached_total"]
     assert prompt > 10_000, runs  # Claude Code's first request: system prompt, 12 tools, environment
-    assert cached / prompt > 0.5, runs  # its system prompt and tools served from warm state
+    # The second run sends what the first did: it is served from warm state whole, as
+    # llama-server's slot serves it (issue 30: the first run's context was evicted, short of its
+    # last 4.3k tokens, and they were computed again).
+    assert prompt - cached < 0.02 * prompt, runs
 
 
 def test_codex_runs_twice_and_the_second_run_is_warm(daemon: tuple[str, Path]) -> None:

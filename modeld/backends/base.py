@@ -84,8 +84,9 @@ class Layout:
     further sequences (``DecodeConfig.n``); without it the daemon decodes them one after another.
     ``attention_spans_pool``: a sequence's attention covers every used cell of the pool up to the
     highest one, other sequences' cells masked (llama.cpp's unified KV): an idle context's cells
-    slow every turn of the others, so the cache moves idle contexts whose prefix is on disk out of
-    the pool when another turn starts (blueprint 0016, "Idle contexts leave a unified pool").
+    slow every turn of the others, so the cache moves an idle context out of the pool when a turn
+    starts whose attention over its cells costs more, as measured, than moving it out and back
+    (blueprint 0016, "Where a context goes").
     """
 
     n_seq: int
@@ -212,6 +213,13 @@ class ModelRuntime(Protocol):
 
     def drop(self, seq: int) -> None:
         """Empty ``seq`` (its cells are freed unless another sequence shares them)."""
+        ...
+
+    def share(self, src: int, dst: int, n: int) -> bool:
+        """``dst``'s first ``n`` tokens, the same as ``src``'s first ``n``, are held in ``src``'s
+        cells from now on and ``dst``'s own are freed (``Layout.shared_cells``: a context
+        restored beside another that shares its start stores that start once again); False
+        (nothing changed) when the tokens differ or the layout cannot share."""
         ...
 
     def snapshot(self, seq: int) -> bytes:

@@ -357,6 +357,11 @@ class MemoryRuntime(HeldTokens):
         self._seq(seq).clear()
         self._drafters.pop(seq, None)  # the sequence's next text is another context's
 
+    def share(self, src: int, dst: int, n: int) -> bool:
+        # Token lists hold no cells: sharing changes nothing but is checked as llama's is.
+        source, held = self._seq(src), self._seq(dst)
+        return self._layout.shared_cells and 0 < n <= min(len(source), len(held)) and source[:n] == held[:n]
+
     def snapshot(self, seq: int) -> bytes:
         held = self._seq(seq)
         body = struct.pack(f"<I{len(held)}I", len(held), *held)

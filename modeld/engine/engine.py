@@ -374,6 +374,7 @@ class Engine:
                 cache_settings=CacheSettings(
                     snapshot_min_tokens=self.residency.snapshot_min_tokens,
                     persist_min_tokens=self.residency.persist_min_tokens,
+                    room_wait_seconds=self.limits.model_wait_seconds,
                 ),
                 timeouts=self.timeouts,
                 restart=self.restart,
@@ -569,12 +570,14 @@ class Engine:
             session.interrupt()
 
     def _janitor(self) -> None:
-        """Idle warm contexts past their keep-alive leave the KV pool."""
+        """Idle warm contexts past their keep-alive leave the KV pool; contexts whose agent runs
+        a tool come back into it before they are asked for (``ModelCache.prefetch``)."""
         while not self._janitor_stop.wait(_JANITOR_SECONDS):
             now = time.time()
             for model in self.models():
                 with contextlib.suppress(ModeldError):
                     model.cache.expire(now)
+                    model.cache.prefetch(now)
 
     def running_operations(self) -> int:
         """Operations running on a model's slots or waiting for one, now (a drain waits for

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from modeld.cache.hold import Forks, Hold, Synced
+from modeld.cache.hold import DECODE_CELLS, Forks, Hold, Synced
 from modeld.cache.pool import SessionSlot
 from modeld.cache.reuse import common_prefix_len
 from modeld.context import SegmentChurn
@@ -302,13 +302,17 @@ class EngineSession(Closing):
             host = model.host()
             tokens = list(self._tokens)
             room = max(0, min(config.max_tokens, self._window - len(tokens)))
+            # On a shared pool a decode takes its cells as it grows (DECODE_CELLS at a time), never
+            # its whole room up front; choices decoded together reserve theirs (Hold.fork).
+            grows = n == 1 and model.layout.shared_cells and room > DECODE_CELLS
+            cells = DECODE_CELLS if grows else room
             hold = model.cache.hold(
                 self.slot,
                 tokens,
                 stage="decode",
                 manifest=self._manifest,
                 floor=self._n_prefix,
-                extra_cells=room,
+                extra_cells=cells,
             )
             timeouts = self._service.timeouts
             forks: Forks | None = None
@@ -326,6 +330,7 @@ class EngineSession(Closing):
                     room,
                     timeouts.stream_interval_seconds,
                     forks.seqs if forks is not None else (),
+                    cells=cells if grows else 0,
                 )
             except BaseException:
                 if forks is not None:
@@ -336,20 +341,11 @@ class EngineSession(Closing):
             self._turn.add(len(tokens) - hold.keep, synced, hold)
 
             def run(choice: int) -> DecodeRun:
-                finish: Callable[[list[int], list[int], int | None, ModeldError | None], None]
-                if choice == 0:
-
-                    def finish(
-                        emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
-                    ) -> None:
+                def finish(
+                    emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
+                ) -> None:
+                    if choice == 0:  # a fork's tokens leave no warm state (its cells are freed)
                         self._decoded(hold, ticket, emitted, sampled, resident, exc)
-
-                else:
-
-                    def finish(
-                        emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
-                    ) -> None:
-                        pass  # a fork's tokens leave no warm state (its cells are freed)
 
                 return DecodeRun(
                     call=call if forks is None else ChoiceCall(call, choice),
@@ -367,6 +363,9 @@ class EngineSession(Closing):
                     verify=self._model_intact,
                     finish=finish,
                     speculated=self._speculated if choice == 0 else None,
+                    ended=hold.ended if choice == 0 else None,
+                    room=hold.grower(len(tokens) + room) if grows else None,
+                    room_error=(lambda: hold.grow_error) if grows else None,
                 )
 
             if forks is None:

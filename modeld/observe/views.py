@@ -183,7 +183,9 @@ def _counters(c: dict[str, int]) -> list[str]:
     return [
         f"    prefixes  {c.get('queries', 0)} tokens looked up · reused from kv {c.get('reused_kv', 0)}, "
         f"ram {c.get('reused_ram', 0)}, disk {c.get('reused_disk', 0)}, shared {c.get('reused_shared', 0)}",
-        f"    prefill   {c.get('prefilled', 0)} prompt tokens computed (prefixes, suffixes, recomputed ones)",
+        f"    prefill   {c.get('prefilled', 0)} prompt tokens computed (prefixes, suffixes, recomputed ones) · "
+        f"{c.get('recomputed', 0)} a session had computed before · contexts brought back before "
+        f"asked {c.get('prefetched', 0)}",
         f"    evicted   to ram {c.get('evicted_to_ram', 0)}, disk {c.get('evicted_to_disk', 0)}, dropped "
         f"{c.get('evicted_dropped', 0)} · snapshots taken {c.get('snapshots_taken', 0)}, rejected "
         f"{c.get('snapshots_rejected', 0)} · prefixes copied {c.get('copies', 0)}",
