@@ -34,6 +34,7 @@ from modeld import __version__
 from modeld.errors import ModeldError
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
 from modeld.observe.metrics import Metrics
+from modeld.observe.records import Records
 from modeld.observe.status import EngineObserver
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.auth import TokenInterceptor, ensure_token
@@ -42,7 +43,7 @@ from modeld.server.gateway import Gateway, ServedEngine
 from modeld.server.grpc.servicer import SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.settings import HttpSettings, Limits, Residency, RestartPolicy, Serving, Timeouts
+from modeld.settings import HttpSettings, Limits, Recording, Residency, RestartPolicy, Serving, Timeouts
 
 if TYPE_CHECKING:
     from modeld.server.http.models import ModelRegistry
@@ -176,11 +177,12 @@ class Server:
         token: str = "",
         metrics: Metrics | None = None,
         describe_timeout: float = Serving().describe_seconds,
+        records: Records | None = None,
     ) -> None:
         self.engine = engine
         self.address = address
         self.limits = limits
-        self.gateway = Gateway(engine, limits, metrics)
+        self.gateway = Gateway(engine, limits, metrics, records)
         self.bridge = Bridge(Pools.for_sessions(limits.max_sessions))
         self.servicer = ModeldServicer(self.gateway, self.bridge, describe_timeout=describe_timeout)
         self.health = ModelHealth()
@@ -311,6 +313,7 @@ class ServeOptions:
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    recording: Recording = field(default_factory=Recording)
     data_dir: Path = field(default_factory=default_data_dir)
     grace: float = 3.0
 
@@ -416,7 +419,17 @@ def run(options: ServeOptions) -> int:
         lease.release()
         return EXIT_USAGE
     token = ensure_token(options.data_dir) if address.unix_path is None and serving.token else ""
-    server = Server(engine, address, limits, token=token, describe_timeout=serving.describe_seconds)
+    recording = options.recording
+    records = Records.under(
+        options.data_dir,
+        ring=recording.records_kept,
+        max_age_seconds=recording.records_max_age_seconds,
+        max_bytes=recording.records_max_bytes,
+        show_prompts=recording.ui_show_prompts,
+    )
+    server = Server(
+        engine, address, limits, token=token, describe_timeout=serving.describe_seconds, records=records
+    )
     listener: Any = None
     try:
         # Every listener is bound before the daemon says it serves (gRPC health, the lease):

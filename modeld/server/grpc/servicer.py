@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import uuid
@@ -193,8 +194,12 @@ class ModeldServicer:
 
     async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
+            job = _job(context)
             hosted = await self.bridge.call(
-                self.gateway.open, convert.open_request_from_pb(request), "grpc", abandoned=_close_soon
+                functools.partial(self.gateway.open, job=job),
+                convert.open_request_from_pb(request),
+                "grpc",
+                abandoned=_close_soon,
             )
             session = hosted.session
             owner = self.gateway.owner
@@ -424,6 +429,15 @@ class _StreamState:
             current = self._decode
         if current is not None and (request_id == 0 or request_id == current[0]):
             current[1].cancel_now()
+
+
+def _job(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The job label a client put in the call's ``x-modeld-job`` metadata ("" when none), as
+    the session's request records carry it (the gateway refuses a bad one)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-modeld-job":
+            return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+    return ""
 
 
 def _close_soon(hosted: TransportSession) -> None:

@@ -62,6 +62,7 @@ from modeld.errors import (
     UnsupportedError,
     error_from_reason,
 )
+from modeld.observe.records import Recording
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
@@ -299,14 +300,19 @@ class Conversations:
 
     # --- running a turn ---------------------------------------------------------------------
 
-    async def run(self, turn: Turn, request: OpenSessionRequest) -> AsyncGenerator[Event, None]:
-        """Run ``turn`` on its conversation's session: Started, Deltas, Finished.
+    async def run(
+        self, turn: Turn, request: OpenSessionRequest, recording: Recording | None = None
+    ) -> AsyncGenerator[Event, None]:
+        """Run ``turn`` on its conversation's session: Started, Deltas, Finished. ``recording``:
+        the request's record, which the session's turn counts into (blueprint 0022).
 
         Closing the iterator early (the client went away) cancels the decode within one token
         step, or interrupts the prefill it waits for."""
         try:
             async with self.session(turn.conversation(), request) as session:
-                async for event in self._run(turn, session):
+                if recording is not None:
+                    session.hosted.session.record(recording)
+                async for event in self._run(turn, session, recording):
                     yield event
         except ModeldError as exc:
             raise from_modeld(exc, incident_id()) from None
@@ -325,7 +331,9 @@ class Conversations:
             f"http.{turn.api}",
         )
 
-    async def _run(self, turn: Turn, session: BridgedSession) -> AsyncIterator[Event]:
+    async def _run(
+        self, turn: Turn, session: BridgedSession, recording: Recording | None = None
+    ) -> AsyncIterator[Event]:
         info = session.info
         prefix, suffix = self.inputs(turn, info)
         status = await session.ensure_prefix(prefix)
@@ -338,6 +346,8 @@ class Conversations:
         cached = max(0, status.reused_tokens - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
         message = await self._diverged_message(session, status) if turn.chat else None
+        if recording is not None and message is not None:
+            recording.set(diverged_message=message)
         if status.reuse.diverged_at_token is not None:
             log.info(
                 "%s: %s prefix (%s), reused %d of %d tokens; diverged at token %d, message %s",

@@ -1,0 +1,251 @@
+"""The live page's state and the request records, as JSON (the routes: ``routes.py``).
+
+:func:`page_state` is everything the page draws, computed on the observers' pool from three
+sources and nothing else: the engine's status (models, workers, the KV pool, tiers, memory,
+warm contexts: what ``modeld status`` prints), the request records (turns, per conversation:
+what ``/v1/requests`` and ``modeld requests`` list) and the metrics' own counters (what
+``/metrics`` exposes). A conversation's sums are its records' counts, which are the very
+numbers counted into the metrics (``modeld/observe/turns.py``), so per model they add up to
+:func:`metric_totals` exactly while the ring holds the model's turns (blueprint 0022).
+
+Prompt text never appears: a record holds ids, labels, counts, segment kinds and positions; its
+``excerpt`` is filled only when the daemon runs with ``--ui-show-prompts``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import Counter
+
+from modeld import __version__
+from modeld.contract import WarmContextInfo
+from modeld.observe.metrics import Metrics
+from modeld.observe.records import COUNTED, RequestRecord, sums
+from modeld.observe.status import DaemonStatus, LoadedModelSummary
+
+__all__ = ["REFUSALS", "metric_totals", "page_state"]
+
+RECENT_RECORDS = 400
+"""Records the page receives (its timelines and tables); older ones stay in ``/v1/requests``."""
+REFUSALS = ("no_slot_available", "busy", "limit_exceeded", "shutting_down", "draining", "context_overflow")
+"""Error reasons the page lists as admission refusals."""
+_TIER_ORDER = {"kv": 0, "ram": 1, "disk": 2, "shared": 3}
+
+
+def _counter(counter: Counter, labels: Iterable[str] = ("model",)) -> dict[tuple[str, ...], float]:
+    """A counter's values by label values (its ``_total`` samples)."""
+    names = tuple(labels)
+    out: dict[tuple[str, ...], float] = {}
+    for family in counter.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                key = tuple(sample.labels.get(n, "") for n in names)
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def metric_totals(metrics: Metrics) -> dict[str, dict[str, int]]:
+    """The metrics' counters per model, under the records' names (:data:`COUNTED`)."""
+    out: dict[str, dict[str, int]] = {}
+
+    def put(model: str, name: str, value: float) -> None:
+        out.setdefault(model, dict.fromkeys(COUNTED, 0))[name] += int(value)
+
+    for (model,), value in _counter(metrics.queries).items():
+        put(model, "prefix_tokens", value)
+    for (model, source), value in _counter(metrics.hits, ("model", "source")).items():
+        put(model, f"reused_{source}", value)
+    for name, counter in (
+        ("prefilled_tokens", metrics.prefilled),
+        ("prompt_tokens", metrics.prompt),
+        ("cached_tokens", metrics.cached),
+        ("generated_tokens", metrics.generated),
+        ("decodes", metrics.requests),
+        ("draft_batches", metrics.drafts),
+        ("drafted_tokens", metrics.draft_tokens),
+        ("accepted_tokens", metrics.accepted_tokens),
+        ("forced_tokens", metrics.forced_tokens),
+    ):
+        for (model,), value in _counter(counter).items():
+            put(model, name, value)
+    return out
+
+
+def _model(m: LoadedModelSummary, label: str) -> dict[str, Any]:
+    worker = m.worker
+    mem = m.memory
+    used = {c.session_id or c.id: c.tokens for c in m.contexts if c.tier == "kv"}
+    return {
+        "name": m.model_name,
+        "label": label,
+        "backend": m.backend,
+        "n_ctx": m.n_ctx,
+        "sequences": m.sequences,
+        "pool_tokens": m.pool_tokens,
+        "resident_tokens": m.resident_tokens,
+        "busy_tokens": m.busy_tokens,
+        "free_tokens": max(0, m.pool_tokens - m.resident_tokens),
+        "kv_bytes_per_token": m.kv_bytes_per_token,
+        "contexts_in_kv": used,
+        "slots": m.slots,
+        "busy_slots": m.busy_slots,
+        "queued": m.queued,
+        "sessions": m.sessions,
+        "counters": dict(m.counters),
+        "worker": None
+        if worker is None
+        else {
+            "pid": worker.pid,
+            "state": worker.state,
+            "isolation": worker.isolation,
+            "restarts": worker.restarts,
+            "rss_bytes": worker.rss_bytes,
+            "last_error": worker.last_error[:200],
+        },
+        "memory": {
+            "isolation": mem.isolation,
+            "weights": mem.weights_bytes,
+            "kv_allocated": mem.kv_allocated_bytes,
+            "kv_used": mem.kv_used_bytes,
+            "compute": mem.compute_bytes,
+            "runtime": mem.runtime_bytes,
+            "rss": mem.rss_bytes,
+        },
+    }
+
+
+def _tiers(status: DaemonStatus) -> dict[str, Any]:
+    t = status.tiers
+    if t is None:
+        return {}
+    out: dict[str, Any] = {
+        "ram": {"bytes": t.ram_bytes, "entries": t.ram_entries, "budget": t.ram_budget},
+        "disk": {
+            "bytes": t.disk_bytes,
+            "entries": t.disk_entries,
+            "budget": t.disk_budget,
+            "off": t.disk_off_reason,
+        },
+        "memory_budget": t.memory_budget,
+    }
+    if t.shared_location:
+        out["shared"] = {
+            "bytes": t.shared_bytes,
+            "entries": t.shared_entries,
+            "budget": t.shared_budget,
+            "written": t.shared_written,
+            "restored": t.shared_restored,
+            "rejected": t.shared_rejected,
+            "write_failed": t.shared_write_failures,
+            "lookups": t.shared_lookups,
+            "pending": t.shared_pending,
+        }
+    return out
+
+
+def _conversations(
+    status: DaemonStatus, records: list[RequestRecord], label: dict[str, str]
+) -> list[dict[str, Any]]:
+    """Every conversation the records know and every warm context (one row each): its key and
+    labels from its newest record, where its context is (tier, tokens, last use, pinned) from
+    the status, and its records' sums."""
+    contexts: dict[str, list[tuple[str, WarmContextInfo]]] = {}
+    for m in status.models:
+        for c in m.contexts:
+            contexts.setdefault(c.session_id or f"context:{c.id}", []).append((label[m.model_name], c))
+    rows: dict[str, dict[str, Any]] = {}
+    by_key: dict[str, list[RequestRecord]] = {}
+    for r in records:
+        by_key.setdefault(r.conversation or f"session:{r.session}", []).append(r)
+    seen_sessions: set[str] = set()
+    for key, turns in by_key.items():
+        last = turns[-1]
+        sessions = {t.session for t in turns if t.session}
+        seen_sessions |= sessions
+        held = [c for s in sessions for c in contexts.get(s, [])]
+        rows[key] = _row(key, last, turns, held)
+    for session, held in contexts.items():
+        if session not in seen_sessions:
+            rows[session if session.startswith("context:") else f"session:{session}"] = _row(
+                session if session.startswith("context:") else f"session:{session}", None, [], held
+            )
+    return sorted(rows.values(), key=lambda r: -float(r["last_used_at"] or 0))
+
+
+def _row(
+    key: str, last: RequestRecord | None, turns: list[RequestRecord], held: list[tuple[str, WarmContextInfo]]
+) -> dict[str, Any]:
+    best = min(held, key=lambda h: _TIER_ORDER.get(h[1].tier, 9), default=None)
+    context = best[1] if best is not None else None
+    total = sums(turns, lambda _r: "all").get("all", dict.fromkeys(COUNTED, 0))
+    return {
+        "key": key,
+        "job": last.job if last else "",
+        "agent": last.agent if last else "",
+        "api": last.api if last else "",
+        "model": (last.model if last else "") or (best[0] if best else ""),
+        "session": last.session if last else (context.session_id if context else ""),
+        "context": context.id if context else "",
+        "tier": context.tier if context else "",
+        "tiers": sorted({h[1].tier for h in held}, key=lambda t: _TIER_ORDER.get(t, 9)),
+        "tokens": context.tokens if context else 0,
+        "bytes": sum(h[1].bytes for h in held),
+        "pinned": any(h[1].pinned for h in held),
+        "last_used_at": max(
+            [context.last_used_at if context else 0.0, last.ended_at or last.started_at if last else 0.0]
+        ),
+        "turns": len(turns),
+        "running": sum(1 for t in turns if t.state == "running"),
+        "last_outcome": last.outcome if last else "",
+        "last_reason": last.reason if last else "",
+        "sums": total,
+    }
+
+
+def page_state(
+    status: DaemonStatus,
+    records: list[RequestRecord],
+    metrics: Metrics,
+    *,
+    show_prompts: bool,
+    records_file: dict[str, int],
+) -> dict[str, Any]:
+    """What the page draws (module docstring)."""
+    label = {m.model_name: metrics.label(m.model_name) for m in status.models}
+    for r in records:
+        label.setdefault(r.model, r.model)
+    recent = records[-RECENT_RECORDS:]
+    running = [r for r in records if r.state == "running"]
+    refused = [r for r in records if r.state == "done" and r.error in REFUSALS][-50:]
+    return {
+        "now": time.time(),
+        "daemon": {
+            "instance": status.instance_id,
+            "epoch": status.epoch,
+            "version": __version__,
+            "uptime_seconds": status.uptime_seconds,
+            "sessions": status.sessions,
+            "owner_lost": status.owner_lost,
+        },
+        "show_prompts": show_prompts,
+        "models": [_model(m, label[m.model_name]) for m in status.models],
+        "tiers": _tiers(status),
+        "memory": {
+            "own": status.memory.own_bytes,
+            "ram_tier": status.memory.ram_tier_bytes,
+            "parts": status.memory.parts_bytes,
+            "measured": status.memory.measured_bytes,
+            "adds_up": status.memory.adds_up(),
+        },
+        "conversations": _conversations(status, records, label),
+        "inflight": [r.to_json() for r in running],
+        "queued": sum(m.queued for m in status.models),
+        "refusals": [r.to_json() for r in refused],
+        "records": [r.to_json() for r in recent],
+        "records_file": records_file,
+        "records_by_model": sums(records, lambda r: r.model),
+        "metrics": metric_totals(metrics),
+    }

@@ -1,0 +1,224 @@
+"""The live page and the request records over HTTP (read-only; blueprint 0022).
+
+* ``GET /ui``: the page (plain HTML, a small script and a style sheet served beside it, no
+  build step, nothing fetched from elsewhere); ``GET /ui/state``: what it draws, as JSON
+  (:func:`~modeld.server.http.ui.answer.page_state`); ``GET /ui/events``: the same state as
+  Server-Sent Events, sent when a record changes (at most every :data:`MIN_PUSH_SECONDS`) and at
+  least every :data:`STATUS_SECONDS`; at most :data:`MAX_PAGE_STREAMS` at once (429 beyond).
+* ``GET /v1/requests?job=&conversation=&since=&limit=&running=``: records, oldest first (the
+  newest ``limit``; ``since`` a Unix time or a duration back from now: ``15m``); ``GET
+  /v1/requests/{id}``: one record, running or done (poll it for a running request's status).
+
+Access is the APIs' (an API key, loopback ``Host``, no foreign ``Origin``: ``Origin: null`` is
+refused); with a key, ``/ui?token=KEY`` sets a cookie that opens these read-only routes to the
+browser, then sends it to ``/ui`` without the key in its address. The page is sent with a
+content security policy that lets it load only its own script and style and talk only to its
+own origin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from importlib import resources
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from modeld.observe.records import MAX_LABEL_CHARS, MAX_QUERY_RECORDS, RecordQuery
+from modeld.server.http.access import UI_COOKIE
+from modeld.server.http.app import HttpService
+from modeld.server.http.errors import HttpError, openai_error
+from modeld.server.http.runner import error_response
+from modeld.server.http.ui.answer import page_state
+
+__all__ = ["MAX_PAGE_STREAMS", "routes"]
+
+MAX_PAGE_STREAMS = 16
+"""Live pages open at once (each an SSE stream)."""
+MIN_PUSH_SECONDS = 0.5
+"""The most often a page is sent the state (a busy daemon changes records many times a second)."""
+STATUS_SECONDS = 2.0
+"""The least often: the models, tiers and memory move without a record changing."""
+_QUERY_FIELDS = frozenset({"job", "conversation", "since", "limit", "running"})
+_ASSETS = {"page.js": "text/javascript", "page.css": "text/css"}
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def _asset(name: str) -> bytes:
+    return resources.files(__package__).joinpath(name).read_bytes()
+
+
+def _since(text: str, now: float) -> float:
+    """``since``: a Unix time, or a duration back from now (``90s``, ``15m``, ``2h``, ``7d``)."""
+    raw = text.strip()
+    unit = raw[-1:].lower()
+    try:
+        value = now - float(raw[:-1]) * _DURATION_UNITS[unit] if unit in _DURATION_UNITS else float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or len(raw) > 32:
+        raise HttpError(
+            400,
+            "since must be a Unix time or a duration back from now (90s, 15m, 2h, 7d)",
+            code="invalid_value",
+            param="since",
+        )
+    return value
+
+
+def _label(params: dict[str, str], name: str) -> str:
+    value = params.get(name, "")
+    if len(value) > MAX_LABEL_CHARS or any(not ch.isprintable() for ch in value):
+        raise HttpError(
+            400, f"{name} is at most {MAX_LABEL_CHARS} printable characters", code="invalid_value", param=name
+        )
+    return value
+
+
+def parse_query(params: dict[str, str], now: float) -> RecordQuery:
+    """The listing's query parameters (an unknown one is refused by name)."""
+    unknown = sorted(set(params) - _QUERY_FIELDS)
+    if unknown:
+        raise HttpError(
+            400,
+            f"unknown query parameter {unknown[0][:64]!r} (known: {', '.join(sorted(_QUERY_FIELDS))})",
+            code="unsupported_parameter",
+            param=unknown[0][:64],
+        )
+    limit_text = params.get("limit", "100")
+    if not limit_text.isdigit() or not 1 <= int(limit_text) <= MAX_QUERY_RECORDS:
+        raise HttpError(400, f"limit is 1 to {MAX_QUERY_RECORDS}", code="invalid_value", param="limit")
+    running = params.get("running", "")
+    if running not in ("", "0", "1", "true", "false"):
+        raise HttpError(400, "running is 1 or 0", code="invalid_value", param="running")
+    return RecordQuery(
+        job=_label(params, "job"),
+        conversation=_label(params, "conversation"),
+        since=_since(params["since"], now) if params.get("since") else 0.0,
+        limit=int(limit_text),
+        running=running in ("1", "true"),
+    )
+
+
+def routes(service: HttpService) -> list[Route]:
+    records = service.gateway.records
+    streams = 0
+
+    def guard(handler: Any) -> Any:
+        async def run(request: Request) -> Response:
+            denied = service.access.denied(request, cookie=True)
+            if denied is not None:
+                return error_response(denied, openai_error)
+            try:
+                response: Response = await handler(request)
+                return response
+            except HttpError as exc:
+                return error_response(exc, openai_error)
+
+        return run
+
+    async def state() -> dict[str, Any]:
+        def build() -> dict[str, Any]:
+            return page_state(
+                service.gateway.status(),
+                records.recent(),
+                service.gateway.metrics,
+                show_prompts=records.show_prompts,
+                records_file=records.stats(),
+            )
+
+        return await service.bridge.observe(build, "the live page")
+
+    async def page(request: Request) -> Response:
+        token = request.query_params.get("token")
+        if token is not None:  # exchange the key for the page's cookie, and drop it from the address
+            if not service.access.api_key or not hmac.compare_digest(token, service.access.api_key):
+                raise HttpError(401, "the token is not the daemon's API key", code="invalid_api_key")
+            response = RedirectResponse("/ui", status_code=303, headers=_PAGE_HEADERS)
+            response.set_cookie(
+                UI_COOKIE, service.access.ui_cookie(), httponly=True, samesite="strict", path="/"
+            )
+            return response
+        return Response(_asset("page.html"), media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+    async def asset(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in _ASSETS:
+            raise HttpError(404, "no such file", code="not_found")
+        return Response(_asset(name), media_type=_ASSETS[name], headers=_PAGE_HEADERS)
+
+    async def state_json(_request: Request) -> Response:
+        return JSONResponse(await state(), headers={"Cache-Control": "no-store"})
+
+    async def events(_request: Request) -> Response:
+        nonlocal streams
+        if streams >= MAX_PAGE_STREAMS:
+            raise HttpError(
+                429,
+                f"{MAX_PAGE_STREAMS} live pages are open already; close one",
+                code="limit_exceeded",
+                retry_after=5,
+            )
+        streams += 1
+
+        async def push() -> AsyncIterator[bytes]:
+            nonlocal streams
+            loop = asyncio.get_running_loop()
+            sent_version, sent_at = -1, 0.0
+            try:
+                while not service.drain.draining and not service.gateway.stopping:
+                    now = loop.time()
+                    if records.version != sent_version or now - sent_at >= STATUS_SECONDS:
+                        sent_version, sent_at = records.version, now
+                        data = json.dumps(await state(), separators=(",", ":"))
+                        yield f"event: state\ndata: {data}\n\n".encode()
+                    await asyncio.sleep(MIN_PUSH_SECONDS)
+            finally:
+                streams -= 1
+
+        return StreamingResponse(
+            push(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+        )
+
+    async def listing(request: Request) -> Response:
+        query = parse_query(dict(request.query_params), time.time())
+        found = await service.bridge.observe(lambda: records.query(query), "request records")
+        return JSONResponse(
+            {"object": "list", "data": [r.to_json() for r in found], "file": records.stats()},
+            headers={"Cache-Control": "no-store"},
+        )
+
+    async def one(request: Request) -> Response:
+        rid = request.path_params["id"]
+        if len(rid) > MAX_LABEL_CHARS:
+            raise HttpError(400, "a request id is at most 256 characters", code="invalid_value", param="id")
+        found = await service.bridge.observe(lambda: records.get(rid), "request records")
+        if found is None:
+            raise HttpError(404, "no request record with that id", code="not_found", param="id")
+        return JSONResponse(found.to_json(), headers={"Cache-Control": "no-store"})
+
+    return [
+        Route("/ui", guard(page), methods=["GET"]),
+        Route("/ui/state", guard(state_json), methods=["GET"]),
+        Route("/ui/events", guard(events), methods=["GET"]),
+        Route("/ui/{name}", guard(asset), methods=["GET"]),
+        Route("/v1/requests", guard(listing), methods=["GET"]),
+        Route("/v1/requests/{id:path}", guard(one), methods=["GET"]),
+    ]
