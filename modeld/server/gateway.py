@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from modeld.contract import ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, Session, SuffixInput
 from modeld.errors import InvalidArgumentError, ModeldError, SessionNotFoundError
 from modeld.observe.metrics import Metrics, ObservedSession
-from modeld.observe.records import Records, clean_label
+from modeld.observe.records import RecordQuery, Records, RequestRecord, clean_label
 from modeld.observe.status import DaemonStatus, Machine, SessionSummary
 
 if TYPE_CHECKING:
@@ -252,6 +252,19 @@ class Gateway:
             replace(s, attached=attached[s.session_id]) if s.session_id in attached else s
             for s in self.engine.list_sessions()
         ]
+
+    def requests(self, query: RecordQuery, rid: str = "") -> list[RequestRecord]:
+        """The request records a query asks for (``rid``: that one record, if it exists); a
+        filter that is too long or holds a control character is refused."""
+        try:
+            for what, text in (("job", query.job), ("conversation", query.conversation), ("id", rid)):
+                clean_label(text, what)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if rid:
+            found = self.records.get(rid)
+            return [found] if found is not None else []
+        return self.records.query(query)
 
     def metrics_text(self, accept: str = "") -> tuple[bytes, str]:
         return self.metrics.render(accept)

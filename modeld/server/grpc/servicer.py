@@ -56,7 +56,7 @@ from modeld.errors import (
 from modeld.server.bridge import Bridge, BridgedSession, BridgedStream, Pools
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.v1 import modeld_pb2 as pb
-from modeld.wire import convert
+from modeld.wire import convert, records
 from modeld.wire.status import to_grpc_status, to_status
 
 __all__ = [
@@ -250,6 +250,14 @@ class ModeldServicer:
             return pb.MetricsResponse(text=text.decode("utf-8"), content_type=content_type)
 
         return await self._unary("Metrics", run, request, context)
+
+    async def ListRequests(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            query, rid = records.query_from_pb(request)
+            found = await self.bridge.observe(lambda: self.gateway.requests(query, rid), "ListRequests")
+            return pb.ListRequestsResponse(records=[records.record_to_pb(r) for r in found])
+
+        return await self._unary("ListRequests", run, request, context)
 
     # --- the Session stream ---------------------------------------------------------------
 
@@ -489,6 +497,7 @@ def add_to_server(servicer: ModeldServicer, server: grpc.aio.Server) -> None:
         "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusResponse),
         "CountTokens": unary(servicer.CountTokens, pb.CountTokensRequest, pb.CountTokensResponse),
         "Metrics": unary(servicer.Metrics, pb.MetricsRequest, pb.MetricsResponse),
+        "ListRequests": unary(servicer.ListRequests, pb.ListRequestsRequest, pb.ListRequestsResponse),
         "Session": grpc.stream_stream_rpc_method_handler(
             servicer.Session,
             request_deserializer=_safe(pb.SessionRequest),
