@@ -30,8 +30,17 @@ __all__ = ["REFUSALS", "metric_totals", "page_state"]
 
 RECENT_RECORDS = 400
 """Records the page receives (its timelines and tables); older ones stay in ``/v1/requests``."""
-REFUSALS = ("no_slot_available", "busy", "limit_exceeded", "shutting_down", "draining", "context_overflow")
-"""Error reasons the page lists as admission refusals."""
+REFUSALS = (
+    "no_slot_available",
+    "busy",
+    "limit_exceeded",
+    "shutting_down",
+    "draining",
+    "context_overflow",
+    "context_length_exceeded",
+)
+"""Error codes the page lists as refusals (admission, and a prompt over the window: the contract's
+``context_overflow``, which OpenAI's words call ``context_length_exceeded``)."""
 _TIER_ORDER = {"kv": 0, "ram": 1, "disk": 2, "shared": 3}
 
 
@@ -246,6 +255,8 @@ def page_state(
         "refusals": [r.to_json() for r in refused],
         "records": [r.to_json() for r in recent],
         "records_file": records_file,
-        "records_by_model": sums(records, lambda r: r.model),
+        # Since this daemon started (the metrics' counters start at 0 with it; the ring keeps
+        # the records of earlier runs).
+        "records_by_model": sums([r for r in records if r.started_at >= status.started_at], lambda r: r.model),
         "metrics": metric_totals(metrics),
     }

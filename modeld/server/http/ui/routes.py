@@ -119,9 +119,18 @@ def routes(service: HttpService) -> list[Route]:
     records = service.gateway.records
     streams = 0
 
-    def guard(handler: Any) -> Any:
+    def keyed(request: Request) -> bool:
+        token = request.query_params.get("token")
+        key = service.access.api_key
+        return bool(key) and token is not None and hmac.compare_digest(token.encode(), key.encode())
+
+    def guard(handler: Any, *, token: bool = False) -> Any:
+        """``handler`` behind the access checks (``token``: the key in ``?token=`` opens it too)."""
+
         async def run(request: Request) -> Response:
             denied = service.access.denied(request, cookie=True)
+            if denied is not None and denied.status == 401 and token and keyed(request):
+                denied = None
             if denied is not None:
                 return error_response(denied, openai_error)
             try:
@@ -145,9 +154,8 @@ def routes(service: HttpService) -> list[Route]:
         return await service.bridge.observe(build, "the live page")
 
     async def page(request: Request) -> Response:
-        token = request.query_params.get("token")
-        if token is not None:  # exchange the key for the page's cookie, and drop it from the address
-            if not service.access.api_key or not hmac.compare_digest(token, service.access.api_key):
+        if "token" in request.query_params and service.access.api_key:  # the key for the page's cookie, and out of the address
+            if not keyed(request):
                 raise HttpError(401, "the token is not the daemon's API key", code="invalid_api_key")
             response = RedirectResponse("/ui", status_code=303, headers=_PAGE_HEADERS)
             response.set_cookie(
@@ -215,7 +223,7 @@ def routes(service: HttpService) -> list[Route]:
         return JSONResponse(found.to_json(), headers={"Cache-Control": "no-store"})
 
     return [
-        Route("/ui", guard(page), methods=["GET"]),
+        Route("/ui", guard(page, token=True), methods=["GET"]),
         Route("/ui/state", guard(state_json), methods=["GET"]),
         Route("/ui/events", guard(events), methods=["GET"]),
         Route("/ui/{name}", guard(asset), methods=["GET"]),
