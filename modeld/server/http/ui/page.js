@@ -52,6 +52,12 @@ function bar(parts, total, title) {
   return b;
 }
 
+function grid(...pairs) {
+  const box = el('div', { class: 'kvgrid' });
+  for (let i = 0; i < pairs.length; i += 2) box.append(el('span', { class: 'muted', text: pairs[i] }), el('span', { text: pairs[i + 1] }));
+  return box;
+}
+
 function fill(id, ...nodes) { const box = document.getElementById(id); box.replaceChildren(...nodes.flat()); return box; }
 
 // --- models, tiers and memory ---------------------------------------------------------------
@@ -74,7 +80,7 @@ function renderModels(s) {
     const c = m.counters;
     return el('div', { class: 'card', 'data-model': m.label },
       el('div', { class: 'title' }, `${m.label} `, el('span', { class: 'muted', text: `${m.backend} · window ${num(m.n_ctx)} · ${m.sequences} sequences` })),
-      el('div', { class: 'kvgrid' },
+      grid(
         'worker', w ? `${w.state} · ${w.isolation} · pid ${w.pid} · ${bytes(w.rss_bytes)} RSS · ${w.restarts} restarts` : 'in the daemon',
         'slots', `${m.busy_slots} of ${m.slots} busy · ${m.queued} queued · ${m.sessions} sessions`,
         'KV pool', `${num(m.resident_tokens)} of ${num(m.pool_tokens)} cells used (${num(m.busy_tokens)} by running turns) · ${num(m.free_tokens)} free`),
@@ -97,7 +103,7 @@ function renderTiers(s) {
   }
   const m = s.memory;
   rows.push(el('div', { class: 'card' }, el('div', { class: 'title', text: 'memory' }),
-    el('div', { class: 'kvgrid' }, "daemon's own", bytes(m.own), 'RAM tier', bytes(m.ram_tier),
+    grid("daemon's own", bytes(m.own), 'RAM tier', bytes(m.ram_tier),
       'parts (daemon and workers)', bytes(m.parts), 'measured RSS', bytes(m.measured), 'adds up', m.adds_up ? 'yes' : 'no (see modeld status)')));
   fill('tiers-body', el('div', { class: 'cards' }, rows));
 }
@@ -217,7 +223,7 @@ function renderFleet(s) {
   document.getElementById('fleet').hidden = !shared;
   document.getElementById('fleet-link').hidden = !shared;
   if (!shared) return;
-  fill('fleet-body', el('div', { class: 'kvgrid' }, 'written to the store', num(shared.written), 'restored from it', num(shared.restored),
+  fill('fleet-body', grid('written to the store', num(shared.written), 'restored from it', num(shared.restored),
     'refused (corrupt, foreign)', num(shared.rejected), 'writes failed', num(shared.write_failed), 'looked up on a miss', num(shared.lookups),
     'on their way', num(shared.pending), 'held', `${num(shared.entries)} snapshots · ${bytes(shared.bytes)} of ${bytes(shared.budget)}`));
 }
