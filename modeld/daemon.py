@@ -476,6 +476,7 @@ def run(options: ServeOptions) -> int:
         engine.begin_shutdown()  # in-flight HTTP turns end now, with shutting_down
         listener.stop()
     server.stop(options.grace)
+    records.close()  # the finished records still on their way to the file
     lease.release(handed_over=handed_over)
     log.info("stopped (instance %s)", instance_id)
     return EXIT_OK

@@ -276,7 +276,9 @@ def main(argv: list[str] | None = None) -> int:
                 check=False,
             )
             if args.stay and page:
-                print(f"\ndemo: the daemon keeps serving; open {page} to see the four turns. Ctrl-C stops it.")
+                print(
+                    f"\ndemo: the daemon keeps serving; open {page} to see the four turns. Ctrl-C stops it."
+                )
                 sys.stdout.flush()
                 try:
                     while daemon.poll() is None:

@@ -43,6 +43,7 @@ def test_a_finished_record_is_a_json_line_and_a_restart_reads_it_back(tmp_path: 
     records = Records(tmp_path / "requests")
     running = records.begin("openai", job="nightly", conversation="auto:1")
     rid = _done(records, job="nightly", conversation="auto:1")
+    records.flush()  # written behind, by a thread of its own
     (segment,) = sorted((tmp_path / "requests").glob("requests-*.jsonl"))
     (line,) = segment.read_text().splitlines()  # only the finished one is written
     assert json.loads(line)["id"] == rid
@@ -81,6 +82,7 @@ def test_retention_drops_whole_segments_by_bytes_then_by_age(tmp_path: Path) -> 
         recording = records.begin("grpc", job=pad)
         recording.finish(finish="stop")
         ids.append(recording.id)
+    records.close()
     files = sorted(tmp_path.glob("requests-*.jsonl"))
     total = sum(p.stat().st_size for p in files)
     assert total <= 8 * (64 << 10) + (64 << 10)  # the budget, and the segment being written

@@ -17,7 +17,8 @@ and the bytes in and out. Never prompt text: ``excerpt`` (a bounded slice of the
 point it diverged) is filled only when the daemon was started with ``--ui-show-prompts``.
 
 Kept: the newest ``ring`` records in memory (running ones included), and every finished one
-as a JSON line in ``requests/*.jsonl`` under the data directory. The file is cut in segments
+as a JSON line in ``requests/*.jsonl`` under the data directory, appended by a thread of its own
+(a turn never waits for the disk; :meth:`Records.close` writes what is pending). The file is cut in segments
 of an eighth of the byte budget; a segment whose newest record is older than ``max_age`` goes,
 and the oldest segments go while the whole exceeds ``max_bytes`` (retention applies a segment
 at a time). A restarted daemon reads the newest records back into its ring.
@@ -29,15 +30,17 @@ engine import.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +48,14 @@ __all__ = [
     "COUNTED",
     "MAX_LABEL_CHARS",
     "MAX_QUERY_RECORDS",
+    "REFUSALS",
     "Recording",
     "RecordQuery",
     "Records",
     "RequestRecord",
+    "Tally",
     "clean_label",
+    "conversation_of",
     "sums",
 ]
 
@@ -60,6 +66,18 @@ MAX_LABEL_CHARS = 256
 refused where a client sends it)."""
 MAX_QUERY_RECORDS = 1000
 """The most records one query returns."""
+REFUSALS = (
+    "no_slot_available",
+    "busy",
+    "limit_exceeded",
+    "shutting_down",
+    "draining",
+    "context_overflow",
+    "context_length_exceeded",
+)
+"""Error codes the page lists as refusals (admission, and a prompt over the window: the contract's
+``context_overflow``, which OpenAI's words call ``context_length_exceeded``)."""
+REFUSALS_KEPT = 50
 EXCERPT_BYTES = 240
 """Bytes of the prefix around the point it diverged, kept only with ``--ui-show-prompts``."""
 SEGMENTS = 8
@@ -162,7 +180,7 @@ class RequestRecord:
 
     def to_json(self) -> dict[str, Any]:
         """The record as JSON (with its derived ``reused_tokens`` and ``decode_tps``)."""
-        out = asdict(self)
+        out = {name: getattr(self, name) for name in _NAMES}
         out["reused_tokens"] = self.reused_tokens
         out["decode_tps"] = round(self.decode_tps, 2)
         return out
@@ -181,6 +199,26 @@ def clean_label(text: str, what: str = "label") -> str:
     if any(not ch.isprintable() for ch in text):
         raise ValueError(f"the {what} holds a control character")
     return text
+
+
+def conversation_of(record: RequestRecord) -> str:
+    """The conversation a record belongs to (a gRPC session's turns: the session)."""
+    return record.conversation or f"session:{record.session}"
+
+
+@dataclass(slots=True)
+class Tally:
+    """A conversation's finished records in the ring: how many, their counts summed, the newest."""
+
+    key: str
+    turns: int = 0
+    sums: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTED, 0))
+    last: RequestRecord | None = None
+
+
+_FIELDS = tuple(f.name for f in fields(RequestRecord))
+_NAMES = _FIELDS
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(RequestRecord) if f.name not in ("id", "api")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,28 +242,58 @@ class RecordQuery:
 
 
 class Recording:
-    """A running record, updated as its turn goes (thread-safe: every change takes the store's
-    lock). ``external``: the transport that opened it finishes it (the HTTP runner, after the
-    last byte); else the session's observer does, at the decode's end."""
+    """A record as its turn goes (thread-safe: every change takes the store's lock). Its fields
+    are a plain dict while it changes (an update on a turn's path costs a dict write, not a new
+    record); :attr:`record` is a snapshot, kept until the next change. ``external``: the
+    transport that opened it finishes it (the HTTP runner, after the last byte); else the
+    session's observer does, at the decode's end."""
 
-    def __init__(self, store: Records, record: RequestRecord, *, external: bool) -> None:
+    def __init__(self, store: Records, values: dict[str, Any], *, external: bool) -> None:
         self._store = store
-        self.record = record
+        self._values = values
+        self._snapshot: RequestRecord | None = None
+        self._json: str | None = None
         self.external = external
-        self.id = record.id
+        self.id: str = values["id"]
         self.show_prompts = store.show_prompts
+
+    @property
+    def record(self) -> RequestRecord:
+        with self._store._lock:
+            return self._record()
+
+    def _record(self) -> RequestRecord:  # with the store's lock held
+        if self._snapshot is None:
+            self._snapshot = RequestRecord(**self._values)
+            self._json = None
+        return self._snapshot
+
+    def _json_text(self) -> str:  # with the store's lock held; a finished record's is made once
+        if self._snapshot is None or self._json is None:
+            self._json = json.dumps(self._record().to_json(), separators=(",", ":"))
+        return self._json
+
+    @property
+    def state(self) -> str:
+        return str(self._values["state"])
+
+    def get(self, name: str) -> Any:
+        return self._values[name]
 
     def add(self, **counts: int) -> None:
         """Add to the record's counts (the same numbers the metrics count)."""
+        values = self._values
         with self._store._lock:
-            r = self.record
-            self.record = replace(r, **{k: getattr(r, k) + v for k, v in counts.items()})
+            for k, v in counts.items():
+                values[k] += v
+            self._snapshot = None
 
     def set(self, **values: Any) -> None:
         with self._store._lock:
-            self.record = replace(self.record, **values)
-        if "stage" in values:
-            self._store._changed()
+            self._values.update(values)
+            self._snapshot = None
+            if "stage" in values:
+                self._store.version += 1
 
     def finish(self, **values: Any) -> None:
         """The turn ended: the record is written to the file (once)."""
@@ -258,6 +326,10 @@ class Records:
         self.version = 0  # moves on every start, stage change and finish (the live page waits on it)
         self._segment: Path | None = None
         self._file_broken = False
+        self._tallies: dict[str, Tally] = {}
+        self._refused: deque[Recording] = deque(maxlen=REFUSALS_KEPT)
+        self._queue: queue.Queue[RequestRecord | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
         if directory is not None and max_bytes > 0:
             try:
                 directory.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -275,37 +347,77 @@ class Records:
 
     def begin(self, api: str, *, external: bool = False, rid: str = "", **labels: Any) -> Recording:
         """Open a record for a turn starting now."""
-        record = RequestRecord(id=rid or uuid.uuid4().hex[:24], api=api, started_at=self._clock(), **labels)
-        recording = Recording(self, record, external=external)
+        values = {
+            **_DEFAULTS,
+            **labels,
+            "id": rid or uuid.uuid4().hex[:24],
+            "api": api,
+            "started_at": self._clock(),
+        }
+        recording = Recording(self, values, external=external)
         with self._lock:
-            self._records[record.id] = recording
-            self._records.move_to_end(record.id)
+            self._records[recording.id] = recording
+            self._records.move_to_end(recording.id)
             self._trim()
             self.version += 1
         return recording
-
-    def _changed(self) -> None:
-        with self._lock:
-            self.version += 1
 
     def _trim(self) -> None:
         """Keep the ring's size: the oldest finished records leave first (running ones stay)."""
         excess = len(self._records) - self.ring
         if excess <= 0:
             return
-        for key in [k for k, r in self._records.items() if r.record.state != "running"][:excess]:
-            del self._records[key]
+        done: list[str] = []
+        for key, recording in self._records.items():  # oldest first: stop once enough are found
+            if recording.state != "running":
+                done.append(key)
+                if len(done) == excess:
+                    break
+        for key in done:
+            self._untally(self._records.pop(key))
 
     def _finish(self, recording: Recording, values: dict[str, Any]) -> None:
         with self._lock:
-            if recording.record.state == "done":
+            if recording.state == "done":
                 return
-            recording.record = replace(
-                recording.record, **values, state="done", stage="", ended_at=self._clock(), progress_done=0
-            )
-            record = recording.record
+            recording._values.update(values, state="done", stage="", ended_at=self._clock(), progress_done=0)
+            recording._snapshot = None
+            record = recording._record()
+            self._tally(recording)
+            if record.error in REFUSALS:
+                self._refused.append(recording)
             self.version += 1
-        self._append(record)
+        if self.directory is not None and self.max_bytes > 0 and not self._file_broken:
+            self._queue.put(record)
+            if self._writer is None:
+                with self._write_lock:
+                    if self._writer is None:
+                        self._writer = threading.Thread(
+                            target=self._write_behind, name="records", daemon=True
+                        )
+                        self._writer.start()
+
+    def _write_behind(self) -> None:
+        """Append finished records to the file, off the turns' threads (a turn never waits for
+        the disk)."""
+        while True:
+            record = self._queue.get()
+            if record is None:
+                return
+            self._append(record)
+            self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every finished record is in the file."""
+        if self._writer is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Write what is pending and stop the writer (the daemon stops)."""
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join(30)
+            self._writer = None
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -314,7 +426,8 @@ class Records:
         with self._lock:
             found = self._records.get(rid)
             if found is not None:
-                return found.record
+                return found._record()
+        self.flush()
         for record in self._from_files():
             if record.id == rid:
                 return record
@@ -323,17 +436,18 @@ class Records:
     def recent(self) -> list[RequestRecord]:
         """Every record in the ring, oldest first."""
         with self._lock:
-            return [r.record for r in self._records.values()]
+            return [r._record() for r in self._records.values()]
 
     def query(self, q: RecordQuery) -> list[RequestRecord]:
         """The newest ``q.limit`` records that match, oldest first; the file is read when the ring
         may not hold them all."""
         limit = max(1, min(q.limit, MAX_QUERY_RECORDS))
         with self._lock:
-            ring = [r.record for r in self._records.values()]
+            ring = [r._record() for r in self._records.values()]
             full = len(ring) >= self.ring
         found = [r for r in ring if q.matches(r)]
         if len(found) < limit and full and not q.running:
+            self.flush()
             oldest = ring[0].started_at if ring else float("inf")
             seen = {r.id for r in ring}
             older = [
@@ -353,7 +467,7 @@ class Records:
         return max(MIN_SEGMENT_BYTES, self.max_bytes // SEGMENTS)
 
     def _append(self, record: RequestRecord) -> None:
-        if self.directory is None or self.max_bytes <= 0 or self._file_broken:
+        if self.directory is None or self._file_broken:
             return
         line = (json.dumps(record.to_json(), separators=(",", ":")) + "\n").encode()
         with self._write_lock:
@@ -423,10 +537,61 @@ class Records:
             if len(loaded) >= self.ring:
                 break
         for record in reversed(loaded):
-            self._records[record.id] = Recording(self, record, external=True)
+            recording = Recording(self, {n: getattr(record, n) for n in _FIELDS}, external=True)
+            self._records[record.id] = recording
+            self._tally(recording)
+
+    # --- what the live page reads ------------------------------------------------------------
+
+    def _tally(self, recording: Recording) -> None:  # with the lock held (or alone, at start)
+        r = recording._record()
+        key = conversation_of(r)
+        tally = self._tallies.get(key)
+        if tally is None:
+            tally = self._tallies[key] = Tally(key)
+        tally.turns += 1
+        for name in COUNTED:
+            tally.sums[name] += getattr(r, name)
+        if tally.last is None or r.started_at >= tally.last.started_at:
+            tally.last = r
+
+    def _untally(self, recording: Recording) -> None:  # with the lock held
+        r = recording._record()
+        key = conversation_of(r)
+        tally = self._tallies.get(key)
+        if tally is None:
+            return
+        tally.turns -= 1
+        if tally.turns <= 0:
+            del self._tallies[key]
+            return
+        for name in COUNTED:
+            tally.sums[name] -= getattr(r, name)
+
+    def tallies(self) -> list[Tally]:
+        """Every conversation of the finished records in the ring: its turns, its counts' sums
+        and its newest record (kept as records finish and leave the ring: no scan)."""
+        with self._lock:
+            return [replace(t, sums=dict(t.sums)) for t in self._tallies.values()]
+
+    def running(self) -> list[RequestRecord]:
+        with self._lock:
+            return [r._record() for r in self._records.values() if r.state == "running"]
+
+    def refused(self) -> list[RequestRecord]:
+        """The newest refused turns (:data:`REFUSALS`)."""
+        with self._lock:
+            return [r._record() for r in self._refused]
+
+    def newest_json(self, count: int) -> list[str]:
+        """The newest ``count`` records as JSON text (a finished record's text is made once)."""
+        with self._lock:
+            chosen = list(itertools.islice(reversed(self._records.values()), count))
+            return [r._json_text() for r in reversed(chosen)]
 
     def stats(self) -> dict[str, int]:
         """What the file holds now (``modeld status``, the page)."""
+        self.flush()
         segments = self._segments()
         total = 0
         for path in segments:

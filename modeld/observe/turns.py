@@ -127,7 +127,7 @@ class TurnRecorder:
             self.current.set(stage="decode", progress_done=0, progress_total=0)
 
     def first_token(self, seconds: float) -> None:
-        if self.current is not None and self.current.record.ttft_ms is None:
+        if self.current is not None and self.current.get("ttft_ms") is None:
             self.current.set(ttft_ms=round(seconds * 1000.0, 3))
 
     def finished(self, usage: Usage | None, *, further_choice: bool, extra: int) -> None:

@@ -14,6 +14,7 @@ Prompt text never appears: a record holds ids, labels, counts, segment kinds and
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -22,25 +23,15 @@ from prometheus_client import Counter
 
 from modeld import __version__
 from modeld.contract import WarmContextInfo
-from modeld.observe.metrics import Metrics
-from modeld.observe.records import COUNTED, RequestRecord, sums
+from modeld.observe.metrics import Metrics, model_label
+from modeld.observe.records import COUNTED, REFUSALS, Records, RequestRecord, Tally, sums
 from modeld.observe.status import DaemonStatus, LoadedModelSummary
 
-__all__ = ["REFUSALS", "metric_totals", "page_state"]
+__all__ = ["REFUSALS", "metric_totals", "page_state", "page_text", "records_part", "status_part"]
 
-RECENT_RECORDS = 400
-"""Records the page receives (its timelines and tables); older ones stay in ``/v1/requests``."""
-REFUSALS = (
-    "no_slot_available",
-    "busy",
-    "limit_exceeded",
-    "shutting_down",
-    "draining",
-    "context_overflow",
-    "context_length_exceeded",
-)
-"""Error codes the page lists as refusals (admission, and a prompt over the window: the contract's
-``context_overflow``, which OpenAI's words call ``context_length_exceeded``)."""
+RECENT_RECORDS = 100
+"""Records the page receives with each state; a conversation's turns beyond them it fetches
+(``/v1/requests?conversation=``)."""
 _TIER_ORDER = {"kv": 0, "ram": 1, "disk": 2, "shared": 3}
 
 
@@ -156,40 +147,41 @@ def _tiers(status: DaemonStatus) -> dict[str, Any]:
 
 
 def _conversations(
-    status: DaemonStatus, records: list[RequestRecord], label: dict[str, str]
+    status: DaemonStatus, tallies: list[Tally], running: list[RequestRecord]
 ) -> list[dict[str, Any]]:
     """Every conversation the records know and every warm context (one row each): its key and
     labels from its newest record, where its context is (tier, tokens, last use, pinned) from
-    the status, and its records' sums."""
+    the status, and its finished records' sums."""
     contexts: dict[str, list[tuple[str, WarmContextInfo]]] = {}
     for m in status.models:
         for c in m.contexts:
-            contexts.setdefault(c.session_id or f"context:{c.id}", []).append((label[m.model_name], c))
+            contexts.setdefault(c.session_id or f"context:{c.id}", []).append((model_label(m.model_name), c))
+    busy: dict[str, int] = {}
+    for r in running:
+        key = r.conversation or f"session:{r.session}"
+        busy[key] = busy.get(key, 0) + 1
     rows: dict[str, dict[str, Any]] = {}
-    by_key: dict[str, list[RequestRecord]] = {}
-    for r in records:
-        by_key.setdefault(r.conversation or f"session:{r.session}", []).append(r)
-    seen_sessions: set[str] = set()
-    for key, turns in by_key.items():
-        last = turns[-1]
-        sessions = {t.session for t in turns if t.session}
-        seen_sessions |= sessions
-        held = [c for s in sessions for c in contexts.get(s, [])]
-        rows[key] = _row(key, last, turns, held)
+    seen: set[str] = set()
+    for t in tallies:
+        session = t.last.session if t.last else ""
+        seen.add(session)
+        rows[t.key] = _row(t.key, t, contexts.get(session, []), busy.get(t.key, 0))
     for session, held in contexts.items():
-        if session not in seen_sessions:
-            rows[session if session.startswith("context:") else f"session:{session}"] = _row(
-                session if session.startswith("context:") else f"session:{session}", None, [], held
-            )
+        if session not in seen:
+            key = session if session.startswith("context:") else f"session:{session}"
+            rows[key] = _row(key, None, held, busy.get(key, 0))
+    for key, n in busy.items():
+        if key not in rows:
+            rows[key] = _row(key, None, [], n)
     return sorted(rows.values(), key=lambda r: -float(r["last_used_at"] or 0))
 
 
 def _row(
-    key: str, last: RequestRecord | None, turns: list[RequestRecord], held: list[tuple[str, WarmContextInfo]]
+    key: str, tally: Tally | None, held: list[tuple[str, WarmContextInfo]], running: int
 ) -> dict[str, Any]:
     best = min(held, key=lambda h: _TIER_ORDER.get(h[1].tier, 9), default=None)
     context = best[1] if best is not None else None
-    total = sums(turns, lambda _r: "all").get("all", dict.fromkeys(COUNTED, 0))
+    last = tally.last if tally is not None else None
     return {
         "key": key,
         "job": last.job if last else "",
@@ -204,33 +196,21 @@ def _row(
         "bytes": sum(h[1].bytes for h in held),
         "pinned": any(h[1].pinned for h in held),
         "last_used_at": max(
-            [context.last_used_at if context else 0.0, last.ended_at or last.started_at if last else 0.0]
+            context.last_used_at if context else 0.0, (last.ended_at or last.started_at) if last else 0.0
         ),
-        "turns": len(turns),
-        "running": sum(1 for t in turns if t.state == "running"),
+        "turns": tally.turns if tally else 0,
+        "running": running,
         "last_outcome": last.outcome if last else "",
         "last_reason": last.reason if last else "",
-        "sums": total,
+        "sums": dict(tally.sums) if tally else dict.fromkeys(COUNTED, 0),
     }
 
 
-def page_state(
-    status: DaemonStatus,
-    records: list[RequestRecord],
-    metrics: Metrics,
-    *,
-    show_prompts: bool,
-    records_file: dict[str, int],
-) -> dict[str, Any]:
-    """What the page draws (module docstring)."""
+def status_part(status: DaemonStatus, records: Records, metrics: Metrics) -> dict[str, Any]:
+    """What the page draws of the status and the counters (rebuilt every few seconds)."""
     label = {m.model_name: metrics.label(m.model_name) for m in status.models}
-    for r in records:
-        label.setdefault(r.model, r.model)
-    recent = records[-RECENT_RECORDS:]
-    running = [r for r in records if r.state == "running"]
-    refused = [r for r in records if r.state == "done" and r.error in REFUSALS][-50:]
+    mine = [r for r in records.recent() if r.started_at >= status.started_at and r.state == "done"]
     return {
-        "now": time.time(),
         "daemon": {
             "instance": status.instance_id,
             "epoch": status.epoch,
@@ -239,7 +219,6 @@ def page_state(
             "sessions": status.sessions,
             "owner_lost": status.owner_lost,
         },
-        "show_prompts": show_prompts,
         "models": [_model(m, label[m.model_name]) for m in status.models],
         "tiers": _tiers(status),
         "memory": {
@@ -249,14 +228,42 @@ def page_state(
             "measured": status.memory.measured_bytes,
             "adds_up": status.memory.adds_up(),
         },
-        "conversations": _conversations(status, records, label),
-        "inflight": [r.to_json() for r in running],
         "queued": sum(m.queued for m in status.models),
-        "refusals": [r.to_json() for r in refused],
-        "records": [r.to_json() for r in recent],
-        "records_file": records_file,
+        "records_file": records.stats(),
         # Since this daemon started (the metrics' counters start at 0 with it; the ring keeps
         # the records of earlier runs).
-        "records_by_model": sums([r for r in records if r.started_at >= status.started_at], lambda r: r.model),
+        "records_by_model": sums(mine, lambda r: r.model),
         "metrics": metric_totals(metrics),
     }
+
+
+def records_part(status: DaemonStatus, records: Records) -> dict[str, Any]:
+    """What the page draws of the records (rebuilt when one changes): the conversations, the
+    turns running, the refusals; the newest records come as JSON text (:func:`page_text`)."""
+    running = records.running()
+    return {
+        "now": time.time(),
+        "show_prompts": records.show_prompts,
+        "conversations": _conversations(status, records.tallies(), running),
+        "inflight": [r.to_json() for r in running],
+        "refusals": [r.to_json() for r in records.refused()],
+    }
+
+
+def page_text(status: dict[str, Any] | str, live: dict[str, Any], newest: list[str]) -> str:
+    """The page's state as JSON text: the status part (its text, when cached), the records
+    part, and the newest records' own texts (a finished record's is made once)."""
+    head = status if isinstance(status, str) else json.dumps(status, separators=(",", ":"))
+    body = json.dumps(live, separators=(",", ":"))
+    return f'{head[:-1]},{body[1:-1]},"records":[{",".join(newest)}]}}'
+
+
+def page_state(status: DaemonStatus, records: Records, metrics: Metrics) -> dict[str, Any]:
+    """The whole state at once, fresh (``GET /ui/state``)."""
+    text = page_text(
+        status_part(status, records, metrics),
+        records_part(status, records),
+        records.newest_json(RECENT_RECORDS),
+    )
+    state: dict[str, Any] = json.loads(text)
+    return state

@@ -186,8 +186,31 @@ function turnRow(r, i, widest) {
       r.excerpt ? el('div', { class: 'excerpt', text: r.excerpt }) : null));
 }
 
+const fetched = { key: null, turns: -1, records: [], asked: null };
+
+function turnsOf(s, key) {
+  // The state carries the newest records; a conversation with more turns is fetched whole, once
+  // per turn count (the running ones come from the state).
+  const mine = s.records.filter((r) => (r.conversation || `session:${r.session}`) === key);
+  const row = s.conversations.find((c) => c.key === key);
+  const done = mine.filter((r) => r.state === 'done').length;
+  if (!row || done >= row.turns) return mine;
+  if (fetched.key === key && fetched.turns === row.turns) {
+    const known = new Set(fetched.records.map((r) => r.id));
+    return [...fetched.records, ...mine.filter((r) => !known.has(r.id))];
+  }
+  const asked = `${key}|${row.turns}`;
+  if (fetched.asked !== asked) {
+    fetched.asked = asked;
+    fetch(`/v1/requests?${new URLSearchParams({ conversation: key, limit: '1000' })}`, { credentials: 'same-origin' })
+      .then((res) => (res.ok ? res.json() : null))
+      .then((body) => { if (body) { Object.assign(fetched, { key, turns: row.turns, records: body.data }); render(); } });
+  }
+  return mine;
+}
+
 function renderTurns(s) {
-  const turns = s.records.filter((r) => (r.conversation || `session:${r.session}`) === view.selected);
+  const turns = view.selected ? turnsOf(s, view.selected) : [];
   document.getElementById('turns-of').textContent = view.selected ? `of ${view.selected}` : '';
   if (!turns.length) { fill('turns-body', el('p', { class: 'muted', text: 'Pick a conversation above.' })); return; }
   const widest = Math.max(1, ...turns.map((r) => r.prompt_tokens + r.generated_tokens, 0));

@@ -22,6 +22,7 @@ import asyncio
 import hmac
 import json
 import math
+import threading
 import time
 from collections.abc import AsyncIterator
 from importlib import resources
@@ -32,11 +33,12 @@ from starlette.responses import JSONResponse, RedirectResponse, Response, Stream
 from starlette.routing import Route
 
 from modeld.observe.records import MAX_LABEL_CHARS, MAX_QUERY_RECORDS, RecordQuery
+from modeld.observe.status import DaemonStatus
 from modeld.server.http.access import UI_COOKIE
 from modeld.server.http.app import HttpService
 from modeld.server.http.errors import HttpError, openai_error
 from modeld.server.http.runner import error_response
-from modeld.server.http.ui.answer import page_state
+from modeld.server.http.ui.answer import RECENT_RECORDS, page_state, page_text, records_part, status_part
 
 __all__ = ["MAX_PAGE_STREAMS", "routes"]
 
@@ -115,6 +117,18 @@ def parse_query(params: dict[str, str], now: float) -> RecordQuery:
     )
 
 
+class _Pushed:
+    """The state last sent to the live pages, and its status part's age."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.status: DaemonStatus | None = None
+        self.status_text = ""
+        self.status_at = 0.0
+        self.version = -1
+        self.text = ""
+
+
 def routes(service: HttpService) -> list[Route]:
     records = service.gateway.records
     streams = 0
@@ -141,20 +155,32 @@ def routes(service: HttpService) -> list[Route]:
 
         return run
 
-    async def state() -> dict[str, Any]:
-        def build() -> dict[str, Any]:
-            return page_state(
-                service.gateway.status(),
-                records.recent(),
-                service.gateway.metrics,
-                show_prompts=records.show_prompts,
-                records_file=records.stats(),
-            )
+    pushed = _Pushed()
 
-        return await service.bridge.observe(build, "the live page")
+    def pushed_text() -> str:
+        """The state the live pages are sent: the status part rebuilt every STATUS_SECONDS, the
+        records part when a record changed; one build for every page open."""
+        with pushed.lock:
+            now = time.monotonic()
+            if pushed.status is None or now - pushed.status_at >= STATUS_SECONDS:
+                pushed.status = service.gateway.status()
+                pushed.status_text = json.dumps(
+                    status_part(pushed.status, records, service.gateway.metrics), separators=(",", ":")
+                )
+                pushed.status_at, pushed.version = now, -1
+            if pushed.version != records.version:
+                pushed.version = records.version
+                pushed.text = page_text(
+                    pushed.status_text,
+                    records_part(pushed.status, records),
+                    records.newest_json(RECENT_RECORDS),
+                )
+            return pushed.text
 
     async def page(request: Request) -> Response:
-        if "token" in request.query_params and service.access.api_key:  # the key for the page's cookie, and out of the address
+        if (
+            "token" in request.query_params and service.access.api_key
+        ):  # the key for the page's cookie, and out of the address
             if not keyed(request):
                 raise HttpError(401, "the token is not the daemon's API key", code="invalid_api_key")
             response = RedirectResponse("/ui", status_code=303, headers=_PAGE_HEADERS)
@@ -171,7 +197,12 @@ def routes(service: HttpService) -> list[Route]:
         return Response(_asset(name), media_type=_ASSETS[name], headers=_PAGE_HEADERS)
 
     async def state_json(_request: Request) -> Response:
-        return JSONResponse(await state(), headers={"Cache-Control": "no-store"})
+        def fresh() -> dict[str, Any]:
+            return page_state(service.gateway.status(), records, service.gateway.metrics)
+
+        return JSONResponse(
+            await service.bridge.observe(fresh, "the live page"), headers={"Cache-Control": "no-store"}
+        )
 
     async def events(_request: Request) -> Response:
         nonlocal streams
@@ -193,7 +224,7 @@ def routes(service: HttpService) -> list[Route]:
                     now = loop.time()
                     if records.version != sent_version or now - sent_at >= STATUS_SECONDS:
                         sent_version, sent_at = records.version, now
-                        data = json.dumps(await state(), separators=(",", ":"))
+                        data = await service.bridge.observe(pushed_text, "the live page")
                         yield f"event: state\ndata: {data}\n\n".encode()
                     await asyncio.sleep(MIN_PUSH_SECONDS)
             finally:
