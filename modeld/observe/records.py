@@ -253,6 +253,7 @@ class Recording:
         self._values = values
         self._snapshot: RequestRecord | None = None
         self._json: str | None = None
+        self._holds = 1  # who still works on the turn: its opener, and a session it was handed to
         self.external = external
         self.id: str = values["id"]
         self.show_prompts = store.show_prompts
@@ -287,6 +288,8 @@ class Recording:
             for k, v in counts.items():
                 values[k] += v
             self._snapshot = None
+            if values["state"] == "done":  # counted after it was let go (an abandoned turn's engine)
+                self._store._retally(self, counts)
 
     def set(self, **values: Any) -> None:
         with self._store._lock:
@@ -295,8 +298,14 @@ class Recording:
             if "stage" in values:
                 self._store.version += 1
 
+    def hold(self) -> None:
+        """One more party works on the turn (the session its transport handed it to)."""
+        with self._store._lock:
+            self._holds += 1
+
     def finish(self, **values: Any) -> None:
-        """The turn ended: the record is written to the file (once)."""
+        """A party is done with the turn (its transport after the last byte; the session at its
+        decode's end): ``values`` are set, and when the last lets go the record is done."""
         self._store._finish(self, values)
 
 
@@ -328,7 +337,7 @@ class Records:
         self._file_broken = False
         self._tallies: dict[str, Tally] = {}
         self._refused: deque[Recording] = deque(maxlen=REFUSALS_KEPT)
-        self._queue: queue.Queue[RequestRecord | None] = queue.Queue()
+        self._queue: queue.Queue[Recording | None] = queue.Queue()
         self._writer: threading.Thread | None = None
         if directory is not None and max_bytes > 0:
             try:
@@ -380,15 +389,19 @@ class Records:
         with self._lock:
             if recording.state == "done":
                 return
-            recording._values.update(values, state="done", stage="", ended_at=self._clock(), progress_done=0)
+            recording._values.update(values)
             recording._snapshot = None
+            recording._holds -= 1
+            if recording._holds > 0:
+                return
+            recording._values.update(state="done", stage="", ended_at=self._clock(), progress_done=0)
             record = recording._record()
             self._tally(recording)
             if record.error in REFUSALS:
                 self._refused.append(recording)
             self.version += 1
         if self.directory is not None and self.max_bytes > 0 and not self._file_broken:
-            self._queue.put(record)
+            self._queue.put(recording)
             if self._writer is None:
                 with self._write_lock:
                     if self._writer is None:
@@ -401,10 +414,10 @@ class Records:
         """Append finished records to the file, off the turns' threads (a turn never waits for
         the disk)."""
         while True:
-            record = self._queue.get()
-            if record is None:
+            recording = self._queue.get()
+            if recording is None:
                 return
-            self._append(record)
+            self._append(recording.record)  # as it is now: a late count included
             self._queue.task_done()
 
     def flush(self) -> None:
@@ -554,6 +567,14 @@ class Records:
             tally.sums[name] += getattr(r, name)
         if tally.last is None or r.started_at >= tally.last.started_at:
             tally.last = r
+
+    def _retally(self, recording: Recording, counts: dict[str, int]) -> None:  # with the lock held
+        tally = self._tallies.get(conversation_of(recording._record()))
+        if tally is not None:
+            for name, value in counts.items():
+                if name in tally.sums:
+                    tally.sums[name] += value
+        self.version += 1
 
     def _untally(self, recording: Recording) -> None:  # with the lock held
         r = recording._record()

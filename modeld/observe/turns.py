@@ -32,10 +32,18 @@ class TurnRecorder:
         self._handed = False  # the current record was handed over for the next turn
 
     def hand(self, recording: Recording) -> None:
-        """The record the next turn counts into (its transport finishes it)."""
+        """The record the next turn counts into (its transport finishes it too: the record is
+        done when both have let it go)."""
         self.end("prefix")
+        recording.hold()
         recording.set(session=self.session_id, model=self.model)
         self.current, self._handed = recording, True
+
+    def let_go(self, recording: Recording) -> None:
+        """The session has stopped working on ``recording``'s turn (the engine is idle): let it go
+        if it still holds it (a turn abandoned before its decode ended)."""
+        if self.current is recording:
+            self.end("canceled")
 
     def start(self, *, new_turn: bool) -> None:
         """An operation begins: ``new_turn`` when it starts a turn (a record left open by a turn
@@ -53,25 +61,31 @@ class TurnRecorder:
             )
 
     def end(self, finish: str, error: str = "", message: str = "") -> None:
-        """Let go of the turn's record; one opened here is finished with ``finish``."""
+        """Let go of the turn's record: one opened here is finished with ``finish`` (``error`` if an
+        operation of the turn failed and nothing ended it otherwise); one handed over keeps the
+        finish its transport gives it."""
         recording, self.current = self.current, None
         if recording is None:
             return
+        if not error and finish in ("prefix", "canceled") and recording.get("error"):
+            finish, error, message = "error", recording.get("error"), recording.get("error_message")
+        values = {"error": error, "error_message": message} if error else {}
         if recording.external:
-            if error:
-                recording.set(error=error, error_message=message)
-            recording.set(stage="answer")
+            recording.finish(stage="answer", **values)
         else:
-            recording.finish(finish=finish, error=error, error_message=message)
+            recording.finish(finish=finish, **values)
 
     def failed(self, exc: BaseException) -> None:
-        """An operation raised: a ModeldError's stable reason, else ``internal``."""
+        """An operation raised (a ModeldError's stable reason, else ``internal``): the record says
+        so; the turn goes on until its transport or its next turn ends it (a client may retry)."""
         reason = getattr(exc, "reason", "")
         message = getattr(exc, "message", "")
+        if self.current is None:
+            return
         if isinstance(reason, str) and reason and isinstance(message, str):
-            self.end("error", reason, message[:300])
+            self.current.set(error=reason, error_message=message[:300])
         else:
-            self.end("error", "internal")
+            self.current.set(error="internal", error_message="")
 
     def progress(self, stage: str, callback: ProgressCallback | None) -> ProgressCallback | None:
         """``callback`` that also moves the record's progress bar."""
@@ -123,8 +137,9 @@ class TurnRecorder:
             self.current.add(prefilled_tokens=computed, restored_tokens=restored)
 
     def decoding(self) -> None:
+        """The decode started (a failed attempt before it, retried, is no error of the turn)."""
         if self.current is not None:
-            self.current.set(stage="decode", progress_done=0, progress_total=0)
+            self.current.set(stage="decode", progress_done=0, progress_total=0, error="", error_message="")
 
     def first_token(self, seconds: float) -> None:
         if self.current is not None and self.current.get("ttft_ms") is None:

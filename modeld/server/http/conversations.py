@@ -310,10 +310,15 @@ class Conversations:
         step, or interrupts the prefill it waits for."""
         try:
             async with self.session(turn.conversation(), request) as session:
+                observed = session.hosted.session
                 if recording is not None:
-                    session.hosted.session.record(recording)
-                async for event in self._run(turn, session, recording):
-                    yield event
+                    observed.record(recording)
+                try:
+                    async for event in self._run(turn, session, recording):
+                        yield event
+                finally:
+                    if recording is not None:  # once the engine is idle: a turn cut short lets go
+                        session.when_idle(lambda: observed.turn.let_go(recording))
         except ModeldError as exc:
             raise from_modeld(exc, incident_id()) from None
 

@@ -257,7 +257,7 @@ def routes(service: HttpService) -> list[Route]:
         Route("/ui", guard(page, token=True), methods=["GET"]),
         Route("/ui/state", guard(state_json), methods=["GET"]),
         Route("/ui/events", guard(events), methods=["GET"]),
-        Route("/ui/{name}", guard(asset), methods=["GET"]),
+        Route("/ui/{name:path}", guard(asset), methods=["GET"]),
         Route("/v1/requests", guard(listing), methods=["GET"]),
-        Route("/v1/requests/{id:path}", guard(one), methods=["GET"]),
+        Route("/v1/requests/{id}", guard(one), methods=["GET"]),
     ]
