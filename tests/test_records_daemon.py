@@ -7,6 +7,7 @@ appears nowhere unless the daemon was started with ``--ui-show-prompts``."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -81,11 +82,19 @@ def test_records_of_every_transport_by_job_survive_a_restart_and_age_out(tmp_pat
                 sid = session.session_id
             grpc_records = client.list_requests(job="grpc-job")
             assert [(r.api, r.session, r.finish, r.conversation) for r in grpc_records] == [
-                ("grpc", sid, "length", f"session:{sid}")
+                ("grpc", sid, "length", f"grpc:{sid}")
             ]
             assert grpc_records[0].prefix_tokens > 0 and grpc_records[0].generated_tokens == 4
             assert client.request(second) is not None
             assert client.request("no-such-id") is None
+
+        async def over_asyncio() -> list[str]:
+            async with rc.aconnect(data_dir=data) as aclient:
+                found = await aclient.list_requests(job="grpc-job")
+                assert await aclient.request(found[0].id) == found[0]
+                return [r.id for r in found]
+
+        assert asyncio.run(over_asyncio()) == [r.id for r in grpc_records]
 
         listed = httpx.get(f"{url}/v1/requests", params={"job": "suite-1"}, timeout=30).json()["data"]
         assert [r["id"] for r in listed[:2]] == [first, second]

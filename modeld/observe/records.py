@@ -203,7 +203,7 @@ def clean_label(text: str, what: str = "label") -> str:
 
 def conversation_of(record: RequestRecord) -> str:
     """The conversation a record belongs to (a gRPC session's turns: the session)."""
-    return record.conversation or f"session:{record.session}"
+    return record.conversation or f"{record.api}:{record.session}"
 
 
 @dataclass(slots=True)

@@ -57,7 +57,7 @@ class TurnRecorder:
                 model=self.model,
                 job=self.job,
                 session=self.session_id,
-                conversation=f"session:{self.session_id}",
+                conversation=f"{self.transport}:{self.session_id}",
             )
 
     def end(self, finish: str, error: str = "", message: str = "") -> None:

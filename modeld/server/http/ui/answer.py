@@ -24,7 +24,7 @@ from prometheus_client import Counter
 from modeld import __version__
 from modeld.contract import WarmContextInfo
 from modeld.observe.metrics import Metrics, model_label
-from modeld.observe.records import COUNTED, REFUSALS, Records, RequestRecord, Tally, sums
+from modeld.observe.records import COUNTED, REFUSALS, Records, RequestRecord, Tally, conversation_of, sums
 from modeld.observe.status import DaemonStatus, LoadedModelSummary
 
 __all__ = ["REFUSALS", "metric_totals", "page_state", "page_text", "records_part", "status_part"]
@@ -158,7 +158,7 @@ def _conversations(
             contexts.setdefault(c.session_id or f"context:{c.id}", []).append((model_label(m.model_name), c))
     busy: dict[str, int] = {}
     for r in running:
-        key = r.conversation or f"session:{r.session}"
+        key = conversation_of(r)
         busy[key] = busy.get(key, 0) + 1
     rows: dict[str, dict[str, Any]] = {}
     seen: set[str] = set()
@@ -168,7 +168,7 @@ def _conversations(
         rows[t.key] = _row(t.key, t, contexts.get(session, []), busy.get(t.key, 0))
     for session, held in contexts.items():
         if session not in seen:
-            key = session if session.startswith("context:") else f"session:{session}"
+            key = session if session.startswith("context:") else f"grpc:{session}"
             rows[key] = _row(key, None, held, busy.get(key, 0))
     for key, n in busy.items():
         if key not in rows:

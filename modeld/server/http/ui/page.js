@@ -191,7 +191,7 @@ const fetched = { key: null, turns: -1, records: [], asked: null };
 function turnsOf(s, key) {
   // The state carries the newest records; a conversation with more turns is fetched whole, once
   // per turn count (the running ones come from the state).
-  const mine = s.records.filter((r) => (r.conversation || `session:${r.session}`) === key);
+  const mine = s.records.filter((r) => (r.conversation || `${r.api}:${r.session}`) === key);
   const row = s.conversations.find((c) => c.key === key);
   const done = mine.filter((r) => r.state === 'done').length;
   if (!row || done >= row.turns) return mine;
