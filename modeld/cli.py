@@ -85,7 +85,15 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
     combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``."""
     from modeld.daemon import ServeOptions
-    from modeld.settings import HttpSettings, Limits, Recording, Residency, RestartPolicy, Serving, Timeouts
+    from modeld.settings import (
+        HttpSettings,
+        Limits,
+        RequestRecords,
+        Residency,
+        RestartPolicy,
+        Serving,
+        Timeouts,
+    )
 
     limits = from_flags(args, Limits)
     if limits.max_message_bytes < limits.max_text_bytes + (64 << 10):
@@ -122,7 +130,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         residency=residency,
         timeouts=timeouts,
         restart=restart,
-        recording=from_flags(args, Recording),
+        recording=from_flags(args, RequestRecords),
     )
     if args.data_dir:
         options.data_dir = Path(args.data_dir)

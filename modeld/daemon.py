@@ -43,7 +43,7 @@ from modeld.server.gateway import Gateway, ServedEngine
 from modeld.server.grpc.servicer import SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.settings import HttpSettings, Limits, Recording, Residency, RestartPolicy, Serving, Timeouts
+from modeld.settings import HttpSettings, Limits, RequestRecords, Residency, RestartPolicy, Serving, Timeouts
 
 if TYPE_CHECKING:
     from modeld.server.http.models import ModelRegistry
@@ -313,7 +313,7 @@ class ServeOptions:
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    recording: Recording = field(default_factory=Recording)
+    recording: RequestRecords = field(default_factory=RequestRecords)
     data_dir: Path = field(default_factory=default_data_dir)
     grace: float = 3.0
 
@@ -450,7 +450,8 @@ def run(options: ServeOptions) -> int:
         __version__,
         serving.backend,
         endpoint,
-        f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())})"
+        f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())}; the live page at "
+        f"{listener.url}/ui)"
         if listener is not None and http is not None
         else "",
         instance_id,

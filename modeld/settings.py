@@ -29,7 +29,7 @@ __all__ = [
     "SETTINGS",
     "HttpSettings",
     "Limits",
-    "Recording",
+    "RequestRecords",
     "Residency",
     "RestartPolicy",
     "Serving",
@@ -266,7 +266,7 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
-class Recording:
+class RequestRecords:
     """Request records (one per turn, every API and gRPC) and the live page at ``/ui``."""
 
     records_kept: int = setting(4096, "--records-kept", _RECORDS, count(1, 1 << 20))
@@ -282,5 +282,13 @@ class Recording:
     in /v1/requests (off: ids, token counts and segment kinds only, never prompt text)."""
 
 
-SETTINGS: tuple[type, ...] = (Serving, HttpSettings, Residency, Timeouts, RestartPolicy, Limits, Recording)
+SETTINGS: tuple[type, ...] = (
+    Serving,
+    HttpSettings,
+    Residency,
+    Timeouts,
+    RestartPolicy,
+    Limits,
+    RequestRecords,
+)
 """Every settings dataclass; each of their fields is one ``modeld serve`` flag."""

@@ -77,7 +77,15 @@ def metric_totals(metrics: Metrics) -> dict[str, dict[str, int]]:
 def _model(m: LoadedModelSummary, label: str) -> dict[str, Any]:
     worker = m.worker
     mem = m.memory
-    used = {c.session_id or c.id: c.tokens for c in m.contexts if c.tier == "kv"}
+    # The pool's cells: each warm context's own (its bytes over a cell's), the prefixes they share
+    # (stored once), the free ones; they add up to the pool.
+    per_cell = m.kv_bytes_per_token
+    used = {
+        c.session_id or c.id: (c.bytes // per_cell if per_cell else c.tokens)
+        for c in m.contexts
+        if c.tier == "kv"
+    }
+    shared = max(0, m.resident_tokens - sum(used.values()))
     return {
         "name": m.model_name,
         "label": label,
@@ -90,6 +98,7 @@ def _model(m: LoadedModelSummary, label: str) -> dict[str, Any]:
         "free_tokens": max(0, m.pool_tokens - m.resident_tokens),
         "kv_bytes_per_token": m.kv_bytes_per_token,
         "contexts_in_kv": used,
+        "shared_tokens": shared,
         "slots": m.slots,
         "busy_slots": m.busy_slots,
         "queued": m.queued,

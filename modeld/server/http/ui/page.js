@@ -84,7 +84,8 @@ function renderModels(s) {
         'worker', w ? `${w.state} · ${w.isolation} · pid ${w.pid} · ${bytes(w.rss_bytes)} RSS · ${w.restarts} restarts` : 'in the daemon',
         'slots', `${m.busy_slots} of ${m.slots} busy · ${m.queued} queued · ${m.sessions} sessions`,
         'KV pool', `${num(m.resident_tokens)} of ${num(m.pool_tokens)} cells used (${num(m.busy_tokens)} by running turns) · ${num(m.free_tokens)} free`),
-      bar([...poolParts, { cls: 'free', value: m.free_tokens, label: 'free', text: `${num(m.free_tokens)} cells` }], m.pool_tokens, 'the KV pool: cells used by each warm context, and free'),
+      bar([...poolParts, { cls: 'kept', value: m.shared_tokens, label: 'prefixes shared by several contexts (stored once)', text: `${num(m.shared_tokens)} cells` },
+        { cls: 'free', value: m.free_tokens, label: 'free', text: `${num(m.free_tokens)} cells` }], m.pool_tokens, 'the KV pool: the cells each warm context holds, those they share, the free ones'),
       el('div', { class: 'muted', text: `memory: ${mem.isolation === 'process' ? `parts ${bytes(mem.weights + mem.kv_allocated + mem.compute + mem.runtime)} against ${bytes(mem.rss)} RSS` : 'inside the daemon'}` }),
       mem.isolation === 'process' ? bar(memParts, 0, 'weights, KV, compute buffer, runtime') : null,
       el('div', { class: 'muted' }, `since loaded: ${num(c.queries)} prefix tokens looked up · reused ${num(c.reused_kv)} kv, ${num(c.reused_ram)} ram, ${num(c.reused_disk)} disk, ${num(c.reused_shared || 0)} shared · ${num(c.prefilled)} computed · evicted ${num((c.evicted_to_ram || 0) + (c.evicted_to_disk || 0) + (c.evicted_dropped || 0))}`));
