@@ -1,19 +1,22 @@
 """What the request records and an open live page cost a warm turn (issue 35: at most 1% of its
-TTFT), on one daemon.
+TTFT).
 
-The coding loop of ``bench/openai_overhead.py`` (a ~9 KB system prompt and repo map, a growing
-chat, 32 streamed tokens a turn) over plain HTTP, in blocks of ``turns`` turns, each block a new
-conversation (its first turn cold, the rest warm). Blocks alternate between the page closed and
-two pages open and refreshing: two clients reading ``/ui/events`` (the state pushed as records
-change, at most every 0.5 s, and at least every 2 s), as the page's script does. The order is
-swapped every round. ``state_ms``: a fresh ``/ui/state`` fetched after the blocks (the whole
-state built on the observers' pool, and its JSON), median of 10. ``page_cost`` is the median warm TTFT with the
-page open over the median with it closed, minus one.
+Two daemons, the same flags; two live pages open on one of them (on the first for half of the
+run, on the other for the other half: a difference between the daemons cancels out): two clients
+reading ``/ui/events``, as the page's script does: the state pushed as records change, at most
+every 0.5 s, and at least every 2 s, its status part rebuilt every 2 s. The coding loop of
+``bench/openai_overhead.py`` (a ~9 KB system prompt and repo map, a growing chat, 32 streamed
+tokens a turn) runs over plain HTTP on both, turn by turn in pairs (the same turn on one, then
+on the other, the order swapped every pair), ``rounds`` conversations of ``turns`` turns each
+(the first turn of each cold and left out). ``page_cost`` is the median of the pairs' ratios
+(page open over no page) minus one: a pair shares the moment, so what the rest of a shared
+machine does at that moment cancels out. ``state_ms``: a fresh ``/ui/state`` (the whole state
+built at once, and its JSON), median of 10.
 
 Recording is always on (every turn is a record), so its own cost is measured apart, in process:
 ``recording_us`` is what a turn's record costs before its first token (opening it, handing it
 to the session, the prefix's and the suffix's counts, the stage changes), the median of 2000
-turns, and ``recording_cost`` that over the closed blocks' median warm TTFT.
+turns, and ``recording_cost`` that over the median warm TTFT without a page.
 
 ``python -m bench.page_overhead [--backend memory|llama] [--turns N] [--rounds N]``.
 """
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import json
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -38,49 +42,55 @@ from bench.openai_overhead import _conversation
 __all__ = ["page_lines", "run_page_overhead"]
 
 
-def _warm_ttfts(url: str, model: str, conversation: list[list[dict[str, str]]], key: str) -> list[float]:
-    """Each turn's TTFT (s) of one conversation; the first (cold) left out."""
-    out = []
-    with httpx.Client(base_url=url, timeout=120) as client:
-        for messages in conversation:
-            body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 0, "stream": True}
-            t0 = time.perf_counter()
-            first = 0.0
-            with client.stream(
-                "POST", "/v1/chat/completions", json=body, headers={"X-Modeld-Conversation": key}
-            ) as response:
-                for line in response.iter_lines():
-                    if not first and line.startswith("data: {") and '"content":' in line:
-                        first = time.perf_counter()
-            out.append(first - t0)
-    return out[1:]
+def _ttft(client: httpx.Client, model: str, messages: list[dict[str, str]], key: str) -> float:
+    """One streamed turn's time to its first token (s)."""
+    body = {"model": model, "messages": messages, "max_tokens": 32, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    first = 0.0
+    with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"X-Modeld-Conversation": key}
+    ) as r:
+        for line in r.iter_lines():
+            if not first and line.startswith("data: {") and '"content":' in line:
+                first = time.perf_counter()
+    return first - t0
+
+
+_READER = """
+import sys, httpx
+with httpx.Client(timeout=None) as client, client.stream("GET", sys.argv[1] + "/ui/events") as response:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            print(1, flush=True)
+"""
 
 
 @contextlib.contextmanager
 def _page_open(url: str, pages: int = 2) -> Iterator[dict[str, Any]]:
-    """``pages`` live pages reading the state pushed over ``/ui/events``."""
-    stop = threading.Event()
+    """``pages`` live pages reading the state pushed over ``/ui/events``, each a process of its
+    own (as a browser is: its work is not the measuring process's)."""
     seen: dict[str, Any] = {"events": 0}
+    readers = [
+        subprocess.Popen([sys.executable, "-c", _READER, url], stdout=subprocess.PIPE, text=True)
+        for _ in range(pages)
+    ]
 
-    def events() -> None:
-        with (
-            httpx.Client(base_url=url, timeout=None) as client,
-            client.stream("GET", "/ui/events") as response,
-        ):
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    seen["events"] += 1
-                if stop.is_set():
-                    return
+    def count(reader: subprocess.Popen[str]) -> None:
+        assert reader.stdout is not None
+        for _ in reader.stdout:
+            seen["events"] += 1
 
-    threads = [threading.Thread(target=events, daemon=True) for _ in range(pages)]
-    for t in threads:
+    counters = [threading.Thread(target=count, args=(r,), daemon=True) for r in readers]
+    for t in counters:
         t.start()
-    time.sleep(0.6)
     try:
         yield seen
     finally:
-        stop.set()  # each reader ends at its next event (at most 2 s away)
+        for reader in readers:
+            reader.terminate()
+            reader.wait(10)
+        for t in counters:
+            t.join(5)
 
 
 def _recording_us(turns: int = 2000) -> float:
@@ -116,40 +126,57 @@ def _recording_us(turns: int = 2000) -> float:
 def run_page_overhead(turns: int = 30, rounds: int = 6, backend: str = "memory") -> dict[str, Any]:
     model = "modeld-tiny"
     conversation = _conversation(turns)
+    flags = ("--http", "127.0.0.1:0", "--num-ctx", "32768")
     closed: list[float] = []
     opened: list[float] = []
-    pushed = 0
+    ratios: list[float] = []
     state: list[float] = []
-    with serve(backend, "--http", "127.0.0.1:0", "--num-ctx", "32768") as (_client, record):
-        url = record.http_endpoint
-        _warm_ttfts(url, model, conversation[:3], "warm-up")
-        for r in range(rounds):
-            for page in (False, True) if r % 2 == 0 else (True, False):
-                key = f"page-{r}-{page}"
-                if page:
-                    with _page_open(url) as seen:
-                        opened += _warm_ttfts(url, model, conversation, key)
-                    pushed += seen["events"]
-                else:
-                    closed += _warm_ttfts(url, model, conversation, key)
-        with httpx.Client(base_url=url, timeout=60) as client:
-            for _ in range(10):
-                t0 = time.perf_counter()
-                client.get("/ui/state").raise_for_status()
-                state.append(time.perf_counter() - t0)
+    pushed = 0
+    with (
+        serve(backend, *flags) as (_a, one),
+        serve(backend, *flags) as (_b, other),
+        httpx.Client(base_url=one.http_endpoint, timeout=120) as to_one,
+        httpx.Client(base_url=other.http_endpoint, timeout=120) as to_other,
+    ):
+        for client in (to_one, to_other):
+            for messages in conversation[:3]:
+                _ttft(client, model, messages, "warm-up")
+        # The pages are open on one daemon for the first half of the rounds, on the other for the
+        # second: a difference between the two daemons themselves cancels out too.
+        for half, (watched, plain, url) in enumerate(
+            ((to_other, to_one, other.http_endpoint), (to_one, to_other, one.http_endpoint))
+        ):
+            with _page_open(url) as seen:
+                time.sleep(1.5)  # the pages' first states (the status part included) are built
+                for r in range(half * rounds // 2, (half + 1) * rounds // 2 if half == 0 else rounds):
+                    for i, messages in enumerate(conversation):
+                        key = f"page-{r}"
+                        order = [(plain, closed), (watched, opened)]
+                        for client, out in order if (r + i) % 2 == 0 else order[::-1]:
+                            out.append(_ttft(client, model, messages, key))
+                        if i > 0:  # the first turn of a conversation is cold
+                            ratios.append(opened[-1] / closed[-1])
+                pushed += seen["events"]
+        for _ in range(10):
+            t0 = time.perf_counter()
+            to_one.get("/ui/state").raise_for_status()
+            state.append(time.perf_counter() - t0)
     med = statistics.median
+    warm_closed = [t for i, t in enumerate(closed) if i % turns]
+    warm_opened = [t for i, t in enumerate(opened) if i % turns]
     recording = _recording_us()
     return {
         "backend": backend,
         "turns": turns,
         "rounds": rounds,
-        "closed_ttft_ms": med(closed) * 1000,
-        "open_ttft_ms": med(opened) * 1000,
-        "page_cost": med(opened) / med(closed) - 1,
+        "closed_ttft_ms": med(warm_closed) * 1000,
+        "open_ttft_ms": med(warm_opened) * 1000,
+        "page_cost": med(ratios) - 1,
+        "pairs": len(ratios),
         "pushes": pushed,
-        "state_ms": med(state) * 1000 if state else 0.0,
+        "state_ms": med(state) * 1000,
         "recording_us": recording,
-        "recording_cost": recording / (med(closed) * 1e6),
+        "recording_cost": recording / (med(warm_closed) * 1e6),
     }
 
 
@@ -158,12 +185,14 @@ def page_lines(page: dict[str, Any]) -> list[str]:
     return [
         f"## The live page and the request records (`bench/page_overhead.py`, {page['backend']} backend)",
         "",
-        f"The coding loop over HTTP, {page['rounds']} rounds of two blocks of {page['turns']} turns (a new "
-        "conversation each: its first turn cold), the page closed or two pages open and refreshing (an SSE reader of "
-        "`/ui/events` each, as the page's script reads them), the order swapped every round. Warm TTFT, "
-        "median, ms. Goal (issue 35): the page and the records cost at most 1% of a warm turn's TTFT.",
+        f"The coding loop over HTTP on two daemons, turn by turn in pairs ({page['pairs']} warm pairs: "
+        f"{page['rounds']} conversations of {page['turns']} turns), two live pages open on one of them (each "
+        "daemon for half of the run) "
+        "(an SSE reader of `/ui/events` each, as the page's script reads them), the order swapped every pair. "
+        "Warm TTFT, median, ms; the page's cost is the median of the pairs' ratios. Goal (issue 35): the page "
+        "and the records cost at most 1% of a warm turn's TTFT.",
         "",
-        "| page closed | page open | page's cost | a record before the first token | its cost |",
+        "| no page | two pages open | page's cost | a record before the first token | its cost |",
         "|---|---|---|---|---|",
         f"| {page['closed_ttft_ms']:.2f} | {page['open_ttft_ms']:.2f} | {100 * page['page_cost']:+.1f}% | "
         f"{page['recording_us']:.1f} µs | {100 * page['recording_cost']:.2f}% |",

@@ -210,6 +210,9 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
             assert page.locator("#requests-body tr[data-record]").count() == 4
 
             assert errors == []
+            text = page.inner_text("body")
+            for broken in ("[object", "undefined", "NaN"):  # a value the script failed to draw
+                assert broken not in text, broken
             page.click("#conv-body tr[data-key]:has-text('browser-agent')")
             shot = tmp_path / "live-page.png"
             page.screenshot(path=str(shot), full_page=True)

@@ -336,6 +336,8 @@ class Records:
         self._segment: Path | None = None
         self._file_broken = False
         self._tallies: dict[str, Tally] = {}
+        self.started_at = clock()
+        self._models: dict[str, dict[str, int]] = {}  # since started_at, by model (never trimmed)
         self._refused: deque[Recording] = deque(maxlen=REFUSALS_KEPT)
         self._queue: queue.Queue[Recording | None] = queue.Queue()
         self._writer: threading.Thread | None = None
@@ -563,17 +565,25 @@ class Records:
         if tally is None:
             tally = self._tallies[key] = Tally(key)
         tally.turns += 1
-        for name in COUNTED:
-            tally.sums[name] += getattr(r, name)
+        counts = {name: getattr(r, name) for name in COUNTED}
+        for name, value in counts.items():
+            tally.sums[name] += value
         if tally.last is None or r.started_at >= tally.last.started_at:
             tally.last = r
+        if r.started_at >= self.started_at:
+            model = self._models.setdefault(r.model, dict.fromkeys(COUNTED, 0))
+            for name, value in counts.items():
+                model[name] += value
 
     def _retally(self, recording: Recording, counts: dict[str, int]) -> None:  # with the lock held
-        tally = self._tallies.get(conversation_of(recording._record()))
-        if tally is not None:
-            for name, value in counts.items():
-                if name in tally.sums:
-                    tally.sums[name] += value
+        r = recording._record()
+        tally = self._tallies.get(conversation_of(r))
+        model = self._models.get(r.model) if r.started_at >= self.started_at else None
+        for sums_ in (tally.sums if tally is not None else None, model):
+            if sums_ is not None:
+                for name, value in counts.items():
+                    if name in sums_:
+                        sums_[name] += value
         self.version += 1
 
     def _untally(self, recording: Recording) -> None:  # with the lock held
@@ -594,6 +604,12 @@ class Records:
         and its newest record (kept as records finish and leave the ring: no scan)."""
         with self._lock:
             return [replace(t, sums=dict(t.sums)) for t in self._tallies.values()]
+
+    def by_model(self) -> dict[str, dict[str, int]]:
+        """The counts of the records finished since this store started (this daemon's run: what
+        its metrics count), summed by model; kept as they finish, whatever the ring still holds."""
+        with self._lock:
+            return {model: dict(counts) for model, counts in self._models.items()}
 
     def running(self) -> list[RequestRecord]:
         with self._lock:

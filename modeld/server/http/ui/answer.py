@@ -24,12 +24,12 @@ from prometheus_client import Counter
 from modeld import __version__
 from modeld.contract import WarmContextInfo
 from modeld.observe.metrics import Metrics, model_label
-from modeld.observe.records import COUNTED, REFUSALS, Records, RequestRecord, Tally, conversation_of, sums
+from modeld.observe.records import COUNTED, REFUSALS, Records, RequestRecord, Tally, conversation_of
 from modeld.observe.status import DaemonStatus, LoadedModelSummary
 
 __all__ = ["REFUSALS", "metric_totals", "page_state", "page_text", "records_part", "status_part"]
 
-RECENT_RECORDS = 100
+RECENT_RECORDS = 50
 """Records the page receives with each state; a conversation's turns beyond them it fetches
 (``/v1/requests?conversation=``)."""
 _TIER_ORDER = {"kv": 0, "ram": 1, "disk": 2, "shared": 3}
@@ -218,7 +218,6 @@ def _row(
 def status_part(status: DaemonStatus, records: Records, metrics: Metrics) -> dict[str, Any]:
     """What the page draws of the status and the counters (rebuilt every few seconds)."""
     label = {m.model_name: metrics.label(m.model_name) for m in status.models}
-    mine = [r for r in records.recent() if r.started_at >= status.started_at and r.state == "done"]
     return {
         "daemon": {
             "instance": status.instance_id,
@@ -240,8 +239,8 @@ def status_part(status: DaemonStatus, records: Records, metrics: Metrics) -> dic
         "queued": sum(m.queued for m in status.models),
         "records_file": records.stats(),
         # Since this daemon started (the metrics' counters start at 0 with it; the ring keeps
-        # the records of earlier runs).
-        "records_by_model": sums(mine, lambda r: r.model),
+        # the records of earlier runs), kept as records finish: whatever the ring still holds.
+        "records_by_model": records.by_model(),
         "metrics": metric_totals(metrics),
     }
 

@@ -14,7 +14,7 @@ function el(tag, attrs, ...children) {
     else if (k.startsWith('on')) node.addEventListener(k.slice(2), v);
     else node.setAttribute(k, v === true ? '' : String(v));
   }
-  for (const c of children.flat()) {
+  for (const c of children.flat(Infinity)) {
     if (c === null || c === undefined || c === false) continue;
     node.append(c instanceof Node ? c : document.createTextNode(String(c)));
   }
@@ -88,6 +88,7 @@ function renderModels(s) {
         { cls: 'free', value: m.free_tokens, label: 'free', text: `${num(m.free_tokens)} cells` }], m.pool_tokens, 'the KV pool: the cells each warm context holds, those they share, the free ones'),
       el('div', { class: 'muted', text: `memory: ${mem.isolation === 'process' ? `parts ${bytes(mem.weights + mem.kv_allocated + mem.compute + mem.runtime)} against ${bytes(mem.rss)} RSS` : 'inside the daemon'}` }),
       mem.isolation === 'process' ? bar(memParts, 0, 'weights, KV, compute buffer, runtime') : null,
+      mem.isolation === 'process' ? el('div', { class: 'legend' }, memParts.map((p) => [el('span', { class: `sw ${p.cls}` }), ` ${p.label} ${p.text}`])) : null,
       el('div', { class: 'muted' }, `since loaded: ${num(c.queries)} prefix tokens looked up · reused ${num(c.reused_kv)} kv, ${num(c.reused_ram)} ram, ${num(c.reused_disk)} disk, ${num(c.reused_shared || 0)} shared · ${num(c.prefilled)} computed · evicted ${num((c.evicted_to_ram || 0) + (c.evicted_to_disk || 0) + (c.evicted_dropped || 0))}`));
   });
   fill('models-body', el('div', { class: 'cards' }, cards));
