@@ -8,6 +8,7 @@ appears nowhere unless the daemon was started with ``--ui-show-prompts``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -178,6 +179,21 @@ def test_the_page_and_the_records_need_the_key_refuse_a_null_origin_and_never_sh
             # The cookie opens only the page's read-only routes, never an API.
             chat = browser.post("/v1/chat/completions", json={"model": "modeld-tiny", "messages": []})
             assert chat.status_code == 401
+
+        # At most 16 live pages at once: the 17th is refused, and a page that closes frees its place.
+        with contextlib.ExitStack() as pages, httpx.Client(base_url=url, headers=auth, timeout=30) as client:
+            for _ in range(16):
+                opened = pages.enter_context(client.stream("GET", "/ui/events"))
+                assert opened.status_code == 200
+            refused = client.get("/ui/events")
+            assert refused.status_code == 429 and refused.headers["retry-after"] == "5"
+            assert refused.json()["error"]["code"] == "limit_exceeded"
+        time.sleep(2.5)  # the closed pages' streams end at their next push
+        with (
+            httpx.Client(base_url=url, headers=auth, timeout=30) as client,
+            client.stream("GET", "/ui/events") as again,
+        ):
+            assert again.status_code == 200
 
         state = httpx.get(f"{url}/ui/state", headers=auth, timeout=10)
         records = httpx.get(f"{url}/v1/requests", headers=auth, timeout=10)
