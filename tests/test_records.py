@@ -160,3 +160,33 @@ def test_a_sessions_turns_are_recorded_with_the_numbers_the_metrics_count(tmp_pa
     assert by_model == metric_totals(metrics)
     assert set(by_model) == {"coder"}
     assert by_model["coder"]["decodes"] == 4 and set(COUNTED) == set(by_model["coder"])
+
+
+def test_a_turn_cut_short_is_done_when_its_transport_and_its_session_have_let_it_go(tmp_path: Path) -> None:
+    """An HTTP request's record is handed to its session: the client goes away mid-decode (the
+    runner lets go first, canceled) while the engine is still decoding; the record stays running
+    until the session lets go too, and the counts the metrics took reach it."""
+    records = Records(tmp_path / "requests")
+    with Engine(backends=("memory",), data_dir=tmp_path) as engine:
+        metrics = Metrics(engine.status)
+        session = metrics.observe(
+            engine.open_session(OpenSessionRequest(path="repo", model_name="coder")), records, "http"
+        )
+        recording = records.begin("openai", external=True, job="cut", conversation="auto:1")
+        session.record(recording)
+        session.ensure_prefix(PrefixInput(text=A))
+        session.prefill_suffix(SuffixInput(text="go on\n"))
+        stream = session.decode(DecodeConfig(max_tokens=200))
+        next(stream)
+        recording.finish(status=200, finish="canceled", error="canceled")  # the runner: the client left
+        assert records.get(recording.id).state == "running"  # type: ignore[union-attr]
+        stream.close()  # the engine stops; the session lets go
+        session.close()
+    record = records.get(recording.id)
+    assert record is not None and (record.state, record.finish, record.error) == (
+        "done",
+        "canceled",
+        "canceled",
+    )
+    assert record.prefix_tokens == 202 and record.prefilled_tokens > 202
+    assert sums([record], lambda r: r.model) == metric_totals(metrics)

@@ -76,16 +76,20 @@ class TurnRecorder:
             recording.finish(finish=finish, **values)
 
     def failed(self, exc: BaseException) -> None:
-        """An operation raised (a ModeldError's stable reason, else ``internal``): the record says
-        so; the turn goes on until its transport or its next turn ends it (a client may retry)."""
+        """An operation raised (a ModeldError's stable reason, else ``internal``). A record opened
+        here ends with it (a gRPC client's next call is a new turn); one handed over says so and
+        goes on until its transport ends it (the HTTP runner may retry a decode one way or
+        another, and answers with the error)."""
         reason = getattr(exc, "reason", "")
         message = getattr(exc, "message", "")
+        if not (isinstance(reason, str) and reason and isinstance(message, str)):
+            reason, message = "internal", ""
         if self.current is None:
             return
-        if isinstance(reason, str) and reason and isinstance(message, str):
+        if self.current.external:
             self.current.set(error=reason, error_message=message[:300])
         else:
-            self.current.set(error="internal", error_message="")
+            self.end("error", reason, message[:300])
 
     def progress(self, stage: str, callback: ProgressCallback | None) -> ProgressCallback | None:
         """``callback`` that also moves the record's progress bar."""
