@@ -17,11 +17,11 @@ and the bytes in and out. Never prompt text: ``excerpt`` (a bounded slice of the
 point it diverged) is filled only when the daemon was started with ``--ui-show-prompts``.
 
 Kept: the newest ``ring`` records in memory (running ones included), and every finished one
-as a JSON line in ``requests/*.jsonl`` under the data directory, appended by a thread of its own
-(a turn never waits for the disk; :meth:`Records.close` writes what is pending). The file is cut in segments
-of an eighth of the byte budget; a segment whose newest record is older than ``max_age`` goes,
-and the oldest segments go while the whole exceeds ``max_bytes`` (retention applies a segment
-at a time). A restarted daemon reads the newest records back into its ring.
+as a JSON line in ``requests/*.jsonl`` under the data directory (:mod:`modeld.observe.recordfile`:
+appended by a thread of its own, retention by age and bytes a segment at a time;
+:meth:`Records.close` writes what is pending). A restarted daemon reads the newest records back
+into its ring. For the live page it keeps, as records finish, each conversation's sums
+(:meth:`Records.tallies`) and each model's since it started (:meth:`Records.by_model`).
 
 What not: no prompt text (above), no HTTP or gRPC (the transports shape these dicts), no
 engine import.
@@ -29,12 +29,9 @@ engine import.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import logging
-import os
-import queue
 import threading
 import time
 import uuid
@@ -43,6 +40,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from modeld.observe.recordfile import RecordFile
 
 __all__ = [
     "COUNTED",
@@ -80,9 +79,6 @@ REFUSALS = (
 REFUSALS_KEPT = 50
 EXCERPT_BYTES = 240
 """Bytes of the prefix around the point it diverged, kept only with ``--ui-show-prompts``."""
-SEGMENTS = 8
-"""The byte budget is kept in this many files at most (retention drops a whole file)."""
-MIN_SEGMENT_BYTES = 64 << 10
 DIR_NAME = "requests"
 
 COUNTED = (
@@ -326,29 +322,24 @@ class Records:
         self.directory = directory
         self.ring = max(1, ring)
         self.max_age_seconds = max_age_seconds
-        self.max_bytes = max_bytes
         self.show_prompts = show_prompts
         self._clock = clock
         self._lock = threading.Lock()
-        self._write_lock = threading.Lock()
         self._records: OrderedDict[str, Recording] = OrderedDict()
         self.version = 0  # moves on every start, stage change and finish (the live page waits on it)
-        self._segment: Path | None = None
-        self._file_broken = False
+        self._file: RecordFile | None = None
         self._tallies: dict[str, Tally] = {}
         self.started_at = clock()
         self._models: dict[str, dict[str, int]] = {}  # since started_at, by model (never trimmed)
         self._refused: deque[Recording] = deque(maxlen=REFUSALS_KEPT)
-        self._queue: queue.Queue[Recording | None] = queue.Queue()
-        self._writer: threading.Thread | None = None
         if directory is not None and max_bytes > 0:
             try:
-                directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-                self._prune()
+                self._file = RecordFile(
+                    directory, max_bytes=max_bytes, max_age_seconds=max_age_seconds, clock=clock
+                )
                 self._load()
             except OSError as exc:
                 log.warning("request records will not be kept on disk (%s): %s", directory, exc)
-                self._file_broken = True
 
     @classmethod
     def under(cls, data_dir: Path, **kwargs: Any) -> Records:
@@ -402,37 +393,18 @@ class Records:
             if record.error in REFUSALS:
                 self._refused.append(recording)
             self.version += 1
-        if self.directory is not None and self.max_bytes > 0 and not self._file_broken:
-            self._queue.put(recording)
-            if self._writer is None:
-                with self._write_lock:
-                    if self._writer is None:
-                        self._writer = threading.Thread(
-                            target=self._write_behind, name="records", daemon=True
-                        )
-                        self._writer.start()
-
-    def _write_behind(self) -> None:
-        """Append finished records to the file, off the turns' threads (a turn never waits for
-        the disk)."""
-        while True:
-            recording = self._queue.get()
-            if recording is None:
-                return
-            self._append(recording.record)  # as it is now: a late count included
-            self._queue.task_done()
+        if self._file is not None:  # written behind, as it is then (a late count included)
+            self._file.put(lambda: recording.record.to_json())
 
     def flush(self) -> None:
         """Wait until every finished record is in the file."""
-        if self._writer is not None:
-            self._queue.join()
+        if self._file is not None:
+            self._file.flush()
 
     def close(self) -> None:
         """Write what is pending and stop the writer (the daemon stops)."""
-        if self._writer is not None:
-            self._queue.put(None)
-            self._writer.join(30)
-            self._writer = None
+        if self._file is not None:
+            self._file.close()
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -442,8 +414,7 @@ class Records:
             found = self._records.get(rid)
             if found is not None:
                 return found._record()
-        self.flush()
-        for record in self._from_files():
+        for record in self._from_file():
             if record.id == rid:
                 return record
         return None
@@ -462,92 +433,31 @@ class Records:
             full = len(ring) >= self.ring
         found = [r for r in ring if q.matches(r)]
         if len(found) < limit and full and not q.running:
-            self.flush()
             oldest = ring[0].started_at if ring else float("inf")
             seen = {r.id for r in ring}
             older = [
-                r for r in self._from_files() if r.id not in seen and r.started_at < oldest and q.matches(r)
+                r for r in self._from_file() if r.id not in seen and r.started_at < oldest and q.matches(r)
             ]
             found = sorted(older, key=lambda r: r.started_at)[-(limit - len(found)) :] + found
         return found[-limit:]
 
-    # --- the file -----------------------------------------------------------------------------
-
-    def _segments(self) -> list[Path]:
-        if self.directory is None or not self.directory.is_dir():
-            return []
-        return sorted(self.directory.glob("requests-*.jsonl"))
-
-    def _segment_bytes(self) -> int:
-        return max(MIN_SEGMENT_BYTES, self.max_bytes // SEGMENTS)
-
-    def _append(self, record: RequestRecord) -> None:
-        if self.directory is None or self._file_broken:
+    def _from_file(self) -> Iterator[RequestRecord]:
+        """The file's records, newest first, within the age limit."""
+        if self._file is None:
             return
-        line = (json.dumps(record.to_json(), separators=(",", ":")) + "\n").encode()
-        with self._write_lock:
-            try:
-                segment = self._segment
-                if segment is None or not segment.exists() or segment.stat().st_size >= self._segment_bytes():
-                    segment = self.directory / f"requests-{time.time_ns():020d}.jsonl"
-                    self._segment = segment
-                    self._prune()
-                fd = os.open(segment, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                try:
-                    os.write(fd, line)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log.warning("a request record could not be written (%s); records stay in memory", exc)
-                self._file_broken = True
-
-    def _prune(self) -> None:
-        """Retention: segments past the age, then the oldest while over the bytes."""
-        now = self._clock()
-        segments = self._segments()
-        sizes: dict[Path, int] = {}
-        for path in segments:
-            try:
-                st = path.stat()
-            except OSError:
-                continue
-            if (
-                self.max_age_seconds > 0
-                and st.st_mtime < now - self.max_age_seconds
-                and path != self._segment
-            ):
-                with contextlib.suppress(OSError):
-                    path.unlink()
-                continue
-            sizes[path] = st.st_size
-        total = sum(sizes.values())
-        for path in sorted(sizes):
-            if total <= self.max_bytes or path == self._segment:
-                break
-            with contextlib.suppress(OSError):
-                path.unlink()
-            total -= sizes[path]
-
-    def _from_files(self) -> Iterator[RequestRecord]:
-        """Every record in the file, newest segment first (a bad line is skipped)."""
         cutoff = self._clock() - self.max_age_seconds if self.max_age_seconds > 0 else 0.0
-        for path in reversed(self._segments()):
+        for data in self._file.read():
             try:
-                lines = path.read_bytes().splitlines()
-            except OSError:
+                record = RequestRecord.from_json(data)
+            except TypeError:
                 continue
-            for line in reversed(lines):
-                try:
-                    record = RequestRecord.from_json(json.loads(line))
-                except (ValueError, TypeError):
-                    continue
-                if record.started_at >= cutoff:
-                    yield record
+            if record.started_at >= cutoff:
+                yield record
 
     def _load(self) -> None:
         """Fill the ring with the newest records of the file (a restart keeps them)."""
         loaded: list[RequestRecord] = []
-        for record in self._from_files():
+        for record in self._from_file():
             loaded.append(record)
             if len(loaded) >= self.ring:
                 break
@@ -628,15 +538,10 @@ class Records:
 
     def stats(self) -> dict[str, int]:
         """What the file holds now (``modeld status``, the page)."""
-        self.flush()
-        segments = self._segments()
-        total = 0
-        for path in segments:
-            with contextlib.suppress(OSError):
-                total += path.stat().st_size
+        files, total = self._file.stats() if self._file is not None else (0, 0)
         with self._lock:
             kept = len(self._records)
-        return {"ring": kept, "ring_limit": self.ring, "files": len(segments), "file_bytes": total}
+        return {"ring": kept, "ring_limit": self.ring, "files": files, "file_bytes": total}
 
 
 def sums(records: list[RequestRecord], key: Callable[[RequestRecord], str]) -> dict[str, dict[str, int]]:
