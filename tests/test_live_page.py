@@ -112,7 +112,8 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
 ) -> None:
     tiny = str(testmodels.ensure_model(testmodels.TINY))
     data = tmp_path / "d"
-    proc, record = serve_http(data, "--api-key", KEY, backend="llama")
+    # One slot per model: a second turn on a busy model waits, and the page says so.
+    proc, record = serve_http(data, "--api-key", KEY, "--slots", "1", backend="llama")
     url = record.http_endpoint
     auth = {"Authorization": f"Bearer {KEY}"}
     try:
@@ -147,26 +148,63 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
                         list(stream)
 
                 # A long decode (random weights never end a turn): the page shows it running.
+                seen_waiting = threading.Event()
+
+                # Its end of turn is forbidden (a random model may sample it early) and it decodes a
+                # token a step (speculation would draft the random model's loops, hundreds of tokens
+                # a second): it runs until it is cancelled, so the other session's turn surely waits.
+                ends = {t.id: -100.0 for t in session.info.special_tokens if t.kind in ("eos", "eot")}
+
                 def long_turn() -> None:
                     session.ensure_prefix(PrefixInput(text=SYSTEM))
                     session.prefill_suffix(SuffixInput(text="a long one\n"))
-                    with session.decode(DecodeConfig(max_tokens=600)) as stream:
-                        list(stream)
+                    with session.decode(
+                        DecodeConfig(max_tokens=1500, logit_bias=ends, speculation="off")
+                    ) as stream:
+                        for _ in stream:
+                            if seen_waiting.is_set():
+                                break  # leaving the block cancels the decode
 
+                # The short turns' records are done first, so what runs next is the long turn.
+                page.wait_for_function(
+                    "() => !document.querySelector('#inflight-body [data-running]')",
+                    polling=250,
+                    timeout=30_000,
+                )
                 runner = threading.Thread(target=long_turn)
                 runner.start()
                 page.wait_for_selector("#inflight-body [data-running]", timeout=60_000)
                 # Its stage moves on the page as it goes: the decode shows while it runs.
                 page.wait_for_function(
                     "() => document.querySelector('#inflight-body').textContent.includes('decode')",
+                    polling=250,
                     timeout=60_000,
                 )
+                # Another session's turn on the same model waits for its one slot: the page shows
+                # it waiting, with its place in the queue.
+                other = client.open_session(
+                    OpenSessionRequest(
+                        type="llama", path=tiny, model_name="grpc-tiny", config=Config(num_ctx=2048)
+                    )
+                )
+                waiter = threading.Thread(
+                    target=lambda: other.ensure_prefix(PrefixInput(text=SYSTEM + "x\n"))
+                )
+                waiter.start()
+                page.wait_for_function(
+                    "() => document.querySelector('#inflight-body').textContent.includes('waiting for a slot (#1')",
+                    polling=250,
+                    timeout=60_000,
+                )
+                seen_waiting.set()
                 runner.join(120)
+                waiter.join(120)
                 session.close()
+                other.close()
 
             # Settled: the page's numbers are /metrics' numbers.
             page.wait_for_function(
-                "() => !document.querySelector('#inflight-body [data-running]')", timeout=30_000
+                "() => !document.querySelector('#inflight-body [data-running]')", polling=250, timeout=30_000
             )
             time.sleep(2.5)  # the next push (at least every 2 s) carries the final counts
             metrics = _metric_totals(httpx.get(f"{url}/metrics", headers=auth, timeout=30).text)
@@ -200,7 +238,7 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
             )
             assert counts == sorted(counts, reverse=True)
             page.fill("#filter", "grpc-tool")
-            assert page.locator("#conv-body tr").count() == 1
+            assert page.locator("#conv-body tr").count() == 2  # the two gRPC sessions
             page.fill("#filter", "")
 
             # Any past request by its job label.

@@ -511,6 +511,7 @@ class ObservedSession(Closing):
         self._m.hits.labels(m, source).inc(status.reused_tokens)
         self._m.prefilled.labels(m).inc(status.prefilled_tokens)
         self.turn.prefix(status, source, prefix.text)
+        self.turn.between()
         self._turn_computed = status.prefilled_tokens
         return status
 
@@ -525,6 +526,7 @@ class ObservedSession(Closing):
         computed = max(0, status.suffix_tokens - status.reused_tokens) + status.restored_tokens
         self._m.prefilled.labels(self._model).inc(computed)
         self.turn.suffix(computed, status.restored_tokens)
+        self.turn.between()
         self._turn_computed += computed
         return status
 

@@ -327,8 +327,9 @@ class Records:
         self._lock = threading.Lock()
         self._records: OrderedDict[str, Recording] = OrderedDict()
         self.version = 0  # moves on every start, stage change and finish (the live page waits on it)
+        self.running_count = 0  # records not done
         self._file: RecordFile | None = None
-        self._tallies: dict[str, Tally] = {}
+        self._tallies: OrderedDict[str, Tally] = OrderedDict()  # the last finished last
         self.started_at = clock()
         self._models: dict[str, dict[str, int]] = {}  # since started_at, by model (never trimmed)
         self._refused: deque[Recording] = deque(maxlen=REFUSALS_KEPT)
@@ -360,6 +361,7 @@ class Records:
         with self._lock:
             self._records[recording.id] = recording
             self._records.move_to_end(recording.id)
+            self.running_count += 1
             self._trim()
             self.version += 1
         return recording
@@ -388,6 +390,7 @@ class Records:
             if recording._holds > 0:
                 return
             recording._values.update(state="done", stage="", ended_at=self._clock(), progress_done=0)
+            self.running_count -= 1
             record = recording._record()
             self._tally(recording)
             if record.error in REFUSALS:
@@ -480,6 +483,7 @@ class Records:
             tally.sums[name] += value
         if tally.last is None or r.started_at >= tally.last.started_at:
             tally.last = r
+            self._tallies.move_to_end(key)
         if r.started_at >= self.started_at:
             model = self._models.setdefault(r.model, dict.fromkeys(COUNTED, 0))
             for name, value in counts.items():
@@ -509,11 +513,13 @@ class Records:
         for name in COUNTED:
             tally.sums[name] -= getattr(r, name)
 
-    def tallies(self) -> list[Tally]:
-        """Every conversation of the finished records in the ring: its turns, its counts' sums
-        and its newest record (kept as records finish and leave the ring: no scan)."""
+    def tallies(self, limit: int | None = None) -> tuple[list[Tally], int]:
+        """The conversations of the finished records in the ring, the most recently finished
+        first (at most ``limit``), each with its turns, its counts' sums and its newest record
+        (kept as records finish and leave the ring: no scan); and how many there are."""
         with self._lock:
-            return [replace(t, sums=dict(t.sums)) for t in self._tallies.values()]
+            chosen = itertools.islice(reversed(self._tallies.values()), limit)
+            return [replace(t, sums=dict(t.sums)) for t in chosen], len(self._tallies)
 
     def by_model(self) -> dict[str, dict[str, int]]:
         """The counts of the records finished since this store started (this daemon's run: what

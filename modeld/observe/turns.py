@@ -140,6 +140,11 @@ class TurnRecorder:
         if self.current is not None:
             self.current.add(prefilled_tokens=computed, restored_tokens=restored)
 
+    def between(self) -> None:
+        """An operation of the turn returned: the turn waits for its client's next call."""
+        if self.current is not None:
+            self.current.set(stage="between calls")
+
     def decoding(self) -> None:
         """The decode started (a failed attempt before it, retried, is no error of the turn)."""
         if self.current is not None:

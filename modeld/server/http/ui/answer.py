@@ -16,19 +16,33 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import Counter
 
 from modeld import __version__
-from modeld.contract import WarmContextInfo
+from modeld.contract import ContextReport, WarmContextInfo
 from modeld.observe.metrics import Metrics, model_label
 from modeld.observe.records import COUNTED, REFUSALS, Records, RequestRecord, Tally, conversation_of
 from modeld.observe.status import DaemonStatus, LoadedModelSummary
 
-__all__ = ["REFUSALS", "metric_totals", "page_state", "page_text", "records_part", "status_part"]
+__all__ = [
+    "REFUSALS",
+    "metric_totals",
+    "page_state",
+    "page_text",
+    "records_part",
+    "status_part",
+    "waiting_turns",
+]
 
+WAITING_CHECKS = 8
+"""Running turns asked about, per push, whether they wait for a slot."""
+WAITING_AFTER_SECONDS = 0.5
+"""A turn is asked about once it has run this long without progress or a first token."""
+MAX_CONVERSATIONS = 300
+"""Conversations the page receives (the most recently used); the count says how many exist."""
 RECENT_RECORDS = 50
 """Records the page receives with each state; a conversation's turns beyond them it fetches
 (``/v1/requests?conversation=``)."""
@@ -245,17 +259,53 @@ def status_part(status: DaemonStatus, records: Records, metrics: Metrics) -> dic
     }
 
 
-def records_part(status: DaemonStatus, records: Records) -> dict[str, Any]:
-    """What the page draws of the records (rebuilt when one changes): the conversations, the
-    turns running, the refusals; the newest records come as JSON text (:func:`page_text`)."""
+def records_part(
+    status: DaemonStatus, records: Records, waiting: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """What the page draws of the records (rebuilt when one changes): the conversations (the
+    :data:`MAX_CONVERSATIONS` most recent, and how many there are), the turns running (those
+    waiting for a slot with their place, ``waiting``: record id -> position), the refusals; the
+    newest records come as JSON text (:func:`page_text`)."""
     running = records.running()
+    tallies, total = records.tallies(MAX_CONVERSATIONS)
+    rows = _conversations(status, tallies, running)[:MAX_CONVERSATIONS]
+    inflight = [r.to_json() for r in running]
+    for entry in inflight:
+        entry["queue_position"] = (waiting or {}).get(entry["id"], 0)
     return {
         "now": time.time(),
         "show_prompts": records.show_prompts,
-        "conversations": _conversations(status, records.tallies(), running),
-        "inflight": [r.to_json() for r in running],
+        "conversations": rows,
+        "conversations_total": max(total, len(rows)),
+        "inflight": inflight,
         "refusals": [r.to_json() for r in records.refused()],
     }
+
+
+def waiting_turns(running: list[RequestRecord], explain: Callable[[str], ContextReport]) -> dict[str, int]:
+    """The running turns that wait for a slot of a busy model, and their place in its queue:
+    asked of the engine (``explain-context``'s queue position) for at most
+    :data:`WAITING_CHECKS` turns that are past :data:`WAITING_AFTER_SECONDS` in an operation with
+    neither progress nor a first token (a turn that runs shows one or the other soon)."""
+    now = time.time()
+    candidates = [
+        r
+        for r in running
+        if r.session
+        and r.stage in ("prefix", "suffix", "decode")
+        and r.ttft_ms is None
+        and not r.progress_total
+        and now - r.started_at > WAITING_AFTER_SECONDS
+    ]
+    out: dict[str, int] = {}
+    for r in candidates[:WAITING_CHECKS]:
+        try:
+            position = explain(r.session).queue_position
+        except Exception:  # the session ended meanwhile: it waits for nothing
+            continue
+        if position:
+            out[r.id] = position
+    return out
 
 
 def page_text(status: dict[str, Any] | str, live: dict[str, Any], newest: list[str]) -> str:
@@ -266,11 +316,14 @@ def page_text(status: dict[str, Any] | str, live: dict[str, Any], newest: list[s
     return f'{head[:-1]},{body[1:-1]},"records":[{",".join(newest)}]}}'
 
 
-def page_state(status: DaemonStatus, records: Records, metrics: Metrics) -> dict[str, Any]:
+def page_state(
+    status: DaemonStatus, records: Records, metrics: Metrics, explain: Callable[[str], ContextReport]
+) -> dict[str, Any]:
     """The whole state at once, fresh (``GET /ui/state``)."""
+    waiting = waiting_turns(records.running(), explain)
     text = page_text(
         status_part(status, records, metrics),
-        records_part(status, records),
+        records_part(status, records, waiting),
         records.newest_json(RECENT_RECORDS),
     )
     state: dict[str, Any] = json.loads(text)

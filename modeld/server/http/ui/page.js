@@ -144,7 +144,8 @@ function renderConversations(s) {
     el('td', { class: 'num', 'data-field': 'prefilled', text: num(c.sums.prefilled_tokens) }),
     el('td', { class: 'num', 'data-field': 'generated', text: num(c.sums.generated_tokens) }),
     el('td', { class: c.last_outcome, text: c.last_outcome ? `${c.last_outcome} (${c.last_reason})` : '-' }))));
-  document.getElementById('conv-count').textContent = `${rows.length} of ${s.conversations.length}`;
+  const more = s.conversations_total > s.conversations.length ? ` (the ${s.conversations.length} most recent of ${s.conversations_total})` : '';
+  document.getElementById('conv-count').textContent = `${rows.length} shown${more}`;
 }
 
 // --- a conversation's turns -------------------------------------------------------------------
@@ -237,7 +238,7 @@ function renderInflight(s) {
   document.getElementById('queue').textContent = `${s.inflight.length} running · ${s.queued} waiting for a slot`;
   fill('inflight-body', s.inflight.length ? s.inflight.map((r) => el('div', { class: 'turn', 'data-running': r.id },
     el('div', { class: 'head' }, el('b', { text: r.conversation }), el('div', { class: 'muted', text: `${r.api} · ${r.job || r.agent || ''} · ${ago(r.started_at, s.now)}` })),
-    el('div', {}, `${r.stage} `, r.progress_total ? el('span', { class: 'progress', title: `${num(r.progress_done)} of ${num(r.progress_total)} tokens` },
+    el('div', {}, r.queue_position ? `waiting for a slot (#${r.queue_position} in the queue) ` : `${r.stage} `, r.progress_total ? el('span', { class: 'progress', title: `${num(r.progress_done)} of ${num(r.progress_total)} tokens` },
       el('span', { style: `width:${(100 * r.progress_done / r.progress_total).toFixed(1)}%` })) : null,
     r.progress_total ? ` ${num(r.progress_done)} / ${num(r.progress_total)} tokens` : ''))) : el('p', { class: 'muted', text: 'Nothing is running.' }));
   fill('refusals-body', recordTable(s.refusals, s.now));

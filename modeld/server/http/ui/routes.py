@@ -38,7 +38,14 @@ from modeld.server.http.access import UI_COOKIE
 from modeld.server.http.app import HttpService
 from modeld.server.http.errors import HttpError, openai_error
 from modeld.server.http.runner import error_response
-from modeld.server.http.ui.answer import RECENT_RECORDS, page_state, page_text, records_part, status_part
+from modeld.server.http.ui.answer import (
+    RECENT_RECORDS,
+    page_state,
+    page_text,
+    records_part,
+    status_part,
+    waiting_turns,
+)
 
 __all__ = ["MAX_PAGE_STREAMS", "routes"]
 
@@ -127,6 +134,7 @@ class _Pushed:
         self.status_at = 0.0
         self.version = -1
         self.text = ""
+        self.waiting: dict[str, int] = {}
 
 
 def routes(service: HttpService) -> list[Route]:
@@ -168,11 +176,14 @@ def routes(service: HttpService) -> list[Route]:
                     status_part(pushed.status, records, service.gateway.metrics), separators=(",", ":")
                 )
                 pushed.status_at, pushed.version = now, -1
-            if pushed.version != records.version:
-                pushed.version = records.version
+            # Turns that may wait for a slot are asked about at every push (none in a quiet
+            # daemon: a turn is a candidate only after half a second without progress).
+            waiting = waiting_turns(records.running(), service.gateway.explain_context)
+            if pushed.version != records.version or waiting != pushed.waiting:
+                pushed.version, pushed.waiting = records.version, waiting
                 pushed.text = page_text(
                     pushed.status_text,
-                    records_part(pushed.status, records),
+                    records_part(pushed.status, records, waiting),
                     records.newest_json(RECENT_RECORDS),
                 )
             return pushed.text
@@ -198,7 +209,8 @@ def routes(service: HttpService) -> list[Route]:
 
     async def state_json(_request: Request) -> Response:
         def fresh() -> dict[str, Any]:
-            return page_state(service.gateway.status(), records, service.gateway.metrics)
+            gateway = service.gateway
+            return page_state(gateway.status(), records, gateway.metrics, gateway.explain_context)
 
         return JSONResponse(
             await service.bridge.observe(fresh, "the live page"), headers={"Cache-Control": "no-store"}
@@ -218,14 +230,18 @@ def routes(service: HttpService) -> list[Route]:
         async def push() -> AsyncIterator[bytes]:
             nonlocal streams
             loop = asyncio.get_running_loop()
-            sent_version, sent_at = -1, 0.0
+            sent_version, sent_at, sent = -1, 0.0, ""
             try:
                 while not service.drain.draining and not service.gateway.stopping:
                     now = loop.time()
-                    if records.version != sent_version or now - sent_at >= STATUS_SECONDS:
+                    # While turns run the page hears at every push whether one waits for a slot.
+                    every = MIN_PUSH_SECONDS if records.running_count else STATUS_SECONDS
+                    if records.version != sent_version or now - sent_at >= every:
                         sent_version, sent_at = records.version, now
                         data = await service.bridge.observe(pushed_text, "the live page")
-                        yield f"event: state\ndata: {data}\n\n".encode()
+                        if data is not sent:  # the same state is not sent twice
+                            sent = data
+                            yield f"event: state\ndata: {data}\n\n".encode()
                     await asyncio.sleep(MIN_PUSH_SECONDS)
             finally:
                 streams -= 1
