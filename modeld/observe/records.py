@@ -77,6 +77,8 @@ REFUSALS = (
 """Error codes the page lists as refusals (admission, and a prompt over the window: the contract's
 ``context_overflow``, which OpenAI's words call ``context_length_exceeded``)."""
 REFUSALS_KEPT = 50
+MIN_RATE_MS = 50.0
+"""The shortest decode a record gives a rate for."""
 EXCERPT_BYTES = 240
 """Bytes of the prefix around the point it diverged, kept only with ``--ui-show-prompts``."""
 DIR_NAME = "requests"
@@ -169,8 +171,9 @@ class RequestRecord:
 
     @property
     def decode_tps(self) -> float:
-        """Generated tokens per second of decoding (0 when unknown)."""
-        if self.decode_ms <= 0 or self.generated_tokens <= 1:
+        """Generated tokens per second of decoding (0 when unknown, or too short to say: a
+        decode of a few milliseconds)."""
+        if self.decode_ms < MIN_RATE_MS or self.generated_tokens <= 1:
             return 0.0
         return self.generated_tokens / (self.decode_ms / 1000.0)
 
