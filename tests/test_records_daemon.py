@@ -21,6 +21,7 @@ from daemon_proc import modeld, serve_http, stop
 
 import runtime_client as rc
 from modeld.contract import DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.wire
 
@@ -88,6 +89,10 @@ def test_records_of_every_transport_by_job_survive_a_restart_and_age_out(tmp_pat
             assert grpc_records[0].prefix_tokens > 0 and grpc_records[0].generated_tokens == 4
             assert client.request(second) is not None
             assert client.request("no-such-id") is None
+            with pytest.raises(InvalidArgumentError, match="limit is 256"):
+                client.list_requests(job="j" * 300)
+        with rc.connect(data_dir=data, job="j" * 300) as client, pytest.raises(InvalidArgumentError):
+            client.open_session(OpenSessionRequest(type="memory", path="notes"))
 
         async def over_asyncio() -> list[str]:
             async with rc.aconnect(data_dir=data) as aclient:
@@ -104,6 +109,10 @@ def test_records_of_every_transport_by_job_survive_a_restart_and_age_out(tmp_pat
         assert listed[1]["outcome"] == "partial" and listed[1]["diverged_segment"] == "system"
         assert MARKER in listed[1]["excerpt"]  # --ui-show-prompts: the slice where it diverged
         assert all(r["bytes_in"] > 0 for r in listed) and listed[0]["bytes_out"] > 0
+        recent = httpx.get(f"{url}/v1/requests", params={"job": "suite-1", "since": "1h"}, timeout=30).json()
+        assert [r["id"] for r in recent["data"]] == [r["id"] for r in listed]
+        future = httpx.get(f"{url}/v1/requests", params={"since": str(time.time() + 60)}, timeout=30).json()
+        assert future["data"] == []
         one = httpx.get(f"{url}/v1/requests/{second}", timeout=30).json()
         assert one["id"] == second and one["job"] == "suite-1" and one["api"] == "openai"
         claude_record = httpx.get(f"{url}/v1/requests", params={"job": "suite-2"}, timeout=30).json()["data"]
