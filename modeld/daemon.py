@@ -43,7 +43,16 @@ from modeld.server.gateway import Gateway, ServedEngine
 from modeld.server.grpc.servicer import SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.settings import HttpSettings, Limits, RequestRecords, Residency, RestartPolicy, Serving, Timeouts
+from modeld.settings import (
+    HttpSettings,
+    Limits,
+    RequestRecords,
+    Residency,
+    RestartPolicy,
+    Serving,
+    Timeouts,
+    parse_tool_formats,
+)
 
 if TYPE_CHECKING:
     from modeld.server.http.models import ModelRegistry
@@ -321,9 +330,16 @@ class ServeOptions:
 def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | None:
     """Check the HTTP options and build the model registry, before taking the lease."""
     http, backend = options.http, options.serving.backend
+    try:
+        parse_tool_formats(http.tool_formats)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     if not http.http:
-        if http.models or http.models_dir:
-            raise ServeError("--model and --models-dir name the models --http serves; add --http HOST:PORT")
+        if http.models or http.models_dir or http.tool_formats or http.chat_templates:
+            raise ServeError(
+                "--model, --models-dir, --tool-format and --chat-template-file name the models --http "
+                "serves; add --http HOST:PORT"
+            )
         return None
     address = parse_listen(http.http, allow_remote=options.serving.allow_remote, option="--http")
     if address.unix_path is not None:
@@ -343,7 +359,13 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
         raise ServeError(
             f"--http needs the http extra ({', '.join(missing)} missing): pip install 'modeld[http]'"
         )
-    from modeld.server.http.models import ModelRegistry, RegistryError, default_models, parse_model_option
+    from modeld.server.http.models import (
+        ModelRegistry,
+        RegistryError,
+        default_models,
+        parse_model_option,
+        parse_template_option,
+    )
 
     try:
         entries = {}
@@ -354,7 +376,13 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
             entries[entry.name] = entry
         models_dir = Path(http.models_dir) if http.models_dir else None
         fallback = default_models(backend) if not entries and models_dir is None else None
-        registry = ModelRegistry(backend, entries, models_dir, fallback)
+        templates: dict[str, tuple[str, str]] = {}
+        for spec in http.chat_templates:
+            name, path, text = parse_template_option(spec)
+            if name in templates:
+                raise RegistryError(f"--chat-template-file {name} is given twice")
+            templates[name] = (path, text)
+        registry = ModelRegistry(backend, entries, models_dir, fallback, templates, aliases=http.aliases)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None
     return address, registry

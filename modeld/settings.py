@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, SPECULATION_MODES, Config
+from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, SPECULATION_MODES, TOOL_FORMATS, Config
 from modeld.errors import LimitExceededError
 from modeld.flags import count, flag_name, parse_duration, parse_positive_size, parse_size, setting
 
@@ -34,6 +34,7 @@ __all__ = [
     "RestartPolicy",
     "Serving",
     "Timeouts",
+    "parse_tool_formats",
 ]
 
 ISOLATIONS = ("auto", "process", "inline")
@@ -119,6 +120,39 @@ class HttpSettings:
     one's session is closed."""
     conversation_idle_seconds: float = setting(600.0, "--conversation-idle", _HTTP, parse_duration)
     """A conversation idle this long has its session closed (0: never)."""
+    chat_templates: tuple[str, ...] = setting(
+        (), "--chat-template-file", _HTTP, metavar="NAME=PATH", repeat=True
+    )
+    """Render the model served as NAME with the Jinja chat template in PATH instead of its
+    file's (repeatable; llama-server's --chat-template-file, per model)."""
+    tool_formats: tuple[str, ...] = setting((), "--tool-format", _HTTP, metavar="NAME=FORMAT", repeat=True)
+    """The tool-call format of the model served as NAME, instead of the one recognised from its
+    chat template (repeatable; a family such as hermes, qwen3_coder, harmony, glm45; none: no
+    calls are parsed; blueprint 0018 lists them)."""
+    keepalive_seconds: float = setting(10.0, "--keepalive-interval", _HTTP, parse_duration)
+    """A stream silent this long (a long prefill, hidden thinking) gets a keep-alive in its API's
+    form: Anthropic's ping, an SSE comment with the prefill's progress, Responses'
+    response.in_progress, an empty Ollama line (0: never). Claude Code warns after 30 s without
+    a byte; llama-server's --sse-ping-interval is 30 s."""
+    aliases: tuple[str, ...] = setting((), "--alias", _HTTP, metavar="PATTERN=MODEL", repeat=True)
+    """Requests for a model name matching the glob PATTERN are served by MODEL (repeatable, first
+    match wins), e.g. 'claude-*=modeld-reply' or 'gpt-*=modeld-reply', so an agent's default
+    model names work with no client setting; /v1/models lists the patterns."""
+
+
+def parse_tool_formats(specs: tuple[str, ...]) -> dict[str, str]:
+    """``--tool-format NAME=FORMAT`` values as {name: format}; ValueError names a bad one (FORMAT
+    not one of ``TOOL_FORMATS``, a name given twice)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, fmt = spec.partition("=")
+        if not sep or not name or not fmt or fmt not in TOOL_FORMATS:
+            known = ", ".join(f for f in TOOL_FORMATS if f)
+            raise ValueError(f"--tool-format wants NAME=FORMAT with FORMAT one of {known}, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--tool-format {name} is given twice")
+        out[name] = fmt
+    return out
 
 
 @dataclass(frozen=True, slots=True)
