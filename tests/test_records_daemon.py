@@ -216,3 +216,48 @@ def test_the_page_and_the_records_need_the_key_refuse_a_null_origin_and_never_sh
     finally:
         _, err = stop(proc)
         assert "Traceback" not in err, err[-3000:]
+
+
+def _record_of_stream(url: str, path: str, body: dict[str, object], job: str) -> dict[str, object]:
+    """Stream ``body`` to ``path`` to its end and return the request's finished record (the only
+    one of ``job``)."""
+    with httpx.stream("POST", f"{url}{path}", json=body, headers={"X-Modeld-Job": job}, timeout=60) as r:
+        sent = sum(len(part) for part in r.iter_bytes())
+    (found,) = httpx.get(f"{url}/v1/requests", params={"job": job}, timeout=30).json()["data"]
+    assert r.headers.get("x-modeld-request", found["id"]) == found["id"]
+    assert found["state"] == "done" and found["status"] == r.status_code
+    # A refusal raised before the answer is written by the error handler: its bytes are not
+    # counted (blueprint 0022, Open).
+    assert found["bytes_out"] == (sent if r.status_code == 200 else 0)
+    return found  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("keepalive", ["10s", "1ms"])
+def test_a_stream_that_fails_inside_is_recorded_as_its_error(tmp_path: Path, keepalive: str) -> None:
+    """A prompt beyond the window, streamed: answered in the stream (Responses, Codex's channel;
+    with a 10 s keep-alive before the stream begins, with 1 ms after keep-alives); Anthropic's is a
+    400 before the stream, or its error event after pings; each record is done with the error, its
+    status and the bytes sent."""
+    proc, record = serve_http(tmp_path / "d", "--num-ctx", "600", "--keepalive-interval", keepalive)
+    url = record.http_endpoint
+    huge = "x" * 300_000  # counting it takes longer than 1 ms, whatever the machine
+    try:
+        responses = _record_of_stream(
+            url, "/v1/responses", {"model": "modeld-tiny", "input": huge, "stream": True, "store": False}, "r"
+        )
+        assert (responses["api"], responses["finish"], responses["error"]) == (
+            "responses",
+            "error",
+            "context_length_exceeded",
+        )
+        ask = {"model": "modeld-tiny", "max_tokens": 8, "stream": True}
+        claude = _record_of_stream(
+            url, "/v1/messages", {**ask, "messages": [{"role": "user", "content": huge}]}, "a"
+        )
+        assert (claude["api"], claude["finish"]) == ("anthropic", "error")
+        assert claude["status"] == (200 if keepalive == "1ms" else 400)
+        assert claude["error"] == "context_length_exceeded"
+        assert "the model's window is 600 tokens" in str(claude["error_message"])
+    finally:
+        _, err = stop(proc)
+        assert "Traceback" not in err, err[-3000:]
