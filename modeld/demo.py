@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -216,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    # A demo stopped with kill (SIGTERM) stops its daemon too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         deadline = time.monotonic() + 60
         while (rec := read_lease(data)) is None or rec.state != "serving":
