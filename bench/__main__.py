@@ -303,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print("bench: OpenAI endpoint overhead through the openai SDK (memory backend)", flush=True)
         overhead["openai"] = run_openai_overhead(turns=5 if args.quick else 20)
+        from bench.page_overhead import run_page_overhead
+
+        print("bench: the live page's and the request records' cost (memory backend)", flush=True)
+        overhead["page"] = run_page_overhead(turns=10 if args.quick else 30, rounds=2 if args.quick else 6)
         if not args.quick:  # the realistic model: issue 9's decode goal, measured paired
             from bench.decode_pairs import describe, run_decode_pairs
 

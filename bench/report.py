@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import analysis
+from bench.page_overhead import page_lines
 from bench.plots import plot_summary, plot_workload
 from bench.workloads import GOALS
 
@@ -534,6 +535,9 @@ def write_report(out: Path, docs: list[Doc]) -> None:
                 f"{sdk['sdk_turn_overhead_ms']:+.1f} ms (the SDK's own client-side work included).",
                 "",
             ]
+    page = (overhead or {}).get("page")
+    if page:
+        lines += page_lines(page)
     if doc.get("agent_apis"):
         lines += agent_apis_lines(doc["agent_apis"], model["name"])
     if doc.get("claude_code"):

@@ -34,6 +34,7 @@ from modeld import __version__
 from modeld.errors import ModeldError
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
 from modeld.observe.metrics import Metrics
+from modeld.observe.records import Records
 from modeld.observe.status import EngineObserver
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.auth import TokenInterceptor, ensure_token
@@ -45,6 +46,7 @@ from modeld.server.reflection import enable_reflection
 from modeld.settings import (
     HttpSettings,
     Limits,
+    RequestRecords,
     Residency,
     RestartPolicy,
     Serving,
@@ -184,11 +186,12 @@ class Server:
         token: str = "",
         metrics: Metrics | None = None,
         describe_timeout: float = Serving().describe_seconds,
+        records: Records | None = None,
     ) -> None:
         self.engine = engine
         self.address = address
         self.limits = limits
-        self.gateway = Gateway(engine, limits, metrics)
+        self.gateway = Gateway(engine, limits, metrics, records)
         self.bridge = Bridge(Pools.for_sessions(limits.max_sessions))
         self.servicer = ModeldServicer(self.gateway, self.bridge, describe_timeout=describe_timeout)
         self.health = ModelHealth()
@@ -319,6 +322,7 @@ class ServeOptions:
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    recording: RequestRecords = field(default_factory=RequestRecords)
     data_dir: Path = field(default_factory=default_data_dir)
     grace: float = 3.0
 
@@ -443,7 +447,17 @@ def run(options: ServeOptions) -> int:
         lease.release()
         return EXIT_USAGE
     token = ensure_token(options.data_dir) if address.unix_path is None and serving.token else ""
-    server = Server(engine, address, limits, token=token, describe_timeout=serving.describe_seconds)
+    recording = options.recording
+    records = Records.under(
+        options.data_dir,
+        ring=recording.records_kept,
+        max_age_seconds=recording.records_max_age_seconds,
+        max_bytes=recording.records_max_bytes,
+        show_prompts=recording.ui_show_prompts,
+    )
+    server = Server(
+        engine, address, limits, token=token, describe_timeout=serving.describe_seconds, records=records
+    )
     listener: Any = None
     try:
         # Every listener is bound before the daemon says it serves (gRPC health, the lease):
@@ -464,7 +478,8 @@ def run(options: ServeOptions) -> int:
         __version__,
         serving.backend,
         endpoint,
-        f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())})"
+        f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())}; the live page at "
+        f"{listener.url}/ui)"
         if listener is not None and http is not None
         else "",
         instance_id,
@@ -490,6 +505,7 @@ def run(options: ServeOptions) -> int:
         engine.begin_shutdown()  # in-flight HTTP turns end now, with shutting_down
         listener.stop()
     server.stop(options.grace)
+    records.close()  # the finished records still on their way to the file
     lease.release(handed_over=handed_over)
     log.info("stopped (instance %s)", instance_id)
     return EXIT_OK

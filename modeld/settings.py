@@ -29,6 +29,7 @@ __all__ = [
     "SETTINGS",
     "HttpSettings",
     "Limits",
+    "RequestRecords",
     "Residency",
     "RestartPolicy",
     "Serving",
@@ -47,6 +48,7 @@ _FLEET = "fleet (blueprints/0020)"
 _TIMEOUTS = "timeouts (0 switches one off; 90, 2.5m, 1h)"
 _RESTARTS = "worker restarts"
 _LIMITS = "limits (blueprints/0006)"
+_RECORDS = "request records and the live page (blueprints/0022)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,5 +300,30 @@ class Limits:
             )
 
 
-SETTINGS: tuple[type, ...] = (Serving, HttpSettings, Residency, Timeouts, RestartPolicy, Limits)
+@dataclass(frozen=True, slots=True)
+class RequestRecords:
+    """Request records (one per turn, every API and gRPC) and the live page at ``/ui``."""
+
+    records_kept: int = setting(4096, "--records-kept", _RECORDS, count(1, 1 << 20))
+    """Records kept in memory (the page, ``/v1/requests``, ``modeld top``); older ones are read
+    from the file."""
+    records_max_age_seconds: float = setting(7 * 86400.0, "--records-max-age", _RECORDS, parse_duration)
+    """Records older than this leave the file under the data directory (0: kept until the
+    byte budget needs the room)."""
+    records_max_bytes: int = setting(64 * MiB, "--records-max-bytes", _RECORDS, parse_size)
+    """The records file's byte budget (the oldest go first; 0: no file, memory only)."""
+    ui_show_prompts: bool = setting(False, "--ui-show-prompts", _RECORDS)
+    """Keep a slice of the prompt where a prefix diverged in its record, shown on the page and
+    in /v1/requests (off: ids, token counts and segment kinds only, never prompt text)."""
+
+
+SETTINGS: tuple[type, ...] = (
+    Serving,
+    HttpSettings,
+    Residency,
+    Timeouts,
+    RestartPolicy,
+    Limits,
+    RequestRecords,
+)
 """Every settings dataclass; each of their fields is one ``modeld serve`` flag."""

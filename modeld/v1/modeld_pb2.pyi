@@ -1105,3 +1105,121 @@ class MetricsResponse(_message.Message):
     text: str
     content_type: str
     def __init__(self, text: _Optional[str] = ..., content_type: _Optional[str] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ("job", "conversation", "since", "limit", "running", "id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    conversation: str
+    since: float
+    limit: int
+    running: bool
+    id: str
+    def __init__(self, job: _Optional[str] = ..., conversation: _Optional[str] = ..., since: _Optional[float] = ..., limit: _Optional[int] = ..., running: _Optional[bool] = ..., id: _Optional[str] = ...) -> None: ...
+
+class RequestRecord(_message.Message):
+    __slots__ = ("id", "api", "model", "job", "agent", "conversation", "session", "state", "stage", "started_at", "ended_at", "finish", "error", "error_message", "status", "bytes_in", "bytes_out", "outcome", "reason", "tier", "diverged_at_token", "diverged_at_byte", "diverged_segment", "diverged_message", "prefix_tokens", "reused_kv", "reused_ram", "reused_disk", "reused_shared", "restored_tokens", "prefilled_tokens", "prompt_tokens", "cached_tokens", "generated_tokens", "decodes", "drafted_tokens", "accepted_tokens", "draft_batches", "forced_tokens", "ttft_ms", "prefill_ms", "restore_ms", "decode_ms", "progress_done", "progress_total", "excerpt")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_AT_BYTE_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_KV_FIELD_NUMBER: _ClassVar[int]
+    REUSED_RAM_FIELD_NUMBER: _ClassVar[int]
+    REUSED_DISK_FIELD_NUMBER: _ClassVar[int]
+    REUSED_SHARED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_DONE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXCERPT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    api: str
+    model: str
+    job: str
+    agent: str
+    conversation: str
+    session: str
+    state: str
+    stage: str
+    started_at: float
+    ended_at: float
+    finish: str
+    error: str
+    error_message: str
+    status: int
+    bytes_in: int
+    bytes_out: int
+    outcome: str
+    reason: str
+    tier: str
+    diverged_at_token: int
+    diverged_at_byte: int
+    diverged_segment: str
+    diverged_message: int
+    prefix_tokens: int
+    reused_kv: int
+    reused_ram: int
+    reused_disk: int
+    reused_shared: int
+    restored_tokens: int
+    prefilled_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    decodes: int
+    drafted_tokens: int
+    accepted_tokens: int
+    draft_batches: int
+    forced_tokens: int
+    ttft_ms: float
+    prefill_ms: float
+    restore_ms: float
+    decode_ms: float
+    progress_done: int
+    progress_total: int
+    excerpt: str
+    def __init__(self, id: _Optional[str] = ..., api: _Optional[str] = ..., model: _Optional[str] = ..., job: _Optional[str] = ..., agent: _Optional[str] = ..., conversation: _Optional[str] = ..., session: _Optional[str] = ..., state: _Optional[str] = ..., stage: _Optional[str] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., finish: _Optional[str] = ..., error: _Optional[str] = ..., error_message: _Optional[str] = ..., status: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., tier: _Optional[str] = ..., diverged_at_token: _Optional[int] = ..., diverged_at_byte: _Optional[int] = ..., diverged_segment: _Optional[str] = ..., diverged_message: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., reused_kv: _Optional[int] = ..., reused_ram: _Optional[int] = ..., reused_disk: _Optional[int] = ..., reused_shared: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., decodes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_batches: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., progress_done: _Optional[int] = ..., progress_total: _Optional[int] = ..., excerpt: _Optional[str] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[RequestRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[RequestRecord, _Mapping]]] = ...) -> None: ...

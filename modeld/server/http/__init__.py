@@ -3,7 +3,8 @@ and completions, OpenAI's Responses API, Anthropic's Messages API, Ollama's API 
 gateway's worker routes, so coding agents work unchanged, on warm sessions. Design records:
 ``blueprints/0014-openai-http.md``, ``blueprints/0019-agent-apis.md``.
 
-One folder per API (``openai/``, ``responses/``, ``anthropic/``, ``ollama/``, ``sglang/``), each
+The live page and the request records (``ui/``: GETs of the daemon's state, blueprint 0022) sit
+beside them. One folder per API (``openai/``, ``responses/``, ``anthropic/``, ``ollama/``, ``sglang/``), each
 with the same files: ``<api>/request.py`` (its wire format to the one turn), ``<api>/answer.py``
 (the turn's events to its wire format, and its ``Dialect``), ``<api>/routes.py``, and a store
 where the API has one. An API imports only the shared layer below, never another API:

@@ -71,6 +71,7 @@ from modeld.errors import (
     UnsupportedError,
     error_from_reason,
 )
+from modeld.observe.records import Recording
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
@@ -332,17 +333,29 @@ class Conversations:
     # --- running a turn ---------------------------------------------------------------------
 
     async def run(
-        self, turn: Turn, request: OpenSessionRequest, progress: ProgressCallback | None = None
+        self,
+        turn: Turn,
+        request: OpenSessionRequest,
+        progress: ProgressCallback | None = None,
+        recording: Recording | None = None,
     ) -> AsyncGenerator[Event, None]:
         """Run ``turn`` on its conversation's session: Started, Deltas, Finished (``progress``
-        hears how a long prefill goes, on the event loop).
+        hears how a long prefill goes, on the event loop). ``recording``: the request's record,
+        which the session's turn counts into (blueprint 0022).
 
         Closing the iterator early (the client went away) cancels the decode within one token
         step, or interrupts the prefill it waits for."""
         try:
             async with self.session(turn.conversation(), request) as session:
-                async for event in self._run(turn, session, request, progress):
-                    yield event
+                observed = session.hosted.session
+                if recording is not None:
+                    observed.record(recording)
+                try:
+                    async for event in self._run(turn, session, request, progress, recording):
+                        yield event
+                finally:
+                    if recording is not None:  # once the engine is idle: a turn cut short lets go
+                        session.when_idle(lambda: observed.turn.let_go(recording))
         except ModeldError as exc:
             raise from_modeld(exc, incident_id()) from None
 
@@ -376,6 +389,7 @@ class Conversations:
         session: BridgedSession,
         request: OpenSessionRequest,
         progress: ProgressCallback | None,
+        recording: Recording | None = None,
     ) -> AsyncIterator[Event]:
         info = session.info
         turn = await self.window.fitted(turn, info.effective_context, lambda t: self._count(t, info, request))
@@ -393,6 +407,8 @@ class Conversations:
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
         self.window.measured(turn, prompt)
         message = await self._diverged_message(session, status) if turn.chat else None
+        if recording is not None and message is not None:
+            recording.set(diverged_message=message)
         if status.reuse.diverged_at_token is not None:
             log.info(
                 "%s: %s prefix (%s), reused %d of %d tokens; diverged at token %d, message %s",

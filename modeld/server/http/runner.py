@@ -7,6 +7,12 @@ choices in one body where the dialect has an answer for them. A turn counts as r
 waits for it) from here to its last byte; while the daemon drains a new one is refused
 (:mod:`modeld.server.http.drain`). A client that goes away stops the decode; a failure in the
 middle of a stream is written as the dialect's error event, never a broken stream.
+
+Every request gets a record (:mod:`modeld.observe.records`, blueprint 0022), opened here with
+its labels (the job: ``X-Modeld-Job``, else the agent's own session id; the client program; the
+conversation key) and its bytes in, counted into by its session's turn, and finished here with
+its finish, its error and its bytes out, after the last byte; its id (the turn's) is in the
+``X-Modeld-Request`` header.
 """
 
 from __future__ import annotations
@@ -23,12 +29,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from modeld.contract import PrefillProgress
 from modeld.errors import ModeldError, echo
+from modeld.observe.records import MAX_LABEL_CHARS, Recording, Records, clean_label
 from modeld.server.bridge import Bridge
 from modeld.server.gateway import Gateway
 from modeld.server.http.catalog import Catalog
 from modeld.server.http.conversations import (
     Conversations,
     Event,
+    Finished,
     Started,
     collect,
     collect_choices,
@@ -85,6 +93,7 @@ class Runner:
         self.drain = drain
         self.max_output_tokens = max_output_tokens
         self.keepalive_seconds = keepalive_seconds
+        self.records: Records = gateway.records
 
     def _budgeted(self, turn: Turn) -> Turn:
         if turn.max_tokens is None and self.max_output_tokens:
@@ -93,12 +102,63 @@ class Runner:
 
     async def answer(self, request: Request, dialect: Dialect[A], asked: A) -> Response:
         """Run the asked turn and answer it: ``n`` choices in one body (where the dialect has
-        them), a stream, or one JSON body."""
-        if asked.turn.n > 1 and dialect.choices is not None:
-            return await self._choices(dialect, asked)
-        return await self._one(request, dialect, asked)
+        them), a stream, or one JSON body; its record is finished when the answer is."""
+        recording = self._begin(request, dialect, asked)
+        try:
+            if asked.turn.n > 1 and dialect.choices is not None:
+                response = await self._choices(dialect, asked, recording)
+            else:
+                response = await self._one(request, dialect, asked, recording)
+        except HttpError as exc:
+            recording.finish(
+                finish="error", error=exc.code, error_message=exc.message[:300], status=exc.status
+            )
+            raise
+        except ModeldError as exc:
+            recording.finish(
+                finish="error", error=exc.reason, error_message=exc.message[:300], status=exc.http_status
+            )
+            raise
+        except asyncio.CancelledError:  # the client went away
+            recording.finish(finish="canceled", error="canceled", status=499)
+            raise
+        except Exception:
+            recording.finish(finish="error", error="internal", status=500)
+            raise
+        response.headers["X-Modeld-Request"] = recording.id
+        if not isinstance(response, StreamingResponse):
+            status = response.status_code
+            recording.finish(
+                status=status,
+                bytes_out=len(response.body),
+                **({"finish": "error"} if status >= 400 else {}),
+            )
+        return response
 
-    async def _one(self, request: Request, dialect: Dialect[A], asked: A) -> Response:
+    def _begin(self, request: Request, dialect: Dialect[A], asked: A) -> Recording:
+        """The request's record, opened with its labels (a bad ``X-Modeld-Job`` is refused)."""
+        turn = asked.turn
+        job = request.headers.get("x-modeld-job")
+        if job is not None:
+            try:
+                job = clean_label(job, "X-Modeld-Job header")
+            except ValueError as exc:
+                raise HttpError(400, str(exc), code="invalid_value", param="X-Modeld-Job") from None
+        else:  # the agent's own session (Claude Code's metadata, Codex's session_id header)
+            job = _label(turn.keys.session or request.headers.get("session_id", ""))
+        length = request.headers.get("content-length", "")
+        return self.records.begin(
+            dialect.name,
+            external=True,
+            rid=turn.id,
+            model=turn.model[:MAX_LABEL_CHARS],
+            job=job,
+            agent=_label(request.headers.get("user-agent", "").split(" ", 1)[0][:64]),
+            conversation=_label(turn.conversation()),
+            bytes_in=int(length) if length.isdigit() else 0,
+        )
+
+    async def _one(self, request: Request, dialect: Dialect[A], asked: A, recording: Recording) -> Response:
         leave = (
             self.drain.enter()
         )  # before the check: a drain beginning now waits for this turn or refuses it
@@ -110,8 +170,11 @@ class Runner:
             turn = self._budgeted(asked.turn)
             entry = self.catalog.entry(turn.model)
             progress = _Progress()
-            events = self.conversations.run(
-                turn, self.catalog.open_request(entry, turn, asked.keep_alive), progress
+            events = _noting(
+                self.conversations.run(
+                    turn, self.catalog.open_request(entry, turn, asked.keep_alive), progress, recording
+                ),
+                recording,
             )
             task = asyncio.current_task()
             watcher = asyncio.create_task(_watch_disconnect(request, task))
@@ -119,7 +182,9 @@ class Runner:
             try:
                 if turn.stream:
                     opening = asyncio.ensure_future(first_event(events))
-                    response = await self._streamed(dialect, asked, events, opening, progress, leave)
+                    response = await self._streamed(
+                        dialect, asked, events, opening, progress, leave, recording
+                    )
                     handed = True
                     return response
                 started = await first_event(events)
@@ -149,12 +214,14 @@ class Runner:
         opening: asyncio.Task[Started],
         progress: _Progress,
         leave: Callable[[], None],
+        recording: Recording,
     ) -> Response:
         """A streamed answer. A turn that starts within the keep-alive interval is answered as
         before any byte (its failure with its own status); one still being prefilled then (or
         still loading its model) starts its stream at once, kept alive in its API's form until
         the answer comes, and a failure from there on is the API's error event. A prompt beyond
-        the window is answered inside a stream where the API says so (Responses)."""
+        the window is answered inside a stream where the API says so (Responses). The record is
+        finished when the stream ends."""
         interval = self.keepalive_seconds
         await asyncio.wait({opening}, timeout=interval if interval > 0 else None)
         headers = {**dialect.headers(), "Cache-Control": "no-cache"}
@@ -163,9 +230,15 @@ class Runner:
             if isinstance(error, WindowExceededError) and dialect.overflow_in_stream:
                 await events.aclose()
                 leave()
-                return StreamingResponse(
-                    iter([dialect.stream_error(asked, error)]), media_type=dialect.media_type, headers=headers
+                part = dialect.stream_error(asked, error)
+                recording.finish(
+                    finish="error",
+                    error=error.code,
+                    error_message=error.message[:300],
+                    status=200,
+                    bytes_out=len(part),
                 )
+                return StreamingResponse(iter([part]), media_type=dialect.media_type, headers=headers)
             started = opening.result()  # a failure before the stream: the API's status and body
             headers["X-Modeld-Session"] = started.session_id
 
@@ -181,12 +254,13 @@ class Runner:
                 lambda error: dialect.stream_error(asked, error),
                 opening,
                 done=leave,
+                recording=recording,
             ),
             media_type=dialect.media_type,
             headers=headers,
         )
 
-    async def _choices(self, dialect: Dialect[A], asked: A) -> Response:
+    async def _choices(self, dialect: Dialect[A], asked: A, recording: Recording) -> Response:
         """Run ``turn.n`` choices in the turn's conversation and answer them in one JSON body:
         decoded together from the prompt's KV where the engine can fork it, else (the backend
         decodes one choice at a time, or the KV pool has no room for the forks) the first, then
@@ -197,7 +271,7 @@ class Runner:
         entry = self.catalog.entry(turn.model)
         greedy = turn.decode.temperature <= 0
         first = turn.choice(0) if greedy else turn
-        events = self.conversations.run(first, self.catalog.open_request(entry, first))
+        events = self.conversations.run(first, self.catalog.open_request(entry, first), recording=recording)
         async with contextlib.aclosing(events):
             started = await first_event(events)
             dones = await collect_choices(started, events)
@@ -207,14 +281,16 @@ class Runner:
             dones = [once] * turn.n
         for index in range(len(dones), turn.n if dones[0].finished.error is None else 0):
             one = turn.choice(index)
-            more = self.conversations.run(one, self.catalog.open_request(entry, one))
+            more = self.conversations.run(one, self.catalog.open_request(entry, one), recording=recording)
             async with contextlib.aclosing(more):
                 dones.append(await collect(await first_event(more), more))
             if dones[-1].finished.error is not None:
                 break
         for done in dones:
             if done.finished.error is not None:
+                recording.set(error=done.finished.error.code, error_message=done.finished.error.message[:300])
                 return error_response(done.finished.error, dialect.error, dialect.status)
+        recording.set(finish=dones[0].finished.finish)
         return JSONResponse(dialect.choices(asked, dones), headers={"X-Modeld-Session": started.session_id})
 
     async def unload(self, name: str) -> bool:
@@ -302,20 +378,37 @@ async def _closing(
     opening: asyncio.Task[Started],
     *,
     done: Callable[[], None],
+    recording: Recording,
 ) -> AsyncIterator[bytes]:
     """A streamed answer that always closes its turn (the client went away: the decode stops)
-    and writes a failure as the API's error event (``failed``) instead of a broken stream."""
+    and writes a failure as the API's error event (``failed``) instead of a broken stream; its
+    record is finished with the bytes sent."""
+
+    def frame(error: HttpError) -> bytes:
+        recording.set(finish="error", error=error.code, error_message=error.message[:300])
+        return failed(error)
+
+    sent = 0
+    ended = False
     try:
         async for part in body:
+            sent += len(part)
             yield part
+        ended = True
     except (HttpError, ModeldError) as exc:
-        yield failed(exc if isinstance(exc, HttpError) else from_modeld(exc, incident_id()))
+        part = frame(exc if isinstance(exc, HttpError) else from_modeld(exc, incident_id()))
+        sent += len(part)
+        yield part
+        ended = True
     except Exception as exc:
         incident = incident_id()
         log.error("internal error while streaming (incident %s)", incident, exc_info=exc)
-        yield failed(
+        part = frame(
             HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
         )
+        sent += len(part)
+        yield part
+        ended = True
     finally:
         try:
             await body.aclose()  # stops what still waits for the turn's next event
@@ -323,7 +416,30 @@ async def _closing(
                 await _cancelled(opening)
             await events.aclose()
         finally:
+            if ended:
+                recording.finish(status=200, bytes_out=sent)
+            else:  # the client went away
+                recording.finish(status=200, bytes_out=sent, finish="canceled", error="canceled")
             done()
+
+
+async def _noting(events: AsyncGenerator[Event, None], recording: Recording) -> AsyncGenerator[Event, None]:
+    """The turn's events, their finish (and error) noted in its record."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            if isinstance(event, Finished) and event.choice == 0:
+                if event.error is not None:
+                    recording.set(
+                        finish="error", error=event.error.code, error_message=event.error.message[:300]
+                    )
+                else:
+                    recording.set(finish=event.finish)
+            yield event
+
+
+def _label(text: str) -> str:
+    """A label derived from what a client sent (not named by it as one): printable, bounded."""
+    return "".join(ch for ch in text if ch.isprintable())[:MAX_LABEL_CHARS]
 
 
 async def _watch_disconnect(request: Request, task: asyncio.Task[Any] | None) -> None:
