@@ -9,7 +9,8 @@ with the same files: ``<api>/request.py`` (its wire format to the one turn), ``<
 where the API has one. An API imports only the shared layer below, never another API:
 
 * the turn and the conversation layer: ``turn.py`` (what every API parses into),
-  ``conversations.py`` (a turn run on its conversation's warm session: its events);
+  ``conversations.py`` (a turn run on its conversation's warm session: its events),
+  ``diagnosis.py`` (where a prompt parted from an earlier request's: cache diagnosis);
 * reading requests and shaping answers alike: ``fields.py`` (typed, bounded field readers),
   ``requests.py`` (samplers from each API's sampler map, ids, text parts, tool calls, response
   formats), ``answers.py`` (the ``modeld`` extension, logprobs, SSE), ``errors.py`` (one status

@@ -66,6 +66,14 @@ from modeld.errors import (
 )
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
+from modeld.server.http.diagnosis import (
+    NO_DIVERGENCE,
+    Diagnoses,
+    Diagnosis,
+    Divergence,
+    Fingerprint,
+    divergence,
+)
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
 from modeld.server.http.turn import Turn, chat_inputs, split_point
 
@@ -127,6 +135,8 @@ class Started:
     choices: int = 1  # the choices this turn's events carry (n, or 1 when they are decoded one by one)
     decoded: str = "together"  # how n > 1 choices are decoded: together, once (greedy), one by one
     why: str = ""  # why they are not decoded together
+    diverged: Divergence = NO_DIVERGENCE  # where the prefix parted from what was warm (diagnosis.py)
+    diagnosis: Diagnosis | None = None  # the comparison the request asked for (Turn.compare)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +194,7 @@ class Conversations:
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._calls: OrderedDict[CallKey, str] = OrderedDict()
+        self.diagnoses = Diagnoses()
 
     def __len__(self) -> int:
         with self._lock:
@@ -349,7 +360,22 @@ class Conversations:
         prompt = status.prefix_tokens + suffix_tokens
         cached = max(0, status.reused_tokens - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
-        message = await self._diverged_message(session, status) if turn.chat else None
+        asked = turn.chat and turn.compare is not None
+        report = (
+            await session.explain_context()
+            if turn.chat and (asked or status.reuse.diverged_at_token is not None)
+            else None
+        )
+        where = divergence(status, report) if turn.chat else NO_DIVERGENCE
+        message = where.message
+        diagnosis = self._diagnose(turn, session.session_id, status, where) if asked else None
+        fingerprint = Fingerprint(
+            turn.model,
+            session.session_id,
+            prompt,
+            turn.keys.prompt_cache_key,
+            report.context_id if report else "",
+        )
         if status.reuse.diverged_at_token is not None:
             log.info(
                 "%s: %s prefix (%s), reused %d of %d tokens; diverged at token %d, message %s",
@@ -361,9 +387,20 @@ class Conversations:
                 status.reuse.diverged_at_token,
                 "?" if message is None else message,
             )
-        started = Started(session.session_id, status, message, info, usage, choices=turn.n)
+        started = Started(
+            session.session_id,
+            status,
+            message,
+            info,
+            usage,
+            choices=turn.n,
+            diverged=where,
+            diagnosis=diagnosis,
+        )
         if turn.max_tokens == 0:  # only the prompt: warm it, generate nothing
             yield started
+            if turn.chat:
+                self.diagnoses.record(turn.id, fingerprint)
             yield Finished("length", usage)
             return
         config = replace(
@@ -402,25 +439,29 @@ class Conversations:
                         thinking, text = splitter.finish()
                         if thinking or text:
                             yield Delta(text=text, reasoning=thinking, choice=i)
-                    yield self._finished(turn, chunk, usage, reasoning_tokens[i])
+                    finished = self._finished(turn, chunk, usage, reasoning_tokens[i])
+                    if turn.chat and i == 0 and finished.error is None:
+                        self.diagnoses.record(turn.id, fingerprint)
+                    yield finished
                     ended += 1
                     if ended == started.choices:
                         return
         finally:
             await stream.aclose()
 
-    async def _diverged_message(self, session: BridgedSession, status: PrefixStatus) -> int | None:
-        """The index of the message holding the first token that differed from what was resident."""
-        token = status.reuse.diverged_at_token
-        if token is None:
-            return None
-        manifest = (await session.explain_context()).manifest
-        if manifest is None:
-            return None
-        for index, seg in enumerate(manifest.segments):
-            if seg.token_end is not None and seg.token_end > token:
-                return index
-        return None
+    def _diagnose(self, turn: Turn, session_id: str, status: PrefixStatus, where: Divergence) -> Diagnosis:
+        """The comparison the request asked for (``Turn.compare``; "" names no turn yet)."""
+        if not turn.compare:
+            return Diagnosis("none")
+        return self.diagnoses.diagnose(
+            turn.compare,
+            model=turn.model,
+            session_id=session_id,
+            cache_key=turn.keys.prompt_cache_key,
+            last_turn=self.diagnoses.last_turn(session_id),
+            status=status,
+            where=where,
+        )
 
     def _finished(
         self, turn: Turn, chunk: StreamChunk, started: TurnUsage, reasoning_tokens: int

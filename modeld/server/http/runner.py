@@ -26,7 +26,15 @@ from modeld.errors import ModeldError, echo
 from modeld.server.bridge import Bridge
 from modeld.server.gateway import Gateway
 from modeld.server.http.catalog import Catalog
-from modeld.server.http.conversations import Conversations, Event, collect, collect_choices, first_event
+from modeld.server.http.conversations import (
+    Conversations,
+    Event,
+    Started,
+    collect,
+    collect_choices,
+    first_event,
+)
+from modeld.server.http.diagnosis import prefix_header
 from modeld.server.http.dialect import Asked, Dialect
 from modeld.server.http.drain import Drain
 from modeld.server.http.errors import ErrorStyle, HttpError, from_modeld, incident_id
@@ -91,7 +99,7 @@ class Runner:
             watcher = asyncio.create_task(_watch_disconnect(request, task))
             try:
                 started = await first_event(events)
-                headers = {"X-Modeld-Session": started.session_id, **dialect.headers()}
+                headers = {**_modeld_headers(started), **dialect.headers()}
                 if turn.stream:
                     watcher.cancel()  # the streaming response watches for the disconnect from here on
                     headers["Cache-Control"] = "no-cache"
@@ -151,7 +159,7 @@ class Runner:
         for done in dones:
             if done.finished.error is not None:
                 return error_response(done.finished.error, dialect.error)
-        return JSONResponse(dialect.choices(asked, dones), headers={"X-Modeld-Session": started.session_id})
+        return JSONResponse(dialect.choices(asked, dones), headers=_modeld_headers(started))
 
     async def load(self, turn: Turn) -> None:
         """Load the turn's model (count its prompt: nothing is computed or kept)."""
@@ -168,6 +176,15 @@ class Runner:
         prefix, suffix = self.conversations.inputs(turn, info)
         request = self.catalog.open_request(entry, turn)
         return await self.bridge.call(self.gateway.count_tokens, request, prefix, suffix)
+
+
+def _modeld_headers(started: Started) -> dict[str, str]:
+    """modeld's own headers on every API's answer: the session, and how the prompt's prefix was
+    reused (where it parted from what was warm: ``diagnosis.prefix_header``)."""
+    return {
+        "X-Modeld-Session": started.session_id,
+        "X-Modeld-Prefix": prefix_header(started.status, started.diverged),
+    }
 
 
 async def _closing(

@@ -97,6 +97,7 @@ class Turn:
     num_ctx: int = 0  # a context window the request asks for (Ollama's options.num_ctx); 0: default
     omitted_tools: tuple[str, ...] = ()
     n: int = 1  # choices (OpenAI's n): decoded together from the same prompt (else one after another)
+    compare: str | None = None  # cache diagnosis: the turn id to compare with ("": none yet; None: not asked)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 

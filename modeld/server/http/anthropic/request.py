@@ -26,8 +26,9 @@ Field by field (``blueprints/0019-agent-apis.md``):
   one it is accepted and yields none. Accepted with no effect (they describe the hosted
   service): ``metadata`` (its ``user_id`` names the conversation: Claude Code puts a
   ``session_id`` in it), ``context_management``, ``output_config.effort``, ``service_tier``,
-  ``cache_control``, ``container``, ``inference_geo``, ``speed``, ``diagnostics``, and the
-  ``anthropic-beta`` / ``anthropic-version`` headers.
+  ``cache_control``, ``container``, ``inference_geo``, ``speed``, and the
+  ``anthropic-beta`` / ``anthropic-version`` headers. ``diagnostics.previous_message_id`` asks
+  where the prompt parted from that message's request (``anthropic/diagnosis.py``).
 * Stop reasons: ``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``. Usage is
   truthful about the cache: ``cache_read_input_tokens`` = prompt tokens reused from warm state,
   ``cache_creation_input_tokens`` = stable-prefix tokens computed this turn (now reusable),
@@ -43,6 +44,7 @@ from typing import Any
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
+from modeld.server.http.anthropic.diagnosis import previous_message
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad
 from modeld.server.http.fields import MAX_KEY_CHARS, integer, model_name, obj, refuse_unknown, stop_list
@@ -99,6 +101,7 @@ _TOP_LEVEL = frozenset(
         "metadata",
         "thinking",
         "output_config",
+        "diagnostics",
         # accepted, no effect here (the hosted service's features)
         "context_management",
         "service_tier",
@@ -106,7 +109,6 @@ _TOP_LEVEL = frozenset(
         "container",
         "inference_geo",
         "speed",
-        "diagnostics",
         "mcp_servers",
         "betas",
     }
@@ -376,6 +378,7 @@ def parse_messages(
         max_tokens=max_tokens,
         parallel_tool_calls=parallel,
         omitted_tools=hosted,
+        compare=previous_message(body),
     )
     return MessagesAsked(turn, thinking=_thinking(body))
 

@@ -17,6 +17,7 @@ from modeld.server.http.answers import chat_logprobs, extension, sse_event
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.dialect import Asked, Dialect
 from modeld.server.http.errors import HttpError, openai_error
+from modeld.server.http.responses.diagnosis import diagnostics_field
 from modeld.server.http.turn import Message, Turn
 
 __all__ = [
@@ -91,6 +92,7 @@ class ResponseShape:
             "truncation": body.get("truncation") or "disabled",
             "usage": usage_dict(usage) if usage is not None else None,
             "metadata": body.get("metadata") or {},
+            **diagnostics_field(turn, started),
         }
         if started is not None:
             out["modeld"] = {
@@ -131,8 +133,18 @@ class ResponseShape:
             "status": status,
         }
 
+    @property
+    def prewarm(self) -> bool:
+        """``prompt_cache_options.prewarm``: the prompt is computed and kept, nothing generated."""
+        return self.turn.max_tokens == 0
+
+    def status(self, finish: str) -> str:
+        return "completed" if self.prewarm else _status(finish)
+
     def output(self, done: Collected) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
+        if self.prewarm:
+            return items
         if done.reasoning:
             items.append(self.reasoning_item(done.reasoning))
         status = "incomplete" if done.finished.finish == "length" else "completed"
@@ -150,7 +162,11 @@ def _status(finish: str) -> str:
 def complete_response(shape: ResponseShape, done: Collected) -> dict[str, Any]:
     finished = done.finished
     return shape.response(
-        _status(finished.finish), shape.output(done), finished.usage, done.started, finish=finished.finish
+        shape.status(finished.finish),
+        shape.output(done),
+        finished.usage,
+        done.started,
+        finish=finished.finish,
     )
 
 
@@ -302,7 +318,7 @@ async def stream_response(
                     + emit("response.failed", response=failed)
                 )
                 return
-            status = _status(event.finish)
+            status = shape.status(event.finish)
             by_id = {c.id: c for c in event.calls}
             for index, item in enumerate(items):
                 if item["type"] != "function_call":
@@ -318,7 +334,7 @@ async def stream_response(
                     name=final["name"],
                 )
                 out += emit("response.output_item.done", output_index=index, item=final)
-            if not items:  # an empty answer is still a message
+            if not items and not shape.prewarm:  # an empty answer is still a message
                 items.append(shape.message_item("", status))
                 out += emit("response.output_item.added", output_index=0, item=items[0]) + emit(
                     "response.output_item.done", output_index=0, item=items[0]
