@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 
 from modeld.errors import echo
 from modeld.server.auth import bearer_matches
@@ -57,8 +57,8 @@ class Access:
         self.allowed_origins = allowed_origins
         self.bound_host = bound_host
 
-    def denied(self, request: Request) -> HttpError | None:
-        """Why this request may not be served (None: it may)."""
+    def denied(self, request: HTTPConnection) -> HttpError | None:
+        """Why this request (or WebSocket upgrade) may not be served (None: it may)."""
         origin = request.headers.get("origin")
         if origin is not None and not self._origin_allowed(origin):
             return HttpError(

@@ -71,7 +71,8 @@ class Runner:
         self.drain = drain
         self.max_output_tokens = max_output_tokens
 
-    def _budgeted(self, turn: Turn) -> Turn:
+    def budgeted(self, turn: Turn) -> Turn:
+        """The turn with the daemon's output limit when it sets none."""
         if turn.max_tokens is None and self.max_output_tokens:
             return replace(turn, max_tokens=self.max_output_tokens)
         return turn
@@ -92,7 +93,7 @@ class Runner:
             if self.drain.draining:
                 leave()
                 await self.drain.refuse()
-            turn = self._budgeted(asked.turn)
+            turn = self.budgeted(asked.turn)
             entry = self.catalog.entry(turn.model)
             events = self.conversations.run(turn, self.catalog.open_request(entry, turn, asked.keep_alive))
             task = asyncio.current_task()
@@ -137,7 +138,7 @@ class Runner:
         the others one after another, each reusing the warm prompt; greedy choices are all the
         same, so they are decoded once (the answer says which, ``choices_note``)."""
         assert dialect.choices is not None
-        turn = self._budgeted(asked.turn)
+        turn = self.budgeted(asked.turn)
         entry = self.catalog.entry(turn.model)
         greedy = turn.decode.temperature <= 0
         first = turn.choice(0) if greedy else turn

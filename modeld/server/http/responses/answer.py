@@ -25,6 +25,7 @@ __all__ = [
     "ResponseShape",
     "ResponsesAsked",
     "complete_response",
+    "history_after",
     "history_message",
     "stream_response",
     "usage_dict",
@@ -173,6 +174,12 @@ def complete_response(shape: ResponseShape, done: Collected) -> dict[str, Any]:
 def history_message(done: Collected) -> Message:
     """The response's output as the assistant turn the next request continues."""
     return Message("assistant", done.text, done.finished.calls, done.reasoning)
+
+
+def history_after(done: Collected, shape: ResponseShape) -> tuple[Message, ...]:
+    """What the response adds to its conversation: its assistant turn (nothing after a prewarm,
+    which generated nothing)."""
+    return () if shape.prewarm else (history_message(done),)
 
 
 Keep = Callable[[Collected, dict[str, Any]], None]
