@@ -396,6 +396,8 @@ class CountingProxy:
                 self._threads.append(t)
 
     def _pipe(self, src: Any, dst: Any, counted: bool) -> None:
+        """Copy ``src`` to ``dst`` until either end closes; ``src`` is this pipe's to close (each
+        socket is the source of exactly one of its connection's two pipes)."""
         try:
             while data := src.recv(65536):
                 if counted:
@@ -408,7 +410,10 @@ class CountingProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(2)
+            src.close()
 
     def close(self) -> None:
         self._closed = True
         self._listener.close()
+        for t in self._threads:
+            t.join(timeout=10)

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.wire, pytest.mark.llama, pytest.mark.slow]
 
 MODEL = "modeld-tools"
 READ_CALC = 'Read the file "calc.py" and say what it does.'
-CALC_TEXT = '"""A tiny calculator."""'
+CALC_TEXT = "A tiny calculator."  # calc.py's docstring
 RUN_TIMEOUT = 1500.0  # a cold 20k-token prompt on a loaded 2-core box takes minutes
 WARM = 0.9  # a warm request reuses at least this share of its prompt
 PART_1 = (
@@ -214,7 +214,7 @@ def test_codex_runs_a_tool_loop_over_the_responses_websocket(daemon: Daemon) -> 
     run_codex_loop(daemon, "websocket")
     if "http" in SENT:
         http, ws = SENT["http"][1][0], SENT["websocket"][1][0]
-        print(f"\ncodex bytes sent, run 2 (a tool loop: 2 turns): http {http}, websocket {ws}")
+        print(f"\ncodex bytes sent per run (a tool loop: 2 requests each; run 2 resumed): {SENT}")
         assert ws * 2 < http, SENT
 
 

@@ -153,3 +153,33 @@ def test_a_plain_get_and_a_refused_upgrade_answer_426_or_403(daemon: Daemon) -> 
     ):
         turn(connection, input="hi\n")
     assert "403" in str(refused.value) or "1008" in str(refused.value), refused.value
+
+
+def test_past_the_socket_limit_the_upgrade_is_426_and_http_serves(daemon: Daemon) -> None:
+    """With MAX_SOCKETS open, one more upgrade is answered 426 (what makes Codex use HTTP);
+    closing one makes room again."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from modeld.server.http.responses.websocket import MAX_SOCKETS
+
+    url = daemon.url.replace("http://", "ws://") + "/v1/responses"
+    held = [connect(url) for _ in range(MAX_SOCKETS)]
+    try:
+        with pytest.raises(InvalidStatus) as refused:
+            connect(url)
+        assert refused.value.response.status_code == 426
+        assert b"upgrade_required" in refused.value.response.body
+        answer = daemon.client.responses.create(model=MODEL, input="hi\n", max_output_tokens=2, store=False)
+        assert answer.status in ("completed", "incomplete")
+    finally:
+        held.pop().close()
+    try:
+        with connect(url) as again:
+            again.send(
+                '{"type": "response.create", "model": "modeld-tiny", "input": "hi\\n", "max_output_tokens": 1}'
+            )
+            assert '"response.created"' in str(again.recv(timeout=60))
+    finally:
+        for socket in held:
+            socket.close()
