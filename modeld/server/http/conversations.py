@@ -368,7 +368,7 @@ class Conversations:
         )
         where = divergence(status, report) if turn.chat else NO_DIVERGENCE
         message = where.message
-        diagnosis = self._diagnose(turn, session.session_id, status, where) if asked else None
+        diagnosis = self.diagnoses.of_turn(turn, session.session_id, status, where) if asked else None
         fingerprint = Fingerprint(
             turn.model,
             session.session_id,
@@ -448,20 +448,6 @@ class Conversations:
                         return
         finally:
             await stream.aclose()
-
-    def _diagnose(self, turn: Turn, session_id: str, status: PrefixStatus, where: Divergence) -> Diagnosis:
-        """The comparison the request asked for (``Turn.compare``; "" names no turn yet)."""
-        if not turn.compare:
-            return Diagnosis("none")
-        return self.diagnoses.diagnose(
-            turn.compare,
-            model=turn.model,
-            session_id=session_id,
-            cache_key=turn.keys.prompt_cache_key,
-            last_turn=self.diagnoses.last_turn(session_id),
-            status=status,
-            where=where,
-        )
 
     def _finished(
         self, turn: Turn, chunk: StreamChunk, started: TurnUsage, reasoning_tokens: int

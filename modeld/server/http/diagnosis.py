@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from modeld.contract import ContextReport, PrefixStatus
 from modeld.manifest import Segment
 from modeld.server.http.requests import ident
+from modeld.server.http.turn import Turn
 
 __all__ = [
     "REMEMBERED_TURNS",
@@ -181,6 +182,21 @@ class Diagnoses:
     def last_turn(self, session_id: str) -> str | None:
         with self._lock:
             return self._last.get(session_id)
+
+    def of_turn(self, turn: Turn, session_id: str, status: PrefixStatus, where: Divergence) -> Diagnosis:
+        """The comparison ``turn`` asked for (``Turn.compare``; "" names no turn yet: nothing to
+        compare), on the session that served it."""
+        if not turn.compare:
+            return Diagnosis("none")
+        return self.diagnose(
+            turn.compare,
+            model=turn.model,
+            session_id=session_id,
+            cache_key=turn.keys.prompt_cache_key,
+            last_turn=self.last_turn(session_id),
+            status=status,
+            where=where,
+        )
 
     def diagnose(
         self,
