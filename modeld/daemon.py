@@ -331,9 +331,10 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
     except ValueError as exc:
         raise ServeError(str(exc)) from None
     if not http.http:
-        if http.models or http.models_dir or http.tool_formats:
+        if http.models or http.models_dir or http.tool_formats or http.chat_templates:
             raise ServeError(
-                "--model, --models-dir and --tool-format name the models --http serves; add --http HOST:PORT"
+                "--model, --models-dir, --tool-format and --chat-template-file name the models --http "
+                "serves; add --http HOST:PORT"
             )
         return None
     address = parse_listen(http.http, allow_remote=options.serving.allow_remote, option="--http")
@@ -354,7 +355,13 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
         raise ServeError(
             f"--http needs the http extra ({', '.join(missing)} missing): pip install 'modeld[http]'"
         )
-    from modeld.server.http.models import ModelRegistry, RegistryError, default_models, parse_model_option
+    from modeld.server.http.models import (
+        ModelRegistry,
+        RegistryError,
+        default_models,
+        parse_model_option,
+        parse_template_option,
+    )
 
     try:
         entries = {}
@@ -365,7 +372,13 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
             entries[entry.name] = entry
         models_dir = Path(http.models_dir) if http.models_dir else None
         fallback = default_models(backend) if not entries and models_dir is None else None
-        registry = ModelRegistry(backend, entries, models_dir, fallback)
+        templates: dict[str, tuple[str, str]] = {}
+        for spec in http.chat_templates:
+            name, path, text = parse_template_option(spec)
+            if name in templates:
+                raise RegistryError(f"--chat-template-file {name} is given twice")
+            templates[name] = (path, text)
+        registry = ModelRegistry(backend, entries, models_dir, fallback, templates, aliases=http.aliases)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None
     return address, registry

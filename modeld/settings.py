@@ -118,10 +118,24 @@ class HttpSettings:
     one's session is closed."""
     conversation_idle_seconds: float = setting(600.0, "--conversation-idle", _HTTP, parse_duration)
     """A conversation idle this long has its session closed (0: never)."""
+    chat_templates: tuple[str, ...] = setting(
+        (), "--chat-template-file", _HTTP, metavar="NAME=PATH", repeat=True
+    )
+    """Render the model served as NAME with the Jinja chat template in PATH instead of its
+    file's (repeatable; llama-server's --chat-template-file, per model)."""
     tool_formats: tuple[str, ...] = setting((), "--tool-format", _HTTP, metavar="NAME=FORMAT", repeat=True)
     """The tool-call format of the model served as NAME, instead of the one recognised from its
     chat template (repeatable; a family such as hermes, qwen3_coder, harmony, glm45; none: no
     calls are parsed; blueprint 0018 lists them)."""
+    keepalive_seconds: float = setting(10.0, "--keepalive-interval", _HTTP, parse_duration)
+    """A stream silent this long (a long prefill, hidden thinking) gets a keep-alive in its API's
+    form: Anthropic's ping, an SSE comment with the prefill's progress, Responses'
+    response.in_progress, an empty Ollama line (0: never). Claude Code warns after 30 s without
+    a byte; llama-server's --sse-ping-interval is 30 s."""
+    aliases: tuple[str, ...] = setting((), "--alias", _HTTP, metavar="PATTERN=MODEL", repeat=True)
+    """Requests for a model name matching the glob PATTERN are served by MODEL (repeatable, first
+    match wins), e.g. 'claude-*=modeld-reply' or 'gpt-*=modeld-reply', so an agent's default
+    model names work with no client setting; /v1/models lists the patterns."""
 
 
 def parse_tool_formats(specs: tuple[str, ...]) -> dict[str, str]:

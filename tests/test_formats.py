@@ -549,8 +549,9 @@ def test_mangled_outputs_never_raise_and_never_lose_text(fmt: str) -> None:
 
 
 def test_calls_sent_back_are_known_by_id_name_and_arguments() -> None:
-    """The exact text of calls this daemon generated is recalled by this key: Kimi writes
-    ``functions.read_file:0`` in every turn, so the id alone would recall another turn's call."""
+    """The arguments of calls this daemon generated are recalled as the model wrote them by this
+    key (``Conversations.recall``): Kimi writes ``functions.read_file:0`` in every turn, so the
+    id alone would recall another turn's call."""
     from modeld.decoding.tools import call_key
 
     first = ToolCall("functions.read_file:0", "read_file", '{"path": "a.py", "start": 1}')

@@ -41,6 +41,7 @@ GETS = [
     "/api/tags",
     "/api/ps",
     "/api/version",
+    "/",
     "/server_info",
     "/model_info",
     "/get_load",
@@ -97,8 +98,12 @@ def test_every_route_refuses_web_origins_that_are_not_loopback(url: str) -> None
             assert r.status_code == 200, (origin, path, r.text[:300])
 
 
-def test_a_post_must_be_json(url: str) -> None:
-    """text/plain, a form or no type at all: the "simple" requests a page can send unseen."""
+def test_a_post_from_a_page_must_be_json(url: str) -> None:
+    """text/plain, a form or no type at all: the "simple" requests a page can send unseen. A
+    browser always sends Origin with them (here a loopback page's, which is allowed), so they
+    are refused; the same bodies without Origin (curl -d, Ollama's documented examples, which
+    send a form type) are not a page's and are read as JSON."""
+    page = {"Origin": "http://localhost:3000"}
     for path in POSTS:
         data = json.dumps(GOOD[path])
         for kind in (
@@ -108,10 +113,17 @@ def test_a_post_must_be_json(url: str) -> None:
             None,
         ):
             headers = {"Content-Type": kind} if kind else {}
-            r = httpx.post(url + path, content=data, headers=headers, timeout=30)
+            r = httpx.post(url + path, content=data, headers={**headers, **page}, timeout=30)
             assert r.status_code == 415, (path, kind, r.status_code)
+        for kind in ("application/x-www-form-urlencoded", None):
+            headers = {"Content-Type": kind} if kind else {}
+            r = httpx.post(url + path, content=data, headers=headers, timeout=60)
+            assert r.status_code == 200, (path, kind, r.text[:300])
         ok = httpx.post(
-            url + path, content=data, headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60
+            url + path,
+            content=data,
+            headers={"Content-Type": "application/json; charset=utf-8", **page},
+            timeout=60,
         )
         assert ok.status_code == 200, (path, ok.text[:300])
 

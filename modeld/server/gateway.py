@@ -91,6 +91,8 @@ class ServedEngine(Protocol):
 
     def machine(self) -> Machine: ...
 
+    def unload(self, path: str) -> int: ...
+
 
 class TransportSession:
     """A session opened through a transport, and what that transport holds about it."""
@@ -212,6 +214,10 @@ class Gateway:
 
     def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
         return self.engine.tokenize(self.named(request), text)
+
+    def unload(self, path: str) -> int:
+        """Unload the model file's idle loaded models (how many)."""
+        return self.engine.unload(path)
 
     def count_tokens(
         self, request: OpenSessionRequest, prefix: PrefixInput, suffix: SuffixInput | None = None

@@ -76,7 +76,7 @@ class Fence(_message.Message):
     def __init__(self, owner_instance_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("model_name", "type", "digest", "path", "config", "fence", "pin", "keep_alive_seconds", "no_wait")
+    __slots__ = ("model_name", "type", "digest", "path", "config", "fence", "pin", "keep_alive_seconds", "no_wait", "chat_template")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class OpenSessionRequest(_message.Message):
     PIN_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     type: BackendType
     digest: str
@@ -95,7 +96,8 @@ class OpenSessionRequest(_message.Message):
     pin: bool
     keep_alive_seconds: float
     no_wait: bool
-    def __init__(self, model_name: _Optional[str] = ..., type: _Optional[_Union[BackendType, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., config: _Optional[_Union[Config, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, model_name: _Optional[str] = ..., type: _Optional[_Union[BackendType, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., config: _Optional[_Union[Config, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("model",)
@@ -132,7 +134,7 @@ class SpecialToken(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format", "architecture", "footprint")
+    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format", "architecture", "footprint", "template_source", "reasoning_format")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,8 @@ class ModelInfo(_message.Message):
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FORMAT_FIELD_NUMBER: _ClassVar[int]
     backend: str
     backend_version: str
     path: str
@@ -179,7 +183,9 @@ class ModelInfo(_message.Message):
     tool_format: str
     architecture: str
     footprint: Footprint
-    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ..., footprint: _Optional[_Union[Footprint, _Mapping]] = ...) -> None: ...
+    template_source: str
+    reasoning_format: str
+    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ..., footprint: _Optional[_Union[Footprint, _Mapping]] = ..., template_source: _Optional[str] = ..., reasoning_format: _Optional[str] = ...) -> None: ...
 
 class Footprint(_message.Message):
     __slots__ = ("weights_bytes", "kv_bytes_per_token", "compute_floor_bytes", "compute_fixed_bytes", "compute_bytes_per_token", "trained_window", "trained_kv_bytes", "layout", "window", "kv_bytes", "compute_bytes", "overhead_bytes", "total_bytes", "budget_bytes", "max_window")
@@ -294,16 +300,18 @@ class ContextManifest(_message.Message):
     def __init__(self, profile_id: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., prompt_format: _Optional[str] = ..., prompt_template_digest: _Optional[str] = ..., runtime_digest: _Optional[str] = ..., add_bos: _Optional[bool] = ..., stable_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class PrefixInput(_message.Message):
-    __slots__ = ("text", "manifest", "tools_json", "no_wait")
+    __slots__ = ("text", "manifest", "tools_json", "no_wait", "template_args_json")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     text: str
     manifest: ContextManifest
     tools_json: str
     no_wait: bool
-    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+    template_args_json: str
+    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ..., no_wait: _Optional[bool] = ..., template_args_json: _Optional[str] = ...) -> None: ...
 
 class ReuseDecision(_message.Message):
     __slots__ = ("outcome", "reason", "message", "field", "diverged_at_token", "diverged_segment", "diverged_at_byte", "tier", "context")

@@ -11,9 +11,11 @@ where the API has one. An API imports only the shared layer below, never another
 * the turn and the conversation layer: ``turn.py`` (what every API parses into),
   ``conversations.py`` (a turn run on its conversation's warm session: its events),
   ``diagnosis.py`` (where a prompt parted from an earlier request's: cache diagnosis);
+  ``window.py`` (a turn's prompt checked against the window before anything is computed);
 * reading requests and shaping answers alike: ``fields.py`` (typed, bounded field readers),
   ``requests.py`` (samplers from each API's sampler map, ids, text parts, tool calls, response
-  formats), ``answers.py`` (the ``modeld`` extension, logprobs, SSE), ``errors.py`` (one status
+  formats), ``chat_template.py`` (the template's arguments each API maps, what every API says
+  of a model's template), ``answers.py`` (the ``modeld`` extension, logprobs, SSE), ``errors.py`` (one status
   table; OpenAI's error words), ``dialect.py`` (an API's words as a value);
 * the service, by job: ``access.py`` (key, Host, Origin, bounded bodies), ``drain.py``,
   ``models.py`` (names to model files) and ``catalog.py`` (what each can do here, the session a

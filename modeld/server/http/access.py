@@ -8,8 +8,9 @@ address (DNS rebinding); any ``Origin`` that is not a loopback ``http(s)`` origi
 allow-list (``--allow-origin``), so ``Origin: null`` (sandboxed frames, ``file://`` pages) and
 extension origins are refused.
 
-:class:`Bodies`: a POST must be JSON (a page cannot send a "simple" cross-site request that
-needs no preflight); a body is at most ``max_body_bytes``; the bodies of requests in flight
+:class:`Bodies`: a POST body is read as JSON; one that carries an ``Origin`` (a browser's) must
+say so in its ``Content-Type`` (a page cannot send a "simple" cross-site request that needs no
+preflight; a request without ``Origin``, curl's ``-d`` for one, is not a page's); a body is at most ``max_body_bytes``; the bodies of requests in flight
 together at most ``max_inflight_bytes`` (beyond it 503 with ``Retry-After``,
 ``limit_exceeded``); every string a client sends is checked at the edge (a lone surrogate is a
 400).
@@ -104,7 +105,10 @@ class Bodies:
     async def read(self, request: Request) -> AsyncIterator[dict[str, Any]]:
         """The request's JSON object, its bytes counted against the in-flight budget while the
         request is handled."""
-        if request.method == "POST":
+        if request.method == "POST" and "origin" in request.headers:
+            # Only a browser sends Origin, and it always does on a cross-site POST: there a JSON
+            # content type is what keeps a page from sending a "simple" request with no
+            # preflight. Without Origin (curl -d, Ollama's own examples) the body is read as JSON.
             kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if kind != "application/json" and not kind.endswith("+json"):
                 raise HttpError(

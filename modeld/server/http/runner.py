@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
@@ -22,6 +21,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from modeld.contract import PrefillProgress
 from modeld.errors import ModeldError, echo
 from modeld.server.bridge import Bridge
 from modeld.server.gateway import Gateway
@@ -37,7 +37,7 @@ from modeld.server.http.conversations import (
 from modeld.server.http.diagnosis import prefix_header
 from modeld.server.http.dialect import Asked, Dialect
 from modeld.server.http.drain import Drain
-from modeld.server.http.errors import ErrorStyle, HttpError, from_modeld, incident_id
+from modeld.server.http.errors import ErrorStyle, HttpError, WindowExceededError, from_modeld, incident_id
 from modeld.server.http.turn import Turn
 
 __all__ = ["Runner", "error_response"]
@@ -46,14 +46,28 @@ log = logging.getLogger("modeld.http")
 
 A = TypeVar("A", bound=Asked)
 
+UNLOAD_POLLS = 40
+UNLOAD_POLL_SECONDS = 0.05
+"""How long an unload waits for the model's last turn to let go of it (2 s in all)."""
 
-def error_response(error: HttpError, style: ErrorStyle) -> JSONResponse:
-    return JSONResponse(style(error), status_code=error.status, headers=error.headers())
+
+def error_response(
+    error: HttpError, style: ErrorStyle, status: Callable[[HttpError], int] | None = None
+) -> JSONResponse:
+    """``error`` in an API's words (``style``), with the status it gives it (``status``:
+    Anthropic's 529 for an overloaded daemon); a body with a ``request_id`` (Anthropic's) also
+    carries it as the ``request-id`` header."""
+    body = style(error)
+    headers = error.headers()
+    if isinstance(body.get("request_id"), str):
+        headers["request-id"] = body["request_id"]
+    return JSONResponse(body, status_code=status(error) if status else error.status, headers=headers)
 
 
 class Runner:
     """Runs turns and answers them (``max_output_tokens``: the output limit of a request that
-    sets none, ``modeld serve --max-output-tokens``)."""
+    sets none, ``modeld serve --max-output-tokens``; ``keepalive_seconds``: how long a stream
+    may stay silent before it is kept alive, ``--keepalive-interval``)."""
 
     def __init__(
         self,
@@ -63,6 +77,7 @@ class Runner:
         conversations: Conversations,
         drain: Drain,
         max_output_tokens: int = 0,
+        keepalive_seconds: float = 0.0,
     ) -> None:
         self.gateway = gateway
         self.bridge = bridge
@@ -70,6 +85,7 @@ class Runner:
         self.conversations = conversations
         self.drain = drain
         self.max_output_tokens = max_output_tokens
+        self.keepalive_seconds = keepalive_seconds
 
     def budgeted(self, turn: Turn) -> Turn:
         """The turn with the daemon's output limit when it sets none."""
@@ -95,41 +111,82 @@ class Runner:
                 await self.drain.refuse()
             turn = self.budgeted(asked.turn)
             entry = self.catalog.entry(turn.model)
-            events = self.conversations.run(turn, self.catalog.open_request(entry, turn, asked.keep_alive))
+            progress = _Progress()
+            events = self.conversations.run(
+                turn, self.catalog.open_request(entry, turn, asked.keep_alive), progress
+            )
             task = asyncio.current_task()
             watcher = asyncio.create_task(_watch_disconnect(request, task))
+            opening: asyncio.Task[Started] | None = None
             try:
-                started = await first_event(events)
-                headers = {**_modeld_headers(started), **dialect.headers()}
                 if turn.stream:
-                    watcher.cancel()  # the streaming response watches for the disconnect from here on
-                    headers["Cache-Control"] = "no-cache"
-                    response = StreamingResponse(
-                        _closing(
-                            dialect.stream(asked, started, events),
-                            events,
-                            dialect.error,
-                            ndjson=dialect.ndjson,
-                            done=leave,
-                        ),
-                        media_type=dialect.media_type,
-                        headers=headers,
-                    )
+                    opening = asyncio.ensure_future(first_event(events))
+                    response = await self._streamed(dialect, asked, events, opening, progress, leave)
                     handed = True
                     return response
+                started = await first_event(events)
+                headers = {**_modeld_headers(started), **dialect.headers()}
                 async with contextlib.aclosing(events):
                     done = await collect(started, events)
                 if done.finished.error is not None:
-                    return error_response(done.finished.error, dialect.error)
+                    return error_response(done.finished.error, dialect.error, dialect.status)
                 return JSONResponse(dialect.complete(asked, done), headers=headers)
             except BaseException:
-                await events.aclose()
+                if opening is not None and not handed:
+                    await _cancelled(opening)
+                if not handed:
+                    await events.aclose()
                 raise
             finally:
                 watcher.cancel()
         finally:
             if not handed:
                 leave()
+
+    async def _streamed(
+        self,
+        dialect: Dialect[A],
+        asked: A,
+        events: AsyncGenerator[Event, None],
+        opening: asyncio.Task[Started],
+        progress: _Progress,
+        leave: Callable[[], None],
+    ) -> Response:
+        """A streamed answer. A turn that starts within the keep-alive interval is answered as
+        before any byte (its failure with its own status); one still being prefilled then (or
+        still loading its model) starts its stream at once, kept alive in its API's form until
+        the answer comes, and a failure from there on is the API's error event. A prompt beyond
+        the window is answered inside a stream where the API says so (Responses)."""
+        interval = self.keepalive_seconds
+        await asyncio.wait({opening}, timeout=interval if interval > 0 else None)
+        headers = {**dialect.headers(), "Cache-Control": "no-cache"}
+        if opening.done():
+            error = opening.exception()
+            if isinstance(error, WindowExceededError) and dialect.overflow_in_stream:
+                await events.aclose()
+                leave()
+                return StreamingResponse(
+                    iter([dialect.stream_error(asked, error)]), media_type=dialect.media_type, headers=headers
+                )
+            started = opening.result()  # a failure before the stream: the API's status and body
+            headers.update(_modeld_headers(started))
+
+        async def body() -> AsyncGenerator[bytes, None]:
+            begun = await opening
+            async for part in dialect.stream(asked, begun, events):
+                yield part
+
+        return StreamingResponse(
+            _closing(
+                _alive(body(), lambda: dialect.alive(asked, progress.latest), interval),
+                events,
+                lambda error: dialect.stream_error(asked, error),
+                opening,
+                done=leave,
+            ),
+            media_type=dialect.media_type,
+            headers=headers,
+        )
 
     async def _choices(self, dialect: Dialect[A], asked: A) -> Response:
         """Run ``turn.n`` choices in the turn's conversation and answer them in one JSON body:
@@ -159,8 +216,21 @@ class Runner:
                 break
         for done in dones:
             if done.finished.error is not None:
-                return error_response(done.finished.error, dialect.error)
+                return error_response(done.finished.error, dialect.error, dialect.status)
         return JSONResponse(dialect.choices(asked, dones), headers=_modeld_headers(started))
+
+    async def unload(self, name: str) -> bool:
+        """Unload the model served as ``name`` now (Ollama's ``keep_alive: 0``): its idle
+        conversations are closed, then the model, once no session holds it (a turn still
+        finishing is waited for, a few seconds at most). True when it was unloaded."""
+        entry = self.catalog.entry(name)
+        for _ in range(UNLOAD_POLLS):
+            self.conversations.close_model(entry.name)
+            if await self.bridge.call(self.gateway.unload, entry.path):
+                return True
+            await asyncio.sleep(UNLOAD_POLL_SECONDS)
+        log.info("%s was not unloaded: a session still holds it", entry.name)
+        return False
 
     async def load(self, turn: Turn) -> None:
         """Load the turn's model (count its prompt: nothing is computed or kept)."""
@@ -188,34 +258,80 @@ def _modeld_headers(started: Started) -> dict[str, str]:
     }
 
 
+class _Progress:
+    """The latest progress of a turn's prefill (what a keep-alive says of it)."""
+
+    def __init__(self) -> None:
+        self.latest: PrefillProgress | None = None
+
+    def __call__(self, step: PrefillProgress) -> None:
+        self.latest = step
+
+
+async def _cancelled(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it has stopped (its exception, if any, is dropped)."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+
+
+async def _alive(
+    parts: AsyncGenerator[bytes, None], alive: Callable[[], bytes], interval: float
+) -> AsyncGenerator[bytes, None]:
+    """``parts``, with ``alive()`` sent whenever they are silent for ``interval`` seconds (0:
+    never): a long prefill, hidden thinking, a busy model. The next part keeps being awaited
+    across keep-alives (never cancelled by them)."""
+    if interval <= 0:
+        async for part in parts:
+            yield part
+        return
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(parts))
+            done, _ = await asyncio.wait({pending}, timeout=interval)
+            if not done:
+                yield alive()
+                continue
+            finished, pending = pending, None
+            try:
+                part = finished.result()
+            except StopAsyncIteration:
+                return
+            yield part
+    finally:
+        if pending is not None:
+            await _cancelled(pending)
+        await parts.aclose()
+
+
 async def _closing(
-    body: AsyncIterator[bytes],
+    body: AsyncGenerator[bytes, None],
     events: AsyncGenerator[Event, None],
-    style: ErrorStyle,
+    failed: Callable[[HttpError], bytes],
+    opening: asyncio.Task[Started],
     *,
-    ndjson: bool,
     done: Callable[[], None],
 ) -> AsyncIterator[bytes]:
     """A streamed answer that always closes its turn (the client went away: the decode stops)
-    and writes an unexpected failure as the API's error event instead of a broken stream."""
-
-    def frame(error: HttpError) -> bytes:
-        data = json.dumps(style(error)).encode()
-        return data + b"\n" if ndjson else b"data: " + data + b"\n\n"
-
+    and writes a failure as the API's error event (``failed``) instead of a broken stream."""
     try:
         async for part in body:
             yield part
     except (HttpError, ModeldError) as exc:
-        yield frame(exc if isinstance(exc, HttpError) else from_modeld(exc, incident_id()))
+        yield failed(exc if isinstance(exc, HttpError) else from_modeld(exc, incident_id()))
     except Exception as exc:
         incident = incident_id()
         log.error("internal error while streaming (incident %s)", incident, exc_info=exc)
-        yield frame(
+        yield failed(
             HttpError(500, f"internal error (incident {incident}; see the daemon's log)", code="internal")
         )
     finally:
         try:
+            await body.aclose()  # stops what still waits for the turn's next event
+            if not opening.done():
+                await _cancelled(opening)
             await events.aclose()
         finally:
             done()
