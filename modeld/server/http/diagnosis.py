@@ -88,7 +88,7 @@ class Divergence:
 
     token: int | None  # the first token that differed (None: none did)
     part: str = ""  # system, tools or messages
-    segment: str = ""  # the manifest segment's kind
+    segment: str = ""  # the manifest segment's label (its kind, or a whole message's role)
     message: int | None = None  # the message (index) holding it
 
 
@@ -112,7 +112,7 @@ def part_at(token: int, segments: tuple[Segment, ...], tools: tuple[int, int] | 
     if not starts or token < min(starts):
         return "system"
     first = segments[0]
-    if first.kind == "system" and first.token_end is not None and token < first.token_end:
+    if first.label == "system" and first.token_end is not None and token < first.token_end:
         return "system"
     return "messages"
 

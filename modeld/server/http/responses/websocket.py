@@ -154,7 +154,10 @@ class _Socket:
                         await turn
                     return
                 gone.cancel()
-                turn.result()
+                try:
+                    turn.result()
+                except WebSocketDisconnect:  # the client left while its answer was being sent
+                    return
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
