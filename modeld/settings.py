@@ -94,8 +94,8 @@ class HttpSettings:
     """Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on the HTTP APIs ("":
     MODELD_API_KEY, else none; a key is required off loopback)."""
     models: tuple[str, ...] = setting((), "--model", _HTTP, metavar="NAME=PATH", repeat=True)
-    """A model the HTTP APIs serve under NAME (repeatable; none: the generated modeld-tiny and
-    modeld-reply)."""
+    """A model the HTTP APIs serve under NAME (repeatable; none: the generated modeld-tiny,
+    modeld-reply and modeld-tools)."""
     models_dir: str = setting("", "--models-dir", _HTTP, metavar="DIR")
     """Serve every model file in DIR under its file name (read again on an unknown name)."""
     num_ctx: int = setting(0, "--num-ctx", _HTTP, count(0, 1 << 24))

@@ -348,3 +348,72 @@ def run_codex(
         except ValueError:
             continue
     return AgentRun(argv, code, out, err, events or None, elapsed, timed_out)
+
+
+# --- counting what an agent sends -----------------------------------------------------------
+
+
+class CountingProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``target`` (``host:port``) that counts the bytes each
+    client sends upstream: what an agent puts on the wire, whatever its transport (HTTP requests,
+    a WebSocket's frames). ``sent`` is the running total; read it between runs."""
+
+    def __init__(self, target: str) -> None:
+        import socket
+        import threading
+
+        host, _, port = target.rpartition(":")
+        self._target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.sent = 0
+        self.connections = 0
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        accept = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
+        accept.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self._target)
+            with self._lock:
+                self.connections += 1
+            for src, dst, counted in ((client, upstream, True), (upstream, client, False)):
+                t = threading.Thread(target=self._pipe, args=(src, dst, counted), daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pipe(self, src: Any, dst: Any, counted: bool) -> None:
+        """Copy ``src`` to ``dst`` until either end closes; ``src`` is this pipe's to close (each
+        socket is the source of exactly one of its connection's two pipes)."""
+        try:
+            while data := src.recv(65536):
+                if counted:
+                    with self._lock:
+                        self.sent += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(2)
+            src.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        for t in self._threads:
+            t.join(timeout=10)

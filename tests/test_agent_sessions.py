@@ -248,6 +248,16 @@ def test_an_image_in_history_is_a_named_placeholder_and_the_newest_one_is_refuse
         "messages.2.content.0.content[0]: image",
         "messages.2.content.1: document",
     ]
+    # The same tool result as the newest message (the tool loop's next request), and with the
+    # agent's next prompt joined to it: the tool returned the image, so it is a placeholder.
+    result = tool_turn[2]["content"][0]
+    for content in ([result], [result, {"type": "text", "text": "Next."}]):
+        looped = [*tool_turn[:2], {"role": "user", "content": content}]
+        answered = daemon.anthropic.messages.create(model=MODEL, max_tokens=1, messages=looped)
+        assert answered.model_extra is not None
+        assert (
+            answered.model_extra["modeld"]["omitted_content"][0] == "messages.2.content.0.content[0]: image"
+        )
 
 
 def test_a_tool_reference_is_the_text_claude_code_writes(daemon: Daemon) -> None:

@@ -118,6 +118,7 @@ def test_public_api_is_pinned() -> None:
             "REPLY",
             "THINK",
             "TINY",
+            "TOOLS",
             "ModelSpec",
             "default_cache_dir",
             "ensure_ir",

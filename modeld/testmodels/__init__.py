@@ -40,6 +40,7 @@ from modeld.testmodels._spec import (
     REPLY,
     THINK,
     TINY,
+    TOOLS,
     ModelSpec,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "REPLY",
     "THINK",
     "TINY",
+    "TOOLS",
     "ModelSpec",
     "default_cache_dir",
     "ensure_ir",

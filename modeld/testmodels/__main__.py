@@ -19,13 +19,14 @@ from modeld.testmodels import (
     REPLY,
     THINK,
     TINY,
+    TOOLS,
     ModelSpec,
     default_cache_dir,
     ensure_model,
 )
 
 _SPECS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (TINY, REALISTIC, RECURRENT, COPYING, REPLY, THINK)
+    spec.name: spec for spec in (TINY, REALISTIC, RECURRENT, COPYING, REPLY, THINK, TOOLS)
 }
 
 

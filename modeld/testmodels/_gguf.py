@@ -41,6 +41,7 @@ from modeld.testmodels._reply import BLOCK_GAIN, reply_output
 from modeld.testmodels._spec import GENERATOR_VERSION, ModelSpec
 from modeld.testmodels._template import CHATML_THINK_TEMPLATE, CHATML_TOOLS_TEMPLATE
 from modeld.testmodels._tokenizer import TOKEN_TYPE_NORMAL, Vocabulary, build_vocabulary
+from modeld.testmodels._tools import tools_values
 
 __all__ = ["SPEC_DIGEST_KEY", "WeightRecipe", "recipe_for", "write_gguf"]
 
@@ -214,6 +215,8 @@ def _values(spec: ModelSpec, vocab: Vocabulary, t: _Tensor) -> npt.NDArray[np.fl
         constructed = copying_values(spec, vocab, t.name, t.shape)
         if constructed is not None:
             return constructed
+    if spec.weights == "tools":
+        return tools_values(spec, vocab, t.name, t.shape)
     if t.fill == "ones":
         return np.ones(t.shape, dtype=np.float32)
     if t.fill == "ssm_a":
@@ -280,6 +283,11 @@ def _add_metadata(writer: gguf.GGUFWriter, spec: ModelSpec, vocab: Vocabulary) -
         writer.add_description(
             f"Constructed n-gram induction circuit that copies earlier context, for tests; "
             f"modeld.testmodels generator {GENERATOR_VERSION}, seed {spec.seed}. Not a language model."
+        )
+    elif spec.weights == "tools":
+        writer.add_description(
+            f"Constructed weights that call a tool reading a named file and then answer, for tests "
+            f"of agents' tool loops; modeld.testmodels generator {GENERATOR_VERSION}. Not a language model."
         )
     else:
         writer.add_description(

@@ -17,7 +17,17 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Final
 
-__all__ = ["COPYING", "GENERATOR_VERSION", "REALISTIC", "RECURRENT", "REPLY", "THINK", "TINY", "ModelSpec"]
+__all__ = [
+    "COPYING",
+    "GENERATOR_VERSION",
+    "REALISTIC",
+    "RECURRENT",
+    "REPLY",
+    "THINK",
+    "TINY",
+    "TOOLS",
+    "ModelSpec",
+]
 
 # Bump whenever the bytes written for an unchanged spec could change (corpus, tokenizer layout,
 # weight recipe, metadata, template). The cache file name includes it.
@@ -30,7 +40,7 @@ _Q8_0_BLOCK: Final = 32
 # they differ from their default, so TINY and REALISTIC keep their digests and (since the digest
 # is written into the file) their bytes.
 _LATER_FIELDS: Final = ("arch", "ssm_state", "ssm_conv", "weights", "rope_freq_base")
-_WEIGHTS: Final = ("random", "copying", "reply", "think")
+_WEIGHTS: Final = ("random", "copying", "reply", "think", "tools")
 
 
 @dataclass(frozen=True)
@@ -97,6 +107,10 @@ class ModelSpec:
             from modeld.testmodels._copying import copying_problems
 
             problems += copying_problems(self)
+        elif self.weights == "tools" and not problems:
+            from modeld.testmodels._tools import tools_problems
+
+            problems += tools_problems(self)
         if problems:
             raise ValueError(f"invalid ModelSpec {self.name!r}: " + "; ".join(problems))
 
@@ -150,6 +164,10 @@ class ModelSpec:
             from modeld.testmodels._copying import COPYING_VERSION
 
             identity["copying_version"] = COPYING_VERSION
+        if self.weights == "tools":
+            from modeld.testmodels._tools import TOOLS_VERSION
+
+            identity["tools_version"] = TOOLS_VERSION
         payload = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -267,4 +285,25 @@ THINK: Final = ModelSpec(
     tied_embeddings=False,
     seed=0,
     weights="think",
+)
+
+# A tool loop's model (``_tools.py``): it answers a user turn naming a file (``Read the file
+# "calc.py"``) with a call reading it (Claude Code's Read, or Codex's exec_command with cat when
+# that tool is offered) and a tool result with "Done.", ending its turn each time. Constructed
+# weights in 3 layers of width 320 (10 heads of 32 sharing 5 KV heads); TINY's vocabulary and
+# template. RoPE base 10^9.5 turns pairs 0-7 of a 32-wide head at COPYING's rates.
+TOOLS: Final = ModelSpec(
+    name="tools",
+    hidden=320,
+    layers=3,
+    heads=10,
+    kv_heads=5,
+    ff=128,
+    vocab_size=4096,
+    context_length=32768,
+    dtype="f16",
+    tied_embeddings=False,
+    seed=0,
+    weights="tools",
+    rope_freq_base=10**9.5,
 )

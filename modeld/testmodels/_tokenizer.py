@@ -27,6 +27,7 @@ beyond the regex); it only needs to be real, code-like and exact.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Final
@@ -43,6 +44,7 @@ __all__ = [
     "QWEN2_PRETOKENIZER_REGEX",
     "Vocabulary",
     "build_vocabulary",
+    "encode",
 ]
 
 BOS_TOKEN: Final = "<|endoftext|>"
@@ -169,3 +171,23 @@ def build_vocabulary(vocab_size: int, seed: int) -> Vocabulary:
         im_start_id=first_control + CONTROL_TOKENS.index(IM_START_TOKEN),
         n_unused=n_unused,
     )
+
+
+@functools.lru_cache(maxsize=8)
+def _encoder(vocab: Vocabulary) -> Tokenizer:
+    index = {t: i for i, t in enumerate(vocab.tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in vocab.merges]
+    bpe = Tokenizer(models.BPE(vocab=index, merges=merges))  # type: ignore[arg-type]
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZER_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    return bpe
+
+
+def encode(vocab: Vocabulary, text: str) -> list[int]:
+    """``text``'s canonical token ids in ``vocab`` (as llama.cpp tokenizes it; no control tokens)."""
+    ids: list[int] = _encoder(vocab).encode(text).ids
+    return ids

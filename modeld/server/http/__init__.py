@@ -11,6 +11,7 @@ where the API has one. An API imports only the shared layer below, never another
 
 * the turn and the conversation layer: ``turn.py`` (what every API parses into),
   ``conversations.py`` (a turn run on its conversation's warm session: its events),
+  ``diagnosis.py`` (where a prompt parted from an earlier request's: cache diagnosis);
   ``window.py`` (a turn's prompt checked against the window before anything is computed);
 * reading requests and shaping answers alike: ``fields.py`` (typed, bounded field readers),
   ``requests.py`` (samplers from each API's sampler map, ids, text parts, tool calls, response

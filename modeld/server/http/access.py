@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 
 from modeld.errors import echo
 from modeld.server.auth import bearer_matches
@@ -69,8 +69,8 @@ class Access:
         """The live page's cookie value for this key (an HMAC of it, never the key itself)."""
         return hmac.new(self.api_key.encode(), b"modeld live page", hashlib.sha256).hexdigest()
 
-    def denied(self, request: Request, *, cookie: bool = False) -> HttpError | None:
-        """Why this request may not be served (None: it may). ``cookie``: a read-only route of
+    def denied(self, request: HTTPConnection, *, cookie: bool = False) -> HttpError | None:
+        """Why this request (or WebSocket upgrade) may not be served (None: it may). ``cookie``: a read-only route of
         the live page, which the page's cookie also opens."""
         origin = request.headers.get("origin")
         if origin is not None and not self._origin_allowed(origin):

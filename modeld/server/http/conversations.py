@@ -74,6 +74,7 @@ from modeld.errors import (
 from modeld.observe.records import Recording
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
+from modeld.server.http.diagnosis import NO_DIVERGENCE, Diagnoses, Diagnosis, Divergence
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
 from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args_json
 from modeld.server.http.window import Window
@@ -136,6 +137,8 @@ class Started:
     choices: int = 1  # the choices this turn's events carry (n, or 1 when they are decoded one by one)
     decoded: str = "together"  # how n > 1 choices are decoded: together, once (greedy), one by one
     why: str = ""  # why they are not decoded together
+    diverged: Divergence = NO_DIVERGENCE  # where the prefix parted from what was warm (diagnosis.py)
+    diagnosis: Diagnosis | None = None  # the comparison the request asked for (Turn.compare)
     omitted: tuple[str, ...] = ()  # the turn's content left out of the prompt (images...: "where: kind")
 
 
@@ -194,6 +197,7 @@ class Conversations:
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._calls: OrderedDict[CallKey, str] = OrderedDict()
+        self.diagnoses = Diagnoses()
         self.window = Window()
 
     def __len__(self) -> int:
@@ -406,7 +410,8 @@ class Conversations:
         cached = max(0, min(status.reused_tokens, kept) - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
         self.window.measured(turn, prompt)
-        message = await self._diverged_message(session, status) if turn.chat else None
+        where, diagnosis, fingerprint = await self.diagnoses.of_prompt(turn, session, status, prompt)
+        message = where.message
         if recording is not None and message is not None:
             recording.set(diverged_message=message)
         if status.reuse.diverged_at_token is not None:
@@ -421,10 +426,20 @@ class Conversations:
                 "?" if message is None else message,
             )
         started = Started(
-            session.session_id, status, message, info, usage, choices=turn.n, omitted=turn.omitted_content
+            session.session_id,
+            status,
+            message,
+            info,
+            usage,
+            choices=turn.n,
+            diverged=where,
+            diagnosis=diagnosis,
+            omitted=turn.omitted_content,
         )
         if turn.max_tokens == 0:  # only the prompt: warm it, generate nothing
             yield started
+            if turn.chat:
+                self.diagnoses.record(turn.id, fingerprint)
             yield Finished("length", usage)
             return
         # An output limit beyond the window decodes until the window is full and stops there
@@ -466,25 +481,15 @@ class Conversations:
                         thinking, text = splitter.finish()
                         if thinking or text:
                             yield Delta(text=text, reasoning=thinking, choice=i)
-                    yield self._finished(turn, chunk, usage, reasoning_tokens[i])
+                    finished = self._finished(turn, chunk, usage, reasoning_tokens[i])
+                    if turn.chat and i == 0 and finished.error is None:
+                        self.diagnoses.record(turn.id, fingerprint)
+                    yield finished
                     ended += 1
                     if ended == started.choices:
                         return
         finally:
             await stream.aclose()
-
-    async def _diverged_message(self, session: BridgedSession, status: PrefixStatus) -> int | None:
-        """The index of the message holding the first token that differed from what was resident."""
-        token = status.reuse.diverged_at_token
-        if token is None:
-            return None
-        manifest = (await session.explain_context()).manifest
-        if manifest is None:
-            return None
-        for index, seg in enumerate(manifest.segments):
-            if seg.token_end is not None and seg.token_end > token:
-                return index
-        return None
 
     def _finished(
         self, turn: Turn, chunk: StreamChunk, started: TurnUsage, reasoning_tokens: int

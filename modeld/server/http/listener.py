@@ -65,6 +65,9 @@ class HttpListener:
             lifespan="off",
             timeout_graceful_shutdown=max(1, int(self.grace)),
             server_header=False,
+            # A Responses WebSocket frame up to the message limit is read and answered (an error
+            # event beyond it, responses/websocket.py); far beyond it the socket is closed (1009).
+            ws_max_size=self.service.limits.max_message_bytes + (1 << 20),
         )
         server = uvicorn.Server(config)
         self._server = server

@@ -2,7 +2,9 @@
 the project's generated default models when none is registered: ``modeld-tiny`` (random
 weights: real compute, garbage text that never ends by itself) and, on GGUF backends,
 ``modeld-reply`` (the same size, answering every chat turn briefly and ending it, which coding
-agents need: ``modeld.testmodels.REPLY``).
+agents need: ``modeld.testmodels.REPLY``) and ``modeld-tools`` (a tool loop: it calls a tool
+reading the file a user turn names, then answers the tool's result and ends its turn:
+``modeld.testmodels.TOOLS``).
 
 A request's ``model`` field picks one by name; an unknown name is a 404. Clients see names
 only, never paths: ``/v1/models`` lists names, and errors about a model name it. Paths are
@@ -39,6 +41,7 @@ __all__ = [
     "MAX_TEMPLATE_BYTES",
     "parse_template_option",
     "REPLY_MODEL_NAME",
+    "TOOLS_MODEL_NAME",
     "MAX_NAME_CHARS",
     "ModelEntry",
     "ModelRegistry",
@@ -49,6 +52,7 @@ __all__ = [
 
 DEFAULT_MODEL_NAME = "modeld-tiny"
 REPLY_MODEL_NAME = "modeld-reply"
+TOOLS_MODEL_NAME = "modeld-tools"
 MAX_NAME_CHARS = 128
 MAX_TEMPLATE_BYTES = 1 << 20
 _RESCAN_SECONDS = 1.0
@@ -155,20 +159,22 @@ def _scan(directory: Path, backend: str) -> dict[str, ModelEntry]:
 
 def default_models(backend: str) -> tuple[ModelEntry, ...]:
     """The models served when none is registered: the project's generated tiny model and, on
-    GGUF backends, the tiny model that answers and ends its turns (what agents need)."""
+    GGUF backends, the tiny models that answer and end their turns, and run a tool loop (what
+    agents need)."""
     if backend == "memory":
         return (ModelEntry(DEFAULT_MODEL_NAME, DEFAULT_MODEL_NAME, int(time.time())),)
     try:
-        from modeld.testmodels import REPLY, TINY, ensure_model
+        from modeld.testmodels import REPLY, TINY, TOOLS, ensure_model
     except ImportError as exc:
         raise RegistryError(
             f"no model is registered (--model NAME=PATH or --models-dir DIR) and the generated "
             f"default models need the models extra ({exc.name} is missing)"
         ) from None
-    tiny, reply = ensure_model(TINY), ensure_model(REPLY)
+    tiny, reply, tools = ensure_model(TINY), ensure_model(REPLY), ensure_model(TOOLS)
     return (
         ModelEntry(DEFAULT_MODEL_NAME, str(tiny), _created(tiny)),
         ModelEntry(REPLY_MODEL_NAME, str(reply), _created(reply)),
+        ModelEntry(TOOLS_MODEL_NAME, str(tools), _created(tools)),
     )
 
 

@@ -130,6 +130,9 @@ MEDIA = frozenset({"image", "image_url", "input_image", "document", "file", "inp
 only): in an earlier message a named placeholder (:class:`Media`), in the newest refused by name."""
 _KIND = {"image_url": "image", "input_image": "image", "input_file": "file", "input_audio": "audio"}
 _ITEM = re.compile(r"^(?:messages|input)[.\[](\d+)")
+_TOOL_OUTPUT = re.compile(r"^(?:messages\.\d+\.content\.\d+\.content|input\.\d+\.output)[.\[]")
+"""Where a tool's result holds content (Anthropic's ``tool_result``, a Responses
+``function_call_output``): an image there is what a tool returned, never a question."""
 
 
 def placeholder(kind: str) -> str:
@@ -158,10 +161,15 @@ class Media:
         """Refuse what is in the newest message (the last of the request's ``items``); the rest as
         ``"<where>: <kind>"`` for the answer. Only the last message is the question: a turn that
         failed on an image (refused) stays in the agent's history without an answer, and the next
-        request, a new message after it, must go on."""
+        request, a new message after it, must go on. An image in a tool's result (Claude Code's
+        Read of a PNG) is a placeholder even there: the agent resends it in every later request
+        of its tool loop (its next prompt joins that same message), so refusing it ended the
+        session."""
         newest = items - 1 if refuse else items  # (a count of tokens answers for any message)
         for at, kind in self.omitted:
             found = _ITEM.match(at)
+            if _TOOL_OUTPUT.match(at):
+                continue
             if found is None or int(found.group(1)) >= newest:
                 raise unsupported(
                     f"{at}.type",

@@ -17,7 +17,7 @@ the dialect that owns the path (:attr:`Dialect.paths`), else OpenAI's.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -44,7 +44,7 @@ __all__ = ["APIS", "DIALECTS", "build_app"]
 
 app_log = logging.getLogger("modeld.http")
 
-APIS: tuple[Callable[[HttpService], list[Route]], ...] = (
+APIS: tuple[Callable[[HttpService], Sequence[BaseRoute]], ...] = (
     openai.routes,
     responses.routes,
     anthropic.routes,

@@ -42,6 +42,7 @@ from modeld.server.http.conversations import (
     collect_choices,
     first_event,
 )
+from modeld.server.http.diagnosis import prefix_header
 from modeld.server.http.dialect import Asked, Dialect
 from modeld.server.http.drain import Drain
 from modeld.server.http.errors import ErrorStyle, HttpError, WindowExceededError, from_modeld, incident_id
@@ -95,7 +96,8 @@ class Runner:
         self.keepalive_seconds = keepalive_seconds
         self.records: Records = gateway.records
 
-    def _budgeted(self, turn: Turn) -> Turn:
+    def budgeted(self, turn: Turn) -> Turn:
+        """The turn with the daemon's output limit when it sets none."""
         if turn.max_tokens is None and self.max_output_tokens:
             return replace(turn, max_tokens=self.max_output_tokens)
         return turn
@@ -167,7 +169,7 @@ class Runner:
             if self.drain.draining:
                 leave()
                 await self.drain.refuse()
-            turn = self._budgeted(asked.turn)
+            turn = self.budgeted(asked.turn)
             entry = self.catalog.entry(turn.model)
             progress = _Progress()
             events = _noting(
@@ -188,7 +190,7 @@ class Runner:
                     handed = True
                     return response
                 started = await first_event(events)
-                headers = {"X-Modeld-Session": started.session_id, **dialect.headers()}
+                headers = {**_modeld_headers(started), **dialect.headers()}
                 async with contextlib.aclosing(events):
                     done = await collect(started, events)
                 if done.finished.error is not None:
@@ -240,7 +242,7 @@ class Runner:
                 )
                 return StreamingResponse(iter([part]), media_type=dialect.media_type, headers=headers)
             started = opening.result()  # a failure before the stream: the API's status and body
-            headers["X-Modeld-Session"] = started.session_id
+            headers.update(_modeld_headers(started))
 
         async def body() -> AsyncGenerator[bytes, None]:
             begun = await opening
@@ -267,7 +269,7 @@ class Runner:
         the others one after another, each reusing the warm prompt; greedy choices are all the
         same, so they are decoded once (the answer says which, ``choices_note``)."""
         assert dialect.choices is not None
-        turn = self._budgeted(asked.turn)
+        turn = self.budgeted(asked.turn)
         entry = self.catalog.entry(turn.model)
         greedy = turn.decode.temperature <= 0
         first = turn.choice(0) if greedy else turn
@@ -291,7 +293,7 @@ class Runner:
                 recording.set(error=done.finished.error.code, error_message=done.finished.error.message[:300])
                 return error_response(done.finished.error, dialect.error, dialect.status)
         recording.set(finish=dones[0].finished.finish)
-        return JSONResponse(dialect.choices(asked, dones), headers={"X-Modeld-Session": started.session_id})
+        return JSONResponse(dialect.choices(asked, dones), headers=_modeld_headers(started))
 
     async def unload(self, name: str) -> bool:
         """Unload the model served as ``name`` now (Ollama's ``keep_alive: 0``): its idle
@@ -321,6 +323,15 @@ class Runner:
         prefix, suffix = self.conversations.inputs(turn, info)
         request = self.catalog.open_request(entry, turn)
         return await self.bridge.call(self.gateway.count_tokens, request, prefix, suffix)
+
+
+def _modeld_headers(started: Started) -> dict[str, str]:
+    """modeld's own headers on every API's answer: the session, and how the prompt's prefix was
+    reused (where it parted from what was warm: ``diagnosis.prefix_header``)."""
+    return {
+        "X-Modeld-Session": started.session_id,
+        "X-Modeld-Prefix": prefix_header(started.status, started.diverged),
+    }
 
 
 class _Progress:

@@ -117,6 +117,7 @@ class Turn:
     omitted_tools: tuple[str, ...] = ()
     template_args: tuple[tuple[str, object], ...] = ()  # chat-template variables (``template_args``)
     n: int = 1  # choices (OpenAI's n): decoded together from the same prompt (else one after another)
+    compare: str | None = None  # cache diagnosis: the turn id to compare with ("": none yet; None: not asked)
     truncate: bool = False  # a prompt beyond the window loses its oldest messages (Ollama's way)
     omitted_content: tuple[str, ...] = ()  # images, documents of earlier turns left out ("where: kind")
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])

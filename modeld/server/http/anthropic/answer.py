@@ -19,6 +19,7 @@ from typing import Any
 
 from modeld.contract import PrefillProgress, ToolCall
 from modeld.server.http.answers import call_arguments, extension, sse_event
+from modeld.server.http.anthropic.diagnosis import diagnostics_field
 from modeld.server.http.anthropic.request import MessagesAsked
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.dialect import Dialect
@@ -124,6 +125,7 @@ def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, An
         "stop_reason": _stop_reason(finish),
         "stop_sequence": _stop_sequence(done.finished),
         "usage": usage_dict(done.finished.usage),
+        **diagnostics_field(turn, done.started),
         "modeld": {
             **extension(done.started),
             "finish_reason": finish,
@@ -178,6 +180,7 @@ async def message_stream(
                 "stop_reason": None,
                 "stop_sequence": None,
                 "usage": start_usage,
+                **diagnostics_field(turn, started),
             },
         },
     ) + sse_event("ping", {"type": "ping"})

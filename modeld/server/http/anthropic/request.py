@@ -30,8 +30,9 @@ Field by field (``blueprints/0019-agent-apis.md``):
   one it is accepted and yields none. Accepted with no effect (they describe the hosted
   service): ``metadata`` (its ``user_id`` names the conversation: Claude Code puts a
   ``session_id`` in it), ``context_management``, ``output_config.effort``, ``service_tier``,
-  ``cache_control``, ``container``, ``inference_geo``, ``speed``, ``diagnostics``, and the
-  ``anthropic-beta`` / ``anthropic-version`` headers.
+  ``cache_control``, ``container``, ``inference_geo``, ``speed``, and the
+  ``anthropic-beta`` / ``anthropic-version`` headers. ``diagnostics.previous_message_id`` asks
+  where the prompt parted from that message's request (``anthropic/diagnosis.py``).
 * Stop reasons: ``end_turn``, ``max_tokens``, ``stop_sequence``, ``tool_use``. Usage is
   truthful about the cache: ``cache_read_input_tokens`` = prompt tokens reused from warm state,
   ``cache_creation_input_tokens`` = stable-prefix tokens computed this turn (now reusable),
@@ -47,6 +48,7 @@ from typing import Any
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
+from modeld.server.http.anthropic.diagnosis import previous_message
 from modeld.server.http.chat_template import template_args
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad
@@ -107,6 +109,7 @@ _TOP_LEVEL = frozenset(
         "metadata",
         "thinking",
         "output_config",
+        "diagnostics",
         # accepted, no effect here (the hosted service's features)
         "context_management",
         "service_tier",
@@ -114,7 +117,6 @@ _TOP_LEVEL = frozenset(
         "container",
         "inference_geo",
         "speed",
-        "diagnostics",
         "mcp_servers",
         "betas",
     }
@@ -411,6 +413,7 @@ def parse_messages(
         max_tokens=max_tokens,
         parallel_tool_calls=parallel,
         omitted_tools=hosted,
+        compare=previous_message(body),
         template_args=_thinking_args(body),
         omitted_content=omitted,
     )

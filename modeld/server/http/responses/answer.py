@@ -17,6 +17,7 @@ from modeld.server.http.answers import chat_logprobs, extension, sse_event
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.dialect import Asked, Dialect
 from modeld.server.http.errors import HttpError, openai_error
+from modeld.server.http.responses.diagnosis import diagnostics_field
 from modeld.server.http.turn import Message, Turn
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ResponseShape",
     "ResponsesAsked",
     "complete_response",
+    "history_after",
     "history_message",
     "stream_response",
     "usage_dict",
@@ -134,6 +136,7 @@ class ResponseShape:
             "truncation": body.get("truncation") or "disabled",
             "usage": usage_dict(usage) if usage is not None else None,
             "metadata": body.get("metadata") or {},
+            **diagnostics_field(turn, started),
         }
         if started is not None:
             out["modeld"] = {
@@ -176,8 +179,18 @@ class ResponseShape:
             item["namespace"], item["name"] = self.namespaces[call.name]
         return item
 
+    @property
+    def prewarm(self) -> bool:
+        """``prompt_cache_options.prewarm``: the prompt is computed and kept, nothing generated."""
+        return self.turn.max_tokens == 0
+
+    def status(self, finish: str) -> str:
+        return "completed" if self.prewarm else _status(finish)
+
     def output(self, done: Collected) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
+        if self.prewarm:
+            return items
         if done.reasoning:
             items.append(self.reasoning_item(done.reasoning))
         status = "incomplete" if done.finished.finish == "length" else "completed"
@@ -211,13 +224,23 @@ def _status(finish: str) -> str:
 def complete_response(shape: ResponseShape, done: Collected) -> dict[str, Any]:
     finished = done.finished
     return shape.response(
-        _status(finished.finish), shape.output(done), finished.usage, done.started, finish=finished.finish
+        shape.status(finished.finish),
+        shape.output(done),
+        finished.usage,
+        done.started,
+        finish=finished.finish,
     )
 
 
 def history_message(done: Collected) -> Message:
     """The response's output as the assistant turn the next request continues."""
     return Message("assistant", done.text, done.finished.calls, done.reasoning)
+
+
+def history_after(done: Collected, shape: ResponseShape) -> tuple[Message, ...]:
+    """What the response adds to its conversation: its assistant turn (nothing after a prewarm,
+    which generated nothing)."""
+    return () if shape.prewarm else (history_message(done),)
 
 
 Keep = Callable[[Collected, dict[str, Any]], None]
@@ -357,7 +380,7 @@ async def stream_response(
                     + emit("response.failed", response=failed)
                 )
                 return
-            status = _status(event.finish)
+            status = shape.status(event.finish)
             by_id = {c.id: c for c in event.calls}
             for index, item in enumerate(items):
                 if item["type"] != "function_call":
@@ -373,7 +396,7 @@ async def stream_response(
                     name=final["name"],
                 )
                 out += emit("response.output_item.done", output_index=index, item=final)
-            if not items:  # an empty answer is still a message
+            if not items and not shape.prewarm:  # an empty answer is still a message
                 items.append(shape.message_item("", status))
                 out += emit("response.output_item.added", output_index=0, item=items[0]) + emit(
                     "response.output_item.done", output_index=0, item=items[0]

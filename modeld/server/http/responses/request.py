@@ -20,7 +20,9 @@ Field by field (``blueprints/0019-agent-apis.md``):
 * ``previous_response_id`` continues a stored conversation on its warm session, so a client
   may send only the new input; ``store`` (default true) keeps the response (retrievable, and
   continuable) in the data directory; with ``store: false`` the client resends everything and
-  the longest common prefix still makes it warm. ``prompt_cache_key`` names the conversation.
+  the longest common prefix still makes it warm. ``prompt_cache_key`` names the conversation;
+  ``prompt_cache_options`` (``comparison_response_id``: cache diagnosis; ``prewarm``: only the
+  prompt) is ``diagnosis.py``'s.
 * Accepted, no effect here (the hosted service's features): ``reasoning``, ``include``,
   ``metadata``, ``client_metadata``, ``safety_identifier``, ``service_tier``, ``truncation``,
   ``prompt_cache_retention``, ``stream_options``, ``user`` (a conversation key), ``background``
@@ -63,6 +65,7 @@ from modeld.server.http.requests import (
     tool_choice,
     tools_json_of,
 )
+from modeld.server.http.responses.diagnosis import cache_options
 from modeld.server.http.responses.store import Stored
 from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
@@ -101,6 +104,7 @@ _TOP_LEVEL = frozenset(
         "store",
         "previous_response_id",
         "prompt_cache_key",
+        "prompt_cache_options",
         "user",
         # accepted, no effect here
         "reasoning",
@@ -322,6 +326,7 @@ def parse_response_request(
     store = boolean(body, "store")
     parallel = boolean(body, "parallel_tool_calls")
     key = key_value("prompt_cache_key", body.get("prompt_cache_key"))
+    compare, prewarm = cache_options(body)
     turn = Turn(
         api="openai.responses",
         model=model,
@@ -334,9 +339,10 @@ def parse_response_request(
         stream=stream,
         messages=messages,
         tools_json=tools_json,
-        max_tokens=integer(body, "max_output_tokens", 1, 1 << 30),
+        max_tokens=0 if prewarm else integer(body, "max_output_tokens", 1, 1 << 30),
         parallel_tool_calls=parallel is not False,
         omitted_tools=hosted,
+        compare=compare,
         template_args=_reasoning(body),
         omitted_content=omitted,
     )

@@ -1,5 +1,6 @@
 """The Responses API's routes: ``POST /v1/responses`` (a turn, stored unless ``store`` is false),
-``GET`` and ``DELETE /v1/responses/{id}`` (a stored response), each also without ``/v1``."""
+``GET`` and ``DELETE /v1/responses/{id}`` (a stored response), ``GET /v1/responses`` upgraded to
+the Responses WebSocket (``websocket.py``; without the upgrade: 426), each also without ``/v1``."""
 
 from __future__ import annotations
 
@@ -7,23 +8,31 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from modeld.errors import echo
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.conversations import Collected
 from modeld.server.http.errors import HttpError
 from modeld.server.http.fields import string
-from modeld.server.http.responses.answer import RESPONSES, ResponsesAsked, ResponseShape, history_message
+from modeld.server.http.responses.answer import RESPONSES, ResponsesAsked, ResponseShape, history_after
 from modeld.server.http.responses.request import parse_response_request
 from modeld.server.http.responses.store import ResponseStore, Stored
+from modeld.server.http.responses.websocket import ResponsesSockets, plain_get
 
 __all__ = ["routes"]
 
 
-def routes(service: HttpService) -> list[Route]:
+def routes(service: HttpService) -> list[BaseRoute]:
     directory = service.data_dir
     store = ResponseStore(directory / "responses") if directory is not None else None
+    sockets = ResponsesSockets(
+        service.runner,
+        service.access.denied,
+        store,
+        service.limits.max_message_bytes,
+        lambda: service.drain.draining,
+    )
 
     def stored(response_id: str) -> Stored:
         found = store.get(response_id) if store is not None else None
@@ -52,7 +61,7 @@ def routes(service: HttpService) -> list[Route]:
 
             def keep(done: Collected, response: dict[str, Any]) -> None:
                 if shape.store and store is not None and done.finished.error is None:
-                    history = (*(previous.history if previous else ()), *new, history_message(done))
+                    history = (*(previous.history if previous else ()), *new, *history_after(done, shape))
                     store.put(Stored(shape.id, response, history, turn.conversation(), shape.created_at))
 
             asked = ResponsesAsked(turn, shape=shape, keep=keep)
@@ -69,11 +78,13 @@ def routes(service: HttpService) -> list[Route]:
 
     table = [
         ("/responses", create, "POST"),
+        ("/responses", plain_get, "GET"),
         ("/responses/{id}", fetch, "GET"),
         ("/responses/{id}", delete, "DELETE"),
     ]
-    return [
+    http: list[BaseRoute] = [
         Route(f"{prefix}{path}", guarded(service, handler, RESPONSES.error), methods=[method])
         for prefix in ("/v1", "")
         for path, handler, method in table
     ]
+    return http + [WebSocketRoute(f"{prefix}/responses", sockets.serve) for prefix in ("/v1", "")]
