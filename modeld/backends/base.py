@@ -86,6 +86,12 @@ class Layout:
     highest one, other sequences' cells masked (llama.cpp's unified KV): an idle context's cells
     slow every turn of the others, so the cache moves idle contexts whose prefix is on disk out of
     the pool when another turn starts (blueprint 0016, "Idle contexts leave a unified pool").
+    ``checkpoints``: memory that cannot be cut at any token (``can_truncate`` False) whose warm
+    sequence can still be cut back: :meth:`ModelRuntime.sync` goes back to the last point at or
+    before ``keep`` the memory can return to (a checkpoint of a recurrent or hybrid state, a
+    sliding window the cache still holds), evaluates the known tokens from there and reports the
+    ``kept`` it reached; :meth:`ModelRuntime.copy` of part of such a sequence does the same. A
+    snapshot in a tier is still restored only whole.
     """
 
     n_seq: int
@@ -101,6 +107,7 @@ class Layout:
     name: str = ""
     forks: bool = False
     attention_spans_pool: bool = False
+    checkpoints: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +133,9 @@ class LoadOptions:
 class SyncStep:
     """Progress of :meth:`ModelRuntime.sync`: ``kept`` tokens were kept, then ``evaluated`` of
     ``total`` new tokens were evaluated. ``kept`` may be less than asked when the memory could
-    not be cut there (recurrent models): the runtime then evaluates from ``kept`` on."""
+    not be cut there: a runtime whose layout has ``checkpoints`` then evaluates the known tokens
+    after ``kept`` itself (``total`` counts them), others stop and the daemon asks again from
+    ``kept``."""
 
     kept: int
     evaluated: int

@@ -223,6 +223,7 @@ class ModelCache:
                 can_truncate=pool.layout.can_truncate,
                 restore_min_gain=pool.settings.restore_min_gain,
                 head=head,
+                checkpoints=pool.layout.checkpoints,
             )
 
         choice = pick(entries)

@@ -1,0 +1,205 @@
+"""Checkpoints inside a sequence whose memory cannot be cut (engine-worker side).
+
+Recurrent and hybrid models (Mamba, Mamba-2, gated DeltaNet, short convolutions beside
+attention) keep a state that only moves forward: llama.cpp cannot remove a suffix of it. A
+*checkpoint* is that state at a token position, taken with ``llama_state_seq_get_data_ext`` and
+``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (the part that cannot be cut: the recurrent state; an
+attention KV beside it is cut as usual). Cutting a sequence back to ``keep`` restores the last
+checkpoint at or before ``keep`` and removes the attention cells after it; the context then
+evaluates what lies between (:mod:`modeld.backends.llama_context`). Measured bit-exact on the
+generated lfm2, qwen35, granitehybrid and mamba2 models (blueprint 0016, "Checkpoints").
+
+Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a prefill:
+
+* **turn starts**: before a control token that does not end generation (``<|im_start|>`` in
+  ChatML, ``<start_of_turn>``, ...): a chat's message boundaries, where agents' prompts diverge
+  (a moved reminder, a re-read file, the reasoning a template drops from earlier turns);
+* **a spacing**: every ``spacing`` tokens (a multiple of the micro-batch), which bounds what a
+  divergence anywhere costs to recompute;
+* **the end of a prompt** (:meth:`Checkpoints.take` with ``canonical=False``): a repeat, a retry,
+  the same prefix with a new suffix restore it exactly.
+
+**Numerics.** On these architectures a token's logits depend on where the batches that
+evaluated the prompt began (measured: a 200-token prompt as one batch, or as 150 + 50, differs
+by up to 0.03 of a logit on gpt-oss, 0.008 on granitehybrid, 0 on mamba2). So the prefill of
+non-cuttable memory starts its batches at positions that depend only on the tokens
+(:func:`plan`: multiples of the micro-batch and turn starts), and a cut resumes from a
+*canonical* checkpoint (one at such a position) unless a checkpoint sits exactly at the cut: a
+warm turn then evaluates its tail in the batches a fresh evaluation uses, and its output is the
+fresh one, bit for bit. The batches a sequence was evaluated in are recorded, so a restore that
+re-evaluates known tokens (the last tokens' logits for a repeated prompt) repeats them exactly.
+
+**Value.** At most ``limit`` checkpoints per sequence; past it the one whose loss widens the gap
+between its neighbours least goes (the newest and the end-of-prompt one stay). Their bytes are
+reported (:meth:`Checkpoints.nbytes`) for the memory accounting.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from modeld.backends._llama_lib import bindings as _llama
+
+__all__ = ["PARTIAL", "Checkpoints", "plan"]
+
+log = logging.getLogger("modeld.llama")
+
+PARTIAL = 1
+"""``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``: only the part of the memory that cannot be cut."""
+
+
+def plan(start: int, end: int, chunk: int, starts: Sequence[int]) -> list[int]:
+    """The batch boundaries of a prefill of positions ``start .. end`` (exclusive): ``start``,
+    then every multiple of ``chunk`` and every turn start (``starts``, sorted) after it, ending
+    with ``end``. A batch never exceeds ``chunk`` tokens, and every boundary after ``start``
+    depends only on the tokens' positions and content."""
+    cuts = {start, end}
+    cuts.update(range((start // chunk + 1) * chunk, end, chunk))
+    lo = bisect.bisect_right(starts, start)
+    hi = bisect.bisect_left(starts, end)
+    cuts.update(starts[lo:hi])
+    return sorted(cuts)
+
+
+@dataclass
+class _Seq:
+    """One sequence's checkpoints (position -> blob; canonical positions) and the positions its
+    batches began at."""
+
+    blobs: dict[int, bytes] = field(default_factory=dict)
+    canonical: set[int] = field(default_factory=set)
+    bounds: list[int] = field(default_factory=list)
+    ends: set[int] = field(default_factory=set)
+
+
+class Checkpoints:
+    """The checkpoints of a context's sequences (see the module docstring)."""
+
+    def __init__(self, ctx: Any, n_seq: int, *, spacing: int, limit: int = 32) -> None:
+        self._ctx = ctx
+        self.spacing = max(1, spacing)
+        self.limit = max(2, limit)
+        self._seqs = [_Seq() for _ in range(n_seq)]
+
+    # --- where -------------------------------------------------------------------------------
+
+    def wanted(self, pos: int, turn_start: bool) -> bool:
+        """Is a canonical checkpoint taken at batch boundary ``pos`` of a prefill?"""
+        return pos > 0 and (turn_start or pos % self.spacing == 0)
+
+    # --- taking and choosing -------------------------------------------------------------------
+
+    def take(self, seq: int, pos: int, *, canonical: bool) -> int:
+        """Save ``seq``'s non-cuttable state, which now covers its first ``pos`` tokens; returns
+        the bytes kept (0 when llama.cpp gave nothing)."""
+        s = self._seqs[seq]
+        if pos in s.blobs:
+            if canonical:
+                s.canonical.add(pos)
+            return len(s.blobs[pos])
+        size = int(_llama.llama_state_seq_get_size_ext(self._ctx, seq, PARTIAL))
+        if size <= 0:
+            return 0
+        buf = (ctypes.c_uint8 * size)()
+        got = int(_llama.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, PARTIAL))
+        if got <= 0:
+            log.warning("llama.cpp gave no checkpoint of sequence %d at token %d", seq, pos)
+            return 0
+        s.blobs[pos] = bytes(buf)[:got]
+        if canonical:
+            s.canonical.add(pos)
+        self._evict(s)
+        return got
+
+    def best(self, seq: int, keep: int) -> int:
+        """The position a cut to ``keep`` restores: the last checkpoint at or before it (every
+        checkpoint sits where a prefill may resume: a canonical position or the end of a
+        prefill); 0 when there is none."""
+        return max((p for p in self._seqs[seq].blobs if p <= keep), default=0)
+
+    def restore(self, seq: int, pos: int) -> bool:
+        """Load the checkpoint at ``pos`` into ``seq`` (its non-cuttable part only)."""
+        blob = self._seqs[seq].blobs.get(pos)
+        if blob is None:
+            return False
+        buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+        return int(_llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), seq, PARTIAL)) > 0
+
+    # --- what the sequence holds ----------------------------------------------------------------
+
+    def batch(self, seq: int, start: int) -> None:
+        """A batch of ``seq`` began at position ``start``."""
+        bounds = self._seqs[seq].bounds
+        if not bounds or bounds[-1] < start:
+            bounds.append(start)
+
+    def bounds(self, seq: int, start: int, end: int) -> list[int]:
+        """Where the batches that evaluated positions ``start .. end`` began (with ``start`` and
+        ``end``): a re-evaluation of the same tokens in the same batches."""
+        bounds = self._seqs[seq].bounds
+        inner = bounds[bisect.bisect_right(bounds, start) : bisect.bisect_left(bounds, end)]
+        return [start, *inner, end]
+
+    def ended(self, seq: int, end: int) -> None:
+        """A prefill of ``seq`` ended at position ``end`` (a later one resumes there: the split
+        between a prefix and its suffix is a batch boundary of a fresh evaluation too)."""
+        self._seqs[seq].ends.add(end)
+
+    def is_end(self, seq: int, pos: int) -> bool:
+        return pos in self._seqs[seq].ends
+
+    def ends_before(self, seq: int, keep: int) -> int:
+        """The last prefill end at or before ``keep`` (0: none)."""
+        return max((p for p in self._seqs[seq].ends if p <= keep), default=0)
+
+    def cut(self, seq: int, keep: int) -> None:
+        """``seq`` holds its first ``keep`` tokens now: later checkpoints and batches are gone."""
+        s = self._seqs[seq]
+        for p in [p for p in s.blobs if p > keep]:
+            del s.blobs[p]
+            s.canonical.discard(p)
+        s.ends = {p for p in s.ends if p <= keep}
+        del s.bounds[bisect.bisect_right(s.bounds, keep - 1) :]
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """``dst`` holds a copy of ``src``'s first ``n`` tokens: their checkpoints too."""
+        a = self._seqs[src]
+        self._seqs[dst] = _Seq(
+            blobs={p: b for p, b in a.blobs.items() if p <= n},
+            canonical={p for p in a.canonical if p <= n},
+            bounds=[p for p in a.bounds if p < n],
+            ends={p for p in a.ends if p <= n},
+        )
+
+    def clear(self, seq: int) -> None:
+        self._seqs[seq] = _Seq()
+
+    def positions(self, seq: int) -> list[int]:
+        return sorted(self._seqs[seq].blobs)
+
+    def nbytes(self) -> int:
+        """The bytes every sequence's checkpoints hold."""
+        return sum(len(b) for s in self._seqs for b in s.blobs.values())
+
+    def _evict(self, s: _Seq) -> None:
+        """Keep ``limit`` checkpoints: drop the one whose loss widens the gap between its
+        neighbours least (never the newest, nor the last prompt end)."""
+        while len(s.blobs) > self.limit:
+            ps = sorted(s.blobs)
+            ends = [p for p in ps if p not in s.canonical]
+            keep_last = {ps[-1], *ends[-1:]}
+            gaps = [
+                (ps[i + 1] - (ps[i - 1] if i > 0 else 0), ps[i])
+                for i in range(len(ps) - 1)
+                if ps[i] not in keep_last
+            ]
+            if not gaps:
+                gaps = [(0, ps[0])]
+            _, victim = min(gaps)
+            del s.blobs[victim]
+            s.canonical.discard(victim)
