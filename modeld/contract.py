@@ -251,6 +251,15 @@ class Footprint:
     the stated per-model rest (the worker process), ``total_bytes`` their sum with the weights;
     ``budget_bytes`` the memory budget, ``max_window`` the largest window whose layout fits in
     it (0: none; capped at the trained window); ``trained_kv_bytes`` one trained window's KV.
+
+    What the model's memory is (blueprint 0016, "Checkpoints"): ``memory`` is ``attention``,
+    ``sliding-window``, ``hybrid`` (recurrent layers beside attention ones: ``kv_bytes_per_token``
+    counts the attention layers only) or ``recurrent``; ``sliding_window`` the local layers'
+    window (0: none); ``state_bytes`` one sequence's recurrent state, which cannot be cut (0:
+    none); ``cuts`` where a warm sequence can be cut (``any token``; ``back to a checkpoint``;
+    ``where the window is held``); ``checkpoint_bytes`` what the layout's checkpoints may hold
+    (``--checkpoints`` per sequence, each one ``state_bytes``). ``total_bytes`` counts the
+    sequences' states and the checkpoints.
     """
 
     weights_bytes: int = 0
@@ -268,6 +277,11 @@ class Footprint:
     total_bytes: int = 0
     budget_bytes: int = 0
     max_window: int = 0
+    memory: str = "attention"
+    sliding_window: int = 0
+    state_bytes: int = 0
+    cuts: str = "any token"
+    checkpoint_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

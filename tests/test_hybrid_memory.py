@@ -63,13 +63,68 @@ def model(request: pytest.FixtureRequest) -> str:
     return str(testmodels.ensure_model(SPECS[request.param]))
 
 
-def test_the_engine_classifies_and_describes_each_class(model: str) -> None:
-    with Engine(backends=("llama",), residency=Residency(sequences=1)) as engine:
-        info = engine.describe(_request(model))
-        assert info.capabilities.truncation is False
-        s = engine.open_session(_request(model))
-        layout = s.model.layout  # type: ignore[attr-defined]
-        assert layout.can_truncate is False and layout.checkpoints is True
+EXPECTED = {
+    "swa-gemma3": "sliding-window",
+    "swa-gptoss": "sliding-window",
+    "hybrid-lfm2": "hybrid",
+    "hybrid-qwen35": "hybrid",
+    "hybrid-granite": "hybrid",
+    "recurrent-mamba2": "recurrent",
+}
+
+
+def _engine_sizes(runtime: object) -> tuple[int, int]:
+    """What llama.cpp itself holds for one sequence: KV bytes per token (the growth of a
+    sequence's whole state from 2 to 3 tokens, less its per-cell metadata) and the recurrent
+    state (the partial state of a 1-token sequence, less that of an empty one, less metadata)."""
+    from modeld.backends._llama_lib import bindings as L  # noqa: N812
+
+    ctx, mem = runtime._ctx, runtime._mem  # type: ignore[attr-defined]
+    sizes = []
+    for n in (1, 2, 3):
+        for _ in runtime.sync(0, 0, list(range(10, 10 + n))):  # type: ignore[attr-defined]
+            pass
+        sizes.append((L.llama_state_seq_get_size_ext(ctx, 0, 0), L.llama_state_seq_get_size_ext(ctx, 0, 1)))
+    L.llama_memory_seq_rm(mem, 0, -1, -1)
+    empty = L.llama_state_seq_get_size_ext(ctx, 0, 1)
+    return sizes[2][0] - sizes[1][0], sizes[0][1] - empty
+
+
+def test_describe_reads_what_the_engine_allocates(model: str) -> None:
+    """describe's figures, read from the file before loading, are the engine's: its class
+    (llama_model_is_recurrent / is_hybrid / n_swa, as the loaded layout reports it), the KV of
+    the attention layers alone, the recurrent state; and the footprint counts the states and
+    their checkpoints."""
+    from modeld.backends.base import LoadOptions
+
+    backend = llama.LlamaBackend()
+    req = _request(model)
+    info = backend.describe(req)
+    fp = info.footprint
+    runtime = backend.load(req, info, LoadOptions(n_seq=1, window=256, pool_tokens=256))
+    try:
+        kv, state = _engine_sizes(runtime)
+        layout = runtime.layout
+    finally:
+        runtime.close()
+    name = next(n for n, s in SPECS.items() if str(testmodels.ensure_model(s)) == model)
+    assert fp.memory == layout.memory == EXPECTED[name]
+    assert info.capabilities.truncation is False
+    assert layout.can_truncate is False and layout.checkpoints is True
+    # Per cell the state also stores its position and sequence ids (12 bytes a cache; gemma3
+    # and gpt-oss have two caches, global and local); per recurrent layer 8 bytes.
+    assert 0 <= kv - info.kv_bytes_per_token <= 24, (kv, info.kv_bytes_per_token)
+    if fp.memory == "sliding-window":
+        assert fp.state_bytes == 0  # its partial state is the window's KV, counted per token
+    else:
+        assert fp.state_bytes <= state <= fp.state_bytes + 8 * 8, (state, fp.state_bytes)
+    with Engine(backends=("llama",), residency=Residency(sequences=2, checkpoints=3)) as engine:
+        sized = engine.describe(req).footprint
+    assert sized.checkpoint_bytes == 2 * 3 * fp.state_bytes
+    assert sized.total_bytes == (
+        sized.weights_bytes + sized.kv_bytes + sized.compute_bytes + sized.overhead_bytes
+        + 2 * fp.state_bytes + sized.checkpoint_bytes
+    )  # fmt: skip
 
 
 def test_an_edit_inside_the_prefix_reuses_what_precedes_it_and_warm_equals_fresh(model: str) -> None:

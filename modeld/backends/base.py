@@ -91,7 +91,9 @@ class Layout:
     before ``keep`` the memory can return to (a checkpoint of a recurrent or hybrid state, a
     sliding window the cache still holds), evaluates the known tokens from there and reports the
     ``kept`` it reached; :meth:`ModelRuntime.copy` of part of such a sequence does the same. A
-    snapshot in a tier is still restored only whole.
+    snapshot in a tier is still restored only whole. ``memory`` is what the engine says the
+    model's memory is (``attention``, ``sliding-window``, ``hybrid``, ``recurrent``: the same
+    words as ``Footprint.memory``, which describe reads from the file).
     """
 
     n_seq: int
@@ -108,6 +110,7 @@ class Layout:
     forks: bool = False
     attention_spans_pool: bool = False
     checkpoints: bool = False
+    memory: str = "attention"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +130,9 @@ class LoadOptions:
     pool_tokens: int
     unified: bool = False
     threads: int = 0
+    checkpoints: int = 8
+    """Checkpoints kept per sequence of memory that cannot be cut at any token (``--checkpoints``;
+    0: none)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,9 +29,9 @@ warm turn then evaluates its tail in the batches a fresh evaluation uses, and it
 fresh one, bit for bit. The batches a sequence was evaluated in are recorded, so a restore that
 re-evaluates known tokens (the last tokens' logits for a repeated prompt) repeats them exactly.
 
-**Value.** At most ``limit`` checkpoints per sequence; past it the one whose loss widens the gap
-between its neighbours least goes (the newest and the end-of-prompt one stay). Their bytes are
-reported (:meth:`Checkpoints.nbytes`) for the memory accounting.
+**Value.** At most ``limit`` checkpoints per sequence (``--checkpoints``, 8 by default; each one
+holds the model's recurrent state, counted in the memory budget); past it the one whose loss
+widens the gap between its neighbours least goes (the newest and the last prompt end stay).
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ class _Seq:
 class Checkpoints:
     """The checkpoints of a context's sequences (see the module docstring)."""
 
-    def __init__(self, ctx: Any, n_seq: int, *, spacing: int, limit: int = 32) -> None:
+    def __init__(self, ctx: Any, n_seq: int, *, spacing: int, limit: int = 8) -> None:
         self._ctx = ctx
         self.spacing = max(1, spacing)
-        self.limit = max(2, limit)
+        self.limit = max(1, limit)
         self._seqs = [_Seq() for _ in range(n_seq)]
 
     # --- where -------------------------------------------------------------------------------

@@ -66,8 +66,6 @@ _GGML_LOG_ERROR = 4
 CHECKPOINT_BATCHES = 4
 """Checkpoints of recurrent and hybrid memory are taken every this many micro-batches of a
 prefill (besides turn starts and prompt ends): a divergence anywhere recomputes at most that."""
-CHECKPOINT_LIMIT = 32
-"""Checkpoints kept per sequence (llama-server's ``--ctx-checkpoints`` default)."""
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -206,16 +204,23 @@ class LlamaContext(HeldTokens, Rewind):
             forks=can_truncate and n_seq > 1,
             attention_spans_pool=unified and n_seq > 1,
             checkpoints=not can_truncate,
+            memory="recurrent"
+            if recurrent
+            else "hybrid"
+            if hybrid
+            else "sliding-window"
+            if swa
+            else "attention",
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         # Memory that cannot be cut at any token: batches at canonical positions, cuts back to
         # a checkpoint (recurrent, hybrid) or to a window the cache still holds (SWA).
         self._n_swa = swa if not (recurrent or hybrid) else 0
-        self._takes = recurrent or hybrid
+        self._takes = (recurrent or hybrid) and options.checkpoints > 0
         self._ckpts: Checkpoints | None = None
         if not can_truncate:
             spacing = CHECKPOINT_BATCHES * self._chunk
-            self._ckpts = Checkpoints(self._ctx, n_seq, spacing=spacing, limit=CHECKPOINT_LIMIT)
+            self._ckpts = Checkpoints(self._ctx, n_seq, spacing=spacing, limit=options.checkpoints)
             self._starts = self._turn_starts()
         self._states = SeqStates(
             self._ctx, portable=self._portable, unified=unified, n_stream=self._n_stream, path=meta.path

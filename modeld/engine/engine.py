@@ -33,6 +33,7 @@ from modeld.backends.sizing import (
     footprint,
     max_window,
     plan_layout,
+    state_cost,
 )
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
@@ -303,13 +304,14 @@ class Engine:
             window=window,
             fp=info.footprint,
             room=room,
+            checkpoints=r.checkpoints,
         )
 
     def _sized(self, kind: str, info: ModelInfo) -> ModelInfo:
         """``info`` with its context capped by what fits in the memory budget under the configured
         KV layout, and its footprint completed with that layout (``modeld describe``)."""
         fp = info.footprint
-        if fp.kv_bytes_per_token <= 0:
+        if fp.kv_bytes_per_token <= 0 and fp.state_bytes <= 0:
             return info
         fit = max_window(
             fp,
@@ -372,6 +374,7 @@ class Engine:
                 + options.pool_tokens * max(0, info.kv_bytes_per_token)
                 + compute_bytes(info.footprint, cells)
                 + MODEL_OVERHEAD_BYTES
+                + sum(state_cost(info.footprint, options))
             )
             self._make_room_for_load(cost)
             self._budget_ram_tier(loading=cost)  # the tier makes room before the worker allocates
