@@ -330,7 +330,7 @@ def test_recurrent_model_falls_back_to_a_cold_prefill_never_a_wrong_reuse() -> N
         appended = s.ensure_prefix(PrefixInput(text=BASE + "more history\n"))
         assert appended.reuse.reason == "extended"  # appending needs no cut
         assert appended.reused_tokens == first.prefix_tokens
-        edited = BASE.replace("migrate", "upgrade")
+        edited = BASE.replace("migrate", "upgrade")  # before its first checkpoint (token 64)
         st_ = s.ensure_prefix(PrefixInput(text=edited))
         assert (st_.reuse.outcome, st_.reuse.reason) == ("cold", "truncation_unsupported")
         assert st_.reused_tokens == 0
@@ -338,9 +338,9 @@ def test_recurrent_model_falls_back_to_a_cold_prefill_never_a_wrong_reuse() -> N
         s.prefill_suffix(SuffixInput(text="fix it\n"))
         warm_path = _greedy(s)
         # The generated tokens cannot be cut off the recurrent state, but the state at the
-        # prefix boundary was snapshotted when the prefix was computed: it is restored.
+        # prefix's end was checkpointed when the prefix was computed: the engine goes back to it.
         again = s.ensure_prefix(PrefixInput(text=edited))
-        assert (again.reuse.outcome, again.reuse.reason) == ("warm", "restored_from_ram")
+        assert (again.reuse.outcome, again.reuse.reason) == ("warm", "full_match")
         assert again.reused_tokens == again.prefix_tokens
         with Engine(backends=("llama",)) as cold_engine:
             cold = cold_engine.open_session(req)

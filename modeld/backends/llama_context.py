@@ -217,11 +217,12 @@ class LlamaContext(HeldTokens, Rewind):
         # a checkpoint (recurrent, hybrid) or to a window the cache still holds (SWA).
         self._n_swa = swa if not (recurrent or hybrid) else 0
         self._takes = (recurrent or hybrid) and options.checkpoints > 0
-        self._ckpts: Checkpoints | None = None
-        if not can_truncate:
-            spacing = CHECKPOINT_BATCHES * self._chunk
-            self._ckpts = Checkpoints(self._ctx, n_seq, spacing=spacing, limit=options.checkpoints)
-            self._starts = self._turn_starts()
+        self._planned = not can_truncate
+        # Every sequence's batches are recorded (a repeated prompt replays its last batch); only
+        # non-cuttable memory takes checkpoints.
+        spacing = CHECKPOINT_BATCHES * self._chunk
+        self._ckpts = Checkpoints(self._ctx, n_seq, spacing=spacing, limit=options.checkpoints)
+        self._starts = self._turn_starts() if self._planned else frozenset()
         self._states = SeqStates(
             self._ctx, portable=self._portable, unified=unified, n_stream=self._n_stream, path=meta.path
         )
@@ -324,13 +325,13 @@ class LlamaContext(HeldTokens, Rewind):
         if keep <= 0:
             _llama.llama_memory_seq_rm(self._mem, seq, -1, -1)
             held.clear()
-            if self._ckpts is not None:
-                self._ckpts.clear(seq)
+            self._ckpts.clear(seq)
             return 0
-        if self._ckpts is not None:
+        if self._planned:
             return self._rewind(seq, keep, exact=True)
         if _llama.llama_memory_seq_rm(self._mem, seq, keep, -1):
             del held[keep:]
+            self._ckpts.cut(seq, keep)
             return keep
         log.warning("llama.cpp refused to cut sequence %d at token %d; emptying it", seq, keep)
         _llama.llama_memory_seq_rm(self._mem, seq, -1, -1)
@@ -343,7 +344,7 @@ class LlamaContext(HeldTokens, Rewind):
             raise EngineError(f"sequence {seq} holds {len(held)} tokens; asked to keep {keep}")
         if keep + len(tokens) > self._layout.window:
             raise InvalidArgumentError("tokens exceed the context window", field="tokens")
-        if self._ckpts is not None:
+        if self._planned:
             yield from self._sync_planned(seq, keep, tokens)
             return
         kept = self._cut(seq, keep)
@@ -369,14 +370,8 @@ class LlamaContext(HeldTokens, Rewind):
         held = self._seq(seq)
         if not held:
             raise EngineError("nothing resident to decode from")
-        if self._fresh != seq and self._ckpts is not None:
+        if self._fresh != seq:
             self._replay_last(seq)
-        elif self._fresh != seq:
-            # Re-evaluate the last tokens (two, so the batch is not a lone token) for fresh logits.
-            back = min(2, len(held))
-            tail = held[-back:]
-            self._cut(seq, len(held) - back)
-            self._decode(seq, tail)
         return held
 
     def _decode_choices(self, items: list[tuple[int, int]]) -> None:
@@ -410,7 +405,7 @@ class LlamaContext(HeldTokens, Rewind):
         self._cut(dst, 0)
         if n == 0:
             return
-        if self._ckpts is not None:
+        if self._planned:
             # The whole sequence (a unified pool tags the attention cells and copies the recurrent
             # state), its checkpoints with it; then back to n as a sync would go.
             if self._layout.shared_cells:
@@ -427,6 +422,7 @@ class LlamaContext(HeldTokens, Rewind):
         if self._layout.shared_cells:
             _llama.llama_memory_seq_cp(self._mem, src, dst, 0, n)  # tags the cells: no data copy
             self._seqs[dst] = source[:n]
+            self._ckpts.copy(src, dst, n)
             return
         # Separate streams: copy the state (exact cells), then cut it to n.
         blob = self.snapshot(src)
@@ -482,11 +478,10 @@ class LlamaContext(HeldTokens, Rewind):
             _llama.llama_memory_seq_rm(self._mem, seq, -1, -1)
             return False
         held.extend(tokens)
-        if self._ckpts is not None:
-            self._ckpts.clear(seq)
-            self._ckpts.ended(seq, len(tokens))
-            if self._takes:
-                self._ckpts.take(seq, len(tokens), canonical=False)
+        self._ckpts.clear(seq)  # the batches that computed it are not known
+        self._ckpts.ended(seq, len(tokens))
+        if self._takes:
+            self._ckpts.take(seq, len(tokens), canonical=False)
         return True
 
     def close(self) -> None:
@@ -528,8 +523,7 @@ class LlamaContext(HeldTokens, Rewind):
             raise EngineError(
                 f"llama_decode failed with code {rc} after {kept} resident tokens of sequence {seq}"
             )
-        if self._ckpts is not None:
-            self._ckpts.batch(seq, pos)
+        self._ckpts.batch(seq, pos)
         held.extend(tokens)
         self._fresh = seq
 

@@ -34,7 +34,8 @@ class Rewind:
     """Cuts and prefills of memory that cannot be cut at any token (a mixin of the context)."""
 
     _seqs: list[list[int]]
-    _ckpts: Checkpoints | None
+    _ckpts: Checkpoints
+    _planned: bool
     _starts: frozenset[int]
     _takes: bool
     _n_swa: int
@@ -68,7 +69,6 @@ class Rewind:
         ``keep`` itself (``exact``, or where a prefill resumes: a canonical position or a
         prefill's end) while the cache still holds the window before it. Returns ``p``."""
         ckpts = self._ckpts
-        assert ckpts is not None
         held = self._seqs[seq]
         if self._fresh == seq:
             self._fresh = -1
@@ -97,7 +97,6 @@ class Rewind:
 
     def _resumes(self, seq: int, pos: int) -> bool:
         """May a prefill of ``seq`` resume at ``pos`` with a fresh evaluation's batches?"""
-        assert self._ckpts is not None
         held = self._seqs[seq]
         return (
             pos % self._chunk == 0
@@ -107,7 +106,6 @@ class Rewind:
 
     def _resume_before(self, seq: int, keep: int) -> int:
         """The last position at or before ``keep`` where a prefill may resume."""
-        assert self._ckpts is not None
         held = self._seqs[seq]
         turn = next((q for q in range(keep, max(0, keep - self._chunk), -1) if held[q] in self._starts), 0)
         return max(keep - keep % self._chunk, turn, self._ckpts.ends_before(seq, keep))
@@ -117,7 +115,6 @@ class Rewind:
         allows, then every token after it in batches that begin at canonical positions (and at
         ``keep`` when a prefill ended there: a prefix's end, where its suffix begins)."""
         ckpts = self._ckpts
-        assert ckpts is not None
         held = self._seqs[seq]
         known = held[:keep]
         resumes = ckpts.is_end(seq, keep)
@@ -142,18 +139,28 @@ class Rewind:
             ckpts.take(seq, end, canonical=False)
 
     def _replay_last(self, seq: int) -> None:
-        """Fresh logits for ``seq``'s last token: back to where its last batch began (or the
-        checkpoint before it), then its tokens again in the batches that first evaluated them,
-        so the logits are the bits the first evaluation had (a repeated prompt answers as it did
-        the first time)."""
+        """Fresh logits for ``seq``'s last token: back to where its last batch began (or, on
+        memory that cannot be cut there, the checkpoint before it), then its tokens again in the
+        batches that first evaluated them, so the logits are the bits the first evaluation had (a
+        repeated prompt answers as it did the first time: on these architectures re-evaluating
+        only the last two tokens of a longer batch differs in the last bits). Where the batches
+        are not known (a sequence restored from a snapshot), batches that begin where a fresh
+        evaluation's do. Memory that can be cut re-evaluates its last two tokens."""
         ckpts = self._ckpts
-        assert ckpts is not None
         held = self._seqs[seq]
         tokens = list(held)
         n = len(tokens)
         marks = ckpts.bounds(seq, 0, n)
         last = max(m for m in marks if m <= n - 1)
-        p = self._rewind(seq, last, exact=True) if last > 0 else self._cut(seq, 0)
+        if not self._planned:
+            # Attention models of llama's shape give the same bits for any batch of 2 or more
+            # (blueprint 0009): the last two tokens, not the whole last batch.
+            p = self._cut(seq, max(0, n - 2))
+            marks = [p, n]
+        else:
+            p = self._rewind(seq, last, exact=True) if last > 0 else self._cut(seq, 0)
         redo = [p, *[m for m in marks if p < m < n], n]
         for a, b in itertools.pairwise(redo):
-            self._decode(seq, tokens[a:b])
+            inner = [a + i for i, t in enumerate(tokens[a:b]) if i and t in self._starts]
+            for c, d in itertools.pairwise(plan(a, b, self._chunk, inner)):
+                self._decode(seq, tokens[c:d])
