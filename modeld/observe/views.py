@@ -383,7 +383,13 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
         (
             "capabilities",
             f"truncation={'yes' if info.capabilities.truncation else 'no'} reuse={info.capabilities.reuse} "
-            f"formats={','.join(info.capabilities.prompt_formats)}",
+            f"formats={','.join(info.capabilities.prompt_formats)} "
+            f"speculation={','.join(info.capabilities.speculation)}"
+            + (
+                " (a recurrent state cannot take a rejected draft back)"
+                if "ngram" not in info.capabilities.speculation and fp.state_bytes
+                else ""
+            ),
         ),
     ]
     return "\n".join(f"{k:<13} {v}" for k, v in rows)
