@@ -14,8 +14,8 @@ Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a pre
 * **turn starts**: before a control token that does not end generation (``<|im_start|>`` in
   ChatML, ``<start_of_turn>``, ...): a chat's message boundaries, where agents' prompts diverge
   (a moved reminder, a re-read file, the reasoning a template drops from earlier turns);
-* **a spacing**: every ``spacing`` tokens (a multiple of the micro-batch), which bounds what a
-  divergence anywhere costs to recompute;
+* **a spacing**: every ``spacing`` tokens (the micro-batch), which bounds what a divergence
+  anywhere costs to recompute while the checkpoints are all kept;
 * **the end of a prompt** (:meth:`Checkpoints.take` with ``canonical=False``): a repeat, a retry,
   the same prefix with a new suffix restore it exactly.
 
@@ -31,7 +31,8 @@ re-evaluates known tokens (the last tokens' logits for a repeated prompt) repeat
 
 **Value.** At most ``limit`` checkpoints per sequence (``--checkpoints``, 8 by default; each one
 holds the model's recurrent state, counted in the memory budget); past it the one whose loss
-widens the gap between its neighbours least goes (the newest and the last prompt end stay).
+widens the gap between its neighbours least goes. The newest, the last prompt end and the two
+that served the latest cuts stay: an agent's prompt tends to diverge where it did last turn.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ from modeld.backends._llama_lib import bindings as _llama
 __all__ = ["PARTIAL", "Checkpoints", "plan"]
 
 log = logging.getLogger("modeld.llama")
+
+_RECENT = 2
+"""Checkpoints that served the latest cuts of a sequence, kept whatever their spacing."""
 
 PARTIAL = 1
 """``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``: only the part of the memory that cannot be cut."""
@@ -73,6 +77,7 @@ class _Seq:
 
     blobs: dict[int, bytes] = field(default_factory=dict)
     canonical: set[int] = field(default_factory=set)
+    used: list[int] = field(default_factory=list)  # restored lately, the latest last
     bounds: list[int] = field(default_factory=list)
     ends: set[int] = field(default_factory=set)
 
@@ -124,9 +129,13 @@ class Checkpoints:
 
     def restore(self, seq: int, pos: int) -> bool:
         """Load the checkpoint at ``pos`` into ``seq`` (its non-cuttable part only)."""
-        blob = self._seqs[seq].blobs.get(pos)
+        s = self._seqs[seq]
+        blob = s.blobs.get(pos)
         if blob is None:
             return False
+        # An agent's prompt tends to diverge where it did last turn (a repo map, a moved
+        # reminder): a checkpoint that served a cut is worth keeping.
+        s.used = [*[p for p in s.used if p != pos][-(_RECENT - 1) :], pos]
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         return int(_llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), seq, PARTIAL)) > 0
 
@@ -163,6 +172,7 @@ class Checkpoints:
         for p in [p for p in s.blobs if p > keep]:
             del s.blobs[p]
             s.canonical.discard(p)
+        s.used = [p for p in s.used if p <= keep]
         s.ends = {p for p in s.ends if p <= keep}
         del s.bounds[bisect.bisect_right(s.bounds, keep - 1) :]
 
@@ -174,6 +184,7 @@ class Checkpoints:
             canonical={p for p in a.canonical if p <= n},
             bounds=[p for p in a.bounds if p < n],
             ends={p for p in a.ends if p <= n},
+            used=[p for p in a.used if p <= n],
         )
 
     def clear(self, seq: int) -> None:
@@ -192,7 +203,7 @@ class Checkpoints:
         while len(s.blobs) > self.limit:
             ps = sorted(s.blobs)
             ends = [p for p in ps if p not in s.canonical]
-            keep_last = {ps[-1], *ends[-1:]}
+            keep_last = {ps[-1], *ends[-1:], *s.used}
             gaps = [
                 (ps[i + 1] - (ps[i - 1] if i > 0 else 0), ps[i])
                 for i in range(len(ps) - 1)
@@ -203,3 +214,4 @@ class Checkpoints:
             _, victim = min(gaps)
             del s.blobs[victim]
             s.canonical.discard(victim)
+            s.used = [p for p in s.used if p != victim]

@@ -63,9 +63,10 @@ _GGML_LOG_INFO = 2
 _GGML_LOG_WARN = 3
 _GGML_LOG_ERROR = 4
 
-CHECKPOINT_BATCHES = 4
+CHECKPOINT_BATCHES = 1
 """Checkpoints of recurrent and hybrid memory are taken every this many micro-batches of a
-prefill (besides turn starts and prompt ends): a divergence anywhere recomputes at most that."""
+prefill (besides turn starts and prompt ends): a divergence anywhere recomputes at most that
+while they are all kept (``--checkpoints`` keeps the most valuable ones)."""
 
 _init_lock = threading.Lock()
 _initialized = False

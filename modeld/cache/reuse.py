@@ -251,8 +251,8 @@ def went_back(decision: ReuseDecision, chosen: int, kept: int, wanted: int) -> R
             outcome="cold",
             reason="truncation_unsupported",
             message=(
-                f"the model's memory cannot be cut at token {chosen} and holds no checkpoint before it: "
-                f"prefilled all {wanted} tokens"
+                f"the model's memory cannot be cut at token {chosen}: it holds no checkpoint of its state "
+                f"before it (or its sliding window there is gone): prefilled all {wanted} tokens"
             ),
         )
     head = decision.message.split(": reused", 1)[0] if ": reused" in decision.message else ""

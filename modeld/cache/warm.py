@@ -268,9 +268,13 @@ class ModelCache:
             hold.source = Candidate("kv", dst.id, dst.prefix_tokens, own=own or choice.keep == 0)
         elif source is not None:
             n = choice.keep
-            runtime.copy(source.seq, dst.seq, n)
-            self._pool.ledger.copy(source.seq, dst.seq, n)
-            dst.tokens = source.tokens[:n]
+            layout = self._pool.layout
+            # Memory cut back through checkpoints is copied whole: the turn's sync then goes back
+            # to the checkpoint before n and says so (a copy cannot report where it landed).
+            whole = len(source.tokens) if layout.checkpoints and not layout.can_truncate else n
+            runtime.copy(source.seq, dst.seq, whole)
+            self._pool.ledger.copy(source.seq, dst.seq, whole)
+            dst.tokens = source.tokens[:whole]
             dst.prefix_tokens = min(source.prefix_tokens, n)
             dst.generation += 1
             dst.saved_key = ""
