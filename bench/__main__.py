@@ -72,21 +72,6 @@ def _machine(threads: int, llama_server: str) -> dict[str, Any]:
     }
 
 
-def _tokenizer(model: str) -> Any:
-    """The model's own tokenizer (llama.cpp, vocabulary only: no weights)."""
-    import ctypes
-
-    import llama_cpp as lc
-
-    from bench.direct import _LOG, tokenize
-
-    lc.llama_log_set(_LOG, ctypes.c_void_p(0))
-    params = lc.llama_model_default_params()
-    params.vocab_only = True
-    vocab = lc.llama_model_get_vocab(lc.llama_model_load_from_file(model.encode(), params))
-    return lambda text: tokenize(vocab, text)
-
-
 def _select(loads: list[Workload], wanted: list[str]) -> list[Workload]:
     """The named workloads and every workload they continue (run first, in run order)."""
     by_name = {w.name: w for w in loads}
@@ -218,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     machine = _machine(threads, args.llama_server)
 
     max_tokens = 8 if args.quick else MAX_TOKENS
-    tokenize = _tokenizer(model)
+    from bench.direct import vocab_tokenizer
+
+    tokenize = vocab_tokenizer(model)
     loads = make_workloads(tokenize, quick=args.quick, max_tokens=max_tokens)
     wanted = [w for w in args.workload.split(",") if w]
     choices = [*workload_names(), *EXTRAS]

@@ -709,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, help="write the run document here (default: bench/results/runs/<id>/)"
     )
     args = parser.parse_args(argv)
-    from bench.__main__ import ROOT, _tokenizer
+    from bench.direct import vocab_tokenizer
     from bench.report import agent_apis_lines
     from modeld import testmodels
 
@@ -717,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(testmodels.ensure_model(spec))
     started = time.time()
     load_start = os.getloadavg()
-    tokenize = _tokenizer(model)
+    tokenize = vocab_tokenizer(model)
     result = run_agent_apis(
         model,
         args.llama_server,
@@ -737,7 +737,14 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": round(time.time() - started, 1),
         "agent_apis": result,
     }
-    out = args.out or ROOT / "results" / ("quick" if args.quick else "") / "runs" / f"{doc['id']}-agent_apis"
+    out = (
+        args.out
+        or Path(__file__).resolve().parent
+        / "results"
+        / ("quick" if args.quick else "")
+        / "runs"
+        / f"{doc['id']}-agent_apis"
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.json").write_text(json.dumps(doc, indent=1))
     report = "\n".join(agent_apis_lines(result, spec.name))

@@ -158,6 +158,15 @@ class Driver:
         }
 
 
+def vocab_tokenizer(model: str) -> Any:
+    """The model's own tokenizer (llama.cpp, vocabulary only: no weights): text -> token ids."""
+    lc.llama_log_set(_LOG, ctypes.c_void_p(0))
+    params = lc.llama_model_default_params()
+    params.vocab_only = True
+    vocab = lc.llama_model_get_vocab(lc.llama_model_load_from_file(model.encode(), params))
+    return lambda text: tokenize(vocab, text)
+
+
 def main() -> None:
     driver: Driver | None = None
     for line in sys.stdin:

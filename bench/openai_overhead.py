@@ -26,7 +26,7 @@ import openai
 
 import runtime_client as rc
 from bench.daemon import serve
-from modeld.server.http.openai_chat import parse_chat
+from modeld.server.http.openai.request import parse_chat
 from modeld.server.http.turn import chat_inputs, split_point
 from modeld.settings import Limits
 
@@ -58,9 +58,9 @@ def _grpc_loop(client: rc.Client, turns: list[list[dict[str, str]]]) -> tuple[li
     ttft, total = [], []
     with client.open_session(request) as session:
         for messages in turns:
-            turn, _ = parse_chat(
+            turn = parse_chat(
                 {"model": MODEL, "messages": messages, "max_tokens": 32, "temperature": 0}, {}, Limits()
-            )
+            ).turn
             prefix, suffix = chat_inputs(
                 turn.messages, split_point(turn.messages), turn.tools_json, "hermes", None, "http.openai.chat"
             )

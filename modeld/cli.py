@@ -21,12 +21,13 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, Config, OpenSessionRequest
+from modeld.contract import BACKEND_TYPES, Config, OpenSessionRequest
 from modeld.errors import DaemonUnavailableError, ModeldError
-from modeld.flags import MAX_FLAG_CHARS, add_flags, field_group, from_flags, given, parse_duration
+from modeld.flags import MAX_FLAG_CHARS, add_flags, from_flags, given, parse_duration
 from modeld.observe.views import format_model_info, format_report, format_sessions
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(SafeFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), handlers=[handler])
+    logging.basicConfig(level=getattr(logging, options.serving.log_level.upper()), handlers=[handler])
     return run(options)
 
 
@@ -83,7 +84,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
     combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``."""
     from modeld.daemon import ServeOptions
-    from modeld.settings import Limits, Residency, RestartPolicy, Timeouts
+    from modeld.settings import HttpSettings, Limits, Residency, RestartPolicy, Serving, Timeouts
 
     limits = from_flags(args, Limits)
     if limits.max_message_bytes < limits.max_text_bytes + (64 << 10):
@@ -107,33 +108,20 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     restart = from_flags(args, RestartPolicy)
     if restart.backoff_max < restart.backoff_initial:
         raise ValueError("--restart-backoff-max must be at least --restart-backoff")
-    if args.max_output_tokens < 0 or args.num_ctx < 0:
-        raise ValueError("--max-output-tokens and --num-ctx take a number of tokens (0: the default)")
+    http = from_flags(args, HttpSettings)
+    http = replace(
+        http,
+        api_key=http.api_key or os.environ.get("MODELD_API_KEY", ""),
+        flash_attn=_flash_attn(http.flash_attn, http.kv_cache_type),
+    )
     options = ServeOptions(
-        backend=args.backend,
-        listen=args.listen or "",
-        takeover=args.takeover,
-        takeover_timeout=args.takeover_timeout,
-        allow_remote=args.allow_remote,
+        serving=from_flags(args, Serving),
+        http=http,
         limits=limits,
-        require_token=not args.no_token,
-        http=args.http or "",
-        api_key=args.api_key or os.environ.get("MODELD_API_KEY", ""),
-        models=tuple(args.model or ()),
-        models_dir=Path(args.models_dir) if args.models_dir else None,
-        num_ctx=args.num_ctx or 0,
-        allowed_origins=tuple(args.allow_origin or ()),
-        max_output_tokens=args.max_output_tokens,
-        kv_cache_type=args.kv_cache_type,
-        flash_attn=_flash_attn(args),
-        speculation=args.speculation,
         residency=residency,
         timeouts=timeouts,
         restart=restart,
-        worker_log_level=args.log_level.upper(),
     )
-    if args.describe_timeout is not None:
-        options.describe_timeout = args.describe_timeout
     if args.data_dir:
         options.data_dir = Path(args.data_dir)
     return options
@@ -215,27 +203,29 @@ def _cmd_drain(args: argparse.Namespace) -> int:
 
 def _cmd_describe(args: argparse.Namespace) -> int:
     from modeld.engine import Engine
-    from modeld.settings import Residency
+    from modeld.settings import HttpSettings, Residency
 
+    sessions = from_flags(args, HttpSettings)
+    flash_attn = _flash_attn(sessions.flash_attn, sessions.kv_cache_type)
     request = OpenSessionRequest(
         type=args.type,
         path=args.path,
         digest=args.digest or "",
-        config=Config(num_ctx=args.num_ctx, kv_cache_type=args.kv_cache_type, flash_attn=_flash_attn(args)),
+        config=Config(num_ctx=args.num_ctx, kv_cache_type=sessions.kv_cache_type, flash_attn=flash_attn),
     )
     residency = from_flags(args, Residency)
     info = Engine(backends=(args.type,), residency=residency).describe(request)
     if args.json:
         print(_json(info))
         return 0
-    print(format_model_info(info, args.num_ctx, args.kv_cache_type, _flash_attn(args)))
+    print(format_model_info(info, args.num_ctx, sessions.kv_cache_type, flash_attn))
     return 0
 
 
-def _flash_attn(args: argparse.Namespace) -> bool:
+def _flash_attn(flash_attn: bool, kv_cache_type: str) -> bool:
     """``--flash-attn``, implied by a quantized KV cache (llama.cpp needs it to quantize V, and
     llama-server's ``-fa auto`` turns it on for one)."""
-    return bool(args.flash_attn or args.kv_cache_type in ("q8_0", "q4_0"))
+    return flash_attn or kv_cache_type in ("q8_0", "q4_0")
 
 
 # --- observers ------------------------------------------------------------------------------
@@ -326,29 +316,14 @@ def _global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-def _serve_settings(s: argparse.ArgumentParser) -> None:
-    """``modeld serve``'s flags for every setting (``modeld/settings.py``); unset ones keep
-    their defaults. ``modeld status`` shows the values in force."""
-    from modeld.settings import SETTINGS, Timeouts
-
-    groups = None
-    for cls in SETTINGS:
-        groups = add_flags(s, cls, groups)
-    assert groups is not None
-    groups[field_group(Timeouts, "load_seconds")].add_argument(
-        "--describe-timeout",
-        type=parse_duration,
-        metavar="DURATION",
-        help="Describe gives up on a model file that takes longer to read (30)",
-    )
-
-
 _DESCRIBE_SETTINGS = ("sequences", "kv_unified", "pool_tokens", "memory_budget_bytes")
 """The settings that size a model's memory, which ``modeld describe`` takes too."""
+_DESCRIBE_SESSION = ("kv_cache_type", "flash_attn")
+"""The session settings of the HTTP APIs that ``modeld describe`` sizes a model for."""
 
 
 def _parser() -> argparse.ArgumentParser:
-    from modeld.settings import Residency
+    from modeld.settings import SETTINGS, HttpSettings, Residency
 
     p = _Parser(prog="modeld", description="Local warm-prefix inference daemon.")
     _global_options(p, top=True)
@@ -356,88 +331,9 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the daemon")
     _global_options(s, top=False)
-    s.add_argument("--backend", choices=BACKEND_TYPES, default="llama")
-    s.add_argument(
-        "--listen",
-        help="unix:PATH or HOST:PORT (default: a unix socket under XDG_RUNTIME_DIR or the cache directory)",
-    )
-    s.add_argument(
-        "--http",
-        metavar="HOST:PORT",
-        help="also serve the OpenAI-compatible API there (needs modeld[http]); e.g. 127.0.0.1:8080",
-    )
-    s.add_argument(
-        "--api-key",
-        help="require 'Authorization: Bearer KEY' on the HTTP API (default: MODELD_API_KEY; "
-        "required off loopback)",
-    )
-    s.add_argument(
-        "--model",
-        action="append",
-        metavar="NAME=PATH",
-        help="a model the HTTP API serves under NAME (repeatable; default: the generated tiny model)",
-    )
-    s.add_argument("--models-dir", metavar="DIR", help="serve every model file in DIR under its file name")
-    s.add_argument(
-        "--num-ctx",
-        type=int,
-        default=0,
-        help="context window of HTTP sessions (default: the model's own, as large as the memory budget allows)",
-    )
-    s.add_argument(
-        "--max-output-tokens",
-        type=int,
-        default=0,
-        metavar="N",
-        help="the output limit of an HTTP request that sets none (llama-server's -n; Codex CLI sends none); "
-        "default: up to the window",
-    )
-    s.add_argument(
-        "--allow-origin",
-        action="append",
-        metavar="ORIGIN",
-        help="a web origin (e.g. https://app.example) whose pages may call the HTTP API (repeatable; "
-        "loopback http(s) origins always may, others never)",
-    )
-    s.add_argument(
-        "--kv-cache-type",
-        default="f16",
-        choices=KV_CACHE_TYPES,
-        help="KV precision of HTTP sessions, as llama-server's -ctk/-ctv (q8_0: about half the KV memory; "
-        "turns flash attention on; blueprint 0016)",
-    )
-    s.add_argument(
-        "--flash-attn",
-        action="store_true",
-        help="flash attention for HTTP sessions (a smaller compute buffer at long windows; default off)",
-    )
-    s.add_argument(
-        "--speculation",
-        default="ngram",
-        choices=("off", "ngram"),
-        help="ngram (default): draft tokens from the context (prompt lookup) and append the tokens a "
-        "constraint forces, verified in one batch, output unchanged; off: one token per step. A request "
-        "may choose with DecodeConfig.speculation or the HTTP field 'speculation' (blueprint 0021)",
-    )
-    s.add_argument(
-        "--no-token",
-        action="store_true",
-        help="let a TCP gRPC listener run without its token (any local user can then drive the daemon)",
-    )
-    s.add_argument("--takeover", action="store_true", help="replace the daemon that owns the machine")
-    s.add_argument(
-        "--takeover-timeout",
-        type=float,
-        default=10.0,
-        help="seconds to wait for the old owner before signalling it",
-    )
-    s.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow a non-loopback --listen/--http address (token / API key required; no TLS)",
-    )
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    _serve_settings(s)
+    groups = None
+    for cls in SETTINGS:  # every flag is a setting (modeld/settings.py); unset ones keep its defaults
+        groups = add_flags(s, cls, groups)
     s.set_defaults(func=_cmd_serve)
 
     d = sub.add_parser("describe", help="what a model is and can do on this machine (no daemon needed)")
@@ -446,10 +342,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--path", required=True)
     d.add_argument("--digest", help="expected model digest")
     d.add_argument("--num-ctx", type=int, default=Config().num_ctx)
-    d.add_argument("--kv-cache-type", default="f16", choices=KV_CACHE_TYPES)
-    d.add_argument(
-        "--flash-attn", action="store_true", help="size for flash attention (needed by a q8_0/q4_0 KV cache)"
-    )
+    add_flags(d, HttpSettings, only=_DESCRIBE_SESSION, help="as modeld serve's (for HTTP sessions)")
     add_flags(d, Residency, only=_DESCRIBE_SETTINGS, help="as modeld serve's")
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_describe)

@@ -46,6 +46,7 @@ __all__ = [
     "PROMPT_FORMATS",
     "REUSE_OUTCOMES",
     "REUSE_REASONS",
+    "SPECULATION_MODES",
     "AsyncClosing",
     "AsyncDecodeStream",
     "AsyncService",
@@ -90,6 +91,9 @@ __all__ = [
 
 BackendType = Literal["llama", "openvino", "memory"]
 BACKEND_TYPES: tuple[str, ...] = ("llama", "openvino", "memory")
+
+SPECULATION_MODES: tuple[str, ...] = ("off", "ngram")
+"""``DecodeConfig.speculation`` values (besides ``""``: the daemon's ``--speculation``)."""
 
 FinishReason = Literal[
     "stop",

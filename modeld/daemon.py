@@ -39,13 +39,13 @@ from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.auth import TokenInterceptor, ensure_token
 from modeld.server.bridge import Bridge, Pools
 from modeld.server.gateway import Gateway, ServedEngine
-from modeld.server.grpc.servicer import DESCRIBE_TIMEOUT_SECONDS, SERVICE_NAME, ModeldServicer, add_to_server
+from modeld.server.grpc.servicer import SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.settings import Residency, RestartPolicy, Timeouts
+from modeld.settings import HttpSettings, Limits, Residency, RestartPolicy, Serving, Timeouts
 
 if TYPE_CHECKING:
-    from modeld.settings import Limits
+    from modeld.server.http.models import ModelRegistry
 
 __all__ = ["ListenAddress", "ServeOptions", "Server", "parse_listen", "run"]
 
@@ -175,7 +175,7 @@ class Server:
         min_ping_interval_ms: int = MIN_CLIENT_PING_INTERVAL_MS,
         token: str = "",
         metrics: Metrics | None = None,
-        describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS,
+        describe_timeout: float = Serving().describe_seconds,
     ) -> None:
         self.engine = engine
         self.address = address
@@ -302,51 +302,38 @@ async def _finish_tasks() -> None:
 
 @dataclass
 class ServeOptions:
-    backend: str = "llama"
-    listen: str = ""
-    data_dir: Path = field(default_factory=default_data_dir)
-    takeover: bool = False
-    takeover_timeout: float = 10.0
-    allow_remote: bool = False
-    limits: Limits | None = None
-    grace: float = 3.0
-    require_token: bool = True  # for a TCP gRPC listener
-    http: str = ""  # HOST:PORT for the OpenAI-compatible endpoint
-    api_key: str = ""
-    models: tuple[str, ...] = ()  # NAME=PATH
-    models_dir: Path | None = None
-    num_ctx: int = 0  # context window of HTTP sessions (0: the model's own, as the memory budget allows)
-    allowed_origins: tuple[str, ...] = ()  # web origins (besides loopback ones) the HTTP API serves
-    max_output_tokens: int = 0  # the HTTP output limit of a request that sets none (0: the window)
-    kv_cache_type: str = "f16"  # KV precision of HTTP sessions (llama-server's -ctk/-ctv)
-    flash_attn: bool = False  # flash attention for HTTP sessions (on for a quantized KV cache)
-    speculation: str = "ngram"  # a decode's DecodeConfig.speculation when unset (blueprint 0021)
+    """What ``modeld serve`` runs with: the settings (``modeld/settings.py``, one flag each), the
+    data directory (``--data-dir``) and the grace given to streams when the daemon stops."""
+
+    serving: Serving = field(default_factory=Serving)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    limits: Limits = field(default_factory=Limits)
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS
-    worker_log_level: str = "INFO"
+    data_dir: Path = field(default_factory=default_data_dir)
+    grace: float = 3.0
 
 
-def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, Any] | None:
+def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | None:
     """Check the HTTP options and build the model registry, before taking the lease."""
-    if not options.http:
-        if options.models or options.models_dir is not None:
+    http, backend = options.http, options.serving.backend
+    if not http.http:
+        if http.models or http.models_dir:
             raise ServeError("--model and --models-dir name the models --http serves; add --http HOST:PORT")
         return None
-    address = parse_listen(options.http, allow_remote=options.allow_remote, option="--http")
+    address = parse_listen(http.http, allow_remote=options.serving.allow_remote, option="--http")
     if address.unix_path is not None:
         raise ServeError("--http wants HOST:PORT (a TCP address)")
-    for origin in options.allowed_origins:
+    for origin in http.allowed_origins:
         if not origin or origin == "null" or "://" not in origin or origin.endswith("/"):
             raise ServeError(
                 f"--allow-origin {origin!r}: give an origin as a browser sends it, e.g. https://example.com "
                 "(scheme and host, no path; 'null' is never allowed)"
             )
-    if not is_loopback(address.host) and not options.api_key:
+    if not is_loopback(address.host) and not http.api_key:
         raise ServeError(
-            f"--http {options.http} listens off loopback: an API key is required "
-            f"(--api-key or MODELD_API_KEY)"
+            f"--http {http.http} listens off loopback: an API key is required (--api-key or MODELD_API_KEY)"
         )
     missing = [m for m in ("starlette", "uvicorn", "jinja2") if importlib.util.find_spec(m) is None]
     if missing:
@@ -357,13 +344,14 @@ def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, A
 
     try:
         entries = {}
-        for spec in options.models:
-            entry = parse_model_option(spec, options.backend)
+        for spec in http.models:
+            entry = parse_model_option(spec, backend)
             if entry.name in entries:
                 raise RegistryError(f"--model {entry.name} is given twice")
             entries[entry.name] = entry
-        fallback = default_models(options.backend) if not entries and options.models_dir is None else None
-        registry = ModelRegistry(options.backend, entries, options.models_dir, fallback)
+        models_dir = Path(http.models_dir) if http.models_dir else None
+        fallback = default_models(backend) if not entries and models_dir is None else None
+        registry = ModelRegistry(backend, entries, models_dir, fallback)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None
     return address, registry
@@ -371,27 +359,27 @@ def _http_setup(options: ServeOptions, limits: Limits) -> tuple[ListenAddress, A
 
 def run(options: ServeOptions) -> int:
     """Run the daemon until a signal or a takeover. Returns the process exit code."""
-    from modeld.engine import Engine, Limits, Owner, new_instance_id
+    from modeld.engine import Engine, Owner, new_instance_id
 
-    limits = options.limits or Limits()
+    limits, serving = options.limits, options.serving
     try:
         address = parse_listen(
-            options.listen or f"unix:{default_socket_path(options.data_dir)}",
-            allow_remote=options.allow_remote,
+            serving.listen or f"unix:{default_socket_path(options.data_dir)}",
+            allow_remote=serving.allow_remote,
         )
-        if address.unix_path is None and not is_loopback(address.host) and not options.require_token:
+        if address.unix_path is None and not is_loopback(address.host) and not serving.token:
             raise ServeError(
-                f"--listen {options.listen} is off loopback: --no-token would let anyone who can reach "
+                f"--listen {serving.listen} is off loopback: --no-token would let anyone who can reach "
                 "it drive the daemon; keep the token (it is created in the data directory)"
             )
-        http = _http_setup(options, limits)
+        http = _http_setup(options)
     except ServeError as exc:
         log.error("%s", exc)
         return EXIT_USAGE
     instance_id = new_instance_id()
     lease = Lease(options.data_dir, instance_id, version=__version__)
     try:
-        record = lease.acquire(takeover=options.takeover, takeover_timeout=options.takeover_timeout)
+        record = lease.acquire(takeover=serving.takeover, takeover_timeout=serving.takeover_seconds)
     except AlreadyOwnedError as exc:
         log.error("%s", exc)
         return EXIT_OWNED
@@ -413,28 +401,28 @@ def run(options: ServeOptions) -> int:
     owner = Owner(instance_id, record.epoch)
     try:
         engine: LifecycleEngine = Engine(  # conformance: the engine is what the listeners expect
-            backends=(options.backend,),
+            backends=(serving.backend,),
             owner=owner,
             limits=limits,
             residency=options.residency,
             timeouts=options.timeouts,
             restart=options.restart,
             data_dir=options.data_dir,
-            worker_log_level=options.worker_log_level,
-            speculation=options.speculation,
+            worker_log_level=serving.log_level.upper(),
+            speculation=serving.speculation,
         )
     except ModeldError as exc:
         log.error("%s", exc.message)
         lease.release()
         return EXIT_USAGE
-    token = ensure_token(options.data_dir) if address.unix_path is None and options.require_token else ""
-    server = Server(engine, address, limits, token=token, describe_timeout=options.describe_timeout)
+    token = ensure_token(options.data_dir) if address.unix_path is None and serving.token else ""
+    server = Server(engine, address, limits, token=token, describe_timeout=serving.describe_seconds)
     listener: Any = None
     try:
         # Every listener is bound before the daemon says it serves (gRPC health, the lease):
         # a client that saw one never finds the other refusing connections.
         if http is not None:
-            listener = _start_http(server.gateway, server.bridge, http, options, limits)
+            listener = _start_http(server.gateway, server.bridge, http, options)
         endpoint = server.start()
     except Exception as exc:
         log.error("%s", exc)
@@ -447,7 +435,7 @@ def run(options: ServeOptions) -> int:
     log.info(
         "modeld %s serving the %s backend at %s%s (instance %s, epoch %d, data %s)",
         __version__,
-        options.backend,
+        serving.backend,
         endpoint,
         f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())})"
         if listener is not None and http is not None
@@ -497,7 +485,7 @@ def drain(
     service = listener.service if listener is not None else None
     started = time.monotonic()
     if service is not None:
-        service.begin_drain()
+        service.drain.begin()
     server.health.shutting_down()
     log.info(
         "draining: /health answers 503, new turns are held and then refused with 503; running turns "
@@ -506,7 +494,7 @@ def drain(
     )
     deadline = started + seconds
     while not hurry.is_set():
-        running = (service.running_turns if service is not None else 0) + engine.running_operations()
+        running = (service.drain.running if service is not None else 0) + engine.running_operations()
         if running <= 0:
             break
         if time.monotonic() >= deadline:
@@ -520,33 +508,26 @@ def drain(
         "saved" if saved else f"not all saved within {PERSIST_SECONDS:.0f}s",
     )
     if service is not None:
-        service.release_drain()
+        service.drain.release()
         time.sleep(0.2)  # the held turns' 503s leave before the listener closes
 
 
 def _start_http(
-    gateway: Gateway, bridge: Bridge, http: tuple[ListenAddress, Any], options: ServeOptions, limits: Limits
+    gateway: Gateway, bridge: Bridge, http: tuple[ListenAddress, ModelRegistry], options: ServeOptions
 ) -> Any:
-    from modeld.server.http.app import HttpService, HttpSettings
+    from modeld.server.http.app import HttpService
     from modeld.server.http.listener import HttpListener
 
     address, registry = http
     gateway.names = registry.name_of  # one file, one name on every transport
-    settings = HttpSettings(
-        backend=options.backend,
-        api_key=options.api_key,
-        loopback=is_loopback(address.host),
-        bound_host=address.host,
-        num_ctx=options.num_ctx,
-        kv_cache_type=options.kv_cache_type,
-        flash_attn=options.flash_attn,
-        max_body_bytes=limits.max_message_bytes,
-        data_dir=str(options.data_dir),
-        allowed_origins=options.allowed_origins,
-        max_output_tokens=options.max_output_tokens,
+    service = HttpService(
+        gateway,
+        registry,
+        options.http,
+        bridge,
+        data_dir=options.data_dir,
+        describe_seconds=options.serving.describe_seconds,
     )
-    listener = HttpListener(
-        HttpService(gateway, registry, settings, bridge), address.host, address.port, grace=options.grace
-    )
+    listener = HttpListener(service, address.host, address.port, grace=options.grace)
     listener.start()
     return listener

@@ -31,6 +31,7 @@ __all__ = [
     "count",
     "field_docs",
     "field_group",
+    "flag_name",
     "flag_of",
     "from_flags",
     "given",
@@ -114,13 +115,15 @@ class Flag:
     """How one settings field is set from the command line."""
 
     name: str
-    """The option, ``--sequences``; a bool field also gets ``--no-...``."""
+    """The option, ``--sequences``; a bool field that is on by default also gets ``--no-...``."""
     group: str
     """The ``--help`` group it is listed under."""
     parse: Callable[[str], Any] | None = None
     """The value's parser (None: the text itself, or on/off for a bool)."""
     metavar: str | None = None
     choices: tuple[str, ...] = ()
+    repeat: bool = False
+    """Given once per value (``--model A=a --model B=b``); the field is a tuple of them."""
 
 
 def setting(
@@ -131,6 +134,7 @@ def setting(
     *,
     metavar: str | None = None,
     choices: tuple[str, ...] = (),
+    repeat: bool = False,
 ) -> Any:
     """A settings field with its default and its flag (the help is the field's docstring)."""
     if metavar is None and parse is not None:
@@ -140,7 +144,8 @@ def setting(
             parse_duration: "DURATION",
         }
         metavar = metavars.get(parse, "N")
-    return dataclasses.field(default=default, metadata={"flag": Flag(flag, group, parse, metavar, choices)})
+    flag_ = Flag(flag, group, parse, metavar, choices, repeat)
+    return dataclasses.field(default=default, metadata={"flag": flag_})
 
 
 def flag_of(f: dataclasses.Field[Any]) -> Flag:
@@ -168,9 +173,18 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+def _field(cls: type, name: str) -> dataclasses.Field[Any]:
+    return next(f for f in dataclasses.fields(cls) if f.name == name)
+
+
 def field_group(cls: type, name: str) -> str:
     """The ``--help`` group of field ``name``'s flag."""
-    return flag_of(next(f for f in dataclasses.fields(cls) if f.name == name)).group
+    return flag_of(_field(cls, name)).group
+
+
+def flag_name(cls: type, name: str) -> str:
+    """The option that sets field ``name`` (``--queue-wait`` for ``Limits.model_wait_seconds``)."""
+    return flag_of(_field(cls, name)).name
 
 
 def _dest(cls: type, name: str) -> str:
@@ -187,6 +201,8 @@ def _shown(value: Any, flag: Flag) -> str:
         return f"{value // _SIZE_UNITS[unit]}{unit}" if unit else str(value)
     if flag.parse is parse_duration:
         return f"{value:g}s" if value else "0: off"
+    if isinstance(value, tuple):
+        return ", ".join(value) if value else "none"
     return str(value) if value != "" else "none"
 
 
@@ -219,8 +235,13 @@ def add_flags(
                 flag.group, parser.add_argument_group(flag.group)
             )
         kw: dict[str, Any] = {"dest": _dest(cls, f.name), "default": None, "help": text.replace("%", "%%")}
-        if isinstance(f.default, bool):
-            where.add_argument(flag.name, action=argparse.BooleanOptionalAction, **kw)
+        if isinstance(f.default, bool):  # a switch that is off by default has no --no-...
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            where.add_argument(flag.name, action=action, **kw)
+        elif flag.repeat:
+            where.add_argument(
+                flag.name, action="append", type=flag.parse, metavar=flag.metavar or "TEXT", **kw
+            )
         elif flag.choices:
             where.add_argument(flag.name, choices=flag.choices, **kw)
         else:
@@ -236,4 +257,4 @@ def given(args: argparse.Namespace, cls: type, name: str) -> Any:
 def from_flags(args: argparse.Namespace, cls: type[Any]) -> Any:
     """``cls()`` with every field whose flag was given set from it."""
     values = {f.name: given(args, cls, f.name) for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in values.items() if v is not None})
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if v is not None})

@@ -1,9 +1,11 @@
-"""Settings of the daemon, in one typed place: each field is its own ``modeld serve`` flag.
+"""Settings of the daemon, in one typed place: each field is its own ``modeld serve`` flag, and
+``modeld serve --help`` is this list (the command line adds only ``--address``/``--data-dir``).
 
-``modeld serve`` sets them from its flags (``modeld serve --help``; each field's flag, parser
-and group are its metadata, its docstring is the help and its default the default: adding a
-setting touches one field, ``modeld/flags.py``) and ``modeld status`` shows them. Where warm
-state lives is :class:`Residency`, the timeout profile :class:`Timeouts`, worker restarts
+``modeld serve`` sets them from its flags (each field's flag, parser and group are its
+metadata, its docstring is the help and its default the default, written here once: adding a
+setting touches one field, ``modeld/flags.py``) and ``modeld status`` shows them. The daemon
+and its gRPC listener are :class:`Serving`, the HTTP APIs :class:`HttpSettings`, where warm
+state lives :class:`Residency`, the timeout profile :class:`Timeouts`, worker restarts
 :class:`RestartPolicy` and the limits on client input :class:`Limits` (blueprint 0006). Every
 default of the warm state is chosen from a measurement recorded in
 ``blueprints/0016-warm-state.md``.
@@ -17,19 +19,104 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, SPECULATION_MODES, Config
 from modeld.errors import LimitExceededError
-from modeld.flags import count, parse_duration, parse_positive_size, parse_size, setting
+from modeld.flags import count, flag_name, parse_duration, parse_positive_size, parse_size, setting
 
-__all__ = ["ISOLATIONS", "SETTINGS", "Limits", "Residency", "RestartPolicy", "Timeouts"]
+__all__ = [
+    "ISOLATIONS",
+    "LOG_LEVELS",
+    "SETTINGS",
+    "HttpSettings",
+    "Limits",
+    "Residency",
+    "RestartPolicy",
+    "Serving",
+    "Timeouts",
+]
 
 ISOLATIONS = ("auto", "process", "inline")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 MiB = 1 << 20
 
+_SERVING = "serving (gRPC, the owner lease)"
+_HTTP = "HTTP APIs (blueprints/0014, 0019)"
 _WARM = "warm state (blueprints/0016)"
 _FLEET = "fleet (blueprints/0020)"
 _TIMEOUTS = "timeouts (0 switches one off; 90, 2.5m, 1h)"
 _RESTARTS = "worker restarts"
 _LIMITS = "limits (blueprints/0006)"
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The daemon: the engine it runs, where gRPC listens, the owner lease, its log."""
+
+    backend: str = setting("llama", "--backend", _SERVING, choices=BACKEND_TYPES)
+    """The engine every model runs on: llama (GGUF files through llama.cpp), openvino (OpenVINO
+    GenAI) or memory (the reference backend, one token per byte)."""
+    listen: str = setting("", "--listen", _SERVING, metavar="unix:PATH|HOST:PORT")
+    """Where gRPC listens: unix:PATH or HOST:PORT ("": a unix socket under XDG_RUNTIME_DIR or
+    the cache directory)."""
+    token: bool = setting(True, "--token", _SERVING)
+    """A TCP gRPC listener requires the token the daemon writes to its data directory; off
+    (--no-token): it runs without one, and any local user can then drive the daemon."""
+    allow_remote: bool = setting(False, "--allow-remote", _SERVING)
+    """Allow a non-loopback --listen or --http address (a token or an API key is then
+    required; no TLS)."""
+    takeover: bool = setting(False, "--takeover", _SERVING)
+    """Replace the daemon that owns the data directory (its sessions fail with stale_fence)."""
+    takeover_seconds: float = setting(10.0, "--takeover-timeout", _SERVING, parse_duration)
+    """How long a takeover waits for the old owner to let go before signalling it."""
+    describe_seconds: float = setting(30.0, "--describe-timeout", _TIMEOUTS, parse_duration)
+    """Describing a model (gRPC Describe, the HTTP APIs' model lists) gives up on a model file
+    that takes longer to read (model_load_failed)."""
+    speculation: str = setting("ngram", "--speculation", _SERVING, choices=SPECULATION_MODES)
+    """ngram: draft tokens from the context (prompt lookup) and append the tokens a constraint
+    forces, verified in one batch, output unchanged; off: one token per step. A request may
+    choose with DecodeConfig.speculation or the HTTP field 'speculation' (blueprint 0021)."""
+    log_level: str = setting("info", "--log-level", _SERVING, choices=LOG_LEVELS)
+    """The daemon's log level, and its engine workers' (debug: llama.cpp's own lines too, in
+    modeld logs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """The HTTP APIs (OpenAI, Responses, Anthropic, Ollama, the SGLang gateway's worker routes):
+    where they listen, who may call them, the models they serve and the sessions they open."""
+
+    http: str = setting("", "--http", _HTTP, metavar="HOST:PORT")
+    """Also serve the HTTP APIs there (needs modeld[http]), e.g. 127.0.0.1:8080 ("": none)."""
+    api_key: str = setting("", "--api-key", _HTTP, metavar="KEY")
+    """Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on the HTTP APIs ("":
+    MODELD_API_KEY, else none; a key is required off loopback)."""
+    models: tuple[str, ...] = setting((), "--model", _HTTP, metavar="NAME=PATH", repeat=True)
+    """A model the HTTP APIs serve under NAME (repeatable; none: the generated modeld-tiny and
+    modeld-reply)."""
+    models_dir: str = setting("", "--models-dir", _HTTP, metavar="DIR")
+    """Serve every model file in DIR under its file name (read again on an unknown name)."""
+    num_ctx: int = setting(0, "--num-ctx", _HTTP, count(0, 1 << 24))
+    """Context window of HTTP sessions (0: the model's own, as large as the memory budget allows)."""
+    max_output_tokens: int = setting(0, "--max-output-tokens", _HTTP, count(0, 1 << 30))
+    """The output limit of an HTTP request that sets none (llama-server's -n; Codex CLI sends
+    none); 0: up to the window."""
+    allowed_origins: tuple[str, ...] = setting((), "--allow-origin", _HTTP, metavar="ORIGIN", repeat=True)
+    """A web origin (e.g. https://app.example) whose pages may call the HTTP APIs (repeatable;
+    loopback http(s) origins always may, others never)."""
+    kv_cache_type: str = setting(Config().kv_cache_type, "--kv-cache-type", _HTTP, choices=KV_CACHE_TYPES)
+    """KV precision of HTTP sessions, as llama-server's -ctk/-ctv (q8_0: about half the KV
+    memory; turns flash attention on; blueprint 0016)."""
+    flash_attn: bool = setting(Config().flash_attn, "--flash-attn", _HTTP)
+    """Flash attention for HTTP sessions (a smaller compute buffer at long windows; on by
+    itself for a quantized KV cache)."""
+    max_inflight_bytes: int = setting(64 * MiB, "--max-inflight-bytes", _HTTP, parse_positive_size)
+    """Bytes of HTTP request bodies held at once; a request beyond them gets 503 with
+    Retry-After (one body is at most --max-message-bytes)."""
+    max_conversations: int = setting(16, "--max-conversations", _HTTP, count(1, 4096))
+    """Conversations kept on sessions of their own; beyond them the least recently used idle
+    one's session is closed."""
+    conversation_idle_seconds: float = setting(600.0, "--conversation-idle", _HTTP, parse_duration)
+    """A conversation idle this long has its session closed (0: never)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,12 +261,12 @@ class Limits:
         maximum = getattr(self, name)
         if value > maximum:
             raise LimitExceededError(
-                f"{value} {what}; the limit is {maximum} (modeld serve --{name.replace('_', '-')})",
+                f"{value} {what}; the limit is {maximum} (modeld serve {flag_name(Limits, name)})",
                 limit=name,
                 value=value,
                 maximum=maximum,
             )
 
 
-SETTINGS: tuple[type, ...] = (Residency, Timeouts, RestartPolicy, Limits)
+SETTINGS: tuple[type, ...] = (Serving, HttpSettings, Residency, Timeouts, RestartPolicy, Limits)
 """Every settings dataclass; each of their fields is one ``modeld serve`` flag."""

@@ -713,16 +713,17 @@ class Fresh:
 
         from modeld.engine import Limits
         from modeld.server.gateway import Gateway
-        from modeld.server.http.app import HttpService, HttpSettings
+        from modeld.server.http.app import HttpService
         from modeld.server.http.models import ModelEntry, ModelRegistry
         from modeld.server.http.routes import build_app
+        from modeld.settings import HttpSettings
 
         with self._engine() as engine:
             entry = ModelEntry(MODEL_NAME, str(self._file(version)), 0)
             service = HttpService(
                 Gateway(engine, Limits()),
                 ModelRegistry("llama", {MODEL_NAME: entry}),
-                HttpSettings(backend="llama", num_ctx=NUM_CTX),
+                HttpSettings(num_ctx=NUM_CTX),
             )
 
             async def ask() -> httpx.Response:

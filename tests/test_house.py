@@ -1,22 +1,35 @@
 """The house rules, computed from the source (``blueprints/README.md`` draws the layout).
 
 The import map is read with ``ast`` from every module of ``modeld/`` (the generated
-``modeld/v1`` aside), every import counted: at module level, inside a function (a lazy import
-is still an arrow) and under ``TYPE_CHECKING``. A *room* is a folder of ``modeld/`` (``cache``,
-``server/http``, ...) or a module at its top (``contract.py``, ``settings.py``, ...).
+``modeld/v1`` aside), ``runtime_client/`` and ``bench/``, every import counted: at module level,
+inside a function (a lazy import is still an arrow) and under ``TYPE_CHECKING``. A *room* is a
+folder (``modeld/cache``, ``modeld/server/http``, ``runtime_client``, ``bench``, ...) or a module
+at the top of ``modeld/`` (``contract.py``, ``settings.py``, ...); an HTTP API's folder
+(``modeld/server/http/openai``, ...) is part of the HTTP room, ``bench/systems`` of ``bench``.
 
-1. No import circle between files, nor between rooms.
+1. No import circle between files, nor between rooms, in ``modeld/``, ``runtime_client/`` and
+   ``bench/``.
 2. ``cache/`` imports neither ``engine/`` nor ``workers/`` (it owns the protocol it reaches a
    runtime through: ``modeld/cache/runtime.py``).
 3. ``engine/``, ``cache/``, ``backends/``, ``workers/`` and ``decoding/`` import no gRPC,
    protobuf or HTTP framework, nor the wire conversion.
-4. Every ``blueprints/NNNN...`` path, every ``tests/...py`` path and every path of a file in the
+4. An HTTP API's folder imports the shared HTTP layer only, never another API's folder, nor the
+   app that composes them (``routes.py``, ``listener.py``); the shared layer imports no API; and
+   every API's folder has the same files (adding an API is copying a folder).
+5. The layout table of ``blueprints/README.md`` has a row for every room of ``modeld/`` and
+   names nothing that does not exist, and each room imports only the rooms its row allows.
+6. Every package has a caption (its docstring); a caption that names its modules (``x.py``)
+   names every one, and only ones that exist.
+7. Every file of ``modeld/``, ``runtime_client/`` and ``bench/`` stays under :data:`MAX_LINES`
+   lines, except those named in :data:`KNOWN_LARGE` with the reason (each stated in its
+   blueprint too); a named one that shrank under the budget leaves the list.
+8. Every ``blueprints/NNNN...`` path, every ``tests/...py`` path and every path of a file in the
    code's own folders named in the code, the Makefile, the README or a blueprint exists (in
    tests, their docstrings and comments are read: their strings are data).
-5. No product code (``modeld/``, ``runtime_client/``) says "issue N": the tracker is not part
+9. No product code (``modeld/``, ``runtime_client/``) says "issue N": the tracker is not part
    of the house, and its numbers do not tell a reader anything.
 
-An exception (``KNOWN_*``) would name itself and the rewrite that removes it; there are none.
+An exception (``KNOWN_*``) names itself and why it stands.
 """
 
 from __future__ import annotations
@@ -29,12 +42,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "modeld"
+SOURCES = ("modeld", "runtime_client", "bench")
+"""The folders whose modules the import map reads."""
 
-# --- exceptions (none today; an exception names itself and the rewrite that removes it) ---------
+# --- exceptions (each names itself and why it stands) ------------------------------------------
 
 KNOWN_ROOM_CIRCLES: set[tuple[str, ...]] = set()
 KNOWN_MISSING_PATHS: set[tuple[str, str]] = set()
 KNOWN_ISSUE_NUMBERS: set[str] = set()
+KNOWN_PARTIAL_APIS: dict[str, str] = {
+    "sglang": "the SGLang gateway's worker routes are GETs of the daemon's state: no request to parse",
+}
+"""HTTP API folders without some of :data:`API_FILES`, and why."""
+MAX_LINES = 650
+KNOWN_LARGE: dict[str, str] = {
+    "modeld/contract.py": "the contract's types, read top to bottom by every backend (blueprints/0001)",
+    "modeld/cache/tiers.py": "the RAM and disk tiers are one index under one lock (blueprints/0016)",
+    "modeld/engine/engine.py": "the Service's one class: its registry under one lock (blueprints/0001); "
+    "model loading is to move to a module of its own",
+    "bench/agent_apis.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
+    "bench/speculation.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
+    "bench/fleet.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
+}
+"""Files of :data:`MAX_LINES` lines or more, and why."""
 
 # --- the import map ----------------------------------------------------------------------------
 
@@ -47,7 +77,10 @@ def _module_name(path: Path) -> str:
 
 
 MODULES: dict[str, Path] = {
-    _module_name(p): p for p in sorted(PACKAGE.rglob("*.py")) if "v1" not in p.relative_to(PACKAGE).parts
+    _module_name(p): p
+    for folder in SOURCES
+    for p in sorted((ROOT / folder).rglob("*.py"))
+    if not p.is_relative_to(PACKAGE / "v1")
 }
 
 
@@ -85,13 +118,20 @@ for _name, _path in MODULES.items():
     EXTERNAL[_name] = {n for n in _names if not n.startswith("modeld")}
 
 
+PARTED = ("modeld.server.http", "bench")
+"""Rooms whose subfolders are parts of them, not rooms: the HTTP APIs' folders (``openai/``,
+``anthropic/``, ...) live in the HTTP room (their own rule is below); ``bench/`` is one
+program, whose systems (``bench/systems/``) run its workloads."""
+
+
 def room(module: str) -> str:
     """The folder a module lives in, or the module itself at the top of ``modeld/``."""
     path = MODULES[module]
     folder = path.parent
     if folder == PACKAGE:
         return module
-    return _module_name(folder / "__init__.py")
+    name = _module_name(folder / "__init__.py")
+    return next((p for p in PARTED if name.startswith(p + ".")), name)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -136,6 +176,9 @@ def _rooms() -> dict[str, set[str]]:
     return graph
 
 
+ROOMS = _rooms()
+
+
 def test_the_import_map_is_read_from_the_source() -> None:
     """The map sees what the code imports, lazy imports included (a map that saw nothing would
     pass every rule below)."""
@@ -144,7 +187,11 @@ def test_the_import_map_is_read_from_the_source() -> None:
     assert "modeld.backends.llama_runtime" in IMPORTS["modeld.backends.llama"]  # inside load()
     assert "modeld.cache.eviction" in IMPORTS["modeld.cache.warm"]  # from modeld.cache import eviction
     assert room("modeld.server.http.app") == "modeld.server.http"
+    assert room("modeld.server.http.openai.request") == "modeld.server.http"
     assert room("modeld.contract") == "modeld.contract"
+    assert room("bench.systems.llama_server") == "bench"
+    assert "modeld.contract" in IMPORTS["runtime_client.client"]
+    assert "bench.direct" in IMPORTS["bench.agent_apis"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
@@ -153,7 +200,7 @@ def test_no_import_circle_between_files() -> None:
 
 
 def test_no_import_circle_between_rooms() -> None:
-    found = {tuple(c) for c in cycles(_rooms())}
+    found = {tuple(c) for c in cycles(ROOMS)}
     assert found - KNOWN_ROOM_CIRCLES == set()
 
 
@@ -192,6 +239,148 @@ def test_the_layers_below_the_server_import_no_transport() -> None:
         if name.startswith(TRANSPORTS) or name.startswith(TRANSPORT_MODULES)
     }
     assert bad == set()
+
+
+# --- the HTTP APIs: one shape, independent folders -----------------------------------------------
+
+HTTP = "modeld.server.http"
+HTTP_DIR = PACKAGE / "server" / "http"
+COMPOSITION = {f"{HTTP}.routes", f"{HTTP}.listener"}
+"""The app: the only modules of the HTTP room that put the APIs together."""
+API_FILES = ("__init__.py", "request.py", "answer.py", "routes.py")
+"""What every API's folder holds (and a store where the API has one)."""
+
+
+def api_of(module: str) -> str | None:
+    """The HTTP API folder a module lives in (``openai``, ...), None for the shared layer."""
+    path = MODULES[module]
+    if not path.is_relative_to(HTTP_DIR) or path.parent == HTTP_DIR:
+        return None
+    return path.relative_to(HTTP_DIR).parts[0]
+
+
+def test_an_api_imports_the_shared_layer_only_and_the_shared_layer_no_api() -> None:
+    """A folder per API, each talking only to the shared HTTP layer: no API reaches into
+    another's folder or into the app that composes them, and nothing shared reaches into an API
+    (only the app, ``routes.py``, imports them all)."""
+    apis = {api_of(m) for m in MODULES} - {None}
+    assert {"openai", "responses", "anthropic", "ollama", "sglang"} <= apis
+    crossing = set()
+    for module, targets in IMPORTS.items():
+        if not module.startswith(HTTP + "."):
+            continue
+        mine = api_of(module)
+        for target in targets:
+            theirs = api_of(target) if target.startswith(HTTP + ".") else None
+            if mine is not None and (theirs not in (None, mine) or target in COMPOSITION):
+                crossing.add((module, target))
+            if mine is None and theirs is not None and module not in COMPOSITION:
+                crossing.add((module, target))
+    assert crossing == set()
+
+
+def test_every_api_folder_has_the_same_files() -> None:
+    """Adding an API is copying a folder: each holds a request parser, its answers (and its
+    Dialect) and its routes."""
+    missing = {
+        (folder.name, name)
+        for folder in HTTP_DIR.iterdir()
+        if (folder / "__init__.py").is_file()
+        for name in API_FILES
+        if not (folder / name).is_file() and folder.name not in KNOWN_PARTIAL_APIS
+    }
+    assert missing == set()
+    for name in KNOWN_PARTIAL_APIS:
+        assert (HTTP_DIR / name / "routes.py").is_file(), name
+
+
+# --- the layout table --------------------------------------------------------------------------
+
+LAYOUT_ROW = re.compile(r"^\| (`[^|]*`) \| [^|]* \| ([^|]*) \|$", re.MULTILINE)
+
+
+def _top_level(cell: str) -> list[str]:
+    """The comma-separated items of a cell, parentheses (and what they say) left out."""
+    depth, out, word = 0, [], ""
+    for char in cell:
+        depth += char == "("
+        depth -= char == ")"
+        if char == "," and depth == 0:
+            out.append(word)
+            word = ""
+        elif depth == 0 and char not in "()":
+            word += char
+    return [w.strip() for w in [*out, word] if w.strip()]
+
+
+def _layout() -> dict[str, set[str] | None]:
+    """Each room the table names -> the rooms its row lets it import (None: anything)."""
+    table = (ROOT / "blueprints" / "README.md").read_text()
+    rooms: dict[str, set[str] | None] = {}
+    for named, allowed in LAYOUT_ROW.findall(table):
+        own = [
+            "modeld." + n.removesuffix("/").removesuffix(".py").replace("/", ".")
+            for n in re.findall(r"`([^`]+)`", named)
+        ]
+        may: set[str] | None = set()
+        for item in _top_level(allowed):
+            word = item.split()[0].strip("`").removesuffix("/")
+            if item.startswith("anything"):
+                may = None
+                break
+            if item.startswith("each other"):
+                may |= set(own)
+            elif not item.startswith("nothing") and word != "runtime_client":
+                may.add("modeld." + word.replace("/", "."))
+        rooms.update(dict.fromkeys(own, may))
+    return rooms
+
+
+def test_the_layout_table_has_every_room_and_its_arrows() -> None:
+    """``blueprints/README.md``'s table is the house's map: one row per room of ``modeld/``
+    (every folder, every module at the top), nothing named that does not exist, and every arrow
+    the code has is one its row allows."""
+    layout = _layout()
+    actual = {room(m) for m in MODULES if m.startswith("modeld.") and m != "modeld"} | {"modeld.v1"}
+    assert set(layout) == actual
+    unlisted = {
+        (source, target)
+        for source, targets in ROOMS.items()
+        if source in layout and layout[source] is not None
+        for target in targets
+        if target.startswith("modeld.") and target not in (layout[source] or ()) and target != "modeld"
+    }
+    assert unlisted == set()
+
+
+# --- captions and sizes ------------------------------------------------------------------------
+
+MODULE_NAME = re.compile(r"``(\w+)\.py``")
+
+
+def test_every_package_has_a_caption_that_names_what_is_there() -> None:
+    """A package's docstring is its caption. One that names its modules (``x.py``) names all
+    of them and only ones that exist (a stale list is how a newcomer gets lost)."""
+    wrong = {}
+    for module, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        caption = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert caption, f"{module} has no caption"
+        named = set(MODULE_NAME.findall(caption))
+        present = {p.stem for p in path.parent.glob("*.py") if p.name != "__init__.py"}
+        if named and named != present:
+            wrong[module] = (sorted(named - present), sorted(present - named))
+    assert wrong == {}
+
+
+def test_files_keep_to_the_size_budget() -> None:
+    """Files are split by job before they reach :data:`MAX_LINES` lines; the few that are not
+    say why (:data:`KNOWN_LARGE`, and their blueprint)."""
+    lines = {str(path.relative_to(ROOT)): len(path.read_text().splitlines()) for path in MODULES.values()}
+    large = {name for name, n in lines.items() if n >= MAX_LINES}
+    assert large - set(KNOWN_LARGE) == set()
+    assert set(KNOWN_LARGE) - large == set(), "a file named in KNOWN_LARGE is within the budget now"
 
 
 # --- signposts ---------------------------------------------------------------------------------

@@ -190,15 +190,16 @@ def _route_table() -> set[tuple[str, str]]:
 
     from modeld.engine import Engine, Limits
     from modeld.server.gateway import Gateway
-    from modeld.server.http.app import HttpService, HttpSettings
+    from modeld.server.http.app import HttpService
     from modeld.server.http.models import ModelRegistry, default_model
     from modeld.server.http.routes import build_app
+    from modeld.settings import HttpSettings
 
     engine = Engine(backends=("memory",))
     service = HttpService(
         Gateway(engine, Limits()),
         ModelRegistry("memory", fallback=default_model("memory")),
-        HttpSettings(backend="memory"),
+        HttpSettings(),
     )
     try:
         table = set()
@@ -340,15 +341,16 @@ def test_request_bytes_in_flight_are_bounded() -> None:
 
     from modeld.engine import Engine, Limits
     from modeld.server.gateway import Gateway
-    from modeld.server.http.app import HttpService, HttpSettings
+    from modeld.server.http.app import HttpService
     from modeld.server.http.models import ModelRegistry, default_model
     from modeld.server.http.routes import build_app
+    from modeld.settings import HttpSettings
 
     engine = Engine(backends=("memory",))
     service = HttpService(
         Gateway(engine, Limits()),
         ModelRegistry("memory", fallback=default_model("memory")),
-        HttpSettings(backend="memory", max_inflight_bytes=3 << 20),
+        HttpSettings(max_inflight_bytes=3 << 20),
     )
     app = build_app(service)
     padding = {"note": "x" * (2 << 20)}  # metadata: accepted, never tokenized

@@ -21,7 +21,7 @@ import openai
 import pytest
 from daemon_proc import serve_http, stop
 
-from modeld.server.http.openai_answers import finish_reason
+from modeld.server.http.openai.answer import finish_reason
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -107,6 +107,16 @@ def test_every_setting_has_exactly_one_flag_with_help_and_the_readme_names_it() 
     assert len(settings_dests) == len(seen) == sum(len(dataclasses.fields(c)) for c in SETTINGS)
 
 
+def test_serve_help_is_the_settings_and_nothing_else() -> None:
+    """``modeld serve --help`` and ``modeld/settings.py`` are the same list: every option of
+    ``serve`` is a settings field's flag, but for help and the two global options every command
+    takes (``--address``, ``--data-dir``)."""
+    options = _serve_options()
+    flags = {flag_of(f).name for cls in SETTINGS for f in dataclasses.fields(cls)}
+    negations = {f"--no-{name[2:]}" for name in flags}
+    assert set(options) - flags - negations == {"-h", "--help", "--address", "--data-dir"}
+
+
 def test_an_unset_flag_keeps_the_default_and_a_set_one_reaches_its_field() -> None:
     from modeld.cli import serve_options
     from modeld.settings import Limits, Residency, RestartPolicy, Timeouts

@@ -28,6 +28,7 @@ from modeld.cache.ledger import Ledger
 from modeld.cache.reuse import Loss, common_prefix_len
 from modeld.cache.tiers import Tiers
 from modeld.contract import WarmContextInfo
+from modeld.settings import Residency
 
 __all__ = ["COUNTERS", "TURN_SECONDS", "CacheSettings", "Pool", "SessionSlot", "WarmContext"]
 
@@ -56,9 +57,12 @@ rejected and refused by the engine; prefixes copied from another warm context.""
 
 @dataclass(frozen=True, slots=True)
 class CacheSettings:
-    snapshot_min_tokens: int = 64
+    """The cache's thresholds (the first two are ``modeld serve`` flags: their defaults are the
+    settings', written once in ``modeld/settings.py``)."""
+
+    snapshot_min_tokens: int = Residency().snapshot_min_tokens
     """A context shorter than this is not worth a snapshot (recomputing it is cheap)."""
-    persist_min_tokens: int = 512
+    persist_min_tokens: int = Residency().persist_min_tokens
     """A prefix at least this long, just computed, is snapshotted and written to disk at once
     (so it survives a crash of the daemon, not only an orderly stop)."""
     restore_min_gain: int = 16

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from modeld.contract import SPECULATION_MODES
+
 __all__ = [
     "DRAFT_MAX",
     "MATCH_MAX",
@@ -36,9 +38,6 @@ __all__ = [
     "DraftLength",
     "Drafter",
 ]
-
-SPECULATION_MODES = ("off", "ngram")
-"""``DecodeConfig.speculation`` values (besides ``""``: the daemon's ``--speculation``)."""
 
 MATCH_MIN = 2
 """(The index keys pairs of tokens: changing this needs another key.) A draft needs the text's last ``MATCH_MIN`` tokens to have occurred before (COPYING, like a

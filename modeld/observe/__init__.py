@@ -1,6 +1,7 @@
 """What modeld reports about itself and its machine: the status types and the engine's events
 (``status.py``), the views people read (``views.py``), hardware inventory (``hardware.py``),
-metrics (``metrics.py``) and safe log lines (``logs.py``), shared by every transport.
+where the memory goes (``memory.py``), metrics (``metrics.py``) and safe log lines
+(``logs.py``), shared by every transport.
 
 Nothing here imports an engine, grpc, protobuf or an HTTP framework: the server turns these
 values into messages.

@@ -59,7 +59,6 @@ from modeld.wire import convert
 from modeld.wire.status import to_grpc_status, to_status
 
 __all__ = [
-    "DESCRIBE_TIMEOUT_SECONDS",
     "SERVICE_NAME",
     "ModeldServicer",
     "add_to_server",
@@ -69,10 +68,6 @@ __all__ = [
 log = logging.getLogger("modeld.server")
 
 SERVICE_NAME = "modeld.v1.Modeld"
-DESCRIBE_TIMEOUT_SECONDS = 30.0
-"""How long Describe waits for the engine to read a model file before answering
-``model_load_failed`` (a hung network file system must not hang the caller)."""
-
 _FATAL = (StaleFenceError, NotOwnerError, ShuttingDownError, SessionClosedError)
 """Errors after which a Session stream cannot continue: it ends with that status."""
 
@@ -136,14 +131,17 @@ def _post(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[Any], item: obje
 
 
 class ModeldServicer:
-    """Implements modeld.v1.Modeld over a :class:`~modeld.server.gateway.Gateway`."""
+    """Implements modeld.v1.Modeld over a :class:`~modeld.server.gateway.Gateway`.
+    ``describe_timeout``: how long Describe waits for the engine to read a model file before
+    answering ``model_load_failed`` (a hung network file system must not hang the caller;
+    ``modeld serve --describe-timeout``)."""
 
     def __init__(
         self,
         gateway: Gateway,
         bridge: Bridge | None = None,
         *,
-        describe_timeout: float = DESCRIBE_TIMEOUT_SECONDS,
+        describe_timeout: float,
     ) -> None:
         self.gateway = gateway
         self.bridge = bridge or Bridge(Pools.for_sessions(gateway.limits.max_sessions))

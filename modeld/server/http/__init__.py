@@ -1,14 +1,26 @@
-"""The OpenAI-compatible HTTP endpoint (``modeld serve --http 127.0.0.1:PORT``).
+"""The HTTP APIs on one port (``modeld serve --http 127.0.0.1:PORT``): OpenAI chat completions
+and completions, OpenAI's Responses API, Anthropic's Messages API, Ollama's API and the SGLang
+gateway's worker routes, so coding agents work unchanged, on warm sessions. Design records:
+``blueprints/0014-openai-http.md``, ``blueprints/0019-agent-apis.md``.
 
-Coding tools that speak the OpenAI API (aider, Continue, Cline, anything on the ``openai`` SDK
-or LiteLLM) use modeld unchanged: each request's messages are rendered with the model's chat
-template and mapped onto a warm session, so a tool that resends its whole conversation every
-turn pays only for what changed, and every response reports the reused tokens as
-``usage.prompt_tokens_details.cached_tokens``. Design record: ``blueprints/0014-openai-http.md``.
+One folder per API (``openai/``, ``responses/``, ``anthropic/``, ``ollama/``, ``sglang/``), each
+with the same files: ``<api>/request.py`` (its wire format to the one turn), ``<api>/answer.py``
+(the turn's events to its wire format, and its ``Dialect``), ``<api>/routes.py``, and a store
+where the API has one. An API imports only the shared layer below, never another API:
 
-Modules: ``models`` (registered model names), ``openai`` (request parsing and response
-shapes, no web framework; constrained output and tool calls too),
-``conversations`` (affinity: one warm session per conversation), ``turns`` (one request run
-on a session), ``app`` (the Starlette routes, auth), ``listener`` (uvicorn in the daemon).
-Only ``app`` and ``listener`` import Starlette/uvicorn (the ``http`` extra).
+* the turn and the conversation layer: ``turn.py`` (what every API parses into),
+  ``conversations.py`` (a turn run on its conversation's warm session: its events);
+* reading requests and shaping answers alike: ``fields.py`` (typed, bounded field readers),
+  ``requests.py`` (samplers from each API's sampler map, ids, text parts, tool calls, response
+  formats), ``answers.py`` (the ``modeld`` extension, logprobs, SSE), ``errors.py`` (one status
+  table; OpenAI's error words), ``dialect.py`` (an API's words as a value);
+* the service, by job: ``access.py`` (key, Host, Origin, bounded bodies), ``drain.py``,
+  ``models.py`` (names to model files) and ``catalog.py`` (what each can do here, the session a
+  turn opens), ``runner.py`` (a turn answered in its dialect's words), ``app.py`` (them together,
+  ``/health``, ``/metrics``);
+* the app: ``routes.py`` (every API's routes: the only module that imports them all) and
+  ``listener.py`` (uvicorn on a thread of the daemon).
+
+Starlette and uvicorn (the ``http`` extra) are imported by the service and the app, never by the
+engine below.
 """

@@ -170,8 +170,8 @@ class Conversations:
         gateway: Gateway,
         bridge: Bridge,
         *,
-        max_conversations: int = 16,
-        idle_seconds: float = 600.0,
+        max_conversations: int,
+        idle_seconds: float,
     ) -> None:
         self._gateway = gateway
         self._bridge = bridge
@@ -267,7 +267,9 @@ class Conversations:
             return self._calls.get(ids)
 
     def sweep(self) -> int:
-        """Close conversations idle for longer than ``idle_seconds``; returns how many."""
+        """Close conversations idle for longer than ``idle_seconds`` (0: never); returns how many."""
+        if self.idle_seconds <= 0:
+            return 0
         cutoff = time.monotonic() - self.idle_seconds
         with self._lock:
             stale = [k for k, e in self._table.items() if not e.busy and e.last_used < cutoff]

@@ -7,7 +7,10 @@ for people, the parameter at fault and a stable code. Contract errors become one
 ``no_slot_available`` is 429 with ``Retry-After``, ``engine_restarted`` 503, ``timeout`` 504,
 on every API alike. An API only decides how the error is written (:class:`ErrorStyle`: OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``, Anthropic's ``{"type": "error", "error":
-{"type", "message"}}``, Ollama's ``{"error": "..."}``).
+{"type", "message"}}``, Ollama's ``{"error": "..."}``). OpenAI's (:func:`openai_error`) is here,
+not in an API's folder: it is every OpenAI-compatible server's (llama-server, vLLM, SGLang), so
+chat completions, the Responses API, the SGLang gateway's worker routes, ``/metrics`` and a route
+that does not exist all write it.
 
 Server-side failures (5xx) keep their reason and an incident id, never the message: it may name
 paths the HTTP endpoint never shows. The daemon logs the message under the incident id.
@@ -23,7 +26,7 @@ from typing import Any, Protocol
 
 from modeld.errors import ModeldError
 
-__all__ = ["ErrorStyle", "HttpError", "bad", "from_modeld", "incident_id", "unsupported"]
+__all__ = ["ErrorStyle", "HttpError", "bad", "from_modeld", "incident_id", "openai_error", "unsupported"]
 
 log = logging.getLogger("modeld.http")
 
@@ -114,3 +117,13 @@ class ErrorStyle(Protocol):
     """How one API writes an error body."""
 
     def __call__(self, error: HttpError) -> dict[str, Any]: ...
+
+
+def openai_error(error: HttpError) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = "invalid_request_error" if error.status < 500 else "server_error"
+    if error.status == 429:
+        kind = "rate_limit_error"
+    if error.status == 401:
+        kind = "authentication_error"
+    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}

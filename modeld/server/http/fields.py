@@ -33,6 +33,7 @@ __all__ = [
     "model_name",
     "number",
     "obj",
+    "refuse_unknown",
     "stop_list",
     "string",
 ]
@@ -174,21 +175,22 @@ def stop_list(
     return tuple(s for s in value if s)
 
 
-def logit_bias(body: Mapping[str, Any]) -> dict[int, float]:
+def logit_bias(body: Mapping[str, Any], name: str = "logit_bias", *, param: str = "") -> dict[int, float]:
     """OpenAI's ``{"token id": bias}`` (string keys, -100..100) as token id -> bias."""
-    value = body.get("logit_bias")
+    value = body.get(name)
+    where = param or name
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise bad("logit_bias", "logit_bias must be an object mapping token ids to numbers")
+        raise bad(where, f"{where} must be an object mapping token ids to numbers")
     if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        raise bad("logit_bias", f"logit_bias has {len(value)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}")
+        raise bad(where, f"{where} has {len(value)} entries; the limit is {MAX_LOGIT_BIAS_ENTRIES}")
     out: dict[int, float] = {}
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10):
-            raise bad("logit_bias", f"logit_bias keys must be token ids, got {echo(key)}")
+            raise bad(where, f"{where} keys must be token ids, got {echo(key)}")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
-            raise bad("logit_bias", f"logit_bias[{key}] must be a number from -100 to 100, got {echo(bias)}")
+            raise bad(where, f"{where}[{key}] must be a number from -100 to 100, got {echo(bias)}")
         out[int(key)] = float(bias)
     return out
 

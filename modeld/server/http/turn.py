@@ -22,7 +22,6 @@ follows (the new user turn, tool results). One manifest segment per message, wit
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,9 +32,7 @@ import xxhash
 from modeld.contract import DecodeConfig, PrefixInput, SuffixInput, ToolCall
 from modeld.decoding.sampling import choice_seed
 from modeld.decoding.tools import format_calls
-from modeld.errors import echo
 from modeld.manifest import ContextManifest, Segment
-from modeld.server.http.errors import bad
 
 __all__ = ["Keys", "Message", "Recall", "Turn", "chat_inputs", "split_point"]
 
@@ -120,17 +117,6 @@ class Turn:
         )
 
 
-def key_value(name: str, value: object) -> str:
-    """A conversation key as given, checked (a string of at most 256 characters)."""
-    if value is None or value == "":
-        return ""
-    if not isinstance(value, str):
-        raise bad(name, f"{name} must be a string")
-    if len(value) > 256:
-        raise bad(name, f"{name} is {len(value)} characters; the limit is 256")
-    return value
-
-
 def auto_key(model: str, messages: Sequence[Message]) -> str:
     """A conversation's identity when the client names none: its first system and user message."""
     h = xxhash.xxh3_64(model.encode())
@@ -200,30 +186,3 @@ def chat_inputs(
         PrefixInput(text=prefix_text, manifest=manifest, tools_json=tools_json),
         SuffixInput(text=b"".join(suffix_parts).decode("utf-8"), manifest=manifest),
     )
-
-
-def tools_json_of(functions: Sequence[dict[str, object]]) -> str:
-    """OpenAI chat-style tool definitions (``{"type": "function", "function": {...}}``) as the
-    JSON every chat template takes."""
-    return json.dumps(list(functions), ensure_ascii=False) if functions else ""
-
-
-def function_tool(name: object, description: object, parameters: object, where: str) -> dict[str, object]:
-    """One function tool in OpenAI chat form, checked."""
-    if not isinstance(name, str) or not name or len(name) > 256:
-        raise bad(f"{where}.name", f"{where}.name must be a non-empty string of at most 256 characters")
-    if description is not None and not isinstance(description, str):
-        raise bad(f"{where}.description", f"{where}.description must be a string")
-    if parameters is not None and not isinstance(parameters, dict):
-        raise bad(
-            f"{where}.parameters", f"{where} parameters must be a JSON schema object, got {echo(parameters)}"
-        )
-    function: dict[str, object] = {"name": name}
-    if description:
-        function["description"] = description
-    function["parameters"] = parameters if parameters is not None else {"type": "object", "properties": {}}
-    return {"type": "function", "function": function}
-
-
-def with_decode(turn: Turn, **changes: object) -> Turn:
-    return replace(turn, decode=replace(turn.decode, **changes))  # type: ignore[arg-type]

@@ -1,37 +1,39 @@
 """OpenAI chat completions and completions: a turn's events as OpenAI's JSON and SSE chunks
-(the requests are parsed in :mod:`modeld.server.http.openai_chat`; ``blueprints/0014``).
+(the requests are parsed in :mod:`modeld.server.http.openai.request`; ``blueprints/0014``).
 
 Usage carries the cached tokens where OpenAI clients read them, and DeepSeek's
 ``prompt_cache_hit_tokens``/``prompt_cache_miss_tokens``; ``n`` choices share one usage (the
 prompt once, every choice's completion). Each answer carries modeld's own ``modeld`` extension:
-the session and how warm the turn was.
+the session and how warm the turn was. :data:`OPENAI` is the dialect: OpenAI's error words, and
+a whole answer, a stream or ``n`` choices of chat completions or completions (the turn says
+which: a raw prompt is a completion).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
 
 from modeld.contract import TokenLogprob, ToolCall, ToolCallDelta
+from modeld.server.http.answers import chat_logprobs, extension, sse
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
-from modeld.server.http.openai_chat import openai_error
+from modeld.server.http.dialect import Dialect
+from modeld.server.http.errors import openai_error
+from modeld.server.http.openai.request import OpenAIAsked
 from modeld.server.http.turn import Turn
 
 __all__ = [
+    "OPENAI",
     "chat_choices",
     "chat_complete",
-    "chat_logprobs",
     "chat_stream",
     "choices_note",
     "completion_choices",
     "completion_complete",
     "completion_stream",
-    "extension",
     "finish_reason",
     "models_response",
-    "sse",
     "timings_dict",
     "usage_dict",
 ]
@@ -90,26 +92,6 @@ def finish_reason(finish: str) -> str:
     return _FINISH.get(finish, "stop")
 
 
-def extension(started: Started) -> dict[str, Any]:
-    """The ``modeld`` extension object: which session served the turn and why it was warm."""
-    status = started.status
-    reuse = status.reuse
-    info: dict[str, Any] = {
-        "session_id": started.session_id,
-        "reuse": reuse.outcome,
-        "reason": reuse.reason,
-        "reused_tokens": status.reused_tokens,
-        "prefilled_tokens": status.prefilled_tokens,
-    }
-    if reuse.tier:
-        info["tier"] = reuse.tier
-    if reuse.diverged_at_token is not None:
-        info["diverged_at_token"] = reuse.diverged_at_token
-        if started.diverged_message is not None:
-            info["diverged_at_message"] = started.diverged_message
-    return info
-
-
 def _calls_dicts(calls: tuple[ToolCall, ...]) -> list[dict[str, Any]]:
     return [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -128,34 +110,6 @@ def _tool_delta(d: ToolCallDelta) -> dict[str, Any]:
     return out
 
 
-def _token_bytes(text: str) -> list[int]:
-    """The bytes of a token's text (``bytes:\\xNN...`` spells out a partial UTF-8 token)."""
-    if text.startswith("bytes:\\x"):
-        try:
-            return list(bytes.fromhex(text[6:].replace("\\x", "")))
-        except ValueError:
-            pass
-    return list(text.encode("utf-8"))
-
-
-def chat_logprobs(logprobs: tuple[TokenLogprob, ...]) -> dict[str, Any] | None:
-    """``choices[].logprobs`` of a chat response or chunk (``{"content": [...]}``)."""
-    if not logprobs:
-        return None
-    content = [
-        {
-            "token": lp.text,
-            "logprob": lp.logprob,
-            "bytes": _token_bytes(lp.text),
-            "top_logprobs": [
-                {"token": t.text, "logprob": t.logprob, "bytes": _token_bytes(t.text)} for t in lp.top
-            ],
-        }
-        for lp in logprobs
-    ]
-    return {"content": content, "refusal": None}
-
-
 def completion_logprobs(logprobs: tuple[TokenLogprob, ...], offset: int) -> dict[str, Any] | None:
     """The legacy ``choices[].logprobs`` of /v1/completions (``offset``: text before these)."""
     if not logprobs:
@@ -171,10 +125,6 @@ def completion_logprobs(logprobs: tuple[TokenLogprob, ...], offset: int) -> dict
         "top_logprobs": [{t.text: t.logprob for t in lp.top} for lp in logprobs],
         "text_offset": offsets,
     }
-
-
-def sse(obj: Mapping[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
 def chat_message(done: Collected) -> dict[str, Any]:
@@ -394,3 +344,23 @@ def models_response(entries: list[tuple[str, int, dict[str, Any]]]) -> dict[str,
             for name, created, meta in entries
         ],
     }
+
+
+def _complete(asked: OpenAIAsked, done: Collected) -> dict[str, Any]:
+    return chat_complete(asked.turn, done) if asked.turn.chat else completion_complete(asked.turn, done)
+
+
+def _choices(asked: OpenAIAsked, dones: Sequence[Collected]) -> dict[str, Any]:
+    return chat_choices(asked.turn, dones) if asked.turn.chat else completion_choices(asked.turn, dones)
+
+
+def _stream(asked: OpenAIAsked, started: Started, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    turn = asked.turn
+    if turn.chat:
+        return chat_stream(turn, started, events, asked.include_usage)
+    return completion_stream(turn, started, events, asked.include_usage)
+
+
+OPENAI: Dialect[OpenAIAsked] = Dialect("openai", openai_error, _complete, _stream, _choices)
+"""OpenAI's chat completions and completions (its error words are every OpenAI-compatible
+route's: ``modeld.server.http.errors.openai_error``)."""

@@ -1,22 +1,33 @@
 """The Responses API's answers: a turn's events as a response object and as the documented
 stream of events (``response.created`` ... ``response.completed``); the requests are parsed in
-:mod:`modeld.server.http.responses` (``blueprints/0019-agent-apis.md``)."""
+:mod:`modeld.server.http.responses.request` (``blueprints/0019-agent-apis.md``).
+:data:`RESPONSES` is the dialect (OpenAI's error words); a request's :class:`ResponsesAsked`
+carries the response's identity and what keeps it in the store."""
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from modeld.contract import ToolCall
+from modeld.server.http.answers import chat_logprobs, extension, sse_event
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
-from modeld.server.http.errors import HttpError
-from modeld.server.http.openai_answers import chat_logprobs, extension
+from modeld.server.http.dialect import Asked, Dialect
+from modeld.server.http.errors import HttpError, openai_error
 from modeld.server.http.turn import Message, Turn
 
-__all__ = ["ResponseShape", "complete_response", "history_message", "stream_response", "usage_dict"]
+__all__ = [
+    "RESPONSES",
+    "ResponseShape",
+    "ResponsesAsked",
+    "complete_response",
+    "history_message",
+    "stream_response",
+    "usage_dict",
+]
 
 
 def usage_dict(usage: TurnUsage) -> dict[str, Any]:
@@ -148,6 +159,10 @@ def history_message(done: Collected) -> Message:
     return Message("assistant", done.text, done.finished.calls, done.reasoning)
 
 
+Keep = Callable[[Collected, dict[str, Any]], None]
+"""What a finished response is handed to (the store keeps it, when the request said ``store``)."""
+
+
 class _Events:
     def __init__(self) -> None:
         self.n = 0
@@ -155,15 +170,11 @@ class _Events:
     def __call__(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.n, **fields}
         self.n += 1
-        return (
-            f"event: {kind}\ndata: ".encode()
-            + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-            + b"\n\n"
-        )
+        return sse_event(kind, data)
 
 
 async def stream_response(
-    shape: ResponseShape, started: Started, events: AsyncIterator[Event], keep: Any
+    shape: ResponseShape, started: Started, events: AsyncIterator[Event], keep: Keep
 ) -> AsyncIterator[bytes]:
     emit = _Events()
     head = shape.response("in_progress", [], None, started)
@@ -318,3 +329,25 @@ async def stream_response(
                 "response.incomplete" if status == "incomplete" else "response.completed", response=whole
             )
             return
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResponsesAsked(Asked):
+    """A Responses request: its turn, the response's identity, and what keeps it."""
+
+    shape: ResponseShape
+    keep: Keep
+
+
+def _complete(asked: ResponsesAsked, done: Collected) -> dict[str, Any]:
+    response = complete_response(asked.shape, done)
+    asked.keep(done, response)
+    return response
+
+
+def _stream(asked: ResponsesAsked, started: Started, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    return stream_response(asked.shape, started, events, asked.keep)
+
+
+RESPONSES: Dialect[ResponsesAsked] = Dialect("responses", openai_error, _complete, _stream)
+"""OpenAI's Responses API (OpenAI's error words)."""

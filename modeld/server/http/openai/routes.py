@@ -12,16 +12,8 @@ from starlette.routing import Route
 from modeld.contract import ModelInfo
 from modeld.server.http.app import HttpService, guarded
 from modeld.server.http.models import ModelEntry
-from modeld.server.http.openai_answers import (
-    chat_choices,
-    chat_complete,
-    chat_stream,
-    completion_choices,
-    completion_complete,
-    completion_stream,
-    models_response,
-)
-from modeld.server.http.openai_chat import openai_error, parse_chat, parse_completion
+from modeld.server.http.openai.answer import OPENAI, models_response
+from modeld.server.http.openai.request import parse_chat, parse_completion
 
 __all__ = ["model_meta", "routes"]
 
@@ -52,48 +44,31 @@ def model_meta(info: ModelInfo | None) -> dict[str, Any]:
 def routes(service: HttpService) -> list[Route]:
     async def models(_request: Request) -> Response:
         entries: list[ModelEntry] = service.registry.entries()
-        listed = [(e.name, e.created, model_meta(await service.describe(e))) for e in entries]
+        listed = [(e.name, e.created, model_meta(await service.catalog.describe(e))) for e in entries]
         return JSONResponse(models_response(listed))
 
     async def model(request: Request) -> Response:
-        entry = service.entry(request.path_params["name"])
-        meta = model_meta(await service.describe(entry))
+        entry = service.catalog.entry(request.path_params["name"])
+        meta = model_meta(await service.catalog.describe(entry))
         return JSONResponse(
             {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "modeld", **meta}
         )
 
     async def chat(request: Request) -> Response:
-        async with service.body(request) as body:
-            turn, include_usage = parse_chat(body, request.headers, service.gateway.limits)
-            if turn.n > 1:
-                return await service.choices(turn, chat_choices, openai_error)
-            return await service.turn(
-                request,
-                turn,
-                chat_complete,
-                lambda t, s, e: chat_stream(t, s, e, include_usage),
-                openai_error,
-            )
+        async with service.bodies.read(request) as body:
+            asked = parse_chat(body, request.headers, service.limits)
+            return await service.runner.answer(request, OPENAI, asked)
 
     async def completions(request: Request) -> Response:
-        async with service.body(request) as body:
-            turn, include_usage = parse_completion(body, request.headers, service.gateway.limits)
-            if turn.n > 1:
-                return await service.choices(turn, completion_choices, openai_error)
-            return await service.turn(
-                request,
-                turn,
-                completion_complete,
-                lambda t, s, e: completion_stream(t, s, e, include_usage),
-                openai_error,
-            )
+        async with service.bodies.read(request) as body:
+            asked = parse_completion(body, request.headers, service.limits)
+            return await service.runner.answer(request, OPENAI, asked)
 
-    out: list[Route] = []
-    for prefix in ("/v1", ""):
-        out += [
-            Route(f"{prefix}/models", guarded(service, models, openai_error), methods=["GET"]),
-            Route(f"{prefix}/models/{{name:path}}", guarded(service, model, openai_error), methods=["GET"]),
-            Route(f"{prefix}/chat/completions", guarded(service, chat, openai_error), methods=["POST"]),
-            Route(f"{prefix}/completions", guarded(service, completions, openai_error), methods=["POST"]),
-        ]
-    return out
+    table = [("/models", models, "GET"), ("/models/{name:path}", model, "GET")]
+    table += [("/chat/completions", chat, "POST"), ("/completions", completions, "POST")]
+    # Each also without /v1, as llama-server accepts them.
+    return [
+        Route(f"{prefix}{path}", guarded(service, handler, OPENAI.error), methods=[method])
+        for prefix in ("/v1", "")
+        for path, handler, method in table
+    ]

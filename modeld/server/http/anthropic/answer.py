@@ -4,23 +4,27 @@ The turn's events become a ``message`` (:func:`message_complete`) or its stream
 (:func:`message_stream`: ``message_start``, ``content_block_start``, ``content_block_delta``
 with ``text_delta`` / ``input_json_delta`` / ``thinking_delta``, ``content_block_stop``,
 ``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` after the start).
-The request side and the routes are :mod:`modeld.server.http.anthropic`'s; the fields and the
-usage's cache accounting are described there and in ``blueprints/0019-agent-apis.md``.
+The request side is :mod:`modeld.server.http.anthropic.request`'s; the fields and the usage's
+cache accounting are described there and in ``blueprints/0019-agent-apis.md``. :data:`ANTHROPIC`
+is the dialect: Anthropic's error envelope (also for any path under ``/v1/messages``), a
+``request-id`` header on every answer.
 """
 
 from __future__ import annotations
 
-import json
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from modeld.contract import ToolCall
+from modeld.server.http.answers import call_arguments, extension, sse_event
+from modeld.server.http.anthropic.request import MessagesAsked
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
+from modeld.server.http.dialect import Dialect
 from modeld.server.http.errors import HttpError
-from modeld.server.http.openai_answers import extension
 from modeld.server.http.turn import Turn
 
-__all__ = ["anthropic_error", "message_complete", "message_stream", "usage_dict"]
+__all__ = ["ANTHROPIC", "anthropic_error", "message_complete", "message_stream", "usage_dict"]
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -72,16 +76,7 @@ def _message_id(turn: Turn) -> str:
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
-    try:
-        arguments = json.loads(call.arguments) if call.arguments else {}
-    except ValueError:
-        arguments = {}
-    return {
-        "type": "tool_use",
-        "id": call.id,
-        "name": call.name,
-        "input": arguments if isinstance(arguments, dict) else {},
-    }
+    return {"type": "tool_use", "id": call.id, "name": call.name, "input": call_arguments(call)}
 
 
 def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, Any]:
@@ -111,14 +106,6 @@ def message_complete(turn: Turn, done: Collected, thinking: str) -> dict[str, An
     }
 
 
-def _event(kind: str, data: Mapping[str, Any]) -> bytes:
-    return (
-        f"event: {kind}\ndata: ".encode()
-        + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-        + b"\n\n"
-    )
-
-
 class _Blocks:
     """The content blocks of a streamed message, opened and closed in order."""
 
@@ -131,7 +118,7 @@ class _Blocks:
         out = self.close()
         self.index += 1
         self.kind = kind
-        return out + _event(
+        return out + sse_event(
             "content_block_start",
             {"type": "content_block_start", "index": self.index, "content_block": block},
         )
@@ -140,10 +127,10 @@ class _Blocks:
         if self.kind == "":
             return b""
         self.kind = ""
-        return _event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        return sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
     def delta(self, delta: Mapping[str, Any]) -> bytes:
-        return _event(
+        return sse_event(
             "content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta}
         )
 
@@ -152,7 +139,7 @@ async def message_stream(
     turn: Turn, started: Started, events: AsyncIterator[Event], thinking: str
 ) -> AsyncIterator[bytes]:
     start_usage = usage_dict(started.usage, output=0)
-    yield _event(
+    yield sse_event(
         "message_start",
         {
             "type": "message_start",
@@ -167,7 +154,7 @@ async def message_stream(
                 "usage": start_usage,
             },
         },
-    ) + _event("ping", {"type": "ping"})
+    ) + sse_event("ping", {"type": "ping"})
     blocks = _Blocks()
     async for event in events:
         if isinstance(event, Delta):
@@ -195,10 +182,10 @@ async def message_stream(
                 yield out
         elif isinstance(event, Finished):
             if event.error is not None:
-                yield blocks.close() + _event("error", anthropic_error(event.error))
+                yield blocks.close() + sse_event("error", anthropic_error(event.error))
                 return
             out = blocks.close()
-            out += _event(
+            out += sse_event(
                 "message_delta",
                 {
                     "type": "message_delta",
@@ -209,5 +196,20 @@ async def message_stream(
                     "usage": usage_dict(event.usage),
                 },
             )
-            yield out + _event("message_stop", {"type": "message_stop"})
+            yield out + sse_event("message_stop", {"type": "message_stop"})
             return
+
+
+def _request_id() -> Mapping[str, str]:
+    return {"request-id": f"req_{uuid.uuid4().hex[:24]}"}
+
+
+ANTHROPIC: Dialect[MessagesAsked] = Dialect(
+    "anthropic",
+    anthropic_error,
+    lambda asked, done: message_complete(asked.turn, done, asked.thinking),
+    lambda asked, started, events: message_stream(asked.turn, started, events, asked.thinking),
+    headers=_request_id,
+    paths=("/v1/messages",),
+)
+"""Anthropic's Messages API."""

@@ -1,8 +1,8 @@
 """Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``): what
 Claude Code speaks.
 
-A thin adapter over the conversation layer: the request becomes a Turn (here), the turn's
-events become a ``message`` or its SSE stream (:mod:`modeld.server.http.anthropic_answers`).
+The request becomes a Turn (here), the turn's events a ``message`` or its SSE stream
+(:mod:`modeld.server.http.anthropic.answer`); the routes are ``routes.py``.
 Field by field (``blueprints/0019-agent-apis.md``):
 
 * ``system`` (a string or text blocks) is the first system message; a ``system`` message inside
@@ -37,32 +37,48 @@ Field by field (``blueprints/0019-agent-apis.md``):
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
-from modeld.server.http.anthropic_answers import anthropic_error, message_complete, message_stream
-from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.errors import bad, unsupported
-from modeld.server.http.fields import (
-    integer,
-    model_name,
-    number,
-    obj,
-    refuse_unknown,
-    stop_list,
+from modeld.server.http.dialect import Asked
+from modeld.server.http.errors import bad
+from modeld.server.http.fields import MAX_KEY_CHARS, integer, model_name, obj, refuse_unknown, stop_list
+from modeld.server.http.requests import (
+    SamplerField,
+    SamplerMap,
+    conversation_keys,
+    function_tool,
+    ident,
+    key_value,
+    response_format,
+    samplers,
+    text_part,
+    text_parts,
+    tools_json_of,
 )
-from modeld.server.http.openai_chat import response_format
-from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
+from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
-__all__ = ["parse_messages", "routes"]
+__all__ = ["SAMPLERS", "MessagesAsked", "count_tokens_body", "parse_messages"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MessagesAsked(Asked):
+    """A Messages request: its turn, and what to do with a reasoning model's thinking (``show``,
+    ``omit``: empty blocks, ``drop``)."""
+
+    thinking: str = "drop"
+
+
+SAMPLERS: SamplerMap = {
+    "temperature": SamplerField("temperature", high=1.0),
+    "top_p": SamplerField("top_p", unset=0.0),
+    "top_k": SamplerField("top_k"),
+}
+"""Anthropic's sampler fields (its temperature is 0-1; a ``top_p`` of 0 is unset)."""
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block: a per-request attribution line, not an instruction."""
@@ -113,28 +129,10 @@ _TOOL_FIELDS = frozenset(
 # --- the request ----------------------------------------------------------------------------------
 
 
-def _text_blocks(value: Any, where: str, *, allow: frozenset[str] = frozenset({"text"})) -> list[str]:
-    """A string, or an array of blocks of which only ``text`` carries text."""
-    if isinstance(value, str):
-        return [value]
-    if not isinstance(value, list):
-        raise bad(where, f"{where} must be a string or an array of content blocks")
-    out: list[str] = []
-    for j, block in enumerate(value):
-        at = f"{where}[{j}]"
-        if not isinstance(block, dict):
-            raise bad(at, f"{at} must be an object")
-        kind = block.get("type")
-        if kind == "text":
-            text = block.get("text")
-            if not isinstance(text, str):
-                raise bad(f"{at}.text", f"{at}.text must be a string")
-            out.append(text)
-        elif kind in ("image", "document"):
-            raise unsupported(f"{at}.type", f"{at} is an {kind}: the models modeld serves read text only")
-        elif kind not in allow:
-            raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported here")
-    return out
+def _text_blocks(value: Any, where: str) -> list[str]:
+    """A string, or an array of blocks of which only ``text`` carries text (images and documents
+    are refused by name)."""
+    return text_parts(value, where, noun="content blocks")
 
 
 def _system(value: Any) -> str:
@@ -155,11 +153,7 @@ def _system(value: Any) -> str:
 
 
 def _tool_result(block: Mapping[str, Any], at: str) -> Message:
-    call_id = block.get("tool_use_id")
-    if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
-        raise bad(
-            f"{at}.tool_use_id", f"{at}.tool_use_id must be a non-empty string of at most 256 characters"
-        )
+    ident(block.get("tool_use_id"), f"{at}.tool_use_id")
     content = block.get("content")
     text = "" if content is None else "\n".join(_text_blocks(content, f"{at}.content"))
     is_error = block.get("is_error")
@@ -209,13 +203,10 @@ def _assistant(content: list[Any], where: str) -> Message:
             raise bad(at, f"{at} must be an object")
         kind = block.get("type")
         if kind == "text":
-            text.extend(_text_blocks([block], at))
+            text.append(text_part(block, at) or "")
         elif kind == "tool_use":
-            call_id, name, arguments = block.get("id"), block.get("name"), block.get("input", {})
-            if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
-                raise bad(f"{at}.id", f"{at}.id must be a non-empty string of at most 256 characters")
-            if not isinstance(name, str) or not name or len(name) > 256:
-                raise bad(f"{at}.name", f"{at}.name must be a non-empty string of at most 256 characters")
+            call_id, name = ident(block.get("id"), f"{at}.id"), ident(block.get("name"), f"{at}.name")
+            arguments = block.get("input", {})
             if not isinstance(arguments, dict):
                 raise bad(f"{at}.input", f"{at}.input must be an object")
             calls.append(ToolCall(call_id, name, json.dumps(arguments, ensure_ascii=False)))
@@ -227,7 +218,7 @@ def _assistant(content: list[Any], where: str) -> Message:
         elif kind == "redacted_thinking":
             continue  # opaque to modeld: nothing to show the model
         else:
-            _text_blocks([block], at)  # refuses images, documents and unknown blocks by name
+            text_part(block, at)  # refuses images, documents and unknown blocks by name
     return Message("assistant", "".join(text), tuple(calls), "".join(reasoning))
 
 
@@ -245,7 +236,7 @@ def _user(content: list[Any], where: str) -> list[Message]:
                 text = []
             out.append(_tool_result(block, at))
         else:
-            text.extend(_text_blocks([block], at))
+            text.append(text_part(block, at) or "")
     if text or not out:
         out.append(Message("user", "".join(text)))
     return out
@@ -267,7 +258,7 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...
             raise bad(where, f"{where} must be an object")
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            if not isinstance(kind, str) or len(kind) > 256:
+            if not isinstance(kind, str) or len(kind) > MAX_KEY_CHARS:
                 raise bad(f"{where}.type", f"{where}.type must be a string")
             hosted.append(kind)  # a server tool (web search, code execution...): not runnable here
             continue
@@ -353,7 +344,7 @@ def _session(metadata: Mapping[str, Any] | None) -> str:
 
 def parse_messages(
     body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits, *, count_only: bool = False
-) -> tuple[Turn, str]:
+) -> MessagesAsked:
     """A Messages request as a Turn, and what to do with thinking (``show``, ``omit``, ``drop``)."""
     model = model_name(body, code="invalid_value")
     refuse_unknown(body, _TOP_LEVEL)
@@ -369,16 +360,7 @@ def parse_messages(
     output = obj(body, "output_config") or {}
     refuse_unknown(output, frozenset({"effort", "format"}), "output_config")
     constraint = response_format(output.get("format"), "output_config.format")
-    values: dict[str, Any] = {"tool_choice": choice, "constraint": constraint}
-    temperature = number(body, "temperature", 0, 1)
-    if temperature is not None:
-        values["temperature"] = temperature
-    top_p = number(body, "top_p", 0, 1)
-    if top_p is not None and top_p > 0:
-        values["top_p"] = top_p
-    top_k = integer(body, "top_k", 0, 1 << 30)
-    if top_k is not None:
-        values["top_k"] = top_k
+    values: dict[str, Any] = {"tool_choice": choice, "constraint": constraint, **samplers(body, SAMPLERS)}
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad("stream", "stream must be a boolean")
@@ -387,11 +369,7 @@ def parse_messages(
         api="anthropic.messages",
         model=model,
         decode=DecodeConfig(stop=stop_list(body, limits, "stop_sequences"), **values),
-        keys=Keys(
-            header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
-            routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
-            session=_session(metadata),
-        ),
+        keys=conversation_keys(headers, session=_session(metadata)),
         stream=bool(stream),
         messages=tuple(messages),
         tools_json=tools_json,
@@ -399,36 +377,9 @@ def parse_messages(
         parallel_tool_calls=parallel,
         omitted_tools=hosted,
     )
-    return turn, _thinking(body)
+    return MessagesAsked(turn, thinking=_thinking(body))
 
 
 def count_tokens_body(body: Mapping[str, Any]) -> dict[str, Any]:
     """A count_tokens request is a Messages request without max_tokens (it is ignored)."""
     return {k: v for k, v in body.items() if k not in ("max_tokens", "stream")}
-
-
-def routes(service: HttpService) -> list[Route]:
-    async def messages(request: Request) -> Response:
-        async with service.body(request) as body:
-            turn, thinking = parse_messages(body, request.headers, service.gateway.limits)
-            return await service.turn(
-                request,
-                turn,
-                lambda t, done: message_complete(t, done, thinking),
-                lambda t, s, e: message_stream(t, s, e, thinking),
-                anthropic_error,
-                headers={"request-id": f"req_{uuid.uuid4().hex[:24]}"},
-            )
-
-    async def count_tokens(request: Request) -> Response:
-        async with service.body(request) as body:
-            turn, _ = parse_messages(
-                count_tokens_body(body), request.headers, service.gateway.limits, count_only=True
-            )
-            count = await service.count_tokens(turn)
-        return JSONResponse({"input_tokens": count})
-
-    return [
-        Route("/v1/messages", guarded(service, messages, anthropic_error), methods=["POST"]),
-        Route("/v1/messages/count_tokens", guarded(service, count_tokens, anthropic_error), methods=["POST"]),
-    ]

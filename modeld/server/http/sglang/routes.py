@@ -29,7 +29,6 @@ the README's deployment guide).
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -37,73 +36,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from modeld import __version__
-from modeld.observe.status import DaemonStatus
 from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.openai_chat import openai_error
+from modeld.server.http.errors import openai_error
+from modeld.server.http.sglang.answer import load_report, worker_loads
 
-__all__ = ["load_report", "routes", "worker_loads"]
-
-
-def load_report(status: DaemonStatus, draining: bool) -> list[dict[str, Any]]:
-    """SGLang's ``/get_load`` list from the daemon's status (one scheduler: one entry)."""
-    models = status.models
-    running = sum(m.busy_slots for m in models)
-    waiting = sum(m.queued for m in models)
-    return [
-        {
-            "dp_rank": 0,
-            "num_reqs": running + waiting,
-            "num_waiting_reqs": waiting,
-            "num_tokens": sum(m.busy_tokens for m in models),
-            "num_pending_tokens": 0,
-            "resident_tokens": sum(m.resident_tokens for m in models),
-            "kv_capacity_tokens": sum(m.pool_tokens for m in models),
-            "busy_slots": running,
-            "slots": sum(m.slots for m in models),
-            "sessions": status.sessions,
-            "draining": draining,
-        }
-    ]
-
-
-def worker_loads(status: DaemonStatus, now: float) -> dict[str, Any]:
-    """``smg``'s ``WorkerLoadResponse`` (``GET /v1/loads``) from the daemon's status: one rank.
-
-    Before a model is loaded the capacity is 0 and so is every ratio (an idle daemon)."""
-    models = status.models
-    running = sum(m.busy_slots for m in models)
-    waiting = sum(m.queued for m in models)
-    used = sum(m.busy_tokens for m in models)
-    capacity = sum(m.pool_tokens for m in models)
-    slots = sum(m.slots for m in models)
-    queried = sum(m.counters.get("queries", 0) for m in models)
-    reused = sum(v for m in models for k, v in m.counters.items() if k.startswith("reused_"))
-    return {
-        "timestamp": datetime.fromtimestamp(now, UTC).isoformat(),
-        "dp_rank_count": 1,
-        "loads": [
-            {
-                "dp_rank": 0,
-                "num_running_reqs": running,
-                "num_waiting_reqs": waiting,
-                "num_total_reqs": running + waiting,
-                "num_used_tokens": used,
-                "max_total_num_tokens": capacity,
-                "token_usage": used / capacity if capacity else 0.0,
-                "gen_throughput": 0.0,
-                "cache_hit_rate": reused / queried if queried else 0.0,
-                "utilization": running / slots if slots else 0.0,
-                "max_running_requests": slots,
-            }
-        ],
-    }
+__all__ = ["routes"]
 
 
 def routes(service: HttpService) -> list[Route]:
     async def served() -> tuple[str, dict[str, Any]]:
         entries = service.registry.entries()
         name = entries[0].name if entries else ""
-        info = await service.describe(entries[0]) if entries else None
+        info = await service.catalog.describe(entries[0]) if entries else None
         return name, {
             "context_length": info.effective_context if info else 0,
             "architecture": info.architecture if info else "",
@@ -127,7 +71,7 @@ def routes(service: HttpService) -> list[Route]:
                 "version": __version__,
                 "modeld": {
                     "models": meta["models"],
-                    "backend": service.settings.backend,
+                    "backend": service.catalog.backend,
                     "instance_id": status.instance_id,
                 },
             }
@@ -148,7 +92,7 @@ def routes(service: HttpService) -> list[Route]:
 
     async def get_load(_request: Request) -> Response:
         status = await service.bridge.observe(service.gateway.status, "get_load")
-        return JSONResponse(load_report(status, service.draining))
+        return JSONResponse(load_report(status, service.drain.draining))
 
     async def loads(_request: Request) -> Response:
         # smg asks for ?include=core,disagg,queues,memory: the core is all there is here.

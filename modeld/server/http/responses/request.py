@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``, ``GET|DELETE /v1/responses/{id}``): what
-Codex CLI speaks.
+Codex CLI speaks. The request as a Turn (here), the answers (``answer.py``), the routes
+(``routes.py``), stored responses (``store.py``).
 
-A thin adapter over the conversation layer. Field by field (``blueprints/0019-agent-apis.md``):
+Field by field (``blueprints/0019-agent-apis.md``):
 
 * ``input`` (a string, or items: ``message`` with ``input_text``/``output_text`` parts and roles
   user, assistant, system, developer; ``function_call`` and ``function_call_output``;
@@ -37,39 +38,46 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
-
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 from modeld.contract import DecodeConfig
 from modeld.errors import echo
-from modeld.server.http.app import HttpService, guarded
-from modeld.server.http.conversations import Collected
-from modeld.server.http.errors import HttpError, bad, unsupported
-from modeld.server.http.fields import (
-    boolean,
-    integer,
-    model_name,
-    number,
-    obj,
-    refuse_unknown,
-    string,
+from modeld.server.http.errors import bad, unsupported
+from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, model_name, obj, refuse_unknown, string
+from modeld.server.http.requests import (
+    SamplerField,
+    SamplerMap,
+    checked_call,
+    conversation_keys,
+    function_tool,
+    ident,
+    key_value,
+    response_format,
+    samplers,
+    text_parts,
+    tool_choice,
+    tools_json_of,
 )
-from modeld.server.http.openai_chat import checked_call, openai_error, response_format, tool_choice
-from modeld.server.http.responses_answers import (
-    ResponseShape,
-    complete_response,
-    history_message,
-    stream_response,
-)
-from modeld.server.http.responses_store import ResponseStore, Stored
-from modeld.server.http.turn import Keys, Message, Turn, function_tool, key_value, tools_json_of
+from modeld.server.http.responses.store import Stored
+from modeld.server.http.turn import Message, Turn
 from modeld.settings import Limits
 
-__all__ = ["parse_response_request", "routes"]
+__all__ = ["SAMPLERS", "input_messages", "parse_response_request"]
+
+SAMPLERS: SamplerMap = {
+    "temperature": SamplerField("temperature", high=2.0),
+    "top_p": SamplerField("top_p", unset=0.0),
+    "top_logprobs": SamplerField("top_logprobs"),
+}
+"""The Responses API's sampler fields (a ``top_p`` of 0 is the default's, unset)."""
+TEXT_PARTS = {
+    "input_text": "text",
+    "output_text": "text",
+    "text": "text",
+    "summary_text": "text",
+    "reasoning_text": "text",
+    "refusal": "refusal",
+}
 
 _TOP_LEVEL = frozenset(
     {
@@ -130,26 +138,7 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 
 
 def _parts(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(where, f"{where} must be a string or an array of content parts")
-    out: list[str] = []
-    for j, part in enumerate(content):
-        at = f"{where}[{j}]"
-        if not isinstance(part, dict):
-            raise bad(at, f"{at} must be an object")
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text", "summary_text", "reasoning_text"):
-            text = part.get("text")
-            if not isinstance(text, str):
-                raise bad(f"{at}.text", f"{at}.text must be a string")
-            out.append(text)
-        elif kind == "refusal":
-            out.append(str(part.get("refusal", "")))
-        else:
-            raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported (text parts only)")
-    return "".join(out)
+    return "".join(text_parts(content, where, TEXT_PARTS))
 
 
 def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
@@ -178,11 +167,7 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
             else:
                 out.append(Message("assistant", "", (call,)))
         elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id or len(call_id) > 256:
-                raise bad(
-                    f"{at}.call_id", f"{at}.call_id must be a non-empty string of at most 256 characters"
-                )
+            ident(item.get("call_id"), f"{at}.call_id")
             output = item.get("output")
             out.append(Message("tool", output if isinstance(output, str) else _parts(output, f"{at}.output")))
         elif kind == "reasoning":
@@ -219,7 +204,7 @@ def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[st
             inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools")
             functions += inner
             hosted += inner_hosted
-        elif isinstance(kind, str) and len(kind) <= 256:
+        elif isinstance(kind, str) and len(kind) <= MAX_KEY_CHARS:
             hosted.append(kind)  # a hosted or custom tool modeld cannot run: left out of the prompt
         else:
             raise bad(f"{at}.type", f"{at}.type must be a string")
@@ -283,14 +268,9 @@ def parse_response_request(
     values: dict[str, Any] = {
         "tool_choice": choice,
         "constraint": response_format(text.get("format"), "text.format"),
+        **samplers(body, SAMPLERS),
     }
-    temperature = number(body, "temperature", 0, 2)
-    if temperature is not None:
-        values["temperature"] = temperature
-    top_p = number(body, "top_p", 0, 1)
-    if top_p is not None and top_p > 0:
-        values["top_p"] = top_p
-    top_logprobs = integer(body, "top_logprobs", 0, 20)
+    top_logprobs = values.pop("top_logprobs", None)
     include = body.get("include") or []
     if not isinstance(include, list) or not all(isinstance(i, str) for i in include):
         raise bad("include", "include must be an array of strings")
@@ -304,9 +284,8 @@ def parse_response_request(
         api="openai.responses",
         model=model,
         decode=DecodeConfig(**values),
-        keys=Keys(
-            header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
-            routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
+        keys=conversation_keys(
+            headers,
             prompt_cache_key=key or (previous.conversation if previous is not None else ""),
             user=key_value("user", body.get("user")),
         ),
@@ -318,57 +297,3 @@ def parse_response_request(
         omitted_tools=hosted,
     )
     return turn, store is not False, tuple(new)
-
-
-def routes(service: HttpService) -> list[Route]:
-    directory = service.settings.data_dir
-    store = ResponseStore(Path(directory) / "responses") if directory else None
-
-    def stored(response_id: str) -> Stored:
-        found = store.get(response_id) if store is not None else None
-        if found is None:
-            raise HttpError(
-                404, f"no stored response {echo(response_id)}", code="not_found", param="previous_response_id"
-            )
-        return found
-
-    async def create(request: Request) -> Response:
-        async with service.body(request) as body:
-            previous_id = string(body, "previous_response_id")
-            previous = stored(previous_id) if previous_id else None
-            turn, keep_it, new = parse_response_request(
-                body, request.headers, previous, service.gateway.limits
-            )
-            shape = ResponseShape(turn, body, previous_id, keep_it and store is not None)
-
-            def keep(done: Collected, response: dict[str, Any]) -> None:
-                if shape.store and store is not None and done.finished.error is None:
-                    history = (*(previous.history if previous else ()), *new, history_message(done))
-                    store.put(Stored(shape.id, response, history, turn.conversation(), shape.created_at))
-
-            def complete(_turn: Turn, done: Collected) -> dict[str, Any]:
-                response = complete_response(shape, done)
-                keep(done, response)
-                return response
-
-            return await service.turn(
-                request, turn, complete, lambda _t, s, e: stream_response(shape, s, e, keep), openai_error
-            )
-
-    async def fetch(request: Request) -> Response:
-        return JSONResponse(stored(request.path_params["id"]).response)
-
-    async def delete(request: Request) -> Response:
-        response_id = request.path_params["id"]
-        if store is None or not store.delete(response_id):
-            raise HttpError(404, f"no stored response {echo(response_id)}", code="not_found")
-        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-
-    out: list[Route] = []
-    for prefix in ("/v1", ""):
-        out += [
-            Route(f"{prefix}/responses", guarded(service, create, openai_error), methods=["POST"]),
-            Route(f"{prefix}/responses/{{id}}", guarded(service, fetch, openai_error), methods=["GET"]),
-            Route(f"{prefix}/responses/{{id}}", guarded(service, delete, openai_error), methods=["DELETE"]),
-        ]
-    return out

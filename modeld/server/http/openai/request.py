@@ -1,5 +1,6 @@
 """OpenAI chat completions and completions: the request as a Turn (the answers are shaped in
-:mod:`modeld.server.http.openai_answers`).
+:mod:`modeld.server.http.openai.answer`; what every API reads alike is
+:mod:`modeld.server.http.requests`'s).
 
 Rules (``blueprints/0014-openai-http.md``; the field table is in ``blueprints/0019-agent-apis.md``):
 
@@ -8,8 +9,11 @@ Rules (``blueprints/0014-openai-http.md``; the field table is in ``blueprints/00
   describe the hosted service are accepted and have no effect (``store``, ``service_tier``,
   ``metadata``, ...). The SGLang gateway's injected fields are accepted at their defaults
   (:data:`SGLANG_FIELDS`).
-* Unknown scalar fields are extensions: ``top_k``, ``min_p``, ``repeat_penalty`` are samplers;
-  any other scalar goes to ``DecodeConfig.extra``, which the backend accepts or refuses by name.
+* The samplers are read from :data:`SAMPLERS` (the sampler map: wire name -> sampler, with the
+  ranges of ``modeld/decoding/samplers.py``; OpenAI's temperature is 0-2, a seed of -1 is
+  llama.cpp's "random"). Unknown scalar fields are extensions: ``top_k``, ``min_p``,
+  ``repeat_penalty`` are samplers too; any other scalar goes to ``DecodeConfig.extra``, which
+  the backend accepts or refuses by name.
 * ``response_format`` ``json_object`` (with llama-server's ``schema`` key honoured) and
   ``json_schema`` become a constraint; ``tool_choice`` ``required`` or a named function forces a
   well-formed call. Calls are parsed out of the output into ``tool_calls``; a reasoning model's
@@ -22,36 +26,55 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from modeld.contract import Constraint, DecodeConfig, ToolCall
-from modeld.decoding.speculation import SPECULATION_MODES
+from modeld.contract import SPECULATION_MODES, DecodeConfig, ToolCall
+from modeld.decoding.samplers import sampler
 from modeld.errors import echo
-from modeld.server.http.errors import HttpError, bad, unsupported
-from modeld.server.http.fields import (
-    MAX_TOOL_CALLS,
-    boolean,
-    choice,
-    integer,
-    logit_bias,
-    model_name,
-    number,
-    stop_list,
+from modeld.server.http.dialect import Asked
+from modeld.server.http.errors import bad, unsupported
+from modeld.server.http.fields import MAX_TOOL_CALLS, boolean, choice, integer, model_name, stop_list
+from modeld.server.http.requests import (
+    SamplerField,
+    SamplerMap,
+    checked_call,
+    conversation_keys,
+    key_value,
+    response_format,
+    samplers,
+    text_parts,
+    tool_choice,
 )
-from modeld.server.http.turn import Keys, Message, Turn, key_value
+from modeld.server.http.turn import Keys, Message, Turn
 from modeld.settings import Limits
 
-__all__ = [
-    "SGLANG_FIELDS",
-    "checked_call",
-    "openai_error",
-    "parse_chat",
-    "parse_completion",
-    "response_format",
-    "tool_choice",
-]
+__all__ = ["SAMPLERS", "SGLANG_FIELDS", "OpenAIAsked", "parse_chat", "parse_completion"]
 
-MAX_TOP_LOGPROBS = 20
+
+@dataclass(frozen=True, kw_only=True)
+class OpenAIAsked(Asked):
+    """A chat completions or completions request: its turn, and whether a stream ends with a
+    usage chunk (``stream_options.include_usage``)."""
+
+    include_usage: bool = False
+
+
+SAMPLERS: SamplerMap = {
+    "temperature": SamplerField("temperature", high=2.0),
+    "top_p": SamplerField("top_p"),
+    "seed": SamplerField("seed", unset=-1),
+    "top_k": SamplerField("top_k"),
+    "min_p": SamplerField("min_p"),
+    "repeat_penalty": SamplerField("repeat_penalty"),
+    "presence_penalty": SamplerField("presence_penalty"),
+    "frequency_penalty": SamplerField("frequency_penalty"),
+    "logit_bias": SamplerField("logit_bias"),
+}
+"""OpenAI's sampler fields (``top_k``, ``min_p``, ``repeat_penalty``: llama-server's and vLLM's
+extensions, under their names)."""
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text"}
+MAX_TOP_LOGPROBS = int(sampler("top_logprobs").high)
 ROLE_OF = {
     "system": "system",
     "developer": "system",
@@ -148,20 +171,11 @@ _COMPLETION_ONLY_NEUTRAL = {
     "functions",
     "function_call",
 }
-SAMPLER_EXTENSIONS = ("top_k", "min_p", "repeat_penalty", "repeated_line_max", "repeated_line_min_chars")
+GUARD_EXTENSIONS = ("repeated_line_max", "repeated_line_min_chars")
+"""The repeated-line guard's fields (``modeld/decoding/guard.py``), under their names."""
 DECODE_EXTENSIONS = ("speculation",)
 """modeld's own request fields beyond the samplers: ``speculation`` (``off`` or ``ngram``;
 absent: the daemon's ``--speculation``; blueprint 0021)."""
-
-
-def openai_error(error: HttpError) -> dict[str, Any]:
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = "invalid_request_error" if error.status < 500 else "server_error"
-    if error.status == 429:
-        kind = "rate_limit_error"
-    if error.status == 401:
-        kind = "authentication_error"
-    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
 
 
 def check_sglang(body: Mapping[str, Any]) -> None:
@@ -188,71 +202,36 @@ def _check_neutral(body: Mapping[str, Any], skip: set[str]) -> None:
 
 
 def decode_config(
-    body: Mapping[str, Any],
-    mapped: set[str] | frozenset[str],
-    limits: Limits,
-    *,
-    temperature_max: float = 2.0,
-    extensions: bool = True,
-    **given: Any,
+    body: Mapping[str, Any], mapped: set[str] | frozenset[str], limits: Limits, **given: Any
 ) -> DecodeConfig:
     """Samplers, stop strings and extension fields (OpenAI's names; max_tokens set later)."""
-    values: dict[str, Any] = dict(given)
-    temperature = number(body, "temperature", 0, temperature_max)
-    if temperature is not None:
-        values["temperature"] = temperature
-    top_p = number(body, "top_p", 0, 1)
-    if top_p is not None:
-        if top_p == 0:
-            raise bad("top_p", "top_p must be in (0, 1], got 0")
-        values["top_p"] = top_p
-    seed = integer(body, "seed", -1, (1 << 64) - 1)
-    if seed is not None and seed >= 0:  # -1 (llama.cpp's "random") is no seed
-        values["seed"] = seed
-    top_k = integer(body, "top_k", 0, 1 << 30)
-    if top_k is not None:
-        values["top_k"] = top_k
-    for name in ("repeated_line_max", "repeated_line_min_chars"):
+    values: dict[str, Any] = {**given, **samplers(body, SAMPLERS)}
+    for name in GUARD_EXTENSIONS:
         value = integer(body, name, 0, 1 << 20)
         if value is not None:
             values[name] = value
-    min_p = number(body, "min_p", 0, 1)
-    if min_p is not None:
-        values["min_p"] = min_p
-    repeat = number(body, "repeat_penalty", 0, 10)
-    if repeat is not None:
-        values["repeat_penalty"] = repeat
-    for name in ("presence_penalty", "frequency_penalty"):
-        penalty = number(body, name, -2, 2)
-        if penalty is not None:
-            values[name] = penalty
-    bias = logit_bias(body)
-    if bias:
-        values["logit_bias"] = bias
     speculation = choice(body, "speculation", SPECULATION_MODES)
     if speculation is not None:
         values["speculation"] = speculation
     extra: dict[str, str] = {}
-    if extensions:
-        known = (
-            set(mapped)
-            | set(_NEUTRAL)
-            | set(_NO_EFFECT)
-            | set(SAMPLER_EXTENSIONS)
-            | set(DECODE_EXTENSIONS)
-            | set(SGLANG_FIELDS)
-        )
-        for name, value in body.items():
-            if name in known or value is None:
-                continue
-            if isinstance(value, bool):
-                extra[name] = "true" if value else "false"
-            elif isinstance(value, str | int | float):
-                extra[name] = str(value)
-            else:
-                raise unsupported(
-                    name, f"unknown field {echo(name)} with a non-scalar value is not supported"
-                )
+    known = (
+        set(mapped)
+        | set(_NEUTRAL)
+        | set(_NO_EFFECT)
+        | set(SAMPLERS)
+        | set(GUARD_EXTENSIONS)
+        | set(DECODE_EXTENSIONS)
+        | set(SGLANG_FIELDS)
+    )
+    for name, value in body.items():
+        if name in known or value is None:
+            continue
+        if isinstance(value, bool):
+            extra[name] = "true" if value else "false"
+        elif isinstance(value, str | int | float):
+            extra[name] = str(value)
+        else:
+            raise unsupported(name, f"unknown field {echo(name)} with a non-scalar value is not supported")
     return DecodeConfig(max_tokens=1, stop=stop_list(body, limits), extra=extra, **values)
 
 
@@ -271,51 +250,6 @@ def _completion_logprobs(body: Mapping[str, Any]) -> dict[str, Any]:
         return {}
     top = integer(body, "logprobs", 0, 5)
     return {"logprobs": True, "top_logprobs": top or 0}
-
-
-def response_format(fmt: object, param: str = "response_format") -> Constraint | None:
-    """OpenAI's ``response_format`` (also the Responses API's ``text.format``) as a constraint."""
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise bad(param, f'{param} must be an object such as {{"type": "json_object"}}')
-    kind = fmt.get("type")
-    if kind == "text":
-        _only(fmt, {"type"}, param)
-        return None
-    if kind == "json_object":
-        _only(fmt, {"type", "schema"}, param)
-        schema = fmt.get("schema")  # llama-server's extension: a schema for json_object
-        if schema is None:
-            return Constraint("json")
-        if not isinstance(schema, dict):
-            raise bad(f"{param}.schema", "the schema must be a JSON object")
-        return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))
-    if kind == "json_schema":
-        # Chat nests the schema under json_schema; the Responses API puts its fields inline.
-        spec = fmt.get("json_schema", fmt)
-        where = f"{param}.json_schema" if "json_schema" in fmt else param
-        if "json_schema" in fmt:
-            _only(fmt, {"type", "json_schema"}, param)
-        if not isinstance(spec, dict):
-            raise bad(where, f"{where} must be an object")
-        _only(spec, {"type", "name", "description", "schema", "strict"}, where)
-        strict = spec.get("strict")
-        if strict is not None and not isinstance(strict, bool):
-            raise bad(f"{where}.strict", "strict must be a boolean")
-        schema = spec.get("schema")
-        if schema is None:
-            return Constraint("json")  # no schema: any JSON object
-        if not isinstance(schema, dict):
-            raise bad(f"{where}.schema", "the schema must be a JSON object")
-        return Constraint("json_schema", json.dumps(schema, ensure_ascii=False))  # always strict
-    raise bad(param, f"{param} type must be text, json_object or json_schema, got {echo(kind)}")
-
-
-def _only(fields: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    for key, value in fields.items():
-        if key not in allowed and value is not None:
-            raise unsupported(f"{where}.{key}", f"{where}.{echo(key)} is not supported by modeld")
 
 
 def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -337,25 +271,7 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
 
 def _content(message: Mapping[str, Any], where: str) -> str:
     content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise bad(f"{where}.content", f"{where}.content must be a string or an array of content parts")
-    parts: list[str] = []
-    for j, part in enumerate(content):
-        if not isinstance(part, dict):
-            raise bad(f"{where}.content[{j}]", f"{where}.content[{j}] must be an object")
-        kind = part.get("type")
-        if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):
-            parts.append(part["text"])
-        else:
-            raise unsupported(
-                f"{where}.content[{j}].type",
-                f"{where}.content[{j}] of type {echo(kind)} is not supported (text parts only)",
-            )
-    return "".join(parts)
+    return "" if content is None else "".join(text_parts(content, f"{where}.content", TEXT_PARTS))
 
 
 def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
@@ -419,40 +335,6 @@ def message_calls(value: Any, where: str, role: str) -> tuple[ToolCall, ...]:
     return tuple(calls)
 
 
-def checked_call(call_id: object, name: object, arguments: object, at: str, fields: str = "") -> ToolCall:
-    """A tool call given back in the history, checked (arguments: a JSON object as text).
-    ``at`` names the call, ``fields`` where its name and arguments are (default ``at``)."""
-    fields = fields or at
-    if not isinstance(call_id, str) or len(call_id) > 256:
-        raise bad(f"{at}.id", f"{at}.id must be a string of at most 256 characters")
-    if not isinstance(name, str) or not name or len(name) > 256:
-        raise bad(f"{fields}.name", f"{fields}.name must be a non-empty string of at most 256 characters")
-    try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) else None
-    except (ValueError, RecursionError):
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise bad(f"{fields}.arguments", f"{fields}.arguments must be a JSON object as a string")
-    return ToolCall(call_id, name, arguments)  # type: ignore[arg-type]
-
-
-def tool_choice(choice: object, param: str = "tool_choice") -> str:
-    """OpenAI's ``tool_choice`` as ``DecodeConfig.tool_choice`` (auto, none, required, a name)."""
-    if choice is None or choice in ("auto", "none", "required"):
-        return str(choice or "auto")
-    if isinstance(choice, dict):
-        function = choice.get("function")
-        name = function.get("name") if isinstance(function, dict) else choice.get("name")
-        if choice.get("type") != "function" or not isinstance(name, str) or not name:
-            raise bad(
-                param, f'{param} as an object must be {{"type": "function", "function": {{"name": ...}}}}'
-            )
-        if len(name) > 256:
-            raise bad(param, f"{param} names a function of {len(name)} characters")
-        return name
-    raise bad(param, f"{param} must be 'auto', 'none', 'required' or an object, got {echo(choice)}")
-
-
 def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, str]:
     """(tools JSON for the template, DecodeConfig.tool_choice)."""
     tools = body.get("tools")
@@ -473,9 +355,8 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, str]:
 
 
 def _keys(body: Mapping[str, Any], headers: Mapping[str, str]) -> Keys:
-    return Keys(
-        header=key_value("X-Modeld-Conversation", headers.get("x-modeld-conversation")),
-        routing=key_value("X-SMG-Routing-Key", headers.get("x-smg-routing-key")),
+    return conversation_keys(
+        headers,
         prompt_cache_key=key_value("prompt_cache_key", body.get("prompt_cache_key")),
         user=key_value("user", body.get("user")),
     )
@@ -490,7 +371,7 @@ def _choices(body: Mapping[str, Any], stream: bool, limits: Limits) -> int:
     return n
 
 
-def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits) -> tuple[Turn, bool]:
+def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits) -> OpenAIAsked:
     """A ``/v1/chat/completions`` body as a Turn, and whether usage is streamed."""
     model = model_name(body)
     _check_neutral(body, _CHAT_ONLY_NEUTRAL)
@@ -520,12 +401,10 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         n=_choices(body, stream, limits),
     )
-    return turn, include_usage
+    return OpenAIAsked(turn, include_usage=include_usage)
 
 
-def parse_completion(
-    body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits
-) -> tuple[Turn, bool]:
+def parse_completion(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limits) -> OpenAIAsked:
     """A ``/v1/completions`` body as a Turn: the prompt is evaluated as given (raw)."""
     model = model_name(body)
     _check_neutral(body, _COMPLETION_ONLY_NEUTRAL)
@@ -552,4 +431,4 @@ def parse_completion(
         max_tokens=16 if max_tokens is None else max_tokens,
         n=_choices(body, stream, limits),
     )
-    return turn, include_usage
+    return OpenAIAsked(turn, include_usage=include_usage)

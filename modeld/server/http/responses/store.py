@@ -7,7 +7,8 @@ a later request may send only its new input with ``previous_response_id`` and co
 same warm session. Files are written atomically (a temporary file, then a rename) and read
 back checked (its id, its shape); one that does not read is removed with a logged reason.
 
-Bounds (``modeld serve`` flags): responses older than ``max_age_seconds`` are removed; beyond
+Bounds (:class:`StoreSettings`, fixed: blueprint 0019): responses older than ``max_age_seconds``
+are removed; beyond
 ``max_bytes`` in all, the oldest go first; one response is at most ``max_record_bytes``
 (larger ones are not stored, and the answer says so in its ``modeld`` object). ``GET`` and
 ``DELETE /v1/responses/{id}`` read and remove one. The store belongs to the daemon that owns

@@ -1,0 +1,64 @@
+"""An API dialect as a value: how it writes errors, a whole answer and a stream.
+
+Every API (``openai/``, ``responses/``, ``anthropic/``, ``ollama/``) declares one
+:class:`Dialect` in its ``answer.py``; its routes hand the turn runner
+(:mod:`modeld.server.http.runner`) the dialect and the parsed request (:class:`Asked`, or the
+API's own subclass carrying what its answers need: OpenAI's ``include_usage``, Anthropic's
+thinking display, ...). The runner does the rest the same way for every API: a stream or one
+JSON body, ``n`` choices where the dialect has an answer for them, errors in the dialect's
+words, the turn counted for a drain. So a route is parse-then-answer, with no twin per endpoint,
+and the error style of a path is the dialect's that owns it (:attr:`Dialect.paths`), not a
+switch on the path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from modeld.server.http.conversations import Collected, Event, Started
+from modeld.server.http.errors import ErrorStyle
+from modeld.server.http.turn import Turn
+
+__all__ = ["Asked", "Dialect"]
+
+
+@dataclass(frozen=True)
+class Asked:
+    """A request as its API parsed it: the turn, and (Ollama's ``keep_alive``) how long its
+    conversation's warm context may stay idle in the KV. An API subclasses it with what its
+    answers need."""
+
+    turn: Turn
+    keep_alive: float | None = None
+
+
+A = TypeVar("A", bound=Asked)
+
+
+def _no_headers() -> Mapping[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class Dialect(Generic[A]):
+    """One API's words: its error body, a whole answer (``complete``), the stream of one
+    (``stream``), and, where the API has them, ``n`` choices in one answer (``choices``)."""
+
+    name: str
+    error: ErrorStyle
+    complete: Callable[[A, Collected], dict[str, Any]]
+    stream: Callable[[A, Started, AsyncIterator[Event]], AsyncIterator[bytes]]
+    choices: Callable[[A, Sequence[Collected]], dict[str, Any]] | None = None
+    media_type: str = "text/event-stream"
+    """A stream's content type (``application/x-ndjson``: a JSON object per line)."""
+    headers: Callable[[], Mapping[str, str]] = field(default=_no_headers)
+    """Headers of every answer (Anthropic's ``request-id``)."""
+    paths: tuple[str, ...] = ()
+    """Path prefixes whose failures (a route that does not exist, a method it does not take)
+    this dialect words."""
+
+    @property
+    def ndjson(self) -> bool:
+        return self.media_type != "text/event-stream"
