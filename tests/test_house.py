@@ -58,8 +58,6 @@ MAX_LINES = 650
 KNOWN_LARGE: dict[str, str] = {
     "modeld/contract.py": "the contract's types, read top to bottom by every backend (blueprints/0001)",
     "modeld/cache/tiers.py": "the RAM and disk tiers are one index under one lock (blueprints/0016)",
-    "modeld/engine/engine.py": "the Service's one class: its registry under one lock (blueprints/0001); "
-    "model loading is to move to a module of its own",
     "bench/agent_apis.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
     "bench/speculation.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
     "bench/fleet.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",

@@ -44,6 +44,7 @@ __all__ = [
     "effective_context",
     "footprint",
     "layout_name",
+    "load_cost",
     "max_window",
     "model_info",
     "plan_layout",
@@ -118,6 +119,20 @@ def state_cost(fp: Footprint, options: LoadOptions) -> tuple[int, int]:
     if fp.state_bytes <= 0:
         return 0, 0
     return options.n_seq * fp.state_bytes, options.n_seq * options.checkpoints * fp.state_bytes
+
+
+def load_cost(fp: Footprint, options: LoadOptions) -> int:
+    """What a model loaded with ``options`` counts against the memory budget: its weights, the
+    layout's KV and compute buffer, the per-model rest, the sequences' recurrent states and
+    their checkpoints."""
+    cells = options.pool_tokens if options.unified else options.window
+    return (
+        fp.weights_bytes
+        + options.pool_tokens * max(0, fp.kv_bytes_per_token)
+        + compute_bytes(fp, cells)
+        + MODEL_OVERHEAD_BYTES
+        + sum(state_cost(fp, options))
+    )
 
 
 def layout_name(options: LoadOptions) -> str:

@@ -27,13 +27,11 @@ from modeld import __version__
 from modeld.backends import Backend, load_backend
 from modeld.backends.base import LoadOptions
 from modeld.backends.sizing import (
-    MODEL_OVERHEAD_BYTES,
-    compute_bytes,
     default_memory_budget,
     footprint,
+    load_cost,
     max_window,
     plan_layout,
-    state_cost,
 )
 from modeld.cache.pool import CacheSettings
 from modeld.cache.reuse import RuntimeHistory
@@ -368,14 +366,7 @@ class Engine:
                         model.supervisor.revive()  # a client asks for it again: retry
                     return model
             options = self._options(kind, info, request.config.num_ctx, request.config.num_threads)
-            cells = options.pool_tokens if options.unified else options.window
-            cost = (
-                info.weights_bytes
-                + options.pool_tokens * max(0, info.kv_bytes_per_token)
-                + compute_bytes(info.footprint, cells)
-                + MODEL_OVERHEAD_BYTES
-                + sum(state_cost(info.footprint, options))
-            )
+            cost = load_cost(info.footprint, options)
             self._make_room_for_load(cost)
             self._budget_ram_tier(loading=cost)  # the tier makes room before the worker allocates
             model = LoadedModel(
