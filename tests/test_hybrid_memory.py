@@ -262,3 +262,27 @@ def test_agents_over_http_get_answers_to_repeats_and_reuse_before_an_edit(
     finally:
         client.close()
         stop(proc)
+
+
+def test_arch_specs_are_checked_and_their_files_are_a_function_of_the_spec(tmp_path: object) -> None:
+    """A spec that cannot describe a loadable model is refused by name; the file is a pure
+    function of the spec (the cache names it by a digest of it)."""
+    import hashlib
+    from dataclasses import replace
+    from pathlib import Path
+
+    from modeld.testmodels._archs import write_arch
+
+    with pytest.raises(ValueError, match="arch 'nope'"):
+        testmodels.ArchSpec(name="x", arch="nope")
+    with pytest.raises(ValueError, match="attention names layers"):
+        testmodels.ArchSpec(name="x", arch="lfm2", layers=2, attention=(5,))
+    spec = testmodels.MAMBA2
+    assert replace(spec, seed=1).file_name != spec.file_name
+    digests = []
+    for i in range(2):
+        path = Path(str(tmp_path)) / f"m{i}.gguf"
+        write_arch(spec, path)
+        digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
+    assert digests[0] == digests[1]
+    assert Path(testmodels.ensure_model(spec)).read_bytes() == (Path(str(tmp_path)) / "m0.gguf").read_bytes()

@@ -260,7 +260,7 @@ def went_back(decision: ReuseDecision, chosen: int, kept: int, wanted: int) -> R
         f"the model's memory cannot be cut at token {chosen}: restored its checkpoint at token {kept} "
         f"and recomputed the {chosen - kept} tokens after it; reused {kept} of {wanted} tokens"
     )
-    return replace(decision, message=f"{head}: {note}" if head else note)
+    return replace(decision, message=f"{head}; {note}" if head else note)
 
 
 def _prefilled(wanted: int, keep: int) -> str:
