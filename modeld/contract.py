@@ -208,8 +208,9 @@ class OpenSessionRequest:
 class Capabilities:
     """What a backend can do, so callers never need backend-specific fields.
 
-    ``truncation``: resident KV can be cut at any token (False for recurrent or sliding-window
-    memory, where reuse falls back to a cold prefill). ``reuse``: ``exact`` when modeld controls
+    ``truncation``: resident KV can be cut at any token (False for recurrent, hybrid or
+    sliding-window memory, which goes back to a checkpoint or a window still held instead:
+    ``Footprint.cuts``). ``reuse``: ``exact`` when modeld controls
     the KV directly, ``engine`` when the engine reuses blocks itself and modeld tracks the
     logical reuse. ``sampling``: the DecodeConfig fields honoured; others are refused.
     ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts. ``constraints``: the

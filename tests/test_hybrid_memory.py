@@ -236,6 +236,14 @@ def test_agents_over_http_get_answers_to_repeats_and_reuse_before_an_edit(
         base_url=f"{record.http_endpoint}/v1", api_key="unused", max_retries=0, timeout=120
     )
     try:
+        import httpx
+
+        # What the model's memory is, truthful on both listings (read from the file's structure).
+        listed = httpx.get(f"{record.http_endpoint}/v1/models", timeout=30).json()["data"][0]["modeld"]
+        shown = httpx.post(f"{record.http_endpoint}/api/show", json={"model": "m"}, timeout=30).json()
+        memory = EXPECTED[name]
+        assert listed["footprint"]["memory"] == shown["model_info"]["modeld.memory"] == memory
+        assert (listed["footprint"]["state_bytes"] > 0) is (memory != "sliding-window")
         texts = [
             client.completions.create(model="m", prompt=BASE, max_tokens=6, temperature=0).choices[0].text
             for _ in range(3)
