@@ -126,10 +126,9 @@ class LlamaBackend:
                 extra=(),
                 prompt_formats=("raw", "chat") if meta.chat_template else ("raw",),
                 constraints=CONSTRAINT_KINDS,
-                # Rejected drafts are cut off again: a recurrent state cannot be, so recurrent
-                # and hybrid memory decodes plainly (blueprint 0016, "Speculation on memory that
-                # cannot be cut"); a sliding window's cut before its end keeps the window.
-                speculation=("off", "ngram") if meta.memory in ("attention", "sliding-window") else ("off",),
+                # Rejected drafts are cut off again: memory that cannot be cut at any token
+                # decodes plainly (blueprint 0016, "Speculation").
+                speculation=("off", "ngram") if meta.can_truncate else ("off",),
             ),
             special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),
             footprint=model_footprint(meta, config),

@@ -21,10 +21,10 @@ for correctness:
   allows) are appended to that batch without a choice of their own. A batch takes llama.cpp's
   multi-token kernels, whose rounding differs from the single-token step's by ~3e-4 of a logit:
   greedy output equals plain decoding wherever the top two logits are further apart than that
-  (every test and benchmark turn; blueprint 0021 measures it). Sliding-window memory speculates
-  too (a cut just before its end keeps the window); recurrent and hybrid memory decodes plainly:
-  its state cannot take a rejected draft back but through a checkpoint per verify batch
-  (blueprint 0016, "Speculation on memory that cannot be cut").
+  (every test and benchmark turn; blueprint 0021 measures it). Memory that cannot be cut at any
+  token decodes plainly (blueprint 0016, "Speculation"): a recurrent state cannot take a rejected
+  draft back, and a sliding-window model's verify batch rounds up to 100 times further from a
+  single step than an attention model's.
 * **Choices** (``DecodeConfig.n``, ``blueprints/0019``): one batch per step with a token per
   live choice, each choice on its own forked sequence with its own sampler, constraint and end.
 """
@@ -69,9 +69,8 @@ class LlamaRuntime(LlamaContext):
         compiled = runtime_constraint(config)
         held = self._fresh_logits(seq)
         stats = self._stats[seq] = DecodeStats()
-        # Speculation needs cells that can be cut (rejected drafts are removed again): any KV,
-        # and a sliding window's, whose cut just before the end keeps the window.
-        speculate = config.speculation == "ngram" and (self._layout.can_truncate or self._n_swa > 0)
+        # Speculation needs cells that can be cut (rejected drafts are removed again).
+        speculate = config.speculation == "ngram" and self._layout.can_truncate
         step = self._step(config, held)
         base = len(held)
         window = self._layout.window

@@ -386,8 +386,8 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
             f"formats={','.join(info.capabilities.prompt_formats)} "
             f"speculation={','.join(info.capabilities.speculation)}"
             + (
-                " (a recurrent state cannot take a rejected draft back)"
-                if "ngram" not in info.capabilities.speculation and fp.state_bytes
+                " (memory that cannot be cut at any token: no rejected draft could be taken back exactly)"
+                if "ngram" not in info.capabilities.speculation and fp.memory != "attention"
                 else ""
             ),
         ),
