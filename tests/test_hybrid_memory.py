@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from modeld.backends.gguf_meta import GGUFInfo
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.settings import Residency
@@ -287,3 +288,57 @@ def test_arch_specs_are_checked_and_their_files_are_a_function_of_the_spec(tmp_p
         digests.append(hashlib.sha256(path.read_bytes()).hexdigest())
     assert digests[0] == digests[1]
     assert Path(testmodels.ensure_model(spec)).read_bytes() == (Path(str(tmp_path)) / "m0.gguf").read_bytes()
+
+
+def _renamed(spec: object, arch: str, tmp: object, drop: tuple[str, ...] = (), **kvs: object) -> GGUFInfo:
+    """A generated model's header under another architecture's name (its keys renamed):
+    describe reads the structure, whatever the name (the engine's loader is not run)."""
+    from pathlib import Path
+
+    import gguf_craft as c
+
+    from modeld.backends.gguf_meta import read_gguf
+
+    base = c.load(Path(str(testmodels.ensure_model(spec))))
+    old = next(kv.value for kv in base.kvs if kv.key == "general.architecture").decode()
+    crafted = c.GGUF(
+        kvs=[
+            c.KV(kv.key.replace(f"{old}.", f"{arch}.", 1), kv.type, kv.value, kv.item)
+            for kv in base.kvs
+            if kv.key.replace(f"{old}.", "", 1) not in drop
+        ],
+        tensors=base.tensors,
+        alignment=base.alignment,
+    ).set("general.architecture", arch.encode(), c.STRING)
+    for key, (kind, value) in kvs.items():  # type: ignore[misc]
+        crafted = crafted.set(f"{arch}.{key}", value, kind)
+    return read_gguf(str(crafted.write(Path(str(tmp)) / f"{arch}.gguf")))
+
+
+def test_describe_classifies_other_architectures_by_their_structure(tmp_path: object) -> None:
+    """The header shapes of architectures not generated here (Jamba and Nemotron-H: a per-layer
+    head_count_kv of 0 beside Mamba keys; Falcon-H1: attention and Mamba in every layer;
+    Qwen3-Next: full_attention_interval; LFM2-MoE: short convolutions; RWKV: a WKV state) are
+    classified from their keys, never from a list of names."""
+    import gguf_craft as c
+
+    granite, qwen, lfm, mamba = (
+        testmodels.GRANITE_HYBRID, testmodels.QWEN35, testmodels.LFM2, testmodels.MAMBA2,
+    )  # fmt: skip
+    for arch in ("jamba", "nemotron_h"):
+        info = _renamed(granite, arch, tmp_path)
+        assert (info.memory, info.recurrent_layers) == ("hybrid", 3)
+        assert info.kv_heads == (0, 0, 2, 0)
+    falcon = _renamed(granite, "falcon-h1", tmp_path, **{"attention.head_count_kv": (c.UINT32, 2)})
+    assert (falcon.memory, falcon.recurrent_layers) == ("hybrid", 4)
+    assert falcon.kv_heads == (2, 2, 2, 2)
+    nextgen = _renamed(qwen, "qwen3next", tmp_path)
+    assert (nextgen.memory, nextgen.recurrent_layers, nextgen.kv_heads) == ("hybrid", 3, (0, 0, 0, 2))
+    moe = _renamed(lfm, "lfm2moe", tmp_path)
+    assert (moe.memory, moe.recurrent_layers) == ("hybrid", 4)
+    ssm = tuple(
+        f"ssm.{k}" for k in ("conv_kernel", "inner_size", "state_size", "time_step_rank", "group_count")
+    )
+    rwkv = _renamed(mamba, "rwkv6", tmp_path, drop=ssm, **{"wkv.head_size": (c.UINT32, 64)})
+    assert (rwkv.memory, rwkv.recurrent_layers) == ("recurrent", 2)
+    assert rwkv.state_bytes == 2 * (2 * 128 + 128 * 64) * 4
