@@ -342,3 +342,39 @@ def test_describe_classifies_other_architectures_by_their_structure(tmp_path: ob
     rwkv = _renamed(mamba, "rwkv6", tmp_path, drop=ssm, **{"wkv.head_size": (c.UINT32, 64)})
     assert (rwkv.memory, rwkv.recurrent_layers) == ("recurrent", 2)
     assert rwkv.state_bytes == 2 * (2 * 128 + 128 * 64) * 4
+
+
+@pytest.mark.parametrize("name", ["hybrid-qwen35", "hybrid-lfm2", "recurrent-mamba2"])
+def test_checkpoints_travel_with_their_context_across_a_restart_and_to_another_box(
+    name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A prefix written to disk (and through to the shared store) carries its checkpoints: after
+    a restart, and on another daemon that shares only the store (a moved conversation), an edit
+    inside it restores the snapshot and goes back to the checkpoint before the edit, and the
+    answer is a fresh evaluation's."""
+    path = str(testmodels.ensure_model(SPECS[name]))
+    tmp = tmp_path_factory.mktemp("tiers")
+    store = tmp / "store"
+
+    def engine(data: str) -> Engine:
+        residency = Residency(sequences=1, persist_min_tokens=64, shared_store=str(store))
+        return Engine(backends=("llama",), residency=residency, data_dir=tmp / data)
+
+    with engine("a") as a:
+        s = a.open_session(_request(path))
+        assert s.ensure_prefix(PrefixInput(text=BASE)).reuse.outcome == "cold"
+        assert a.tiers is not None and a.tiers.flush(60)
+    # A restart, then another box (each edit its own: the restarted daemon writes its turn
+    # through to the store too).
+    for data, tier, line in (("a", "disk", 15), ("b", "shared", 16)):
+        edited = BASE.replace(f"handler_{line}(", f"handler_{line}b(")
+        expected = _fresh(path, edited, "go\n")
+        with engine(data) as e:
+            s = e.open_session(_request(path))
+            st = s.ensure_prefix(PrefixInput(text=edited))
+            diverged = st.reuse.diverged_at_token or 0
+            assert (st.reuse.outcome, st.reuse.tier) == ("partial", tier), st.reuse
+            assert diverged - 4 * BATCH <= st.reused_tokens < diverged, st.reuse.message
+            assert f"checkpoint at token {st.reused_tokens}" in st.reuse.message
+            s.prefill_suffix(SuffixInput(text="go\n"))
+            assert _decode(s) == expected

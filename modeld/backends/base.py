@@ -91,7 +91,8 @@ class Layout:
     before ``keep`` the memory can return to (a checkpoint of a recurrent or hybrid state, a
     sliding window the cache still holds), evaluates the known tokens from there and reports the
     ``kept`` it reached; :meth:`ModelRuntime.copy` of part of such a sequence does the same. A
-    snapshot in a tier is still restored only whole. ``memory`` is what the engine says the
+    snapshot in a tier is restored only whole unless ``snapshot_cuts``: its checkpoints travel
+    inside the blob, and a restored sequence is cut back as one in the pool is. ``memory`` is what the engine says the
     model's memory is (``attention``, ``sliding-window``, ``hybrid``, ``recurrent``: the same
     words as ``Footprint.memory``, which describe reads from the file).
     """
@@ -111,6 +112,7 @@ class Layout:
     attention_spans_pool: bool = False
     checkpoints: bool = False
     memory: str = "attention"
+    snapshot_cuts: bool = False
 
 
 @dataclass(frozen=True, slots=True)

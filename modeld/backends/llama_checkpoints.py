@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import logging
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,11 @@ from modeld.backends._llama_lib import bindings as _llama
 __all__ = ["PARTIAL", "Checkpoints", "plan"]
 
 log = logging.getLogger("modeld.llama")
+
+_MAGIC = b"mdckpt01"
+_TRAILER = struct.Struct("<Q8s")
+"""A snapshot's checkpoint section ends with its length and this magic (:meth:`Checkpoints.pack`)."""
+_ITEM = struct.Struct("<IBI")
 
 _RECENT = 2
 """Checkpoints that served the latest cuts of a sequence, kept whatever their spacing."""
@@ -189,6 +195,84 @@ class Checkpoints:
 
     def clear(self, seq: int) -> None:
         self._seqs[seq] = _Seq()
+
+    # --- in a snapshot: the checkpoints travel with their context -------------------------------
+
+    def pack(self, seq: int, upto: int) -> bytes:
+        """``seq``'s checkpoints (and recorded batches and prefill ends) of its first ``upto``
+        tokens, as the section a snapshot carries after the engine's state: ``u32 count``, per
+        checkpoint ``u32 position, u8 canonical, u32 length`` and its bytes, then ``u32 n`` and
+        the batch starts, ``u32 n`` and the prefill ends, then ``u64`` the section's length and
+        the magic ``mdckpt01``."""
+        s = self._seqs[seq]
+        items = [(p, b) for p, b in sorted(s.blobs.items()) if p <= upto]
+        out = bytearray(struct.pack("<I", len(items)))
+        for p, b in items:
+            out += _ITEM.pack(p, p in s.canonical, len(b)) + b
+        for marks in ([p for p in s.bounds if p < upto], sorted(p for p in s.ends if p <= upto)):
+            out += struct.pack(f"<I{len(marks)}I", len(marks), *marks)
+        out += _TRAILER.pack(len(out), _MAGIC)
+        return bytes(out)
+
+    @staticmethod
+    def section(view: memoryview) -> tuple[int, memoryview | None]:
+        """Where a snapshot's engine state ends, and its checkpoint section (None: it has none)."""
+        n = view.nbytes
+        if n < _TRAILER.size or bytes(view[n - 8 :]) != _MAGIC:
+            return n, None
+        (length, _magic) = _TRAILER.unpack_from(view, n - _TRAILER.size)
+        start = n - _TRAILER.size - length
+        if length < 12 or start < 0:
+            return n, None
+        return start, view[start : n - _TRAILER.size]
+
+    @staticmethod
+    def read_section(path: str, size: int) -> memoryview | None:
+        """The checkpoint section of the snapshot stored in the first ``size`` bytes of a file
+        (None: it has none)."""
+        if size < _TRAILER.size:
+            return None
+        with open(path, "rb") as f:
+            f.seek(size - _TRAILER.size)
+            length, magic = _TRAILER.unpack(f.read(_TRAILER.size))
+            if magic != _MAGIC or not 12 <= length <= size - _TRAILER.size:
+                return None
+            f.seek(size - _TRAILER.size - length)
+            return memoryview(f.read(length))
+
+    def unpack(self, seq: int, section: memoryview, n_tokens: int) -> bool:
+        """Load a snapshot's checkpoint section into ``seq`` (which holds ``n_tokens`` restored
+        tokens); False, and nothing loaded, when it is not well formed."""
+        got = _Seq()
+        try:
+            at = 0
+            (count,) = struct.unpack_from("<I", section, at)
+            at += 4
+            for _ in range(count):
+                pos, canonical, length = _ITEM.unpack_from(section, at)
+                at += _ITEM.size
+                if not 0 < pos <= n_tokens or at + length > section.nbytes:
+                    return False
+                got.blobs[pos] = bytes(section[at : at + length])
+                if canonical:
+                    got.canonical.add(pos)
+                at += length
+            marks: list[list[int]] = []
+            for _ in range(2):
+                (k,) = struct.unpack_from("<I", section, at)
+                marks.append(list(struct.unpack_from(f"<{k}I", section, at + 4)))
+                at += 4 + 4 * k
+            if at != section.nbytes or any(p > n_tokens for m in marks for p in m):
+                return False
+        except struct.error:
+            return False
+        got.bounds = sorted(set(marks[0]))
+        got.ends = set(marks[1]) | self._seqs[seq].ends
+        got.blobs = {**got.blobs, **self._seqs[seq].blobs}
+        got.canonical |= self._seqs[seq].canonical
+        self._seqs[seq] = got
+        self._evict(got)
+        return True
 
     def positions(self, seq: int) -> list[int]:
         return sorted(self._seqs[seq].blobs)

@@ -37,6 +37,7 @@ import ctypes
 import logging
 import os
 import threading
+import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -198,13 +199,15 @@ class LlamaContext(HeldTokens, Rewind):
             can_truncate=can_truncate,
             snapshots=True,
             explicit=True,
-            snapshot_format=f"llama.cpp {_llama_lib.version()} {layout_name}",
+            snapshot_format=f"llama.cpp {_llama_lib.version()} {layout_name}"
+            + ("+checkpoints" if (recurrent or hybrid) and options.checkpoints > 0 else ""),
             kv_bytes_per_token=info.kv_bytes_per_token,
             exact=not unified,
             name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
             forks=can_truncate and n_seq > 1,
             attention_spans_pool=unified and n_seq > 1,
             checkpoints=not can_truncate,
+            snapshot_cuts=(recurrent or hybrid) and options.checkpoints > 0,
             memory="recurrent"
             if recurrent
             else "hybrid"
@@ -438,14 +441,29 @@ class LlamaContext(HeldTokens, Rewind):
     # --- snapshots (the format: llama_state.py) -------------------------------------------------
 
     def snapshot(self, seq: int) -> bytes:
-        self._seq(seq)
-        return self._states.snapshot(seq)
+        held = self._seq(seq)
+        blob = self._states.snapshot(seq)
+        if not self._takes:
+            return blob
+        # Recurrent and hybrid memory: the checkpoints travel with their context (a section
+        # after the engine's state), so a restored context can still be cut back.
+        section = self._ckpts.pack(seq, len(held))
+        if isinstance(blob, bytearray):
+            blob.extend(section)  # the state is tens of megabytes: no second copy
+            return typing.cast(bytes, blob)
+        return blob + section
 
     def save(self, seq: int, path: str) -> int:
         """Write ``seq``'s snapshot into a new file at ``path``; returns its size. Raises
         ``OSError`` when the file cannot be written."""
-        self._seq(seq)
-        return self._states.save(seq, path)
+        held = self._seq(seq)
+        size = self._states.save(seq, path)
+        if self._takes:
+            section = self._ckpts.pack(seq, len(held))
+            with open(path, "ab") as f:
+                f.write(section)
+            size += len(section)
+        return size
 
     def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
@@ -453,7 +471,13 @@ class LlamaContext(HeldTokens, Rewind):
         self._drafters.pop(seq, None)
         if len(tokens) > self._layout.window:
             return False
-        return self._states.restore(seq, blob) and self._restored(seq, held, tokens)
+        view = memoryview(blob)
+        end, section = Checkpoints.section(view) if self._takes else (view.nbytes, None)
+        if not (self._states.restore(seq, view[:end]) and self._restored(seq, held, tokens)):
+            return False
+        if section is not None and not self._ckpts.unpack(seq, section, len(tokens)):
+            log.warning("a snapshot of sequence %d carried checkpoints in an unknown form: ignored", seq)
+        return True
 
     def restore_file(self, seq: int, path: str, size: int, tokens: Sequence[int]) -> bool:
         """Load the snapshot stored in the first ``size`` bytes of the file at ``path``
@@ -463,7 +487,12 @@ class LlamaContext(HeldTokens, Rewind):
         self._drafters.pop(seq, None)
         if len(tokens) > self._layout.window:
             return False
-        return self._states.restore_file(seq, path, size) and self._restored(seq, held, tokens)
+        section = Checkpoints.read_section(path, size) if self._takes else None
+        if not (self._states.restore_file(seq, path, size) and self._restored(seq, held, tokens)):
+            return False
+        if section is not None and not self._ckpts.unpack(seq, memoryview(section), len(tokens)):
+            log.warning("a snapshot file of sequence %d carried checkpoints in an unknown form: ignored", seq)
+        return True
 
     def _restored(self, seq: int, held: list[int], tokens: Sequence[int]) -> bool:
         """llama.cpp loaded a snapshot into ``seq``: does it hold the positions ``tokens`` claims?

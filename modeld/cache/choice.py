@@ -17,8 +17,9 @@ token lists and flags, changes nothing and calls no engine, so every rule is pin
    whole, and a context in the KV pool only whole unless the engine keeps checkpoints inside it
    (``checkpoints``: recurrent and hybrid states at token positions, a sliding window still
    held): then any common prefix is a candidate, and the engine goes back to the last checkpoint
-   at or before it and evaluates the rest (the turn says which it restored). A shared prefix it
-   could not use is reported (``blocked``) for the cold reason.
+   at or before it and evaluates the rest (the turn says which it restored); a snapshot too when
+   its checkpoints travel inside it (``snapshot_cuts``). A shared prefix it could not use is
+   reported (``blocked``) for the cold reason.
 
 Design record: ``blueprints/0016-warm-state.md``.
 """
@@ -72,6 +73,7 @@ def choose(
     restore_min_gain: int,
     head: int = 0,
     checkpoints: bool = False,
+    snapshot_cuts: bool = False,
 ) -> Choice:
     """The candidate for ``target`` (see the module docstring). ``own`` is the session's context,
     ``others`` the pool's other contexts of the same identity, ``entries`` the tier snapshots of
@@ -93,7 +95,7 @@ def choose(
     for entry in entries:
         best.seen = True
         n = common_prefix_len(entry.tokens, target)
-        if n < len(entry.tokens) and not can_truncate:
+        if n < len(entry.tokens) and not (can_truncate or snapshot_cuts):
             continue
         if n > 0 and n - max(best.keep, head) >= restore_min_gain:
             best = Choice(n, None, entry, blocked=best.blocked, seen=True)

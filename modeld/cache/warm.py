@@ -224,6 +224,7 @@ class ModelCache:
                 restore_min_gain=pool.settings.restore_min_gain,
                 head=head,
                 checkpoints=pool.layout.checkpoints,
+                snapshot_cuts=pool.layout.snapshot_cuts,
             )
 
         choice = pick(entries)
