@@ -25,7 +25,9 @@ turns' TTFT, modeld over llama-server (medians); the first turn after the restar
 and the model's recurrent state and what ``--checkpoints`` may hold per context (modeld's
 ``/v1/models`` footprint). modeld runs with its defaults (``--num-ctx`` as llama-server's ``-c``);
 llama-server as a user starts it for one conversation: ``--jinja -c N -np 1``, its default
-``--ctx-checkpoints``, flash attention off and batch 512 as every bench system.
+``--ctx-checkpoints``, flash attention off and batch 512 as every bench system, and modeld's
+OpenMP spin (``GOMP_SPINCOUNT``; with llama.cpp's default its prefill ran 33 times slower on a
+loaded 2-core machine).
 
 Figures from a shared 2-core machine are noisy: read the ratios, not the milliseconds.
 """
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +48,7 @@ from typing import Any
 from bench.systems.base import free_port
 from bench.systems.openai_http import HttpServerSystem
 from modeld import testmodels
+from modeld.backends._omp import SPIN_COUNT
 from modeld.backends.cpu import cpu_has_amx
 
 __all__ = ["run_hybrid"]
@@ -249,6 +253,10 @@ def run_hybrid(
     """Every class's loop (see the module docstring); ``quick``: 3 turns over a shorter map."""
     if not llama_server or not Path(llama_server).is_file():
         return {"skipped": "no llama-server binary (scripts/build_llama_server.sh builds one)"}
+    # Both servers wait for work with modeld's OpenMP spin (modeld/backends/_omp.py): with
+    # llama.cpp's default, llama-server's threads spun on a loaded 2-core machine and its prefill
+    # ran 33 times slower (112 against 3700 tokens a second, qwen35, load average 14).
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     specs = [s for s in testmodels.ARCH_SPECS if not classes or s.name in classes]
     turns, lines = (3, 24) if quick else (6, 60)
     docs = [_class(spec, llama_server, threads, turns, lines, log) for spec in specs]
