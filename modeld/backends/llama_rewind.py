@@ -23,7 +23,7 @@ from typing import Any
 
 from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.base import SyncStep
-from modeld.backends.llama_checkpoints import Checkpoints, plan
+from modeld.backends.llama_checkpoints import Checkpoints, canonical, plan
 
 __all__ = ["Rewind"]
 
@@ -95,20 +95,19 @@ class Rewind:
             ckpts.clear(seq)
         return p
 
+    def _marks(self, tokens: Sequence[int]) -> list[int]:
+        """The canonical positions of ``tokens`` (:func:`~modeld.backends.llama_checkpoints.canonical`)."""
+        return canonical(tokens, self._chunk, self._starts)
+
     def _resumes(self, seq: int, pos: int) -> bool:
         """May a prefill of ``seq`` resume at ``pos`` with a fresh evaluation's batches?"""
         held = self._seqs[seq]
-        return (
-            pos % self._chunk == 0
-            or (pos < len(held) and held[pos] in self._starts)
-            or self._ckpts.is_end(seq, pos)
-        )
+        return pos in self._marks(held[: pos + 1]) or self._ckpts.is_end(seq, pos)
 
     def _resume_before(self, seq: int, keep: int) -> int:
         """The last position at or before ``keep`` where a prefill may resume."""
-        held = self._seqs[seq]
-        turn = next((q for q in range(keep, max(0, keep - self._chunk), -1) if held[q] in self._starts), 0)
-        return max(keep - keep % self._chunk, turn, self._ckpts.ends_before(seq, keep))
+        marks = self._marks(self._seqs[seq][: keep + 1])
+        return max(max(marks, default=0), self._ckpts.ends_before(seq, keep))
 
     def _sync_planned(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
         """:meth:`sync` on memory that cannot be cut at any token: back to what the memory
@@ -124,11 +123,11 @@ class Rewind:
         yield SyncStep(kept, 0, len(pending))
         if not pending:
             return
-        starts = [start + i for i, t in enumerate(pending) if i and t in self._starts]
+        marks = [m for m in self._marks(held[:start] + pending) if start < m < end]
+        turn = set(marks)
         if resumes and start < keep < end:
-            starts = sorted({*starts, keep})
-        bounds = plan(start, end, self._chunk, starts)
-        turn = set(starts)
+            marks = sorted({*marks, keep})
+        bounds = plan(start, end, self._chunk, marks)
         for a, b in itertools.pairwise(bounds):
             self._decode(seq, pending[a - start : b - start])
             if b < end and self._takes and ckpts.wanted(b, b in turn):
@@ -160,7 +159,10 @@ class Rewind:
         else:
             p = self._rewind(seq, last, exact=True) if last > 0 else self._cut(seq, 0)
         redo = [p, *[m for m in marks if p < m < n], n]
+        # The batches first evaluated, as they were (none spans a canonical position); where none
+        # are known (restored from a snapshot), a fresh evaluation's.
+        canon = self._marks(tokens) if self._planned else []
         for a, b in itertools.pairwise(redo):
-            inner = [a + i for i, t in enumerate(tokens[a:b]) if i and t in self._starts]
+            inner = [m for m in canon if a < m < b]
             for c, d in itertools.pairwise(plan(a, b, self._chunk, inner)):
                 self._decode(seq, tokens[c:d])
