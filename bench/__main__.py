@@ -35,7 +35,7 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis", "speculation", "fleet", "hybrid"]
+EXTRAS = ["agent_apis", "claude_code", "chat_agents", "speculation", "fleet", "hybrid"]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -259,6 +259,43 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda s: print(s, flush=True),
         )
 
+    claude_code = None
+    if not wanted or "claude_code" in wanted:  # the real Claude Code, three runs (issue 30)
+        from bench.claude_code import run_claude_code
+        from modeld import testmodels
+
+        claude_code = run_claude_code(
+            str(testmodels.ensure_model(testmodels.REPLY)),
+            args.llama_server,
+            threads,
+            runs=2 if args.quick else 3,
+            cached_only=args.quick,  # the smoke run never installs from npm
+            systems=[
+                s
+                for s in ("modeld", "llama-server")
+                if s in names or (s == "modeld" and "modeld-http" in names)
+            ],
+            log=lambda s: print(s, flush=True),
+        )
+
+    chat_agents = None
+    if not wanted or "chat_agents" in wanted:  # a main agent and two sub-agents over the chat API
+        from bench.chat_agents import QUICK_ROUNDS, ROUNDS, run_chat_agents
+
+        chat_agents = run_chat_agents(
+            model,
+            args.llama_server,
+            threads,
+            rounds=QUICK_ROUNDS if args.quick else ROUNDS,
+            max_tokens=max_tokens,
+            systems=[
+                s
+                for s in ("modeld", "llama-server")
+                if s in names or (s == "modeld" and "modeld-http" in names)
+            ],
+            log=lambda s: print(s, flush=True),
+        )
+
     speculation = None
     if not wanted or "speculation" in wanted:
         began = time.monotonic()
@@ -289,6 +326,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print("bench: OpenAI endpoint overhead through the openai SDK (memory backend)", flush=True)
         overhead["openai"] = run_openai_overhead(turns=5 if args.quick else 20)
+        from bench.page_overhead import run_page_overhead
+
+        print("bench: the live page's and the request records' cost (memory backend)", flush=True)
+        overhead["page"] = run_page_overhead(turns=10 if args.quick else 30, rounds=2 if args.quick else 6)
         if not args.quick:  # the realistic model: issue 9's decode goal, measured paired
             from bench.decode_pairs import describe, run_decode_pairs
 
@@ -321,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         "rss_parts": data.rss_parts,
         "overhead": overhead,
         "agent_apis": agent_apis,
+        "claude_code": claude_code,
+        "chat_agents": chat_agents,
         "speculation": speculation,
         "fleet": fleet,
         "hybrid": hybrid,
@@ -341,7 +384,12 @@ def main(argv: list[str] | None = None) -> int:
             f"bench: wrote {out} from {len(docs)} run(s) ({', '.join(d['id'] for d in docs)}) in {machine['duration_s']} s",
             flush=True,
         )
-    errors = data.errors + (agent_apis["errors"] if agent_apis else 0)
+    errors = (
+        data.errors
+        + (agent_apis["errors"] if agent_apis else 0)
+        + (claude_code["errors"] if claude_code else 0)
+        + (chat_agents["errors"] if chat_agents else 0)
+    )
     errors += sum(1 for extra in (speculation, fleet, hybrid) if extra and "error" in extra)
     errors += fleet["errors"] if fleet and "errors" in fleet else 0
     if errors:

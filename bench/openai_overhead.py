@@ -27,7 +27,7 @@ import openai
 import runtime_client as rc
 from bench.daemon import serve
 from modeld.server.http.openai.request import parse_chat
-from modeld.server.http.turn import chat_inputs, split_point
+from modeld.server.http.turn import chat_inputs, split_point, template_args_json
 from modeld.settings import Limits
 
 __all__ = ["run_openai_overhead"]
@@ -62,7 +62,11 @@ def _grpc_loop(client: rc.Client, turns: list[list[dict[str, str]]]) -> tuple[li
                 {"model": MODEL, "messages": messages, "max_tokens": 32, "temperature": 0}, {}, Limits()
             ).turn
             prefix, suffix = chat_inputs(
-                turn.messages, split_point(turn.messages), turn.tools_json, "hermes", None, "http.openai.chat"
+                turn.messages,
+                split_point(turn.messages),
+                turn.tools_json,
+                "http.openai.chat",
+                template_args_json(turn),
             )
             t0 = time.perf_counter()
             session.ensure_prefix(prefix)

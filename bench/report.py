@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import analysis
+from bench.page_overhead import page_lines
 from bench.plots import plot_summary, plot_workload
 from bench.workloads import GOALS
 
@@ -534,15 +535,26 @@ def write_report(out: Path, docs: list[Doc]) -> None:
                 f"{sdk['sdk_turn_overhead_ms']:+.1f} ms (the SDK's own client-side work included).",
                 "",
             ]
+    page = (overhead or {}).get("page")
+    if page:
+        lines += page_lines(page)
     if doc.get("agent_apis"):
         lines += agent_apis_lines(doc["agent_apis"], model["name"])
+    if doc.get("claude_code"):
+        from bench.claude_code import report_lines
+
+        lines += report_lines(doc["claude_code"])
+    if doc.get("chat_agents"):
+        from bench.chat_agents import report_lines as chat_agents_lines
+
+        lines += chat_agents_lines(doc["chat_agents"])
     if any(d.get("speculation") for d in docs):
         lines += speculation_lines(docs)
     if any(d.get("fleet") for d in docs):
         lines += fleet_lines(docs)
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
-        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
+        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `claude_code`, `chat_agents`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
         "`make bench-compare` (the newest run against the committed results).",
         "",
     ]

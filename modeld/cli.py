@@ -1,4 +1,5 @@
-"""The ``modeld`` command line: serve, drain, describe, explain-context, status, logs, metrics.
+"""The ``modeld`` command line: serve, drain, describe, explain-context, status, logs, metrics,
+requests, top.
 
 Expected failures (no daemon, a bad model file, an unknown session) print one line to stderr
 and exit non-zero; a traceback only ever means a bug. Every command that reports something
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from modeld.contract import BACKEND_TYPES, Config, OpenSessionRequest
 from modeld.errors import DaemonUnavailableError, ModeldError
-from modeld.flags import MAX_FLAG_CHARS, add_flags, from_flags, given, parse_duration
+from modeld.flags import MAX_FLAG_CHARS, add_flags, count, from_flags, given, parse_duration
 from modeld.observe.views import format_model_info, format_report, format_sessions
 
 if TYPE_CHECKING:
@@ -84,7 +85,15 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
     """The daemon's options from ``modeld serve``'s flags (raises ValueError, one line, on a
     combination that cannot work). Unset flags keep the defaults of ``modeld/settings.py``."""
     from modeld.daemon import ServeOptions
-    from modeld.settings import HttpSettings, Limits, Residency, RestartPolicy, Serving, Timeouts
+    from modeld.settings import (
+        HttpSettings,
+        Limits,
+        RequestRecords,
+        Residency,
+        RestartPolicy,
+        Serving,
+        Timeouts,
+    )
 
     limits = from_flags(args, Limits)
     if limits.max_message_bytes < limits.max_text_bytes + (64 << 10):
@@ -121,6 +130,7 @@ def serve_options(args: argparse.Namespace) -> ServeOptions:
         residency=residency,
         timeouts=timeouts,
         restart=restart,
+        recording=from_flags(args, RequestRecords),
     )
     if args.data_dir:
         options.data_dir = Path(args.data_dir)
@@ -298,6 +308,48 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _since(text: str) -> float:
+    """``--since``: a duration back from now (``15m``, ``2h``; the flags' durations) as a Unix time."""
+    return time.time() - parse_duration(text)
+
+
+def _cmd_requests(args: argparse.Namespace) -> int:
+    from modeld.observe.requests import format_record, format_records
+
+    with _connect(args) as client:
+        if args.id:
+            record = client.request(args.id)
+            if record is None:
+                print(f"modeld: error: no request record {args.id[:MAX_FLAG_CHARS]!r}", file=sys.stderr)
+                return EXIT_ERROR
+            print(_json(record) if args.json else format_record(record))
+            return 0
+        records = client.list_requests(
+            job=args.job,
+            conversation=args.conversation,
+            since=args.since,
+            limit=args.limit,
+            running=args.running,
+        )
+    print(_json([dataclasses.asdict(r) for r in records]) if args.json else format_records(records))
+    return 0
+
+
+def _cmd_top(args: argparse.Namespace) -> int:
+    from modeld.observe.requests import format_top
+
+    with _connect(args) as client:
+        while True:
+            records = client.list_requests(limit=200)
+            screen = format_top(records, time.time())
+            if args.once:
+                print(screen)
+                return 0
+            sys.stdout.write("\x1b[H\x1b[2J" + screen + "\n")
+            sys.stdout.flush()
+            time.sleep(args.interval)
+
+
 # --- main -----------------------------------------------------------------------------------
 
 
@@ -385,6 +437,29 @@ def _parser() -> argparse.ArgumentParser:
     m = sub.add_parser("metrics", help="the daemon's metrics (Prometheus text format)")
     _global_options(m, top=False)
     m.set_defaults(func=_cmd_metrics)
+
+    rq = sub.add_parser("requests", help="the request records: one per turn over every API and gRPC")
+    _global_options(rq, top=False)
+    rq.add_argument("id", nargs="?", help="one record, whole (running or done)")
+    rq.add_argument("--job", default="", help="only this job label (X-Modeld-Job, or the agent's session)")
+    rq.add_argument("--conversation", default="", help="only this conversation key")
+    rq.add_argument(
+        "--since", type=_since, default=0.0, metavar="DURATION", help="only the last 15m, 2h, ..."
+    )
+    rq.add_argument(
+        "--limit", type=count(1, 1000), default=100, help="the newest this many (100; at most 1000)"
+    )
+    rq.add_argument("--running", action="store_true", help="only the turns running now")
+    rq.add_argument("--json", action="store_true")
+    rq.set_defaults(func=_cmd_requests)
+
+    tp = sub.add_parser("top", help="the turns running now and the newest ones, refreshed (Ctrl-C stops)")
+    _global_options(tp, top=False)
+    tp.add_argument(
+        "--interval", type=parse_duration, default=1.0, metavar="DURATION", help="refresh every (1s)"
+    )
+    tp.add_argument("--once", action="store_true", help="print one screen and exit")
+    tp.set_defaults(func=_cmd_top)
     return p
 
 

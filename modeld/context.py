@@ -105,14 +105,19 @@ class SegmentChurn:
         for index, seg in enumerate(segments):
             if not seg.stable or seg.kind == "history" or not seg.hash:
                 continue
-            position = counts.get(seg.kind, 0)
-            counts[seg.kind] = position + 1
-            key = (seg.kind, position)
+            kind = seg.kind
+            if kind == "message":  # a chat message given whole: its system messages are watched
+                if seg.role != "system":
+                    continue
+                kind = "system"
+            position = counts.get(kind, 0)
+            counts[kind] = position + 1
+            key = (kind, position)
             before = self._seen.get(key)
             streak = 0 if before is None or before[0] == seg.hash else before[1] + 1
             seen[key] = (seg.hash, streak)
             if streak >= self._turns:
-                changing.append(ChangingSegment(seg.kind, position, index, streak))
+                changing.append(ChangingSegment(kind, position, index, streak))
         self._seen = seen
         self._changing = tuple(changing)
         return self._changing

@@ -129,8 +129,31 @@ backend honours."""
 TOOL_CHOICES: tuple[str, ...] = ("auto", "none", "required")
 """``DecodeConfig.tool_choice``: these, or the name of one tool (forced)."""
 
-TOOL_FORMATS: tuple[str, ...] = ("", "hermes", "llama3", "mistral", "none")
-"""How tool calls look in a model's output. ``""``: recognised from the chat template."""
+TOOL_FORMATS: tuple[str, ...] = (
+    "",
+    "hermes",
+    "qwen3_coder",
+    "harmony",
+    "llama3",
+    "mistral",
+    "mistral_args",
+    "mistral_ids",
+    "glm45",
+    "glm47",
+    "kimi_k2",
+    "deepseek_v31",
+    "deepseek_r1",
+    "minimax_m2",
+    "seed_oss",
+    "nemotron",
+    "gemma4",
+    "lfm2",
+    "granite",
+    "command_r",
+    "none",
+)
+"""How tool calls look in a model's output (one per family: ``modeld.decoding.formats``).
+``""``: recognised from the chat template."""
 
 KV_CACHE_TYPES: tuple[str, ...] = ("f16", "f32", "bf16", "q8_0", "q4_0")
 PROMPT_FORMATS: tuple[str, ...] = ("raw", "chat")
@@ -202,6 +225,9 @@ class OpenSessionRequest:
     no_wait: bool = False
     """When every slot of the model is busy, fail with ``no_slot_available`` at once instead of
     queueing (each operation may override it)."""
+    chat_template: str = ""
+    """A chat template to render with instead of the model file's (llama-server's
+    ``--chat-template-file``); its digest is the session's template digest. "": the file's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,16 +342,22 @@ class ModelInfo:
     tool_format: str = ""  # how the chat template writes tool calls (TOOL_FORMATS); "" unknown
     architecture: str = ""  # the model's architecture (GGUF ``general.architecture``); "" unknown
     footprint: Footprint = field(default_factory=Footprint)  # what it takes in memory (describe)
+    template_source: str = ""  # where chat_template comes from: "model" (the file) or "override"
+    reasoning_format: str = ""  # how the chat template marks thinking; "" none recognised
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixInput:
-    """The stable prefix. ``manifest`` is optional: without one the daemon builds a minimal one."""
+    """The stable prefix. ``manifest`` is optional: without one the daemon builds a minimal one.
+    ``tools_json`` (a JSON array of tool definitions) and ``template_args_json`` (a JSON object:
+    ``enable_thinking``, ``reasoning_effort``, a request's ``chat_template_kwargs``) are passed
+    to the model's chat template (prompt_format ``chat``; blueprint 0010)."""
 
     text: str
     manifest: ContextManifest | None = None
     tools_json: str = ""
     no_wait: bool | None = None  # None: the session's choice (OpenSessionRequest.no_wait)
+    template_args_json: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ from modeld import __version__
 from modeld.errors import ModeldError
 from modeld.lease import CHECK_INTERVAL, AlreadyOwnedError, Lease, LeaseError
 from modeld.observe.metrics import Metrics
+from modeld.observe.records import Records
 from modeld.observe.status import EngineObserver
 from modeld.paths import MAX_UNIX_PATH, default_data_dir, default_socket_path
 from modeld.server.auth import TokenInterceptor, ensure_token
@@ -42,7 +43,16 @@ from modeld.server.gateway import Gateway, ServedEngine
 from modeld.server.grpc.servicer import SERVICE_NAME, ModeldServicer, add_to_server
 from modeld.server.health import ModelHealth
 from modeld.server.reflection import enable_reflection
-from modeld.settings import HttpSettings, Limits, Residency, RestartPolicy, Serving, Timeouts
+from modeld.settings import (
+    HttpSettings,
+    Limits,
+    RequestRecords,
+    Residency,
+    RestartPolicy,
+    Serving,
+    Timeouts,
+    parse_tool_formats,
+)
 
 if TYPE_CHECKING:
     from modeld.server.http.models import ModelRegistry
@@ -176,11 +186,12 @@ class Server:
         token: str = "",
         metrics: Metrics | None = None,
         describe_timeout: float = Serving().describe_seconds,
+        records: Records | None = None,
     ) -> None:
         self.engine = engine
         self.address = address
         self.limits = limits
-        self.gateway = Gateway(engine, limits, metrics)
+        self.gateway = Gateway(engine, limits, metrics, records)
         self.bridge = Bridge(Pools.for_sessions(limits.max_sessions))
         self.servicer = ModeldServicer(self.gateway, self.bridge, describe_timeout=describe_timeout)
         self.health = ModelHealth()
@@ -311,6 +322,7 @@ class ServeOptions:
     residency: Residency = field(default_factory=Residency)
     timeouts: Timeouts = field(default_factory=Timeouts)
     restart: RestartPolicy = field(default_factory=RestartPolicy)
+    recording: RequestRecords = field(default_factory=RequestRecords)
     data_dir: Path = field(default_factory=default_data_dir)
     grace: float = 3.0
 
@@ -318,9 +330,16 @@ class ServeOptions:
 def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | None:
     """Check the HTTP options and build the model registry, before taking the lease."""
     http, backend = options.http, options.serving.backend
+    try:
+        parse_tool_formats(http.tool_formats)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
     if not http.http:
-        if http.models or http.models_dir:
-            raise ServeError("--model and --models-dir name the models --http serves; add --http HOST:PORT")
+        if http.models or http.models_dir or http.tool_formats or http.chat_templates:
+            raise ServeError(
+                "--model, --models-dir, --tool-format and --chat-template-file name the models --http "
+                "serves; add --http HOST:PORT"
+            )
         return None
     address = parse_listen(http.http, allow_remote=options.serving.allow_remote, option="--http")
     if address.unix_path is not None:
@@ -340,7 +359,13 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
         raise ServeError(
             f"--http needs the http extra ({', '.join(missing)} missing): pip install 'modeld[http]'"
         )
-    from modeld.server.http.models import ModelRegistry, RegistryError, default_models, parse_model_option
+    from modeld.server.http.models import (
+        ModelRegistry,
+        RegistryError,
+        default_models,
+        parse_model_option,
+        parse_template_option,
+    )
 
     try:
         entries = {}
@@ -351,7 +376,13 @@ def _http_setup(options: ServeOptions) -> tuple[ListenAddress, ModelRegistry] | 
             entries[entry.name] = entry
         models_dir = Path(http.models_dir) if http.models_dir else None
         fallback = default_models(backend) if not entries and models_dir is None else None
-        registry = ModelRegistry(backend, entries, models_dir, fallback)
+        templates: dict[str, tuple[str, str]] = {}
+        for spec in http.chat_templates:
+            name, path, text = parse_template_option(spec)
+            if name in templates:
+                raise RegistryError(f"--chat-template-file {name} is given twice")
+            templates[name] = (path, text)
+        registry = ModelRegistry(backend, entries, models_dir, fallback, templates, aliases=http.aliases)
     except RegistryError as exc:
         raise ServeError(str(exc)) from None
     return address, registry
@@ -416,7 +447,17 @@ def run(options: ServeOptions) -> int:
         lease.release()
         return EXIT_USAGE
     token = ensure_token(options.data_dir) if address.unix_path is None and serving.token else ""
-    server = Server(engine, address, limits, token=token, describe_timeout=serving.describe_seconds)
+    recording = options.recording
+    records = Records.under(
+        options.data_dir,
+        ring=recording.records_kept,
+        max_age_seconds=recording.records_max_age_seconds,
+        max_bytes=recording.records_max_bytes,
+        show_prompts=recording.ui_show_prompts,
+    )
+    server = Server(
+        engine, address, limits, token=token, describe_timeout=serving.describe_seconds, records=records
+    )
     listener: Any = None
     try:
         # Every listener is bound before the daemon says it serves (gRPC health, the lease):
@@ -437,7 +478,8 @@ def run(options: ServeOptions) -> int:
         __version__,
         serving.backend,
         endpoint,
-        f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())})"
+        f" and {listener.url}/v1 (models: {', '.join(e.name for e in http[1].entries())}; the live page at "
+        f"{listener.url}/ui)"
         if listener is not None and http is not None
         else "",
         instance_id,
@@ -463,6 +505,7 @@ def run(options: ServeOptions) -> int:
         engine.begin_shutdown()  # in-flight HTTP turns end now, with shutting_down
         listener.stop()
     server.stop(options.grace)
+    records.close()  # the finished records still on their way to the file
     lease.release(handed_over=handed_over)
     log.info("stopped (instance %s)", instance_id)
     return EXIT_OK

@@ -9,6 +9,11 @@ token. A long prefill draws a progress bar from the daemon's progress reports
 (``ensure_prefix(..., progress=callback)``). Turn 3 edits the repo map, so part of the prefix is
 recomputed and explain-context says where.
 
+The daemon also serves HTTP on a free loopback port: the demo prints the live page's address
+(``/ui``), where the four turns appear under the job label ``make-run`` (blueprint 0022): cold,
+warm, the edit with the segment it hit, warm again. Run from a terminal, it keeps the daemon
+serving afterwards so the page stays up, until Ctrl-C (``--stay``/``--no-stay``).
+
 ``--model`` takes a GGUF path, or ``tiny`` / ``realistic`` / ``copying`` for the models the project generates
 (``modeld.testmodels``). With the memory backend the model is a name.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -180,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix-bytes", type=int, default=6000, help="size of the repo map")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--num-ctx", type=int, default=8192)
+    parser.add_argument(
+        "--stay",
+        action=argparse.BooleanOptionalAction,
+        default=sys.stdout.isatty(),
+        help="keep the daemon (and its live page) up after the turns, until Ctrl-C (default: on a terminal)",
+    )
     args = parser.parse_args(argv)
 
     model = _resolve_model(args.backend, args.model)
@@ -199,10 +211,14 @@ def main(argv: list[str] | None = None) -> int:
             args.backend,
             "--listen",
             f"unix:{socket}",
+            "--http",
+            "127.0.0.1:0",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
+    # A demo stopped with kill (SIGTERM) stops its daemon too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         deadline = time.monotonic() + 60
         while (rec := read_lease(data)) is None or rec.state != "serving":
@@ -210,7 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                 print((data / "daemon.log").read_text(), file=sys.stderr)
                 return 1
             time.sleep(0.05)
-        with rc.connect(data_dir=data) as client:
+        page = f"{rec.http_endpoint}/ui" if rec.http_endpoint else ""
+        if page:
+            print(f"demo: the live page is at {page} (the turns appear there as they run)")
+        with rc.connect(data_dir=data, job="make-run") as client:
             request = rc.OpenSessionRequest(
                 type=args.backend, path=model, config=rc.Config(num_ctx=args.num_ctx)
             )
@@ -259,6 +278,16 @@ def main(argv: list[str] | None = None) -> int:
                 env=env,
                 check=False,
             )
+            if args.stay and page:
+                print(
+                    f"\ndemo: the daemon keeps serving; open {page} to see the four turns. Ctrl-C stops it."
+                )
+                sys.stdout.flush()
+                try:
+                    while daemon.poll() is None:
+                        time.sleep(0.5)
+                except KeyboardInterrupt:
+                    print()
             session.close()
         return 0
     finally:

@@ -67,6 +67,7 @@ SegmentKind = Literal[
     "terminal",
     "user_turn",
     "runtime",
+    "message",
 ]
 SEGMENT_KINDS: tuple[str, ...] = get_args(SegmentKind)
 STABLE_KINDS: frozenset[str] = frozenset({"system", "tools", "repo_rules", "repo_map", "pinned", "history"})
@@ -85,6 +86,7 @@ DEFAULT_CACHE_CLASS: dict[str, str] = {
     "terminal": "turn",
     "user_turn": "turn",
     "runtime": "turn",
+    "message": "conversation",
 }
 """How long a segment of each kind is expected to stay unchanged (informational)."""
 
@@ -100,6 +102,7 @@ DEFAULT_ROLE: dict[str, str] = {
     "terminal": "user",
     "user_turn": "user",
     "runtime": "user",
+    "message": "user",
 }
 """The chat role of a segment whose ``role`` is empty (prompt_format ``chat``)."""
 
@@ -161,6 +164,11 @@ class Segment:
     def chat_role(self) -> str:
         """The role this segment speaks with in a chat-format prompt."""
         return self.role or DEFAULT_ROLE[self.kind]
+
+    @property
+    def label(self) -> str:
+        """What people read it as: its kind, or a whole message's role (``system``, ``user``, ...)."""
+        return self.chat_role if self.kind == "message" else self.kind
 
     @property
     def byte_len(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, SPECULATION_MODES, Config
+from modeld.contract import BACKEND_TYPES, KV_CACHE_TYPES, SPECULATION_MODES, TOOL_FORMATS, Config
 from modeld.errors import LimitExceededError
 from modeld.flags import count, flag_name, parse_duration, parse_positive_size, parse_size, setting
 
@@ -29,10 +29,12 @@ __all__ = [
     "SETTINGS",
     "HttpSettings",
     "Limits",
+    "RequestRecords",
     "Residency",
     "RestartPolicy",
     "Serving",
     "Timeouts",
+    "parse_tool_formats",
 ]
 
 ISOLATIONS = ("auto", "process", "inline")
@@ -46,6 +48,7 @@ _FLEET = "fleet (blueprints/0020)"
 _TIMEOUTS = "timeouts (0 switches one off; 90, 2.5m, 1h)"
 _RESTARTS = "worker restarts"
 _LIMITS = "limits (blueprints/0006)"
+_RECORDS = "request records and the live page (blueprints/0022)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,39 @@ class HttpSettings:
     one's session is closed."""
     conversation_idle_seconds: float = setting(600.0, "--conversation-idle", _HTTP, parse_duration)
     """A conversation idle this long has its session closed (0: never)."""
+    chat_templates: tuple[str, ...] = setting(
+        (), "--chat-template-file", _HTTP, metavar="NAME=PATH", repeat=True
+    )
+    """Render the model served as NAME with the Jinja chat template in PATH instead of its
+    file's (repeatable; llama-server's --chat-template-file, per model)."""
+    tool_formats: tuple[str, ...] = setting((), "--tool-format", _HTTP, metavar="NAME=FORMAT", repeat=True)
+    """The tool-call format of the model served as NAME, instead of the one recognised from its
+    chat template (repeatable; a family such as hermes, qwen3_coder, harmony, glm45; none: no
+    calls are parsed; blueprint 0018 lists them)."""
+    keepalive_seconds: float = setting(10.0, "--keepalive-interval", _HTTP, parse_duration)
+    """A stream silent this long (a long prefill, hidden thinking) gets a keep-alive in its API's
+    form: Anthropic's ping, an SSE comment with the prefill's progress, Responses'
+    response.in_progress, an empty Ollama line (0: never). Claude Code warns after 30 s without
+    a byte; llama-server's --sse-ping-interval is 30 s."""
+    aliases: tuple[str, ...] = setting((), "--alias", _HTTP, metavar="PATTERN=MODEL", repeat=True)
+    """Requests for a model name matching the glob PATTERN are served by MODEL (repeatable, first
+    match wins), e.g. 'claude-*=modeld-reply' or 'gpt-*=modeld-reply', so an agent's default
+    model names work with no client setting; /v1/models lists the patterns."""
+
+
+def parse_tool_formats(specs: tuple[str, ...]) -> dict[str, str]:
+    """``--tool-format NAME=FORMAT`` values as {name: format}; ValueError names a bad one (FORMAT
+    not one of ``TOOL_FORMATS``, a name given twice)."""
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, fmt = spec.partition("=")
+        if not sep or not name or not fmt or fmt not in TOOL_FORMATS:
+            known = ", ".join(f for f in TOOL_FORMATS if f)
+            raise ValueError(f"--tool-format wants NAME=FORMAT with FORMAT one of {known}, got {spec!r}")
+        if name in out:
+            raise ValueError(f"--tool-format {name} is given twice")
+        out[name] = fmt
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +282,8 @@ class Limits:
     max_loaded_models: int = setting(2, "--max-loaded-models", _LIMITS, count(1, 1024))
     """Models kept loaded; the least recently used idle one is unloaded beyond this."""
     model_wait_seconds: float = setting(300.0, "--queue-wait", _TIMEOUTS, parse_duration)
-    """How long an operation waits for a model busy with other sessions before ``busy``."""
+    """How long an operation waits for a model busy with other sessions (a slot, or KV cells
+    that running operations hold) before ``busy``."""
     attach_timeout_seconds: float = setting(30.0, "--attach-timeout", _TIMEOUTS, parse_duration)
     """How long an opened session may stay without a Session stream before it is closed."""
     closed_reports_kept: int = setting(64, "--closed-reports-kept", _LIMITS, count(0, 1 << 16))
@@ -268,5 +305,30 @@ class Limits:
             )
 
 
-SETTINGS: tuple[type, ...] = (Serving, HttpSettings, Residency, Timeouts, RestartPolicy, Limits)
+@dataclass(frozen=True, slots=True)
+class RequestRecords:
+    """Request records (one per turn, every API and gRPC) and the live page at ``/ui``."""
+
+    records_kept: int = setting(4096, "--records-kept", _RECORDS, count(1, 1 << 20))
+    """Records kept in memory (the page, ``/v1/requests``, ``modeld top``); older ones are read
+    from the file."""
+    records_max_age_seconds: float = setting(7 * 86400.0, "--records-max-age", _RECORDS, parse_duration)
+    """Records older than this leave the file under the data directory (0: kept until the
+    byte budget needs the room)."""
+    records_max_bytes: int = setting(64 * MiB, "--records-max-bytes", _RECORDS, parse_size)
+    """The records file's byte budget (the oldest go first; 0: no file, memory only)."""
+    ui_show_prompts: bool = setting(False, "--ui-show-prompts", _RECORDS)
+    """Keep a slice of the prompt where a prefix diverged in its record, shown on the page and
+    in /v1/requests (off: ids, token counts and segment kinds only, never prompt text)."""
+
+
+SETTINGS: tuple[type, ...] = (
+    Serving,
+    HttpSettings,
+    Residency,
+    Timeouts,
+    RestartPolicy,
+    Limits,
+    RequestRecords,
+)
 """Every settings dataclass; each of their fields is one ``modeld serve`` flag."""

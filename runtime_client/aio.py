@@ -40,10 +40,11 @@ from modeld.errors import (
     NotOwnerError,
     StaleFenceError,
 )
+from modeld.observe.records import RecordQuery, RequestRecord
 from modeld.observe.status import DaemonStatus, SessionSummary
 from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
-from modeld.wire import convert
+from modeld.wire import convert, records
 from modeld.wire.status import from_rpc_error, from_status
 from runtime_client.client import DEFAULT_MESSAGE_BYTES, channel_options, check_size, decode_chunk
 from runtime_client.common import ClientBase, DecodeStreamBase, SessionBase
@@ -173,6 +174,25 @@ class AsyncClient(ClientBase, AsyncClosing):
 
     async def metrics(self) -> str:
         return str((await self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0)).text)
+
+    async def list_requests(
+        self,
+        *,
+        job: str = "",
+        conversation: str = "",
+        since: float = 0.0,
+        limit: int = 100,
+        running: bool = False,
+    ) -> list[RequestRecord]:
+        """The daemon's request records, the newest ``limit`` that match, oldest first."""
+        query = RecordQuery(job=job, conversation=conversation, since=since, limit=limit, running=running)
+        resp = await self._call(self._stub.ListRequests, records.query_to_pb(query), 30.0)
+        return [records.record_from_pb(r) for r in resp.records]
+
+    async def request(self, rid: str) -> RequestRecord | None:
+        """One request record by its id (running or done), None when there is none."""
+        resp = await self._call(self._stub.ListRequests, records.query_to_pb(RecordQuery(), rid), 30.0)
+        return records.record_from_pb(resp.records[0]) if resp.records else None
 
     async def close(self) -> None:
         for channel in (*self._retired, self._channel):

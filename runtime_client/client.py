@@ -43,10 +43,11 @@ from modeld.errors import (
     StaleFenceError,
 )
 from modeld.manifest import ContextManifest
+from modeld.observe.records import RecordQuery, RequestRecord
 from modeld.observe.status import DaemonStatus, SessionSummary
 from modeld.v1 import modeld_pb2 as pb
 from modeld.v1 import modeld_pb2_grpc as pb_grpc
-from modeld.wire import convert
+from modeld.wire import convert, records
 from modeld.wire.status import from_rpc_error, from_status
 from runtime_client.common import ClientBase, DecodeStreamBase, SessionBase
 from runtime_client.discovery import Discovery, Endpoint
@@ -114,6 +115,9 @@ class Client(ClientBase, Closing):
     ``resume`` (default on): when the daemon restarts, open sessions resume on the new one at
     their next call and new sessions open there (:mod:`runtime_client.resume`); a takeover is
     never followed. Off: a session whose daemon went away fails for good, as before.
+
+    ``job``: a label the sessions' request records carry (``modeld requests --job``, the live
+    page), sent as ``x-modeld-job`` metadata.
     """
 
     def __init__(
@@ -125,9 +129,11 @@ class Client(ClientBase, Closing):
         resume: bool = True,
         resume_timeout: float = RESUME_TIMEOUT,
         discovery: Discovery | None = None,
+        job: str = "",
     ) -> None:
         super().__init__(endpoint, max_message_bytes, resume, resume_timeout, discovery)
         self._keepalive_ms = keepalive_ms
+        self.job = job
         self._follow_lock = threading.Lock()
         self._retired: list[grpc.Channel] = []
         self._channel = self._dial(endpoint.target)
@@ -139,8 +145,11 @@ class Client(ClientBase, Closing):
         )
 
     def _call(self, method: Any, request: Any, timeout: float) -> Any:
+        metadata = self.endpoint.metadata
+        if self.job:
+            metadata = (*(metadata or ()), ("x-modeld-job", self.job))
         try:
-            return method(request, timeout=timeout, metadata=self.endpoint.metadata)
+            return method(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
@@ -235,6 +244,26 @@ class Client(ClientBase, Closing):
     def metrics(self) -> str:
         """The daemon's metrics in the Prometheus text format."""
         return str(self._call(self._stub.Metrics, pb.MetricsRequest(), 10.0).text)
+
+    def list_requests(
+        self,
+        *,
+        job: str = "",
+        conversation: str = "",
+        since: float = 0.0,
+        limit: int = 100,
+        running: bool = False,
+    ) -> list[RequestRecord]:
+        """The daemon's request records (one per turn, every API and gRPC), the newest ``limit``
+        that match, oldest first."""
+        query = RecordQuery(job=job, conversation=conversation, since=since, limit=limit, running=running)
+        resp = self._call(self._stub.ListRequests, records.query_to_pb(query), 30.0)
+        return [records.record_from_pb(r) for r in resp.records]
+
+    def request(self, rid: str) -> RequestRecord | None:
+        """One request record by its id (running or done), None when there is none."""
+        resp = self._call(self._stub.ListRequests, records.query_to_pb(RecordQuery(), rid), 30.0)
+        return records.record_from_pb(resp.records[0]) if resp.records else None
 
     def close(self) -> None:
         for channel in (*self._retired, self._channel):
@@ -558,6 +587,7 @@ def connect(
     token: str | None = None,
     resume: bool = True,
     resume_timeout: float = RESUME_TIMEOUT,
+    job: str = "",
 ) -> Client:
     """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect to it.
 
@@ -572,4 +602,5 @@ def connect(
         resume=resume,
         resume_timeout=resume_timeout,
         discovery=where,
+        job=job,
     )

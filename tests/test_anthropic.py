@@ -107,7 +107,9 @@ def test_a_message_reports_its_prompt_as_cache_reads_and_writes(daemon: Daemon) 
     assert first.stop_reason in ("end_turn", "max_tokens")
     text = "".join(b.text for b in first.content if b.type == "text")
     prompt = tokens(chatml([("system", system_text()), ("user", question)]))
-    system_tokens = tokens(chatml([("system", system_text())], generation=False))
+    # The stable prefix: the system turn as the template renders it before a user turn, through
+    # that turn's header (blueprint 0010).
+    system_tokens = tokens(chatml([("system", system_text())], generation=False) + "<|im_start|>user\n")
     u = first.usage
     assert u.input_tokens + (u.cache_creation_input_tokens or 0) + (u.cache_read_input_tokens or 0) == prompt
     assert u.cache_creation_input_tokens == system_tokens - (u.cache_read_input_tokens or 0)
@@ -297,7 +299,9 @@ def test_errors_use_anthropics_envelope_and_types(daemon: Daemon) -> None:
     assert missing.value.body == {
         "type": "error",
         "error": {"type": "not_found_error", "message": missing.value.body["error"]["message"]},
+        "request_id": missing.value.request_id,  # the body's request_id is the request-id header's
     }  # type: ignore[index]
+    assert str(missing.value.request_id).startswith("req_")
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
     with pytest.raises(anthropic.BadRequestError) as refused:
         daemon.client.messages.create(

@@ -127,3 +127,32 @@ def test_the_choice_changes_nothing() -> None:
     before = (list(own.tokens), own.prefix_tokens, own.generation, own.busy, own.floor)
     pick(own=own, untouched=False, others=(context(TARGET[:90], seq=1),))
     assert (list(own.tokens), own.prefix_tokens, own.generation, own.busy, own.floor) == before
+
+
+def test_what_the_session_itself_left_the_kv_with_comes_back_for_any_gain() -> None:
+    """Another session's context in the KV shares 96 tokens; this session's own context, saved
+    whole when it left, holds 100 and more (its suffix and decode). Four tokens are below the
+    restore threshold for a snapshot of anyone's, but not for the session's own: restoring it
+    computes none of what it computed before, and its tail serves the turn's next operations."""
+    other = context([*TARGET[:96], 500, 501], seq=1)
+    saved = entry([*TARGET, 7, 8, 9])
+    assert pick(others=(other,), entries=(saved,)).context is other
+    mine = choose(
+        TARGET,
+        own=None,
+        untouched=False,
+        others=(other,),
+        entries=(saved,),
+        can_truncate=True,
+        restore_min_gain=16,
+        mine={saved.key},
+    )
+    assert (mine.entry, mine.keep) == (saved, 100)
+
+
+def test_of_snapshots_reusing_as_much_the_fuller_one_wins_then_ram() -> None:
+    """A context saved whole holds its suffix and decode past the turn's prefix; its older copy
+    holds the prefix alone. Both reuse the whole target: the fuller one is restored."""
+    prefix_only, whole = entry(TARGET[:]), entry([*TARGET, 1, 2, 3])
+    assert pick(entries=(prefix_only, whole)).entry is whole
+    assert pick(entries=(whole, prefix_only)).entry is whole

@@ -59,3 +59,25 @@ def test_a_snapshot_never_claims_more_prefix_than_tokens(tmp_path: Path) -> None
         assert tiers.disk_on
     finally:
         tiers.close()
+
+
+def test_the_ledger_counts_a_restored_start_shared_again_once() -> None:
+    """A unified pool: sequence 0 computed 700 tokens, sequence 1 copied its first 600 and added
+    100 of its own (800 cells in all). Sequence 1 leaves and comes back from a snapshot into 700
+    cells of its own (1400 in all); shared again from 600 tokens on, the pool holds 800 once more,
+    and emptying either sequence frees only what it alone holds."""
+    from modeld.cache.ledger import Ledger
+
+    ledger = Ledger(shared_cells=True)
+    ledger.extend(0, 700)
+    ledger.copy(0, 1, 600)
+    ledger.extend(1, 100)
+    assert ledger.used() == 800
+    ledger.set(1, 700)  # restored: its own cells
+    assert ledger.used() == 1400
+    ledger.share(0, 1, 600)
+    assert (ledger.used(), ledger.length(1), ledger.unique(1), ledger.unique(0)) == (800, 700, 100, 100)
+    ledger.extend(1, 10)  # its own tail grows
+    assert (ledger.used(), ledger.length(1)) == (810, 710)
+    ledger.drop(0)
+    assert ledger.used() == 710

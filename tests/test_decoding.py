@@ -19,11 +19,11 @@ import xxhash
 
 from modeld.contract import Constraint, DecodeConfig, ToolCall
 from modeld.decoding.constraints import cache_info, compile_constraint
+from modeld.decoding.formats import make_parser
 from modeld.decoding.gbnf import parse_gbnf
 from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.guard import RepeatedLineGuard
 from modeld.decoding.output import OutputProcessor, plan_decode
-from modeld.decoding.toolcalls import make_parser
 from modeld.decoding.tools import detect_format, forced_call_constraint, parse_tools
 from modeld.errors import InvalidArgumentError, LimitExceededError, UnsupportedError
 from modeld.settings import Limits
@@ -350,7 +350,7 @@ RECORDED = [
     (
         "hermes",
         '<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py"}}\n</tool_call>\n<tool_call>\n{"name": "run_tests", "arguments": {}}\n</tool_call>',
-        "\n",
+        "",  # the whitespace between calls is markup
         [("read_file", {"path": "a.py"}), ("run_tests", {})],
         "",
     ),

@@ -52,6 +52,7 @@ KNOWN_MISSING_PATHS: set[tuple[str, str]] = set()
 KNOWN_ISSUE_NUMBERS: set[str] = set()
 KNOWN_PARTIAL_APIS: dict[str, str] = {
     "sglang": "the SGLang gateway's worker routes are GETs of the daemon's state: no request to parse",
+    "ui": "the live page and the request records are GETs of the daemon's state: no request to parse",
 }
 """HTTP API folders without some of :data:`API_FILES`, and why."""
 MAX_LINES = 650

@@ -41,6 +41,7 @@ GETS = [
     "/api/tags",
     "/api/ps",
     "/api/version",
+    "/",
     "/server_info",
     "/model_info",
     "/get_load",
@@ -97,8 +98,12 @@ def test_every_route_refuses_web_origins_that_are_not_loopback(url: str) -> None
             assert r.status_code == 200, (origin, path, r.text[:300])
 
 
-def test_a_post_must_be_json(url: str) -> None:
-    """text/plain, a form or no type at all: the "simple" requests a page can send unseen."""
+def test_a_post_from_a_page_must_be_json(url: str) -> None:
+    """text/plain, a form or no type at all: the "simple" requests a page can send unseen. A
+    browser always sends Origin with them (here a loopback page's, which is allowed), so they
+    are refused; the same bodies without Origin (curl -d, Ollama's documented examples, which
+    send a form type) are not a page's and are read as JSON."""
+    page = {"Origin": "http://localhost:3000"}
     for path in POSTS:
         data = json.dumps(GOOD[path])
         for kind in (
@@ -108,10 +113,17 @@ def test_a_post_must_be_json(url: str) -> None:
             None,
         ):
             headers = {"Content-Type": kind} if kind else {}
-            r = httpx.post(url + path, content=data, headers=headers, timeout=30)
+            r = httpx.post(url + path, content=data, headers={**headers, **page}, timeout=30)
             assert r.status_code == 415, (path, kind, r.status_code)
+        for kind in ("application/x-www-form-urlencoded", None):
+            headers = {"Content-Type": kind} if kind else {}
+            r = httpx.post(url + path, content=data, headers=headers, timeout=60)
+            assert r.status_code == 200, (path, kind, r.text[:300])
         ok = httpx.post(
-            url + path, content=data, headers={"Content-Type": "application/json; charset=utf-8"}, timeout=60
+            url + path,
+            content=data,
+            headers={"Content-Type": "application/json; charset=utf-8", **page},
+            timeout=60,
         )
         assert ok.status_code == 200, (path, ok.text[:300])
 
@@ -235,6 +247,12 @@ FUZZ_OTHERS = [
     ("DELETE", "/responses/{id}"),
     ("GET", "/get_server_info"),
     ("GET", "/get_model_info"),
+    ("GET", "/ui"),
+    ("GET", "/ui/state"),
+    ("GET", "/ui/events"),
+    ("GET", "/ui/{name:path}"),
+    ("GET", "/v1/requests"),
+    ("GET", "/v1/requests/{id}"),
 ]
 
 _junk_text = st.text(max_size=30) | st.sampled_from(["\ud800", "..", "%", "%00", "a/b", "x" * 5000, "\x00"])
@@ -302,7 +320,17 @@ def test_fuzzed_paths_queries_and_headers_on_every_route_never_get_a_5xx(
         except (ValueError, OverflowError):
             return
         headers = {**headers, "content-type": "application/json"}
-    r = httpx.request(method, target, content=body, headers=headers, timeout=60)
+    if template == "/ui/events":  # a stream that never ends: its status and first event
+        with httpx.stream(method, target, headers=headers, timeout=60) as streamed:
+            if streamed.status_code == 200:
+                assert next(streamed.iter_lines()).startswith("event: state")
+            r = httpx.Response(
+                streamed.status_code,
+                headers=streamed.headers,
+                content=b"" if streamed.status_code == 200 else streamed.read(),
+            )
+    else:
+        r = httpx.request(method, target, content=body, headers=headers, timeout=60)
     assert r.status_code < 500 or (template == "/health" and r.status_code == 503), (
         method,
         path[:200],

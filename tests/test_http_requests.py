@@ -11,7 +11,9 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import anthropic as anthropic_sdk
 import httpx
+import httpx2
 import pytest
 
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
@@ -211,6 +213,7 @@ def test_a_path_no_route_serves_is_answered_in_the_words_of_the_api_that_owns_it
         assert anthropic_words.json() == {
             "type": "error",
             "error": {"type": "not_found_error", "message": "no such route"},
+            "request_id": anthropic_words.headers["request-id"],  # Anthropic's, in body and header
         }
         openai_words = _get(service, "/v1/nothing")
         assert openai_words.json()["error"]["code"] == "not_found"
@@ -243,3 +246,79 @@ def test_the_describe_timeout_reaches_the_http_api(monkeypatch: pytest.MonkeyPat
         release.set()
         service.close()
         engine.shutdown()
+
+
+def test_an_overloaded_daemon_is_anthropics_529_with_its_request_id() -> None:
+    """A draining daemon's 503 is Anthropic's 529 ``overloaded_error`` on the Messages API (what
+    Claude Code retries), the SDK's ``OverloadedError``; the error body carries the
+    ``request_id`` the ``request-id`` header carries. Other APIs keep 503."""
+    engine = Engine(backends=("memory",))
+    service = _service(engine)
+
+    async def ask() -> tuple[anthropic_sdk.APIStatusError, httpx2.Response]:
+        transport = httpx2.ASGITransport(app=build_app(service))  # the SDK's own HTTP client
+        async with httpx2.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            client = anthropic_sdk.AsyncAnthropic(
+                base_url="http://127.0.0.1", api_key="x", http_client=http, max_retries=0
+            )
+            try:
+                await client.messages.create(
+                    model="modeld-tiny", max_tokens=1, messages=[{"role": "user", "content": "hi"}]
+                )
+            except anthropic_sdk.APIStatusError as exc:
+                openai_words = await http.post(
+                    "/v1/chat/completions",
+                    json={"model": "modeld-tiny", "messages": [{"role": "user", "content": "hi"}]},
+                )
+                return exc, openai_words
+        raise AssertionError("the draining daemon answered")
+
+    try:
+        service.drain.begin()
+        service.drain.release()  # the warm state is saved: held turns get their 503
+        error, other = asyncio.run(ask())
+        assert isinstance(error, anthropic_sdk.OverloadedError) and error.status_code == 529
+        body = error.body
+        assert isinstance(body, dict) and body["error"]["type"] == "overloaded_error"
+        assert body["request_id"] == error.response.headers["request-id"] == error.request_id
+        assert error.response.headers["retry-after"]
+        assert other.status_code == 503
+    finally:
+        service.close()
+        engine.shutdown()
+
+
+def test_a_turn_is_counted_against_the_window_only_near_it() -> None:
+    """Counting a prompt costs about a warm turn's own preparation: a turn far from the window
+    is not counted (its conversation's measured tokens per byte say so); one near it is, and one
+    beyond it is refused with the numbers, or truncated oldest-first where the API truncates."""
+    from modeld.contract import DecodeConfig as Decode
+    from modeld.server.http.errors import WindowExceededError
+    from modeld.server.http.turn import Keys, Message, Turn
+    from modeld.server.http.window import Window
+
+    counted: list[int] = []
+
+    async def count(turn: Turn) -> int:  # one token per byte, as the memory backend counts
+        tokens = sum(len(m.content) for m in turn.messages) + 8 * len(turn.messages)
+        counted.append(tokens)
+        return tokens
+
+    def turn(*texts: str, truncate: bool = False, key: str = "c") -> Turn:
+        messages = tuple(Message("user" if i % 2 == 0 else "assistant", t) for i, t in enumerate(texts))
+        return Turn(
+            api="t", model="m", decode=Decode(), keys=Keys(header=key), messages=messages, truncate=truncate
+        )
+
+    window = Window()
+    small = turn("a" * 1000)
+    assert asyncio.run(window.fitted(small, 100_000, count)) is small and counted == []  # far: not counted
+    assert asyncio.run(window.fitted(small, 1200, count)) is small and counted == [1008]  # near: counted
+    window.measured(small, 250)  # this conversation takes a token per 4 bytes
+    assert asyncio.run(window.fitted(small, 1200, count)) is small and counted == [1008]  # now far
+    with pytest.raises(WindowExceededError) as refused:
+        asyncio.run(window.fitted(turn("a" * 2000, key="new"), 1200, count))
+    assert (refused.value.prompt_tokens, refused.value.window) == (2008, 1200)
+    long = turn("a" * 500, "b" * 500, "c" * 500, "d" * 100, truncate=True, key="ollama")
+    kept = asyncio.run(window.fitted(long, 1200, count))
+    assert [m.content[0] for m in kept.messages] == ["b", "c", "d"]  # the oldest left out, no more

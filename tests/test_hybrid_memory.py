@@ -378,3 +378,32 @@ def test_checkpoints_travel_with_their_context_across_a_restart_and_to_another_b
             assert f"checkpoint at token {st.reused_tokens}" in st.reuse.message
             s.prefill_suffix(SuffixInput(text="go\n"))
             assert _decode(s) == expected
+
+
+@pytest.mark.parametrize("name", ["hybrid-qwen35", "hybrid-granite", "recurrent-mamba2"])
+def test_a_context_leaves_the_kv_whole_with_its_checkpoints(name: str) -> None:
+    """A context that leaves the KV keeps every token, its suffix and decode too (blueprint 0016,
+    "Where a context goes"); on recurrent and hybrid memory its checkpoints go with it, so the
+    snapshot serves a turn that shares only its start: the session's next turn, an edit inside
+    the prefix, restores it from the RAM tier, goes back to the checkpoint before the edit, and
+    answers as a fresh evaluation."""
+    path = str(testmodels.ensure_model(SPECS[name]))
+    edited = BASE.replace("handler_15(", "handler_15b(")
+    expected = _fresh(path, edited, "fix it\n")
+    with Engine(backends=("llama",), residency=Residency(sequences=1)) as engine:
+        a = engine.open_session(_request(path))
+        prefix = a.ensure_prefix(PrefixInput(text=BASE)).prefix_tokens
+        resident = a.prefill_suffix(SuffixInput(text="fix it\n")).resident_tokens
+        decoded = len(_decode(a))
+        b = engine.open_session(_request(path))  # the one sequence: a's context leaves the KV
+        assert b.ensure_prefix(PrefixInput(text="class Other:\n    pass\n" * 40)).reuse.outcome == "cold"
+        assert engine.tiers is not None
+        held = [len(e.tokens) for e in engine.tiers.entries() if e.tier == "ram"]
+        assert resident + decoded - 1 in held or resident + decoded in held, (held, prefix, resident, decoded)
+        st = a.ensure_prefix(PrefixInput(text=edited))
+        diverged = st.reuse.diverged_at_token or 0
+        assert (st.reuse.outcome, st.reuse.tier) == ("partial", "ram"), st.reuse
+        assert diverged - 4 * BATCH <= st.reused_tokens < diverged, st.reuse.message
+        assert f"checkpoint at token {st.reused_tokens}" in st.reuse.message
+        a.prefill_suffix(SuffixInput(text="fix it\n"))
+        assert _decode(a) == expected

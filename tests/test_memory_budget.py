@@ -157,13 +157,13 @@ def test_more_workspaces_than_fit_stay_within_the_memory_budget() -> None:
             assert status.memory.ram_tier_bytes <= status.tiers.ram_budget == budget - cost, status.tiers
             ram_seen.append(status.memory.ram_tier_bytes)
         worker_pid = model.worker.pid if model.worker is not None else 0
-        # Workspaces come and go: three close (their contexts stay warm, detached: one still in
-        # the KV, two in the tiers) and two new ones open. A detached context is worth less than
-        # an open workspace's: the first new one takes the closed one's place in the KV, not the
-        # least recently used open workspace's.
-        assert {c.session_id for c in model.contexts if c.tier == "kv"} == {
-            sessions[j].session_id for j in range(WORKSPACES - 4, WORKSPACES)
-        }
+        # Workspaces come and go: three close (their contexts stay warm, detached) and two new
+        # ones open. A detached context is worth less than an open workspace's: while a closed
+        # one's context is still in the KV, no open workspace's left it for the new one. (Which
+        # stay at all also depends on what their attention measured: idle contexts leave a
+        # unified pool when they cost a turn more than moving them, blueprint 0016.)
+        kv_before = {c.session_id for c in model.contexts if c.tier == "kv"}
+        closed = {sessions[i].session_id for i in (1, 5, WORKSPACES - 3)}
         for i in (1, 5, WORKSPACES - 3):
             sessions.pop(i).close()
         for i in (WORKSPACES, WORKSPACES + 1):
@@ -171,9 +171,10 @@ def test_more_workspaces_than_fit_stay_within_the_memory_budget() -> None:
             outcomes[i] = [_turn(sessions[i], i)]
             if i == WORKSPACES:
                 (model,) = client.status().models
-                assert {c.session_id for c in model.contexts if c.tier == "kv"} == {
-                    sessions[j].session_id for j in (WORKSPACES - 4, WORKSPACES - 2, WORKSPACES - 1, i)
-                }, model.contexts
+                kv_now = {c.session_id for c in model.contexts if c.tier == "kv"}
+                assert sessions[i].session_id in kv_now, model.contexts
+                if kv_now & closed:
+                    assert kv_before - closed <= kv_now, model.contexts
         for i, session in sorted(sessions.items()):
             outcomes.setdefault(i, []).append(_turn(session, i))
             status = client.status()

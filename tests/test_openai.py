@@ -185,10 +185,15 @@ def test_tools_are_rendered_by_the_models_template(daemon: Daemon) -> None:
     assert with_tools.usage.prompt_tokens - plain.usage.prompt_tokens == len(
         ("\n# Tools\n" + json.dumps(TOOL) + "\n").encode()
     )
-    hidden = daemon.client.chat.completions.create(
+    # tool_choice none keeps the tools in the prompt (the warm prefix: every token reused) and
+    # only forbids calls.
+    kept = daemon.client.chat.completions.create(
         model="modeld-tiny", messages=messages, tools=[TOOL], tool_choice="none", max_tokens=1
     )
-    assert hidden.usage is not None and hidden.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert kept.usage is not None and kept.usage.prompt_tokens == with_tools.usage.prompt_tokens
+    assert kept.usage.prompt_tokens_details is not None
+    assert kept.usage.prompt_tokens_details.cached_tokens == kept.usage.prompt_tokens
+    assert not kept.choices[0].message.tool_calls
 
 
 def test_completions_endpoint_serves_autocomplete_and_reuses_its_prompt(daemon: Daemon) -> None:
@@ -349,7 +354,9 @@ def test_metrics_count_turns_and_parse_with_prometheus_client(daemon: Daemon) ->
     messages = conversation("metrics")
     done = daemon.client.chat.completions.create(model="modeld-tiny", messages=messages, max_tokens=3)
     after = daemon.metrics()
-    prefix = tokens(chatml(messages[:1], generation=False))
+    # The prefix: the system turn as the template renders it once a user turn follows, through
+    # that turn's header (blueprint 0010).
+    prefix = tokens(chatml(messages[:1], generation=False) + "<|im_start|>user\n")
     extension = done.model_extra["modeld"]  # type: ignore[index]
     assert done.usage is not None
     assert (

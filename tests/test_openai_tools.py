@@ -207,7 +207,8 @@ def test_calls_sent_back_by_another_client_are_written_in_the_models_format(daem
         max_tokens=4,  # type: ignore[list-item]
     )
     assert done.usage is not None
-    rendered = f'Searching.\n<tool_call>\n{{"name": "grep", "arguments": {arguments}}}\n</tool_call>'
+    # The memory model's template writes calls as its hermes grammar does (compact, arguments as sent).
+    rendered = f'Searching.\n<tool_call>\n{{"name":"grep","arguments":{arguments}}}\n</tool_call>'
     plain = daemon.client.chat.completions.create(
         model=MODEL,
         messages=[

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -149,8 +150,10 @@ def test_previous_response_id_continues_warm_with_only_the_new_input(daemon: Dae
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True
     with pytest.raises(openai.NotFoundError):
         daemon.client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as refused:  # OpenAI's 400 for an unknown previous response
         daemon.client.responses.create(model=MODEL, previous_response_id=first.id, input="again")
+    assert refused.value.code == "previous_response_not_found"
+    assert refused.value.param == "previous_response_id"
 
 
 def test_store_false_keeps_nothing(daemon: Daemon) -> None:
@@ -226,3 +229,22 @@ def test_refused_and_unknown_fields_name_themselves(daemon: Daemon) -> None:
     assert "input[0]" in err.value.body["param"]  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         daemon.client.responses.create(model="gpt-5", input="x")
+
+
+def test_a_stored_conversation_keeps_every_field_its_template_reads(tmp_path: Path) -> None:
+    """A response continued by ``previous_response_id`` renders its history from the store: the
+    store keeps what the template is given (a result's call id and name, content parts), so the
+    history renders as it rendered when it was new."""
+    from modeld.contract import ToolCall
+    from modeld.server.http.responses.store import ResponseStore, Stored
+    from modeld.server.http.turn import Message
+
+    history = (
+        Message("user", "ab", parts=("a", "b")),
+        Message("assistant", "", (ToolCall("call00001", "read_file", '{"path": "x"}'),), "why"),
+        Message("tool", "x = 1", tool_call_id="call00001", name="read_file"),
+    )
+    store = ResponseStore(tmp_path)
+    assert store.put(Stored("resp_" + "0" * 24, {"id": "r"}, history, "conv", time.time()))
+    got = store.get("resp_" + "0" * 24)
+    assert got is not None and got.history == history

@@ -98,7 +98,10 @@ def test_a_context_evicted_to_ram_and_restored(with_ram_tier: Path) -> None:
         assert "    worker    pid " in human and " · ready (inline) · " in human
         assert "    slots     0 of 1 busy · 0 queued · 1 sequence · " in human
         assert "    prefixes  606 tokens looked up · reused from kv 0, ram 202, disk 0, shared 0\n" in human
-        assert "    prefill   404 prompt tokens computed (prefixes, suffixes, recomputed ones)\n" in human
+        assert (
+            "    prefill   404 prompt tokens computed (prefixes, suffixes, recomputed ones) · 0 a session "
+            "had computed before · contexts brought back before asked 0\n"
+        ) in human
         assert (
             f"    evicted   to ram 2, disk 0, dropped 0 · snapshots taken {counters['snapshots_taken']}, "
             "rejected 0 · prefixes copied 0\n"

@@ -84,8 +84,9 @@ class Layout:
     further sequences (``DecodeConfig.n``); without it the daemon decodes them one after another.
     ``attention_spans_pool``: a sequence's attention covers every used cell of the pool up to the
     highest one, other sequences' cells masked (llama.cpp's unified KV): an idle context's cells
-    slow every turn of the others, so the cache moves idle contexts whose prefix is on disk out of
-    the pool when another turn starts (blueprint 0016, "Idle contexts leave a unified pool").
+    slow every turn of the others, so the cache moves an idle context out of the pool when a turn
+    starts whose attention over its cells costs more, as measured, than moving it out and back
+    (blueprint 0016, "Where a context goes").
     ``checkpoints``: memory that cannot be cut at any token (``can_truncate`` False) whose warm
     sequence can still be cut back: :meth:`ModelRuntime.sync` goes back to the last point at or
     before ``keep`` the memory can return to (a checkpoint of a recurrent or hybrid state, a
@@ -113,6 +114,14 @@ class Layout:
     checkpoints: bool = False
     memory: str = "attention"
     snapshot_cuts: bool = False
+
+    @property
+    def whole_snapshots(self) -> bool:
+        """A snapshot of every resident token serves a later turn that shares only its start:
+        the engine can cut the restored sequence (memory that can be cut, or checkpoints that
+        travel inside the snapshot: ``snapshot_cuts``). So a context leaving the KV keeps its
+        suffix and decode (blueprint 0016, "Where a context goes")."""
+        return self.can_truncate or self.snapshot_cuts
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +238,13 @@ class ModelRuntime(Protocol):
 
     def drop(self, seq: int) -> None:
         """Empty ``seq`` (its cells are freed unless another sequence shares them)."""
+        ...
+
+    def share(self, src: int, dst: int, n: int) -> bool:
+        """``dst``'s first ``n`` tokens, the same as ``src``'s first ``n``, are held in ``src``'s
+        cells from now on and ``dst``'s own are freed (``Layout.shared_cells``: a context
+        restored beside another that shares its start stores that start once again); False
+        (nothing changed) when the tokens differ or the layout cannot share."""
         ...
 
     def snapshot(self, seq: int) -> bytes:

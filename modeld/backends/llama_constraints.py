@@ -42,6 +42,7 @@ from numpy.typing import NDArray
 
 from modeld.backends._llama_lib import bindings as _llama
 from modeld.decoding.constraints import CompiledConstraint, ConstraintFailed
+from modeld.decoding.formats import MARKERS
 from modeld.errors import UnsupportedError
 
 __all__ = [
@@ -218,8 +219,13 @@ class LlamaConstraints:
 
     def _lltokenizer(self) -> Any:
         """llguidance's view of the vocabulary: every token's bytes, control tokens marked with a
-        leading 0xFF (so no grammar text can produce them), llama.cpp's tokenizer for its own use.
-        (``llguidance.llamacpp`` does the same through a deprecated llama.cpp call.)"""
+        leading 0xFF (so no grammar text can produce them: an end-of-generation token inside a
+        JSON string would end the decode), llama.cpp's tokenizer for its own use. The tool-call
+        families' markers (``decoding.formats.MARKERS``) are left unmarked unless they end
+        generation: a forcing grammar's ``<tool_call>`` is then the model's own token, not
+        ``<``, ``tool``, ``_call``, ``>`` (which the next turn's history, tokenized from text,
+        would not reuse). (``llguidance.llamacpp`` does the rest the same way through a
+        deprecated llama.cpp call.)"""
         with self._lock:
             if self._tokenizer is None:
                 tokens: list[bytes] = []
@@ -235,7 +241,12 @@ class LlamaConstraints:
                     else:
                         piece = buf.raw[:n]
                     attr = _llama.llama_vocab_get_attr(self._vocab, token)
-                    if attr & control or (attr & user and piece.startswith(b"<") and piece.endswith(b">")):
+                    special = attr & control or (
+                        attr & user and piece.startswith(b"<") and piece.endswith(b">")
+                    )
+                    if special and not (
+                        piece in _MARKERS and not _llama.llama_vocab_is_eog(self._vocab, token)
+                    ):
                         piece = b"\xff" + piece
                     tokens.append(piece)
                 tokenize = ctypes.cast(_llama._lib.llama_tokenize, ctypes.c_void_p).value
@@ -303,6 +314,7 @@ class LlamaConstraints:
 
 
 _TEMPLATES_KEPT = 64
+_MARKERS = frozenset(m.encode("utf-8") for m in MARKERS)
 _NEVER_UTF8 = frozenset({0xC0, 0xC1, *range(0xF5, 0x100)})
 
 _lark_cache: dict[str, str] = {}

@@ -434,6 +434,19 @@ class LlamaContext(HeldTokens, Rewind):
             raise EngineError(f"llama.cpp could not copy sequence {src} into {dst}")
         self._cut(dst, n)
 
+    def share(self, src: int, dst: int, n: int) -> bool:
+        source, held = self._seq(src), self._seq(dst)
+        if not (self._layout.shared_cells and self._layout.can_truncate):
+            return False
+        if not 0 < n <= min(len(source), len(held)) or source[:n] != held[:n]:
+            return False
+        # dst's own cells for positions 0..n-1 go; src's cells of the same tokens are tagged
+        # for dst instead (no data copy): llama.cpp frees a cell once no sequence holds it.
+        if not _llama.llama_memory_seq_rm(self._mem, dst, 0, n):
+            return False
+        _llama.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        return True
+
     def drop(self, seq: int) -> None:
         self._cut(seq, 0)
         self._drafters.pop(seq, None)  # the sequence's next text is another context's

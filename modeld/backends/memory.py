@@ -102,12 +102,21 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if not (tools and loop.first and message.role == 'system') -%}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') -}}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{{- ('\\n' if message.content or not loop.first else '') + '<tool_call>\\n{\"name\":' -}}"
+    "{{- (call.function.name | tojson) + ',\"arguments\":' -}}"
+    "{{- call.function.arguments if call.function.arguments is string else call.function.arguments | tojson -}}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
-"""ChatML, with tool definitions in the system turn. Markers are plain text here (bytes)."""
+"""ChatML, with tool definitions in the system turn and an assistant's calls after its text, each
+in ``<tool_call>`` as the hermes grammar writes them (arguments text as sent, so a call the model
+made comes back byte for byte). Markers are plain text here (bytes)."""
 
 _ALPHABET: tuple[bytes, ...] = tuple(
     c.encode("utf-8") for c in [*"abcdefghijklmnopqrstuvwxyz", " ", " ", ".", ",", "é", "→", "✓"]
@@ -347,6 +356,11 @@ class MemoryRuntime(HeldTokens):
     def drop(self, seq: int) -> None:
         self._seq(seq).clear()
         self._drafters.pop(seq, None)  # the sequence's next text is another context's
+
+    def share(self, src: int, dst: int, n: int) -> bool:
+        # Token lists hold no cells: sharing changes nothing but is checked as llama's is.
+        source, held = self._seq(src), self._seq(dst)
+        return self._layout.shared_cells and 0 < n <= min(len(source), len(held)) and source[:n] == held[:n]
 
     def snapshot(self, seq: int) -> bytes:
         held = self._seq(seq)

@@ -268,6 +268,9 @@ class OpenVINORuntime(HeldTokens):
         self._seq(seq).clear()
         self._warm[seq] = 0
 
+    def share(self, src: int, dst: int, n: int) -> bool:
+        return False  # the pipeline's block cache shares by content itself
+
     def snapshot(self, seq: int) -> bytes:
         raise UnsupportedError("the openvino backend cannot snapshot a sequence (its engine owns the cache)")
 

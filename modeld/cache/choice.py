@@ -26,7 +26,7 @@ Design record: ``blueprints/0016-warm-state.md``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from modeld.cache.pool import WarmContext
@@ -74,10 +74,13 @@ def choose(
     head: int = 0,
     checkpoints: bool = False,
     snapshot_cuts: bool = False,
+    mine: Collection[str] = (),
 ) -> Choice:
     """The candidate for ``target`` (see the module docstring). ``own`` is the session's context,
     ``others`` the pool's other contexts of the same identity, ``entries`` the tier snapshots of
-    that identity and engine format."""
+    that identity and engine format; ``mine`` the keys of entries that hold what this session
+    itself computed last (restored for any gain: its suffix and decode serve the turn's next
+    operations too, and nothing it computed is computed again)."""
     best = Choice()
     if own is not None and not own.busy:
         keep, blocked = usable(own, target, own=True, can_truncate=can_truncate, checkpoints=checkpoints)
@@ -97,6 +100,14 @@ def choose(
         n = common_prefix_len(entry.tokens, target)
         if n < len(entry.tokens) and not (can_truncate or snapshot_cuts):
             continue
-        if n > 0 and n - max(best.keep, head) >= restore_min_gain:
+        gain = restore_min_gain if entry.key not in mine else 1
+        gains = n > 0 and n - max(best.keep, head) >= gain
+        if gains or (best.entry is not None and n == best.keep and _fuller(entry, best.entry)):
             best = Choice(n, None, entry, blocked=best.blocked, seen=True)
     return best
+
+
+def _fuller(a: TierEntry, b: TierEntry) -> bool:
+    """Of two snapshots reusing as much, ``a`` is the better one: it holds more tokens (a
+    context saved whole: its suffix and decode may serve the turn's suffix), or as many in RAM."""
+    return len(a.tokens) > len(b.tokens) or (len(a.tokens) == len(b.tokens) and a.tier == "ram" != b.tier)

@@ -3,16 +3,19 @@
 * **Victim**: the least valuable context that is not busy and not pinned: the highest idle
   seconds per 1k tokens it would cost to recompute (:func:`score`), a detached context (its
   session closed) four times sooner.
-* **Save before evict**: an evicted context's prefix is snapshotted into the RAM tier (from there
-  it moves to disk; one whose prefix is on disk already goes nowhere else) before its cells are freed, and its session's next turn says where it went
-  (``evicted`` with the tier). A session's own context about to be overwritten by something that
-  keeps less than half of its prefix is saved too (llama-server's ``f_keep < 0.5`` rule).
+* **Save before evict**: an evicted context is snapshotted whole (every token it holds: its
+  prefix, its last suffix and decode) into the RAM tier (from there it moves to disk), or written
+  to disk when the RAM tier has no room; nothing when a tier holds all of its tokens already. Its
+  session's next turn says where it went (``evicted`` with the tier). A session's own context
+  about to be overwritten by something that keeps less than half of its prefix is saved too
+  (llama-server's ``f_keep < 0.5`` rule).
 * **Room**: a free sequence for a session that has none, and (unified pool) free cells for the
-  tokens a turn will add.
-* **Idle contexts leave a unified pool** (:func:`leave_idle`): where a sequence's attention spans
-  every used cell of the pool, a turn that starts evicts the idle contexts whose prefix is on
-  disk already (dropping them costs nothing, restoring them milliseconds), as llama-server moves
-  its idle slots to its RAM cache.
+  tokens a turn will add beside what running operations reserved (``Pool.reserved``); when only
+  busy or pinned contexts could give way, :class:`NeedRoom` says whether waiting helps.
+* **Idle contexts leave a unified pool when they cost more than moving them**
+  (:func:`leave_idle`): where a sequence's attention spans every used cell of the pool, a turn
+  that starts evicts the idle contexts whose attention cost, measured (``cost.py``), exceeds a
+  snapshot and a restore, as llama-server moves its idle slots to its RAM cache.
 * **Write-behind** (:class:`WriteBehind`, :func:`to_disk`): a long prefix just computed is
   written to the disk tier by the engine itself and sealed in the background, so it survives a
   crash of the worker or the daemon; the context stays in the KV pool and the RAM tier holds no
@@ -37,14 +40,17 @@ from modeld.cache.pool import Pool, SessionSlot, WarmContext
 from modeld.cache.reuse import Loss, common_prefix_len
 from modeld.cache.runtime import KVRuntime
 from modeld.cache.tiers import TierEntry
-from modeld.errors import BusyError, ModeldError
+from modeld.errors import ModeldError
 
 __all__ = [
+    "NeedRoom",
+    "ahead",
     "NoRoom",
     "WriteBehind",
     "covered",
     "evict",
     "evictable",
+    "kind",
     "leave_idle",
     "make_room",
     "new_context",
@@ -52,6 +58,7 @@ __all__ = [
     "save_before_overwrite",
     "saved_entry",
     "score",
+    "share_start",
     "store",
     "to_disk",
     "victim",
@@ -62,14 +69,46 @@ log = logging.getLogger("modeld.cache")
 DETACHED_WEIGHT = 4.0
 """A detached context (its session closed) serves nobody right now: it goes this much sooner."""
 
+KIND_WEIGHT = {"tool_calls": 0.25, "one-off": 4.0}
+"""How much sooner a context goes by what it is (:func:`kind`): an agent whose turn ended in a
+tool call comes back when the tool returns (its history stays: 4x later); a one-off (one
+request, answered: a title, a quota check) is not coming back (4x sooner); a finished agent
+(a sub-agent's final answer, a turn waiting for a person) between the two."""
+
 
 class NoRoom(Exception):  # noqa: N818 - internal control flow
     """No sequence can be freed except the one holding the chosen source."""
 
 
+class NeedRoom(Exception):  # noqa: N818 - internal control flow
+    """The turn needs cells (or a sequence) that busy contexts hold now: they free up when their
+    operations end (``waitable``), and the cache waits for that; or only pinned contexts hold
+    them, or the turn needs more than the pool has beside them, and no wait helps (``why``)."""
+
+    def __init__(self, why: str, *, waitable: bool, needed: int = 0) -> None:
+        super().__init__(why)
+        self.why = why
+        self.waitable = waitable
+        self.needed = needed
+
+
+def kind(context: WarmContext) -> str:
+    """What a context is, from how its decodes ended: ``tool_calls`` (an agent running a tool),
+    ``one-off`` (one request, answered), ``finished`` (an agent's answer after several turns: a
+    sub-agent that ended, or a turn waiting for a person), or ``""`` (no decode ended on it)."""
+    if context.ended == "tool_calls":
+        return "tool_calls"
+    if context.ended and context.turns <= 1:
+        return "one-off"
+    return "finished" if context.ended else ""
+
+
 def score(context: WarmContext, now: float) -> float:
-    """How little a context is worth keeping: idle seconds per 1k tokens of recompute."""
+    """How little a context is worth keeping: idle seconds per 1k tokens it holds (the larger,
+    the costlier to move and to lose), a detached one :data:`DETACHED_WEIGHT` times sooner, and
+    by its :func:`kind` (:data:`KIND_WEIGHT`)."""
     value = (now - context.last_used + 1.0) / (1.0 + len(context.tokens) / 1024.0)
+    value *= KIND_WEIGHT.get(kind(context), 1.0)
     return value * DETACHED_WEIGHT if context.owner is None else value
 
 
@@ -78,15 +117,26 @@ def evictable(pool: Pool) -> list[WarmContext]:
     return [c for c in pool.contexts.values() if not c.busy and not (c.owner is not None and c.owner.pinned)]
 
 
-def victim(pool: Pool, exclude: set[WarmContext]) -> WarmContext | None:
-    """The evictable context with the highest :func:`score` (never busy, pinned or excluded)."""
+def ahead(context: WarmContext, of: WarmContext | None, now: float) -> bool:
+    """``context`` is inside a turn that began before ``of``'s (which then waits for it, never
+    takes its cells in the middle of it: ``WarmContext.turn_started``)."""
+    if of is None or context.turn_until <= now:
+        return False
+    return context.turn_started < (of.turn_started or now)
+
+
+def victim(pool: Pool, exclude: set[WarmContext], *, turn: WarmContext | None = None) -> WarmContext | None:
+    """The evictable context with the highest :func:`score` (never busy, pinned or excluded); a
+    context inside its own turn (its decode to come: ``WarmContext.turn_until``) only when no
+    other is left (it would come back at once), and never one whose turn began before ``turn``'s
+    (:func:`ahead`: the later turn waits for it)."""
     now = time.time()
     best: WarmContext | None = None
     best_score = -1.0
     for context in evictable(pool):
-        if context in exclude:
+        if context in exclude or ahead(context, turn, now):
             continue
-        value = score(context, now)
+        value = score(context, now) + (0.0 if context.turn_until > now else 1e12)
         if value > best_score:
             best, best_score = context, value
     return best
@@ -98,63 +148,110 @@ def new_context(
     """A fresh context for a session that has none, on a free sequence or on an evicted one's.
 
     Raises :class:`NoRoom` when the only sequence that could be freed is ``keep_away`` (the
-    source the turn wants to copy from), and ``busy`` when every sequence is busy or pinned."""
+    source the turn wants to copy from), and :class:`NeedRoom` when every sequence is busy or
+    pinned (waiting helps when some are busy)."""
     free = pool.free_seqs()
     if not free:
         chosen = victim(pool, exclude={keep_away} if keep_away is not None else set())
         if chosen is None and keep_away is not None and victim(pool, exclude=set()) is keep_away:
             raise NoRoom
         if chosen is None:
-            raise BusyError(
-                f"all {pool.layout.n_seq} sequences of {pool.name} hold busy or pinned contexts; "
-                "try again when an operation ends",
-                sequences=pool.layout.n_seq,
+            busy = sum(1 for c in pool.contexts.values() if c.busy)
+            raise NeedRoom(
+                f"all {pool.layout.n_seq} sequences of {pool.name} (--sequences) hold busy or "
+                f"pinned contexts ({busy} busy)",
+                waitable=busy > 0,
             )
         evict(pool, chosen, runtime, "its sequence was needed by another session")
         free = [chosen.seq]
     return pool.add(slot, free[0])
 
 
-def make_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: KVRuntime) -> None:
+def make_room(
+    pool: Pool, dst: WarmContext, keep: int, new_cells: int, runtime: KVRuntime, *, in_line: bool = True
+) -> None:
     """Free cells for ``new_cells`` more tokens in ``dst`` after its first ``keep`` (only a
     unified pool is shared). What ``dst`` holds beyond ``keep`` (the last turn's suffix and
-    decode) is freed by the turn's own cut, so it is not counted as in use."""
+    decode) is freed by the turn's own cut, so it is not counted as in use; what running
+    operations reserved (``Pool.reserved``) is. ``in_line``: a turn that began before ``dst``'s
+    keeps its cells (:func:`ahead`; a decode growing in the middle of its turn takes them).
+    Raises :class:`NeedRoom` when only busy or pinned contexts are left to give way."""
     layout = pool.layout
     if not layout.shared_cells or not layout.explicit:
         return
-    while pool.ledger.used(cut=(dst.seq, keep)) + max(0, new_cells) > layout.pool_tokens:
-        chosen = victim(pool, exclude={dst})
+    while (
+        pool.ledger.used(cut=(dst.seq, keep)) + pool.reserved_beside(dst.seq) + max(0, new_cells)
+        > layout.pool_tokens
+    ):
+        chosen = victim(pool, exclude={dst}, turn=dst if in_line else None)
         if chosen is None:
-            raise BusyError(
-                f"the KV pool of {pool.name} ({layout.pool_tokens} tokens) is full of busy or "
-                "pinned contexts; try again when an operation ends",
-                pool_tokens=layout.pool_tokens,
-            )
+            raise _no_room(pool, dst, keep, new_cells, in_line)
         evict(pool, chosen, runtime, "its cells were needed by another session")
 
 
-def evict(
-    pool: Pool, context: WarmContext, runtime: KVRuntime, why: str, *, held: TierEntry | None = None
-) -> None:
-    """Save a context's prefix to a tier, free its cells, and tell its session where it went.
-    ``held``: the entry that holds it already (all of its prefix or nearly: :func:`leave_idle`);
-    nothing is saved."""
-    tier = held.tier if held is not None else save(pool, context, runtime)
+def _no_room(pool: Pool, dst: WarmContext, keep: int, new_cells: int, in_line: bool) -> NeedRoom:
+    """Why ``new_cells`` more cells for ``dst`` cannot be had now, and whether waiting helps:
+    cells held by busy contexts free up when their operations end; pinned ones do not."""
+    layout = pool.layout
+    ledger = pool.ledger
+    now = time.time()
+    turn = dst if in_line else None
+    evict_ok = set(evictable(pool))  # a pinned context's turn ending frees nothing
+    running = {
+        c
+        for c in pool.contexts.values()
+        if c is not dst and (c.busy or (c in evict_ok and ahead(c, turn, now)))
+    }
+    pinned = sum(ledger.unique(c.seq) for c in pool.contexts.values() if c is not dst and c not in running)
+    busy = sum(ledger.unique(c.seq) for c in running)
+    busy += pool.reserved_beside(dst.seq)
+    need = min(keep, ledger.length(dst.seq)) + max(0, new_cells)
+    if need > layout.pool_tokens:
+        return NeedRoom(
+            f"the turn needs {need} KV cells; the pool has {layout.pool_tokens} (--kv-pool-tokens)",
+            waitable=False,
+            needed=need,
+        )
+    if need + pinned > layout.pool_tokens:
+        return NeedRoom(
+            f"the turn needs {need} KV cells and pinned contexts hold {pinned} of the pool's "
+            f"{layout.pool_tokens} (--kv-pool-tokens); they stay until their sessions close",
+            waitable=False,
+            needed=need,
+        )
+    return NeedRoom(
+        f"the turn needs {need} KV cells of the pool's {layout.pool_tokens}; running operations "
+        f"and turns that began first hold {busy}" + (f" and pinned contexts {pinned}" if pinned else ""),
+        waitable=busy > 0,
+        needed=need,
+    )
+
+
+def evict(pool: Pool, context: WarmContext, runtime: KVRuntime, why: str) -> None:
+    """Save all of a context's tokens to a tier (nothing when a tier holds them already), free
+    its cells, and tell its session where it went. A context leaves the KV whole: its prefix,
+    its last suffix and what it decoded (the next turn of a chat resends them), so nothing it
+    computed is computed again."""
+    tokens = len(context.tokens)
+    whole = pool.layout.whole_snapshots
+    tier = save(pool, context, runtime, whole=whole)
     runtime.drop(context.seq)
     pool.remove(context)
     pool.counters[f"evicted_to_{tier}" if tier else "evicted_dropped"] += 1
     owner = context.owner
+    if tier and whole:
+        where = f"all {tokens} of its tokens are in the {tier} tier"
+    elif tier:
+        where = (
+            f"its state at its {context.prefix_tokens}-token prefix is in the {tier} tier (memory "
+            "that cannot be cut is kept at the prefix)"
+        )
+    else:
+        where = "not saved: " + _no_save_reason(pool, context)
     if owner is not None:
-        where = f"saved to the {tier} tier" if tier else "not saved: " + _no_save_reason(pool, context)
-        if held is not None:
-            _entry, lacking = covered(pool, context)
-            if lacking:
-                where = f"in the {tier} tier but for its last {lacking} prefix tokens"
         owner.loss = Loss("evicted", f"{why}; {where}", tier or "none")
         owner.context = None
-    log.info(
-        "evicted warm context %s (%d tokens) from %s: %s", context.id, len(context.tokens), pool.name, why
-    )
+    log.info("evicted warm context %s (%d tokens) from %s: %s; %s", context.id, tokens, pool.name, why, where)
 
 
 def _no_save_reason(pool: Pool, context: WarmContext) -> str:
@@ -168,11 +265,14 @@ def _no_save_reason(pool: Pool, context: WarmContext) -> str:
 def save(
     pool: Pool, context: WarmContext, runtime: KVRuntime, *, persist: bool = False, whole: bool = False
 ) -> str:
-    """Snapshot a context's prefix into the tiers before its cells go; the tier, or "".
+    """Snapshot a context into the tiers before its cells go; the tier, or "".
 
-    ``persist`` also writes it to the disk tier now (an orderly stop); ``whole`` keeps every
-    resident token, not only the prefix (a drain: the conversation's next turn, on another box,
-    extends what was generated too)."""
+    ``whole`` keeps every resident token (an eviction; a drain: the conversation's next turn
+    extends what was generated too), else its prefix (the context is cut to it first).
+    ``persist`` also writes it to the disk tier now (an orderly stop). A tier entry that holds
+    those tokens already is used as is (nothing is copied); else the snapshot goes to the RAM
+    tier when it has room (the cheaper move, as llama-server's host-memory cache), or is written
+    to disk by the engine itself. Each move is timed for :class:`~modeld.cache.cost.Costs`."""
     tiers = pool.tiers
     if tiers is None or not context.tokens:
         return ""
@@ -198,12 +298,14 @@ def save(
     # Room in RAM before the blob comes (the tier within its limit with it); a blob the RAM
     # tier cannot hold at all is written to disk by the engine, never passing through here.
     to_ram = not persist and tiers.make_ram_room(n * max(0, pool.layout.kv_bytes_per_token))
+    started = time.perf_counter()
     if not to_ram and tiers.disk_on:
         finish = to_disk(pool, context, runtime, through=persist)
         if finish is None:
             return "disk" if context.saved_key else ""
         if not finish():
             return ""
+        pool.costs.moved("save_disk", n, (time.perf_counter() - started) * 1000.0)
         pool.counters["snapshots_taken"] += 1
         return "disk"
     try:
@@ -211,6 +313,7 @@ def save(
     except ModeldError as exc:
         log.warning("could not snapshot warm context %s: %s", context.id, exc.message)
         return ""
+    pool.costs.moved("save_ram", n, (time.perf_counter() - started) * 1000.0)
     prefix = min(context.prefix_tokens, n) if whole and context.prefix_tokens else n
     saved = store(pool, context, context.tokens, prefix, blob, remote=persist)
     return saved.tier if saved is not None else ""
@@ -245,30 +348,42 @@ def covered(pool: Pool, context: WarmContext) -> tuple[TierEntry | None, int]:
     if entry is None:
         return None, n
     shared = common_prefix_len(entry.tokens, context.tokens)
-    if shared < len(entry.tokens) and not pool.layout.can_truncate:
+    if shared < len(entry.tokens) and not pool.layout.whole_snapshots:
         return None, n
     return entry, max(0, n - shared)
 
 
-def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str) -> int:
-    """Evict every idle context whose prefix a tier holds already, all of it or all but fewer
-    than ``persist_min_tokens`` tokens (:func:`covered`; no copy is made: its next turn restores
-    it in milliseconds and evaluates what the copy lacks, as little as a turn that is not worth
-    a disk copy computes), except ``keep``: on a layout whose attention spans the pool
-    (``Layout.attention_spans_pool``) its cells slow every token of the turn that starts. Not
-    idle: busy, pinned, or inside its own turn (``WarmContext.turn_until``). Returns how many
-    went."""
+def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str, prefill: int) -> int:
+    """Evict the idle contexts whose cells cost the turn that starts more than moving them out
+    and back (:meth:`~modeld.cache.cost.Costs.worth_leaving`: the attention over their cells,
+    measured on this engine, against a snapshot, none when a tier holds all of their tokens
+    already, and a restore), except ``keep``, on a layout whose attention spans the pool
+    (``Layout.attention_spans_pool``); the turn prefills ``prefill`` tokens now. A context that
+    leaves keeps all of its tokens (:func:`evict`). Not idle: busy, pinned, or inside its own
+    turn (``WarmContext.turn_until``). Returns how many went."""
     if not pool.layout.attention_spans_pool:
         return 0
     now = time.time()
+    costs = pool.costs
     gone = 0
     for context in evictable(pool):
         if context in keep or context.turn_until > now:
             continue
-        entry, lacking = covered(pool, context)
-        if entry is None or (lacking and lacking >= pool.settings.persist_min_tokens):
+        cells = pool.ledger.unique(context.seq)
+        held = saved_entry(pool, context, len(context.tokens))
+        saved = held.tier if held is not None else ""
+        returning = 1.0 / DETACHED_WEIGHT if context.owner is None else 1.0
+        if not costs.worth_leaving(cells, len(context.tokens), saved, prefill, returning):
             continue
-        evict(pool, context, runtime, why, held=entry)
+        stay = costs.stay_ms(cells, prefill)
+        leave = costs.leave_ms(len(context.tokens), saved, returning)
+        evict(
+            pool,
+            context,
+            runtime,
+            f"{why}: its {cells} cells would cost the turn that started about {stay:.0f} ms of "
+            f"attention (measured), moving it out and back about {leave:.0f} ms",
+        )
         gone += 1
     return gone
 
@@ -341,6 +456,49 @@ def to_disk(
         return saved.ok
 
     return finish
+
+
+SHARE_MIN_TOKENS = 64
+"""A restored context shares the start it has in common with a resident one from this many
+tokens on (:func:`share_start`)."""
+
+SHARE_BELOW = 0.25
+"""... and only when the pool's free cells are fewer than this share of it after the restore."""
+
+
+def share_start(pool: Pool, dst: WarmContext, runtime: KVRuntime) -> int:
+    """A context just restored into cells of its own shares the start it has in common with a
+    resident context of the same identity (a system prompt two sub-agents share): those cells
+    are held once again, as a copy holds them (``KVRuntime.share``; a busy source only up to its
+    floor). Returns the cells freed. Only where cells are shared (a unified pool), and only when
+    the pool runs short (fewer than :data:`SHARE_BELOW` of its cells free): the shared cells were
+    computed by the other context, so the restored one then attends over values summed in another
+    order (the unified pool's numerics, blueprint 0016); with room to spare it keeps its own."""
+    layout = pool.layout
+    if not (layout.shared_cells and layout.can_truncate and layout.explicit) or not dst.tokens:
+        return 0
+    free = layout.pool_tokens - pool.ledger.used() - pool.reserved_beside(dst.seq)
+    if free >= SHARE_BELOW * layout.pool_tokens:
+        return 0
+    best: WarmContext | None = None
+    n = 0
+    for context in pool.contexts.values():
+        if context is dst or context.identity != dst.identity or not context.tokens:
+            continue
+        k = common_prefix_len(context.tokens, dst.tokens)
+        if context.busy:
+            k = min(k, context.floor)
+        if k > n:
+            best, n = context, k
+    if best is None or n < SHARE_MIN_TOKENS:
+        return 0
+    before = pool.ledger.used()
+    if not runtime.share(best.seq, dst.seq, n):
+        return 0
+    pool.ledger.share(best.seq, dst.seq, n)
+    freed = before - pool.ledger.used()
+    log.debug("%s: restored context %s shares its first %d tokens with %s", pool.name, dst.id, n, best.id)
+    return freed
 
 
 def save_before_overwrite(pool: Pool, own: WarmContext, keep: int, runtime: KVRuntime) -> None:

@@ -14,10 +14,11 @@ hold here. Design record: ``blueprints/0016-warm-state.md``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
@@ -43,6 +44,9 @@ class HoldOwner(Protocol):
     ``hold.py`` does not import ``warm.py``, which imports it)."""
 
     _lock: threading.RLock
+    _room: threading.Condition
+    _growing: set[WarmContext]
+    _closed: bool
     _pool: Pool
     _saver: eviction.WriteBehind
     _history: RuntimeHistory
@@ -50,15 +54,22 @@ class HoldOwner(Protocol):
 
     def runtime(self) -> KVRuntime: ...
 
+    def room_freed(self) -> None: ...
+
     def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None: ...
 
 
-__all__ = ["PROGRESS_INTERVAL", "Forks", "Hold", "HoldOwner", "Synced"]
+__all__ = ["DECODE_CELLS", "PROGRESS_INTERVAL", "Forks", "Hold", "HoldOwner", "Synced"]
 
 log = logging.getLogger("modeld.cache")
 
 PROGRESS_INTERVAL = 0.5
 """Seconds between two progress reports of a long prefill."""
+
+DECODE_CELLS = 512
+"""The KV cells a decode on a shared pool takes at a time (:meth:`Hold.grow`): it never reserves
+``max_tokens`` up front (Claude Code asks for 32000), which moved every other idle context out
+of a one-window pool at each decode and made concurrent turns wait for cells it never used."""
 
 _DEAD = (EngineRestartedError, StallTimeoutError)
 """Errors after which the engine's state is gone (the supervisor resets the cache)."""
@@ -101,6 +112,12 @@ class Hold:
         self._job: SyncJob | None = None
         self._canceled = False
         self._released = False
+        self._finish = ""
+        self.grow_error: ModeldError | None = None
+        """Why :meth:`grow` granted no cells."""
+        self._decoding: tuple[float, int] | None = None
+        """When the sync ended and the cells in use then, while this hold ran alone: a decode
+        that follows is a sample of the attention's cost (``cost.py``)."""
 
     @property
     def seq(self) -> int:
@@ -121,8 +138,12 @@ class Hold:
             # Resident already. A prefix leaves whatever follows it in place until the next
             # operation: when that is a suffix the last turn already computed (the same request
             # again, a retry), it is reused instead of recomputed.
+            self._synced(0, 0.0, alone=self._alone())
             return Synced(0, 0.0)
         keep = self.keep
+        alone = self._alone()
+        with self._cache._lock:
+            span = self._cache._pool.ledger.used(cut=(self.context.seq, keep))
         started = time.monotonic()
         reporter = _Progress(self.stage, started, progress)
         try:
@@ -161,7 +182,35 @@ class Hold:
             self.decision = went_back(self.decision, self.keep, keep, len(target))
         self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
-        return Synced(self.evaluated, (time.monotonic() - started) * 1000.0, complete)
+        ms = (time.monotonic() - started) * 1000.0
+        if complete and alone and self._alone():
+            with self._cache._lock:
+                self._cache._pool.costs.prefilled(self.evaluated, span, ms)
+                self._announce()
+        self._synced(self.evaluated, ms, alone=alone)
+        return Synced(self.evaluated, ms, complete)
+
+    def _announce(self) -> None:
+        """Log the measured costs once they are known (the lock held)."""
+        pool = self._cache._pool
+        if pool.costs.newly_known():
+            figures = ", ".join(f"{k} {v:.3g}" for k, v in pool.costs.summary().items())
+            log.info("%s: the attention's cost is measured: %s", pool.name, figures)
+
+    def _alone(self) -> bool:
+        """No other operation runs on this model now (its jobs' steps would interleave with
+        this one's, and their time would count as this one's)."""
+        with self._cache._lock:
+            return not any(c.busy for c in self._cache._pool.contexts.values() if c is not self.context)
+
+    def _synced(self, evaluated: int, ms: float, *, alone: bool) -> None:
+        """What a turn's suffix evaluates (the turn's work after its prefix), and where a decode
+        that follows starts."""
+        with self._cache._lock:
+            pool = self._cache._pool
+            if self.stage == "suffix":
+                pool.costs.turn_prefill.add(float(evaluated))
+            self._decoding = (time.monotonic(), pool.ledger.used()) if alone else None
 
     def commit(self, *, prefix: int) -> None:
         """The target's first ``prefix`` tokens are the session's prefix now: others may copy
@@ -179,17 +228,90 @@ class Hold:
         cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
         cache._history.record(cache._file_key, self._manifest)
 
+    def ended(self, finish_reason: str) -> None:
+        """How the decode of this hold ended (before :meth:`decoded`): what the context's next
+        use will be (``eviction.score``, ``ModelCache.prefetch``)."""
+        self._finish = finish_reason
+
     def decoded(self, sampled: Sequence[int], resident: int | None, error: ModeldError | None) -> None:
         """A generate job ended: ``sampled`` tokens, of which the sequence holds ``resident``
         in all (None: unknown after ``error``). Ends the hold."""
         try:
             if resident is not None:
                 with self._cache._lock:
-                    self._cache._pool.record_generate(self.context, sampled, resident)
+                    pool = self._cache._pool
+                    pool.record_generate(self.context, sampled, resident)
+                    if self._finish and pool.holds(self.context):
+                        context = self.context
+                        context.turns += 1
+                        context.ended = self._finish
+                        if context.owner is not None:
+                            context.owner.ended, context.owner.ended_at = self._finish, time.time()
+                    started = self._decoding
+                    if error is None and started is not None and sampled and self._alone():
+                        ms = (time.monotonic() - started[0]) * 1000.0
+                        pool.costs.decoded(len(sampled), started[1], ms)
+                        self._announce()
             elif error is not None:
                 self.fail(error)
         finally:
             self.release()
+
+    def grower(self, end: int) -> Callable[[int], int]:
+        """The decode's way to more cells (``DecodeRun.room``): :meth:`grow`, up to ``end`` tokens."""
+        return functools.partial(self.grow, end=end)
+
+    def grow(self, resident: int, end: int) -> int:
+        """The decode of this hold filled the cells it took (its sequence holds ``resident``
+        tokens, and may hold ``end`` at most): room for :data:`DECODE_CELLS` more, made as a
+        turn's room is (idle contexts leave, whole), waiting as a turn waits for cells running
+        operations hold (``--queue-wait``). Returns the cells granted, -1 when they are all it
+        may still take (no limit any more); 0 when no wait helps (pinned contexts, or every
+        operation holding cells waits to grow as this one does: the later one gives way) or the
+        wait ran out, with the reason in :attr:`grow_error`."""
+        cache = self._cache
+        pool = cache._pool
+        dst = self.context
+        rest = max(1, end - resident)
+        cells = min(DECODE_CELLS, rest)
+        wait = pool.settings.room_wait_seconds
+        started = time.monotonic()
+        runtime = cache.runtime()
+        with cache._lock:
+            cache._growing.add(dst)
+            try:
+                while pool.holds(dst) and not cache._closed:
+                    held = pool.ledger.length(dst.seq)
+                    more = max(0, resident - held) + cells
+                    try:
+                        eviction.make_room(pool, dst, held, more, runtime, in_line=False)
+                    except eviction.NeedRoom as need:
+                        others = [c for c in pool.contexts.values() if c.busy and c is not dst]
+                        if not need.waitable or all(c in cache._growing for c in others):
+                            self.grow_error = BusyError(
+                                f"the decode needs KV cells past {resident} tokens: {need.why}; every "
+                                "operation holding them waits to grow too"
+                                if need.waitable
+                                else need.why,
+                                needed_cells=need.needed,
+                            )
+                            return 0
+                        left = started + wait - time.monotonic()
+                        if left <= 0:
+                            self.grow_error = BusyError(
+                                f"the decode needs KV cells past {resident} tokens: {need.why}; waited "
+                                f"{wait:.0f}s (--queue-wait) for them to free up",
+                                needed_cells=need.needed,
+                                wait_seconds=int(wait),
+                            )
+                            return 0
+                        cache._room.wait(min(left, 1.0))
+                        continue
+                    pool.reserved[dst.seq] = more
+                    return cells if cells < rest else -1
+                return 0
+            finally:
+                cache._growing.discard(dst)
 
     def fork(self, count: int, cells: int) -> Forks | str:
         """Sequences for ``count`` more choices of a decode of this hold's target (resident: call
@@ -246,9 +368,9 @@ class Hold:
                     eviction.make_room(pool, own, n, (count + 1) * cells, runtime)
                 for fork in taken:
                     pool.ledger.extend(fork.seq, cells)  # its choice's tokens: reserved until released
-            except BusyError as exc:
+            except eviction.NeedRoom as exc:
                 Forks(cache, taken).release()
-                return exc.message
+                return exc.why
             except ModeldError:
                 Forks(cache, taken).release()
                 raise
@@ -276,10 +398,16 @@ class Hold:
             context = self.context
             context.busy = False
             context.floor = 0
+            if self._cache._pool.holds(context):
+                self._cache._pool.reserved.pop(context.seq, None)
             context.last_used = now
             # A prefix or a suffix is the start of a turn whose decode comes next: the context
             # is not idle in between (another session's turn does not evict it, see leave_idle).
             context.turn_until = now + TURN_SECONDS if self.stage in ("prefix", "suffix") else 0.0
+            owner = context.owner
+            if owner is not None and self._cache._pool.holds(context):
+                owner.computed = list(context.tokens)
+        self._cache.room_freed()
 
     def __enter__(self) -> Hold:
         return self
@@ -321,6 +449,7 @@ class Forks:
                 with contextlib.suppress(ModeldError):
                     cache.runtime().drop(fork.seq)
                 pool.remove(fork)
+        cache.room_freed()
 
 
 class _Progress:

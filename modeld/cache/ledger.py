@@ -74,6 +74,25 @@ class Ledger:
         else:
             self.extend(dst, min(n, self.length(src)))
 
+    def share(self, src: int, dst: int, n: int) -> None:
+        """``dst``'s first ``n`` cells are ``src``'s from now on (the same tokens, its own
+        freed): ``src``'s references up to ``n``, then what ``dst`` holds past ``n`` (a run of
+        its own that started before ``n`` becomes a new group from ``n``: its earlier cells are
+        gone)."""
+        head = [_Ref(r.group, r.start, r.length) for r in self._seqs.get(src, [])]
+        tail: list[_Ref] = []
+        for ref in self._seqs.get(dst, []):
+            end = ref.start + ref.length
+            if end <= n:
+                continue
+            if ref.start >= n:
+                tail.append(_Ref(ref.group, ref.start, ref.length))
+            else:
+                tail.append(_Ref(next(self._ids), n, end - n))
+        self._seqs[dst] = head
+        self.truncate(dst, n)
+        self._seqs[dst] += tail
+
     def set(self, seq: int, n: int) -> None:
         """``seq`` holds exactly ``n`` cells of its own (after a restore, or to resynchronize)."""
         self.drop(seq)

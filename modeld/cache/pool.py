@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from modeld.backends.base import Layout
+from modeld.cache.cost import Costs
 from modeld.cache.ledger import Ledger
 from modeld.cache.reuse import Loss, common_prefix_len
 from modeld.cache.tiers import Tiers
@@ -46,13 +47,17 @@ COUNTERS = (
     "snapshots_rejected",
     "restore_failures",
     "copies",
+    "recomputed",
+    "prefetched",
 )
 """What ``modeld status`` and the metrics count per loaded model (tokens, events), each meaning
 what the metric of the same name counts: ``queries`` prompt-prefix tokens looked up and
 ``reused_<tier>`` the ones reused from that tier, once per prefix put in place (not again by the
 suffix and decode of its turn); ``prefilled`` prompt tokens the engine computed (prefixes,
 suffixes, and what a displaced context needed again); evictions by destination; snapshots taken,
-rejected and refused by the engine; prefixes copied from another warm context."""
+rejected and refused by the engine; prefixes copied from another warm context; ``recomputed``
+prompt tokens a session had in its warm context before and computed again (each such turn says
+where they went); ``prefetched`` contexts brought back into the pool before their turn asked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +73,9 @@ class CacheSettings:
     restore_min_gain: int = 16
     """A snapshot is restored only if it reuses this many tokens more than the best context in
     the KV pool."""
+    room_wait_seconds: float = 300.0
+    """How long a turn waits for KV cells or a sequence that running operations hold (in the
+    order turns came) before ``busy`` (``--queue-wait``, as a wait for a slot)."""
 
 
 TURN_SECONDS = 30.0
@@ -94,6 +102,15 @@ class WarmContext:
     turn_until: float = 0.0
     """Until when (``time.time()``) its session is inside a turn: a prefix or suffix put in place
     whose decode has not ended yet (:data:`TURN_SECONDS` at most). Such a context is not idle."""
+    turn_started: float = 0.0
+    """When its session's current turn began (``time.time()``, while :attr:`turn_until` holds):
+    a turn that began earlier goes first, and a later one waits for its cells rather than take
+    them in the middle of it (two turns evicting each other at every step)."""
+    turns: int = 0
+    """Decodes that ended on it: one answered request (a one-off) or an agent's history."""
+    ended: str = ""
+    """How its last decode ended (``tool_calls``: its agent runs a tool and comes back soon;
+    ``stop``: an answer, a finished sub-agent's or a turn waiting for a person)."""
 
 
 @dataclass(eq=False)
@@ -107,6 +124,17 @@ class SessionSlot:
     context: WarmContext | None = None
     seen_generation: int = -1
     loss: Loss | None = None
+    ended: str = ""
+    """How the last decode of its context ended (``WarmContext.ended``)."""
+    turn_started: float = 0.0
+    """When its current (or last) turn began: its place in line for cells, kept when its
+    context leaves and comes back within the turn (``WarmContext.turn_started``)."""
+    ended_at: float = 0.0
+    note: str = ""
+    """Said in its next turn's decision (its context was brought back before it asked)."""
+    computed: list[int] = field(default_factory=list)
+    """The tokens its context held when its last operation ended: what this session computed
+    (or reused) before, which a later turn must not compute again."""
 
 
 class Pool:
@@ -125,6 +153,13 @@ class Pool:
         self.identities: set[str] = set()  # every runtime identity a session of this model had
         self.ledger = Ledger(layout.shared_cells)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.reserved: dict[int, int] = {}
+        """Cells a running operation will fill beyond what the ledger holds for its sequence
+        (its prefill's new tokens, a decode's room), by sequence, until its hold ends: so
+        operations that run together never overfill a shared pool (llama.cpp fails a batch it
+        has no cells for)."""
+        self.costs = Costs(bytes_per_token=max(0, layout.kv_bytes_per_token))
+        """What its contexts cost where they are, measured (``cost.py``)."""
         self._ids = itertools.count(1)
 
     def own(self, slot: SessionSlot) -> WarmContext | None:
@@ -154,10 +189,16 @@ class Pool:
         """Forget a context whose cells are gone."""
         self.ledger.drop(context.seq)
         self.contexts.pop(context.seq, None)
+        self.reserved.pop(context.seq, None)
+
+    def reserved_beside(self, seq: int) -> int:
+        """Cells the running operations of other sequences than ``seq`` have reserved."""
+        return sum(n for s, n in self.reserved.items() if s != seq)
 
     def clear(self) -> None:
         """Every sequence is gone (the engine was reset, or the model is being unloaded)."""
         self.contexts.clear()
+        self.reserved.clear()
         self.ledger = Ledger(self.layout.shared_cells)
 
     # --- what the engine reported (the engine's own counts are the truth) ------------------------

@@ -154,13 +154,13 @@ def classify(
                 context=candidate.context,
             )
         seg = segment_at(manifest, keep)
-        at = f" in segment {seg.kind!r}" if seg is not None else ""
+        at = f" in segment {seg.label!r}" if seg is not None else ""
         return ReuseDecision(
             outcome="partial",
             reason="diverged",
             message=f"the prefix differs from the warm context at token {keep}{at}: reused {keep} of {wanted} tokens{where}",
             diverged_at_token=keep,
-            diverged_segment=seg.kind if seg is not None else "",
+            diverged_segment=seg.label if seg is not None else "",
             tier=candidate.tier,
             context=candidate.context,
         )
@@ -223,19 +223,19 @@ def classify(
                 f"its text) with {where}: prefilled {wanted - keep} of {wanted} tokens"
             ),
             diverged_at_token=keep,
-            diverged_segment=seg.kind if seg is not None else "",
+            diverged_segment=seg.label if seg is not None else "",
             tier=candidate.tier,
             context=candidate.context,
         )
     if candidate is not None:
         seg = segment_at(manifest, 0)
-        at = f" in segment {seg.kind!r}" if seg is not None else ""
+        at = f" in segment {seg.label!r}" if seg is not None else ""
         return ReuseDecision(
             outcome="cold",
             reason="diverged",
             message=f"the prefix differs from every warm context at token 0{at}: reused 0 of {wanted} tokens",
             diverged_at_token=0,
-            diverged_segment=seg.kind if seg is not None else "",
+            diverged_segment=seg.label if seg is not None else "",
         )
     return _cold("empty_cache", f"nothing compatible was warm: prefilled all {wanted} tokens")
 

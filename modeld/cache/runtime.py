@@ -1,11 +1,11 @@
-"""What the cache asks of a loaded runtime: five operations on its numbered KV sequences.
+"""What the cache asks of a loaded runtime: operations on its numbered KV sequences.
 
 The cache decides what is warm where; the runtime holds the KV. The cache reaches it only
 through :class:`KVRuntime`, a protocol this package owns, so nothing in ``modeld/cache/``
 imports the engine or the workers: ``modeld/workers/host.py``'s ``Host`` implements it (the
 runtime in a worker process or on a thread of the daemon), one protocol message per call.
 
-* :meth:`~KVRuntime.copy` and :meth:`~KVRuntime.drop` are atomic;
+* :meth:`~KVRuntime.copy`, :meth:`~KVRuntime.drop` and :meth:`~KVRuntime.share` are atomic;
 * :meth:`~KVRuntime.sync` starts a job that reports :class:`~modeld.backends.base.SyncStep`
   progress and ends with :class:`SyncEnd` (the engine's own counts: the truth after a cancel);
 * :meth:`~KVRuntime.snapshot` sends its request before it returns (so the engine takes the
@@ -101,6 +101,11 @@ class KVRuntime(Protocol):
 
     def drop(self, seq: int) -> None:
         """Empty ``seq``."""
+        ...
+
+    def share(self, src: int, dst: int, n: int) -> bool:
+        """``dst``'s first ``n`` tokens (the same as ``src``'s) are held in ``src``'s cells from
+        now on, ``dst``'s own freed; False when not (nothing changed)."""
         ...
 
     def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> SyncJob:

@@ -375,12 +375,15 @@ class Tiers:
                     return e
         return None
 
-    def _supersede(self, entry: TierEntry) -> None:
+    def _supersede(self, entry: TierEntry, *, files: bool = True) -> None:
         """Remove the entries whose tokens are a prefix of a new entry's (a restored sequence is
-        cut to whatever prefix a turn needs)."""
+        cut to whatever prefix a turn needs). ``files`` False: only entries in RAM alone go (a
+        blob entering RAM does not remove the crash-safe file of its start; its own file, once
+        written, does)."""
         for e in list(self._entries.values()):
             if (
                 e is not entry
+                and (files or (e.path is None and not e.writing))
                 and self._same(e, entry.model_digest, entry.identity, entry.snapshot_format)
                 and len(e.tokens) < len(entry.tokens)
                 and entry.tokens[: len(e.tokens)] == e.tokens
@@ -420,7 +423,8 @@ class Tiers:
                 self.remote.write(entry, blob)
             if self.ram_limit >= len(blob):
                 if truncatable:
-                    self._supersede(entry)
+                    self._supersede(entry, files=False)
+                entry.truncatable = truncatable
                 entry.blob = blob
                 self._entries[key] = entry
                 self._enforce_ram()

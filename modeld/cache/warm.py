@@ -18,9 +18,11 @@ through one :class:`~modeld.cache.hold.Hold` (``hold.py``)::
    that only tags cells: the prefix is stored once); a detached context (its session closed) is
    adopted as is; a snapshot is restored into it.
 3. **Make room** (``eviction.py``): a free sequence, and free cells for the new tokens, by
-   evicting the least valuable contexts, their prefixes saved to a tier first; where the pool's
-   attention spans every used cell, the idle contexts whose prefix is on disk leave it when a
-   turn starts (``eviction.leave_idle``).
+   evicting the least valuable contexts, every token of each saved to a tier first; when only
+   running operations hold the room, the turn waits for them (in the order turns came, at most
+   ``room_wait_seconds``); where the pool's attention spans every used cell, an idle context
+   leaves it when a turn starts and its cells cost that turn more than moving it out and back,
+   both measured (``eviction.leave_idle``, ``cost.py``).
 4. **Classify** (``reuse.py``): why the turn is warm, partial or cold, for people.
 
 The hold marks the context busy; its ``floor`` is how many tokens the running operation will not
@@ -38,18 +40,21 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from modeld.backends.base import Layout
-from modeld.cache import eviction
+from modeld.cache import eviction, prefetch
 from modeld.cache.choice import Choice, choose
+from modeld.cache.cost import Costs
 from modeld.cache.hold import Hold
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
-from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
+from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify, common_prefix_len
 from modeld.cache.runtime import KVRuntime
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import WarmContextInfo
 from modeld.errors import (
+    BusyError,
     ModeldError,
     echo,
 )
@@ -59,11 +64,9 @@ __all__ = ["ModelCache"]
 
 log = logging.getLogger("modeld.cache")
 
-_IDLE = (
-    "it was idle while another session's turn ran, and a unified pool's attention spans every used "
-    "cell; its prefix is on disk"
-)
-"""Why :func:`eviction.leave_idle` moved a context out of the pool (its next turn restores it)."""
+_IDLE = "it was idle while another session's turn ran, and a unified pool's attention spans every used cell"
+"""Why :func:`eviction.leave_idle` moved a context out of the pool (its next turn restores it;
+the eviction adds the measured costs that decided it)."""
 
 
 class ModelCache:
@@ -93,11 +96,24 @@ class ModelCache:
         self._file_key = file_key
         self._history = history or RuntimeHistory()
         self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)
+        """Notified whenever an operation ends (its context idle: evictable) or cells free up."""
+        self._waiting: list[object] = []
+        """Turns waiting for room, in the order they came (the first one tries first)."""
+        self._closed = False
+        self._growing: set[WarmContext] = set()
+        """Decodes waiting for more cells (``Hold.grow``): when every operation holding cells
+        is one of them, the one that asks next gives way instead of waiting for ever."""
         self._saver = eviction.WriteBehind(self._pool, self._lock)
 
     @property
     def counters(self) -> dict[str, int]:
         return self._pool.counters
+
+    @property
+    def costs(self) -> Costs:
+        """What this model's warm contexts cost where they are, as measured (``cost.py``)."""
+        return self._pool.costs
 
     # --- sessions -------------------------------------------------------------------------------
 
@@ -143,65 +159,157 @@ class ModelCache:
         runtime = self.runtime()
         changed = self._history.changed(self._file_key, manifest)
         self._saver.settle()  # a choice must see every tier entry
-        pool = self._pool
+        wait = self._pool.settings.room_wait_seconds
+        waiter: object | None = None
+        logged = False
+        started = time.monotonic()
         with self._lock:
-            choice = self._choose(slot, target, head, remote=stage == "prefix")
             try:
-                dst = self._place(slot, choice, runtime, head)
-            except eviction.NoRoom:
-                # The only sequence that could be freed holds the best candidate: copying from
-                # it is impossible, so it is saved and freed, and this turn starts from nothing
-                # (or from its snapshot, found by choosing again).
-                assert choice.context is not None
-                eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
-                choice = self._choose(slot, target, head, remote=stage == "prefix")
-                dst = self._place(slot, choice, runtime, head)
-            if choice.context is not None and pool.contexts.get(choice.context.seq) is not choice.context:
-                # The source shared only the format's head and was the least valuable context:
-                # it went to a tier; the head comes from another context, or is computed.
-                choice = self._choose(slot, target, head, remote=stage == "prefix")
-            hold = Hold(self, dst, target, stage, manifest)
-            if stage == "prefix":
-                # Before the fill, so a restore lands in the cells they free (low in the pool).
-                eviction.leave_idle(
-                    pool, runtime, {dst, *([choice.context] if choice.context else [])}, _IDLE
-                )
-            self._fill(slot, hold, choice, runtime, head)
-            if stage == "prefix" and choice.context is not None and choice.context is not dst:
-                eviction.leave_idle(pool, runtime, {dst}, _IDLE)  # the copy's source, idle too
-            # The cells of dst past what is kept are cut by this turn: they count as room (the
-            # 8k coding loop's third turn, and a session editing the middle of a prefix longer
-            # than half the pool, used to be busy).
-            eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
-            dst.busy = True
-            dst.floor = max(0, min(floor, hold.keep - 2))
-            cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
-            if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
-                # A snapshot file refused when the disk tier was indexed would have served this
-                # cold turn: say so, as for one refused when it was tried.
-                refused = pool.tiers.claim_refused(
-                    pool.model_digest,
-                    slot.identity,
-                    pool.layout.snapshot_format,
-                    target,
-                    pool.settings.restore_min_gain,
-                )
-                if refused is not None:
-                    pool.counters["snapshots_rejected"] += 1
-                    slot.loss = Loss("snapshot_rejected", f"{refused.reason}; at the daemon's start")
-            hold.decision = classify(
-                wanted=len(target),
-                keep=hold.keep,
-                candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
-                manifest=manifest,
-                loss=slot.loss if cold else None,
-                changed=changed if hold.keep == 0 and not choice.seen else None,
-                truncation_blocked=choice.blocked and hold.keep == 0,
-                model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
-                head=head,
+                while True:
+                    # A turn that starts queues behind the turns waiting for room (in the order
+                    # they came); a turn's later operations never do (those waited for end them).
+                    if stage == "prefix" and self._waiting and waiter is None:
+                        waiter = object()
+                        self._waiting.append(waiter)
+                    if waiter is None or self._waiting[0] is waiter:
+                        try:
+                            return self._hold(
+                                slot, target, stage, manifest, floor, extra_cells, head, runtime, changed
+                            )
+                        except eviction.NeedRoom as need:
+                            if not need.waitable or self._closed:
+                                raise BusyError(
+                                    f"{need.why}; no wait frees them", needed_cells=need.needed
+                                ) from None
+                            if waiter is None:
+                                waiter = object()
+                                self._waiting.append(waiter)
+                            left = started + wait - time.monotonic()
+                            if left <= 0:
+                                raise BusyError(
+                                    f"{need.why}; waited {wait:.0f}s (--queue-wait) for them to free up",
+                                    needed_cells=need.needed,
+                                    wait_seconds=int(wait),
+                                ) from None
+                            if not logged:
+                                logged = True
+                                log.info(
+                                    "%s: a turn's %s waits for KV room: %s", self._pool.name, stage, need.why
+                                )
+                    left = started + wait - time.monotonic()
+                    if left <= 0:
+                        raise BusyError(
+                            f"{self._pool.name}: turns that came first still wait for KV cells after "
+                            f"{wait:.0f}s (--queue-wait)",
+                            wait_seconds=int(wait),
+                        )
+                    self._room.wait(min(left, 1.0))
+            finally:
+                if waiter is not None:
+                    self._waiting.remove(waiter)
+                    self._room.notify_all()
+
+    def _hold(
+        self,
+        slot: SessionSlot,
+        target: list[int],
+        stage: str,
+        manifest: ContextManifest,
+        floor: int,
+        extra_cells: int,
+        head: int,
+        runtime: KVRuntime,
+        changed: tuple[str, str, str] | None,
+    ) -> Hold:
+        """:meth:`hold`'s choice, placement and room, under the lock (raises
+        :class:`~modeld.cache.eviction.NeedRoom` when busy contexts hold the room it needs)."""
+        pool = self._pool
+        choice = self._choose(slot, target, head, remote=stage == "prefix")
+        try:
+            dst = self._place(slot, choice, runtime, head)
+        except eviction.NoRoom:
+            # The only sequence that could be freed holds the best candidate: copying from
+            # it is impossible, so it is saved and freed, and this turn starts from nothing
+            # (or from its snapshot, found by choosing again).
+            assert choice.context is not None
+            eviction.evict(pool, choice.context, runtime, "its sequence was needed by another session")
+            choice = self._choose(slot, target, head, remote=stage == "prefix")
+            dst = self._place(slot, choice, runtime, head)
+        if choice.context is not None and pool.contexts.get(choice.context.seq) is not choice.context:
+            # The source shared only the format's head and was the least valuable context:
+            # it went to a tier; the head comes from another context, or is computed.
+            choice = self._choose(slot, target, head, remote=stage == "prefix")
+        hold = Hold(self, dst, target, stage, manifest)
+        if stage == "prefix" or not slot.turn_started:
+            slot.turn_started = time.time()  # a turn begins: its place in line for cells
+        dst.turn_started = slot.turn_started
+        prefill = max(0, len(target) - choice.keep)
+        if stage == "prefix":
+            # Before the fill, so a restore lands in the cells they free (low in the pool).
+            eviction.leave_idle(
+                pool, runtime, {dst, *([choice.context] if choice.context else [])}, _IDLE, prefill
             )
-            slot.loss = None
-            return hold
+        self._fill(slot, hold, choice, runtime, head)
+        if stage == "prefix" and choice.context is not None and choice.context is not dst:
+            eviction.leave_idle(pool, runtime, {dst}, _IDLE, prefill)  # the copy's source, idle too
+        # The cells of dst past what is kept are cut by this turn: they count as room (the
+        # 8k coding loop's third turn, and a session editing the middle of a prefix longer
+        # than half the pool, used to be busy).
+        eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
+        if pool.layout.shared_cells:
+            pool.reserved[dst.seq] = len(target) - hold.keep + extra_cells  # until the hold ends
+        dst.busy = True
+        dst.floor = max(0, min(floor, hold.keep - 2))
+        cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
+        if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:
+            # A snapshot file refused when the disk tier was indexed would have served this
+            # cold turn: say so, as for one refused when it was tried.
+            refused = pool.tiers.claim_refused(
+                pool.model_digest,
+                slot.identity,
+                pool.layout.snapshot_format,
+                target,
+                pool.settings.restore_min_gain,
+            )
+            if refused is not None:
+                pool.counters["snapshots_rejected"] += 1
+                slot.loss = Loss("snapshot_rejected", f"{refused.reason}; at the daemon's start")
+        hold.decision = classify(
+            wanted=len(target),
+            keep=hold.keep,
+            candidate=hold.source if (hold.keep > 0 or choice.seen) else None,
+            manifest=manifest,
+            loss=slot.loss if cold else None,
+            changed=changed if hold.keep == 0 and not choice.seen else None,
+            truncation_blocked=choice.blocked and hold.keep == 0,
+            model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
+            head=head,
+        )
+        self._recomputed(slot, hold, target, choice)
+        if slot.note and hold.keep > 0 and pool.own(slot) is dst:
+            hold.decision = replace(hold.decision, message=f"{hold.decision.message}; {slot.note}")
+        slot.note = ""
+        slot.loss = None
+        return hold
+
+    def _recomputed(self, slot: SessionSlot, hold: Hold, target: list[int], choice: Choice) -> None:
+        """A turn that will compute tokens its session had in its warm context before says
+        where they went, in its decision and in the log, and counts them (``recomputed``)."""
+        before = common_prefix_len(slot.computed, target)
+        again = before - hold.keep
+        if again <= 0:
+            return
+        pool = self._pool
+        pool.counters["recomputed"] += again
+        if slot.loss is not None:
+            where = f"its warm context was {slot.loss.kind.replace('_', ' ')}: {slot.loss.message}"
+        elif choice.entry is not None and hold.tier != "kv":
+            where = f"the {hold.tier} tier's copy it came back from held {len(choice.entry.tokens)} tokens"
+        else:
+            where = "its warm context no longer held them"
+        said = f"{again} tokens this session computed before are computed again: {where}"
+        hold.decision = replace(hold.decision, message=f"{hold.decision.message}; {said}")
+        log.warning("session %s on %s: %s", slot.session_id, pool.name, said)
 
     def _choose(self, slot: SessionSlot, target: list[int], head: int, *, remote: bool = False) -> Choice:
         """The choice among the KV and the local tiers; a prefix they do not cover whole is
@@ -212,6 +320,13 @@ class ModelCache:
         tiers = pool.tiers
         fmt = pool.layout.snapshot_format
         entries = tiers.candidates(pool.model_digest, slot.identity, fmt) if tiers is not None else []
+
+        computed = slot.computed
+        # What this session left the KV with (saved whole): restored for any gain, since its
+        # suffix and decode serve the turn's next operations too (never computed again).
+        mine = {
+            e.key for e in entries if len(e.tokens) <= len(computed) and computed[: len(e.tokens)] == e.tokens
+        }
 
         def pick(candidates: list[TierEntry]) -> Choice:
             return choose(
@@ -225,6 +340,7 @@ class ModelCache:
                 head=head,
                 checkpoints=pool.layout.checkpoints,
                 snapshot_cuts=pool.layout.snapshot_cuts,
+                mine=mine,
             )
 
         choice = pick(entries)
@@ -295,17 +411,22 @@ class ModelCache:
         dst = hold.context
         started = time.perf_counter()
         tier = entry.tier  # where it comes from (a restore may move it out of RAM)
+        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
+        # other warm contexts makes the engine refuse it, and a good snapshot must not be
+        # rejected (and removed: from the shared store, for every box) for want of room.
         try:
             blob = pool.tiers.load(entry)
         except SnapshotError as exc:
             pool.counters["snapshots_rejected"] += 1
             slot.loss = Loss("snapshot_rejected", str(exc))
             return
-        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
-        # other warm contexts makes the engine refuse it, and a good snapshot must not be
-        # rejected (and removed: from the shared store, for every box) for want of room.
+        loaded = time.perf_counter()
         eviction.make_room(pool, dst, 0, len(entry.tokens), runtime)
+        moving = time.perf_counter()
         restored = runtime.restore(dst.seq, entry.tokens, blob)
+        if restored.ok and tier in ("ram", "disk"):
+            ms = (loaded - started + time.perf_counter() - moving) * 1000.0  # not the room's evictions
+            pool.costs.moved(f"restore_{tier}", len(entry.tokens), ms)
         dst.generation += 1
         if not restored.ok:
             if restored.refused:
@@ -320,10 +441,13 @@ class ModelCache:
         dst.prefix_tokens = entry.prefix_tokens
         dst.saved_key = entry.key
         pool.ledger.set(dst.seq, len(entry.tokens))
+        eviction.share_start(pool, dst, runtime)  # a start another context holds: stored once
         pool.tiers.touch(entry)
-        if keep >= len(entry.tokens):
-            # The KV pool holds the whole entry again: its RAM copy goes (moved, not copied;
-            # a disk copy stays, or is written first, for a worker crash).
+        own = len(slot.computed) >= len(entry.tokens) and slot.computed[: len(entry.tokens)] == entry.tokens
+        if keep >= len(entry.tokens) or own:
+            # The KV pool holds the whole entry again (a prefix of it, or what this session
+            # computed last, its suffix to follow): its RAM copy goes (moved, not copied; a
+            # disk copy stays, or is written first, for a worker crash).
             pool.tiers.take(entry)
         hold.keep = keep
         hold.tier = tier
@@ -335,6 +459,9 @@ class ModelCache:
     def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None:
         with self._lock:
             context.busy = False
+            if self._pool.holds(context):
+                self._pool.reserved.pop(context.seq, None)
+            self._room.notify_all()
             if engine_alive and self._pool.holds(context):
                 with contextlib.suppress(ModeldError):
                     self.runtime().drop(context.seq)
@@ -345,6 +472,7 @@ class ModelCache:
     def reset(self, error: ModeldError) -> None:
         """The engine lost every sequence (its worker died or the model was unloaded)."""
         with self._lock:
+            self._room.notify_all()
             for context in self._pool.contexts.values():
                 if context.owner is not None:
                     context.owner.loss = Loss("engine_reset", error.message)
@@ -361,16 +489,21 @@ class ModelCache:
                     continue
                 tier = ""
                 with contextlib.suppress(ModeldError):
-                    tier = eviction.save(self._pool, context, runtime)
+                    tier = eviction.save(
+                        self._pool, context, runtime, whole=self._pool.layout.whole_snapshots
+                    )
                 if context.owner is not None:
                     where = f"saved to the {tier} tier" if tier else "not saved"
                     context.owner.loss = Loss(kind, f"{why}; {where}", tier or "none")
                     context.owner.context = None
             self._pool.clear()
 
-    def persist_all(self, *, whole: bool = False) -> None:
-        """Write every warm context's prefix (``whole``: every resident token) to the disk tier
-        and through to the shared store (an orderly daemon stop; a drain saves them whole)."""
+    def persist_all(self, *, whole: bool | None = None) -> None:
+        """Write every warm context, every resident token (``whole`` False: its prefix), to the
+        disk tier and through to the shared store (an orderly daemon stop, a drain): what leaves
+        the KV keeps every token (blueprint 0016, "Where a context goes"). By default whole where
+        a restored snapshot can be cut (``Layout.whole_snapshots``: memory that can be cut, or
+        checkpoints inside the snapshot); other memory keeps its state at the prefix, as evicted."""
         tiers = self._pool.tiers
         if tiers is None or not tiers.persistent:
             return
@@ -380,7 +513,24 @@ class ModelCache:
             for context in list(self._pool.contexts.values()):
                 if not context.busy:
                     with contextlib.suppress(ModeldError):
-                        eviction.save(self._pool, context, runtime, persist=True, whole=whole)
+                        every = self._pool.layout.whole_snapshots if whole is None else whole
+                        eviction.save(self._pool, context, runtime, persist=True, whole=every)
+
+    def prefetch(self, now: float) -> int:
+        """Bring back into the KV pool, before they ask, the contexts of open sessions whose last
+        turn ended in a tool call and which left the pool meanwhile (``prefetch.py``), when the
+        pool is idle. Returns how many came back."""
+        pool = self._pool
+        if pool.tiers is None or not pool.layout.explicit:
+            return 0
+        if not self._lock.acquire(timeout=0.2):
+            return 0
+        try:
+            if self._closed or self._waiting or any(c.busy for c in pool.contexts.values()):
+                return 0
+            return prefetch.bring_back(pool, self.runtime, now)
+        finally:
+            self._lock.release()
 
     def expire(self, now: float) -> None:
         """Evict contexts idle past their session's keep-alive (to the tiers)."""
@@ -394,9 +544,18 @@ class ModelCache:
                     runtime = runtime or self.runtime()
                     why = f"idle for more than its keep-alive of {owner.keep_alive:g}s"
                     eviction.evict(self._pool, context, runtime, why)
+                    owner.ended = ""  # its client said how long to keep it: never brought back early
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._room.notify_all()
         self._saver.close()
+
+    def room_freed(self) -> None:
+        """An operation ended or cells were freed: the turns waiting for room try again."""
+        with self._lock:
+            self._room.notify_all()
 
     # --- observers ----------------------------------------------------------------------------
 

@@ -23,9 +23,11 @@ from dataclasses import dataclass, field, replace
 
 from modeld.contract import TOOL_CHOICES, TOOL_FORMATS, Constraint, DecodeConfig, ToolCall, ToolCallDelta
 from modeld.decoding.constraints import CompiledConstraint, compile_constraint
+from modeld.decoding.formats import make_parser
 from modeld.decoding.gbnf_match import ByteMatcher
 from modeld.decoding.guard import RepeatedLineGuard
-from modeld.decoding.toolcalls import ToolCallParser, make_parser
+from modeld.decoding.reasoning import ReasoningFormat, ReasoningGate, detect_reasoning
+from modeld.decoding.toolcalls import ParseStep, ToolCallParser
 from modeld.decoding.tools import (
     DEFAULT_FORMAT,
     ToolSpec,
@@ -47,6 +49,8 @@ class DecodePlan:
     exit_tools: tuple[ToolSpec, ...] = ()
     tool_format: str = ""  # "" = no tool-call parsing
     forced: bool = False  # the constraint forces a tool call
+    reasoning: ReasoningFormat | None = None  # the template's thinking markup
+    opened: str = ""  # the opener of a thinking block the prompt ended inside ("" = none)
 
     def engine_config(self, config: DecodeConfig) -> DecodeConfig:
         """``config`` as the engine gets it: the constraint compiled to its GBNF (kind
@@ -60,12 +64,18 @@ def plan_decode(
     *,
     prefix_tools_json: str = "",
     chat_template: str = "",
+    model_format: str = "",
+    prompt_tail: str = "",
     max_tools: int | None = None,
     max_constraint_bytes: int | None = None,
 ) -> DecodePlan:
     """Resolve and validate the decode's constraint and tools (``invalid_argument`` /
     ``unsupported`` / ``limit_exceeded`` before anything runs). Compiling is cached by digest.
-    ``max_tools``, ``max_constraint_bytes``: the daemon's limits (None: unbounded)."""
+    The tool-call format: the decode's ``tool_format``, else the model's (``model_format``, an
+    override or what describe recognised), else recognised from ``chat_template``. The thinking
+    markup comes from ``chat_template``; ``prompt_tail`` (the rendered prompt's last characters)
+    says whether the prompt opened a thinking block. ``max_tools``, ``max_constraint_bytes``:
+    the daemon's limits (None: unbounded)."""
     choice = config.tool_choice
     if not isinstance(choice, str) or not choice:
         raise InvalidArgumentError(
@@ -78,7 +88,9 @@ def plan_decode(
         )
     tools, exits = _tools(config.tools_json or prefix_tools_json, config.exit_tools_json, max_tools)
     every = [*tools, *exits]
-    fmt = config.tool_format or detect_format(chat_template)
+    fmt = config.tool_format or model_format or detect_format(chat_template)
+    reasoning = detect_reasoning(chat_template) if chat_template else None
+    opened = reasoning.opened_by(prompt_tail) if reasoning is not None else ""
     if fmt == "none" or choice == "none" or not every:
         fmt = ""
     elif not fmt:
@@ -97,13 +109,14 @@ def plan_decode(
         )
     compiled: CompiledConstraint | None = None
     if forced:
+        after = reasoning.close + "\n\n" if reasoning is not None and opened else ""
         compiled = compile_constraint(
-            _forced(config.tools_json or prefix_tools_json, config.exit_tools_json, choice, fmt),
+            _forced(config.tools_json or prefix_tools_json, config.exit_tools_json, choice, fmt, after),
             max_bytes=max_constraint_bytes,
         )
     elif config.constraint is not None:
         compiled = compile_constraint(config.constraint, max_bytes=max_constraint_bytes)
-    return DecodePlan(compiled, tools, exits, fmt, forced)
+    return DecodePlan(compiled, tools, exits, fmt, forced, reasoning, opened)
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,10 +132,11 @@ def _tools(
 
 
 @functools.lru_cache(maxsize=64)
-def _forced(tools_json: str, exit_tools_json: str, choice: str, fmt: str) -> Constraint:
-    """The forcing grammar, built once per tool set, choice and format (then compiled by digest)."""
+def _forced(tools_json: str, exit_tools_json: str, choice: str, fmt: str, after: str) -> Constraint:
+    """The forcing grammar, built once per tool set, choice and format (then compiled by digest).
+    ``after``: the close of a thinking block the prompt opened (the call follows it at once)."""
     tools, exits = _tools(tools_json, exit_tools_json, None)  # counted by plan_decode already
-    return forced_call_constraint([*tools, *exits], choice, fmt)
+    return forced_call_constraint([*tools, *exits], choice, fmt, after=after)
 
 
 @dataclass
@@ -153,13 +167,56 @@ class OutputProcessor:
         self._plan = plan
         self._stop_on_signal = config.stop_on_signal
         self._guard = RepeatedLineGuard(config.repeated_line_min_chars, config.repeated_line_max)
-        self._parser: ToolCallParser | None = make_parser(plan.tool_format) if plan.tool_format else None
+        schemas = {t.name: t.parameters for t in (*plan.tools, *plan.exit_tools)}
+        self._parser: ToolCallParser | None = (
+            make_parser(plan.tool_format, schemas) if plan.tool_format else None
+        )
+        # Markup inside a thinking block is never a call (harmony's parser knows its channels).
+        self._gate: ReasoningGate | None = (
+            ReasoningGate(plan.reasoning)
+            if self._parser is not None and plan.reasoning is not None and plan.tool_format != "harmony"
+            else None
+        )
+        self._opener = plan.opened  # shown first: the prompt opened the thinking block
         self._verify: ByteMatcher | None = plan.constraint.byte_matcher() if plan.constraint else None
         self._known = {t.name for t in (*plan.tools, *plan.exit_tools)}
         self._exits = {t.name for t in plan.exit_tools}
         self._stopped: str | None = None
         self._signal: ToolCall | None = None
         self._malformed = ""
+
+    def _shown(self, text: str) -> str:
+        """``text`` after the opener of a thinking block the prompt opened (once): the output is
+        then the assistant turn whole, its thinking marked as the model's own would be."""
+        if self._opener:
+            text, self._opener = self._opener + text, ""
+        return text
+
+    def _parse(self, text: str, *, final: bool = False, cut: bool = False) -> ParseStep:
+        """The parser's step for ``text``, thinking passed through unparsed (the gate's pieces)."""
+        parser = self._parser
+        assert parser is not None
+        if self._gate is None:
+            return parser.finish(cut=cut) if final else parser.feed(text)
+        out = ParseStep()
+        for piece, thinking in self._gate.feed(text, final=final):
+            if thinking:
+                out.text += piece
+                continue
+            got = parser.feed(piece)
+            out.text += got.text
+            out.deltas += got.deltas
+            out.completed += got.completed
+            if got.malformed:
+                out.malformed = got.malformed
+                return out
+        if final:
+            got = parser.finish(cut=cut)
+            out.text += got.text
+            out.deltas += got.deltas
+            out.completed += got.completed
+            out.malformed = got.malformed
+        return out
 
     def feed(self, text: str) -> OutputStep:
         step = OutputStep()
@@ -169,10 +226,11 @@ class OutputProcessor:
             self._verify.advance_bytes(text.encode("utf-8"))
         if self._guard.feed(text):
             step.stop = self._stopped = "repeated_line"
+        text = self._shown(text)
         if self._parser is None:
             step.text = text
             return step
-        parsed = self._parser.feed(text)
+        parsed = self._parse(text)
         step.text, step.deltas = parsed.text, parsed.deltas
         if parsed.malformed:
             self._malformed = parsed.malformed
@@ -192,6 +250,13 @@ class OutputProcessor:
     def finish(self, finish_reason: str) -> OutputFinal:
         """``finish_reason``: why generation ended (stop, length, stop_sequence, canceled, error,
         or the ``stop`` of a step). Returns what the final chunk carries."""
+        lead = self._shown("")  # nothing was generated: the opener still belongs to the turn
+        final = self._finish(finish_reason)
+        if lead:
+            final.text = lead + final.text
+        return final
+
+    def _finish(self, finish_reason: str) -> OutputFinal:
         text = ""
         deltas: list[ToolCallDelta] = []
         calls: tuple[ToolCall, ...] = ()
@@ -199,7 +264,7 @@ class OutputProcessor:
         parser = self._parser
         if finish_reason in ("canceled", "error"):
             # Not the model's doing: keep the reason; what was held back is shown as it was.
-            rest = parser.finish() if parser is not None and self._stopped is None else None
+            rest = self._parse("", final=True) if parser is not None and self._stopped is None else None
             held = (rest.text if rest else "") + (
                 parser.raw if parser is not None and rest and rest.malformed else ""
             )
@@ -207,7 +272,7 @@ class OutputProcessor:
         if parser is not None:
             if self._stopped is None:
                 open_call = parser.open_call()
-                rest = parser.finish()
+                rest = self._parse("", final=True, cut=finish_reason == "length")
                 text, deltas = rest.text, rest.deltas
                 if rest.malformed and finish_reason == "length":
                     # Cut off inside a call: the call as far as it got, still a call (its
@@ -239,7 +304,9 @@ class OutputProcessor:
                 return OutputFinal(text, "tool_calls", calls, None, deltas, parser.raw)
         if reason == "stop" and self._verify is not None and not self._verify.accepting():
             reason = "constraint_failed"
-        return OutputFinal(text, reason, calls, self._signal, deltas)
+        return OutputFinal(
+            text, reason, calls, self._signal, deltas, parser.raw if parser is not None else ""
+        )
 
     @property
     def malformed_reason(self) -> str:

@@ -1,21 +1,24 @@
-"""Parsing tool calls out of a model's output as it streams (Hermes/Qwen, Llama 3, Mistral).
+"""Parsing tool calls out of a model's output as it streams: the machinery every format shares.
 
 What: a :class:`ToolCallParser` is fed the decoded text in deltas and returns, per delta, the
 text that is ordinary content (safe to show) and the tool-call deltas parsed so far; the text
 of a call never reaches the content. :meth:`ToolCallParser.finish` ends the output: a call
-still open, or one that does not parse (not JSON, no name, arguments not an object), is
-*malformed* and keeps its raw text (finish reason ``malformed_tool_call``).
+still open, or one that does not parse, is *malformed* and keeps its raw text (finish reason
+``malformed_tool_call``); ``finish(cut=True)`` (the output hit ``max_tokens``) drops a
+half-written start marker instead of showing it.
 
 Streaming granularity: a call's first delta (``id`` and ``name``) is emitted as soon as its
 name is known; its arguments arrive in one delta when the call is complete (so a delta is
 never taken back).
 
-The formats and their markers are in :mod:`modeld.decoding.tools`. Content before a call is
-kept; content after calls (Hermes) is kept too. Llama 3 calls count only at the start of the
-answer (the model's convention): an answer that starts with other text is plain content.
+The families (which markers, which body) are in :mod:`modeld.decoding.formats`; this module
+has the base (content until a start marker, then a call body) and :class:`DelimitedParser`
+(calls between markers, optionally grouped in a section: most families); the formats whose
+calls have no close marker are in :mod:`modeld.decoding.jsoncalls`.
 
 What not: no knowledge of which tools exist (the caller checks names against its tools and
-tells exit tools apart), no schema validation.
+tells exit tools apart); arguments are converted by the tools' schemas where a format writes
+untyped values (XML parameters), never validated.
 """
 
 from __future__ import annotations
@@ -23,15 +26,28 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from modeld.contract import ToolCall, ToolCallDelta
 
-__all__ = ["ParseStep", "ToolCallParser", "make_parser", "new_call_id"]
+__all__ = [
+    "Body",
+    "DelimitedParser",
+    "Markup",
+    "ParseStep",
+    "RawCall",
+    "Schemas",
+    "ToolCallParser",
+    "new_call_id",
+]
 
 MAX_CALL_CHARS = 1 << 20
 """A call longer than this is malformed (a model stuck inside a call)."""
+
+Schemas = Mapping[str, Any]
+"""Tool name -> its parameters' JSON schema (parsed), for formats whose values are untyped text."""
 
 
 def new_call_id() -> str:
@@ -48,38 +64,40 @@ class ParseStep:
     malformed: str = ""  # why a call did not parse (then ``raw`` on the parser has its text)
 
 
-def _json_end(text: str, start: int) -> int | None:
-    """Index just past the JSON object/array starting at ``start`` (None while incomplete)."""
-    depth = 0
-    in_string = escape = False
-    for i in range(start, len(text)):
-        c = text[i]
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+@dataclass(frozen=True, slots=True)
+class RawCall:
+    """One call as a body parser read it: arguments already a JSON object's value."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
 
 
-_NAME_RE = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+Body = Callable[[str, Schemas], "list[RawCall] | str"]
+"""A family's body parser: the text between a call's markers -> its calls, or why it is malformed."""
 
 
-def _call_from(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str, str] | str:
-    """(id, name, arguments JSON) from a parsed call object, or the reason it is malformed."""
+_NAME_RE = re.compile(r'"(?:name|tool_name)"\s*:\s*"((?:[^"\\]|\\.)*)"')
+
+
+def json_name(body: str) -> str | None:
+    """The first ``"name"`` (or Command R's ``"tool_name"``) a partial JSON call names."""
+    m = _NAME_RE.search(body)
+    if m is None:
+        return None
+    try:
+        name: str = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    return name
+
+
+def call_from(obj: Any, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> RawCall | str:
+    """A call from a parsed JSON call object (``name`` + arguments under one of ``args_keys``;
+    arguments may be a JSON string), or the reason it is malformed."""
     if not isinstance(obj, dict):
         return "a tool call must be a JSON object"
-    name = obj.get("name")
+    name = obj.get("name", obj.get("tool_name"))
     if not isinstance(name, str) or not name:
         return "a tool call needs a string name"
     args: Any = None
@@ -89,30 +107,36 @@ def _call_from(obj: Any, args_keys: tuple[str, ...]) -> tuple[str, str, str] | s
             break
     else:
         args = {}
+    return checked_call(name, args, obj.get("id", obj.get("tool_call_id")))
+
+
+def checked_call(name: str, args: Any, call_id: Any = None) -> RawCall | str:
+    """A call of ``name`` with ``args`` (an object, or JSON text of one), or why not."""
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args) if args.strip() else {}
         except ValueError:
             return f"the arguments of {name!r} are not JSON"
     if not isinstance(args, dict):
         return f"the arguments of {name!r} must be a JSON object"
-    given = obj.get("id")
-    call_id = given if isinstance(given, str) and given else new_call_id()
-    return call_id, name, json.dumps(args, ensure_ascii=False)
+    return RawCall(name, args, call_id if isinstance(call_id, str) else "")
 
 
 class ToolCallParser:
     """Base: content until a start marker, then calls. Subclasses parse call bodies."""
 
-    start_marker = ""
+    start_markers: tuple[str, ...] = ()
     args_keys: tuple[str, ...] = ("arguments", "parameters")
 
     def __init__(self) -> None:
         self._buf = ""  # text not yet decided (a possible marker, or an open call)
         self._in_call = False
+        self._opener = ""  # the start marker of the open call
         self.raw = ""  # the raw text of all calls (kept for malformed_tool_call)
         self.calls: list[ToolCall] = []
         self._named = False  # the current call's name delta went out
+        self._pending_id = ""
+        self._after_call = False  # a call just ended: whitespace that follows may be markup
 
     # --- public -----------------------------------------------------------------------------
 
@@ -130,17 +154,10 @@ class ToolCallParser:
         """The call that ``body`` (an open call's text, :meth:`open_call`) began, as far as it
         got: its name and the arguments text written so far (not always whole JSON), with the
         deltas that complete what the stream already sent. None when its name was not written."""
-        m = _NAME_RE.search(body)
-        if m is None:
+        name = self._name_of(body)
+        if name is None:
             return None
-        try:
-            name = json.loads(f'"{m.group(1)}"')
-        except ValueError:
-            return None
-        arguments = ""
-        keys = re.search(r'"(?:' + "|".join(self.args_keys) + r')"\s*:\s*', body)
-        if keys is not None:
-            arguments = body[keys.end() :].rstrip()
+        arguments = self._partial_arguments(body)
         index = len(self.calls)
         if self._named:
             call_id = self._pending_id
@@ -150,8 +167,15 @@ class ToolCallParser:
             deltas = [ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments)]
         return ToolCall(call_id, name, arguments), deltas
 
-    def finish(self) -> ParseStep:
+    def finish(self, *, cut: bool = False) -> ParseStep:
+        """The end of the output. ``cut``: it hit ``max_tokens``, so text held back because it
+        could begin a start marker is markup cut short, never content (it goes to ``raw``)."""
         step = ParseStep()
+        if cut and not self._in_call:
+            held = self._held()
+            if held:
+                self.raw += self._buf[len(self._buf) - held :]
+                self._buf = self._buf[: len(self._buf) - held]
         self._run(step, final=True)
         if step.malformed:
             return step
@@ -166,58 +190,96 @@ class ToolCallParser:
 
     # --- machinery --------------------------------------------------------------------------
 
+    def _held(self) -> int:
+        return max((_marker_tail(self._buf, m) for m in self.start_markers), default=0)
+
+    def _between(self, *, final: bool) -> bool:
+        """After a call: whitespace up to the next call (or the end) is markup, not content.
+        False while it cannot be told yet."""
+        rest = self._buf.lstrip()
+        if not rest and not final:
+            return False
+        if not rest or any(rest.startswith(m) for m in self.start_markers):
+            self.raw += self._buf[: len(self._buf) - len(rest)]
+            self._buf = rest
+        elif not final and any(m.startswith(rest) for m in self.start_markers):
+            return False  # a marker may be beginning
+        self._after_call = False
+        return True
+
     def _run(self, step: ParseStep, *, final: bool) -> None:
         while not step.malformed:
             if not self._in_call:
-                at = self._buf.find(self.start_marker)
-                if at < 0:
-                    keep = 0 if final else _marker_tail(self._buf, self.start_marker)
+                if self._after_call and not self._between(final=final):
+                    return
+                found = [(at, m) for m in self.start_markers if (at := self._buf.find(m)) >= 0]
+                if not found:
+                    keep = 0 if final else self._held()
                     cut = len(self._buf) - keep
                     step.text += self._buf[:cut]
                     self._buf = self._buf[cut:]
                     return
+                at, marker = min(found, key=lambda f: (f[0], -len(f[1])))
                 step.text += self._buf[:at]
-                self.raw += self.start_marker
-                self._buf = self._buf[at + len(self.start_marker) :]
-                self._in_call, self._named = True, False
+                self.raw += marker
+                self._buf = self._buf[at + len(marker) :]
+                self._in_call, self._named, self._opener = True, False, marker
+                self._opened()
             if len(self._buf) > MAX_CALL_CHARS:
                 step.malformed = "a tool call is longer than the limit"
                 return
             if not self._body(step, final=final):
                 return
 
+    def _opened(self) -> None:
+        """A start marker was just consumed (``self._opener``)."""
+
+    def _name_of(self, body: str) -> str | None:
+        return json_name(body)
+
+    def _id_of(self, body: str) -> str:
+        """The model's own id for the call ``body`` begins, when the name is readable ("": none)."""
+        return ""
+
+    def _partial_arguments(self, body: str) -> str:
+        keys = re.search(r'"(?:' + "|".join(self.args_keys) + r')"\s*:\s*', body)
+        return body[keys.end() :].rstrip() if keys is not None else ""
+
     def _announce(self, step: ParseStep, body: str) -> None:
         """Emit the call's id/name delta as soon as the name is readable."""
         if self._named:
             return
-        m = _NAME_RE.search(body)
-        if m:
-            try:
-                name = json.loads(f'"{m.group(1)}"')
-            except ValueError:
-                return
+        name = self._name_of(body)
+        if name is not None:
             self._named = True
-            self._pending_id = new_call_id()
+            self._pending_id = self._id_of(body) or new_call_id()
             step.deltas.append(ToolCallDelta(index=len(self.calls), id=self._pending_id, name=name))
 
     def _complete(self, step: ParseStep, obj: Any, raw: str) -> bool:
-        parsed = _call_from(obj, self.args_keys)
+        parsed = call_from(obj, self.args_keys)
         self.raw += raw
         if isinstance(parsed, str):
             step.malformed = parsed
             return False
-        call_id, name, arguments = parsed
+        self._emit(step, parsed)
+        return True
+
+    def _emit(self, step: ParseStep, call: RawCall) -> None:
+        """A parsed call: its deltas (completing the announced one) and the call."""
         index = len(self.calls)
+        arguments = json.dumps(call.arguments, ensure_ascii=False)
+        # An announced call keeps the id its first delta carried (the model's own when it was
+        # readable then, as Kimi's ``functions.NAME:0``).
+        call_id = self._pending_id if self._named else (call.id or new_call_id())
         if self._named:
-            call_id = self._pending_id if "id" not in (obj or {}) else call_id
             step.deltas.append(ToolCallDelta(index=index, arguments=arguments))
         else:
-            step.deltas.append(ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments))
-        call = ToolCall(id=call_id, name=name, arguments=arguments)
-        self.calls.append(call)
-        step.completed.append(call)
+            step.deltas.append(ToolCallDelta(index=index, id=call_id, name=call.name, arguments=arguments))
+        done = ToolCall(id=call_id, name=call.name, arguments=arguments)
+        self.calls.append(done)
+        step.completed.append(done)
         self._named = False
-        return True
+        self._after_call = True
 
     def _body(self, step: ParseStep, *, final: bool) -> bool:
         """Consume what can be consumed of an open call; True to go on scanning."""
@@ -232,188 +294,121 @@ def _marker_tail(text: str, marker: str) -> int:
     return 0
 
 
-class HermesParser(ToolCallParser):
-    """``<tool_call>{json}</tool_call>``, any number, content around them kept."""
+@dataclass(frozen=True)
+class Markup:
+    """A family whose calls sit between markers: ``call_open`` BODY ``call_close``, optionally
+    grouped in a ``section`` (open, close) that holds one or more calls. ``aliases``: other
+    text that opens a call and is part of its body (Qwen3-Coder models sometimes skip
+    ``<tool_call>`` and start at ``<function=``). ``close_optional``: the output may end where
+    ``call_close`` (or the section's close) would be, once a whole body is there."""
 
-    start_marker = "<tool_call>"
-    end_marker = "</tool_call>"
-
-    def _body(self, step: ParseStep, *, final: bool) -> bool:
-        end = self._buf.find(self.end_marker)
-        self._announce(step, self._buf if end < 0 else self._buf[:end])
-        if end < 0:
-            return False
-        body = self._buf[:end]
-        self._buf = self._buf[end + len(self.end_marker) :]
-        self._in_call = False
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            self.raw += body + self.end_marker
-            step.malformed = "the tool call is not valid JSON"
-            return False
-        return self._complete(step, obj, body + self.end_marker)
+    call_open: str
+    call_close: str
+    body: Body
+    name: Callable[[str], str | None] = json_name
+    section: tuple[str, str] | None = None
+    aliases: tuple[str, ...] = ()
+    close_optional: bool = False
+    ident: Callable[[str], str] | None = None  # the model's own call id, read with the name
 
 
-class Llama3Parser(ToolCallParser):
-    """A JSON call (or several, ``;``-separated) at the very start, optionally after
-    ``<|python_tag|>``."""
+class DelimitedParser(ToolCallParser):
+    """The parser of a :class:`Markup` family; the tools' schemas convert untyped values."""
 
-    start_marker = "<|python_tag|>"
-    args_keys = ("parameters", "arguments")
-
-    def __init__(self) -> None:
+    def __init__(self, markup: Markup, schemas: Schemas) -> None:
         super().__init__()
-        self._decided = False
+        self._m = markup
+        self._schemas = schemas
+        self.start_markers = (markup.section[0],) if markup.section else (markup.call_open, *markup.aliases)
+        self._inside = False  # inside a call (a section may be between calls)
+        self._in_section = 0  # calls completed in the open section
+        self._seen = 0  # how far the close marker was searched for
+        self._skip = 0  # close markers before this index were inside a value
 
-    def _run(self, step: ParseStep, *, final: bool) -> None:
-        if not self._decided:
-            head = self._buf.lstrip()
-            if not head:
-                if final:
-                    step.text += self._buf
-                    self._buf = ""
-                return
-            if head.startswith("{") or head.startswith(self.start_marker):
-                self._decided, self._in_call = True, True
-                lead = len(self._buf) - len(head)
-                self.raw += self._buf[:lead]
-                self._buf = head
-                if head.startswith(self.start_marker):
-                    self.raw += self.start_marker
-                    self._buf = head[len(self.start_marker) :]
-            elif self.start_marker.startswith(head) and not final:
-                return
-            else:
-                self._decided = True
-                step.text += self._buf
-                self._buf = ""
-                return
-        if not self._in_call:
-            step.text += self._buf
-            self._buf = ""
-            return
-        while not step.malformed and self._body(step, final=final):
-            pass
+    def _opened(self) -> None:
+        self._seen = self._skip = 0
+        if self._m.section is None:
+            self._inside = True
+            if self._opener in self._m.aliases:  # part of the body: raw gets it with the body
+                self.raw = self.raw[: len(self.raw) - len(self._opener)]
+                self._buf = self._opener + self._buf
+        else:
+            self._inside, self._in_section = False, 0
+
+    def _name_of(self, body: str) -> str | None:
+        return self._m.name(body)
+
+    def _id_of(self, body: str) -> str:
+        return self._m.ident(body) if self._m.ident is not None else ""
+
+    def _partial_arguments(self, body: str) -> str:
+        return super()._partial_arguments(body) if self._m.name is json_name else ""
 
     def _body(self, step: ParseStep, *, final: bool) -> bool:
-        buf = self._buf.lstrip()
-        skipped = len(self._buf) - len(buf)
-        if not buf:
-            return False
-        if buf[0] == ";":
-            self.raw += self._buf[: skipped + 1]
-            self._buf = buf[1:]
-            return True
-        if buf[0] != "{":
-            if self.calls:  # text after the calls: not a call
+        m = self._m
+        if not self._inside:  # in a section, between calls
+            assert m.section is not None
+            rest = self._buf.lstrip()
+            space = len(self._buf) - len(rest)
+            for marker, inside in ((m.call_open, True), (m.section[1], False)):
+                if rest.startswith(marker):
+                    self.raw += self._buf[: space + len(marker)]
+                    self._buf = rest[len(marker) :]
+                    if inside:
+                        self._inside, self._named, self._seen, self._skip = True, False, 0, 0
+                    else:
+                        self._in_call = False
+                    return True
+            if final and not rest and self._in_section:
                 self.raw += self._buf
                 self._buf = ""
-                step.malformed = "text follows the tool calls"
+                self._in_call = False
                 return False
-            step.malformed = "the tool call is not a JSON object"
+            if not final and (m.call_open.startswith(rest) or m.section[1].startswith(rest)):
+                return False
             self.raw += self._buf
             self._buf = ""
+            step.malformed = "unexpected text inside the tool-call section"
             return False
-        end = _json_end(buf, 0)
-        self._announce(step, buf if end is None else buf[:end])
-        if end is None:
-            return False
-        body = buf[:end]
-        self.raw += self._buf[:skipped]
-        self._buf = buf[end:]
-        try:
-            obj = json.loads(body)
-        except ValueError:
-            self.raw += body
-            step.malformed = "the tool call is not valid JSON"
-            return False
-        return self._complete(step, obj, body)
-
-    def finish(self) -> ParseStep:
-        step = ParseStep()
-        self._run(step, final=True)
-        rest = self._buf
-        if not step.malformed and self._in_call and rest.strip():
-            step.malformed = "the output ended inside a tool call"
-            self.raw += rest
-            self._buf = ""
-        elif not step.malformed and self._in_call and not self.calls:
-            step.malformed = "the output ended inside a tool call"
-        return step
-
-
-class MistralParser(ToolCallParser):
-    """``[TOOL_CALLS][{...}, ...]`` (v3) or ``[TOOL_CALLS]name[ARGS]{...}`` (v11+, repeated)."""
-
-    start_marker = "[TOOL_CALLS]"
-
-    def _body(self, step: ParseStep, *, final: bool) -> bool:
-        buf = self._buf.lstrip()
-        if not buf:
-            return False
-        if buf[0] == "[":
-            end = _json_end(buf, 0)
-            self._announce(step, buf if end is None else buf[:end])
-            if end is None:
+        # The close marker may also occur inside a value (a JSON string, a parameter's text):
+        # the call ends at the first one after which the body parses; at the end of the output
+        # the first one decides (then the call is malformed).
+        parsed: list[RawCall] | str = ""
+        used = -1
+        end = self._buf.find(m.call_close, max(self._skip, self._seen - len(m.call_close)))
+        self._seen = len(self._buf)
+        self._announce(step, self._buf if end < 0 else self._buf[:end])
+        while end >= 0:
+            parsed = m.body(self._buf[:end], self._schemas)
+            if not isinstance(parsed, str):
+                used = end + len(m.call_close)
+                break
+            self._skip = end + 1
+            end = self._buf.find(m.call_close, end + 1)
+        if used < 0:
+            if not final:
                 return False
-            body = buf[:end]
-            self._buf = buf[end:]
+            first = self._buf.find(m.call_close)
+            if first >= 0:
+                used, parsed = first + len(m.call_close), m.body(self._buf[:first], self._schemas)
+            elif m.close_optional and self._buf.strip():
+                used, parsed = len(self._buf), m.body(self._buf, self._schemas)
+            else:
+                return False
+        self.raw += self._buf[:used]
+        self._buf = self._buf[used:]
+        self._skip = 0
+        if isinstance(parsed, str):
+            step.malformed = parsed
+            return False
+        if not parsed:
+            step.malformed = "the tool call names no function"
+            return False
+        for call in parsed:
+            self._emit(step, call)
+        if m.section is None:
             self._in_call = False
-            try:
-                items = json.loads(body)
-            except ValueError:
-                self.raw += body
-                step.malformed = "the tool calls are not valid JSON"
-                return False
-            if not isinstance(items, list) or not items:
-                self.raw += body
-                step.malformed = "[TOOL_CALLS] must be followed by a non-empty JSON array"
-                return False
-            self.raw += body
-            return all(self._complete(step, item, "") for item in items)
-        at = buf.find("[ARGS]")
-        if at < 0:
-            if final or len(buf) > 256:
-                self.raw += buf
-                self._buf = ""
-                step.malformed = "[TOOL_CALLS] is followed by neither a JSON array nor name[ARGS]"
-            return False
-        head = buf[:at]
-        name, _, call_id = head.partition("[CALL_ID]")
-        rest = buf[at + len("[ARGS]") :].lstrip()
-        if not rest:
-            return False
-        end = _json_end(rest, 0) if rest[0] in "{[" else None
-        if end is None:
-            if rest[0] not in "{[":
-                self.raw += buf
-                self._buf = ""
-                step.malformed = "the arguments after [ARGS] are not a JSON object"
-            return False
-        body = rest[:end]
-        self._buf = rest[end:]
-        self._in_call = False
-        try:
-            args = json.loads(body)
-        except ValueError:
-            self.raw += buf[: at + 6] + body
-            step.malformed = "the tool call's arguments are not valid JSON"
-            return False
-        obj = {"name": name.strip(), "arguments": args}
-        if call_id.strip():
-            obj["id"] = call_id.strip()
-        return self._complete(step, obj, head + "[ARGS]" + body)
-
-
-_PARSERS: dict[str, type[ToolCallParser]] = {
-    "hermes": HermesParser,
-    "llama3": Llama3Parser,
-    "mistral": MistralParser,
-}
-
-
-def make_parser(fmt: str) -> ToolCallParser | None:
-    """A fresh parser for one decode's output, or None for ``none``/unknown formats."""
-    cls = _PARSERS.get(fmt)
-    return cls() if cls is not None else None
+        else:
+            self._inside = False
+            self._in_section += len(parsed)
+        return True

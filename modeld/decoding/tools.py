@@ -11,13 +11,9 @@ What:
   model's format around ``{"name": ..., "arguments": <the tool's parameters schema>}``, so even
   a weak model writes a well-formed call with valid arguments.
 
-Formats (``blueprints/0018-constraints-and-tool-calls.md``)::
-
-    hermes   <tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>   (Hermes, Qwen 2/2.5/3)
-    llama3   {"name": "f", "parameters": {...}}   at the start of the answer, optionally after
-             <|python_tag|>, several separated by ";"                       (Llama 3.1-3.3)
-    mistral  [TOOL_CALLS][{"name": "f", "arguments": {...}, "id": "..."}]    (Mistral v3)
-             [TOOL_CALLS]f[ARGS]{...}                                       (Mistral v11+)
+Formats: one definition per family in :mod:`modeld.decoding.formats` (its table lists them:
+Hermes/Qwen, Qwen3-Coder XML, harmony, Llama 3, Mistral, GLM, Kimi K2, DeepSeek, MiniMax,
+Seed-OSS, Nemotron, Gemma 4, LFM2, Granite, Command R); this module is their front door.
 
 What not: no parsing of output (:mod:`modeld.decoding.toolcalls`), no schema validation of
 arguments in ``auto`` mode (a forced call is valid by construction).
@@ -32,20 +28,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from modeld.contract import Constraint, ToolCall
+from modeld.decoding.callgrammar import Rules, Tool
+from modeld.decoding.formats import FORMATS as FAMILIES
+from modeld.decoding.formats import detect_format
 from modeld.decoding.gbnf import gbnf_literal
-from modeld.decoding.schema import JSON_PRIMITIVES, schema_to_gbnf
-from modeld.errors import InvalidArgumentError, LimitExceededError, UnsupportedError
+from modeld.decoding.schema import JSON_PRIMITIVES
+from modeld.errors import InvalidArgumentError, LimitExceededError
 
 __all__ = [
     "FORMATS",
+    "CallKey",
     "ToolSpec",
+    "call_key",
     "detect_format",
     "forced_call_constraint",
     "format_calls",
     "parse_tools",
 ]
 
-FORMATS: tuple[str, ...] = ("hermes", "llama3", "mistral")
+FORMATS: tuple[str, ...] = tuple(FAMILIES)
 DEFAULT_FORMAT = "hermes"
 """Used to force a call when the template's format is not recognised (the most common one)."""
 _NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
@@ -102,22 +103,11 @@ def parse_tools(
     return out
 
 
-def detect_format(chat_template: str) -> str:
-    """The tool-call format a chat template writes, or ``""`` if not recognised."""
-    if "<tool_call>" in chat_template:
-        return "hermes"
-    if "[TOOL_CALLS]" in chat_template:
-        return "mistral"
-    if "<|python_tag|>" in chat_template or (
-        "<|start_header_id|>" in chat_template and "parameters" in chat_template
-    ):
-        return "llama3"
-    return ""
-
-
-def forced_call_constraint(tools: list[ToolSpec], choice: str, fmt: str) -> Constraint:
-    """The ``grammar`` constraint whose sentences are exactly one call, in format ``fmt``, of
-    ``choice`` (a tool's name) or of any tool (``required``)."""
+def forced_call_constraint(tools: list[ToolSpec], choice: str, fmt: str, *, after: str = "") -> Constraint:
+    """The ``grammar`` constraint whose sentences are exactly one call, in format ``fmt`` (the
+    family's own markup, :mod:`modeld.decoding.formats`), of ``choice`` (a tool's name) or of any
+    tool (``required``). ``after``: text the output must start with first (the marker that
+    closes a thinking block the prompt opened: the call comes straight after it)."""
     if not tools:
         raise InvalidArgumentError(
             f"tool_choice {choice!r} needs tools, and none were given", field="tool_choice"
@@ -131,27 +121,11 @@ def forced_call_constraint(tools: list[ToolSpec], choice: str, fmt: str) -> Cons
                 f"tool_choice names {choice!r}, which is not one of the tools ({', '.join(t.name for t in tools)})",
                 field="tool_choice",
             )
-    fmt = fmt if fmt in FORMATS else DEFAULT_FORMAT
-    args_key = "parameters" if fmt == "llama3" else "arguments"
-    lines: list[str] = []
-    alts: list[str] = []
-    for i, tool in enumerate(chosen):
-        prefix = f"t{i}-"
-        try:
-            body = schema_to_gbnf(tool.parameters, root=f"{prefix}args", prefix=prefix, field="tools_json")
-        except (InvalidArgumentError, UnsupportedError) as exc:
-            raise type(exc)(f"tool {tool.name!r}: {exc.message}", **exc.details) from exc
-        lines.append(body.rstrip("\n"))
-        head = gbnf_literal(f'{{"name":{json.dumps(tool.name)},"{args_key}":')
-        alts.append(f'{head} {prefix}args "}}"')
-    call = "( " + " | ".join(alts) + " )"
-    if fmt == "hermes":
-        root = f'root ::= "<tool_call>\\n" {call} "\\n</tool_call>"'
-    elif fmt == "mistral":
-        root = f'root ::= "[TOOL_CALLS][" {call} "]"'
-    else:
-        root = f"root ::= {call}"
-    return Constraint("grammar", "\n".join([root, *lines]) + "\n" + JSON_PRIMITIVES)
+    family = FAMILIES.get(fmt) or FAMILIES[DEFAULT_FORMAT]
+    rules = Rules()
+    call = family.call(rules, [Tool(t.name, t.parameters) for t in chosen])
+    head = f"{gbnf_literal(after)} " if after else ""
+    return Constraint("grammar", "\n".join([f"root ::= {head}{call}", *rules.lines]) + "\n" + JSON_PRIMITIVES)
 
 
 def format_calls(fmt: str, calls: Sequence[ToolCall]) -> str:
@@ -160,14 +134,23 @@ def format_calls(fmt: str, calls: Sequence[ToolCall]) -> str:
     text of a call may differ in spacing; the exact text is ``StreamChunk.tool_text``."""
     if not calls:
         return ""
-    args_key = "parameters" if fmt == "llama3" else "arguments"
-    bodies = [
-        f'{{"name": {json.dumps(c.name, ensure_ascii=False)}, "{args_key}": {c.arguments}'
-        + (f', "id": {json.dumps(c.id, ensure_ascii=False)}}}' if fmt == "mistral" and c.id else "}")
-        for c in calls
-    ]
-    if fmt == "llama3":
-        return "; ".join(bodies)
-    if fmt == "mistral":
-        return "[TOOL_CALLS][" + ", ".join(bodies) + "]"
-    return "\n".join(f"<tool_call>\n{b}\n</tool_call>" for b in bodies)
+    family = FAMILIES.get(fmt) or FAMILIES[DEFAULT_FORMAT]
+    return family.write(calls)
+
+
+CallKey = tuple[tuple[str, str, str], ...]
+
+
+def call_key(calls: Sequence[ToolCall]) -> CallKey:
+    """What identifies calls sent back in a history: each call's id, name and arguments (as
+    canonical JSON, so a client's own spacing or key order does not matter). The id alone is
+    not enough: families with ids of their own repeat them (Kimi's ``functions.NAME:0`` in every
+    turn, Mistral's), and the text of another turn's call would be recalled."""
+    out: list[tuple[str, str, str]] = []
+    for c in calls:
+        try:
+            args = json.dumps(json.loads(c.arguments or "{}"), sort_keys=True, ensure_ascii=False)
+        except ValueError:
+            args = c.arguments
+        out.append((c.id, c.name, args))
+    return tuple(out)

@@ -33,9 +33,9 @@ from modeld.contract import (
 )
 from modeld.decoding.output import DecodePlan, OutputProcessor
 from modeld.engine.text import TextAssembler
-from modeld.errors import EngineError, ModeldError, OperationTimeoutError
+from modeld.errors import BusyError, EngineError, ModeldError, OperationTimeoutError
 from modeld.workers.host import Call
-from modeld.workers.protocol import Finished, Tokens
+from modeld.workers.protocol import Finished, Room, Tokens
 
 if TYPE_CHECKING:
     from modeld.backends.base import DecodeStats, Vocab
@@ -69,6 +69,9 @@ class DecodeRun:
         finish: Callable[[list[int], list[int], int | None, ModeldError | None], None],
         verify: Callable[[], ErrorDetail | None] | None = None,
         speculated: Callable[[DecodeStats], None] | None = None,
+        ended: Callable[[str], None] | None = None,
+        room: Callable[[int], int] | None = None,
+        room_error: Callable[[], ModeldError | None] | None = None,
     ) -> None:
         self.call = call
         self.vocab = vocab
@@ -94,6 +97,15 @@ class DecodeRun:
         sequence holds or None if unknown, the error that ended it or None)."""
         self.speculated = speculated
         """Called at the end with what speculation did (when the engine reported it)."""
+        self.ended = ended
+        """Called at the end, before ``finish``, with the finish reason (the warm context's next
+        use depends on it: a turn ending in a tool call comes back soon)."""
+        self.room = room
+        """A job started with a cell limit (``Generate.cells``) reached it, its sequence holding
+        the given number of tokens: called to make room (it may wait, as a turn waits for
+        cells); returns the cells granted (-1: all it may still take), 0 when none can be had
+        (the decode then ends ``busy``, saying why: ``room_error`` returns it)."""
+        self.room_error = room_error
 
 
 class _Stream(Closing):
@@ -168,7 +180,23 @@ class EngineDecodeStream(_Stream):
             return self._tokens(event.tokens, event.logprobs)
         if isinstance(event, Finished):
             return self._final(event.canceled, event.resident, None, event.stats)
+        if isinstance(event, Room):
+            self._room(event.resident)
         return None
+
+    def _room(self, resident: int) -> None:
+        """The job paused at its cell limit: room for more (the engine waits meanwhile)."""
+        run = self._run
+        granted = run.room(resident) if run.room is not None else 0
+        if granted == 0 and self._finish is None:
+            error = run.room_error() if run.room_error is not None else None
+            error = error or BusyError(
+                f"the decode filled the KV cells it could have ({resident} tokens) and no more can be freed"
+            )
+            self._finish, self._error = "error", _detail(error)
+        call = run.call
+        if isinstance(call, Call):
+            call.grant(granted)
 
     def _check(self) -> None:
         """Stop the decode if its session was interrupted, its model file changed, it was
@@ -278,6 +306,8 @@ class EngineDecodeStream(_Stream):
         result = self._processor.finish(step.stop or finish)
         if result.finish_reason == "malformed_tool_call":
             log.info("a decode ended with a malformed tool call: %s", self._processor.malformed_reason)
+        if run.ended is not None:
+            run.ended(result.finish_reason)
         run.finish(self._emitted, self._sampled, resident, exc)
         if stats is not None and run.speculated is not None:
             run.speculated(stats)

@@ -11,6 +11,7 @@ RAM and disk tiers (``modeld/cache/tiers.py``). The per-session contract lives i
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -39,9 +40,10 @@ from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import Config, ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.decoding.speculation import SPECULATION_MODES
+from modeld.engine.chat import with_template
 from modeld.engine.model import LoadedModel, ModelKey
 from modeld.engine.owner import Owner
-from modeld.engine.prepare import identity_of, prepare_prefix, prepare_suffix
+from modeld.engine.prepare import Preparer, identity_of
 from modeld.engine.report import daemon_memory, fields_of, machine, model_summary, tier_status
 from modeld.engine.session import EngineSession
 from modeld.engine.validate import encode_text, validate_request
@@ -174,7 +176,7 @@ class Engine:
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         request = validate_request(request, self.limits)
         kind = self._resolve_type(request)
-        return self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
+        return self._described(kind, request)
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
         request = validate_request(request, self.limits)
@@ -183,7 +185,7 @@ class Engine:
         epoch = self.owner.check_open(request.fence)
         kind = self._resolve_type(request)
         self._check_session_room()
-        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
+        info = self._described(kind, request)
         config = request.config
         if config.prompt_format not in info.capabilities.prompt_formats:
             raise UnsupportedError(
@@ -243,7 +245,7 @@ class Engine:
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self._resolve_type(request)
-        info = self._sized(kind, self.backend(kind).describe(request, memory_budget=self.memory_budget))
+        info = self._described(kind, request)
         config = replace(request.config, num_ctx=info.effective_context)
         model = self._model_for(kind, replace(request, config=config), info)
         try:
@@ -260,35 +262,17 @@ class Engine:
         Opens no session and changes nothing resident (Anthropic's count_tokens)."""
         request = validate_request(request, self.limits)
         with self._lent(request) as (model, info, config):
-            identity = identity_of(info, config)
             unbounded = 1 << 40  # counting: no window applies
-            prep = prepare_prefix(
-                prefix,
-                identity=identity,
-                config=config,
-                info=info,
-                limits=self.limits,
-                window=unbounded,
-                vocab=model.vocab,
-                renderer=model.chat_renderer,
-                tokenize=model.tokenize,
+            renderer = functools.partial(model.chat_renderer, info.chat_template)
+            identity = identity_of(info, config)
+            prep = Preparer(
+                identity, config, info, self.limits, unbounded, model.vocab, renderer, model.tokenize
             )
-            count = len(prep.tokens)
-            if suffix is not None:
-                tail = prepare_suffix(
-                    suffix,
-                    current=prep.manifest,
-                    chat=prep.chat,
-                    n_prefix=count,
-                    identity=identity,
-                    limits=self.limits,
-                    window=unbounded,
-                    vocab=model.vocab,
-                    renderer=model.chat_renderer,
-                    tokenize=model.tokenize,
-                )
-                count += len(tail.tokens)
-            return count
+            first = prep.prefix(prefix)
+            if suffix is None:
+                return len(first.tokens)
+            tail = prep.suffix(suffix, current=first.manifest, chat=first.chat, prefix_tokens=first.tokens)
+            return tail.keep + len(tail.tokens)
 
     def _unified(self, kind: str) -> bool:
         return self.residency.kv_unified and kind in ("llama", "memory")
@@ -305,9 +289,12 @@ class Engine:
             checkpoints=r.checkpoints,
         )
 
-    def _sized(self, kind: str, info: ModelInfo) -> ModelInfo:
-        """``info`` with its context capped by what fits in the memory budget under the configured
-        KV layout, and its footprint completed with that layout (``modeld describe``)."""
+    def _described(self, kind: str, request: OpenSessionRequest) -> ModelInfo:
+        """The backend's describe with the session's template (0010), its context capped by what
+        fits in the memory budget under the configured KV layout, and its footprint completed with
+        that layout (``modeld describe``)."""
+        described = self.backend(kind).describe(request, memory_budget=self.memory_budget)
+        info = with_template(described, request.chat_template)
         fp = info.footprint
         if fp.kv_bytes_per_token <= 0 and fp.state_bytes <= 0:
             return info
@@ -381,6 +368,7 @@ class Engine:
                 cache_settings=CacheSettings(
                     snapshot_min_tokens=self.residency.snapshot_min_tokens,
                     persist_min_tokens=self.residency.persist_min_tokens,
+                    room_wait_seconds=self.limits.model_wait_seconds,
                 ),
                 timeouts=self.timeouts,
                 restart=self.restart,
@@ -436,6 +424,13 @@ class Engine:
             self._unload(
                 victim, "it was the least recently used idle model and another model needed the room"
             )
+
+    def unload(self, path: str) -> int:
+        """Unload the file's loaded models no session holds (Ollama's ``keep_alive: 0``)."""
+        idle = [m for m in self.models() if m.info.path == path and not m.sessions and not m.admission.busy]
+        for model in idle:
+            self._unload(model, "a client asked for it (keep_alive 0)")
+        return len(idle)
 
     def _unload(self, model: LoadedModel, why: str) -> None:
         with self._lock:
@@ -569,12 +564,14 @@ class Engine:
             session.interrupt()
 
     def _janitor(self) -> None:
-        """Idle warm contexts past their keep-alive leave the KV pool."""
+        """Idle warm contexts past their keep-alive leave the KV pool; contexts whose agent runs
+        a tool come back into it before they are asked for (``ModelCache.prefetch``)."""
         while not self._janitor_stop.wait(_JANITOR_SECONDS):
             now = time.time()
             for model in self.models():
                 with contextlib.suppress(ModeldError):
                     model.cache.expire(now)
+                    model.cache.prefetch(now)
 
     def running_operations(self) -> int:
         """Operations running on a model's slots or waiting for one, now (a drain waits for

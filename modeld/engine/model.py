@@ -226,9 +226,9 @@ class LoadedModel:
         """Bytes counted against the engine's memory budget (weights, KV pool, overhead)."""
         self.loaded_at = time.time()
         self.last_used_at = self.loaded_at
-        self._renderer: ChatRenderer | None = None
+        self._renderers: dict[str, ChatRenderer] = {}
         self._tokens = TokenMemo()
-        self._heads: dict[tuple[bool, bool], tuple[tuple[int, ...], ...]] = {}
+        self._heads: dict[tuple[bool, bool, str], tuple[tuple[int, ...], ...]] = {}
         self._on_restart = on_restart
         name = f"{Path(info.path).name or info.backend}"[:40]
         self._on_changed = on_changed
@@ -297,13 +297,18 @@ class LoadedModel:
     def host(self) -> Host:
         return self.supervisor.host()
 
-    def chat_renderer(self) -> ChatRenderer:
-        """The model's chat template, compiled once (raises ``unsupported`` if it has none)."""
-        if self._renderer is None:
-            self._renderer = ChatRenderer(
-                self.info.chat_template, bos_token=self.info.bos_token, eos_token=self.info.eos_token
-            )
-        return self._renderer
+    def chat_renderer(self, template: str | None = None) -> ChatRenderer:
+        """A renderer of ``template`` (None: the model file's), made once per template (raises
+        ``unsupported`` if there is none). Sessions may render with their own template
+        (``OpenSessionRequest.chat_template``)."""
+        source = self.info.chat_template if template is None else template
+        renderer = self._renderers.get(source)
+        if renderer is None:
+            renderer = ChatRenderer(source, bos_token=self.info.bos_token, eos_token=self.info.eos_token)
+            if len(self._renderers) >= 16:
+                self._renderers.clear()
+            self._renderers[source] = renderer
+        return renderer
 
     def tokenize(self, text: str, add_bos: bool) -> list[int]:
         """The model's tokens for ``text``; a long text seen recently (the unchanged prefix of a
@@ -316,14 +321,16 @@ class LoadedModel:
             self._tokens.put(key, tokens)
         return tokens
 
-    def prefix_heads(self, chat: bool, add_bos: bool) -> tuple[tuple[int, ...], ...]:
+    def prefix_heads(
+        self, chat: bool, add_bos: bool, template: str | None = None
+    ) -> tuple[tuple[int, ...], ...]:
         """Token lists every prefix of a format starts with, whatever its text: the BOS token
         (raw), or the chat template's head before the first message's text, for a conversation
         that starts with a system message and for one that starts with a user message (a
         default system turn included). A turn that shares no more than one of these with a warm
         context is a new conversation (``reuse.classify``). Computed once per format: two
         renderings of each, tokenized, and their common start."""
-        key = (chat, add_bos)
+        key = (chat, add_bos, template or "")
         known = self._heads.get(key)
         if known is not None:
             return known
@@ -332,16 +339,21 @@ class LoadedModel:
         else:
             from modeld.cache.reuse import common_prefix_len
             from modeld.engine.chat import Message
+            from modeld.engine.chat_env import TemplateRefusedError
 
-            renderer, bos = self.chat_renderer(), self.info.bos_token
+            renderer, bos = self.chat_renderer(template), self.info.bos_token
             found = []
             for opening in ([], [Message("user", "x", ())]):
                 ab = []
                 for text in ("A", "Z"):
                     first = Message("system" if opening else "user", text, ())
-                    rendered = renderer.render([first, *opening], None, add_generation_prompt=False).text
+                    try:  # a template that refuses this opening has no head for it
+                        rendered = renderer.render([first, *opening], None, add_generation_prompt=True)
+                    except TemplateRefusedError:
+                        break
                     ab.append(self.tokenize(rendered, add_bos and not (bos and rendered.startswith(bos))))
-                found.append(tuple(ab[0][: common_prefix_len(ab[0], ab[1])]))
+                if len(ab) == 2:
+                    found.append(tuple(ab[0][: common_prefix_len(ab[0], ab[1])]))
             heads = tuple(found)
         self._heads[key] = heads
         return heads

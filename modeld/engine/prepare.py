@@ -17,8 +17,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from modeld.backends.base import Vocab
+from modeld.cache.reuse import common_prefix_len
 from modeld.contract import Config, ModelInfo, PrefixInput, SuffixInput
-from modeld.engine.chat import ChatRenderer, Message, messages_for, parse_tools
+from modeld.engine.chat import ChatRenderer, Message, locate, messages_for, parse_template_args, parse_tools
 from modeld.engine.validate import encode_text, validate_manifest_size
 from modeld.errors import ContextOverflowError, InvalidArgumentError, ManifestMismatchError
 from modeld.manifest import (
@@ -42,6 +43,7 @@ __all__ = [
     "identity_of",
     "prepare_prefix",
     "prepare_suffix",
+    "template_note",
 ]
 
 Tokenize = Callable[[str, bool], list[int]]
@@ -80,10 +82,18 @@ def byte_ends(vocab: Vocab, tokens: Sequence[int], *, added_bos: bool) -> list[i
 
 @dataclass(frozen=True)
 class ChatState:
-    """What a chat-format prefix was rendered from (the suffix continues the conversation)."""
+    """What a chat-format prefix was rendered from (the suffix continues the conversation):
+    its messages, tools and template arguments, the prefix's bytes (to locate its segments in
+    the whole rendering), whether tokenizing added a BOS, the rendered prefix and the byte end
+    of each of its tokens (to tokenize only what follows its last control token)."""
 
     messages: list[Message]
     tools: list[Any] | None
+    args: dict[str, Any]
+    data: bytes
+    added_bos: bool
+    text: str = ""
+    ends: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,8 +107,13 @@ class PreparedPrefix:
 
 @dataclass(frozen=True)
 class PreparedSuffix:
+    """``tokens`` follow the first ``keep`` tokens of the resident prefix (all of it, unless the
+    chat template renders the prefix otherwise once the suffix follows it: then the prefix is
+    cut back to ``keep``)."""
+
     tokens: list[int]
     manifest: ContextManifest
+    keep: int
 
 
 def _complete(manifest: ContextManifest, identity: ContextManifest) -> ContextManifest:
@@ -176,13 +191,15 @@ def prepare_prefix(
     if not isinstance(prefix, PrefixInput):
         raise InvalidArgumentError("expected a PrefixInput", field="prefix")
     tools = encode_text(prefix.tools_json, "tools_json", limits)
-    data = encode_text(prefix.text, "text", limits, extra_bytes=len(tools))
-    if tools and config.prompt_format == "raw":
-        raise InvalidArgumentError(
-            "tools_json needs prompt_format 'chat' (the model's template renders it); "
-            "with prompt_format 'raw' put tool definitions in the text",
-            field="tools_json",
-        )
+    args_bytes = encode_text(prefix.template_args_json, "template_args_json", limits, extra_bytes=len(tools))
+    data = encode_text(prefix.text, "text", limits, extra_bytes=len(tools) + len(args_bytes))
+    for name, given in (("tools_json", tools), ("template_args_json", args_bytes)):
+        if given and config.prompt_format == "raw":
+            raise InvalidArgumentError(
+                f"{name} needs prompt_format 'chat' (the model's template renders it); "
+                "with prompt_format 'raw' render the prompt yourself",
+                field=name,
+            )
     validate_manifest_size(prefix.manifest, limits)
     manifest = _complete(
         prefix.manifest or ContextManifest(stable_bytes=len(data), total_bytes=len(data)), identity
@@ -195,27 +212,42 @@ def prepare_prefix(
         segments=tuple(_fill_segments(manifest.segments, data, 0, stable=True)),
     )
     chat: ChatState | None = None
+    bos = info.bos_token
     if config.prompt_format == "chat":
         tool_list = parse_tools(prefix.tools_json)
+        args = parse_template_args(prefix.template_args_json)
         messages = messages_for(manifest.segments, data, 0, stable=True, default_role="system")
-        rendered = renderer().render_prefix(messages, manifest.segments, data, 0, tool_list)
-        text, spans = rendered.text, rendered.spans
-        chat = ChatState(messages, tool_list)
+        following = _following(manifest)
+        text = renderer().render_prefix(messages, following, tool_list, args)
+        spans = locate(text, manifest.segments, messages, data, 0)
+        added_bos = bool(identity.add_bos) and not (bos and text.startswith(bos))
+        chat = ChatState(messages, tool_list, args, data, added_bos, text)
     else:
         text, spans = prefix.text, _identity_spans(manifest.segments, 0, stable=True)
-    bos = info.bos_token
-    added_bos = bool(identity.add_bos) and not (
-        config.prompt_format == "chat" and bos and text.startswith(bos)
-    )
+        added_bos = bool(identity.add_bos)
     tokens = tokenize(text, added_bos)
     if len(tokens) > window:
         raise ContextOverflowError(stage="prefix", resident=0, additional=len(tokens), window=window)
     ends = byte_ends(vocab, tokens, added_bos=added_bos)
+    if chat is not None:
+        chat = replace(chat, ends=tuple(ends))
     if spans:
         manifest = _with_token_ranges(manifest, ends, spans, 0)
     manifest = replace(manifest, stable_token_hash=token_hash(tokens))
     tools_span = _tools_tokens(text, chat.tools if chat is not None else None, ends)
     return PreparedPrefix(tokens=tokens, manifest=manifest, chat=chat, ends=ends, tools=tools_span)
+
+
+def _following(manifest: ContextManifest) -> str | None:
+    """The role of the message after the prefix (its first volatile segment's); None when the
+    manifest says the suffix is empty (only the generation prompt follows); ``user`` when it
+    does not say."""
+    for seg in manifest.segments:
+        if not seg.stable:
+            return seg.chat_role
+    if manifest.segments and manifest.total_bytes == manifest.stable_bytes:
+        return None
+    return "user"
 
 
 def _tools_tokens(text: str, tools: list[Any] | None, ends: Sequence[int]) -> tuple[int, int] | None:
@@ -282,36 +314,121 @@ def prepare_suffix(
     *,
     current: ContextManifest,
     chat: ChatState | None,
-    n_prefix: int,
+    prefix_tokens: Sequence[int],
     identity: ContextManifest,
     limits: Limits,
     window: int,
     vocab: Vocab,
     renderer: Callable[[], ChatRenderer],
     tokenize: Tokenize,
+    specials: frozenset[int] = frozenset(),
 ) -> PreparedSuffix:
-    """Validate, render and tokenize a suffix for the resident prefix ``current``."""
+    """Validate, render and tokenize a suffix for the resident prefix ``current``.
+
+    Chat format: the whole conversation is rendered and tokenized whole; the suffix is what
+    follows its longest common token prefix with ``prefix_tokens`` (``keep``)."""
     if not isinstance(suffix, SuffixInput):
         raise InvalidArgumentError("expected a SuffixInput", field="suffix")
     data = encode_text(suffix.text, "text", limits)
     validate_manifest_size(suffix.manifest, limits)
     manifest = suffix_manifest(suffix.manifest, data, current, identity)
     base = manifest.stable_bytes
-    if chat is not None:
-        messages = messages_for(manifest.segments, data, base, stable=False, default_role="user")
-        rendered = renderer().render_suffix(
-            chat.messages, messages, manifest.segments, data, base, chat.tools
-        )
-        text, spans = rendered.text, rendered.spans
-    else:
-        text, spans = suffix.text, _identity_spans(manifest.segments, base, stable=False)
-    tokens = tokenize(text, False)
-    if n_prefix + len(tokens) > window:
-        raise ContextOverflowError(stage="suffix", resident=n_prefix, additional=len(tokens), window=window)
+    n_prefix = len(prefix_tokens)
+    if chat is None:
+        tokens = tokenize(suffix.text, False)
+        if n_prefix + len(tokens) > window:
+            raise ContextOverflowError(
+                stage="suffix", resident=n_prefix, additional=len(tokens), window=window
+            )
+        spans = _identity_spans(manifest.segments, base, stable=False)
+        if spans:
+            manifest = _with_token_ranges(
+                manifest, byte_ends(vocab, tokens, added_bos=False), spans, n_prefix
+            )
+        return PreparedSuffix(tokens, replace(manifest, volatile_token_hash=token_hash(tokens)), n_prefix)
+    messages = messages_for(manifest.segments, data, base, stable=False, default_role="user")
+    conversation = [*chat.messages, *messages]
+    whole = renderer().render(conversation, chat.tools, add_generation_prompt=True, args=chat.args)
+    everything = _tokenize_whole(whole, chat, prefix_tokens, specials, tokenize)
+    keep = common_prefix_len(everything, list(prefix_tokens))
+    tokens = everything[keep:]
+    if len(everything) > window:
+        raise ContextOverflowError(stage="suffix", resident=keep, additional=len(tokens), window=window)
+    spans = locate(whole, manifest.segments, conversation, chat.data + data, 0)
     if spans:
-        manifest = _with_token_ranges(manifest, byte_ends(vocab, tokens, added_bos=False), spans, n_prefix)
-    manifest = replace(manifest, volatile_token_hash=token_hash(tokens))
-    return PreparedSuffix(tokens=tokens, manifest=manifest)
+        manifest = _with_token_ranges(
+            manifest, byte_ends(vocab, everything, added_bos=chat.added_bos), spans, 0
+        )
+    if keep < n_prefix:
+        manifest = replace(manifest, stable_token_hash=token_hash(everything[:keep]))
+    return PreparedSuffix(tokens, replace(manifest, volatile_token_hash=token_hash(tokens)), keep)
+
+
+def _tokenize_whole(
+    whole: str, chat: ChatState, prefix_tokens: Sequence[int], specials: frozenset[int], tokenize: Tokenize
+) -> list[int]:
+    """The tokens of the whole rendering, as tokenizing it whole gives them. The engines split
+    text at control tokens before anything else and tokenize what lies between alone, so when
+    the whole rendering starts with the rendered prefix, the prefix's tokens through its last
+    control token parsed from the text are the whole's too, and only the rest is tokenized
+    (once per turn, the long part of a prompt is then tokenized once, not twice)."""
+    if specials and chat.ends and len(chat.ends) == len(prefix_tokens) and whole.startswith(chat.text):
+        first = 1 if chat.added_bos else 0  # a BOS tokenizing added is not in the text
+        for j in range(len(prefix_tokens) - 1, first - 1, -1):
+            if prefix_tokens[j] in specials:
+                cut = chat.ends[j]
+                rest = whole.encode("utf-8")[cut:].decode("utf-8")
+                return [*prefix_tokens[: j + 1], *tokenize(rest, False)]
+    return tokenize(whole, chat.added_bos)
+
+
+def template_note(
+    previous: ContextManifest | None, current: ContextManifest, token: int, generated: bytes, data: bytes
+) -> str:
+    """Why a chat prefix diverged at ``token``, when every message before the one holding it
+    (the first whose token range ends past it) is unchanged: that message is the same as last
+    turn's, so the template renders it otherwise once later messages follow; or it is last
+    turn's reply, whose text (``data``: the prefix's bytes) is in what the model ``generated``,
+    so the template renders the reply otherwise than the model wrote it; or it is a reply the
+    client changed. "" when a message before it changed (the client's doing, named by the
+    segment already)."""
+    if previous is None:
+        return ""
+    index = next(
+        (i for i, s in enumerate(current.segments) if s.token_end is not None and s.token_end > token), None
+    )
+    if index is None:
+        return ""
+    before = previous.segments
+    for i in range(min(index, len(before))):
+        if before[i].hash != current.segments[i].hash:
+            return ""
+    role = current.segments[index].chat_role
+    if index < len(before) and before[index].hash == current.segments[index].hash:
+        return (
+            f"message {index} ({role}) is the same as last turn's: the chat template renders it otherwise "
+            "once later messages follow it (the template did it, not the client)"
+        )
+    if index >= len(before):
+        seg = current.segments[index]
+        text = _message_text(data[seg.byte_start : seg.byte_end]) if seg.stable else b""
+        if text and text.strip() in generated:
+            return (
+                f"message {index} ({role}) is last turn's reply sent back: the chat template renders it "
+                "otherwise than the model wrote it (e.g. without its reasoning; the template did it, not the client)"
+            )
+        return f"message {index} ({role}) is not the reply the model generated last turn (the client sent another)"
+    return ""
+
+
+def _message_text(raw: bytes) -> bytes:
+    """A segment's text: a ``message`` segment's content (its JSON), else the bytes."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    content = value.get("content") if isinstance(value, dict) else None
+    return content.encode("utf-8") if isinstance(content, str) else b""
 
 
 @dataclass(frozen=True)
@@ -341,17 +458,23 @@ class Preparer:
         )
 
     def suffix(
-        self, suffix: SuffixInput, *, current: ContextManifest, chat: ChatState | None, n_prefix: int
+        self,
+        suffix: SuffixInput,
+        *,
+        current: ContextManifest,
+        chat: ChatState | None,
+        prefix_tokens: Sequence[int],
     ) -> PreparedSuffix:
         return prepare_suffix(
             suffix,
             current=current,
             chat=chat,
-            n_prefix=n_prefix,
+            prefix_tokens=prefix_tokens,
             identity=self.identity,
             limits=self.limits,
             window=self.window,
             vocab=self.vocab,
             renderer=self.renderer,
             tokenize=self.tokenize,
+            specials=frozenset(t.id for t in self.info.special_tokens),
         )

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from modeld.cache.hold import Forks, Hold, Synced
+from modeld.cache.hold import DECODE_CELLS, Forks, Hold, Synced
 from modeld.cache.pool import SessionSlot
 from modeld.cache.reuse import common_prefix_len
 from modeld.context import SegmentChurn
@@ -52,7 +52,7 @@ from modeld.engine.decode import ChoiceCall, ChoicesStream, DecodeRun, EngineDec
 from modeld.engine.ending import SessionEnd
 from modeld.engine.model import LoadedModel
 from modeld.engine.owner import Owner
-from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_of
+from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_of, template_note
 from modeld.engine.validate import validate_decode, validate_logit_bias
 from modeld.errors import (
     BusyError,
@@ -69,6 +69,9 @@ from modeld.settings import Limits, Timeouts
 __all__ = ["EngineDecodeStream", "EngineSession", "SessionService"]
 
 log = logging.getLogger("modeld.engine")
+
+_PROMPT_TAIL = 16
+"""Tokens of the prompt's end read for whether it opened a thinking block (the generation prompt)."""
 
 
 class SessionService(Protocol):
@@ -132,7 +135,7 @@ class EngineSession(Closing):
             service.limits,
             model.window,
             model.vocab,
-            model.chat_renderer,
+            lambda: model.chat_renderer(info.chat_template),
             model.tokenize,
         )
         pinned, keep_alive = request.pin, request.keep_alive_seconds or None
@@ -183,6 +186,7 @@ class EngineSession(Closing):
             tokens = prep.tokens
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
             had = list(self._tokens)
+            previous, prompt_before = self._manifest, self._n_prefix + self._n_suffix
             head = self._head(tokens)
             with self.model.cache.hold(
                 self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
@@ -197,7 +201,12 @@ class EngineSession(Closing):
             self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
             self._prefix_status = self._status(
-                prep, hold, synced, dropped=max(0, before - hold.keep), had=had
+                prep,
+                hold,
+                synced,
+                dropped=max(0, before - hold.keep),
+                had=had,
+                previous=(previous, prompt_before),
             )
             return self._prefix_status
 
@@ -206,27 +215,58 @@ class EngineSession(Closing):
             if self._manifest is None:
                 raise PrefixRequiredError("prefill_suffix needs a prefix: call ensure_prefix first")
             prep = self._prepare.suffix(
-                suffix, current=self._manifest, chat=self._chat, n_prefix=self._n_prefix
+                suffix, current=self._manifest, chat=self._chat, prefix_tokens=self._tokens[: self._n_prefix]
             )
-            target = self._tokens[: self._n_prefix] + prep.tokens
+            keep = prep.keep
+            target = self._tokens[:keep] + prep.tokens
             cache = self.model.cache
-            with cache.hold(
-                self.slot, target, stage="suffix", manifest=prep.manifest, floor=self._n_prefix
-            ) as hold:
+            with cache.hold(self.slot, target, stage="suffix", manifest=prep.manifest, floor=keep) as hold:
                 synced = self._sync(hold, progress)
+            if keep < self._n_prefix:
+                self._cut_prefix(keep, prep.manifest)
+                # What ensure_prefix computed past the cut is not part of the prompt: the usage
+                # counts a prompt token as computed (not cached) only where this turn computed it.
+                reused = self._prefix_status.reused_tokens if self._prefix_status else 0
+                self._turn.computed -= max(0, self._n_prefix - max(keep, reused))
             self._tokens, self._n_suffix, self._manifest = target, len(prep.tokens), prep.manifest
+            self._n_prefix = keep
             self._turn.add(len(target) - hold.keep, synced, hold)
             return SuffixStatus(
                 suffix_tokens=len(prep.tokens),
-                prefix_tokens=self._n_prefix,
+                prefix_tokens=keep,
                 resident_tokens=len(target),
                 available_tokens=self._window - len(target),
                 manifest_digest=prep.manifest.digest(),
-                restored_tokens=max(0, self._n_prefix - hold.keep),
+                restored_tokens=max(0, keep - hold.keep),
                 prefill_ms=round(synced.ms, 3),
                 restore_ms=round(hold.restore_ms, 3),
-                reused_tokens=max(0, hold.keep - self._n_prefix),
+                reused_tokens=max(0, hold.keep - keep),
             )
+
+    def _cut_prefix(self, keep: int, manifest: ContextManifest) -> None:
+        """The chat template renders the prefix otherwise once the suffix follows it (or a token
+        straddles the cut): the prefix was cut back to its first ``keep`` tokens. The turn's reuse
+        explanation (explain-context) and the log say where, in which message, and why."""
+        cut = self._n_prefix
+        index = next(
+            (i for i, s in enumerate(manifest.segments) if s.token_end is not None and s.token_end > keep),
+            None,
+        )
+        where = (
+            f"message {index} ({manifest.segments[index].chat_role})"
+            if index is not None
+            else "the template's text"
+        )
+        words = (
+            f"the chat template renders the whole conversation otherwise than the prefix from token {keep} "
+            f"({where}) on: the prefix was cut back from {cut} to {keep} tokens and the rest computed with "
+            "the suffix (the template did it, not the client)"
+        )
+        log.info("session %s: %s", self._id, words)
+        status = self._prefix_status
+        if status is not None:
+            reuse = replace(status.reuse, message=f"{status.reuse.message}; then {words}")
+            self._prefix_status = replace(status, reuse=reuse)
 
     def decode(self, config: DecodeConfig) -> EngineDecodeStream | ChoicesStream:
         """The decode's stream. ``config.n`` > 1: its choices decoded together on sequences
@@ -243,10 +283,13 @@ class EngineSession(Closing):
                 raise PrefixRequiredError("decode needs a resident context: call ensure_prefix first")
             chat_template = self._info.chat_template if self._chat is not None else ""
             limits = self._service.limits
+            tail = b"".join(model.vocab.piece(t) for t in self._tokens[-_PROMPT_TAIL:])
             plan = plan_decode(
                 config,
                 prefix_tools_json=self._tools_json,
                 chat_template=chat_template,
+                model_format=self._info.tool_format if self._chat is not None else "",
+                prompt_tail=tail.decode("utf-8", errors="replace") if chat_template else "",
                 max_tools=limits.max_tools,
                 max_constraint_bytes=limits.max_constraint_bytes,
             )
@@ -259,13 +302,17 @@ class EngineSession(Closing):
             host = model.host()
             tokens = list(self._tokens)
             room = max(0, min(config.max_tokens, self._window - len(tokens)))
+            # On a shared pool a decode takes its cells as it grows (DECODE_CELLS at a time), never
+            # its whole room up front; choices decoded together reserve theirs (Hold.fork).
+            grows = n == 1 and model.layout.shared_cells and room > DECODE_CELLS
+            cells = DECODE_CELLS if grows else room
             hold = model.cache.hold(
                 self.slot,
                 tokens,
                 stage="decode",
                 manifest=self._manifest,
                 floor=self._n_prefix,
-                extra_cells=room,
+                extra_cells=cells,
             )
             timeouts = self._service.timeouts
             forks: Forks | None = None
@@ -283,6 +330,7 @@ class EngineSession(Closing):
                     room,
                     timeouts.stream_interval_seconds,
                     forks.seqs if forks is not None else (),
+                    cells=cells if grows else 0,
                 )
             except BaseException:
                 if forks is not None:
@@ -293,20 +341,11 @@ class EngineSession(Closing):
             self._turn.add(len(tokens) - hold.keep, synced, hold)
 
             def run(choice: int) -> DecodeRun:
-                finish: Callable[[list[int], list[int], int | None, ModeldError | None], None]
-                if choice == 0:
-
-                    def finish(
-                        emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
-                    ) -> None:
+                def finish(
+                    emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
+                ) -> None:
+                    if choice == 0:  # a fork's tokens leave no warm state (its cells are freed)
                         self._decoded(hold, ticket, emitted, sampled, resident, exc)
-
-                else:
-
-                    def finish(
-                        emitted: list[int], sampled: list[int], resident: int | None, exc: ModeldError | None
-                    ) -> None:
-                        pass  # a fork's tokens leave no warm state (its cells are freed)
 
                 return DecodeRun(
                     call=call if forks is None else ChoiceCall(call, choice),
@@ -324,6 +363,9 @@ class EngineSession(Closing):
                     verify=self._model_intact,
                     finish=finish,
                     speculated=self._speculated if choice == 0 else None,
+                    ended=hold.ended if choice == 0 else None,
+                    room=hold.grower(len(tokens) + room) if grows else None,
+                    room_error=(lambda: hold.grow_error) if grows else None,
                 )
 
             if forks is None:
@@ -493,7 +535,9 @@ class EngineSession(Closing):
     def _head(self, tokens: list[int]) -> int:
         """How many of a prefix's first tokens any prefix of this session's format starts with
         (the chat template's head, or BOS): sharing no more is a new conversation, cold."""
-        heads = self.model.prefix_heads(self._chat_format, bool(self._identity.add_bos))
+        heads = self.model.prefix_heads(
+            self._chat_format, bool(self._identity.add_bos), self._info.chat_template
+        )
         return max((common_prefix_len(tokens, list(h)) for h in heads), default=0)
 
     def _model_intact(self) -> ErrorDetail | None:
@@ -519,14 +563,30 @@ class EngineSession(Closing):
         return synced
 
     def _status(
-        self, prep: PreparedPrefix, hold: Hold, synced: Synced, dropped: int, had: list[int]
+        self,
+        prep: PreparedPrefix,
+        hold: Hold,
+        synced: Synced,
+        dropped: int,
+        had: list[int],
+        previous: tuple[ContextManifest | None, int],
     ) -> PrefixStatus:
-        """An ensure_prefix's accounting; a divergence names its byte in the prefix too, and says
-        when the text there is the same and only its tokens differ (:func:`_same_text`)."""
+        """An ensure_prefix's accounting; a divergence names its byte in the prefix too, says
+        when the text there is the same and only its tokens differ (:func:`_same_text`), and
+        when the chat template rendered an unchanged message otherwise (``template_note``;
+        ``previous``: last turn's manifest and prompt length)."""
         decision = hold.decision
         if decision.diverged_at_token is not None:
             k = decision.diverged_at_token
             decision = replace(decision, diverged_at_byte=prep.ends[k - 1] if k > 0 else 0)
+            note = ""
+            if prep.chat is not None:
+                manifest, prompt = previous  # last turn's; what followed its prompt was generated
+                generated = b"".join(self.model.vocab.piece(t) for t in had[prompt:])
+                note = template_note(manifest, prep.manifest, k, generated, prep.chat.data)
+            if note:
+                decision = replace(decision, message=f"{decision.message}; {note}")
+                log.info("session %s: prefix diverged at token %d: %s", self._id, k, note)
             if _same_text(self.model.vocab.piece, had, prep.tokens, k):
                 decision = replace(
                     decision,

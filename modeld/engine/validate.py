@@ -143,6 +143,8 @@ def validate_request(request: object, limits: Limits) -> OpenSessionRequest:
     for name in ("model_name", "type", "digest", "path"):
         validate_string(getattr(request, name), name, limits)
     validate_string(request.fence.owner_instance_id, "fence.owner_instance_id", limits)
+    if request.chat_template:
+        encode_text(request.chat_template, "chat_template", limits)
     config = validate_config(request.config, limits)
     if config is not request.config:
         request = replace(request, config=config)

@@ -99,7 +99,9 @@ from modeld.contract import (
     SuffixStatus,
 )
 from modeld.manifest import ContextManifest
+from modeld.observe.records import Recording, Records
 from modeld.observe.status import DaemonStatus
+from modeld.observe.turns import TurnRecorder
 
 __all__ = [
     "MAX_MODELS",
@@ -256,8 +258,11 @@ class Metrics:
             self._labels.add(label)
         return label
 
-    def observe(self, session: Session) -> ObservedSession:
-        return ObservedSession(session, self)
+    def observe(
+        self, session: Session, records: Records | None = None, transport: str = "", job: str = ""
+    ) -> ObservedSession:
+        """``session`` counted here, its turns recorded in ``records`` (blueprint 0022)."""
+        return ObservedSession(session, self, records, transport, job)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The exposition (and its media type) for an HTTP ``Accept`` header; text by default."""
@@ -452,15 +457,28 @@ class ObservedSession(Closing):
 
     Not for concurrent use (like every Session). A turn starts with the first operation after
     the previous decode and ends with the next decode's final chunk; a decode abandoned before
-    its final chunk was read is not counted.
+    its final chunk was read is not counted. Each turn's request record
+    (:class:`~modeld.observe.turns.TurnRecorder`) gets the same numbers beside each count.
     """
 
-    def __init__(self, inner: Session, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        inner: Session,
+        metrics: Metrics,
+        records: Records | None = None,
+        transport: str = "",
+        job: str = "",
+    ) -> None:
         self.inner = inner
         self._m = metrics
         self._model = metrics.label(inner.info.model_name)
         self._turn_started: float | None = None
         self._turn_computed = 0  # tokens of this turn counted as prefilled or generated
+        self.turn = TurnRecorder(records, transport, job, inner.session_id, self._model)
+
+    def record(self, recording: Recording) -> None:
+        """The request record the next turn counts into (the transport that opened it finishes it)."""
+        self.turn.hand(recording)
 
     @property
     def session_id(self) -> str:
@@ -475,32 +493,53 @@ class ObservedSession(Closing):
         return self.inner.identity
 
     def _start(self) -> None:
+        self.turn.start(new_turn=self._turn_started is None)
         if self._turn_started is None:
             self._turn_started = time.perf_counter()
 
     def ensure_prefix(self, prefix: PrefixInput, progress: ProgressCallback | None = None) -> PrefixStatus:
+        self.turn.start(new_turn=True)
         self._turn_started = time.perf_counter()
-        status = self.inner.ensure_prefix(prefix, progress)
+        try:
+            status = self.inner.ensure_prefix(prefix, self.turn.progress("prefix", progress))
+        except BaseException as exc:
+            self.turn.failed(exc)
+            raise
         m = self._model
+        source = source_of(status)
         self._m.queries.labels(m).inc(status.prefix_tokens)
-        self._m.hits.labels(m, source_of(status)).inc(status.reused_tokens)
+        self._m.hits.labels(m, source).inc(status.reused_tokens)
         self._m.prefilled.labels(m).inc(status.prefilled_tokens)
+        self.turn.prefix(status, source, prefix.text)
+        self.turn.between()
         self._turn_computed = status.prefilled_tokens
         return status
 
     def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         self._start()
-        status = self.inner.prefill_suffix(suffix, progress)
+        try:
+            status = self.inner.prefill_suffix(suffix, self.turn.progress("suffix", progress))
+        except BaseException as exc:
+            self.turn.failed(exc)
+            raise
         # A suffix the last turn already computed is reused (status.reused_tokens), not computed.
         computed = max(0, status.suffix_tokens - status.reused_tokens) + status.restored_tokens
         self._m.prefilled.labels(self._model).inc(computed)
+        self.turn.suffix(computed, status.restored_tokens)
+        self.turn.between()
         self._turn_computed += computed
         return status
 
     def decode(self, config: DecodeConfig) -> DecodeStream:
         self._start()
         started = self._turn_started if self._turn_started is not None else time.perf_counter()
-        return _ObservedStream(self, self.inner.decode(config), started)
+        self.turn.decoding()
+        try:
+            inner = self.inner.decode(config)
+        except BaseException as exc:
+            self.turn.failed(exc)
+            raise
+        return _ObservedStream(self, inner, started, max(1, config.n))
 
     def _finished(self, chunk: StreamChunk) -> None:
         m = self._model
@@ -522,24 +561,32 @@ class ObservedSession(Closing):
             if extra:
                 self._m.prefilled.labels(m).inc(extra)
             self._turn_computed += extra + usage.completion_tokens
+        further = usage is not None and chunk.choice > 0
+        self.turn.finished(usage, further_choice=further, extra=0 if further or usage is None else extra)
         self._turn_started = None
 
     def explain_context(self) -> ContextReport:
         return self.inner.explain_context()
 
     def close(self) -> None:
+        self.turn.end("prefix")
         self.inner.close()
 
 
 class _ObservedStream(Closing):
-    """A decode stream that times tokens and reports the final chunk to its session."""
+    """A decode stream that times tokens and reports the final chunk to its session (and, when
+    every choice ended or it was abandoned, ends the turn's record)."""
 
-    def __init__(self, session: ObservedSession, inner: DecodeStream, started: float) -> None:
+    def __init__(
+        self, session: ObservedSession, inner: DecodeStream, started: float, choices: int = 1
+    ) -> None:
         self._session = session
         self._inner = inner
         self._started = started
         self._last: float | None = None
         self._done: set[int] = set()
+        self._choices = choices
+        self._ended = False
 
     def __iter__(self) -> _ObservedStream:
         return self
@@ -552,6 +599,7 @@ class _ObservedStream(Closing):
             metrics = self._session._m
             if self._last is None:
                 metrics.ttft.labels(model).observe(now - self._started)
+                self._session.turn.first_token(now - self._started)
             else:  # a chunk holds the tokens generated since the last one (whole characters)
                 gap = (now - self._last) / len(chunk.token_ids)
                 for _ in chunk.token_ids:
@@ -560,10 +608,24 @@ class _ObservedStream(Closing):
         if chunk.final and chunk.choice not in self._done:  # each choice ends once (n > 1)
             self._done.add(chunk.choice)
             self._session._finished(chunk)
+            failed = chunk.finish_reason == "error"
+            if (failed or len(self._done) >= self._choices) and not self._ended:
+                self._ended = True
+                error = chunk.error if failed else None
+                self._session.turn.end(
+                    chunk.finish_reason or "error",
+                    (error.reason if error is not None else "internal") if failed else "",
+                    error.message[:300] if error is not None else "",
+                )
         return chunk
 
     def cancel(self) -> None:
         self._inner.cancel()
 
     def close(self) -> None:
-        self._inner.close()
+        try:
+            self._inner.close()
+        finally:
+            if not self._ended:  # abandoned before its final chunk
+                self._ended = True
+                self._session.turn.end("canceled", "canceled", "the stream was closed before its end")

@@ -183,7 +183,9 @@ def _counters(c: dict[str, int]) -> list[str]:
     return [
         f"    prefixes  {c.get('queries', 0)} tokens looked up · reused from kv {c.get('reused_kv', 0)}, "
         f"ram {c.get('reused_ram', 0)}, disk {c.get('reused_disk', 0)}, shared {c.get('reused_shared', 0)}",
-        f"    prefill   {c.get('prefilled', 0)} prompt tokens computed (prefixes, suffixes, recomputed ones)",
+        f"    prefill   {c.get('prefilled', 0)} prompt tokens computed (prefixes, suffixes, recomputed ones) · "
+        f"{c.get('recomputed', 0)} a session had computed before · contexts brought back before "
+        f"asked {c.get('prefetched', 0)}",
         f"    evicted   to ram {c.get('evicted_to_ram', 0)}, disk {c.get('evicted_to_disk', 0)}, dropped "
         f"{c.get('evicted_dropped', 0)} · snapshots taken {c.get('snapshots_taken', 0)}, rejected "
         f"{c.get('snapshots_rejected', 0)} · prefixes copied {c.get('copies', 0)}",
@@ -374,11 +376,7 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
     rows += [
         ("free memory", format_bytes(info.free_bytes)),
         ("vocabulary", f"{info.vocab_size} tokens, tokenizer {short(info.tokenizer_digest)}"),
-        (
-            "template",
-            f"{short(info.template_digest)}"
-            + (" (chat template present)" if info.chat_template else " (none)"),
-        ),
+        ("template", _template_words(info)),
         ("bos", "added" if info.add_bos else "not added"),
         (
             "capabilities",
@@ -393,6 +391,19 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
         ),
     ]
     return "\n".join(f"{k:<13} {v}" for k, v in rows)
+
+
+def _template_words(info: ModelInfo) -> str:
+    """The chat template: its digest, where it comes from, and the formats read from it."""
+    if not info.chat_template:
+        return f"{short(info.template_digest)} (none)"
+    source = {"model": "the model file's", "override": "an override (--chat-template-file)"}.get(
+        info.template_source, "present"
+    )
+    return (
+        f"{short(info.template_digest)} ({source}); tool calls {info.tool_format or 'not recognised'}, "
+        f"reasoning {info.reasoning_format or 'none recognised'}"
+    )
 
 
 def _layout_words(layout: str) -> str:
@@ -486,7 +497,7 @@ def format_report(r: ContextReport) -> str:
                 tokens = f"{s.token_start}-{s.token_end}" if s.token_start is not None else "?"
                 rows.append(
                     (
-                        f"  {s.kind}",
+                        f"  {s.kind} {s.role}" if s.kind == "message" else f"  {s.kind}",
                         tokens,
                         f"{s.byte_start}-{s.byte_end}",
                         "yes" if s.stable else "no",

@@ -10,8 +10,9 @@ checked by mypy where the daemon builds it, ``modeld/daemon.py``). It never impo
 * one end notification per session: the engine calls back once when a session can no longer
   be used (closed, its owner epoch revoked, the daemon stopping), with the error its
   operations now raise. A transport ends its stream on it at once; nothing polls;
-* metrics: every hosted session is wrapped in an
-  :class:`~modeld.observe.metrics.ObservedSession`, so both transports count turns alike.
+* metrics and request records: every hosted session is wrapped in an
+  :class:`~modeld.observe.metrics.ObservedSession`, so both transports count turns alike, and
+  each turn gets a record in :attr:`Gateway.records` (``blueprints/0022-live-page.md``).
 
 What not: engine logic (admission, fencing, reuse and limits stay in the engine), protobuf,
 HTTP. Why: the servicer used to import the concrete Engine, repeat the session's admission
@@ -30,8 +31,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from modeld.contract import ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, Session, SuffixInput
-from modeld.errors import ModeldError, SessionNotFoundError
+from modeld.errors import InvalidArgumentError, ModeldError, SessionNotFoundError
 from modeld.observe.metrics import Metrics, ObservedSession
+from modeld.observe.records import RecordQuery, Records, RequestRecord, clean_label
 from modeld.observe.status import DaemonStatus, Machine, SessionSummary
 
 if TYPE_CHECKING:
@@ -91,6 +93,8 @@ class ServedEngine(Protocol):
 
     def machine(self) -> Machine: ...
 
+    def unload(self, path: str) -> int: ...
+
 
 class TransportSession:
     """A session opened through a transport, and what that transport holds about it."""
@@ -143,10 +147,18 @@ class TransportSession:
 class Gateway:
     """The engine as every transport reaches it, with the transports' session registry."""
 
-    def __init__(self, engine: ServedEngine, limits: Limits, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: ServedEngine,
+        limits: Limits,
+        metrics: Metrics | None = None,
+        records: Records | None = None,
+    ) -> None:
         self.engine = engine
         self.limits = limits
         self.metrics = metrics if metrics is not None else Metrics(engine.status)
+        self.records = records if records is not None else Records(None)
+        """Every turn's request record (memory only unless the daemon gives it a directory)."""
         self._hosted: dict[str, TransportSession] = {}
         self._lock = threading.Lock()
         self.names: Callable[[str], str | None] = lambda _path: None
@@ -177,11 +189,16 @@ class Gateway:
         return self.engine.describe(self.named(request))
 
     def open(
-        self, request: OpenSessionRequest, transport: str, *, attached: bool = False
+        self, request: OpenSessionRequest, transport: str, *, attached: bool = False, job: str = ""
     ) -> TransportSession:
-        """Open a session for ``transport``; it leaves the registry when it ends."""
+        """Open a session for ``transport``; it leaves the registry when it ends. ``job``: the
+        label its turns' records carry (a gRPC client's ``x-modeld-job`` metadata)."""
+        try:
+            job = clean_label(job, "job label (x-modeld-job)")
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc), field="x-modeld-job") from None
         raw = self.engine.open_session(self.named(request))
-        hosted = TransportSession(raw, self.metrics.observe(raw), transport)
+        hosted = TransportSession(raw, self.metrics.observe(raw, self.records, transport, job), transport)
         hosted.attached = attached
         with self._lock:
             self._hosted[hosted.session_id] = hosted
@@ -213,6 +230,10 @@ class Gateway:
     def tokenize(self, request: OpenSessionRequest, text: str) -> list[int]:
         return self.engine.tokenize(self.named(request), text)
 
+    def unload(self, path: str) -> int:
+        """Unload the model file's idle loaded models (how many)."""
+        return self.engine.unload(path)
+
     def count_tokens(
         self, request: OpenSessionRequest, prefix: PrefixInput, suffix: SuffixInput | None = None
     ) -> int:
@@ -237,6 +258,19 @@ class Gateway:
             replace(s, attached=attached[s.session_id]) if s.session_id in attached else s
             for s in self.engine.list_sessions()
         ]
+
+    def requests(self, query: RecordQuery, rid: str = "") -> list[RequestRecord]:
+        """The request records a query asks for (``rid``: that one record, if it exists); a
+        filter that is too long or holds a control character is refused."""
+        try:
+            for what, text in (("job", query.job), ("conversation", query.conversation), ("id", rid)):
+                clean_label(text, what)
+        except ValueError as exc:
+            raise InvalidArgumentError(str(exc)) from None
+        if rid:
+            found = self.records.get(rid)
+            return [found] if found is not None else []
+        return self.records.query(query)
 
     def metrics_text(self, accept: str = "") -> tuple[bytes, str]:
         return self.metrics.render(accept)

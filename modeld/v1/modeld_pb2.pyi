@@ -76,7 +76,7 @@ class Fence(_message.Message):
     def __init__(self, owner_instance_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("model_name", "type", "digest", "path", "config", "fence", "pin", "keep_alive_seconds", "no_wait")
+    __slots__ = ("model_name", "type", "digest", "path", "config", "fence", "pin", "keep_alive_seconds", "no_wait", "chat_template")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     TYPE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class OpenSessionRequest(_message.Message):
     PIN_FIELD_NUMBER: _ClassVar[int]
     KEEP_ALIVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     type: BackendType
     digest: str
@@ -95,7 +96,8 @@ class OpenSessionRequest(_message.Message):
     pin: bool
     keep_alive_seconds: float
     no_wait: bool
-    def __init__(self, model_name: _Optional[str] = ..., type: _Optional[_Union[BackendType, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., config: _Optional[_Union[Config, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+    chat_template: str
+    def __init__(self, model_name: _Optional[str] = ..., type: _Optional[_Union[BackendType, str]] = ..., digest: _Optional[str] = ..., path: _Optional[str] = ..., config: _Optional[_Union[Config, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., pin: _Optional[bool] = ..., keep_alive_seconds: _Optional[float] = ..., no_wait: _Optional[bool] = ..., chat_template: _Optional[str] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ("model",)
@@ -132,7 +134,7 @@ class SpecialToken(_message.Message):
     def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format", "architecture", "footprint")
+    __slots__ = ("backend", "backend_version", "path", "model_digest", "model_max_context", "effective_context", "kv_bytes_per_token", "free_bytes", "weights_bytes", "vocab_size", "tokenizer_digest", "template_digest", "chat_template", "add_bos", "device", "model_name", "capabilities", "bos_token", "eos_token", "special_tokens", "tool_format", "architecture", "footprint", "template_source", "reasoning_format")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     BACKEND_VERSION_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +158,8 @@ class ModelInfo(_message.Message):
     TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     FOOTPRINT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FORMAT_FIELD_NUMBER: _ClassVar[int]
     backend: str
     backend_version: str
     path: str
@@ -179,7 +183,9 @@ class ModelInfo(_message.Message):
     tool_format: str
     architecture: str
     footprint: Footprint
-    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ..., footprint: _Optional[_Union[Footprint, _Mapping]] = ...) -> None: ...
+    template_source: str
+    reasoning_format: str
+    def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ..., footprint: _Optional[_Union[Footprint, _Mapping]] = ..., template_source: _Optional[str] = ..., reasoning_format: _Optional[str] = ...) -> None: ...
 
 class Footprint(_message.Message):
     __slots__ = ("weights_bytes", "kv_bytes_per_token", "compute_floor_bytes", "compute_fixed_bytes", "compute_bytes_per_token", "trained_window", "trained_kv_bytes", "layout", "window", "kv_bytes", "compute_bytes", "overhead_bytes", "total_bytes", "budget_bytes", "max_window", "memory", "sliding_window", "state_bytes", "cuts", "checkpoint_bytes")
@@ -304,16 +310,18 @@ class ContextManifest(_message.Message):
     def __init__(self, profile_id: _Optional[str] = ..., backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., model_digest: _Optional[str] = ..., tokenizer_digest: _Optional[str] = ..., prompt_format: _Optional[str] = ..., prompt_template_digest: _Optional[str] = ..., runtime_digest: _Optional[str] = ..., add_bos: _Optional[bool] = ..., stable_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., volatile_token_hash: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class PrefixInput(_message.Message):
-    __slots__ = ("text", "manifest", "tools_json", "no_wait")
+    __slots__ = ("text", "manifest", "tools_json", "no_wait", "template_args_json")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     NO_WAIT_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_ARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     text: str
     manifest: ContextManifest
     tools_json: str
     no_wait: bool
-    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ..., no_wait: _Optional[bool] = ...) -> None: ...
+    template_args_json: str
+    def __init__(self, text: _Optional[str] = ..., manifest: _Optional[_Union[ContextManifest, _Mapping]] = ..., tools_json: _Optional[str] = ..., no_wait: _Optional[bool] = ..., template_args_json: _Optional[str] = ...) -> None: ...
 
 class ReuseDecision(_message.Message):
     __slots__ = ("outcome", "reason", "message", "field", "diverged_at_token", "diverged_segment", "diverged_at_byte", "tier", "context")
@@ -1107,3 +1115,121 @@ class MetricsResponse(_message.Message):
     text: str
     content_type: str
     def __init__(self, text: _Optional[str] = ..., content_type: _Optional[str] = ...) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ("job", "conversation", "since", "limit", "running", "id")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    conversation: str
+    since: float
+    limit: int
+    running: bool
+    id: str
+    def __init__(self, job: _Optional[str] = ..., conversation: _Optional[str] = ..., since: _Optional[float] = ..., limit: _Optional[int] = ..., running: _Optional[bool] = ..., id: _Optional[str] = ...) -> None: ...
+
+class RequestRecord(_message.Message):
+    __slots__ = ("id", "api", "model", "job", "agent", "conversation", "session", "state", "stage", "started_at", "ended_at", "finish", "error", "error_message", "status", "bytes_in", "bytes_out", "outcome", "reason", "tier", "diverged_at_token", "diverged_at_byte", "diverged_segment", "diverged_message", "prefix_tokens", "reused_kv", "reused_ram", "reused_disk", "reused_shared", "restored_tokens", "prefilled_tokens", "prompt_tokens", "cached_tokens", "generated_tokens", "decodes", "drafted_tokens", "accepted_tokens", "draft_batches", "forced_tokens", "ttft_ms", "prefill_ms", "restore_ms", "decode_ms", "progress_done", "progress_total", "excerpt")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    API_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    ENDED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISH_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_AT_BYTE_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_KV_FIELD_NUMBER: _ClassVar[int]
+    REUSED_RAM_FIELD_NUMBER: _ClassVar[int]
+    REUSED_DISK_FIELD_NUMBER: _ClassVar[int]
+    REUSED_SHARED_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_DONE_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    EXCERPT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    api: str
+    model: str
+    job: str
+    agent: str
+    conversation: str
+    session: str
+    state: str
+    stage: str
+    started_at: float
+    ended_at: float
+    finish: str
+    error: str
+    error_message: str
+    status: int
+    bytes_in: int
+    bytes_out: int
+    outcome: str
+    reason: str
+    tier: str
+    diverged_at_token: int
+    diverged_at_byte: int
+    diverged_segment: str
+    diverged_message: int
+    prefix_tokens: int
+    reused_kv: int
+    reused_ram: int
+    reused_disk: int
+    reused_shared: int
+    restored_tokens: int
+    prefilled_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    decodes: int
+    drafted_tokens: int
+    accepted_tokens: int
+    draft_batches: int
+    forced_tokens: int
+    ttft_ms: float
+    prefill_ms: float
+    restore_ms: float
+    decode_ms: float
+    progress_done: int
+    progress_total: int
+    excerpt: str
+    def __init__(self, id: _Optional[str] = ..., api: _Optional[str] = ..., model: _Optional[str] = ..., job: _Optional[str] = ..., agent: _Optional[str] = ..., conversation: _Optional[str] = ..., session: _Optional[str] = ..., state: _Optional[str] = ..., stage: _Optional[str] = ..., started_at: _Optional[float] = ..., ended_at: _Optional[float] = ..., finish: _Optional[str] = ..., error: _Optional[str] = ..., error_message: _Optional[str] = ..., status: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., outcome: _Optional[str] = ..., reason: _Optional[str] = ..., tier: _Optional[str] = ..., diverged_at_token: _Optional[int] = ..., diverged_at_byte: _Optional[int] = ..., diverged_segment: _Optional[str] = ..., diverged_message: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., reused_kv: _Optional[int] = ..., reused_ram: _Optional[int] = ..., reused_disk: _Optional[int] = ..., reused_shared: _Optional[int] = ..., restored_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., decodes: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_batches: _Optional[int] = ..., forced_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., progress_done: _Optional[int] = ..., progress_total: _Optional[int] = ..., excerpt: _Optional[str] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[RequestRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[RequestRecord, _Mapping]]] = ...) -> None: ...

@@ -74,6 +74,11 @@ class ModeldStub:
                 request_serializer=modeld_dot_v1_dot_modeld__pb2.MetricsRequest.SerializeToString,
                 response_deserializer=modeld_dot_v1_dot_modeld__pb2.MetricsResponse.FromString,
                 _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/modeld.v1.Modeld/ListRequests',
+                request_serializer=modeld_dot_v1_dot_modeld__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=modeld_dot_v1_dot_modeld__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
 
 
 class ModeldServicer:
@@ -157,6 +162,17 @@ class ModeldServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRequests(self, request, context):
+        """The request records (blueprints/0022): one per turn over every API and gRPC, from the
+        daemon's ring and its records file; the newest `limit` that match, oldest first, or the one
+        record `id` names (running or done: poll it; none when no record has that id). What
+        `modeld requests` and `modeld top` show. Errors: INVALID_ARGUMENT (a filter too long or
+        with a control character).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModeldServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -199,6 +215,11 @@ def add_ModeldServicer_to_server(servicer, server):
                     servicer.Metrics,
                     request_deserializer=modeld_dot_v1_dot_modeld__pb2.MetricsRequest.FromString,
                     response_serializer=modeld_dot_v1_dot_modeld__pb2.MetricsResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=modeld_dot_v1_dot_modeld__pb2.ListRequestsRequest.FromString,
+                    response_serializer=modeld_dot_v1_dot_modeld__pb2.ListRequestsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +438,33 @@ class Modeld:
             '/modeld.v1.Modeld/Metrics',
             modeld_dot_v1_dot_modeld__pb2.MetricsRequest.SerializeToString,
             modeld_dot_v1_dot_modeld__pb2.MetricsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/modeld.v1.Modeld/ListRequests',
+            modeld_dot_v1_dot_modeld__pb2.ListRequestsRequest.SerializeToString,
+            modeld_dot_v1_dot_modeld__pb2.ListRequestsResponse.FromString,
             options,
             channel_credentials,
             insecure,

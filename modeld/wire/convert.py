@@ -229,6 +229,7 @@ def open_request_to_pb(request: OpenSessionRequest) -> pb.OpenSessionRequest:
         pin=request.pin,
         keep_alive_seconds=request.keep_alive_seconds,
         no_wait=request.no_wait,
+        chat_template=request.chat_template,
     )
 
 
@@ -246,6 +247,7 @@ def open_request_from_pb(msg: pb.OpenSessionRequest) -> OpenSessionRequest:
         pin=msg.pin,
         keep_alive_seconds=msg.keep_alive_seconds,
         no_wait=msg.no_wait,
+        chat_template=msg.chat_template,
     )
 
 
@@ -278,7 +280,9 @@ def manifest_from_pb(msg: pb.ContextManifest) -> ContextManifest:
 
 @_guard("prefix")
 def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
-    msg = pb.PrefixInput(text=prefix.text, tools_json=prefix.tools_json)
+    msg = pb.PrefixInput(
+        text=prefix.text, tools_json=prefix.tools_json, template_args_json=prefix.template_args_json
+    )
     if prefix.no_wait is not None:
         msg.no_wait = prefix.no_wait
     if prefix.manifest is not None:
@@ -290,7 +294,13 @@ def prefix_input_to_pb(prefix: PrefixInput) -> pb.PrefixInput:
 def prefix_input_from_pb(msg: pb.PrefixInput) -> PrefixInput:
     manifest = manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None
     no_wait = msg.no_wait if msg.HasField("no_wait") else None
-    return PrefixInput(text=msg.text, manifest=manifest, tools_json=msg.tools_json, no_wait=no_wait)
+    return PrefixInput(
+        text=msg.text,
+        manifest=manifest,
+        tools_json=msg.tools_json,
+        no_wait=no_wait,
+        template_args_json=msg.template_args_json,
+    )
 
 
 @_guard("suffix")

@@ -39,13 +39,16 @@ from modeld.workers.protocol import (
     Failed,
     Finished,
     Generate,
+    Grant,
     Load,
     Loaded,
     Message,
     Progress,
     Restore,
     Result,
+    Room,
     Save,
+    Share,
     Snapshot,
     Sync,
     Tokenize,
@@ -125,6 +128,12 @@ class Call:
             self._cancel_sent = True
             self.host.send_cancel(self.op)
 
+    def grant(self, cells: int) -> None:
+        """Let a generate job paused at its cell limit (a ``Room`` reply) fill ``cells`` more;
+        0: it ends there (never blocks)."""
+        if not self._done:
+            self.host.send_grant(self.op, cells)
+
     def cancel_choice(self, choice: int) -> None:
         """Ask the engine to stop one choice of this generate job (``Generate.forks``); its other
         choices go on (idempotent, never blocks)."""
@@ -139,6 +148,8 @@ class Host:
     def __init__(self) -> None:
         self._ops = itertools.count(1)
         self._calls: dict[int, Call] = {}
+        self._paused: set[int] = set()
+        """Generate jobs paused at their cell limit (``Room``), until granted more."""
         self._lock = threading.Lock()
         self.layout: Layout | None = None
         self.vocab: Vocab | None = None
@@ -185,9 +196,17 @@ class Host:
             with contextlib.suppress(OSError):
                 self._transmit(next(self._ops), Cancel(op, choice))
 
+    def send_grant(self, op: int, cells: int) -> None:
+        with self._lock:
+            self._paused.discard(op)
+        if self.death is None:
+            with contextlib.suppress(OSError):
+                self._transmit(next(self._ops), Grant(op, cells))
+
     def forget(self, op: int) -> None:
         with self._lock:
             self._calls.pop(op, None)
+            self._paused.discard(op)
 
     def dispatch(self, op: int, message: Message) -> None:
         """A reply arrived (called by the transport)."""
@@ -198,6 +217,8 @@ class Host:
             self.tokens_done += 1  # a batch step counts as progress even before it is big
         with self._lock:
             call = self._calls.get(op)
+            if isinstance(message, Room):
+                self._paused.add(op)  # waiting for the daemon, not for the engine
         if call is not None:
             call.deliver(message)
 
@@ -213,8 +234,10 @@ class Host:
 
     @property
     def busy(self) -> bool:
+        """Requests in flight that wait for the engine (a generate job paused for room waits for
+        the daemon: no stall)."""
         with self._lock:
-            return bool(self._calls)
+            return len(self._calls) > len(self._paused)
 
     @property
     def alive(self) -> bool:
@@ -239,10 +262,12 @@ class Host:
         max_tokens: int,
         interval: float = 0.0,
         forks: Sequence[int] = (),
+        cells: int = 0,
     ) -> Call:
         """A generate job; tokens that come faster than ``interval`` seconds arrive together.
-        ``forks``: the further sequences its choices decode on (``Generate.forks``)."""
-        return self.call(Generate(seq, config, max_tokens, interval, tuple(forks)))
+        ``forks``: the further sequences its choices decode on (``Generate.forks``); ``cells``:
+        the KV cells it may fill before it asks for more (``Generate.cells``, 0: no limit)."""
+        return self.call(Generate(seq, config, max_tokens, interval, tuple(forks), cells))
 
     # --- the cache's KV operations (modeld.cache.runtime.KVRuntime) ---------------------------------
 
@@ -251,6 +276,9 @@ class Host:
 
     def drop(self, seq: int) -> None:
         self.call(Drop(seq)).result(Result)
+
+    def share(self, src: int, dst: int, n: int) -> bool:
+        return self.call(Share(src, dst, n)).result(Result).ok
 
     def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> SyncCall:
         return SyncCall(self.call(Sync(seq, keep, tuple(tokens))))

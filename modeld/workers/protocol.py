@@ -3,7 +3,8 @@
 Every request carries an operation id chosen by the daemon; every reply names the operation it
 answers. Most requests get exactly one reply; ``Sync`` and ``Generate`` are jobs that stream
 ``Progress`` / ``Tokens`` events and end with ``Finished``; ``Cancel`` gets no reply of its own
-(the job it names ends with ``Finished(canceled=True)``). A failed request ends with
+(the job it names ends with ``Finished(canceled=True)``). A ``Generate`` with a cell limit sends
+``Room`` when it reaches it and waits for a ``Grant`` (no reply of its own either). A failed request ends with
 ``Failed`` (a contract error by its stable reason token), never with silence.
 
 Wire format (a stream socket): each frame is ``u32le header_len || u32le payload_len || header ||
@@ -41,6 +42,7 @@ __all__ = [
     "Failed",
     "Finished",
     "Generate",
+    "Grant",
     "Load",
     "Loaded",
     "Message",
@@ -48,7 +50,9 @@ __all__ = [
     "ProtocolError",
     "Restore",
     "Result",
+    "Room",
     "Save",
+    "Share",
     "Snapshot",
     "Sync",
     "Tokenize",
@@ -128,6 +132,10 @@ class Generate(Message):
     """Further sequences holding a copy of ``seq``'s tokens: choice ``i`` is decoded on
     ``forks[i - 1]`` with the seed ``choice_seed(config.seed, i)``, all choices in one batch per
     step (``ModelRuntime.generate``); ``Tokens.choices`` says whose each token is."""
+    cells: int = 0
+    """KV cells the job may fill beyond what ``seq`` holds before it pauses and asks for more
+    (``Room``, answered by ``Grant``): a decode takes cells as it grows (blueprint 0016). 0: no
+    limit (the daemon made room for ``max_tokens``)."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.interval <= 10.0:  # also refuses NaN
@@ -153,6 +161,17 @@ class Copy(Message):
 class Drop(Message):
     kind: ClassVar[str] = "drop"
     seq: int
+
+
+@dataclass(frozen=True)
+class Share(Message):
+    """``dst``'s first ``n`` tokens are held in ``src``'s cells from now on (``ModelRuntime.share``);
+    answered by ``Result(ok)``."""
+
+    kind: ClassVar[str] = "share"
+    src: int
+    dst: int
+    n: int
 
 
 @dataclass(frozen=True)
@@ -201,6 +220,17 @@ class Cancel(Message):
     target: int
     choice: int = -1
     """A generate job's choice to stop (its other choices go on); -1: the whole job."""
+
+
+@dataclass(frozen=True)
+class Grant(Message):
+    """The generate job ``target``, paused at its cell limit (``Room``), may fill ``cells`` more
+    (no reply of its own); 0: no room, the job ends there (``Finished``); negative: no limit any
+    more (the daemon made room for all it may still generate)."""
+
+    kind: ClassVar[str] = "grant"
+    target: int
+    cells: int
 
 
 @dataclass(frozen=True)
@@ -290,6 +320,16 @@ class Tokens(Message):
 
 
 @dataclass(frozen=True)
+class Room(Message):
+    """A generate job reached the cells it may fill (``Generate.cells``): its sequence holds
+    ``resident`` tokens once the tokens it sent are evaluated, and it waits for a ``Grant``
+    (tokens it sampled are sent first)."""
+
+    kind: ClassVar[str] = "room"
+    resident: int
+
+
+@dataclass(frozen=True)
 class Finished(Message):
     """A job ended. ``resident`` is how many tokens its sequence holds now (the truth after a
     cancel or an early stop); ``kept`` is what a sync kept before evaluating; ``stats`` what
@@ -321,15 +361,18 @@ _KINDS: dict[str, type[Message]] = {
         Generate,
         Copy,
         Drop,
+        Share,
         Snapshot,
         Save,
         Restore,
         Cancel,
+        Grant,
         Close,
         Loaded,
         Result,
         Progress,
         Tokens,
+        Room,
         Finished,
         Failed,
     )

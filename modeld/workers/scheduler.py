@@ -28,6 +28,7 @@ from typing import Any
 
 from modeld.backends.base import ModelRuntime, SyncStep
 from modeld.cache.snapfile import SnapshotError, verify_payload
+from modeld.decoding.speculation import DRAFT_MAX
 from modeld.errors import EngineError, ModeldError
 from modeld.workers.protocol import (
     REFUSED,
@@ -38,26 +39,34 @@ from modeld.workers.protocol import (
     Failed,
     Finished,
     Generate,
+    Grant,
     Load,
     Loaded,
     Message,
     Progress,
     Restore,
     Result,
+    Room,
     Save,
+    Share,
     Snapshot,
     Sync,
     Tokenize,
     Tokens,
 )
 
-__all__ = ["Scheduler"]
+__all__ = ["GROW_MARGIN", "Scheduler"]
 
 log = logging.getLogger("modeld.worker")
 
 Send = Callable[[int, Message], None]
 Loader = Callable[[Load], tuple[ModelRuntime, int]]
 """Loads a ``Load``'s model: the runtime, and the process's RSS just before it loaded."""
+
+GROW_MARGIN = DRAFT_MAX + 2
+"""Cells one step of a generate job may add beyond the tokens it yielded (a verify batch
+evaluates a draft before its tokens are yielded); a job with a cell limit pauses when fewer
+than this are left."""
 
 
 @dataclass
@@ -76,6 +85,11 @@ class _Job:
     stopped: set[int] = field(default_factory=set)
     """Generate with forks: the choices the daemon canceled (the others go on)."""
     sent_at: float = float("-inf")
+    limit: int = 0
+    """Generate: the tokens its sequence may hold before it pauses for a ``Grant`` (0: none)."""
+    bound: int = 0
+    """Generate with a limit: what its sequence holds at most once every token it yielded is
+    evaluated (tokens a constraint forces are yielded before their batch is evaluated)."""
 
 
 class Scheduler:
@@ -90,6 +104,8 @@ class Scheduler:
         self._by_op: dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._cancels: set[int] = set()
+        self._parked: dict[int, _Job] = {}
+        """Generate jobs paused at their cell limit (``Room`` sent), until a ``Grant`` or a cancel."""
         self._closed = False
 
     # --- any thread ----------------------------------------------------------------------------
@@ -128,7 +144,15 @@ class Scheduler:
                 self._step()
 
     def _handle(self, op: int, message: Message) -> None:
-        if isinstance(message, Cancel):
+        if isinstance(message, Cancel | Grant):
+            job = self._parked.pop(message.target, None)
+            if job is not None:
+                if isinstance(message, Grant):
+                    if message.cells == 0:
+                        self._finish(job, canceled=False)  # no room: it ends where it is
+                        return
+                    job.limit = job.limit + message.cells if message.cells > 0 else 0
+                self._jobs.append(job)  # a cancel takes effect at its next step
             return
         try:
             if isinstance(message, Load):
@@ -149,6 +173,9 @@ class Scheduler:
                 else:
                     tokens = runtime.generate(message.seq, message.config, message.max_tokens)
                 job = _Job(op, message.seq, tokens, generate=True, interval=message.interval, stopped=stopped)
+                if message.cells > 0:
+                    job.bound = len(runtime.resident(message.seq))
+                    job.limit = job.bound + message.cells
                 self._start(job)
             elif isinstance(message, Tokenize):
                 self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
@@ -158,6 +185,8 @@ class Scheduler:
             elif isinstance(message, Drop):
                 runtime.drop(message.seq)
                 self._send(op, Result())
+            elif isinstance(message, Share):
+                self._send(op, Result(ok=runtime.share(message.src, message.dst, message.n)))
             elif isinstance(message, Snapshot):
                 self._send(op, Result(payload=runtime.snapshot(message.seq)))
             elif isinstance(message, Save):
@@ -201,6 +230,13 @@ class Scheduler:
         if job.canceled.is_set():
             self._finish(job, canceled=True)
             return
+        if job.limit and self._runtime is not None:
+            bound = max(job.bound, len(self._runtime.resident(job.seq)))
+            if bound + GROW_MARGIN > job.limit:  # its next step could overfill its cells
+                self._flush(job, 0.0)
+                self._parked[job.op] = job
+                self._send(job.op, Room(bound))
+                return
         try:
             item = next(job.steps)
         except StopIteration:
@@ -222,6 +258,7 @@ class Scheduler:
             self._send(job.op, Progress(item.kept, item.evaluated, item.total))
         else:
             job.held.append(int(item))
+            job.bound += 1
             logprob = getattr(item, "logprob", None)  # a SampledToken (DecodeConfig.logprobs)
             if logprob is not None:
                 job.held_logprobs.append(logprob)
@@ -258,9 +295,10 @@ class Scheduler:
             self._by_op.pop(job.op, None)
 
     def _close(self) -> None:
-        for job in list(self._jobs):
+        for job in [*self._jobs, *self._parked.values()]:
             self._finish(job, canceled=True)
         self._jobs.clear()
+        self._parked.clear()
         if self._runtime is not None:
             self._runtime.close()
             self._runtime = None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import uuid
@@ -55,7 +56,7 @@ from modeld.errors import (
 from modeld.server.bridge import Bridge, BridgedSession, BridgedStream, Pools
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.v1 import modeld_pb2 as pb
-from modeld.wire import convert
+from modeld.wire import convert, records
 from modeld.wire.status import to_grpc_status, to_status
 
 __all__ = [
@@ -193,8 +194,12 @@ class ModeldServicer:
 
     async def OpenSession(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         async def run() -> Message:
+            job = _job(context)
             hosted = await self.bridge.call(
-                self.gateway.open, convert.open_request_from_pb(request), "grpc", abandoned=_close_soon
+                functools.partial(self.gateway.open, job=job),
+                convert.open_request_from_pb(request),
+                "grpc",
+                abandoned=_close_soon,
             )
             session = hosted.session
             owner = self.gateway.owner
@@ -245,6 +250,14 @@ class ModeldServicer:
             return pb.MetricsResponse(text=text.decode("utf-8"), content_type=content_type)
 
         return await self._unary("Metrics", run, request, context)
+
+    async def ListRequests(self, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        async def run() -> Message:
+            query, rid = records.query_from_pb(request)
+            found = await self.bridge.observe(lambda: self.gateway.requests(query, rid), "ListRequests")
+            return pb.ListRequestsResponse(records=[records.record_to_pb(r) for r in found])
+
+        return await self._unary("ListRequests", run, request, context)
 
     # --- the Session stream ---------------------------------------------------------------
 
@@ -426,6 +439,15 @@ class _StreamState:
             current[1].cancel_now()
 
 
+def _job(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The job label a client put in the call's ``x-modeld-job`` metadata ("" when none), as
+    the session's request records carry it (the gateway refuses a bad one)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-modeld-job":
+            return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else str(value)
+    return ""
+
+
 def _close_soon(hosted: TransportSession) -> None:
     """Close a session off the event loop (closing waits for its running operation)."""
     threading.Thread(target=hosted.close, name="session-close", daemon=True).start()
@@ -475,6 +497,7 @@ def add_to_server(servicer: ModeldServicer, server: grpc.aio.Server) -> None:
         "Status": unary(servicer.Status, pb.StatusRequest, pb.StatusResponse),
         "CountTokens": unary(servicer.CountTokens, pb.CountTokensRequest, pb.CountTokensResponse),
         "Metrics": unary(servicer.Metrics, pb.MetricsRequest, pb.MetricsResponse),
+        "ListRequests": unary(servicer.ListRequests, pb.ListRequestsRequest, pb.ListRequestsResponse),
         "Session": grpc.stream_stream_rpc_method_handler(
             servicer.Session,
             request_deserializer=_safe(pb.SessionRequest),

@@ -3,16 +3,19 @@ and completions, OpenAI's Responses API, Anthropic's Messages API, Ollama's API 
 gateway's worker routes, so coding agents work unchanged, on warm sessions. Design records:
 ``blueprints/0014-openai-http.md``, ``blueprints/0019-agent-apis.md``.
 
-One folder per API (``openai/``, ``responses/``, ``anthropic/``, ``ollama/``, ``sglang/``), each
+The live page and the request records (``ui/``: GETs of the daemon's state, blueprint 0022) sit
+beside them. One folder per API (``openai/``, ``responses/``, ``anthropic/``, ``ollama/``, ``sglang/``), each
 with the same files: ``<api>/request.py`` (its wire format to the one turn), ``<api>/answer.py``
 (the turn's events to its wire format, and its ``Dialect``), ``<api>/routes.py``, and a store
 where the API has one. An API imports only the shared layer below, never another API:
 
 * the turn and the conversation layer: ``turn.py`` (what every API parses into),
-  ``conversations.py`` (a turn run on its conversation's warm session: its events);
+  ``conversations.py`` (a turn run on its conversation's warm session: its events),
+  ``window.py`` (a turn's prompt checked against the window before anything is computed);
 * reading requests and shaping answers alike: ``fields.py`` (typed, bounded field readers),
   ``requests.py`` (samplers from each API's sampler map, ids, text parts, tool calls, response
-  formats), ``answers.py`` (the ``modeld`` extension, logprobs, SSE), ``errors.py`` (one status
+  formats), ``chat_template.py`` (the template's arguments each API maps, what every API says
+  of a model's template), ``answers.py`` (the ``modeld`` extension, logprobs, SSE), ``errors.py`` (one status
   table; OpenAI's error words), ``dialect.py`` (an API's words as a value);
 * the service, by job: ``access.py`` (key, Host, Origin, bounded bodies), ``drain.py``,
   ``models.py`` (names to model files) and ``catalog.py`` (what each can do here, the session a

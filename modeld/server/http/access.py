@@ -6,10 +6,13 @@ off loopback a key is mandatory (``serve`` refuses to start without one). What a
 browser could send is refused everywhere: a ``Host`` that is not a loopback name or the bound
 address (DNS rebinding); any ``Origin`` that is not a loopback ``http(s)`` origin or on the
 allow-list (``--allow-origin``), so ``Origin: null`` (sandboxed frames, ``file://`` pages) and
-extension origins are refused.
+extension origins are refused. The live page (``/ui``, read-only) may also be let in by a cookie
+that ``/ui?token=KEY`` sets (a browser cannot send a header when it opens a page): it holds an
+HMAC of the key, never the key, and is ``HttpOnly`` and ``SameSite=Strict``.
 
-:class:`Bodies`: a POST must be JSON (a page cannot send a "simple" cross-site request that
-needs no preflight); a body is at most ``max_body_bytes``; the bodies of requests in flight
+:class:`Bodies`: a POST body is read as JSON; one that carries an ``Origin`` (a browser's) must
+say so in its ``Content-Type`` (a page cannot send a "simple" cross-site request that needs no
+preflight; a request without ``Origin``, curl's ``-d`` for one, is not a page's); a body is at most ``max_body_bytes``; the bodies of requests in flight
 together at most ``max_inflight_bytes`` (beyond it 503 with ``Retry-After``,
 ``limit_exceeded``); every string a client sends is checked at the edge (a lone surrogate is a
 400).
@@ -18,6 +21,8 @@ together at most ``max_inflight_bytes`` (beyond it 503 with ``Retry-After``,
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import json
 import threading
@@ -32,7 +37,10 @@ from modeld.server.auth import bearer_matches
 from modeld.server.http.errors import HttpError
 from modeld.server.http.fields import check_strings
 
-__all__ = ["Access", "Bodies", "is_loopback_host"]
+__all__ = ["UI_COOKIE", "Access", "Bodies", "is_loopback_host"]
+
+UI_COOKIE = "modeld_ui"
+"""The cookie that lets a browser read the live page and the records with an API key set."""
 
 
 def is_loopback_host(host: str) -> bool:
@@ -57,8 +65,13 @@ class Access:
         self.allowed_origins = allowed_origins
         self.bound_host = bound_host
 
-    def denied(self, request: Request) -> HttpError | None:
-        """Why this request may not be served (None: it may)."""
+    def ui_cookie(self) -> str:
+        """The live page's cookie value for this key (an HMAC of it, never the key itself)."""
+        return hmac.new(self.api_key.encode(), b"modeld live page", hashlib.sha256).hexdigest()
+
+    def denied(self, request: Request, *, cookie: bool = False) -> HttpError | None:
+        """Why this request may not be served (None: it may). ``cookie``: a read-only route of
+        the live page, which the page's cookie also opens."""
         origin = request.headers.get("origin")
         if origin is not None and not self._origin_allowed(origin):
             return HttpError(
@@ -72,6 +85,9 @@ class Access:
             if given is not None and given == self.api_key:
                 return None
             if bearer_matches(request.headers.get("authorization", ""), self.api_key):
+                return None
+            given = request.cookies.get(UI_COOKIE) if cookie else None
+            if given is not None and hmac.compare_digest(given, self.ui_cookie()):
                 return None
             return HttpError(
                 401,
@@ -104,7 +120,10 @@ class Bodies:
     async def read(self, request: Request) -> AsyncIterator[dict[str, Any]]:
         """The request's JSON object, its bytes counted against the in-flight budget while the
         request is handled."""
-        if request.method == "POST":
+        if request.method == "POST" and "origin" in request.headers:
+            # Only a browser sends Origin, and it always does on a cross-site POST: there a JSON
+            # content type is what keeps a page from sending a "simple" request with no
+            # preflight. Without Origin (curl -d, Ollama's own examples) the body is read as JSON.
             kind = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if kind != "application/json" and not kind.endswith("+json"):
                 raise HttpError(

@@ -4,7 +4,7 @@ An API's ``answer.py`` turns the conversation layer's events (``Started``, ``Del
 ``Finished``) into its wire format with these pieces:
 
 * :func:`extension`: the ``modeld`` object every answer carries (which session served the turn,
-  how warm it was and where a cold one diverged);
+  how warm it was and where a cold one diverged, what content was left out of the prompt);
 * :func:`chat_logprobs`: token logprobs in OpenAI's form (chat completions and the Responses
   API write the same entries);
 * :func:`call_arguments`: a tool call's arguments as an object (the APIs that send them parsed:
@@ -41,6 +41,8 @@ def extension(started: Started) -> dict[str, Any]:
         info["diverged_at_token"] = reuse.diverged_at_token
         if started.diverged_message is not None:
             info["diverged_at_message"] = started.diverged_message
+    if started.omitted:  # images, documents of earlier turns: placeholders in the prompt
+        info["omitted_content"] = list(started.omitted)
     return info
 
 

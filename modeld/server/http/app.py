@@ -38,7 +38,7 @@ from modeld.server.http.drain import Drain
 from modeld.server.http.errors import ErrorStyle, HttpError, from_modeld, incident_id
 from modeld.server.http.models import ModelRegistry
 from modeld.server.http.runner import Runner, error_response
-from modeld.settings import HttpSettings, Limits, Serving
+from modeld.settings import HttpSettings, Limits, Serving, parse_tool_formats
 
 __all__ = ["HttpService", "error_response", "guarded"]
 
@@ -79,9 +79,16 @@ class HttpService:
             self.bridge,
             max_conversations=settings.max_conversations,
             idle_seconds=settings.conversation_idle_seconds,
+            tool_formats=parse_tool_formats(settings.tool_formats),
         )
         self.runner = Runner(
-            gateway, self.bridge, self.catalog, self.conversations, self.drain, settings.max_output_tokens
+            gateway,
+            self.bridge,
+            self.catalog,
+            self.conversations,
+            self.drain,
+            settings.max_output_tokens,
+            settings.keepalive_seconds,
         )
 
     @property
@@ -117,19 +124,25 @@ class HttpService:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
-def guarded(service: HttpService, handler: Handler, style: ErrorStyle) -> Handler:
-    """``handler`` behind the access checks, with every failure as the API's JSON error."""
+def guarded(
+    service: HttpService,
+    handler: Handler,
+    style: ErrorStyle,
+    status: Callable[[HttpError], int] | None = None,
+) -> Handler:
+    """``handler`` behind the access checks, with every failure as the API's JSON error (and
+    the status the API gives it, ``status``: Anthropic's 529)."""
 
     async def run(request: Request) -> Response:
         denied = service.access.denied(request)
         if denied is not None:
-            return error_response(denied, style)
+            return error_response(denied, style, status)
         try:
             return await handler(request)
         except HttpError as exc:
-            return error_response(exc, style)
+            return error_response(exc, style, status)
         except ModeldError as exc:
-            return error_response(from_modeld(exc, incident_id()), style)
+            return error_response(from_modeld(exc, incident_id()), style, status)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -144,6 +157,6 @@ def guarded(service: HttpService, handler: Handler, style: ErrorStyle) -> Handle
             error = HttpError(
                 500, f"internal error (incident {incident}; see the daemon's log)", code="internal"
             )
-            return error_response(error, style)
+            return error_response(error, style, status)
 
     return run

@@ -42,7 +42,7 @@ class Catalog:
         self.bridge = bridge
         self.settings = settings
         self.describe_seconds = describe_seconds
-        self._infos: dict[tuple[str, float], ModelInfo] = {}
+        self._infos: dict[tuple[str, float, str], ModelInfo] = {}
 
     @property
     def backend(self) -> str:
@@ -76,17 +76,22 @@ class Catalog:
             type=self.backend,
             path=entry.path,
             config=replace(self._config(turn.num_ctx), prompt_format="chat" if turn.chat else "raw"),
-            keep_alive_seconds=keep_alive or 0.0,
+            keep_alive_seconds=max(keep_alive or 0.0, 0.0),
+            chat_template=entry.chat_template,
         )
 
     async def describe(self, entry: ModelEntry) -> ModelInfo | None:
         """What the model can do here (cached per file version); None if it cannot be read."""
-        key = (entry.path, float(entry.created))
+        key = (entry.path, float(entry.created), entry.chat_template)
         info = self._infos.get(key)
         if info is not None:
             return info
         request = OpenSessionRequest(
-            model_name=entry.name, type=self.backend, path=entry.path, config=self._config()
+            model_name=entry.name,
+            type=self.backend,
+            path=entry.path,
+            config=self._config(),
+            chat_template=entry.chat_template,
         )
         seconds = self.describe_seconds
 

@@ -6,7 +6,10 @@ warm session, through the one asyncio bridge (:mod:`modeld.server.bridge`): ``en
 prompt was reused and why), then :class:`Delta` events (answer text, reasoning, tool-call
 pieces, logprobs) and one :class:`Finished` (the contract's finish reason, the complete calls,
 :class:`TurnUsage`). Every API adapter shapes these same events, so warm mapping, tool-call
-parsing, reasoning, usage accounting and errors are written once. A failure before
+parsing, reasoning, usage accounting and errors are written once. Before anything is computed
+the turn is checked against the window (:mod:`modeld.server.http.window`: a prompt that does not
+fit is refused in each API's words, or truncated where the API truncates), and an output limit
+beyond the window decodes until the window is full. A failure before
 :class:`Started` raises :class:`~modeld.server.http.errors.HttpError` (the API answers with its
 status); after it, the stream's :class:`Finished` carries ``error``.
 
@@ -20,10 +23,12 @@ a conversation whose session is busy runs on a session of its own, closed when i
 (sessions are not for concurrent use). A session goes back to its conversation only once the
 engine has really stopped working on it (a cancelled request interrupts the engine first).
 
-It also remembers the exact text of the tool calls it returned (the last
-:data:`REMEMBERED_CALLS` replies, by their call ids), so when a tool sends those calls back in
-the history they are written as the model generated them and the next turn reuses every
-generated token (``blueprints/0018``).
+It also remembers how the model wrote the arguments of the tool calls it returned (the last
+:data:`REMEMBERED_CALLS` calls, by id: the JSON text in ``StreamChunk.tool_text`` that the
+parser read them from; a client gets them re-serialized). When a client sends such a call back
+unchanged, its arguments go to the template as the model wrote them, so a template that shows
+arguments text as it is renders the call byte for byte and the next turn reuses every
+generated token (``blueprints/0010``, ``0018``).
 
 Usage (:class:`TurnUsage`), the same numbers on every API: ``prompt_tokens`` the turn's whole
 prompt; ``cached_tokens`` those not computed this turn (reused from warm state: the KV, or a
@@ -35,11 +40,12 @@ volatile suffix, and anything another session displaced).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, replace
 
 from modeld.contract import (
@@ -47,6 +53,7 @@ from modeld.contract import (
     OpenSessionRequest,
     PrefixInput,
     PrefixStatus,
+    ProgressCallback,
     StreamChunk,
     SuffixInput,
     TokenLogprob,
@@ -54,7 +61,9 @@ from modeld.contract import (
     ToolCallDelta,
     Usage,
 )
-from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning
+from modeld.decoding.harmony import HarmonySplitter
+from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning, make_splitter
+from modeld.decoding.tools import CallKey, call_key
 from modeld.errors import (
     LimitExceededError,
     ModeldError,
@@ -62,10 +71,12 @@ from modeld.errors import (
     UnsupportedError,
     error_from_reason,
 )
+from modeld.observe.records import Recording
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
-from modeld.server.http.turn import Turn, chat_inputs, split_point
+from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args_json
+from modeld.server.http.window import Window
 
 __all__ = [
     "REMEMBERED_CALLS",
@@ -81,8 +92,8 @@ __all__ = [
     "first_event",
 ]
 
-REMEMBERED_CALLS = 256
-"""Replies with tool calls whose exact text is kept (a few KiB each at most)."""
+REMEMBERED_CALLS = 1024
+"""Tool calls whose arguments text, as the model wrote it, is kept (by call id)."""
 
 log = logging.getLogger("modeld.http")
 
@@ -125,6 +136,7 @@ class Started:
     choices: int = 1  # the choices this turn's events carry (n, or 1 when they are decoded one by one)
     decoded: str = "together"  # how n > 1 choices are decoded: together, once (greedy), one by one
     why: str = ""  # why they are not decoded together
+    omitted: tuple[str, ...] = ()  # the turn's content left out of the prompt (images...: "where: kind")
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,14 +184,17 @@ class Conversations:
         *,
         max_conversations: int,
         idle_seconds: float,
+        tool_formats: Mapping[str, str] | None = None,
     ) -> None:
         self._gateway = gateway
         self._bridge = bridge
+        self.tool_formats = dict(tool_formats or {})  # model name -> its format (--tool-format)
         self.max_conversations = max_conversations
         self.idle_seconds = idle_seconds
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
-        self._calls: OrderedDict[tuple[str, ...], str] = OrderedDict()
+        self._calls: OrderedDict[CallKey, str] = OrderedDict()
+        self.window = Window()
 
     def __len__(self) -> int:
         with self._lock:
@@ -251,20 +266,29 @@ class Conversations:
             entry.busy = False
             entry.last_used = time.monotonic()
 
-    def remember_calls(self, ids: tuple[str, ...], text: str) -> None:
-        """The calls ``ids`` of a reply were generated as ``text`` (``StreamChunk.tool_text``)."""
-        if not ids or not text:
-            return
-        with self._lock:
-            self._calls[ids] = text
-            self._calls.move_to_end(ids)
-            while len(self._calls) > REMEMBERED_CALLS:
-                self._calls.popitem(last=False)
+    def remember_calls(self, calls: tuple[ToolCall, ...], text: str) -> None:
+        """The model wrote ``calls`` as ``text`` (``StreamChunk.tool_text``): keep each call's
+        arguments as written there (found as the JSON object equal to its arguments), by the
+        call's id, name and arguments (:func:`~modeld.decoding.tools.call_key`: families with
+        ids of their own repeat them, Kimi's ``functions.NAME:0`` in every turn, so the id
+        alone would recall another turn's call)."""
+        for call in calls:
+            written = written_arguments(text, call.arguments)
+            if written is None or written == call.arguments:
+                continue
+            key = call_key([call])
+            with self._lock:
+                self._calls[key] = written
+                self._calls.move_to_end(key)
+                while len(self._calls) > REMEMBERED_CALLS:
+                    self._calls.popitem(last=False)
 
-    def recall_calls(self, ids: tuple[str, ...]) -> str | None:
-        """The generated text of the calls ``ids`` (in order, as returned), if remembered."""
+    def recall(self, call: ToolCall) -> str:
+        """The arguments of ``call`` as the model wrote them, when it is one this daemon returned
+        and the client sent it back (its arguments equal as JSON); else as the client sent them."""
         with self._lock:
-            return self._calls.get(ids)
+            written = self._calls.get(call_key([call]))
+        return call.arguments if written is None else written
 
     def sweep(self) -> int:
         """Close conversations idle for longer than ``idle_seconds`` (0: never); returns how many."""
@@ -285,6 +309,15 @@ class Conversations:
         for hosted in closing:
             _close(hosted)
 
+    def close_model(self, model_name: str) -> int:
+        """Close the idle conversations on the model ``model_name`` (before it is unloaded)."""
+        with self._lock:
+            stale = [k for k, e in self._table.items() if not e.busy and k[1] == model_name]
+            closing = [self._table.pop(k).hosted for k in stale]
+        for hosted in closing:
+            _close(hosted)
+        return len(closing)
+
     def close_all(self) -> None:
         with self._lock:
             closing = [e.hosted for e in self._table.values()]
@@ -299,45 +332,83 @@ class Conversations:
 
     # --- running a turn ---------------------------------------------------------------------
 
-    async def run(self, turn: Turn, request: OpenSessionRequest) -> AsyncGenerator[Event, None]:
-        """Run ``turn`` on its conversation's session: Started, Deltas, Finished.
+    async def run(
+        self,
+        turn: Turn,
+        request: OpenSessionRequest,
+        progress: ProgressCallback | None = None,
+        recording: Recording | None = None,
+    ) -> AsyncGenerator[Event, None]:
+        """Run ``turn`` on its conversation's session: Started, Deltas, Finished (``progress``
+        hears how a long prefill goes, on the event loop). ``recording``: the request's record,
+        which the session's turn counts into (blueprint 0022).
 
         Closing the iterator early (the client went away) cancels the decode within one token
         step, or interrupts the prefill it waits for."""
         try:
             async with self.session(turn.conversation(), request) as session:
-                async for event in self._run(turn, session):
-                    yield event
+                observed = session.hosted.session
+                if recording is not None:
+                    observed.record(recording)
+                try:
+                    async for event in self._run(turn, session, request, progress, recording):
+                        yield event
+                finally:
+                    if recording is not None:  # once the engine is idle: a turn cut short lets go
+                        session.when_idle(lambda: observed.turn.let_go(recording))
         except ModeldError as exc:
             raise from_modeld(exc, incident_id()) from None
 
+    async def _count(self, turn: Turn, info: ModelInfo, request: OpenSessionRequest) -> int:
+        """The turn's prompt in tokens on this model (rendered and tokenized; nothing computed)."""
+        prefix, suffix = self.inputs(turn, info)
+        return await self._bridge.call(self._gateway.count_tokens, request, prefix, suffix)
+
     def inputs(self, turn: Turn, info: ModelInfo) -> tuple[PrefixInput, SuffixInput | None]:
-        """The turn as the contract's prefix and suffix for this model (its tool-call format)."""
+        """The turn as the contract's prefix and suffix (messages whole: the model's template
+        renders them, tool calls in its own format)."""
         if not turn.chat:
             return PrefixInput(text=turn.prompt or ""), None
-        fmt = info.tool_format or "hermes"  # calls in the history, in the model's format
         return chat_inputs(
             turn.messages,
             split_point(turn.messages),
             turn.tools_json,
-            fmt,
-            self.recall_calls,
             f"http.{turn.api}",
+            template_args_json(turn),
+            self.recall,
         )
 
-    async def _run(self, turn: Turn, session: BridgedSession) -> AsyncIterator[Event]:
+    def _format(self, turn: Turn) -> str:
+        """The turn's tool-call format: its own, else the model's ``--tool-format`` ("": the
+        one the engine recognises from the template)."""
+        return turn.decode.tool_format or self.tool_formats.get(turn.model, "")
+
+    async def _run(
+        self,
+        turn: Turn,
+        session: BridgedSession,
+        request: OpenSessionRequest,
+        progress: ProgressCallback | None,
+        recording: Recording | None = None,
+    ) -> AsyncIterator[Event]:
         info = session.info
+        turn = await self.window.fitted(turn, info.effective_context, lambda t: self._count(t, info, request))
         prefix, suffix = self.inputs(turn, info)
-        status = await session.ensure_prefix(prefix)
+        status = await session.ensure_prefix(prefix, progress)
         restored = 0
         suffix_tokens = 0
+        kept = status.prefix_tokens
         if suffix is not None:
-            after = await session.prefill_suffix(suffix)
+            after = await session.prefill_suffix(suffix, progress)
             restored, suffix_tokens = after.restored_tokens, after.suffix_tokens
-        prompt = status.prefix_tokens + suffix_tokens
-        cached = max(0, status.reused_tokens - restored)
+            kept = after.prefix_tokens  # the template may have cut the prefix back (blueprint 0010)
+        prompt = kept + suffix_tokens
+        cached = max(0, min(status.reused_tokens, kept) - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
+        self.window.measured(turn, prompt)
         message = await self._diverged_message(session, status) if turn.chat else None
+        if recording is not None and message is not None:
+            recording.set(diverged_message=message)
         if status.reuse.diverged_at_token is not None:
             log.info(
                 "%s: %s prefix (%s), reused %d of %d tokens; diverged at token %d, message %s",
@@ -349,12 +420,22 @@ class Conversations:
                 status.reuse.diverged_at_token,
                 "?" if message is None else message,
             )
-        started = Started(session.session_id, status, message, info, usage, choices=turn.n)
+        started = Started(
+            session.session_id, status, message, info, usage, choices=turn.n, omitted=turn.omitted_content
+        )
         if turn.max_tokens == 0:  # only the prompt: warm it, generate nothing
             yield started
             yield Finished("length", usage)
             return
-        config = replace(turn.decode, max_tokens=turn.max_tokens or info.effective_context, n=turn.n)
+        # An output limit beyond the window decodes until the window is full and stops there
+        # ("length", each API's own reason), as llama-server does: never a 400 after the prefill.
+        window = info.effective_context
+        config = replace(
+            turn.decode,
+            max_tokens=min(turn.max_tokens or window, window),
+            n=turn.n,
+            tool_format=self._format(turn),
+        )
         try:
             stream = await session.decode(config)
         except UnsupportedError as exc:
@@ -368,7 +449,7 @@ class Conversations:
             yield started
             fmt_reasoning = detect_reasoning(info.chat_template) if turn.chat else None
             splitters = [
-                ReasoningSplitter(fmt_reasoning) if fmt_reasoning is not None else None
+                make_splitter(fmt_reasoning) if fmt_reasoning is not None else None
                 for _ in range(started.choices)
             ]
             reasoning_tokens = [0] * started.choices
@@ -420,8 +501,8 @@ class Conversations:
         calls = chunk.tool_calls + ((chunk.signal,) if chunk.signal is not None else ())
         if not turn.parallel_tool_calls:
             calls = calls[:1]
-        if chunk.tool_calls:
-            self.remember_calls(tuple(c.id for c in chunk.tool_calls), chunk.tool_text)
+        if chunk.tool_calls and chunk.tool_text:
+            self.remember_calls(chunk.tool_calls, chunk.tool_text)
         return Finished(
             chunk.finish_reason or "stop",
             usage,
@@ -432,7 +513,7 @@ class Conversations:
         )
 
 
-def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | None) -> tuple[Delta, int]:
+def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | HarmonySplitter | None) -> tuple[Delta, int]:
     """A chunk as a Delta (answer and reasoning split), and how many of its tokens were reasoning
     (a chunk that carries the end of the thinking splits its tokens by characters)."""
     if splitter is None or not chunk.text:
@@ -475,6 +556,25 @@ def _usage(usage: Usage | None, started: TurnUsage, reasoning_tokens: int) -> Tu
         draft_batches=usage.draft_batches,
         forced_tokens=usage.forced_tokens,
     )
+
+
+def written_arguments(text: str, arguments: str) -> str | None:
+    """The JSON object in ``text`` equal to ``arguments`` (JSON text), as written there."""
+    try:
+        wanted = json.loads(arguments)
+    except ValueError:
+        return None
+    decoder = json.JSONDecoder()
+    at = text.find("{")
+    while at >= 0:
+        try:
+            value, end = decoder.raw_decode(text, at)
+        except ValueError:
+            value, end = None, at + 1
+        if value == wanted and isinstance(value, dict):
+            return text[at:end]
+        at = text.find("{", at + 1)
+    return None
 
 
 def _close(hosted: TransportSession) -> None:

@@ -13,15 +13,18 @@ switch on the path.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from modeld.contract import PrefillProgress
+from modeld.server.http.answers import sse
 from modeld.server.http.conversations import Collected, Event, Started
-from modeld.server.http.errors import ErrorStyle
+from modeld.server.http.errors import ErrorStyle, HttpError
 from modeld.server.http.turn import Turn
 
-__all__ = ["Asked", "Dialect"]
+__all__ = ["Asked", "Dialect", "comment"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,14 @@ def _no_headers() -> Mapping[str, str]:
     return {}
 
 
+def comment(_asked: Asked, progress: PrefillProgress | None) -> bytes:
+    """An SSE comment (``: ...``): every SSE reader skips it, and it keeps the connection alive
+    (llama-server's ``--sse-ping-interval`` sends ``:``); it says how far a prefill got."""
+    if progress is None:
+        return b": modeld is working\n\n"
+    return f": modeld {progress.stage} prefill {progress.done}/{progress.total} tokens\n\n".encode()
+
+
 @dataclass(frozen=True)
 class Dialect(Generic[A]):
     """One API's words: its error body, a whole answer (``complete``), the stream of one
@@ -58,7 +69,25 @@ class Dialect(Generic[A]):
     paths: tuple[str, ...] = ()
     """Path prefixes whose failures (a route that does not exist, a method it does not take)
     this dialect words."""
+    alive: Callable[[A, PrefillProgress | None], bytes] = field(default=comment)
+    """What a silent stream sends to stay alive (a long prefill, hidden thinking), in the API's
+    form; it never changes what the answer says (the prefill's progress where it has one)."""
+    failed: Callable[[A, HttpError], bytes] | None = None
+    """A failure inside a stream, as the API's error event (None: ``data: <the error body>``,
+    what OpenAI's clients read)."""
+    status: Callable[[HttpError], int] | None = None
+    """The status the API answers an error with, where it is not modeld's (Anthropic's 529)."""
+    overflow_in_stream: bool = False
+    """A prompt beyond the window is answered inside the stream (``failed``), not with a 400:
+    the Responses API's way, where Codex recognizes a full window."""
 
     @property
     def ndjson(self) -> bool:
         return self.media_type != "text/event-stream"
+
+    def stream_error(self, asked: A, error: HttpError) -> bytes:
+        """``error`` inside a stream, in this API's words."""
+        if self.failed is not None:
+            return self.failed(asked, error)
+        body = self.error(error)
+        return json.dumps(body, ensure_ascii=False).encode() + b"\n" if self.ndjson else sse(body)

@@ -24,9 +24,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from modeld.errors import ModeldError
+from modeld.errors import ContextOverflowError, ModeldError
 
-__all__ = ["ErrorStyle", "HttpError", "bad", "from_modeld", "incident_id", "openai_error", "unsupported"]
+__all__ = [
+    "WindowExceededError",
+    "ErrorStyle",
+    "HttpError",
+    "bad",
+    "from_modeld",
+    "incident_id",
+    "openai_error",
+    "overflow",
+    "unsupported",
+]
 
 log = logging.getLogger("modeld.http")
 
@@ -56,6 +66,31 @@ class HttpError(Exception):
         if self.status == 401:
             out["WWW-Authenticate"] = "Bearer"
         return out
+
+
+@dataclass
+class WindowExceededError(HttpError):
+    """The prompt does not fit the window (``prompt_tokens`` of a ``window``-token window, with
+    the one token the answer needs). Every API words it as its clients recover from it
+    (Anthropic's ``prompt is too long: N tokens > M maximum``, which Claude Code parses to
+    compact; OpenAI's ``context_length_exceeded``; Ollama's own words); the Responses API sends
+    it inside the stream, where Codex looks for it."""
+
+    prompt_tokens: int = 0
+    window: int = 0
+
+
+def overflow(prompt_tokens: int, window: int) -> WindowExceededError:
+    """The 400 for a prompt of ``prompt_tokens`` that does not fit a ``window``-token window."""
+    return WindowExceededError(
+        400,
+        f"the prompt is {prompt_tokens} tokens and the model's window is {window} tokens "
+        "(one is needed for the answer): shorten the conversation",
+        code="context_length_exceeded",
+        param="messages",
+        prompt_tokens=prompt_tokens,
+        window=window,
+    )
 
 
 def bad(param: str, message: str, code: str = "invalid_value") -> HttpError:
@@ -92,6 +127,8 @@ def from_modeld(exc: ModeldError, incident: str) -> HttpError:
         log.error("request failed (incident %s): %s [%s]", incident, exc.message, exc.reason)
     else:
         message = exc.message
+    if isinstance(exc, ContextOverflowError):
+        return overflow(exc.resident + exc.additional, exc.window)
     field = exc.details.get("field")
     param = _PARAMS.get(field, field) if field else exc.details.get("limit") or None
     if status < 500:
@@ -126,4 +163,10 @@ def openai_error(error: HttpError) -> dict[str, Any]:
         kind = "rate_limit_error"
     if error.status == 401:
         kind = "authentication_error"
-    return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+    message = error.message
+    if isinstance(error, WindowExceededError):  # OpenAI's own words for it
+        message = (
+            f"This model's maximum context length is {error.window} tokens. However, your messages "
+            f"resulted in {error.prompt_tokens} tokens. Please reduce the length of the messages."
+        )
+    return {"error": {"message": message, "type": kind, "param": error.param, "code": error.code}}

@@ -11,7 +11,8 @@ with these pieces, so a rule is written once and every API follows it:
 * :func:`ident`: an id or a name a client sends back (call ids, tool names: a string of at most
   :data:`~modeld.server.http.fields.MAX_KEY_CHARS` characters).
 * :func:`text_parts` / :func:`text_part`: content given as a string or as typed parts, of which
-  only text is read (an image or a file is refused by name: the models modeld serves read text).
+  only text is read (an image or a file is refused by name: the models modeld serves read text;
+  within :func:`media_omitted`, one in an earlier turn becomes a named placeholder, :class:`Media`).
 * :func:`checked_call`: a tool call given back in the history (a JSON object as arguments);
   :func:`function_tool`: a tool definition in OpenAI's function form (every chat template
   takes it), :func:`tools_json_of` the JSON of several.
@@ -27,8 +28,11 @@ blocks, Ollama's options); they stay in its folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Collection, Mapping
+import re
+from collections.abc import Collection, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +45,17 @@ from modeld.server.http.turn import Keys
 
 __all__ = [
     "MEDIA",
+    "Media",
     "SamplerField",
     "SamplerMap",
     "checked_call",
     "conversation_keys",
     "function_tool",
     "ident",
+    "ident_field",
     "key_value",
+    "media_omitted",
+    "placeholder",
     "response_format",
     "samplers",
     "text_part",
@@ -110,8 +118,73 @@ def ident(value: object, where: str, *, required: bool = True) -> str:
     return value
 
 
+def ident_field(obj: Mapping[str, Any], key: str, where: str) -> str:
+    """An optional id or name field of a message (``tool_call_id``, ``name``): "" when absent,
+    else as :func:`ident` checks it."""
+    value = obj.get(key)
+    return "" if value is None else ident(value, f"{where}.{key}", required=False)
+
+
 MEDIA = frozenset({"image", "image_url", "input_image", "document", "file", "input_file", "input_audio"})
-"""Content part types that carry images, documents or sound: refused by name everywhere."""
+"""Content part types that carry images, documents or sound (the models modeld serves read text
+only): in an earlier message a named placeholder (:class:`Media`), in the newest refused by name."""
+_KIND = {"image_url": "image", "input_image": "image", "input_file": "file", "input_audio": "audio"}
+_ITEM = re.compile(r"^(?:messages|input)[.\[](\d+)")
+
+
+def placeholder(kind: str) -> str:
+    """What the model reads where an image (a document, ...) was: it is told something was there."""
+    return f"[{kind} omitted: this model reads text only]"
+
+
+class Media:
+    """The images, documents and files of one request's content, as it is parsed (the models
+    modeld serves read text only). A session must not die of one: Claude Code's screenshots and
+    Reads of a PNG, Codex's ``view_image`` stay in the history of every later request. So in an
+    earlier message each becomes a named placeholder (:func:`placeholder`) and is listed in the
+    answer's ``modeld.omitted_content``; in the newest message (the last: what the model is asked
+    to look at now) it is refused by name. Collected while
+    :func:`media_omitted` is open; :meth:`settle` decides."""
+
+    def __init__(self) -> None:
+        self.omitted: list[tuple[str, str]] = []
+
+    def omit(self, at: str, kind: str) -> str:
+        kind = _KIND.get(kind, kind)
+        self.omitted.append((at, kind))
+        return placeholder(kind)
+
+    def settle(self, items: int, *, refuse: bool = True) -> tuple[str, ...]:
+        """Refuse what is in the newest message (the last of the request's ``items``); the rest as
+        ``"<where>: <kind>"`` for the answer. Only the last message is the question: a turn that
+        failed on an image (refused) stays in the agent's history without an answer, and the next
+        request, a new message after it, must go on."""
+        newest = items - 1 if refuse else items  # (a count of tokens answers for any message)
+        for at, kind in self.omitted:
+            found = _ITEM.match(at)
+            if found is None or int(found.group(1)) >= newest:
+                raise unsupported(
+                    f"{at}.type",
+                    f"{at} is {kind} content in the newest message: the models modeld serves read text only "
+                    f"(in an earlier message it is left out and named)",
+                )
+        return tuple(f"{at}: {kind}" for at, kind in self.omitted)
+
+
+_MEDIA: ContextVar[Media | None] = ContextVar("modeld_media", default=None)
+
+
+@contextlib.contextmanager
+def media_omitted() -> Iterator[Media]:
+    """Parse a request's content with images and documents left out (:class:`Media`) instead of
+    refused at once: the parser settles them when it knows which turn is the newest."""
+    media = Media()
+    token = _MEDIA.set(media)
+    try:
+        yield media
+    finally:
+        _MEDIA.reset(token)
+
 
 TEXT_KEYS: Mapping[str, str] = {"text": "text"}
 """Part type -> the key holding its text (an API adds its own: ``input_text``, ``refusal``)."""
@@ -134,6 +207,9 @@ def text_part(
     if isinstance(kind, str) and kind in skip:
         return None
     if kind in MEDIA:
+        media = _MEDIA.get()
+        if media is not None:
+            return media.omit(at, str(kind))
         raise unsupported(f"{at}.type", f"{at} is {kind} content: the models modeld serves read text only")
     raise unsupported(f"{at}.type", f"{at} of type {echo(kind)} is not supported (text parts only)")
 

@@ -38,6 +38,7 @@ from modeld.server.http.responses import routes as responses
 from modeld.server.http.responses.answer import RESPONSES
 from modeld.server.http.runner import error_response
 from modeld.server.http.sglang import routes as sglang
+from modeld.server.http.ui import routes as ui
 
 __all__ = ["APIS", "DIALECTS", "build_app"]
 
@@ -49,6 +50,7 @@ APIS: tuple[Callable[[HttpService], list[Route]], ...] = (
     anthropic.routes,
     ollama.routes,
     sglang.routes,
+    ui.routes,
 )
 """Every API's routes, in the order they are matched."""
 

@@ -16,12 +16,18 @@ and user messages. The same order for every API.
 
 Splitting into the contract's prefix and suffix (:func:`chat_inputs`): the stable prefix is
 the conversation through its last assistant message (a first turn: the leading system
-messages, at least one message, because templates index ``messages[0]``); the suffix is what
-follows (the new user turn, tool results). One manifest segment per message, with its role.
+messages, at least one message); the suffix is what follows (the new user turn, tool results).
+One manifest segment of kind ``message`` per message: the message whole, as JSON (role,
+content as a string or as text parts, tool calls with their arguments as sent (the renderer
+gives a template objects where it formats them itself), the id and
+name a tool result answers, the reasoning), so the model's template renders it as it was sent
+(blueprint 0010). The template's arguments (``Turn.template_args``: ``enable_thinking``,
+``reasoning_effort``, ``chat_template_kwargs``) go with the prefix.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -31,10 +37,18 @@ import xxhash
 
 from modeld.contract import DecodeConfig, PrefixInput, SuffixInput, ToolCall
 from modeld.decoding.sampling import choice_seed
-from modeld.decoding.tools import format_calls
 from modeld.manifest import ContextManifest, Segment
 
-__all__ = ["Keys", "Message", "Recall", "Turn", "chat_inputs", "split_point"]
+__all__ = [
+    "Keys",
+    "Message",
+    "Recall",
+    "Turn",
+    "chat_inputs",
+    "split_point",
+    "template_args_json",
+    "turn_bytes",
+]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -43,12 +57,17 @@ ROLES = ("system", "user", "assistant", "tool")
 class Message:
     """One message of the conversation. ``calls``: the tool calls an assistant message made;
     ``reasoning``: what an assistant thought (history only: templates decide whether it is
-    shown to the model again)."""
+    shown to the model again); ``tool_call_id`` and ``name``: the call a tool result answers
+    and its function; ``parts``: the content's text parts when the client sent it as parts
+    (``content`` is then their text joined)."""
 
     role: str
     content: str
     calls: tuple[ToolCall, ...] = ()
     reasoning: str = ""
+    tool_call_id: str = ""
+    name: str = ""
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +115,10 @@ class Turn:
     parallel_tool_calls: bool = True
     num_ctx: int = 0  # a context window the request asks for (Ollama's options.num_ctx); 0: default
     omitted_tools: tuple[str, ...] = ()
+    template_args: tuple[tuple[str, object], ...] = ()  # chat-template variables (``template_args``)
     n: int = 1  # choices (OpenAI's n): decoded together from the same prompt (else one after another)
+    truncate: bool = False  # a prompt beyond the window loses its oldest messages (Ollama's way)
+    omitted_content: tuple[str, ...] = ()  # images, documents of earlier turns left out ("where: kind")
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -115,6 +137,20 @@ class Turn:
         return self.keys.resolve() or (
             f"completions:{self.model}" if not self.chat else auto_key(self.model, self.messages)
         )
+
+
+def turn_bytes(turn: Turn) -> int:
+    """The bytes of text the turn sends the model (its messages, calls and tools, or its raw
+    prompt): what its prompt's size is estimated from before it is counted."""
+    if not turn.chat:
+        return len((turn.prompt or "").encode("utf-8", "surrogatepass"))
+    size = len(turn.tools_json.encode("utf-8", "surrogatepass"))
+    for m in turn.messages:
+        size += len(m.content.encode("utf-8", "surrogatepass")) + len(
+            m.reasoning.encode("utf-8", "surrogatepass")
+        )
+        size += sum(len(c.name) + len(c.arguments.encode("utf-8", "surrogatepass")) for c in m.calls)
+    return size
 
 
 def auto_key(model: str, messages: Sequence[Message]) -> str:
@@ -143,35 +179,60 @@ def split_point(messages: Sequence[Message]) -> int:
     return max(k, 1)
 
 
-Recall = Callable[[tuple[str, ...]], str | None]
-"""The exact generated text of calls this daemon returned, by their ids (None: not known)."""
+Recall = Callable[[ToolCall], str]
+"""A call's arguments text as the model wrote it, when the daemon knows it (else as sent)."""
+
+
+def message_json(message: Message, recall: Recall | None = None) -> str:
+    """One message whole, as the JSON a ``message`` segment carries (the same bytes for the same
+    message on every turn): the fields the client sent, nothing made up (a tool result names
+    its function only if the client did: templates that need it look it up by the call's id, as
+    with llama-server); ``recall``: a call's arguments as the model wrote them."""
+    value: dict[str, object] = {"role": message.role}
+    if message.parts:
+        value["content"] = [{"type": "text", "text": p} for p in message.parts]
+    else:
+        value["content"] = message.content
+    if message.reasoning:
+        value["reasoning_content"] = message.reasoning
+    if message.calls:
+        value["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": recall(c) if recall is not None else c.arguments},
+            }
+            for c in message.calls
+        ]
+    if message.tool_call_id:
+        value["tool_call_id"] = message.tool_call_id
+    if message.name:
+        value["name"] = message.name
+    return json.dumps(value, ensure_ascii=False)
 
 
 def chat_inputs(
     messages: Sequence[Message],
     k: int,
     tools_json: str,
-    fmt: str,
-    recall: Recall | None,
     profile: str,
+    args: str = "",
+    recall: Recall | None = None,
 ) -> tuple[PrefixInput, SuffixInput]:
-    """The prefix (messages before ``k``) and suffix, one manifest segment per message; an
-    assistant message's tool calls follow its content, written in the model's format ``fmt``
-    (the exact generated text where ``recall`` knows it)."""
+    """The prefix (messages before ``k``) and suffix, one ``message`` segment per message;
+    ``args``: the template's arguments (a JSON object, or ""); ``recall``: calls' arguments as
+    the model wrote them (:meth:`Conversations.recall`)."""
     prefix_parts: list[bytes] = []
     suffix_parts: list[bytes] = []
     segments: list[Segment] = []
     offset = 0
     for i, m in enumerate(messages):
-        text = m.content
-        if m.calls:
-            known = recall(tuple(c.id for c in m.calls)) if recall is not None else None
-            text += known if known is not None else (("\n" if text else "") + format_calls(fmt, m.calls))
-        data = text.encode("utf-8")
+        data = message_json(m, recall).encode("utf-8")
         stable = i < k
-        kind = "system" if i == 0 and m.role == "system" and stable else "history"
         segments.append(
-            Segment(kind=kind, byte_start=offset, byte_end=offset + len(data), stable=stable, role=m.role)
+            Segment(
+                kind="message", byte_start=offset, byte_end=offset + len(data), stable=stable, role=m.role
+            )
         )
         (prefix_parts if stable else suffix_parts).append(data)
         offset += len(data)
@@ -183,6 +244,13 @@ def chat_inputs(
         segments=tuple(segments),
     )
     return (
-        PrefixInput(text=prefix_text, manifest=manifest, tools_json=tools_json),
+        PrefixInput(text=prefix_text, manifest=manifest, tools_json=tools_json, template_args_json=args),
         SuffixInput(text=b"".join(suffix_parts).decode("utf-8"), manifest=manifest),
+    )
+
+
+def template_args_json(turn: Turn) -> str:
+    """The turn's chat-template arguments as the JSON object the prefix carries ("" for none)."""
+    return (
+        json.dumps(dict(turn.template_args), ensure_ascii=False, sort_keys=True) if turn.template_args else ""
     )

@@ -3,11 +3,12 @@
 The turn's events become a ``message`` (:func:`message_complete`) or its stream
 (:func:`message_stream`: ``message_start``, ``content_block_start``, ``content_block_delta``
 with ``text_delta`` / ``input_json_delta`` / ``thinking_delta``, ``content_block_stop``,
-``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` after the start).
+``message_delta`` with the stop reason and usage, ``message_stop``; ``ping`` after the start and
+whenever the stream is silent, ``error`` on a failure).
 The request side is :mod:`modeld.server.http.anthropic.request`'s; the fields and the usage's
 cache accounting are described there and in ``blueprints/0019-agent-apis.md``. :data:`ANTHROPIC`
-is the dialect: Anthropic's error envelope (also for any path under ``/v1/messages``), a
-``request-id`` header on every answer.
+is the dialect: Anthropic's error envelope (also for any path under ``/v1/messages``) with its
+``request_id`` and 529 for an overloaded daemon, a ``request-id`` header on every answer.
 """
 
 from __future__ import annotations
@@ -16,15 +17,23 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from modeld.contract import ToolCall
+from modeld.contract import PrefillProgress, ToolCall
 from modeld.server.http.answers import call_arguments, extension, sse_event
 from modeld.server.http.anthropic.request import MessagesAsked
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.dialect import Dialect
-from modeld.server.http.errors import HttpError
+from modeld.server.http.errors import HttpError, WindowExceededError
 from modeld.server.http.turn import Turn
 
-__all__ = ["ANTHROPIC", "anthropic_error", "message_complete", "message_stream", "usage_dict"]
+__all__ = [
+    "ANTHROPIC",
+    "anthropic_error",
+    "anthropic_status",
+    "message_complete",
+    "message_stream",
+    "request_id",
+    "usage_dict",
+]
 
 _STATUS_TYPES = {
     400: "invalid_request_error",
@@ -36,13 +45,30 @@ _STATUS_TYPES = {
     429: "rate_limit_error",
     503: "overloaded_error",
     504: "timeout_error",
+    529: "overloaded_error",
 }
+OVERLOADED = 529
+"""Anthropic's status for "overloaded, retry" (modeld's 503s: a worker restarting, a drain)."""
+
+
+def request_id() -> str:
+    return f"req_{uuid.uuid4().hex[:24]}"
 
 
 def anthropic_error(error: HttpError) -> dict[str, Any]:
-    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"}}``."""
+    """Anthropic's error envelope: ``{"type": "error", "error": {"type", "message"},
+    "request_id"}``. A prompt beyond the window says ``prompt is too long: N tokens > M
+    maximum``, the words Claude Code reads both numbers from to compact the conversation."""
     kind = _STATUS_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": error.message}}
+    message = error.message
+    if isinstance(error, WindowExceededError):
+        message = f"prompt is too long: {error.prompt_tokens} tokens > {error.window - 1} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}, "request_id": request_id()}
+
+
+def anthropic_status(error: HttpError) -> int:
+    """The status Anthropic answers ``error`` with: 529 where modeld says 503."""
+    return OVERLOADED if error.status == 503 else error.status
 
 
 def _stop_reason(finish: str) -> str:
@@ -182,7 +208,7 @@ async def message_stream(
                 yield out
         elif isinstance(event, Finished):
             if event.error is not None:
-                yield blocks.close() + sse_event("error", anthropic_error(event.error))
+                yield blocks.close() + stream_error(event.error)
                 return
             out = blocks.close()
             out += sse_event(
@@ -200,8 +226,18 @@ async def message_stream(
             return
 
 
+def stream_error(error: HttpError) -> bytes:
+    """A failure inside a stream: an ``error`` event (with its ``event:`` line, which the SDKs
+    read it by)."""
+    return sse_event("error", anthropic_error(error))
+
+
 def _request_id() -> Mapping[str, str]:
-    return {"request-id": f"req_{uuid.uuid4().hex[:24]}"}
+    return {"request-id": request_id()}
+
+
+def _ping(_asked: MessagesAsked, _progress: PrefillProgress | None) -> bytes:
+    return sse_event("ping", {"type": "ping"})
 
 
 ANTHROPIC: Dialect[MessagesAsked] = Dialect(
@@ -211,5 +247,8 @@ ANTHROPIC: Dialect[MessagesAsked] = Dialect(
     lambda asked, started, events: message_stream(asked.turn, started, events, asked.thinking),
     headers=_request_id,
     paths=("/v1/messages",),
+    alive=_ping,
+    failed=lambda _asked, error: stream_error(error),
+    status=anthropic_status,
 )
 """Anthropic's Messages API."""

@@ -11,14 +11,18 @@ Field by field (``blueprints/0019-agent-apis.md``):
   ``text``; an assistant's ``tool_use`` (a call, written back in the model's tool-call
   format) and ``thinking``/``redacted_thinking`` (accepted in history; the template decides
   what the model sees again); a user's ``tool_result`` (a string or text blocks; ``is_error``
-  prefixes ``Error:``), which becomes a ``tool`` message. ``image`` and ``document`` are refused
-  by name: the models modeld serves read text. Claude Code's billing header block (the first
+  prefixes ``Error:``; its ``tool_reference`` blocks, Claude Code's ToolSearch, read ``Tool
+  loaded: NAME``), which becomes a ``tool`` message. A message's text blocks are joined by a
+  newline. ``image`` and ``document`` (also in a tool result) are named placeholders in an
+  earlier message and refused by name in the newest (``requests.Media``): the models modeld
+  serves read text, and a session must not die of a screenshot. Claude Code's billing header block (the first
   system block, ``x-anthropic-billing-header: ...``) changes on every request and means
   nothing to a model: it is left out of the prompt, so the system prompt stays warm.
 * ``tools`` (``input_schema``; ``defer_loading``, ``strict``, ``cache_control`` accepted)
   become function tools; Anthropic's server tools (a ``type`` such as ``web_search_...``) cannot
   run here and are left out of the prompt. ``tool_choice`` ``auto``, ``any`` (a call is
-  forced), ``tool`` (that call is forced), ``none``; ``disable_parallel_tool_use`` keeps the
+  forced), ``tool`` (that call is forced), ``none`` (the tools stay in the prompt, its warm
+  prefix, and no call is parsed); ``disable_parallel_tool_use`` keeps the
   first call. ``output_config.format`` (``json_schema``) is a constraint.
 * ``stop_sequences``, ``temperature`` (0-1), ``top_p``, ``top_k``, ``max_tokens`` (0: only
   prefill, the documented way to warm the prompt cache). ``thinking``: with a reasoning model
@@ -43,6 +47,7 @@ from typing import Any
 
 from modeld.contract import DecodeConfig, ToolCall
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad
 from modeld.server.http.fields import MAX_KEY_CHARS, integer, model_name, obj, refuse_unknown, stop_list
@@ -53,6 +58,7 @@ from modeld.server.http.requests import (
     function_tool,
     ident,
     key_value,
+    media_omitted,
     response_format,
     samplers,
     text_part,
@@ -80,6 +86,8 @@ SAMPLERS: SamplerMap = {
 }
 """Anthropic's sampler fields (its temperature is 0-1; a ``top_p`` of 0 is unset)."""
 
+SEPARATOR = "\n"
+"""Between the text blocks of one message (llama.cpp joins a message's text parts so)."""
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block: a per-request attribution line, not an instruction."""
 
@@ -152,14 +160,25 @@ def _system(value: Any) -> str:
     return "\n\n".join(_text_blocks(value, "system"))
 
 
+def _referenced(block: object, at: str) -> object:
+    """A ``tool_reference`` block (Claude Code's ToolSearch names the tools it found so; the next
+    request carries their schemas) as the text Claude Code itself writes for one: ``Tool loaded``
+    with the tool's name."""
+    if isinstance(block, dict) and block.get("type") == "tool_reference":
+        return {"type": "text", "text": f"Tool loaded: {ident(block.get('tool_name'), f'{at}.tool_name')}"}
+    return block
+
+
 def _tool_result(block: Mapping[str, Any], at: str) -> Message:
-    ident(block.get("tool_use_id"), f"{at}.tool_use_id")
+    call_id = ident(block.get("tool_use_id"), f"{at}.tool_use_id")
     content = block.get("content")
+    if isinstance(content, list):
+        content = [_referenced(b, f"{at}.content.{j}") for j, b in enumerate(content)]
     text = "" if content is None else "\n".join(_text_blocks(content, f"{at}.content"))
     is_error = block.get("is_error")
     if is_error is not None and not isinstance(is_error, bool):
         raise bad(f"{at}.is_error", f"{at}.is_error must be a boolean")
-    return Message("tool", f"Error: {text}" if is_error else text)
+    return Message("tool", f"Error: {text}" if is_error else text, tool_call_id=call_id)
 
 
 def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
@@ -181,7 +200,7 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
             out.append(Message(role, content))
             continue
         if role == "system":  # Claude Code sends its environment as a system message (text blocks)
-            out.append(Message("system", "".join(_text_blocks(content, f"{where}.content"))))
+            out.append(Message("system", SEPARATOR.join(_text_blocks(content, f"{where}.content"))))
             continue
         if not isinstance(content, list):
             raise bad(f"{where}.content", f"{where}.content must be a string or an array of content blocks")
@@ -219,7 +238,8 @@ def _assistant(content: list[Any], where: str) -> Message:
             continue  # opaque to modeld: nothing to show the model
         else:
             text_part(block, at)  # refuses images, documents and unknown blocks by name
-    return Message("assistant", "".join(text), tuple(calls), "".join(reasoning))
+    parts = tuple(text) if len(text) > 1 else ()  # several text blocks: parts, as llama-server reads them
+    return Message("assistant", SEPARATOR.join(text), tuple(calls), "".join(reasoning), parts=parts)
 
 
 def _user(content: list[Any], where: str) -> list[Message]:
@@ -232,14 +252,20 @@ def _user(content: list[Any], where: str) -> list[Message]:
             raise bad(at, f"{at} must be an object")
         if block.get("type") == "tool_result":
             if text:
-                out.append(Message("user", "".join(text)))
+                out.append(_user_text(text))
                 text = []
             out.append(_tool_result(block, at))
         else:
             text.append(text_part(block, at) or "")
     if text or not out:
-        out.append(Message("user", "".join(text)))
+        out.append(_user_text(text))
     return out
+
+
+def _user_text(text: list[str]) -> Message:
+    """A user message of text blocks; several are its content's parts (a template that reads
+    parts sees each, another their text joined by newlines: what llama-server does)."""
+    return Message("user", SEPARATOR.join(text), parts=tuple(text) if len(text) > 1 else ())
 
 
 def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, tuple[str, ...], list[str]]:
@@ -316,6 +342,15 @@ def _thinking(body: Mapping[str, Any]) -> str:
     return "omit" if display == "omitted" else "show"
 
 
+def _thinking_args(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``thinking.type`` as the template's ``enable_thinking`` (checked by :func:`_thinking`):
+    disabled turns it off, enabled and adaptive on; absent leaves the template's default."""
+    thinking = obj(body, "thinking")
+    if thinking is None:
+        return ()
+    return template_args(enable_thinking=thinking.get("type") != "disabled")
+
+
 MAX_USER_ID_CHARS = 4096
 
 
@@ -351,12 +386,12 @@ def parse_messages(
     max_tokens = 1 if count_only else integer(body, "max_tokens", 0, 1 << 30)
     if max_tokens is None:
         raise bad("max_tokens", "max_tokens is required")
-    system = _system(body.get("system"))
-    messages = ([Message("system", system)] if system else []) + _messages(body, limits)
+    with media_omitted() as media:  # images, documents: placeholders in earlier turns
+        system = _system(body.get("system"))
+        messages = ([Message("system", system)] if system else []) + _messages(body, limits)
+    omitted = media.settle(len(body["messages"]), refuse=not count_only)
     tools_json, hosted, names = _tools(body, limits)
-    choice, parallel = _tool_choice(body, names)
-    if choice == "none":
-        tools_json = ""  # the model is not shown tools it may not call
+    choice, parallel = _tool_choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix)
     output = obj(body, "output_config") or {}
     refuse_unknown(output, frozenset({"effort", "format"}), "output_config")
     constraint = response_format(output.get("format"), "output_config.format")
@@ -376,6 +411,8 @@ def parse_messages(
         max_tokens=max_tokens,
         parallel_tool_calls=parallel,
         omitted_tools=hosted,
+        template_args=_thinking_args(body),
+        omitted_content=omitted,
     )
     return MessagesAsked(turn, thinking=_thinking(body))
 

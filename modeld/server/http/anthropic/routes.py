@@ -27,6 +27,12 @@ def routes(service: HttpService) -> list[Route]:
         return JSONResponse({"input_tokens": count})
 
     return [
-        Route("/v1/messages", guarded(service, messages, ANTHROPIC.error), methods=["POST"]),
-        Route("/v1/messages/count_tokens", guarded(service, count_tokens, ANTHROPIC.error), methods=["POST"]),
+        Route(
+            "/v1/messages", guarded(service, messages, ANTHROPIC.error, ANTHROPIC.status), methods=["POST"]
+        ),
+        Route(
+            "/v1/messages/count_tokens",
+            guarded(service, count_tokens, ANTHROPIC.error, ANTHROPIC.status),
+            methods=["POST"],
+        ),
     ]

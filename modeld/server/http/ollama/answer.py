@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
-from modeld.contract import ModelInfo, ToolCall
+from modeld.contract import ModelInfo, PrefillProgress, ToolCall
 from modeld.decoding.toolcalls import new_call_id
 from modeld.server.http.answers import call_arguments
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started
 from modeld.server.http.dialect import Dialect
-from modeld.server.http.errors import HttpError
+from modeld.server.http.errors import HttpError, WindowExceededError
 from modeld.server.http.models import ModelEntry
 from modeld.server.http.ollama.request import OllamaAsked
 from modeld.server.http.turn import Turn
@@ -30,7 +30,13 @@ check it before using features such as tools and thinking."""
 
 
 def ollama_error(error: HttpError) -> dict[str, Any]:
-    """Ollama's error body: ``{"error": "message"}``."""
+    """Ollama's error body: ``{"error": "message"}`` (a prompt beyond the window in Ollama's
+    words, with the counts)."""
+    if isinstance(error, WindowExceededError):
+        return {
+            "error": f"the input length exceeds the context length ({error.prompt_tokens} tokens, "
+            f"context length {error.window})"
+        }
     return {"error": error.message}
 
 
@@ -50,7 +56,7 @@ def _final_fields(started: Started, finished: Finished, began: float) -> dict[st
         "done_reason": _done_reason(finished.finish),
         "total_duration": int(elapsed * 1e9),
         "load_duration": 0,
-        "prompt_eval_count": usage.computed_tokens,
+        "prompt_eval_count": usage.prompt_tokens,  # the whole prompt, cached tokens included (Ollama's)
         "prompt_eval_duration": int(usage.prefill_ms * 1e6),
         "eval_count": usage.completion_tokens,
         "eval_duration": int(usage.decode_ms * 1e6),
@@ -60,6 +66,7 @@ def _final_fields(started: Started, finished: Finished, began: float) -> dict[st
             "reason": started.status.reuse.reason,
             "prompt_tokens": usage.prompt_tokens,
             "cached_tokens": usage.cached_tokens,
+            **({"omitted_content": list(started.omitted)} if started.omitted else {}),
         },
     }
 
@@ -171,7 +178,28 @@ def _answer_stream(
     return _stream(asked.turn, started, events, asked.think, asked.began, asked.chat)
 
 
+def _alive(asked: OllamaAsked, progress: PrefillProgress | None) -> bytes:
+    """An empty piece of the answer (``done: false``), with how far a prefill got."""
+    line: dict[str, Any] = {"model": asked.turn.model, "created_at": now()}
+    if asked.chat:
+        line["message"] = {"role": "assistant", "content": ""}
+    else:
+        line["response"] = ""
+    line["done"] = False
+    if progress is not None:
+        line["modeld"] = {
+            "progress": {"stage": progress.stage, "done": progress.done, "total": progress.total}
+        }
+    return _line(line)
+
+
 OLLAMA: Dialect[OllamaAsked] = Dialect(
-    "ollama", ollama_error, _complete, _answer_stream, media_type="application/x-ndjson", paths=("/api/",)
+    "ollama",
+    ollama_error,
+    _complete,
+    _answer_stream,
+    media_type="application/x-ndjson",
+    paths=("/api/",),
+    alive=_alive,
 )
 """Ollama's API."""

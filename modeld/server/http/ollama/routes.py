@@ -1,4 +1,4 @@
-"""Ollama's routes: ``GET /api/version``, ``GET /api/tags``, ``POST /api/show``, ``GET
+"""Ollama's routes: ``GET /`` and ``HEAD /`` ("Ollama is running", clients' health probe), ``GET /api/version``, ``GET /api/tags``, ``POST /api/show``, ``GET
 /api/ps``, ``POST /api/chat``, ``POST /api/generate`` (the fields: ``request.py``)."""
 
 from __future__ import annotations
@@ -6,15 +6,17 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from modeld.errors import echo
 from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.chat_template import template_meta
 from modeld.server.http.errors import HttpError, bad
 from modeld.server.http.ollama.answer import OLLAMA, OLLAMA_API_VERSION, details, digest, modified, now
-from modeld.server.http.ollama.request import parse_chat, parse_generate
+from modeld.server.http.ollama.request import OllamaAsked, parse_chat, parse_generate
 
 __all__ = ["routes"]
 
@@ -52,7 +54,7 @@ def routes(service: HttpService) -> list[Route]:
         capabilities = ["completion"]
         if info.tool_format:
             capabilities.append("tools")
-        if "<think>" in info.chat_template:
+        if info.reasoning_format:
             capabilities.append("thinking")
         return JSONResponse(
             {
@@ -68,6 +70,8 @@ def routes(service: HttpService) -> list[Route]:
                     # What it takes in memory here (``modeld describe``): weights, KV per
                     # token, the layout's KV and compute, the total, the largest window.
                     **{f"modeld.{k}": v for k, v in asdict(info.footprint).items()},
+                    # Which chat template it renders with (GET /v1/models says the same).
+                    **{f"modeld.chat_template.{k}": v for k, v in template_meta(info).items()},
                 },
                 "capabilities": capabilities,
                 "modified_at": modified(entry),
@@ -108,16 +112,36 @@ def routes(service: HttpService) -> list[Route]:
             )
         return JSONResponse({"models": models})
 
+    def unloading(response: Response, asked: OllamaAsked) -> Response:
+        """``keep_alive: 0``: the model is unloaded once the answer has been sent."""
+        if asked.unload:
+            response.background = BackgroundTask(service.runner.unload, asked.turn.model)
+        return response
+
+    async def root(_request: Request) -> Response:
+        return PlainTextResponse("Ollama is running")  # the health probe Ollama clients use
+
     async def chat(request: Request) -> Response:
         began = time.monotonic()
         async with service.bodies.read(request) as body:
             asked = parse_chat(body, request.headers, service.limits, began)
-            return await service.runner.answer(request, OLLAMA, asked)
+            return unloading(await service.runner.answer(request, OLLAMA, asked), asked)
 
     async def generate(request: Request) -> Response:
         began = time.monotonic()
         async with service.bodies.read(request) as body:
             asked = parse_generate(body, request.headers, service.limits, began)
+            if not body.get("prompt") and asked.unload:  # Ollama's "unload this model now"
+                await service.runner.unload(asked.turn.model)
+                return JSONResponse(
+                    {
+                        "model": asked.turn.model,
+                        "created_at": now(),
+                        "response": "",
+                        "done": True,
+                        "done_reason": "unload",
+                    }
+                )
             if not body.get("prompt"):  # an empty prompt only loads the model (Ollama's preload)
                 await service.runner.load(asked.turn)
                 return JSONResponse(
@@ -129,9 +153,10 @@ def routes(service: HttpService) -> list[Route]:
                         "done_reason": "load",
                     }
                 )
-            return await service.runner.answer(request, OLLAMA, asked)
+            return unloading(await service.runner.answer(request, OLLAMA, asked), asked)
 
     return [
+        Route("/", guarded(service, root, OLLAMA.error), methods=["GET", "HEAD"]),
         Route("/api/version", guarded(service, version, OLLAMA.error), methods=["GET", "HEAD"]),
         Route("/api/tags", guarded(service, tags, OLLAMA.error), methods=["GET", "HEAD"]),
         Route("/api/show", guarded(service, show, OLLAMA.error), methods=["POST"]),

@@ -32,6 +32,7 @@ from typing import Any
 from modeld.contract import SPECULATION_MODES, DecodeConfig, ToolCall
 from modeld.decoding.samplers import sampler
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.dialect import Asked
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import MAX_TOOL_CALLS, boolean, choice, integer, model_name, stop_list
@@ -40,7 +41,9 @@ from modeld.server.http.requests import (
     SamplerMap,
     checked_call,
     conversation_keys,
+    ident_field,
     key_value,
+    media_omitted,
     response_format,
     samplers,
     text_parts,
@@ -119,6 +122,7 @@ _NEUTRAL: dict[str, tuple[object, ...]] = {
 }
 _CHAT_MAPPED = {
     "model",
+    "chat_template_kwargs",
     "messages",
     "stream",
     "stream_options",
@@ -269,11 +273,6 @@ def _stream_options(body: Mapping[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def _content(message: Mapping[str, Any], where: str) -> str:
-    content = message.get("content")
-    return "" if content is None else "".join(text_parts(content, f"{where}.content", TEXT_PARTS))
-
-
 def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -301,7 +300,21 @@ def _messages(body: Mapping[str, Any], limits: Limits) -> list[Message]:
         reasoning = message.get("reasoning_content") or message.get("reasoning") or ""
         if not isinstance(reasoning, str):
             raise bad(f"{where}.reasoning_content", f"{where}.reasoning_content must be a string")
-        out.append(Message(role, _content(message, where), calls, reasoning))
+        content = message.get("content")
+        texts = [] if content is None else text_parts(content, f"{where}.content", TEXT_PARTS)
+        text = "\n".join(texts)  # parts of images or documents are placeholders here (Media)
+        parts = tuple(texts) if isinstance(content, list) else ()
+        out.append(
+            Message(
+                role,
+                text,
+                calls,
+                reasoning,
+                tool_call_id=ident_field(message, "tool_call_id", where) if role == "tool" else "",
+                name=ident_field(message, "name", where),
+                parts=parts,
+            )
+        )
     return out
 
 
@@ -349,8 +362,7 @@ def _tools(body: Mapping[str, Any], limits: Limits) -> tuple[str, str]:
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
         raise bad("tools", "tools must be an array of tool objects")
     limits.check("max_tools", len(tools), "tools")
-    if mode == "none":
-        return "", "none"  # the model is not shown tools it may not call
+    # "none" keeps the tools in the prompt (the warm prefix stays the same) and forbids calls.
     return json.dumps(tools, ensure_ascii=False), mode
 
 
@@ -384,7 +396,9 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
     max_tokens = integer(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = integer(body, "max_tokens", 1, 1 << 30)
-    messages = tuple(_messages(body, limits))
+    with media_omitted() as media:  # images: placeholders in earlier turns, refused in the newest
+        messages = tuple(_messages(body, limits))
+    omitted = media.settle(len(body["messages"]))
     tools_json, choice = _tools(body, limits)
     decode = decode_config(
         body, _CHAT_MAPPED, limits, constraint=constraint, tool_choice=choice, **_chat_logprobs(body)
@@ -400,6 +414,11 @@ def parse_chat(body: Mapping[str, Any], headers: Mapping[str, str], limits: Limi
         max_tokens=max_tokens,
         parallel_tool_calls=body.get("parallel_tool_calls") is not False,
         n=_choices(body, stream, limits),
+        template_args=template_args(
+            body.get("chat_template_kwargs"),
+            reasoning_effort=body.get("reasoning_effort"),
+        ),
+        omitted_content=omitted,
     )
     return OpenAIAsked(turn, include_usage=include_usage)
 

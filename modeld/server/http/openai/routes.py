@@ -11,6 +11,7 @@ from starlette.routing import Route
 
 from modeld.contract import ModelInfo
 from modeld.server.http.app import HttpService, guarded
+from modeld.server.http.chat_template import template_meta
 from modeld.server.http.models import ModelEntry
 from modeld.server.http.openai.answer import OPENAI, models_response
 from modeld.server.http.openai.request import parse_chat, parse_completion
@@ -22,7 +23,8 @@ def model_meta(info: ModelInfo | None) -> dict[str, Any]:
     """What clients read about a model beside its name: the context window under the names
     Codex (``context_window``), LiteLLM and vLLM clients (``max_model_len``) and llama-server
     clients (``meta.n_ctx_train``) look for; ``modeld.footprint`` its memory (weights, KV per
-    token, the configured layout's KV and compute, the total, the largest window that fits)."""
+    token, the configured layout's KV and compute, the total, the largest window that fits);
+    ``modeld.chat_template`` the template it renders with (:func:`template_meta`)."""
     if info is None:
         return {}
     return {
@@ -37,7 +39,7 @@ def model_meta(info: ModelInfo | None) -> dict[str, Any]:
             "size": info.weights_bytes,
         },
         # What it takes in memory here, known before it loads (``modeld describe``'s figures).
-        "modeld": {"footprint": asdict(info.footprint)},
+        "modeld": {"footprint": asdict(info.footprint), "chat_template": template_meta(info)},
     }
 
 
@@ -45,13 +47,20 @@ def routes(service: HttpService) -> list[Route]:
     async def models(_request: Request) -> Response:
         entries: list[ModelEntry] = service.registry.entries()
         listed = [(e.name, e.created, model_meta(await service.catalog.describe(e))) for e in entries]
+        by_name = {e.name: e for e in entries}
+        for pattern, target in service.registry.aliases:  # an agent's default names, served by target
+            if pattern not in by_name and (entry := by_name.get(target)) is not None:
+                meta = model_meta(await service.catalog.describe(entry))
+                alias = {**meta, "modeld": {**meta.get("modeld", {}), "alias_of": target}}
+                listed.append((pattern, entry.created, alias))
         return JSONResponse(models_response(listed))
 
     async def model(request: Request) -> Response:
-        entry = service.catalog.entry(request.path_params["name"])
+        name = request.path_params["name"]
+        entry = service.catalog.entry(name)  # an alias's name (--alias) answers as itself
         meta = model_meta(await service.catalog.describe(entry))
         return JSONResponse(
-            {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "modeld", **meta}
+            {"id": name, "object": "model", "created": entry.created, "owned_by": "modeld", **meta}
         )
 
     async def chat(request: Request) -> Response:

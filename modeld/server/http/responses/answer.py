@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from modeld.contract import ToolCall
+from modeld.contract import PrefillProgress, ToolCall
 from modeld.server.http.answers import chat_logprobs, extension, sse_event
 from modeld.server.http.conversations import Collected, Delta, Event, Finished, Started, TurnUsage
 from modeld.server.http.dialect import Asked, Dialect
@@ -44,17 +44,60 @@ def usage_dict(usage: TurnUsage) -> dict[str, Any]:
 
 
 class ResponseShape:
-    """One response's identity and the fields every snapshot of it repeats."""
+    """One response's identity and the fields every snapshot of it repeats; its stream's event
+    counter (``emit``: every event carries the next ``sequence_number``, keep-alives included)
+    and whether ``response.created`` was sent (``announced``: a stream kept alive before its
+    turn started sent it then). ``namespaces``: a namespaced tool's name as the model sees it
+    (``NAMESPACE.NAME``) -> (namespace, name), so its calls come back with their namespace."""
 
     def __init__(self, turn: Turn, body: Mapping[str, Any], previous: str | None, store: bool) -> None:
         self.turn = turn
         self.id = f"resp_{turn.id}"
-        self.created_at = time.time()
+        self.created_at = int(time.time())  # seconds, an integer (the SDKs' type)
         self.previous = previous
         self.store = store
         self.body = body
-        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
-        self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
+        self.message_id = item_id("msg")
+        self.reasoning_id = item_id("rs")
+        self.namespaces = namespaced(body.get("tools"))
+        self.sequence = 0
+        self.announced = False
+
+    def emit(self, kind: str, **fields: Any) -> bytes:
+        """One event of this response's stream, with the next sequence number."""
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return sse_event(kind, data)
+
+    def announce(self, started: Started | None) -> bytes:
+        """``response.created`` and ``response.in_progress`` (once)."""
+        if self.announced:
+            return b""
+        self.announced = True
+        head = self.response("in_progress", [], None, started)
+        return self.emit("response.created", response=head) + self.emit("response.in_progress", response=head)
+
+    def alive(self, progress: PrefillProgress | None) -> bytes:
+        """What keeps a silent stream alive: the announcement, then ``response.in_progress``."""
+        if not self.announced:
+            return self.announce(None)
+        head = self.response("in_progress", [], None, None)
+        if progress is not None:
+            head["modeld"] = {
+                "progress": {"stage": progress.stage, "done": progress.done, "total": progress.total}
+            }
+        return self.emit("response.in_progress", response=head)
+
+    def failed(self, error: HttpError) -> bytes:
+        """A failure inside the stream: ``response.failed`` carrying the error's code (where
+        Codex reads ``context_length_exceeded``), after ``error`` (the SDKs' error event)."""
+        out = self.announce(None)
+        failed = self.response("failed", [], None, None, finish="error", error=error)
+        return (
+            out
+            + self.emit("error", code=error.code, message=error.message, param=error.param)
+            + self.emit("response.failed", response=failed)
+        )
 
     def response(
         self,
@@ -120,9 +163,8 @@ class ResponseShape:
             "content": [{"type": "reasoning_text", "text": text}],
         }
 
-    @staticmethod
-    def call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-        return {
+    def call_item(self, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        item = {
             "type": "function_call",
             "id": f"fc_{call.id.removeprefix('call_')}",
             "call_id": call.id,
@@ -130,6 +172,9 @@ class ResponseShape:
             "arguments": call.arguments,
             "status": status,
         }
+        if call.name in self.namespaces:  # a namespaced tool: its namespace and its own name
+            item["namespace"], item["name"] = self.namespaces[call.name]
+        return item
 
     def output(self, done: Collected) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
@@ -141,6 +186,22 @@ class ResponseShape:
             items.append(self.message_item(done.text, status, logprobs))
         items += [self.call_item(c) for c in done.finished.calls]
         return items
+
+
+def item_id(kind: str) -> str:
+    """A new output item's id (every item of a response has its own)."""
+    return f"{kind}_{uuid.uuid4().hex[:24]}"
+
+
+def namespaced(tools: Any) -> dict[str, tuple[str, str]]:
+    """Namespaced tools' names as the model sees them (``NAMESPACE.NAME``) -> (namespace, name)."""
+    out: dict[str, tuple[str, str]] = {}
+    for tool in tools if isinstance(tools, list) else ():
+        if isinstance(tool, dict) and tool.get("type") == "namespace" and isinstance(tool.get("name"), str):
+            for inner in tool.get("tools") or ():
+                if isinstance(inner, dict) and isinstance(inner.get("name"), str):
+                    out[f"{tool['name']}.{inner['name']}"] = (tool["name"], inner["name"])
+    return out
 
 
 def _status(finish: str) -> str:
@@ -163,27 +224,17 @@ Keep = Callable[[Collected, dict[str, Any]], None]
 """What a finished response is handed to (the store keeps it, when the request said ``store``)."""
 
 
-class _Events:
-    def __init__(self) -> None:
-        self.n = 0
-
-    def __call__(self, kind: str, **fields: Any) -> bytes:
-        data = {"type": kind, "sequence_number": self.n, **fields}
-        self.n += 1
-        return sse_event(kind, data)
-
-
 async def stream_response(
     shape: ResponseShape, started: Started, events: AsyncIterator[Event], keep: Keep
 ) -> AsyncIterator[bytes]:
-    emit = _Events()
-    head = shape.response("in_progress", [], None, started)
-    yield emit("response.created", response=head) + emit("response.in_progress", response=head)
+    emit = shape.emit
+    yield shape.announce(started)
     items: list[dict[str, Any]] = []
     text: list[str] = []
     reasoning: list[str] = []
     logprobs: list[Any] = []
     open_kind = ""  # "reasoning" | "message" | "call"
+    begun = {"reasoning": 0, "message": 0}  # where the open item's text starts
     calls: dict[int, dict[str, Any]] = {}  # call index -> its item (as streamed)
 
     def close() -> bytes:
@@ -191,7 +242,7 @@ async def stream_response(
         out = b""
         index = len(items) - 1
         if open_kind == "reasoning":
-            whole = "".join(reasoning)
+            whole = "".join(reasoning[begun["reasoning"] :])
             out += emit(
                 "response.reasoning_text.done",
                 item_id=shape.reasoning_id,
@@ -202,7 +253,7 @@ async def stream_response(
             items[index] = shape.reasoning_item(whole)
             out += emit("response.output_item.done", output_index=index, item=items[index])
         elif open_kind == "message":
-            whole = "".join(text)
+            whole = "".join(text[begun["message"] :])
             part = {"type": "output_text", "text": whole, "annotations": []}
             out += emit(
                 "response.output_text.done",
@@ -230,6 +281,8 @@ async def stream_response(
             if event.reasoning:
                 if open_kind != "reasoning":
                     out += close()
+                    shape.reasoning_id = item_id("rs")  # every item its own id
+                    begun["reasoning"] = len(reasoning)
                     items.append({**shape.reasoning_item(""), "content": []})
                     out += emit("response.output_item.added", output_index=len(items) - 1, item=items[-1])
                     open_kind = "reasoning"
@@ -244,6 +297,8 @@ async def stream_response(
             if event.text:
                 if open_kind != "message":
                     out += close()
+                    shape.message_id = item_id("msg")
+                    begun["message"] = len(text)
                     items.append(shape.message_item("", "in_progress"))
                     index = len(items) - 1
                     out += emit("response.output_item.added", output_index=index, item=items[-1])
@@ -349,5 +404,14 @@ def _stream(asked: ResponsesAsked, started: Started, events: AsyncIterator[Event
     return stream_response(asked.shape, started, events, asked.keep)
 
 
-RESPONSES: Dialect[ResponsesAsked] = Dialect("responses", openai_error, _complete, _stream)
-"""OpenAI's Responses API (OpenAI's error words)."""
+RESPONSES: Dialect[ResponsesAsked] = Dialect(
+    "responses",
+    openai_error,
+    _complete,
+    _stream,
+    alive=lambda asked, progress: asked.shape.alive(progress),
+    failed=lambda asked, error: asked.shape.failed(error),
+    overflow_in_stream=True,
+)
+"""OpenAI's Responses API (OpenAI's error words; a full window inside the stream, where Codex
+looks for it)."""

@@ -5,11 +5,14 @@ Codex CLI speaks. The request as a Turn (here), the answers (``answer.py``), the
 Field by field (``blueprints/0019-agent-apis.md``):
 
 * ``input`` (a string, or items: ``message`` with ``input_text``/``output_text`` parts and roles
-  user, assistant, system, developer; ``function_call`` and ``function_call_output``;
-  ``reasoning``, accepted in history) and ``instructions`` (the first system message; not
+  user, assistant, system, developer; ``function_call`` (with its ``namespace``) and
+  ``function_call_output``; ``reasoning``, accepted in history: with the assistant ``message``
+  after it, one assistant turn; ``input_image``/``input_file`` parts a named placeholder in an
+  earlier item, refused by name in the newest) and ``instructions`` (the first system message; not
   carried over by ``previous_response_id``, as OpenAI defines it).
 * ``tools``: ``function`` tools are flat (``name``/``parameters`` at the top level);
-  ``namespace`` tools are flattened into their functions; hosted tools that cannot run here
+  ``namespace`` tools (Codex's sub-agents) are flattened into their functions, which the model
+  sees as ``NAMESPACE.NAME`` (their calls come back with ``namespace`` and ``name``); hosted tools that cannot run here
   (``web_search``, ``file_search``, ``computer_use``, image generation, ...) are left out of the
   prompt and listed in the response's ``modeld.omitted_tools``, never a 400. ``tool_choice``,
   ``parallel_tool_calls`` (every call parsed), ``text.format`` (``json_schema``,
@@ -42,6 +45,7 @@ from typing import Any
 
 from modeld.contract import DecodeConfig
 from modeld.errors import echo
+from modeld.server.http.chat_template import template_args
 from modeld.server.http.errors import bad, unsupported
 from modeld.server.http.fields import MAX_KEY_CHARS, boolean, integer, model_name, obj, refuse_unknown, string
 from modeld.server.http.requests import (
@@ -52,6 +56,7 @@ from modeld.server.http.requests import (
     function_tool,
     ident,
     key_value,
+    media_omitted,
     response_format,
     samplers,
     text_parts,
@@ -138,7 +143,12 @@ ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develope
 
 
 def _parts(content: Any, where: str) -> str:
-    return "".join(text_parts(content, where, TEXT_PARTS))
+    return "\n".join(_texts(content, where))
+
+
+def _texts(content: Any, where: str) -> list[str]:
+    """A string, or the texts of an array of content parts (text parts only)."""
+    return text_parts(content, where, TEXT_PARTS)
 
 
 def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Message]:
@@ -158,18 +168,29 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
             role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
             if role is None:
                 raise bad(f"{at}.role", f"{at}.role must be user, assistant, system or developer")
-            out.append(Message(role, _parts(item.get("content"), f"{at}.content")))
+            texts = _texts(item.get("content"), f"{at}.content")
+            # Several parts stay parts (Codex sends its environment and the prompt so), as
+            # llama-server hands them to the template; joined, they are one per line.
+            text, parts = "\n".join(texts), tuple(texts) if len(texts) > 1 else ()
+            last = out[-1] if out else None
+            if role == "assistant" and last is not None and _thought_only(last):
+                out[-1] = replace(
+                    last, content=text, parts=parts
+                )  # a reasoning item and its message: one turn
+            else:
+                out.append(Message(role, text, parts=parts))
         elif kind == "function_call":
-            call = checked_call(item.get("call_id"), item.get("name"), item.get("arguments", "{}"), at)
+            call = checked_call(item.get("call_id"), _qualified(item, at), item.get("arguments", "{}"), at)
             if out and out[-1].role == "assistant":  # parallel calls: one assistant turn
                 last = out[-1]
                 out[-1] = replace(last, calls=(*last.calls, call))
             else:
                 out.append(Message("assistant", "", (call,)))
         elif kind == "function_call_output":
-            ident(item.get("call_id"), f"{at}.call_id")
+            call_id = ident(item.get("call_id"), f"{at}.call_id")
             output = item.get("output")
-            out.append(Message("tool", output if isinstance(output, str) else _parts(output, f"{at}.output")))
+            text = output if isinstance(output, str) else _parts(output, f"{at}.output")
+            out.append(Message("tool", text, tool_call_id=call_id))
         elif kind == "reasoning":
             thought = _parts(item.get("content") or item.get("summary") or [], f"{at}.content")
             if out and out[-1].role == "assistant" and not out[-1].content:
@@ -183,7 +204,25 @@ def input_messages(value: Any, limits: Limits, where: str = "input") -> list[Mes
     return [m for m in out if m.role != "assistant" or m.content or m.calls or m.reasoning]
 
 
-def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[str]]:
+def _thought_only(message: Message) -> bool:
+    """An assistant turn that so far holds only its reasoning (a ``reasoning`` item)."""
+    return (
+        message.role == "assistant" and not message.content and not message.calls and bool(message.reasoning)
+    )
+
+
+def _qualified(item: Mapping[str, Any], at: str) -> object:
+    """A call's name as the model saw its tool: ``NAMESPACE.NAME`` for a namespaced tool's call
+    (Codex's sub-agent tools), else the name."""
+    namespace = item.get("namespace")
+    if namespace is None or namespace == "":
+        return item.get("name")
+    name = item.get("name")
+    ident(namespace, f"{at}.namespace")
+    return f"{namespace}.{name}" if isinstance(name, str) else name
+
+
+def _functions(tools: Any, where: str, namespace: str = "") -> tuple[list[dict[str, object]], list[str]]:
     if not isinstance(tools, list):
         raise bad(where, f"{where} must be an array")
     functions: list[dict[str, object]] = []
@@ -197,11 +236,13 @@ def _functions(tools: Any, where: str) -> tuple[list[dict[str, object]], list[st
             refuse_unknown(
                 tool, frozenset({"type", "name", "description", "parameters", "strict", "defer_loading"}), at
             )
-            functions.append(
-                function_tool(tool.get("name"), tool.get("description"), tool.get("parameters"), at)
-            )
-        elif kind == "namespace":
-            inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools")
+            name = tool.get("name")
+            if namespace and isinstance(name, str):
+                name = f"{namespace}.{name}"  # unique across namespaces; the call carries both back
+            functions.append(function_tool(name, tool.get("description"), tool.get("parameters"), at))
+        elif kind == "namespace" and not namespace:
+            space = ident(tool.get("name"), f"{at}.name")
+            inner, inner_hosted = _functions(tool.get("tools", []), f"{at}.tools", space)
             functions += inner
             hosted += inner_hosted
         elif isinstance(kind, str) and len(kind) <= MAX_KEY_CHARS:
@@ -252,7 +293,10 @@ def parse_response_request(
     refuse_unknown(body, _TOP_LEVEL)
     if "input" not in body or body["input"] is None:
         raise bad("input", "input is required", code="missing_required_parameter")
-    new = input_messages(body["input"], limits)
+    with media_omitted() as media:  # images (Codex's view_image): placeholders in earlier turns
+        new = input_messages(body["input"], limits)
+    given = body["input"]
+    omitted = media.settle(len(given) if isinstance(given, list) else 1)
     instructions = string(body, "instructions", limit=1 << 24) or ""
     history = list(previous.history) if previous is not None else []
     system = [Message("system", instructions)] if instructions else []
@@ -260,9 +304,7 @@ def parse_response_request(
     if not messages:
         raise bad("input", "the conversation is empty")
     tools_json, hosted, names = _tools(body, limits)
-    choice = _choice(body, names)
-    if choice == "none":
-        tools_json = ""
+    choice = _choice(body, names)  # "none" keeps the tools in the prompt (its warm prefix): no call is made
     text = obj(body, "text") or {}
     refuse_unknown(text, frozenset({"format", "verbosity"}), "text")
     values: dict[str, Any] = {
@@ -295,5 +337,20 @@ def parse_response_request(
         max_tokens=integer(body, "max_output_tokens", 1, 1 << 30),
         parallel_tool_calls=parallel is not False,
         omitted_tools=hosted,
+        template_args=_reasoning(body),
+        omitted_content=omitted,
     )
     return turn, store is not False, tuple(new)
+
+
+def _reasoning(body: Mapping[str, Any]) -> tuple[tuple[str, object], ...]:
+    """``reasoning.effort`` as the template's (``none``: thinking off); its summary settings are
+    the hosted service's (no effect here)."""
+    reasoning = obj(body, "reasoning")
+    if reasoning is None:
+        return ()
+    refuse_unknown(reasoning, frozenset({"effort", "summary", "generate_summary"}), "reasoning")
+    effort = reasoning.get("effort")
+    return (
+        template_args(reasoning_effort=effort, effort_field="reasoning.effort") if effort is not None else ()
+    )

@@ -28,15 +28,25 @@ def routes(service: HttpService) -> list[Route]:
     def stored(response_id: str) -> Stored:
         found = store.get(response_id) if store is not None else None
         if found is None:
+            raise HttpError(404, f"no stored response {echo(response_id)}", code="not_found")
+        return found
+
+    def previous_of(response_id: str) -> Stored:
+        """The response a request continues: unknown is OpenAI's 400 ``previous_response_not_found``."""
+        found = store.get(response_id) if store is not None else None
+        if found is None:
             raise HttpError(
-                404, f"no stored response {echo(response_id)}", code="not_found", param="previous_response_id"
+                400,
+                f"Previous response with id {echo(response_id)} not found.",
+                code="previous_response_not_found",
+                param="previous_response_id",
             )
         return found
 
     async def create(request: Request) -> Response:
         async with service.bodies.read(request) as body:
             previous_id = string(body, "previous_response_id")
-            previous = stored(previous_id) if previous_id else None
+            previous = previous_of(previous_id) if previous_id else None
             turn, keep_it, new = parse_response_request(body, request.headers, previous, service.limits)
             shape = ResponseShape(turn, body, previous_id, keep_it and store is not None)
 

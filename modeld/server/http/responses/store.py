@@ -58,11 +58,19 @@ class Stored:
 
 
 def _message_json(m: Message) -> dict[str, Any]:
+    """A message as stored: every field the template is given (0010), so a conversation that
+    continues from a stored response renders its history as it rendered it then."""
     out: dict[str, Any] = {"role": m.role, "content": m.content}
     if m.calls:
         out["calls"] = [[c.id, c.name, c.arguments] for c in m.calls]
     if m.reasoning:
         out["reasoning"] = m.reasoning
+    if m.tool_call_id:
+        out["tool_call_id"] = m.tool_call_id
+    if m.name:
+        out["name"] = m.name
+    if m.parts:
+        out["parts"] = list(m.parts)
     return out
 
 
@@ -74,7 +82,18 @@ def _message(obj: Any) -> Message:
     ):
         raise ValueError("a stored message is malformed")
     calls = tuple(ToolCall(str(c[0]), str(c[1]), str(c[2])) for c in obj.get("calls", []))
-    return Message(obj["role"], obj["content"], calls, str(obj.get("reasoning", "")))
+    parts = obj.get("parts", [])
+    if not isinstance(parts, list) or not all(isinstance(p, str) for p in parts):
+        raise ValueError("a stored message's parts are malformed")
+    return Message(
+        obj["role"],
+        obj["content"],
+        calls,
+        str(obj.get("reasoning", "")),
+        tool_call_id=str(obj.get("tool_call_id", "")),
+        name=str(obj.get("name", "")),
+        parts=tuple(parts),
+    )
 
 
 class ResponseStore:

@@ -1,0 +1,80 @@
+"""What a warm context costs where it is (``modeld/cache/cost.py``): the attention's cost per
+resident cell, fitted from the engine's jobs, and the decision it drives (an idle context leaves
+a unified pool only when its cells cost the running turn more than moving it out and back)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from modeld.cache.cost import MIN_SAMPLES, Costs, Fit
+
+
+def _job(a: float, b: float, c_us: float, n: int, span: int) -> float:
+    """A job's milliseconds: ``a`` per job, ``b`` per token, ``c_us`` microseconds per token
+    and resident cell."""
+    return a + b * n + c_us / 1000.0 * n * (span + n / 2)
+
+
+def test_the_fit_recovers_the_attention_cost_from_noisy_jobs() -> None:
+    """Prefill jobs of every size over spans of 0-6k cells, 10% noise: the fitted cost per cell
+    is within 15% of the true one (1.9 us per token and cell, the realistic model's order)."""
+    rng = random.Random(7)
+    fit = Fit()
+    for _ in range(60):
+        n, span = rng.choice([1, 16, 64, 300, 2000]), rng.randint(0, 6000)
+        fit.add(n, span, _job(3.0, 5.0, 1.9, n, span) * rng.uniform(0.9, 1.1))
+    assert fit.known()
+    assert fit.per_cell() * 1000.0 == pytest.approx(1.9, rel=0.15)
+
+
+def test_a_fit_is_not_trusted_before_it_saw_enough_jobs_over_different_spans() -> None:
+    same_span, few = Fit(), Fit()
+    for i in range(20):
+        same_span.add(64 + i, 1000, _job(1.0, 1.0, 5.0, 64 + i, 1000))
+    for i in range(MIN_SAMPLES - 1):
+        few.add(64, i * 1000, _job(1.0, 1.0, 5.0, 64, i * 1000))
+    assert not same_span.known() and same_span.per_cell() == 0.0
+    assert not few.known() and few.per_cell() == 0.0
+
+
+def test_a_cost_is_never_negative() -> None:
+    """Jobs that got faster as the span grew (the machine's load fell): no negative attention
+    cost, which would keep every idle context forever for a wrong reason."""
+    fit = Fit()
+    for i in range(20):
+        span = i * 400
+        fit.add(32, span, 100.0 - span / 100.0)
+    a, b, c = fit.coefficients()
+    assert a >= 0 and b >= 0 and c >= 0
+
+
+def _costs(per_cell_us: float) -> Costs:
+    costs = Costs(bytes_per_token=12288)  # the realistic model's KV per token
+    for i in range(40):
+        span = (i % 8) * 800
+        costs.prefilled(64, span, _job(2.0, 5.0, per_cell_us, 64, span))
+        costs.decoded(32, span, _job(2.0, 18.0 * 32 / 32, per_cell_us / 2, 32, span))
+        costs.turn_prefill.add(64.0)
+    return costs
+
+
+def test_an_idle_context_leaves_when_its_cells_cost_the_turn_more_than_moving_it() -> None:
+    """2k idle cells against a turn of 64 prefilled and 32 decoded tokens: at 1.9 us per token
+    and cell they cost the turn ~390 ms, moving 2k tokens of 12 KiB out and back (RAM) ~40 ms:
+    it leaves; at 0.01 us they cost ~2 ms: it stays; already whole in a tier, only the restore
+    counts; unmeasured, nothing leaves for its attention's sake."""
+    expensive, cheap = _costs(1.9), _costs(0.01)
+    assert expensive.stay_ms(2048, 0) > 300 > 50 > expensive.leave_ms(2048, "")
+    assert expensive.worth_leaving(2048, 2048, "", prefill=0)
+    assert not cheap.worth_leaving(2048, 2048, "", prefill=0)
+    assert cheap.leave_ms(2048, "disk") < cheap.leave_ms(2048, "")
+    assert not Costs(bytes_per_token=12288).worth_leaving(2048, 2048, "", prefill=0)
+
+
+def test_moving_costs_are_measured_once_moves_happened() -> None:
+    costs = Costs(bytes_per_token=12288)
+    prior = costs.move_ms("restore_ram", 1000)
+    costs.moved("restore_ram", 1000, 50.0)
+    assert prior != 50.0 and costs.move_ms("restore_ram", 2000) == pytest.approx(100.0)
