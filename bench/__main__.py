@@ -35,7 +35,7 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis", "claude_code", "chat_agents", "speculation", "fleet"]
+EXTRAS = ["agent_apis", "claude_code", "chat_agents", "speculation", "fleet", "hybrid"]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -144,6 +144,22 @@ def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]
         return doc
     except Exception as exc:  # recorded as the run's error; the run goes on
         print(f"bench: speculation failed: {exc}", file=sys.stderr, flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def _hybrid(llama_server: str, threads: int, quick: bool) -> dict[str, Any]:
+    """Hybrid, sliding-window and recurrent models (``bench/hybrid.py``): per class, an agent loop
+    whose turns edit inside the prefix, against llama-server's default checkpoints. A failure is
+    the run's error, recorded; the other measurements go on."""
+    from bench.hybrid import run_hybrid
+
+    print("bench: hybrid, sliding-window and recurrent models (bench/hybrid.py)", flush=True)
+    try:
+        return run_hybrid(
+            llama_server, threads=threads, quick=quick, log=lambda s: print(f"  {s}", flush=True)
+        )
+    except Exception as exc:  # recorded as the run's error; the run goes on
+        print(f"bench: hybrid failed: {exc}", file=sys.stderr, flush=True)
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
 
 
@@ -293,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         fleet["duration_s"] = round(time.monotonic() - began, 1)
         print(f"bench: fleet done, {fleet['duration_s']:.0f} s", flush=True)
 
+    hybrid = None
+    if not wanted or "hybrid" in wanted:
+        began = time.monotonic()
+        hybrid = _hybrid(args.llama_server, threads, args.quick)
+        hybrid["duration_s"] = round(time.monotonic() - began, 1)
+        print(f"bench: hybrid done, {hybrid['duration_s']:.0f} s", flush=True)
+
     overhead = None
     if not wanted:
         from bench.overhead import run_overhead
@@ -343,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "chat_agents": chat_agents,
         "speculation": speculation,
         "fleet": fleet,
+        "hybrid": hybrid,
         "errors": data.errors,
     }
     doc["fingerprint"] = fingerprint(doc)
@@ -366,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         + (claude_code["errors"] if claude_code else 0)
         + (chat_agents["errors"] if chat_agents else 0)
     )
-    errors += sum(1 for extra in (speculation, fleet) if extra and "error" in extra)
+    errors += sum(1 for extra in (speculation, fleet, hybrid) if extra and "error" in extra)
     errors += fleet["errors"] if fleet and "errors" in fleet else 0
     if errors:
         print(f"bench: {errors} error(s); see the log above and the report's notes", file=sys.stderr)

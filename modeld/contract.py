@@ -234,8 +234,9 @@ class OpenSessionRequest:
 class Capabilities:
     """What a backend can do, so callers never need backend-specific fields.
 
-    ``truncation``: resident KV can be cut at any token (False for recurrent or sliding-window
-    memory, where reuse falls back to a cold prefill). ``reuse``: ``exact`` when modeld controls
+    ``truncation``: resident KV can be cut at any token (False for recurrent, hybrid or
+    sliding-window memory, which goes back to a checkpoint or a window still held instead:
+    ``Footprint.cuts``). ``reuse``: ``exact`` when modeld controls
     the KV directly, ``engine`` when the engine reuses blocks itself and modeld tracks the
     logical reuse. ``sampling``: the DecodeConfig fields honoured; others are refused.
     ``extra``: the keys of ``DecodeConfig.extra`` the backend accepts. ``constraints``: the
@@ -281,6 +282,15 @@ class Footprint:
     the stated per-model rest (the worker process), ``total_bytes`` their sum with the weights;
     ``budget_bytes`` the memory budget, ``max_window`` the largest window whose layout fits in
     it (0: none; capped at the trained window); ``trained_kv_bytes`` one trained window's KV.
+
+    What the model's memory is (blueprint 0016, "Checkpoints"): ``memory`` is ``attention``,
+    ``sliding-window``, ``hybrid`` (recurrent layers beside attention ones: ``kv_bytes_per_token``
+    counts the attention layers only) or ``recurrent``; ``sliding_window`` the local layers'
+    window (0: none); ``state_bytes`` one sequence's recurrent state, which cannot be cut (0:
+    none); ``cuts`` where a warm sequence can be cut (``any token``; ``back to a checkpoint``;
+    ``where the window is held``); ``checkpoint_bytes`` what the layout's checkpoints may hold
+    (``--checkpoints`` per sequence, each one ``state_bytes``). ``total_bytes`` counts the
+    sequences' states and the checkpoints.
     """
 
     weights_bytes: int = 0
@@ -298,6 +308,11 @@ class Footprint:
     total_bytes: int = 0
     budget_bytes: int = 0
     max_window: int = 0
+    memory: str = "attention"
+    sliding_window: int = 0
+    state_bytes: int = 0
+    cuts: str = "any token"
+    checkpoint_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

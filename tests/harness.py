@@ -62,6 +62,26 @@ def openvino_model() -> Model:
     return replace(llama_model(), backend="openvino")
 
 
+def arch_model(name: str) -> Model:
+    """The generated model ``name`` of ``modeld.testmodels.ARCH_SPECS`` (sliding-window, hybrid
+    and recurrent memory) on the llama backend; variants are the same shape with other seeds."""
+    from modeld.testmodels import ARCH_SPECS, ensure_model
+
+    spec = next(s for s in ARCH_SPECS if s.name == name)
+
+    def make(path: Path, variant: int) -> None:
+        shutil.copyfile(ensure_model(replace(spec, seed=1000 + variant)), path)
+
+    return Model(backend="llama", path=str(ensure_model(spec)), make_variant=make)
+
+
+def model_of(key: str) -> Model:
+    """``key`` is a backend (``llama``) or ``llama/<arch spec name>`` (``llama/hybrid-qwen35``)."""
+    if key.startswith("llama/"):
+        return arch_model(key.removeprefix("llama/"))
+    return MODELS[key]()
+
+
 MODELS: dict[str, Callable[[], Model]] = {
     "memory": memory_model,
     "llama": llama_model,

@@ -332,18 +332,25 @@ def test_recurrent_model_falls_back_to_a_cold_prefill_never_a_wrong_reuse() -> N
         assert appended.reused_tokens == first.prefix_tokens
         edited = BASE.replace("migrate", "upgrade")
         st_ = s.ensure_prefix(PrefixInput(text=edited))
-        assert (st_.reuse.outcome, st_.reuse.reason) == ("cold", "truncation_unsupported")
-        assert st_.reused_tokens == 0
-        assert st_.prefilled_tokens == st_.prefix_tokens
+        # Back to the last checkpoint of the state before the edit (one every batch of 16).
+        assert (st_.reuse.outcome, st_.reuse.reason) == ("partial", "diverged")
+        diverged = st_.reuse.diverged_at_token or 0
+        assert diverged - 16 <= st_.reused_tokens < diverged
+        assert f"checkpoint at token {st_.reused_tokens}" in st_.reuse.message
+        assert st_.reused_tokens + st_.prefilled_tokens == st_.prefix_tokens
         s.prefill_suffix(SuffixInput(text="fix it\n"))
         warm_path = _greedy(s)
         # The generated tokens cannot be cut off the recurrent state, but the state at the
-        # prefix boundary was snapshotted when the prefix was computed: it is restored.
+        # prefix's end was checkpointed when the prefix was computed: the engine goes back to it.
         again = s.ensure_prefix(PrefixInput(text=edited))
-        assert (again.reuse.outcome, again.reuse.reason) == ("warm", "restored_from_ram")
+        assert (again.reuse.outcome, again.reuse.reason) == ("warm", "full_match")
         assert again.reused_tokens == again.prefix_tokens
         with Engine(backends=("llama",)) as cold_engine:
             cold = cold_engine.open_session(req)
             cold.ensure_prefix(PrefixInput(text=edited))
             cold.prefill_suffix(SuffixInput(text="fix it\n"))
             assert _greedy(cold) == warm_path
+        # An edit before the first checkpoint: nothing to go back to.
+        start = s.ensure_prefix(PrefixInput(text="Q" + edited[1:]))
+        assert (start.reuse.outcome, start.reuse.reason) == ("cold", "truncation_unsupported")
+        assert start.reused_tokens == 0 and start.prefilled_tokens == start.prefix_tokens

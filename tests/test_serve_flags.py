@@ -190,7 +190,7 @@ def test_a_bad_choice_is_one_line_and_exit_2() -> None:
 def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
     data = Path(tempfile.mkdtemp(prefix="mdf"))
     flags = [
-        *("--sequences", "2", "--kv-unified", "--kv-pool-tokens", "3000"),
+        *("--sequences", "2", "--kv-unified", "--kv-pool-tokens", "3000", "--checkpoints", "3"),
         *("--ram-tier-bytes", "64M", "--disk-tier-bytes", "0", "--memory-budget", "4G"),
         *("--isolation", "inline", "--slots", "1", "--max-queue", "3"),
         *("--snapshot-min-tokens", "32", "--persist-min-tokens", "256"),
@@ -214,6 +214,7 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
         assert status["settings"] == {
             "sequences": "2",
             "kv_unified": "True",
+            "checkpoints": "3",
             "pool_tokens": "3000",
             "ram_tier_bytes": str(64 << 20),
             "disk_tier_bytes": "0",

@@ -111,14 +111,22 @@ def field(reader: GGUFReader, key: str) -> Any:
 def test_public_api_is_pinned() -> None:
     assert sorted(testmodels.__all__) == sorted(
         [
+            "ARCH_SPECS",
             "COPYING",
+            "GEMMA3",
             "GENERATOR_VERSION",
+            "GPT_OSS",
+            "GRANITE_HYBRID",
+            "LFM2",
+            "MAMBA2",
+            "QWEN35",
             "REALISTIC",
             "RECURRENT",
             "REPLY",
             "THINK",
             "TINY",
             "TOOLS",
+            "ArchSpec",
             "ModelSpec",
             "default_cache_dir",
             "ensure_ir",

@@ -87,6 +87,15 @@ class Layout:
     slow every turn of the others, so the cache moves an idle context out of the pool when a turn
     starts whose attention over its cells costs more, as measured, than moving it out and back
     (blueprint 0016, "Where a context goes").
+    ``checkpoints``: memory that cannot be cut at any token (``can_truncate`` False) whose warm
+    sequence can still be cut back: :meth:`ModelRuntime.sync` goes back to the last point at or
+    before ``keep`` the memory can return to (a checkpoint of a recurrent or hybrid state, a
+    sliding window the cache still holds), evaluates the known tokens from there and reports the
+    ``kept`` it reached; :meth:`ModelRuntime.copy` of part of such a sequence does the same. A
+    snapshot in a tier is restored only whole unless ``snapshot_cuts``: its checkpoints travel
+    inside the blob, and a restored sequence is cut back as one in the pool is. ``memory`` is what the engine says the
+    model's memory is (``attention``, ``sliding-window``, ``hybrid``, ``recurrent``: the same
+    words as ``Footprint.memory``, which describe reads from the file).
     """
 
     n_seq: int
@@ -102,6 +111,17 @@ class Layout:
     name: str = ""
     forks: bool = False
     attention_spans_pool: bool = False
+    checkpoints: bool = False
+    memory: str = "attention"
+    snapshot_cuts: bool = False
+
+    @property
+    def whole_snapshots(self) -> bool:
+        """A snapshot of every resident token serves a later turn that shares only its start:
+        the engine can cut the restored sequence (memory that can be cut, or checkpoints that
+        travel inside the snapshot: ``snapshot_cuts``). So a context leaving the KV keeps its
+        suffix and decode (blueprint 0016, "Where a context goes")."""
+        return self.can_truncate or self.snapshot_cuts
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,13 +141,18 @@ class LoadOptions:
     pool_tokens: int
     unified: bool = False
     threads: int = 0
+    checkpoints: int = 8
+    """Checkpoints kept per sequence of memory that cannot be cut at any token (``--checkpoints``;
+    0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
 class SyncStep:
     """Progress of :meth:`ModelRuntime.sync`: ``kept`` tokens were kept, then ``evaluated`` of
     ``total`` new tokens were evaluated. ``kept`` may be less than asked when the memory could
-    not be cut there (recurrent models): the runtime then evaluates from ``kept`` on."""
+    not be cut there: a runtime whose layout has ``checkpoints`` then evaluates the known tokens
+    after ``kept`` itself (``total`` counts them), others stop and the daemon asks again from
+    ``kept``."""
 
     kept: int
     evaluated: int

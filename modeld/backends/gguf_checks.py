@@ -22,8 +22,9 @@ cleanly, with an error, and so does OpenVINO); the limits of the format itself a
 from __future__ import annotations
 
 from modeld.backends.gguf_header import ARRAY, F32, I32, STRING, GGUFFormatError, Header
+from modeld.backends.gguf_layers import layer_memory
 
-__all__ = ["HYBRID_ARCHS", "MAX_EXPERTS", "MAX_LAYERS", "RECURRENT_ARCHS", "ROPE_SCALING_TYPES", "check"]
+__all__ = ["MAX_EXPERTS", "MAX_LAYERS", "ROPE_SCALING_TYPES", "check"]
 
 MAX_LAYERS = 512
 """llama.cpp's ``LLAMA_MAX_LAYERS``: more (or 0) aborts the process in ``load_hparams``."""
@@ -31,9 +32,6 @@ MAX_EXPERTS = 1024
 """``LLAMA_MAX_EXPERTS`` of the pinned llama.cpp (measured: 1025 aborts)."""
 ROPE_SCALING_TYPES = frozenset({"none", "linear", "yarn", "longrope"})
 """What llama.cpp knows; any other ``rope.scaling.type`` aborts the process."""
-
-RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-HYBRID_ARCHS = frozenset({"jamba", "falcon-h1", "plamo2", "granitehybrid", "nemotron_h", "lfm2", "qwen3next"})
 
 
 def check(h: Header, arch: str, layers: int, tokens: list[bytes]) -> None:
@@ -48,7 +46,6 @@ def check(h: Header, arch: str, layers: int, tokens: list[bytes]) -> None:
         raise GGUFFormatError(
             f"has {key} = 0; a model is trained on a context of at least one token", field=key
         )
-    attention = arch not in RECURRENT_ARCHS and arch not in HYBRID_ARCHS
     heads = h.integers(f"{arch}.attention.head_count")
     kv = h.integers(f"{arch}.attention.head_count_kv")
     for name, values in (("head_count", heads), ("head_count_kv", kv)):
@@ -57,20 +54,22 @@ def check(h: Header, arch: str, layers: int, tokens: list[bytes]) -> None:
             raise GGUFFormatError(
                 f"has {len(values)} per-layer values for {key}, for {layers} layers", field=key
             )
-    if attention and heads is not None:
+    per_layer_heads = (heads * layers if len(heads) == 1 else heads) if heads is not None else [0] * layers
+    per_layer_kv = per_layer_heads if kv is None else (kv * layers if len(kv) == 1 else kv)
+    # Layers that keep a recurrent state instead of attention have no KV heads (gguf_layers).
+    memory = layer_memory(h, arch, layers, tuple(per_layer_kv))
+    if heads is not None and not any(memory.recurrent):
         key = f"{arch}.attention.head_count"
         if max(heads) <= 0:
             raise GGUFFormatError(f"has {key} = 0; an attention model has at least one head", field=key)
-        per_layer_heads = heads * layers if len(heads) == 1 else heads
-        per_layer_kv = per_layer_heads if kv is None else (kv * layers if len(kv) == 1 else kv)
-        for i, (n_head, n_kv) in enumerate(zip(per_layer_heads, per_layer_kv, strict=True)):
-            if n_head > 0 and (n_kv <= 0 or n_head % n_kv):
-                key = f"{arch}.attention.head_count_kv"
-                raise GGUFFormatError(
-                    f"has {n_head} attention heads and {n_kv} KV heads in layer {i}; "
-                    "the KV heads must divide the heads",
-                    field=key,
-                )
+    for i, (n_head, n_kv) in enumerate(zip(per_layer_heads, per_layer_kv, strict=True)):
+        if n_head > 0 and not memory.recurrent[i] and (n_kv <= 0 or n_head % n_kv):
+            key = f"{arch}.attention.head_count_kv"
+            raise GGUFFormatError(
+                f"has {n_head} attention heads and {n_kv} KV heads in layer {i}; "
+                "the KV heads must divide the heads",
+                field=key,
+            )
     experts = h.integer(f"{arch}.expert_count")
     used = h.integer(f"{arch}.expert_used_count")
     if experts > MAX_EXPERTS:

@@ -11,7 +11,9 @@ Used by ``describe`` on every backend that takes GGUF files (llama.cpp and OpenV
 * the model digest: a documented cheap fingerprint (below), cached per file identity;
 * the dimensions that size the KV cache, the trained context, the tokenizer's identity, the
   chat template, the BOS/EOS policy, and whether the model's memory can be cut at an arbitrary
-  token (recurrent, hybrid and sliding-window models cannot).
+  token (recurrent, hybrid and sliding-window models cannot): which layers keep per-token KV and
+  which a recurrent state, and its size, from the keys the engine reads
+  (:mod:`modeld.backends.gguf_layers`), not from a list of architecture names.
 
 Model fingerprint ``gguf-v1`` (``blueprints/0009-llama-backend.md``): xxh3-128 of
 ``"modeld.gguf.v1\\0" || u64le(size) || the first 8 MiB || 16 blocks of 64 KiB at evenly spaced
@@ -38,17 +40,16 @@ from typing import Any, Final
 
 import xxhash
 
-from modeld.backends.gguf_checks import HYBRID_ARCHS, RECURRENT_ARCHS, check
+from modeld.backends.gguf_checks import check
 from modeld.backends.gguf_header import ARRAY, INTEGERS, LIMITS, STRING, GGUFFormatError, Header
+from modeld.backends.gguf_layers import layer_memory
 from modeld.backends.probe import MAX_SHOWN_PATH, FileIdentity, ModelFile, open_model_file, show_path
 from modeld.errors import BackendMismatchError, ModelLoadError
 from modeld.manifest import bytes_hash
 
 __all__ = [
-    "HYBRID_ARCHS",
     "KV_TYPE_BYTES",
     "LIMITS",
-    "RECURRENT_ARCHS",
     "GGUFInfo",
     "fingerprint",
     "kv_bytes_per_token",
@@ -121,10 +122,22 @@ class GGUFInfo:
     feed_forward_length: int = 0  # the largest layer's
     special_tokens: tuple[tuple[int, str, str], ...] = ()  # (id, text, kind): see special_tokens()
     identity: FileIdentity | None = None  # the file when it was described (see probe.changed)
+    recurrent_layers: int = 0  # layers that keep a recurrent state (gguf_layers)
+    state_bytes: int = 0  # one sequence's recurrent state, every recurrent layer's (f32)
 
     @property
     def can_truncate(self) -> bool:
         return not (self.recurrent or self.hybrid or self.sliding_window > 0)
+
+    @property
+    def memory(self) -> str:
+        """What the model's memory is: ``attention``, ``sliding-window``, ``hybrid`` (recurrent
+        layers beside attention ones) or ``recurrent``."""
+        if self.recurrent:
+            return "recurrent"
+        if self.hybrid:
+            return "hybrid"
+        return "sliding-window" if self.sliding_window > 0 else "attention"
 
 
 # --- fingerprint, digests, describe ----------------------------------------------------------------
@@ -261,7 +274,10 @@ def _describe(f: ModelFile, digest: str) -> GGUFInfo:
     eos_id = h.py("tokenizer.ggml.eos_token_id")
     template = str(h.py("tokenizer.chat_template", "") or "")
     swa_raw = h.integers(hp("attention.sliding_window")) or [0]
-    ssm = any(k.startswith(f"{arch}.ssm.") or k.startswith(f"{arch}.rwkv") for k in h.kvs)
+    layout = layer_memory(h, arch, layers, kv_heads)
+    # A layer without attention keeps no KV, whatever head_count_kv says for the model.
+    kv_heads = tuple(kv if att else 0 for kv, att in zip(kv_heads, layout.attention, strict=True))
+    n_recurrent = sum(layout.recurrent)
     return GGUFInfo(
         path=f.raw,
         digest=digest,
@@ -280,8 +296,8 @@ def _describe(f: ModelFile, digest: str) -> GGUFInfo:
         add_bos=bool(h.py("tokenizer.ggml.add_bos_token", model_kind == "llama")),
         bos_token=_token(tokens, bos_id),
         eos_token=_token(tokens, eos_id),
-        recurrent=arch in RECURRENT_ARCHS or (ssm and arch not in HYBRID_ARCHS),
-        hybrid=arch in HYBRID_ARCHS,
+        recurrent=n_recurrent > 0 and not any(layout.attention),
+        hybrid=n_recurrent > 0 and any(layout.attention),
         sliding_window=max(swa_raw),
         weights_bytes=h.weights_bytes,
         file_type=int(h.py("general.file_type", -1) or -1),
@@ -291,6 +307,8 @@ def _describe(f: ModelFile, digest: str) -> GGUFInfo:
         feed_forward_length=max(h.integers(hp("feed_forward_length")) or [0]),
         special_tokens=special_tokens(h, tokens),
         identity=f.identity,
+        recurrent_layers=n_recurrent,
+        state_bytes=layout.sequence_state_bytes,
     )
 
 

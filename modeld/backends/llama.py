@@ -28,7 +28,7 @@ from modeld.contract import (
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
-__all__ = ["LlamaBackend", "backend_version", "model_footprint"]
+__all__ = ["CUTS", "LlamaBackend", "backend_version", "model_footprint"]
 
 
 QUANTIZED_KV = ("q8_0", "q4_0")
@@ -58,7 +58,20 @@ def model_footprint(meta: GGUFInfo, config: Config) -> Footprint:
         compute_floor_bytes=b * (meta.vocab_size * 4 + embd * 8),
         compute_fixed_bytes=fixed,
         compute_bytes_per_token=per_token,
+        memory=meta.memory,
+        sliding_window=meta.sliding_window,
+        state_bytes=meta.state_bytes,
+        cuts=CUTS[meta.memory],
     )
+
+
+CUTS = {
+    "attention": "any token",
+    "sliding-window": "where the sliding window before the cut is still held (else not)",
+    "hybrid": "back to a checkpoint of the recurrent state at or before the cut",
+    "recurrent": "back to a checkpoint of the recurrent state at or before the cut",
+}
+"""Where a warm sequence of each kind of memory can be cut (``Footprint.cuts``; blueprint 0016)."""
 
 
 def backend_version() -> str:
@@ -113,7 +126,8 @@ class LlamaBackend:
                 extra=(),
                 prompt_formats=("raw", "chat") if meta.chat_template else ("raw",),
                 constraints=CONSTRAINT_KINDS,
-                # Rejected drafts are cut off again: memory that cannot be cut decodes plainly.
+                # Rejected drafts are cut off again: memory that cannot be cut at any token
+                # decodes plainly (blueprint 0016, "Speculation").
                 speculation=("off", "ngram") if meta.can_truncate else ("off",),
             ),
             special_tokens=tuple(SpecialToken(i, text, kind) for i, text, kind in meta.special_tokens),

@@ -19,10 +19,14 @@ built on this class's batches. Design records: ``blueprints/0009-llama-backend.m
 * **Numerics of batches.** A *single-token* batch takes another kernel path (~1e-3 relative
   difference); prefill never evaluates a lone token when it can avoid it: a 1-token remainder
   borrows a token from the previous batch, and a 1-token tail re-evaluates the token before it.
-* **Memory that cannot be cut** (recurrent, hybrid, sliding-window models): ``can_truncate`` is
-  False; the daemon only ever appends to or empties such a sequence, and if
-  ``llama_memory_seq_rm`` refuses a cut anyway, the sequence is emptied and ``sync`` reports it
-  kept nothing (the daemon evaluates everything again).
+* **Memory that cannot be cut at any token** (recurrent, hybrid, sliding-window models):
+  ``can_truncate`` is False and ``Layout.checkpoints`` True. A cut goes back as far as it must:
+  to the last checkpoint at or before it (recurrent and hybrid memory,
+  :mod:`modeld.backends.llama_checkpoints`), or, for sliding-window attention, to a position
+  whose window the cache still holds (llama-server's rule, ``seq_pos_min <= keep - n_swa``);
+  ``sync`` then evaluates the tokens between and reports what it kept. Their prefills start
+  batches at positions that depend only on the tokens, so a warm turn's numbers are a fresh
+  evaluation's. If ``llama_memory_seq_rm`` refuses a cut anyway, the sequence is emptied.
 * **Restores are verified**: llama.cpp returning 0 empties the sequence; a restore whose
   position range does not match the tokens it claims is undone (llama.cpp #26676).
 """
@@ -33,6 +37,7 @@ import ctypes
 import logging
 import os
 import threading
+import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,7 +46,9 @@ from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
+from modeld.backends.llama_checkpoints import Checkpoints
 from modeld.backends.llama_constraints import LlamaConstraints
+from modeld.backends.llama_rewind import Rewind
 from modeld.backends.llama_state import SeqStates
 from modeld.backends.llama_step import Step
 from modeld.contract import Config, DecodeConfig, ModelInfo
@@ -56,6 +63,11 @@ _GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "bf16": 30}
 _GGML_LOG_INFO = 2
 _GGML_LOG_WARN = 3
 _GGML_LOG_ERROR = 4
+
+CHECKPOINT_BATCHES = 1
+"""Checkpoints of recurrent and hybrid memory are taken every this many micro-batches of a
+prefill (besides turn starts and prompt ends): a divergence anywhere recomputes at most that
+while they are all kept (``--checkpoints`` keeps the most valuable ones)."""
 
 _init_lock = threading.Lock()
 _initialized = False
@@ -126,7 +138,7 @@ def chunk_sizes(n: int, batch: int) -> list[int]:
     return sizes
 
 
-class LlamaContext(HeldTokens):
+class LlamaContext(HeldTokens, Rewind):
     """One llama.cpp model and context with ``n_seq`` sequences: their tokens, cells and batches."""
 
     def __init__(self, info: ModelInfo, meta: GGUFInfo, config: Config, options: LoadOptions) -> None:
@@ -187,14 +199,34 @@ class LlamaContext(HeldTokens):
             can_truncate=can_truncate,
             snapshots=True,
             explicit=True,
-            snapshot_format=f"llama.cpp {_llama_lib.version()} {layout_name}",
+            snapshot_format=f"llama.cpp {_llama_lib.version()} {layout_name}"
+            + ("+checkpoints" if (recurrent or hybrid) and options.checkpoints > 0 else ""),
             kv_bytes_per_token=info.kv_bytes_per_token,
             exact=not unified,
             name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
             forks=can_truncate and n_seq > 1,
             attention_spans_pool=unified and n_seq > 1,
+            checkpoints=not can_truncate,
+            snapshot_cuts=(recurrent or hybrid) and options.checkpoints > 0,
+            memory="recurrent"
+            if recurrent
+            else "hybrid"
+            if hybrid
+            else "sliding-window"
+            if swa
+            else "attention",
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
+        # Memory that cannot be cut at any token: batches at canonical positions, cuts back to
+        # a checkpoint (recurrent, hybrid) or to a window the cache still holds (SWA).
+        self._n_swa = swa if not (recurrent or hybrid) else 0
+        self._takes = (recurrent or hybrid) and options.checkpoints > 0
+        self._planned = not can_truncate
+        # Every sequence's batches are recorded (a repeated prompt replays its last batch); only
+        # non-cuttable memory takes checkpoints.
+        spacing = CHECKPOINT_BATCHES * self._chunk
+        self._ckpts = Checkpoints(self._ctx, n_seq, spacing=spacing, limit=options.checkpoints)
+        self._starts = self._turn_starts() if self._planned else frozenset()
         self._states = SeqStates(
             self._ctx, portable=self._portable, unified=unified, n_stream=self._n_stream, path=meta.path
         )
@@ -297,9 +329,13 @@ class LlamaContext(HeldTokens):
         if keep <= 0:
             _llama.llama_memory_seq_rm(self._mem, seq, -1, -1)
             held.clear()
+            self._ckpts.clear(seq)
             return 0
+        if self._planned:
+            return self._rewind(seq, keep, exact=True)
         if _llama.llama_memory_seq_rm(self._mem, seq, keep, -1):
             del held[keep:]
+            self._ckpts.cut(seq, keep)
             return keep
         log.warning("llama.cpp refused to cut sequence %d at token %d; emptying it", seq, keep)
         _llama.llama_memory_seq_rm(self._mem, seq, -1, -1)
@@ -312,6 +348,9 @@ class LlamaContext(HeldTokens):
             raise EngineError(f"sequence {seq} holds {len(held)} tokens; asked to keep {keep}")
         if keep + len(tokens) > self._layout.window:
             raise InvalidArgumentError("tokens exceed the context window", field="tokens")
+        if self._planned:
+            yield from self._sync_planned(seq, keep, tokens)
+            return
         kept = self._cut(seq, keep)
         total = len(tokens)
         yield SyncStep(kept, 0, total)
@@ -336,13 +375,7 @@ class LlamaContext(HeldTokens):
         if not held:
             raise EngineError("nothing resident to decode from")
         if self._fresh != seq:
-            # Re-evaluate the last tokens (two, so the batch is not a lone token) for fresh logits.
-            back = min(2, len(held)) if self._layout.can_truncate else 0
-            if not back:
-                raise EngineError("the model's memory cannot re-evaluate its last token")
-            tail = held[-back:]
-            self._cut(seq, len(held) - back)
-            self._decode(seq, tail)
+            self._replay_last(seq)
         return held
 
     def _decode_choices(self, items: list[tuple[int, int]]) -> None:
@@ -376,11 +409,24 @@ class LlamaContext(HeldTokens):
         self._cut(dst, 0)
         if n == 0:
             return
-        if n < len(source) and not self._layout.can_truncate:
-            raise EngineError("the model's memory cannot be cut: only a whole sequence can be copied")
+        if self._planned:
+            # The whole sequence (a unified pool tags the attention cells and copies the recurrent
+            # state), its checkpoints with it; then back to n as a sync would go.
+            if self._layout.shared_cells:
+                _llama.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+                self._seqs[dst] = list(source)
+            elif not self._states.restore(dst, self.snapshot(src)):
+                raise EngineError(f"llama.cpp could not copy sequence {src} into {dst}")
+            else:
+                self._seqs[dst] = list(source)
+            self._ckpts.copy(src, dst, len(source))
+            for _ in self._sync_planned(dst, n, ()):
+                pass
+            return
         if self._layout.shared_cells:
             _llama.llama_memory_seq_cp(self._mem, src, dst, 0, n)  # tags the cells: no data copy
             self._seqs[dst] = source[:n]
+            self._ckpts.copy(src, dst, n)
             return
         # Separate streams: copy the state (exact cells), then cut it to n.
         blob = self.snapshot(src)
@@ -408,14 +454,29 @@ class LlamaContext(HeldTokens):
     # --- snapshots (the format: llama_state.py) -------------------------------------------------
 
     def snapshot(self, seq: int) -> bytes:
-        self._seq(seq)
-        return self._states.snapshot(seq)
+        held = self._seq(seq)
+        blob = self._states.snapshot(seq)
+        if not self._takes:
+            return blob
+        # Recurrent and hybrid memory: the checkpoints travel with their context (a section
+        # after the engine's state), so a restored context can still be cut back.
+        section = self._ckpts.pack(seq, len(held))
+        if isinstance(blob, bytearray):
+            blob.extend(section)  # the state is tens of megabytes: no second copy
+            return typing.cast(bytes, blob)
+        return blob + section
 
     def save(self, seq: int, path: str) -> int:
         """Write ``seq``'s snapshot into a new file at ``path``; returns its size. Raises
         ``OSError`` when the file cannot be written."""
-        self._seq(seq)
-        return self._states.save(seq, path)
+        held = self._seq(seq)
+        size = self._states.save(seq, path)
+        if self._takes:
+            section = self._ckpts.pack(seq, len(held))
+            with open(path, "ab") as f:
+                f.write(section)
+            size += len(section)
+        return size
 
     def restore(self, seq: int, blob: bytes | bytearray | memoryview, tokens: Sequence[int]) -> bool:
         held = self._seq(seq)
@@ -423,7 +484,13 @@ class LlamaContext(HeldTokens):
         self._drafters.pop(seq, None)
         if len(tokens) > self._layout.window:
             return False
-        return self._states.restore(seq, blob) and self._restored(seq, held, tokens)
+        view = memoryview(blob)
+        end, section = Checkpoints.section(view) if self._takes else (view.nbytes, None)
+        if not (self._states.restore(seq, view[:end]) and self._restored(seq, held, tokens)):
+            return False
+        if section is not None and not self._ckpts.unpack(seq, section, len(tokens)):
+            log.warning("a snapshot of sequence %d carried checkpoints in an unknown form: ignored", seq)
+        return True
 
     def restore_file(self, seq: int, path: str, size: int, tokens: Sequence[int]) -> bool:
         """Load the snapshot stored in the first ``size`` bytes of the file at ``path``
@@ -433,10 +500,17 @@ class LlamaContext(HeldTokens):
         self._drafters.pop(seq, None)
         if len(tokens) > self._layout.window:
             return False
-        return self._states.restore_file(seq, path, size) and self._restored(seq, held, tokens)
+        section = Checkpoints.read_section(path, size) if self._takes else None
+        if not (self._states.restore_file(seq, path, size) and self._restored(seq, held, tokens)):
+            return False
+        if section is not None and not self._ckpts.unpack(seq, memoryview(section), len(tokens)):
+            log.warning("a snapshot file of sequence %d carried checkpoints in an unknown form: ignored", seq)
+        return True
 
     def _restored(self, seq: int, held: list[int], tokens: Sequence[int]) -> bool:
-        """llama.cpp loaded a snapshot into ``seq``: does it hold the positions ``tokens`` claims?"""
+        """llama.cpp loaded a snapshot into ``seq``: does it hold the positions ``tokens`` claims?
+        (Memory that cannot be cut keeps a checkpoint where the snapshot ends: a later cut back
+        to it restores it.)"""
         lo = int(_llama.llama_memory_seq_pos_min(self._mem, seq))
         hi = int(_llama.llama_memory_seq_pos_max(self._mem, seq))
         # A KV cache holds every position; recurrent memory one state, at the last position.
@@ -447,6 +521,10 @@ class LlamaContext(HeldTokens):
             _llama.llama_memory_seq_rm(self._mem, seq, -1, -1)
             return False
         held.extend(tokens)
+        self._ckpts.clear(seq)  # the batches that computed it are not known
+        self._ckpts.ended(seq, len(tokens))
+        if self._takes:
+            self._ckpts.take(seq, len(tokens), canonical=False)
         return True
 
     def close(self) -> None:
@@ -488,6 +566,7 @@ class LlamaContext(HeldTokens):
             raise EngineError(
                 f"llama_decode failed with code {rc} after {kept} resident tokens of sequence {seq}"
             )
+        self._ckpts.batch(seq, pos)
         held.extend(tokens)
         self._fresh = seq
 

@@ -21,8 +21,10 @@ for correctness:
   allows) are appended to that batch without a choice of their own. A batch takes llama.cpp's
   multi-token kernels, whose rounding differs from the single-token step's by ~3e-4 of a logit:
   greedy output equals plain decoding wherever the top two logits are further apart than that
-  (every test and benchmark turn; blueprint 0021 measures it). Memory that cannot be cut
-  decodes plainly.
+  (every test and benchmark turn; blueprint 0021 measures it). Memory that cannot be cut at any
+  token decodes plainly (blueprint 0016, "Speculation"): a recurrent state cannot take a rejected
+  draft back, and a sliding-window model's verify batch rounds up to 100 times further from a
+  single step than an attention model's.
 * **Choices** (``DecodeConfig.n``, ``blueprints/0019``): one batch per step with a token per
   live choice, each choice on its own forked sequence with its own sampler, constraint and end.
 """

@@ -44,9 +44,11 @@ __all__ = [
     "effective_context",
     "footprint",
     "layout_name",
+    "load_cost",
     "max_window",
     "model_info",
     "plan_layout",
+    "state_cost",
 ]
 
 BUDGET_SHARE = 0.9
@@ -110,6 +112,29 @@ def compute_bytes(fp: Footprint, cells: int) -> int:
     return max(fp.compute_floor_bytes, fp.compute_fixed_bytes + fp.compute_bytes_per_token * max(0, cells))
 
 
+def state_cost(fp: Footprint, options: LoadOptions) -> tuple[int, int]:
+    """What a layout's sequences hold beside their KV cells: every sequence's recurrent state
+    (llama.cpp allocates one per sequence at load), and the checkpoints of those states the
+    layout may keep (``options.checkpoints`` per sequence)."""
+    if fp.state_bytes <= 0:
+        return 0, 0
+    return options.n_seq * fp.state_bytes, options.n_seq * options.checkpoints * fp.state_bytes
+
+
+def load_cost(fp: Footprint, options: LoadOptions) -> int:
+    """What a model loaded with ``options`` counts against the memory budget: its weights, the
+    layout's KV and compute buffer, the per-model rest, the sequences' recurrent states and
+    their checkpoints."""
+    cells = options.pool_tokens if options.unified else options.window
+    return (
+        fp.weights_bytes
+        + options.pool_tokens * max(0, fp.kv_bytes_per_token)
+        + compute_bytes(fp, cells)
+        + MODEL_OVERHEAD_BYTES
+        + sum(state_cost(fp, options))
+    )
+
+
 def layout_name(options: LoadOptions) -> str:
     """``unified/4:8704`` (4 sequences sharing 8704 cells) or ``split/4`` (4 streams of a window)."""
     if options.unified:
@@ -125,6 +150,7 @@ def plan_layout(
     window: int,
     fp: Footprint,
     room: int | None,
+    checkpoints: int = 8,
 ) -> tuple[LoadOptions, str]:
     """The KV layout a model loads with: ``sequences`` sequences of ``window`` tokens, in a
     unified pool (``pool_tokens`` cells, 0: one window) or in split streams of a window each
@@ -143,9 +169,10 @@ def plan_layout(
             + o.pool_tokens * fp.kv_bytes_per_token
             + compute_bytes(fp, cells)
             + MODEL_OVERHEAD_BYTES
+            + sum(state_cost(fp, o))
         )
 
-    split = LoadOptions(n_seq=n_seq, window=window, pool_tokens=n_seq * window)
+    split = LoadOptions(n_seq=n_seq, window=window, pool_tokens=n_seq * window, checkpoints=checkpoints)
     budgeted = room is not None and fp.kv_bytes_per_token > 0
     if unified and pool_tokens >= n_seq * window and (not budgeted or cost(split) <= (room or 0)):
         # A pool that holds every sequence's whole window gains nothing from sharing it (no
@@ -155,7 +182,9 @@ def plan_layout(
         return split, ""
     if unified:
         pool = pool_tokens or window
-        options = LoadOptions(n_seq=n_seq, window=min(window, pool), pool_tokens=pool, unified=True)
+        options = LoadOptions(
+            n_seq=n_seq, window=min(window, pool), pool_tokens=pool, unified=True, checkpoints=checkpoints
+        )
     else:
         options = split
     if not budgeted:
@@ -229,8 +258,10 @@ def footprint(fp: Footprint, options: LoadOptions, *, budget: int, trained: int,
     cells = options.pool_tokens if options.unified else options.window
     kv = options.pool_tokens * fp.kv_bytes_per_token
     compute = compute_bytes(fp, cells)
+    states, checkpoints = state_cost(fp, options)
     return replace(
         fp,
+        checkpoint_bytes=checkpoints,
         trained_window=trained,
         trained_kv_bytes=trained * fp.kv_bytes_per_token,
         layout=layout_name(options),
@@ -238,7 +269,7 @@ def footprint(fp: Footprint, options: LoadOptions, *, budget: int, trained: int,
         kv_bytes=kv,
         compute_bytes=compute,
         overhead_bytes=MODEL_OVERHEAD_BYTES,
-        total_bytes=fp.weights_bytes + kv + compute + MODEL_OVERHEAD_BYTES,
+        total_bytes=fp.weights_bytes + kv + compute + MODEL_OVERHEAD_BYTES + states + checkpoints,
         budget_bytes=budget,
         max_window=max_fit,
     )

@@ -13,8 +13,13 @@ token lists and flags, changes nothing and calls no engine, so every rule is pin
    best context in the KV, and than ``head`` (the tokens every prefix of the format starts with:
    the chat template's head, BOS), to be worth a restore: restoring a snapshot for a new
    conversation's template head alone costs more than computing it.
-3. Memory that cannot be cut (``can_truncate`` False: recurrent models) reuses a candidate only
-   whole; a shared prefix it could not use is reported (``blocked``) for the cold reason.
+3. Memory that cannot be cut (``can_truncate`` False: recurrent models) reuses a snapshot only
+   whole, and a context in the KV pool only whole unless the engine keeps checkpoints inside it
+   (``checkpoints``: recurrent and hybrid states at token positions, a sliding window still
+   held): then any common prefix is a candidate, and the engine goes back to the last checkpoint
+   at or before it and evaluates the rest (the turn says which it restored); a snapshot too when
+   its checkpoints travel inside it (``snapshot_cuts``). A shared prefix it could not use is
+   reported (``blocked``) for the cold reason.
 
 Design record: ``blueprints/0016-warm-state.md``.
 """
@@ -44,13 +49,15 @@ class Choice:
     seen: bool = False
 
 
-def usable(context: WarmContext, target: list[int], *, own: bool, can_truncate: bool) -> tuple[int, bool]:
+def usable(
+    context: WarmContext, target: list[int], *, own: bool, can_truncate: bool, checkpoints: bool = False
+) -> tuple[int, bool]:
     """Tokens of ``context`` a turn may keep for ``target``, and whether the memory's inability
     to be cut kept a shared prefix from being used."""
     n = common_prefix_len(context.tokens, target)
     if context.busy and not own:
         n = min(n, context.floor)
-    if n < len(context.tokens) and not can_truncate:
+    if n < len(context.tokens) and not (can_truncate or checkpoints):
         return 0, n > 0
     return n, False
 
@@ -65,6 +72,8 @@ def choose(
     can_truncate: bool,
     restore_min_gain: int,
     head: int = 0,
+    checkpoints: bool = False,
+    snapshot_cuts: bool = False,
     mine: Collection[str] = (),
 ) -> Choice:
     """The candidate for ``target`` (see the module docstring). ``own`` is the session's context,
@@ -74,14 +83,14 @@ def choose(
     operations too, and nothing it computed is computed again)."""
     best = Choice()
     if own is not None and not own.busy:
-        keep, blocked = usable(own, target, own=True, can_truncate=can_truncate)
+        keep, blocked = usable(own, target, own=True, can_truncate=can_truncate, checkpoints=checkpoints)
         best = Choice(keep, own, blocked=blocked, seen=True)
         if untouched and keep > 0 and keep >= min(own.prefix_tokens, len(target)):
             return best  # the session's own context, as it left it: nothing to compare
     for context in others:
         if context.busy and context.floor <= 0:
             continue
-        keep, blocked = usable(context, target, own=False, can_truncate=can_truncate)
+        keep, blocked = usable(context, target, own=False, can_truncate=can_truncate, checkpoints=checkpoints)
         best.blocked = best.blocked or blocked
         best.seen = True
         if keep > best.keep:
@@ -89,7 +98,7 @@ def choose(
     for entry in entries:
         best.seen = True
         n = common_prefix_len(entry.tokens, target)
-        if n < len(entry.tokens) and not can_truncate:
+        if n < len(entry.tokens) and not (can_truncate or snapshot_cuts):
             continue
         gain = restore_min_gain if entry.key not in mine else 1
         gains = n > 0 and n - max(best.keep, head) >= gain

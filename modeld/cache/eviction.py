@@ -233,7 +233,7 @@ def evict(pool: Pool, context: WarmContext, runtime: KVRuntime, why: str) -> Non
     its last suffix and what it decoded (the next turn of a chat resends them), so nothing it
     computed is computed again."""
     tokens = len(context.tokens)
-    whole = pool.layout.can_truncate
+    whole = pool.layout.whole_snapshots
     tier = save(pool, context, runtime, whole=whole)
     runtime.drop(context.seq)
     pool.remove(context)
@@ -348,7 +348,7 @@ def covered(pool: Pool, context: WarmContext) -> tuple[TierEntry | None, int]:
     if entry is None:
         return None, n
     shared = common_prefix_len(entry.tokens, context.tokens)
-    if shared < len(entry.tokens) and not pool.layout.can_truncate:
+    if shared < len(entry.tokens) and not pool.layout.whole_snapshots:
         return None, n
     return entry, max(0, n - shared)
 

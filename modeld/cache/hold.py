@@ -26,7 +26,7 @@ from typing import Protocol
 from modeld.backends.base import SyncStep
 from modeld.cache import eviction
 from modeld.cache.pool import TURN_SECONDS, Pool, WarmContext
-from modeld.cache.reuse import Candidate, RuntimeHistory
+from modeld.cache.reuse import Candidate, RuntimeHistory, went_back
 from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision
 from modeld.errors import (
@@ -160,7 +160,8 @@ class Hold:
                     pool.counters["prefilled"] += max(0, end.resident - end.kept)
                 if not end.canceled and end.kept < keep:  # the memory could not be cut there
                     keep = end.kept
-                    continue
+                    if end.resident < len(target):
+                        continue  # it stopped where it went back to: ask again from there
                 break
         except OperationTimeoutError:
             raise
@@ -176,6 +177,9 @@ class Hold:
                 f"stopped after {end.resident} of {len(target)} tokens",
                 timeout="operation_seconds",
             )
+        if keep < self.keep and self.stage == "prefix":
+            # The memory went back to a checkpoint before the divergence: say which.
+            self.decision = went_back(self.decision, self.keep, keep, len(target))
         self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
         ms = (time.monotonic() - started) * 1000.0

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from modeld.contract import ReuseDecision
 from modeld.manifest import ContextManifest, Segment
 
-__all__ = ["Candidate", "Loss", "RuntimeHistory", "classify", "common_prefix_len", "segment_at"]
+__all__ = ["Candidate", "Loss", "RuntimeHistory", "classify", "common_prefix_len", "segment_at", "went_back"]
 
 _CHUNK = 256
 _SNAPSHOT_TIERS = ("ram", "disk", "shared")
@@ -238,6 +238,29 @@ def classify(
             diverged_segment=seg.label if seg is not None else "",
         )
     return _cold("empty_cache", f"nothing compatible was warm: prefilled all {wanted} tokens")
+
+
+def went_back(decision: ReuseDecision, chosen: int, kept: int, wanted: int) -> ReuseDecision:
+    """``decision`` for a turn that chose to keep ``chosen`` tokens of a warm context whose
+    memory cannot be cut there: the engine went back to its last checkpoint at or before it, at
+    ``kept`` (0: none), and evaluated the rest. The divergence stays where it was; the words
+    name the checkpoint."""
+    if kept <= 0:
+        return replace(
+            decision,
+            outcome="cold",
+            reason="truncation_unsupported",
+            message=(
+                f"the model's memory cannot be cut at token {chosen}: it holds no checkpoint of its state "
+                f"before it (or its sliding window there is gone): prefilled all {wanted} tokens"
+            ),
+        )
+    head = decision.message.split(": reused", 1)[0] if ": reused" in decision.message else ""
+    note = (
+        f"the model's memory cannot be cut at token {chosen}: restored its checkpoint at token {kept} "
+        f"and recomputed the {chosen - kept} tokens after it; reused {kept} of {wanted} tokens"
+    )
+    return replace(decision, message=f"{head}; {note}" if head else note)
 
 
 def _prefilled(wanted: int, keep: int) -> str:

@@ -338,6 +338,8 @@ class ModelCache:
                 can_truncate=pool.layout.can_truncate,
                 restore_min_gain=pool.settings.restore_min_gain,
                 head=head,
+                checkpoints=pool.layout.checkpoints,
+                snapshot_cuts=pool.layout.snapshot_cuts,
                 mine=mine,
             )
 
@@ -383,9 +385,13 @@ class ModelCache:
             hold.source = Candidate("kv", dst.id, dst.prefix_tokens, own=own or choice.keep == 0)
         elif source is not None:
             n = choice.keep
-            runtime.copy(source.seq, dst.seq, n)
-            self._pool.ledger.copy(source.seq, dst.seq, n)
-            dst.tokens = source.tokens[:n]
+            layout = self._pool.layout
+            # Memory cut back through checkpoints is copied whole: the turn's sync then goes back
+            # to the checkpoint before n and says so (a copy cannot report where it landed).
+            whole = len(source.tokens) if layout.checkpoints and not layout.can_truncate else n
+            runtime.copy(source.seq, dst.seq, whole)
+            self._pool.ledger.copy(source.seq, dst.seq, whole)
+            dst.tokens = source.tokens[:whole]
             dst.prefix_tokens = min(source.prefix_tokens, n)
             dst.generation += 1
             dst.saved_key = ""
@@ -483,7 +489,9 @@ class ModelCache:
                     continue
                 tier = ""
                 with contextlib.suppress(ModeldError):
-                    tier = eviction.save(self._pool, context, runtime, whole=self._pool.layout.can_truncate)
+                    tier = eviction.save(
+                        self._pool, context, runtime, whole=self._pool.layout.whole_snapshots
+                    )
                 if context.owner is not None:
                     where = f"saved to the {tier} tier" if tier else "not saved"
                     context.owner.loss = Loss(kind, f"{why}; {where}", tier or "none")
@@ -494,7 +502,8 @@ class ModelCache:
         """Write every warm context, every resident token (``whole`` False: its prefix), to the
         disk tier and through to the shared store (an orderly daemon stop, a drain): what leaves
         the KV keeps every token (blueprint 0016, "Where a context goes"). By default whole where
-        the memory can be cut (memory that cannot keeps its state at the prefix, as evicted)."""
+        a restored snapshot can be cut (``Layout.whole_snapshots``: memory that can be cut, or
+        checkpoints inside the snapshot); other memory keeps its state at the prefix, as evicted."""
         tiers = self._pool.tiers
         if tiers is None or not tiers.persistent:
             return
@@ -504,7 +513,7 @@ class ModelCache:
             for context in list(self._pool.contexts.values()):
                 if not context.busy:
                     with contextlib.suppress(ModeldError):
-                        every = self._pool.layout.can_truncate if whole is None else whole
+                        every = self._pool.layout.whole_snapshots if whole is None else whole
                         eviction.save(self._pool, context, runtime, persist=True, whole=every)
 
     def prefetch(self, now: float) -> int:

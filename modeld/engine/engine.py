@@ -28,10 +28,9 @@ from modeld import __version__
 from modeld.backends import Backend, load_backend
 from modeld.backends.base import LoadOptions
 from modeld.backends.sizing import (
-    MODEL_OVERHEAD_BYTES,
-    compute_bytes,
     default_memory_budget,
     footprint,
+    load_cost,
     max_window,
     plan_layout,
 )
@@ -287,6 +286,7 @@ class Engine:
             window=window,
             fp=info.footprint,
             room=room,
+            checkpoints=r.checkpoints,
         )
 
     def _described(self, kind: str, request: OpenSessionRequest) -> ModelInfo:
@@ -296,7 +296,7 @@ class Engine:
         described = self.backend(kind).describe(request, memory_budget=self.memory_budget)
         info = with_template(described, request.chat_template)
         fp = info.footprint
-        if fp.kv_bytes_per_token <= 0:
+        if fp.kv_bytes_per_token <= 0 and fp.state_bytes <= 0:
             return info
         fit = max_window(
             fp,
@@ -353,13 +353,7 @@ class Engine:
                         model.supervisor.revive()  # a client asks for it again: retry
                     return model
             options = self._options(kind, info, request.config.num_ctx, request.config.num_threads)
-            cells = options.pool_tokens if options.unified else options.window
-            cost = (
-                info.weights_bytes
-                + options.pool_tokens * max(0, info.kv_bytes_per_token)
-                + compute_bytes(info.footprint, cells)
-                + MODEL_OVERHEAD_BYTES
-            )
+            cost = load_cost(info.footprint, options)
             self._make_room_for_load(cost)
             self._budget_ram_tier(loading=cost)  # the tier makes room before the worker allocates
             model = LoadedModel(

@@ -264,6 +264,14 @@ class LoadedModel:
         assert host.vocab is not None
         self.layout: Layout = host.layout
         self.vocab: Vocab = host.vocab
+        if self.layout.explicit and self.layout.memory != info.footprint.memory:
+            # describe read the file; the loaded engine knows (and decides how it is cut).
+            log.warning(
+                "%s: the engine says its memory is %s, describe read %s from the file",
+                info.path,
+                self.layout.memory,
+                info.footprint.memory,
+            )
         self.cache = ModelCache(
             name=name,
             model_digest=info.model_digest,

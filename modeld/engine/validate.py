@@ -301,9 +301,16 @@ def validate_decode(config: object, limits: Limits, capabilities: Capabilities, 
             )
     _validate_decoding(config, limits, capabilities)
     if config.speculation and config.speculation not in capabilities.speculation:
+        why = (
+            "; this model's memory cannot be cut at any token (a recurrent state cannot take a "
+            "rejected draft back; a sliding window's verify batches round far from single steps), "
+            "so it decodes one token per step"
+            if not capabilities.truncation
+            else ""
+        )
         raise UnsupportedError(
             f"this backend cannot honour speculation {echo(config.speculation)} "
-            f"(it offers: {', '.join(capabilities.speculation)})",
+            f"(it offers: {', '.join(capabilities.speculation)}){why}",
             field="speculation",
         )
     for sampler in SAMPLERS:

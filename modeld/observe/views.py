@@ -339,6 +339,20 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
         ),
         ("weights", format_bytes(info.weights_bytes)),
     ]
+    if fp.memory != "attention":
+        # Memory that cannot be cut at any token: what it is, what it keeps, where it is cut.
+        what = fp.memory + (
+            f", a window of {fp.sliding_window} tokens (llama.cpp's full-size SWA cache: the KV above "
+            "counts every layer at every token, so a cut keeps its window)"
+            if fp.sliding_window
+            else ""
+        )
+        if fp.state_bytes:
+            what += f"; a recurrent state of {format_bytes(fp.state_bytes)} per sequence"
+        rows.append(("memory", what))
+        rows.append(("cuts", fp.cuts))
+        if fp.checkpoint_bytes:
+            rows.append(("checkpoints", f"up to {format_bytes(fp.checkpoint_bytes)} (each one state)"))
     if fp.layout:
         attention = "flash attention on" if flash_attn else "flash attention off"
         rows += [
@@ -353,8 +367,9 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
             ("compute", f"~{format_bytes(fp.compute_bytes)} (llama.cpp's compute buffer, {attention})"),
             (
                 "total",
-                f"~{format_bytes(fp.total_bytes)} = weights + KV + compute + {format_bytes(fp.overhead_bytes)} per model "
-                f"(budget {format_bytes(fp.budget_bytes)})",
+                f"~{format_bytes(fp.total_bytes)} = weights + KV + compute"
+                + (" + states + checkpoints" if fp.state_bytes else "")
+                + f" + {format_bytes(fp.overhead_bytes)} per model (budget {format_bytes(fp.budget_bytes)})",
             ),
             ("max window", f"{fp.max_window} tokens fit the budget under this layout"),
         ]
@@ -366,7 +381,13 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
         (
             "capabilities",
             f"truncation={'yes' if info.capabilities.truncation else 'no'} reuse={info.capabilities.reuse} "
-            f"formats={','.join(info.capabilities.prompt_formats)}",
+            f"formats={','.join(info.capabilities.prompt_formats)} "
+            f"speculation={','.join(info.capabilities.speculation)}"
+            + (
+                " (memory that cannot be cut at any token: no rejected draft could be taken back exactly)"
+                if "ngram" not in info.capabilities.speculation and fp.memory != "attention"
+                else ""
+            ),
         ),
     ]
     return "\n".join(f"{k:<13} {v}" for k, v in rows)

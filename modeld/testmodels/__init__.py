@@ -12,6 +12,10 @@ Three specs ship:
   state per sequence instead of per-token KV entries, so its memory cannot be truncated at a
   token position; backends test their full re-prefill fallback on it. llama.cpp only:
   OpenVINO GenAI kills the process (SIGFPE) when asked to load it.
+* :data:`ARCH_SPECS` (:class:`ArchSpec`): one tiny model of each class whose memory cannot be
+  cut at any token: sliding window (:data:`GEMMA3`, :data:`GPT_OSS`), short-convolution hybrid
+  (:data:`LFM2`), gated-DeltaNet hybrid (:data:`QWEN35`), Mamba-2 hybrid
+  (:data:`GRANITE_HYBRID`), pure recurrent (:data:`MAMBA2`). llama.cpp only.
 
 Why: nothing can be downloaded here, and tests must exercise real engines. Both llama.cpp and
 OpenVINO GenAI load the same file. The file is a pure function of ``(spec, GENERATOR_VERSION)``
@@ -31,6 +35,17 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from modeld.testmodels._archs import (
+    ARCH_SPECS,
+    GEMMA3,
+    GPT_OSS,
+    GRANITE_HYBRID,
+    LFM2,
+    MAMBA2,
+    QWEN35,
+    ArchSpec,
+    write_arch,
+)
 from modeld.testmodels._gguf import write_gguf
 from modeld.testmodels._spec import (
     COPYING,
@@ -45,7 +60,14 @@ from modeld.testmodels._spec import (
 )
 
 __all__ = [
+    "ARCH_SPECS",
     "COPYING",
+    "GEMMA3",
+    "GPT_OSS",
+    "GRANITE_HYBRID",
+    "LFM2",
+    "MAMBA2",
+    "QWEN35",
     "GENERATOR_VERSION",
     "REALISTIC",
     "RECURRENT",
@@ -53,6 +75,7 @@ __all__ = [
     "THINK",
     "TINY",
     "TOOLS",
+    "ArchSpec",
     "ModelSpec",
     "default_cache_dir",
     "ensure_ir",
@@ -76,7 +99,7 @@ def default_cache_dir() -> Path:
     return base / "modeld" / "models"
 
 
-def ensure_model(spec: ModelSpec = TINY, cache_dir: Path | None = None) -> Path:
+def ensure_model(spec: ModelSpec | ArchSpec = TINY, cache_dir: Path | None = None) -> Path:
     """The path of ``spec``'s GGUF file in ``cache_dir``, generated first if it is missing.
 
     The file name is ``<spec.name>-<digest of (spec, GENERATOR_VERSION)>.gguf``. The file is
@@ -96,7 +119,10 @@ def ensure_model(spec: ModelSpec = TINY, cache_dir: Path | None = None) -> Path:
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            write_gguf(spec, tmp)
+            if isinstance(spec, ArchSpec):
+                write_arch(spec, tmp)
+            else:
+                write_gguf(spec, tmp)
             with tmp.open("rb") as fh:
                 os.fsync(fh.fileno())
             tmp.chmod(0o644)  # mkstemp creates 0600; the cache may be shared (CI)

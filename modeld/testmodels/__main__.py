@@ -1,4 +1,4 @@
-"""``python -m modeld.testmodels tiny|realistic|recurrent|copying|reply|think [--cache-dir DIR] [--seed N]``.
+"""``python -m modeld.testmodels tiny|realistic|recurrent|copying|reply|think|swa-gemma3|... [--cache-dir DIR] [--seed N]``.
 
 Generates the model if it is not cached yet and prints the path of its GGUF file (and nothing
 else on stdout), so scripts can use ``MODEL=$(python -m modeld.testmodels tiny)``.
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from modeld.testmodels import (
+    ARCH_SPECS,
     COPYING,
     REALISTIC,
     RECURRENT,
@@ -20,13 +21,14 @@ from modeld.testmodels import (
     THINK,
     TINY,
     TOOLS,
+    ArchSpec,
     ModelSpec,
     default_cache_dir,
     ensure_model,
 )
 
-_SPECS: dict[str, ModelSpec] = {
-    spec.name: spec for spec in (TINY, REALISTIC, RECURRENT, COPYING, REPLY, THINK, TOOLS)
+_SPECS: dict[str, ModelSpec | ArchSpec] = {
+    spec.name: spec for spec in (TINY, REALISTIC, RECURRENT, COPYING, REPLY, THINK, TOOLS, *ARCH_SPECS)
 }
 
 

@@ -1,0 +1,168 @@
+"""Cuts and prefills of memory that cannot be cut at any token (engine-worker side).
+
+The part of :class:`~modeld.backends.llama_context.LlamaContext` that recurrent, hybrid and
+sliding-window models need (the checkpoints themselves: :mod:`modeld.backends.llama_checkpoints`):
+
+* :meth:`Rewind._rewind` goes back as far as a cut must: to the last checkpoint at or before it
+  (recurrent and hybrid memory), or, for sliding-window attention, to a position whose window
+  the cache still holds (llama-server's rule: ``seq_pos_min <= keep - n_swa``);
+* :meth:`Rewind._sync_planned` evaluates what lies after it in batches that begin at positions
+  that depend only on the tokens (multiples of the micro-batch, turn starts, the end of the
+  previous prefill when the new tokens begin there), taking checkpoints on the way: a warm
+  turn's numbers are then a fresh evaluation's, bit for bit (blueprint 0016, "Checkpoints");
+* :meth:`Rewind._replay_last` gives fresh logits for a sequence's last token by evaluating its
+  last batch again as it was first evaluated: a repeated prompt answers, and answers the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from modeld.backends._llama_lib import bindings as _llama
+from modeld.backends.base import SyncStep
+from modeld.backends.llama_checkpoints import Checkpoints, canonical, plan
+
+__all__ = ["Rewind"]
+
+log = logging.getLogger("modeld.llama")
+
+
+class Rewind:
+    """Cuts and prefills of memory that cannot be cut at any token (a mixin of the context)."""
+
+    _seqs: list[list[int]]
+    _ckpts: Checkpoints
+    _planned: bool
+    _starts: frozenset[int]
+    _takes: bool
+    _n_swa: int
+    _chunk: int
+    _fresh: int
+    _mem: Any
+    _vocab: Any
+    _n_vocab: int
+    _bos: int
+
+    def _cut(self, seq: int, keep: int) -> int:
+        raise NotImplementedError
+
+    def _decode(self, seq: int, tokens: list[int], outputs: int = 1) -> None:
+        raise NotImplementedError
+
+    def _turn_starts(self) -> frozenset[int]:
+        """Control tokens that do not end generation (BOS aside): where a chat's turns start."""
+        control = _llama.LLAMA_TOKEN_ATTR_CONTROL
+        return frozenset(
+            t
+            for t in range(self._n_vocab)
+            if t != self._bos
+            and int(_llama.llama_vocab_get_attr(self._vocab, t)) & control
+            and not _llama.llama_vocab_is_eog(self._vocab, t)
+        )
+
+    def _rewind(self, seq: int, keep: int, *, exact: bool = False) -> int:
+        """Make ``seq`` hold its first ``p <= keep`` tokens, ``p`` as large as the memory allows
+        (0 < keep < len): a checkpoint at or before ``keep``, or, for sliding-window attention,
+        ``keep`` itself (``exact``, or where a prefill resumes: a canonical position or a
+        prefill's end) while the cache still holds the window before it. Returns ``p``."""
+        ckpts = self._ckpts
+        held = self._seqs[seq]
+        if self._fresh == seq:
+            self._fresh = -1
+        p = 0
+        if self._takes:
+            p = ckpts.best(seq, keep)
+            if p and not ckpts.restore(seq, p):
+                log.warning("llama.cpp refused checkpoint %d of sequence %d; emptying it", p, seq)
+                p = 0
+        elif self._n_swa:
+            p = keep if exact or self._resumes(seq, keep) else self._resume_before(seq, keep)
+            low = int(_llama.llama_memory_seq_pos_min(self._mem, seq))
+            if low > p - self._n_swa:
+                p = 0  # the window before p is gone from the cache
+        if p and not _llama.llama_memory_seq_rm(self._mem, seq, p, -1):
+            log.warning("llama.cpp refused to cut sequence %d at token %d; emptying it", seq, p)
+            p = 0
+        if not p:
+            _llama.llama_memory_seq_rm(self._mem, seq, -1, -1)
+        del held[p:]
+        if p:
+            ckpts.cut(seq, p)
+        else:
+            ckpts.clear(seq)
+        return p
+
+    def _marks(self, tokens: Sequence[int]) -> list[int]:
+        """The canonical positions of ``tokens`` (:func:`~modeld.backends.llama_checkpoints.canonical`)."""
+        return canonical(tokens, self._chunk, self._starts)
+
+    def _resumes(self, seq: int, pos: int) -> bool:
+        """May a prefill of ``seq`` resume at ``pos`` with a fresh evaluation's batches?"""
+        held = self._seqs[seq]
+        return pos in self._marks(held[: pos + 1]) or self._ckpts.is_end(seq, pos)
+
+    def _resume_before(self, seq: int, keep: int) -> int:
+        """The last position at or before ``keep`` where a prefill may resume."""
+        marks = self._marks(self._seqs[seq][: keep + 1])
+        return max(max(marks, default=0), self._ckpts.ends_before(seq, keep))
+
+    def _sync_planned(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+        """:meth:`sync` on memory that cannot be cut at any token: back to what the memory
+        allows, then every token after it in batches that begin at canonical positions (and at
+        ``keep`` when a prefill ended there: a prefix's end, where its suffix begins)."""
+        ckpts = self._ckpts
+        held = self._seqs[seq]
+        known = held[:keep]
+        resumes = ckpts.is_end(seq, keep)
+        kept = keep if keep >= len(held) else self._rewind(seq, keep)
+        pending = known[kept:] + list(tokens)
+        start, end = kept, kept + len(pending)
+        yield SyncStep(kept, 0, len(pending))
+        if not pending:
+            return
+        marks = [m for m in self._marks(held[:start] + pending) if start < m < end]
+        turn = set(marks)
+        if resumes and start < keep < end:
+            marks = sorted({*marks, keep})
+        bounds = plan(start, end, self._chunk, marks)
+        for a, b in itertools.pairwise(bounds):
+            self._decode(seq, pending[a - start : b - start])
+            if b < end and self._takes and ckpts.wanted(b, b in turn):
+                ckpts.take(seq, b, canonical=True)
+            yield SyncStep(kept, b - start, len(pending))
+        ckpts.ended(seq, end)
+        if self._takes:
+            ckpts.take(seq, end, canonical=False)
+
+    def _replay_last(self, seq: int) -> None:
+        """Fresh logits for ``seq``'s last token: back to where its last batch began (or, on
+        memory that cannot be cut there, the checkpoint before it), then its tokens again in the
+        batches that first evaluated them, so the logits are the bits the first evaluation had (a
+        repeated prompt answers as it did the first time: on these architectures re-evaluating
+        only the last two tokens of a longer batch differs in the last bits). Where the batches
+        are not known (a sequence restored from a snapshot), batches that begin where a fresh
+        evaluation's do. Memory that can be cut re-evaluates its last two tokens."""
+        ckpts = self._ckpts
+        held = self._seqs[seq]
+        tokens = list(held)
+        n = len(tokens)
+        marks = ckpts.bounds(seq, 0, n)
+        last = max(m for m in marks if m <= n - 1)
+        if not self._planned:
+            # Attention models of llama's shape give the same bits for any batch of 2 or more
+            # (blueprint 0009): the last two tokens, not the whole last batch.
+            p = self._cut(seq, max(0, n - 2))
+            marks = [p, n]
+        else:
+            p = self._rewind(seq, last, exact=True) if last > 0 else self._cut(seq, 0)
+        redo = [p, *[m for m in marks if p < m < n], n]
+        # The batches first evaluated, as they were (none spans a canonical position); where none
+        # are known (restored from a snapshot), a fresh evaluation's.
+        canon = self._marks(tokens) if self._planned else []
+        for a, b in itertools.pairwise(redo):
+            inner = [m for m in canon if a < m < b]
+            for c, d in itertools.pairwise(plan(a, b, self._chunk, inner)):
+                self._decode(seq, tokens[c:d])
