@@ -28,6 +28,7 @@ from modeld.contract import (
 )
 from modeld.decoding.output import plan_decode
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
+from modeld.engine.model import GenerateCall
 from modeld.workers.host import InlineHost
 from modeld.workers.protocol import (
     Close,
@@ -99,7 +100,7 @@ def run(
 ) -> tuple[list[StreamChunk], list[int | None]]:
     host.sync(0, 0, prompt).wait()
     plan = plan_decode(config)
-    call = host.start_generate(0, plan.engine_config(config), config.max_tokens)
+    call = GenerateCall(host.start_generate(0, plan.engine_config(config), config.max_tokens))
     ended: list[int | None] = []
     assert host.vocab is not None
     stream = EngineDecodeStream(

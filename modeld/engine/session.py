@@ -50,7 +50,7 @@ from modeld.decoding.speculation import DecodeStats
 from modeld.engine.admission import Ticket
 from modeld.engine.decode import ChoiceCall, ChoicesStream, DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
-from modeld.engine.model import LoadedModel
+from modeld.engine.model import GenerateCall, LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_of, template_note
 from modeld.engine.validate import validate_decode, validate_logit_bias
@@ -324,13 +324,15 @@ class EngineSession(Closing):
                         log.info("session %s: %d choices decoded one after another: %s", self._id, n, got)
                         raise UnsupportedError(got, field="n")
                     forks = got
-                call = host.start_generate(
-                    hold.seq,
-                    engine_config,
-                    room,
-                    timeouts.stream_interval_seconds,
-                    forks.seqs if forks is not None else (),
-                    cells=cells if grows else 0,
+                call = GenerateCall(
+                    host.start_generate(
+                        hold.seq,
+                        engine_config,
+                        room,
+                        timeouts.stream_interval_seconds,
+                        forks.seqs if forks is not None else (),
+                        cells=cells if grows else 0,
+                    )
                 )
             except BaseException:
                 if forks is not None:
