@@ -406,7 +406,7 @@ class Conversations:
         cached = max(0, min(status.reused_tokens, kept) - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
         self.window.measured(turn, prompt)
-        message = await self._diverged_message(session, status) if turn.chat else None
+        message = status.diverged_segment_index if turn.chat else None
         if recording is not None and message is not None:
             recording.set(diverged_message=message)
         if status.reuse.diverged_at_token is not None:
@@ -472,19 +472,6 @@ class Conversations:
                         return
         finally:
             await stream.aclose()
-
-    async def _diverged_message(self, session: BridgedSession, status: PrefixStatus) -> int | None:
-        """The index of the message holding the first token that differed from what was resident."""
-        token = status.reuse.diverged_at_token
-        if token is None:
-            return None
-        manifest = (await session.explain_context()).manifest
-        if manifest is None:
-            return None
-        for index, seg in enumerate(manifest.segments):
-            if seg.token_end is not None and seg.token_end > token:
-                return index
-        return None
 
     def _finished(
         self, turn: Turn, chunk: StreamChunk, started: TurnUsage, reasoning_tokens: int
