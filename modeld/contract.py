@@ -391,6 +391,9 @@ class PrefixStatus:
     reuse: ReuseDecision
     prefill_ms: float = 0.0  # server-side time evaluating tokens
     restore_ms: float = 0.0  # server-side time restoring a snapshot from a tier
+    diverged_segment_index: int | None = None
+    """When the prefix diverged (``reuse.diverged_at_token``): the index, in this prefix's
+    manifest, of the segment holding that token (a chat prefix's message), when known."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,8 @@ from modeld.contract import (
 )
 from modeld.decoding.output import plan_decode
 from modeld.engine.decode import DecodeRun, EngineDecodeStream
+from modeld.engine.jobs import GenerateEnd, RoomAsked, Sampled
+from modeld.engine.model import GenerateCall
 from modeld.workers.host import InlineHost
 from modeld.workers.protocol import (
     Close,
@@ -40,7 +42,7 @@ from modeld.workers.protocol import (
     decode_frame,
     encode_frame,
 )
-from modeld.workers.scheduler import Scheduler
+from modeld.workers.scheduler import GROW_MARGIN, Scheduler
 
 
 def roundtrip(message: Generate | Tokens) -> object:
@@ -99,7 +101,7 @@ def run(
 ) -> tuple[list[StreamChunk], list[int | None]]:
     host.sync(0, 0, prompt).wait()
     plan = plan_decode(config)
-    call = host.start_generate(0, plan.engine_config(config), config.max_tokens)
+    call = GenerateCall(host.start_generate(0, plan.engine_config(config), config.max_tokens))
     ended: list[int | None] = []
     assert host.vocab is not None
     stream = EngineDecodeStream(
@@ -137,6 +139,31 @@ def test_a_dead_end_of_the_constraint_is_constraint_failed_and_the_engine_goes_o
     assert chunks[-1].finish_reason == "length"
     chunks, _ = run(host, prompt, DecodeConfig(max_tokens=8))  # free text still decodes
     assert chunks[-1].finish_reason == "length"
+
+
+def test_a_generate_job_reads_as_the_engines_own_events(host: InlineHost) -> None:
+    """The decode stream reads no worker message: ``GenerateCall`` turns a job's ``Tokens``,
+    ``Room`` and ``Finished`` into ``Sampled``, ``RoomAsked`` and ``GenerateEnd``; a job with a
+    cell limit pauses once, and a grant of no limit lets it finish."""
+    prompt = [256, *b"Count with me.\n"]
+    host.sync(0, 0, prompt).wait()
+    job = GenerateCall(host.start_generate(0, DecodeConfig(max_tokens=12), 12, cells=GROW_MARGIN + 3))
+    events: list[object] = []
+    while not (events and isinstance(events[-1], GenerateEnd)):
+        event = job.next_event(timeout=10)
+        assert event is not None
+        events.append(event)
+        if isinstance(event, RoomAsked):
+            job.grant(-1)
+    assert all(isinstance(e, Sampled | RoomAsked | GenerateEnd) for e in events)
+    (at,) = [i for i, e in enumerate(events) if isinstance(e, RoomAsked)]
+    before = sum(len(e.tokens) for e in events[:at] if isinstance(e, Sampled))
+    room = events[at]
+    assert isinstance(room, RoomAsked) and 0 < before < 12
+    assert room.resident == len(prompt) + before  # every token it sent, evaluated
+    assert sum(len(e.tokens) for e in events if isinstance(e, Sampled)) == 12
+    end = events[-1]
+    assert isinstance(end, GenerateEnd) and not end.canceled and end.resident > room.resident
 
 
 def generate_replies(host: InlineHost, max_tokens: int, interval: float) -> list[Message]:

@@ -258,15 +258,15 @@ def test_a_divergence_that_is_only_a_re_tokenization_is_named() -> None:
     """The model wrote "_tree" as one token; sent back as text it tokenizes as "_", "t", "ree".
     The tokens differ at k, the bytes do not: the reuse explanation says so (the turn still uses
     the text's own tokens, so warm output equals a fresh evaluation)."""
-    from modeld.engine.session import _same_text
+    from modeld.engine.prepare import same_text
 
     pieces = {1: b"def ", 2: b"_tree", 3: b"_", 4: b"t", 5: b"ree", 6: b"(x)", 7: b"_leaf"}
     had = [1, 2, 6]
-    assert _same_text(pieces.__getitem__, had, [1, 3, 4, 5, 6], 1)
-    assert _same_text(pieces.__getitem__, had, [1, 3, 4], 1)  # one a prefix of the other
-    assert not _same_text(pieces.__getitem__, had, [1, 7, 6], 1)  # an edit
-    assert not _same_text(pieces.__getitem__, had, [9, 3], 1)  # not the same before k
-    assert not _same_text(pieces.__getitem__, had, [1, 2, 6], 3)  # nothing after k
+    assert same_text(pieces.__getitem__, had, [1, 3, 4, 5, 6], 1)
+    assert same_text(pieces.__getitem__, had, [1, 3, 4], 1)  # one a prefix of the other
+    assert not same_text(pieces.__getitem__, had, [1, 7, 6], 1)  # an edit
+    assert not same_text(pieces.__getitem__, had, [9, 3], 1)  # not the same before k
+    assert not same_text(pieces.__getitem__, had, [1, 2, 6], 3)  # nothing after k
 
 
 def test_explain_context_locates_the_tool_definitions_the_template_rendered() -> None:

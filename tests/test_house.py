@@ -10,7 +10,9 @@ at the top of ``modeld/`` (``contract.py``, ``settings.py``, ...); an HTTP API's
 1. No import circle between files, nor between rooms, in ``modeld/``, ``runtime_client/`` and
    ``bench/``.
 2. ``cache/`` imports neither ``engine/`` nor ``workers/`` (it owns the protocol it reaches a
-   runtime through: ``modeld/cache/runtime.py``).
+   runtime through: ``modeld/cache/runtime.py``); ``engine/`` imports ``workers/`` only where it
+   composes a model (:data:`ENGINE_TO_WORKERS`): the rest of the engine reads its own job and
+   event types (``modeld/engine/jobs.py``), never a worker message.
 3. ``engine/``, ``cache/``, ``backends/``, ``workers/`` and ``decoding/`` import no gRPC,
    protobuf or HTTP framework, nor the wire conversion.
 4. An HTTP API's folder imports the shared HTTP layer only, never another API's folder, nor the
@@ -212,6 +214,23 @@ def test_the_cache_imports_neither_the_engine_nor_the_workers() -> None:
         if target.startswith(("modeld.engine", "modeld.workers"))
     }
     assert upward == set()
+
+
+ENGINE_TO_WORKERS = {
+    "modeld.engine.model": "a loaded model is composed there: its supervised worker host, the Load "
+    "it starts with, and a generate job read as the engine's events (GenerateCall)",
+}
+"""The modules of ``engine/`` that import ``workers/``, and why."""
+
+
+def test_the_engine_imports_the_workers_only_where_it_composes_a_model() -> None:
+    reaching = {
+        module
+        for module, targets in IMPORTS.items()
+        if module.startswith("modeld.engine")
+        and any(target.startswith("modeld.workers") for target in targets)
+    }
+    assert reaching == set(ENGINE_TO_WORKERS)
 
 
 BELOW_THE_SERVER = ("modeld.engine", "modeld.cache", "modeld.backends", "modeld.workers", "modeld.decoding")

@@ -3,6 +3,8 @@
 * :mod:`modeld.cache.warm`: per loaded model, :class:`~modeld.cache.warm.ModelCache`, which
   chooses, places and makes room for a turn;
 * :mod:`modeld.cache.hold`: the :class:`~modeld.cache.hold.Hold` a turn does its KV work through;
+* :mod:`modeld.cache.state`: what a model's cache shares with its holds (its pool, its lock,
+  its waiters), one public object;
 * :mod:`modeld.cache.pool`: the state of one model's KV pool (warm contexts, sessions' slots);
 * :mod:`modeld.cache.choice`: what a turn reuses (pure: the longest common token prefix);
 * :mod:`modeld.cache.eviction`: which context goes to make room, its prefix saved first;

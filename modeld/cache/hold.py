@@ -8,7 +8,8 @@ prefix and writes it behind, :meth:`Hold.decoded` records a generate job, :meth:
 sequences for ``n`` > 1, and leaving the ``with`` block releases it (a prefix or a suffix leaves
 the context inside its turn until the decode ends: ``WarmContext.turn_until``). Split from
 ``warm.py``: the cache's choice and placement there, what an operation does with its
-hold here. Design record: ``blueprints/0016-warm-state.md``.
+hold here; a hold reaches its cache only through the public state they share
+(:class:`~modeld.cache.state.CacheState`). Design record: ``blueprints/0016-warm-state.md``.
 """
 
 from __future__ import annotations
@@ -16,18 +17,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol
 
 from modeld.backends.base import SyncStep
 from modeld.cache import eviction
-from modeld.cache.pool import TURN_SECONDS, Pool, WarmContext
-from modeld.cache.reuse import Candidate, RuntimeHistory, went_back
-from modeld.cache.runtime import KVRuntime, SyncEnd, SyncJob
+from modeld.cache.pool import TURN_SECONDS, WarmContext
+from modeld.cache.reuse import Candidate, went_back
+from modeld.cache.runtime import SyncEnd, SyncJob
+from modeld.cache.state import CacheState
 from modeld.contract import PrefillProgress, ProgressCallback, ReuseDecision
 from modeld.errors import (
     BusyError,
@@ -38,28 +38,7 @@ from modeld.errors import (
 )
 from modeld.manifest import ContextManifest
 
-
-class HoldOwner(Protocol):
-    """What a hold needs of its cache (:class:`~modeld.cache.warm.ModelCache`; named here so
-    ``hold.py`` does not import ``warm.py``, which imports it)."""
-
-    _lock: threading.RLock
-    _room: threading.Condition
-    _growing: set[WarmContext]
-    _closed: bool
-    _pool: Pool
-    _saver: eviction.WriteBehind
-    _history: RuntimeHistory
-    _file_key: tuple[str, str]
-
-    def runtime(self) -> KVRuntime: ...
-
-    def room_freed(self) -> None: ...
-
-    def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None: ...
-
-
-__all__ = ["DECODE_CELLS", "PROGRESS_INTERVAL", "Forks", "Hold", "HoldOwner", "Synced"]
+__all__ = ["DECODE_CELLS", "PROGRESS_INTERVAL", "Forks", "Hold", "Synced"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -90,13 +69,13 @@ class Hold:
 
     def __init__(
         self,
-        cache: HoldOwner,
+        state: CacheState,
         context: WarmContext,
         target: list[int],
         stage: str,
         manifest: ContextManifest,
     ) -> None:
-        self._cache = cache
+        self._state = state
         self.context = context
         self.target = target
         self.stage = stage
@@ -142,20 +121,20 @@ class Hold:
             return Synced(0, 0.0)
         keep = self.keep
         alone = self._alone()
-        with self._cache._lock:
-            span = self._cache._pool.ledger.used(cut=(self.context.seq, keep))
+        with self._state.lock:
+            span = self._state.pool.ledger.used(cut=(self.context.seq, keep))
         started = time.monotonic()
         reporter = _Progress(self.stage, started, progress)
         try:
-            runtime = self._cache.runtime()
+            runtime = self._state.runtime()
             for _attempt in range(2):
                 job = runtime.sync(self.context.seq, keep, target[keep:])
                 self._job = job
                 if self._canceled:
                     job.cancel()
                 end = _wait(job, reporter, deadline)
-                with self._cache._lock:
-                    pool = self._cache._pool
+                with self._state.lock:
+                    pool = self._state.pool
                     pool.record_sync(self.context, end.kept, end.resident, target)
                     pool.counters["prefilled"] += max(0, end.resident - end.kept)
                 if not end.canceled and end.kept < keep:  # the memory could not be cut there
@@ -184,15 +163,15 @@ class Hold:
         self.evaluated = len(target) - keep
         ms = (time.monotonic() - started) * 1000.0
         if complete and alone and self._alone():
-            with self._cache._lock:
-                self._cache._pool.costs.prefilled(self.evaluated, span, ms)
+            with self._state.lock:
+                self._state.pool.costs.prefilled(self.evaluated, span, ms)
                 self._announce()
         self._synced(self.evaluated, ms, alone=alone)
         return Synced(self.evaluated, ms, complete)
 
     def _announce(self) -> None:
         """Log the measured costs once they are known (the lock held)."""
-        pool = self._cache._pool
+        pool = self._state.pool
         if pool.costs.newly_known():
             figures = ", ".join(f"{k} {v:.3g}" for k, v in pool.costs.summary().items())
             log.info("%s: the attention's cost is measured: %s", pool.name, figures)
@@ -200,14 +179,14 @@ class Hold:
     def _alone(self) -> bool:
         """No other operation runs on this model now (its jobs' steps would interleave with
         this one's, and their time would count as this one's)."""
-        with self._cache._lock:
-            return not any(c.busy for c in self._cache._pool.contexts.values() if c is not self.context)
+        with self._state.lock:
+            return not any(c.busy for c in self._state.pool.contexts.values() if c is not self.context)
 
     def _synced(self, evaluated: int, ms: float, *, alone: bool) -> None:
         """What a turn's suffix evaluates (the turn's work after its prefix), and where a decode
         that follows starts."""
-        with self._cache._lock:
-            pool = self._cache._pool
+        with self._state.lock:
+            pool = self._state.pool
             if self.stage == "suffix":
                 pool.costs.turn_prefill.add(float(evaluated))
             self._decoding = (time.monotonic(), pool.ledger.used()) if alone else None
@@ -216,17 +195,17 @@ class Hold:
         """The target's first ``prefix`` tokens are the session's prefix now: others may copy
         them, a long one is written behind to the disk tier, and the model file is warm under
         this runtime (:class:`~modeld.cache.reuse.RuntimeHistory`)."""
-        cache = self._cache
-        with cache._lock:
+        state = self._state
+        with state.lock:
             self.context.prefix_tokens = prefix
             self.context.floor = 0
             # Counted here, once per prefix that is in place: what the metrics count from the
             # same PrefixStatus (``modeld_prefix_cache_queries`` / ``_hits{source}``).
-            counters = cache._pool.counters
+            counters = state.pool.counters
             counters["queries"] += len(self.target)
             counters[f"reused_{self.tier}"] += self.keep
-        cache._saver.write_behind(self.context, self.evaluated, cache.runtime())
-        cache._history.record(cache._file_key, self._manifest)
+        state.saver.write_behind(self.context, self.evaluated, state.runtime())
+        state.history.record(state.file_key, self._manifest)
 
     def ended(self, finish_reason: str) -> None:
         """How the decode of this hold ended (before :meth:`decoded`): what the context's next
@@ -238,8 +217,8 @@ class Hold:
         in all (None: unknown after ``error``). Ends the hold."""
         try:
             if resident is not None:
-                with self._cache._lock:
-                    pool = self._cache._pool
+                with self._state.lock:
+                    pool = self._state.pool
                     pool.record_generate(self.context, sampled, resident)
                     if self._finish and pool.holds(self.context):
                         context = self.context
@@ -269,25 +248,25 @@ class Hold:
         may still take (no limit any more); 0 when no wait helps (pinned contexts, or every
         operation holding cells waits to grow as this one does: the later one gives way) or the
         wait ran out, with the reason in :attr:`grow_error`."""
-        cache = self._cache
-        pool = cache._pool
+        state = self._state
+        pool = state.pool
         dst = self.context
         rest = max(1, end - resident)
         cells = min(DECODE_CELLS, rest)
         wait = pool.settings.room_wait_seconds
         started = time.monotonic()
-        runtime = cache.runtime()
-        with cache._lock:
-            cache._growing.add(dst)
+        runtime = state.runtime()
+        with state.lock:
+            state.growing.add(dst)
             try:
-                while pool.holds(dst) and not cache._closed:
+                while pool.holds(dst) and not state.closed:
                     held = pool.ledger.length(dst.seq)
                     more = max(0, resident - held) + cells
                     try:
                         eviction.make_room(pool, dst, held, more, runtime, in_line=False)
                     except eviction.NeedRoom as need:
                         others = [c for c in pool.contexts.values() if c.busy and c is not dst]
-                        if not need.waitable or all(c in cache._growing for c in others):
+                        if not need.waitable or all(c in state.growing for c in others):
                             self.grow_error = BusyError(
                                 f"the decode needs KV cells past {resident} tokens: {need.why}; every "
                                 "operation holding them waits to grow too"
@@ -305,13 +284,13 @@ class Hold:
                                 wait_seconds=int(wait),
                             )
                             return 0
-                        cache._room.wait(min(left, 1.0))
+                        state.room.wait(min(left, 1.0))
                         continue
                     pool.reserved[dst.seq] = more
                     return cells if cells < rest else -1
                 return 0
             finally:
-                cache._growing.discard(dst)
+                state.growing.discard(dst)
 
     def fork(self, count: int, cells: int) -> Forks | str:
         """Sequences for ``count`` more choices of a decode of this hold's target (resident: call
@@ -322,13 +301,13 @@ class Hold:
         contexts, a pool too small for the choices' tokens) nothing is evicted and the choices
         are decoded one after another instead. Give them back with :meth:`Forks.release` when
         the decode ended."""
-        cache = self._cache
-        pool = cache._pool
+        state = self._state
+        pool = state.pool
         layout = pool.layout
         own = self.context
         n = len(self.target)
-        runtime = cache.runtime()
-        with cache._lock:
+        runtime = state.runtime()
+        with state.lock:
             if not layout.forks:
                 return "this backend decodes one choice at a time"
             if not pool.holds(own) or own.tokens != self.target:
@@ -369,17 +348,17 @@ class Hold:
                 for fork in taken:
                     pool.ledger.extend(fork.seq, cells)  # its choice's tokens: reserved until released
             except eviction.NeedRoom as exc:
-                Forks(cache, taken).release()
+                Forks(state, taken).release()
                 return exc.why
             except ModeldError:
-                Forks(cache, taken).release()
+                Forks(state, taken).release()
                 raise
-            return Forks(cache, taken)
+            return Forks(state, taken)
 
     def fail(self, error: ModeldError) -> None:
         """A job failed: what the sequence holds is unknown, so it is emptied (when the engine
         died, its restart empties everything anyway: nothing is sent to it)."""
-        self._cache._failed(self.context, error, engine_alive=not isinstance(error, _DEAD))
+        self._state.failed(self.context, error, engine_alive=not isinstance(error, _DEAD))
 
     def cancel(self) -> None:
         """Stop the running sync job before its next step (and any this hold starts later)."""
@@ -393,21 +372,21 @@ class Hold:
         if self._released:
             return
         self._released = True
-        with self._cache._lock:
+        with self._state.lock:
             now = time.time()
             context = self.context
             context.busy = False
             context.floor = 0
-            if self._cache._pool.holds(context):
-                self._cache._pool.reserved.pop(context.seq, None)
+            if self._state.pool.holds(context):
+                self._state.pool.reserved.pop(context.seq, None)
             context.last_used = now
             # A prefix or a suffix is the start of a turn whose decode comes next: the context
             # is not idle in between (another session's turn does not evict it, see leave_idle).
             context.turn_until = now + TURN_SECONDS if self.stage in ("prefix", "suffix") else 0.0
             owner = context.owner
-            if owner is not None and self._cache._pool.holds(context):
+            if owner is not None and self._state.pool.holds(context):
                 owner.computed = list(context.tokens)
-        self._cache.room_freed()
+        self._state.room_freed()
 
     def __enter__(self) -> Hold:
         return self
@@ -427,8 +406,8 @@ class Forks:
     the ledger until :meth:`release` frees them (the warm state is then what a one-choice decode
     leaves)."""
 
-    def __init__(self, cache: HoldOwner, contexts: list[WarmContext]) -> None:
-        self._cache = cache
+    def __init__(self, state: CacheState, contexts: list[WarmContext]) -> None:
+        self._state = state
         self._contexts = contexts
 
     @property
@@ -437,19 +416,19 @@ class Forks:
 
     def release(self) -> None:
         """Empty the forks and give their sequences back (idempotent)."""
-        cache = self._cache
+        state = self._state
         contexts, self._contexts = self._contexts, []
         if not contexts:
             return
-        with cache._lock:
-            pool = cache._pool
+        with state.lock:
+            pool = state.pool
             for fork in contexts:
                 if not pool.holds(fork):
                     continue  # the engine was reset meanwhile
                 with contextlib.suppress(ModeldError):
-                    cache.runtime().drop(fork.seq)
+                    state.runtime().drop(fork.seq)
                 pool.remove(fork)
-        cache.room_freed()
+        state.room_freed()
 
 
 class _Progress:

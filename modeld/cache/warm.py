@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -51,6 +50,7 @@ from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
 from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify, common_prefix_len
 from modeld.cache.runtime import KVRuntime
 from modeld.cache.snapfile import SnapshotError
+from modeld.cache.state import CacheState
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import WarmContextInfo
 from modeld.errors import (
@@ -86,25 +86,28 @@ class ModelCache:
     ) -> None:
         self.runtime = runtime
         """The live runtime (waits while its worker restarts; raises when it cannot)."""
-        self._pool = Pool(
-            name=name,
-            model_digest=model_digest,
-            layout=layout,
-            tiers=tiers,
-            settings=settings or CacheSettings(),
+        self.state = CacheState(
+            pool=Pool(
+                name=name,
+                model_digest=model_digest,
+                layout=layout,
+                tiers=tiers,
+                settings=settings or CacheSettings(),
+            ),
+            runtime=runtime,
+            history=history or RuntimeHistory(),
+            file_key=file_key,
         )
-        self._file_key = file_key
-        self._history = history or RuntimeHistory()
-        self._lock = threading.RLock()
-        self._room = threading.Condition(self._lock)
-        """Notified whenever an operation ends (its context idle: evictable) or cells free up."""
+        """What this cache shares with the holds it hands out (``state.py``)."""
+        # The state's parts, under the names this module reads them by.
+        self._pool = self.state.pool
+        self._file_key = self.state.file_key
+        self._history = self.state.history
+        self._lock = self.state.lock
+        self._room = self.state.room
+        self._saver = self.state.saver
         self._waiting: list[object] = []
         """Turns waiting for room, in the order they came (the first one tries first)."""
-        self._closed = False
-        self._growing: set[WarmContext] = set()
-        """Decodes waiting for more cells (``Hold.grow``): when every operation holding cells
-        is one of them, the one that asks next gives way instead of waiting for ever."""
-        self._saver = eviction.WriteBehind(self._pool, self._lock)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -177,7 +180,7 @@ class ModelCache:
                                 slot, target, stage, manifest, floor, extra_cells, head, runtime, changed
                             )
                         except eviction.NeedRoom as need:
-                            if not need.waitable or self._closed:
+                            if not need.waitable or self.state.closed:
                                 raise BusyError(
                                     f"{need.why}; no wait frees them", needed_cells=need.needed
                                 ) from None
@@ -239,7 +242,7 @@ class ModelCache:
             # The source shared only the format's head and was the least valuable context:
             # it went to a tier; the head comes from another context, or is computed.
             choice = self._choose(slot, target, head, remote=stage == "prefix")
-        hold = Hold(self, dst, target, stage, manifest)
+        hold = Hold(self.state, dst, target, stage, manifest)
         if stage == "prefix" or not slot.turn_started:
             slot.turn_started = time.time()  # a turn begins: its place in line for cells
         dst.turn_started = slot.turn_started
@@ -454,19 +457,6 @@ class ModelCache:
         hold.source = Candidate(tier, entry.short_id, entry.prefix_tokens, own=False)
         hold.restore_ms = (time.perf_counter() - started) * 1000.0
 
-    # --- what the engine reported -----------------------------------------------------------------
-
-    def _failed(self, context: WarmContext, error: ModeldError, *, engine_alive: bool) -> None:
-        with self._lock:
-            context.busy = False
-            if self._pool.holds(context):
-                self._pool.reserved.pop(context.seq, None)
-            self._room.notify_all()
-            if engine_alive and self._pool.holds(context):
-                with contextlib.suppress(ModeldError):
-                    self.runtime().drop(context.seq)
-            self._pool.record_failure(context, error.message)
-
     # --- whole-pool events ------------------------------------------------------------------------
 
     def reset(self, error: ModeldError) -> None:
@@ -526,7 +516,7 @@ class ModelCache:
         if not self._lock.acquire(timeout=0.2):
             return 0
         try:
-            if self._closed or self._waiting or any(c.busy for c in pool.contexts.values()):
+            if self.state.closed or self._waiting or any(c.busy for c in pool.contexts.values()):
                 return 0
             return prefetch.bring_back(pool, self.runtime, now)
         finally:
@@ -548,14 +538,9 @@ class ModelCache:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            self.state.closed = True
             self._room.notify_all()
         self._saver.close()
-
-    def room_freed(self) -> None:
-        """An operation ended or cells were freed: the turns waiting for room try again."""
-        with self._lock:
-            self._room.notify_all()
 
     # --- observers ----------------------------------------------------------------------------
 

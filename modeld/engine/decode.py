@@ -1,7 +1,7 @@
 """The decode loop: tokens from the engine become text chunks, stop conditions, usage.
 
-:class:`EngineDecodeStream` reads a generate job's replies on the caller's own thread (no
-producer thread): each ``Tokens`` reply is turned into UTF-8-safe text by
+:class:`EngineDecodeStream` reads a generate job's events (``engine/jobs.py``: never a worker
+message) on the caller's own thread (no producer thread): each ``Sampled`` event is turned into UTF-8-safe text by
 :class:`~modeld.engine.text.TextAssembler`, stop strings are cut, and the text goes through the
 decode's :class:`~modeld.decoding.output.OutputProcessor` (tool calls parsed out of the text
 into deltas, exit-tool signals, the repeated-line guard, the constraint's check); the final
@@ -32,10 +32,9 @@ from modeld.contract import (
     Usage,
 )
 from modeld.decoding.output import DecodePlan, OutputProcessor
+from modeld.engine.jobs import GenerateEnd, GenerateJob, RoomAsked, Sampled
 from modeld.engine.text import TextAssembler
 from modeld.errors import BusyError, EngineError, ModeldError, OperationTimeoutError
-from modeld.workers.host import Call
-from modeld.workers.protocol import Finished, Room, Tokens
 
 if TYPE_CHECKING:
     from modeld.backends.base import DecodeStats, Vocab
@@ -54,7 +53,7 @@ class DecodeRun:
     def __init__(
         self,
         *,
-        call: Call | ChoiceCall,
+        call: GenerateJob | ChoiceCall,
         vocab: Vocab,
         config: DecodeConfig,
         plan: DecodePlan,
@@ -124,8 +123,8 @@ class _Stream(Closing):
     def cancel(self) -> None:
         raise NotImplementedError
 
-    def _job(self) -> Call | ChoiceCall:
-        """The call a cancel stops."""
+    def _job(self) -> GenerateJob | ChoiceCall:
+        """The job a cancel stops."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -176,11 +175,11 @@ class EngineDecodeStream(_Stream):
             event = self._run.call.next_event(timeout=_POLL)
         except ModeldError as exc:
             return self._final(False, None, exc)
-        if isinstance(event, Tokens):
+        if isinstance(event, Sampled):
             return self._tokens(event.tokens, event.logprobs)
-        if isinstance(event, Finished):
+        if isinstance(event, GenerateEnd):
             return self._final(event.canceled, event.resident, None, event.stats)
-        if isinstance(event, Room):
+        if isinstance(event, RoomAsked):
             self._room(event.resident)
         return None
 
@@ -195,7 +194,7 @@ class EngineDecodeStream(_Stream):
             )
             self._finish, self._error = "error", _detail(error)
         call = run.call
-        if isinstance(call, Call):
+        if not isinstance(call, ChoiceCall):  # choices decoded together never pause for room
             call.grant(granted)
 
     def _check(self) -> None:
@@ -347,7 +346,7 @@ class EngineDecodeStream(_Stream):
             self._canceled = True
             self._run.call.cancel()
 
-    def _job(self) -> Call | ChoiceCall:
+    def _job(self) -> GenerateJob | ChoiceCall:
         return self._run.call
 
 
@@ -369,7 +368,7 @@ class ChoiceCall:
     :class:`EngineDecodeStream` stops: a cancel stops this choice only. Its events are read by
     the :class:`ChoicesStream` that holds it, never here."""
 
-    def __init__(self, call: Call, choice: int) -> None:
+    def __init__(self, call: GenerateJob, choice: int) -> None:
         self._call = call
         self._choice = choice
 
@@ -389,7 +388,9 @@ class ChoicesStream(_Stream):
     the constraint's check) whose stop cancels that choice alone; ``released`` runs once when the
     job ended, before the final chunks are handed out (the forks are given back)."""
 
-    def __init__(self, call: Call, streams: list[EngineDecodeStream], released: Callable[[], None]) -> None:
+    def __init__(
+        self, call: GenerateJob, streams: list[EngineDecodeStream], released: Callable[[], None]
+    ) -> None:
         self._call = call
         self._streams = streams
         self._released: Callable[[], None] | None = released
@@ -413,7 +414,7 @@ class ChoicesStream(_Stream):
             failure = exc
             self._end(lambda s: s._final(False, None, failure))
             return
-        if isinstance(event, Tokens):
+        if isinstance(event, Sampled):
             choices = event.choices or (0,) * len(event.tokens)
             for i, stream in enumerate(self._streams):
                 mine = [k for k, c in enumerate(choices) if c == i]
@@ -423,7 +424,7 @@ class ChoicesStream(_Stream):
                 chunk = stream._tokens(tuple(event.tokens[k] for k in mine), logprobs)
                 if chunk is not None:
                     self._ready.append(chunk)
-        elif isinstance(event, Finished):
+        elif isinstance(event, GenerateEnd):
             finished = event
             self._end(
                 lambda s: s._final(
@@ -452,5 +453,5 @@ class ChoicesStream(_Stream):
                 stream._canceled = True
             self._call.cancel()
 
-    def _job(self) -> Call | ChoiceCall:
+    def _job(self) -> GenerateJob | ChoiceCall:
         return self._call

@@ -1,11 +1,13 @@
 """The Service: describes models, opens sessions, keeps models and their warm state.
 
-:class:`Engine` implements :class:`~modeld.contract.Service` over any backend. It owns the
-session registry, owner fencing, limits, the set of loaded models (each with its supervised
-engine worker, warm-state cache and admission slots: ``engine/model.py``) and the daemon-wide
-RAM and disk tiers (``modeld/cache/tiers.py``). The per-session contract lives in
-``engine/session.py``; design records ``blueprints/0001``, ``0016`` (warm state) and ``0017``
-(workers).
+:class:`Engine` implements :class:`~modeld.contract.Service` over any backend: the facade. It
+owns the session registry, owner fencing, limits, the observers and the daemon-wide RAM and
+disk tiers (``modeld/cache/tiers.py``). Loading models (which backend, describe, the layout,
+room within the memory budget, unloading, a model whose file changed or whose worker restarted)
+is its :class:`~modeld.engine.loading.ModelLoader`'s (``engine/loading.py``), each loaded model
+with its supervised engine worker, warm-state cache and admission slots (``engine/model.py``).
+The per-session contract lives in ``engine/session.py``; design records ``blueprints/0001``,
+``0016`` (warm state) and ``0017`` (workers).
 """
 
 from __future__ import annotations
@@ -25,40 +27,28 @@ from types import TracebackType
 import psutil
 
 from modeld import __version__
-from modeld.backends import Backend, load_backend
-from modeld.backends.base import LoadOptions
-from modeld.backends.sizing import (
-    default_memory_budget,
-    footprint,
-    load_cost,
-    max_window,
-    plan_layout,
-)
-from modeld.cache.pool import CacheSettings
-from modeld.cache.reuse import RuntimeHistory
+from modeld.backends import Backend
+from modeld.backends.sizing import default_memory_budget
 from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
 from modeld.contract import Config, ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.decoding.speculation import SPECULATION_MODES
-from modeld.engine.chat import with_template
-from modeld.engine.model import LoadedModel, ModelKey
+from modeld.engine.loading import ModelLoader
+from modeld.engine.model import LoadedModel
 from modeld.engine.owner import Owner
 from modeld.engine.prepare import Preparer, identity_of
 from modeld.engine.report import daemon_memory, fields_of, machine, model_summary, tier_status
 from modeld.engine.session import EngineSession
 from modeld.engine.validate import encode_text, validate_request
 from modeld.errors import (
-    BackendMismatchError,
     InvalidArgumentError,
     LimitExceededError,
     ManifestMismatchError,
-    ModelChangedError,
     ModeldError,
     SessionNotFoundError,
     ShuttingDownError,
     UnsupportedError,
 )
-from modeld.manifest import config_runtime_digest
 from modeld.observe.status import (
     DaemonStatus,
     EngineObserver,
@@ -129,16 +119,26 @@ class Engine:
         budget = self.residency.memory_budget_bytes
         self.memory_budget = default_memory_budget() if budget < 0 else budget
         self.tiers.limit_ram(self.memory_budget)  # one budget: the RAM tier within what models leave
-        self._backends: dict[str, Backend] = {}
         self._lock = threading.RLock()
-        self._load_lock = threading.Lock()
-        self._models: dict[ModelKey, LoadedModel] = {}
-        self._history = RuntimeHistory()
         self._sessions: dict[str, EngineSession] = {}
         self._closed: OrderedDict[str, ContextReport] = OrderedDict()
         self._stopping = False
-        self._restarts = 0
         self._observers: list[EngineObserver] = []
+        self.loader = ModelLoader(
+            backend_names=self.backend_names,
+            default_backend=self.default_backend,
+            limits=self.limits,
+            residency=self.residency,
+            timeouts=self.timeouts,
+            restart=self.restart,
+            tiers=self.tiers,
+            memory_budget=self.memory_budget,
+            worker_log_level=self.worker_log_level,
+            lock=self._lock,
+            notify=self._notify,
+            sessions_of=lambda model: [s for s in self._sessions.values() if s.model is model],
+        )
+        """Model loading: backends, describe, layouts, the loaded models (``loading.py``)."""
         self._janitor_stop = threading.Event()
         self.owner.on_revoke(self._on_revoke)
         threading.Thread(target=self._janitor, name="engine-janitor", daemon=True).start()
@@ -158,34 +158,21 @@ class Engine:
     # --- Service -------------------------------------------------------------------------
 
     def backend(self, name: str) -> Backend:
-        with self._lock:
-            if name not in self._backends:
-                self._backends[name] = load_backend(name)
-            return self._backends[name]
-
-    def _resolve_type(self, request: OpenSessionRequest) -> str:
-        kind = request.type or self.default_backend
-        if kind not in self.backend_names:
-            raise BackendMismatchError(
-                f"the model is typed {kind!r} but this service runs {', '.join(self.backend_names)}",
-                requested=kind,
-                available=",".join(self.backend_names),
-            )
-        return kind
+        return self.loader.backend(name)
 
     def describe(self, request: OpenSessionRequest) -> ModelInfo:
         request = validate_request(request, self.limits)
-        kind = self._resolve_type(request)
-        return self._described(kind, request)
+        kind = self.loader.resolve_type(request)
+        return self.loader.described(kind, request)
 
     def open_session(self, request: OpenSessionRequest) -> EngineSession:
         request = validate_request(request, self.limits)
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
         epoch = self.owner.check_open(request.fence)
-        kind = self._resolve_type(request)
+        kind = self.loader.resolve_type(request)
         self._check_session_room()
-        info = self._described(kind, request)
+        info = self.loader.described(kind, request)
         config = request.config
         if config.prompt_format not in info.capabilities.prompt_formats:
             raise UnsupportedError(
@@ -205,7 +192,7 @@ class Engine:
                 got=config.prompt_template_digest,
             )
         config = replace(config, num_ctx=info.effective_context)
-        model = self._model_for(kind, replace(request, config=config), info)
+        model = self.loader.model_for(kind, replace(request, config=config), info)
         try:
             session = EngineSession(self, model, request, info, config, epoch)
             self._check_session_room()
@@ -244,10 +231,10 @@ class Engine:
         held as a session would hold it until the question is answered."""
         if self._stopping:
             raise ShuttingDownError("the daemon is shutting down")
-        kind = self._resolve_type(request)
-        info = self._described(kind, request)
+        kind = self.loader.resolve_type(request)
+        info = self.loader.described(kind, request)
         config = replace(request.config, num_ctx=info.effective_context)
-        model = self._model_for(kind, replace(request, config=config), info)
+        model = self.loader.model_for(kind, replace(request, config=config), info)
         try:
             yield model, info, config
         finally:
@@ -274,207 +261,6 @@ class Engine:
             tail = prep.suffix(suffix, current=first.manifest, chat=first.chat, prefix_tokens=first.tokens)
             return tail.keep + len(tail.tokens)
 
-    def _unified(self, kind: str) -> bool:
-        return self.residency.kv_unified and kind in ("llama", "memory")
-
-    def _plan(self, kind: str, info: ModelInfo, window: int, room: int | None) -> tuple[LoadOptions, str]:
-        r = self.residency
-        return plan_layout(
-            sequences=r.sequences,
-            unified=self._unified(kind),
-            pool_tokens=r.pool_tokens,
-            window=window,
-            fp=info.footprint,
-            room=room,
-            checkpoints=r.checkpoints,
-        )
-
-    def _described(self, kind: str, request: OpenSessionRequest) -> ModelInfo:
-        """The backend's describe with the session's template (0010), its context capped by what
-        fits in the memory budget under the configured KV layout, and its footprint completed with
-        that layout (``modeld describe``)."""
-        described = self.backend(kind).describe(request, memory_budget=self.memory_budget)
-        info = with_template(described, request.chat_template)
-        fp = info.footprint
-        if fp.kv_bytes_per_token <= 0 and fp.state_bytes <= 0:
-            return info
-        fit = max_window(
-            fp,
-            unified=self._unified(kind),
-            pool_tokens=self.residency.pool_tokens,
-            budget=self.memory_budget,
-            trained=info.model_max_context,
-        )
-        effective = min(info.effective_context, fit)
-        options, _ = self._plan(kind, info, effective, self.memory_budget)  # loaded alone
-        return replace(
-            info,
-            effective_context=effective,
-            footprint=footprint(
-                fp, options, budget=self.memory_budget, trained=info.model_max_context, max_fit=fit
-            ),
-        )
-
-    def _options(self, kind: str, info: ModelInfo, config_window: int, threads: int) -> LoadOptions:
-        """How many sequences, of how many cells: the settings, within the memory budget
-        (:func:`~modeld.backends.sizing.plan_layout`: a split KV gets fewer sequences, a unified
-        pool a smaller size, when the budget left after the loaded models is short)."""
-        with self._lock:
-            used = sum(m.cost for m in self._models.values())
-        options, note = self._plan(kind, info, config_window, self.memory_budget - used)
-        if note:
-            log.warning("%s: %s", info.path, note)
-        return replace(options, threads=threads)
-
-    def _isolation(self, kind: str) -> str:
-        chosen = self.residency.isolation
-        if chosen == "auto":
-            return "inline" if kind == "memory" else "process"
-        return chosen
-
-    def _model_for(self, kind: str, request: OpenSessionRequest, info: ModelInfo) -> LoadedModel:
-        """The loaded model for (backend, path, digest, runtime config), loading it if needed.
-
-        Each runtime config gets its own engine worker, so tools with different windows or KV
-        types each stay warm (llama.cpp maps the weights: a second context costs its KV).
-        Loading beyond ``max_loaded_models`` or the memory budget first unloads the least
-        recently used model that has no session (its warm contexts go to the tiers)."""
-        key = (kind, info.path, info.model_digest, config_runtime_digest(request.config))
-        with self._lock:
-            stale = [m for k, m in self._models.items() if k[:2] == key[:2] and k[2] != key[2]]
-        for other in stale:  # the file now describes as another model: is that one gone from it?
-            other.file_changed()
-        with self._load_lock:
-            with self._lock:
-                model = self._models.get(key)
-                if model is not None and model.supervisor.state != "stopped":
-                    model.sessions += 1
-                    if model.supervisor.state == "failed":
-                        model.supervisor.revive()  # a client asks for it again: retry
-                    return model
-            options = self._options(kind, info, request.config.num_ctx, request.config.num_threads)
-            cost = load_cost(info.footprint, options)
-            self._make_room_for_load(cost)
-            self._budget_ram_tier(loading=cost)  # the tier makes room before the worker allocates
-            model = LoadedModel(
-                key,
-                request,
-                info,
-                options,
-                backend=self.backend(kind),
-                isolation=self._isolation(kind),
-                tiers=self.tiers,
-                history=self._history,
-                cache_settings=CacheSettings(
-                    snapshot_min_tokens=self.residency.snapshot_min_tokens,
-                    persist_min_tokens=self.residency.persist_min_tokens,
-                    room_wait_seconds=self.limits.model_wait_seconds,
-                ),
-                timeouts=self.timeouts,
-                restart=self.restart,
-                slots=self.residency.slots,
-                max_queue=self.residency.max_queue,
-                wait_seconds=self.limits.model_wait_seconds,
-                log_level=self.worker_log_level,
-                on_restart=self._worker_restarted,
-                on_state=lambda name, state: self._notify("model_state", name, state),
-                on_wait=lambda seconds: self._notify("queue_waited", seconds),
-                on_changed=self._model_changed,
-            )
-            model.cost = cost
-            model.sessions = 1
-            with self._lock:
-                self._models[key] = model
-            self._budget_ram_tier()
-            log.info(
-                "loaded %s model %s (%s): %d sequences of %d tokens, %s",
-                kind,
-                info.path,
-                info.model_digest[:12],
-                model.layout.n_seq,
-                model.layout.window,
-                model.isolation,
-            )
-            return model
-
-    def _make_room_for_load(self, cost: int) -> None:
-        while True:
-            with self._lock:
-                loaded = list(self._models.values())
-            used = sum(m.cost for m in loaded)
-            if len(loaded) < self.limits.max_loaded_models and used + cost <= self.memory_budget:
-                return
-            idle = [m for m in loaded if m.sessions == 0 and m.admission.busy == 0]
-            if not idle:
-                if len(loaded) >= self.limits.max_loaded_models:
-                    raise LimitExceededError(
-                        f"{len(loaded)} models are loaded and in use; the limit is {self.limits.max_loaded_models}",
-                        limit="max_loaded_models",
-                        value=len(loaded) + 1,
-                        maximum=self.limits.max_loaded_models,
-                    )
-                raise LimitExceededError(
-                    f"loading this model needs about {cost >> 20} MiB; the loaded models in use take "
-                    f"{used >> 20} MiB of the {self.memory_budget >> 20} MiB memory budget",
-                    limit="memory_budget_bytes",
-                    value=used + cost,
-                    maximum=self.memory_budget,
-                )
-            victim = min(idle, key=lambda m: m.last_used_at)
-            self._unload(
-                victim, "it was the least recently used idle model and another model needed the room"
-            )
-
-    def unload(self, path: str) -> int:
-        """Unload the file's loaded models no session holds (Ollama's ``keep_alive: 0``)."""
-        idle = [m for m in self.models() if m.info.path == path and not m.sessions and not m.admission.busy]
-        for model in idle:
-            self._unload(model, "a client asked for it (keep_alive 0)")
-        return len(idle)
-
-    def _unload(self, model: LoadedModel, why: str) -> None:
-        with self._lock:
-            if self._models.get(model.key) is model:
-                del self._models[model.key]
-        model.cache.retire(f"the model was unloaded: {why}")
-        model.close(persist=False)
-        self._budget_ram_tier()
-        log.info("unloaded model %s: %s", model.info.path, why)
-
-    def _budget_ram_tier(self, loading: int = 0) -> None:
-        """One memory budget for the loaded models and the RAM tier: the tier may hold what the
-        models leave of it (a model loaded into that room spills the tier's least recently used
-        contexts to disk first, before any model is unloaded)."""
-        with self._lock:
-            used = sum(m.cost for m in self._models.values())
-        self.tiers.limit_ram(self.memory_budget - used - loading)
-
-    def _model_changed(self, model: LoadedModel, error: ModelChangedError) -> None:
-        """A loaded model's file no longer holds it (``LoadedModel.file_changed``): no new
-        session gets it, every open session of it ends with ``error`` (their transports end
-        their streams; a client opens a new session, which loads the file as it is now), and it
-        is retired without saving its warm contexts, in the background."""
-        with self._lock:
-            if self._models.get(model.key) is model:
-                del self._models[model.key]
-            ended = [s for s in self._sessions.values() if s.model is model]
-        log.warning("retiring model %s: its file changed; ending %d sessions", model.info.path, len(ended))
-        for session in ended:
-            session.interrupt(error)
-
-        def retire() -> None:
-            model.cache.reset(error)  # forgets every warm context; nothing goes to the tiers
-            model.close(persist=False)
-
-        threading.Thread(target=retire, name="model-retire", daemon=True).start()
-        self._budget_ram_tier()
-
-    def _worker_restarted(self, model: LoadedModel, error: ModeldError) -> None:
-        with self._lock:
-            self._restarts += 1
-        log.warning("engine worker of %s lost its state: %s", model.info.path, error.message)
-        self._notify("worker_restarted")
-
     # --- what sessions ask (SessionService) ----------------------------------------------------
 
     def forget(self, session: EngineSession, report: ContextReport) -> None:
@@ -500,8 +286,11 @@ class Engine:
             return list(self._sessions.values())
 
     def models(self) -> list[LoadedModel]:
-        with self._lock:
-            return list(self._models.values())
+        return self.loader.models()
+
+    def unload(self, path: str) -> int:
+        """Unload the file's loaded models no session holds (Ollama's ``keep_alive: 0``)."""
+        return self.loader.unload(path)
 
     def list_sessions(self) -> list[SessionSummary]:
         return [s.summary() for s in self.sessions()]
@@ -519,7 +308,7 @@ class Engine:
     def status(self, *, debug: bool = False) -> DaemonStatus:
         with self._lock:
             listed: set[str] = set()  # each tier snapshot under one model, never under two
-            models = tuple(model_summary(m, debug=debug, listed=listed) for m in self._models.values())
+            models = tuple(model_summary(m, debug=debug, listed=listed) for m in self.loader.models())
             sessions = len(self._sessions)
         return DaemonStatus(
             instance_id=self.owner.instance_id,
@@ -556,7 +345,7 @@ class Engine:
 
     @property
     def worker_restarts(self) -> int:
-        return self._restarts
+        return self.loader.restarts
 
     def _on_revoke(self, why: str) -> None:
         log.warning("ownership lost: %s; failing %d sessions", why, len(self._sessions))
@@ -601,10 +390,7 @@ class Engine:
         for session in self.sessions():
             with contextlib.suppress(ModeldError):
                 session.close()
-        with self._lock:
-            models = list(self._models.values())
-            self._models.clear()
-        for model in models:
+        for model in self.loader.clear():
             model.close(persist=True)
         if not self.tiers.flush(persist_seconds):
             log.warning("the disk tier did not finish writing within %.0fs", persist_seconds)

@@ -34,15 +34,16 @@ from modeld.cache.warm import ModelCache
 from modeld.contract import ModelInfo, OpenSessionRequest, WarmContextInfo
 from modeld.engine.admission import Admission
 from modeld.engine.chat import ChatRenderer
+from modeld.engine.jobs import GenerateEnd, GenerateEvent, RoomAsked, Sampled
 from modeld.errors import ModelChangedError, ModeldError
 from modeld.observe.status import LoadedModelSummary
 from modeld.settings import RestartPolicy, Timeouts
-from modeld.workers.host import Host, InlineHost
-from modeld.workers.protocol import Load
+from modeld.workers.host import Call, Host, InlineHost
+from modeld.workers.protocol import Finished, Load, Room, Tokens
 from modeld.workers.proxy import WorkerHost
 from modeld.workers.supervisor import Supervisor
 
-__all__ = ["FileWatch", "LoadedModel", "ModelKey", "TokenMemo"]
+__all__ = ["FileWatch", "GenerateCall", "LoadedModel", "ModelKey", "TokenMemo"]
 
 
 class TokenMemo:
@@ -421,3 +422,34 @@ class LoadedModel:
             loaded_at=self.loaded_at,
             last_used_at=self.last_used_at,
         )
+
+
+class GenerateCall:
+    """A generate job in flight on a worker host, read as the engine's typed events
+    (:class:`~modeld.engine.jobs.GenerateJob`): the one place a worker's ``Tokens``, ``Room``
+    and ``Finished`` replies become :class:`~modeld.engine.jobs.Sampled`,
+    :class:`~modeld.engine.jobs.RoomAsked` and :class:`~modeld.engine.jobs.GenerateEnd`."""
+
+    def __init__(self, call: Call) -> None:
+        self.call = call
+
+    def next_event(self, timeout: float | None = None) -> GenerateEvent | None:
+        event = self.call.next_event(timeout)
+        if event is None:
+            return None
+        if isinstance(event, Tokens):
+            return Sampled(event.tokens, event.logprobs, event.choices)
+        if isinstance(event, Room):
+            return RoomAsked(event.resident)
+        if isinstance(event, Finished):
+            return GenerateEnd(event.resident, event.canceled, event.stats)
+        return None  # no other reply answers a generate job (a sync job's Progress is skipped)
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    def cancel_choice(self, choice: int) -> None:
+        self.call.cancel_choice(choice)
+
+    def grant(self, cells: int) -> None:
+        self.call.grant(cells)

@@ -43,6 +43,8 @@ __all__ = [
     "identity_of",
     "prepare_prefix",
     "prepare_suffix",
+    "same_text",
+    "segment_at",
     "template_note",
 ]
 
@@ -478,3 +480,28 @@ class Preparer:
             tokenize=self.tokenize,
             specials=frozenset(t.id for t in self.info.special_tokens),
         )
+
+
+def segment_at(manifest: ContextManifest, token: int) -> int | None:
+    """The index of the manifest's segment holding ``token`` (None: past every segment's end)."""
+    return next(
+        (i for i, s in enumerate(manifest.segments) if s.token_end is not None and s.token_end > token),
+        None,
+    )
+
+
+SAME_TEXT_TOKENS = 64
+"""How far past a divergence :func:`same_text` compares the two token lists' bytes."""
+
+
+def same_text(piece: Callable[[int], bytes], had: list[int], now: list[int], k: int) -> bool:
+    """Whether the session's earlier tokens and the new ones, which first differ at ``k``, spell
+    the same bytes there (one a prefix of the other): a re-tokenization, not an edit. Generated
+    text comes back in the history as text, and random-weight models often sample a split the
+    tokenizer does not make; the turn then recomputes from ``k`` on."""
+    if k >= len(had) or k >= len(now) or had[:k] != now[:k]:
+        return False
+    a = b"".join(piece(t) for t in had[k : k + SAME_TEXT_TOKENS])
+    b = b"".join(piece(t) for t in now[k : k + SAME_TEXT_TOKENS])
+    n = min(len(a), len(b))
+    return n > 0 and a[:n] == b[:n]

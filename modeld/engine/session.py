@@ -50,9 +50,17 @@ from modeld.decoding.speculation import DecodeStats
 from modeld.engine.admission import Ticket
 from modeld.engine.decode import ChoiceCall, ChoicesStream, DecodeRun, EngineDecodeStream
 from modeld.engine.ending import SessionEnd
-from modeld.engine.model import LoadedModel
+from modeld.engine.model import GenerateCall, LoadedModel
 from modeld.engine.owner import Owner
-from modeld.engine.prepare import ChatState, PreparedPrefix, Preparer, identity_of, template_note
+from modeld.engine.prepare import (
+    ChatState,
+    PreparedPrefix,
+    Preparer,
+    identity_of,
+    same_text,
+    segment_at,
+    template_note,
+)
 from modeld.engine.validate import validate_decode, validate_logit_bias
 from modeld.errors import (
     BusyError,
@@ -248,10 +256,7 @@ class EngineSession(Closing):
         straddles the cut): the prefix was cut back to its first ``keep`` tokens. The turn's reuse
         explanation (explain-context) and the log say where, in which message, and why."""
         cut = self._n_prefix
-        index = next(
-            (i for i, s in enumerate(manifest.segments) if s.token_end is not None and s.token_end > keep),
-            None,
-        )
+        index = segment_at(manifest, keep)
         where = (
             f"message {index} ({manifest.segments[index].chat_role})"
             if index is not None
@@ -324,13 +329,15 @@ class EngineSession(Closing):
                         log.info("session %s: %d choices decoded one after another: %s", self._id, n, got)
                         raise UnsupportedError(got, field="n")
                     forks = got
-                call = host.start_generate(
-                    hold.seq,
-                    engine_config,
-                    room,
-                    timeouts.stream_interval_seconds,
-                    forks.seqs if forks is not None else (),
-                    cells=cells if grows else 0,
+                call = GenerateCall(
+                    host.start_generate(
+                        hold.seq,
+                        engine_config,
+                        room,
+                        timeouts.stream_interval_seconds,
+                        forks.seqs if forks is not None else (),
+                        cells=cells if grows else 0,
+                    )
                 )
             except BaseException:
                 if forks is not None:
@@ -572,12 +579,14 @@ class EngineSession(Closing):
         previous: tuple[ContextManifest | None, int],
     ) -> PrefixStatus:
         """An ensure_prefix's accounting; a divergence names its byte in the prefix too, says
-        when the text there is the same and only its tokens differ (:func:`_same_text`), and
+        when the text there is the same and only its tokens differ (:func:`~modeld.engine.prepare.same_text`), and
         when the chat template rendered an unchanged message otherwise (``template_note``;
         ``previous``: last turn's manifest and prompt length)."""
         decision = hold.decision
+        segment: int | None = None
         if decision.diverged_at_token is not None:
             k = decision.diverged_at_token
+            segment = segment_at(prep.manifest, k)
             decision = replace(decision, diverged_at_byte=prep.ends[k - 1] if k > 0 else 0)
             note = ""
             if prep.chat is not None:
@@ -587,7 +596,7 @@ class EngineSession(Closing):
             if note:
                 decision = replace(decision, message=f"{decision.message}; {note}")
                 log.info("session %s: prefix diverged at token %d: %s", self._id, k, note)
-            if _same_text(self.model.vocab.piece, had, prep.tokens, k):
+            if same_text(self.model.vocab.piece, had, prep.tokens, k):
                 decision = replace(
                     decision,
                     message=f"{decision.message}; the text there is the same, its tokens are not: the model "
@@ -608,6 +617,7 @@ class EngineSession(Closing):
             reuse=decision,
             prefill_ms=round(synced.ms, 3),
             restore_ms=round(hold.restore_ms, 3),
+            diverged_segment_index=segment,
         )
 
     def _decoded(
@@ -627,20 +637,3 @@ class EngineSession(Closing):
             self._end.running = None
         self._tokens.extend(emitted)
         self._turn.computed += len(emitted)
-
-
-_SAME_TEXT_TOKENS = 64
-"""How far past a divergence :func:`_same_text` compares the two token lists' bytes."""
-
-
-def _same_text(piece: Callable[[int], bytes], had: list[int], now: list[int], k: int) -> bool:
-    """Whether the session's earlier tokens and the new ones, which first differ at ``k``, spell
-    the same bytes there (one a prefix of the other): a re-tokenization, not an edit. Generated
-    text comes back in the history as text, and random-weight models often sample a split the
-    tokenizer does not make; the turn then recomputes from ``k`` on."""
-    if k >= len(had) or k >= len(now) or had[:k] != now[:k]:
-        return False
-    a = b"".join(piece(t) for t in had[k : k + _SAME_TEXT_TOKENS])
-    b = b"".join(piece(t) for t in now[k : k + _SAME_TEXT_TOKENS])
-    n = min(len(a), len(b))
-    return n > 0 and a[:n] == b[:n]

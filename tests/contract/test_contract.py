@@ -164,9 +164,13 @@ def test_growing_history_extends_the_warm_prefix(harness: Harness) -> None:
 def test_edit_in_the_middle_reuses_up_to_the_divergence_and_names_the_segment(harness: Harness) -> None:
     with harness.open() as s:
         prefix, _ = build(s)
-        s.ensure_prefix(prefix)
+        assert s.ensure_prefix(prefix).diverged_segment_index is None  # nothing to diverge from
         edited, _ = build(s, repo_map=REPO_MAP.replace("migrate()", "migrate(), rollback()"))
         st = s.ensure_prefix(edited)
+        manifest = s.explain_context().manifest
+        assert manifest is not None and st.diverged_segment_index is not None
+        assert st.diverged_segment_index > 0  # the status names the segment: no explain-context needed
+        assert manifest.segments[st.diverged_segment_index].label == "repo_map"
         k = common_prefix_len(harness.tokenize(prefix.text), harness.tokenize(edited.text))
         assert 0 < k < st.prefix_tokens
         assert st.reused_tokens == k

@@ -135,16 +135,22 @@ def divergence(status: PrefixStatus, report: ContextReport | None) -> Divergence
         return NO_DIVERGENCE
     manifest = report.manifest if report is not None else None
     if manifest is None or report is None:
-        return Divergence(token, segment=status.reuse.diverged_segment)
+        return Divergence(token, segment=status.reuse.diverged_segment, message=status.diverged_segment_index)
     tools = (
         (report.tools_token_start, report.tools_token_end)
         if report.tools_token_start is not None and report.tools_token_end is not None
         else None
     )
-    message = next(
-        (i for i, seg in enumerate(manifest.segments) if seg.token_end is not None and seg.token_end > token),
-        None,
-    )
+    message = status.diverged_segment_index  # the engine's own placing (the prefix's manifest)
+    if message is None:
+        message = next(
+            (
+                i
+                for i, seg in enumerate(manifest.segments)
+                if seg.token_end is not None and seg.token_end > token
+            ),
+            None,
+        )
     return Divergence(token, part_at(token, manifest.segments, tools), status.reuse.diverged_segment, message)
 
 
