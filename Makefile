@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup.sh
 	PYTHON=$(PYTHON) VENV=$(VENV) ./scripts/setup.sh
 	touch $@
 
-# Regenerate modeld/v1 from proto/ (committed; tests/test_packaging.py fails if they drift).
+# Regenerate modeld/v1 from proto/ (committed; tests/house/test_packaging.py fails if they drift).
 proto: setup
 	$(PY) scripts/gen_proto.py
 
@@ -70,13 +70,13 @@ bench-fleet: setup
 bench-compare: setup
 	$(PY) -m bench.compare $(if $(RUN),--current $(RUN),)
 
-# Chaos under load for 30 minutes (CI runs 45 s of it in tests/test_chaos.py): agents and an
+# Chaos under load for 30 minutes (CI runs 45 s of it in tests/workers/test_chaos.py): agents and an
 # OpenAI SDK chat while workers and the daemon are killed, the model file rewritten and a
 # snapshot corrupted; prints the tally, fails on any violation (CHAOS_SECONDS=, CHAOS_SEED=).
 CHAOS_SECONDS ?= 1800
 CHAOS_SEED ?= 21
 chaos: setup
-	$(PY) tests/chaos.py --seconds $(CHAOS_SECONDS) --seed $(CHAOS_SEED)
+	$(PY) tests/helpers/chaos.py --seconds $(CHAOS_SECONDS) --seed $(CHAOS_SEED)
 
 run: setup
 	$(PY) -m modeld.demo $(if $(BACKEND),--backend $(BACKEND),) $(if $(MODEL),--model $(MODEL),)

@@ -5,7 +5,7 @@ fleet benchmark, ``make bench-fleet`` (``python -m bench.fleet``).
 The processes: ``smg`` from ``scripts/install_smg.sh`` (pinned, cached; :class:`SmgUnavailable`
 when the package index is unreachable), a modeld daemon on a fresh data directory, a
 llama-server, and the gateway in front of them as the README's deployment guide runs it. The
-fleet test (``tests/test_fleet.py``) uses them too.
+fleet test (``tests/http/test_fleet.py``) uses them too.
 
 The benchmark, per system (modeld with a shared store; llama-server, set up as
 ``bench/systems/llama_server.py`` does, when a binary is given): N conversations, each with its

@@ -355,7 +355,7 @@ GOALS = {  # issue 19: modeld ngram's decode tok/s over the reference, paired by
 
 
 def quick_model() -> Any:
-    """tests/test_copying_model.py's SMALL (the same spec: the same cached file): COPYING's
+    """tests/models/test_copying_model.py's SMALL (the same spec: the same cached file): COPYING's
     construction at 768 wide, TINY's vocabulary."""
     from modeld.testmodels import COPYING, TINY
     from modeld.testmodels._copying import CIRCUIT_LAYERS

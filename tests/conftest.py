@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # the helper modules every room imports
 
 from harness import Harness, local_harness, model_of, wire_harness
 

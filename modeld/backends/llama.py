@@ -42,7 +42,7 @@ def model_footprint(meta: GGUFInfo, config: Config) -> Footprint:
     (``b x c x (heads + 1) x 4`` bytes) plus a feed-forward's activations
     (``b x (ff + embedding) x 4``); with it on, the f16 mask (``b x c x 2``) plus
     ``b x ff x 16``; never less than the output logits (``b x (vocab x 4 + embedding x 8)``).
-    Checked against llama.cpp's own "compute buffer size" (tests/test_describe_footprint.py):
+    Checked against llama.cpp's own "compute buffer size" (tests/backends/test_describe_footprint.py):
     within 4% on the test models from 2k to 32k cells, both settings."""
     b = config.num_batch
     ff, embd = meta.feed_forward_length, meta.embedding_length

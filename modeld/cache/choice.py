@@ -2,7 +2,7 @@
 
 :func:`choose` is a pure function of its inputs (as vLLM's ``find_longest_cache_hit``): it reads
 token lists and flags, changes nothing and calls no engine, so every rule is pinned by unit tests
-(``tests/test_cache_choice.py``):
+(``tests/cache/test_cache_choice.py``):
 
 1. The session's own context, untouched since its last operation (``untouched``: its generation
    counter is unchanged) and keeping its whole prefix, is taken without comparing anything else.

@@ -20,7 +20,7 @@ ending with the family's own end of turn. ``add_bos_token`` is the family's. Eve
 Why: modeld renders conversations with the model's own template; the families' templates
 differ in what they refuse, in what they render otherwise once more turns follow, and in the
 fields they read. Tests run every family over every API and check modeld's prompt against
-llama-server's rendering (``tests/test_families.py``, ``tests/test_families_oracle.py``).
+llama-server's rendering (``tests/models/test_families.py``, ``tests/models/test_families_oracle.py``).
 
 What not: the templates are not the real ones (those are not copied here), and the weights do
 not write calls in a family's format by themselves: tests supply the calls in the history.

@@ -4,7 +4,7 @@
 COPYING and REALISTIC, prints COPYING's copy rate in llama.cpp (llama-cpp-python's C API) and
 the prefill and decode speed of REALISTIC, COPYING and COPYING without its filler layers (the
 control that shows they are computed), alternating the models in every repetition (medians,
-ranges, per-repetition ratios). ``tests/test_copying_model.py`` asserts the copy rate with the
+ranges, per-repetition ratios). ``tests/models/test_copying_model.py`` asserts the copy rate with the
 same functions.
 
 The copy rate is how a prompt-lookup drafter would be judged: a chat turn shows a file (the

@@ -6,7 +6,7 @@ Each API is a folder with the same files (``request.py``: its wire format to the
 (``openai/``), the Responses API (``responses/``), Anthropic's Messages API (``anthropic/``),
 Ollama's API (``ollama/``), and the SGLang gateway's worker routes (``sglang/``: GET routes
 only, no request to parse). This module is the only one that imports them all: an API imports
-the shared layer only, never another API (``tests/test_house.py``), so a new API is a new folder
+the shared layer only, never another API (``tests/house/test_house.py``), so a new API is a new folder
 and one line in :data:`APIS`.
 
 ``GET /health`` (never needs a key) and ``GET /metrics`` are here. A failure outside any route

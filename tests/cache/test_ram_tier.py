@@ -4,7 +4,7 @@ Before: a snapshot entering a full RAM tier pushed the least recently used blob 
 writer and returned at once, the pushed-out blob still in memory until written. On a slow disk
 (or a busy machine: the writer runs at nice 19) the tier read over its limit after the turn, and
 evictions faster than the disk queued blobs without bound (found as a flake of
-``tests/test_memory_budget.py`` under the full suite's load: 20.1 MB in a 16 MiB room). Now the
+``tests/cache/test_memory_budget.py`` under the full suite's load: 20.1 MB in a 16 MiB room). Now the
 snapshot waits for the blobs it pushed out (:meth:`Tiers.make_ram_room` before it is taken,
 :meth:`Tiers.put` after), so an eviction runs at the disk's speed when the tier is full of blobs
 with no disk copy, and the daemon never holds more than the limit.

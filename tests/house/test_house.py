@@ -30,6 +30,11 @@ at the top of ``modeld/`` (``contract.py``, ``settings.py``, ...); an HTTP API's
    tests, their docstrings and comments are read: their strings are data).
 9. No product code (``modeld/``, ``runtime_client/``) says "issue N": the tracker is not part
    of the house, and its numbers do not tell a reader anything.
+10. Every test file lives in a room: a folder of ``tests/`` named in :data:`TEST_ROOMS` (the
+    one list of them, each with what it tests), never directly under ``tests/``; the other
+    folders are :data:`NOT_ROOMS` (the helpers every room imports, recorded data); a room holds
+    test files only, the helpers none; no two test files share a name (pytest imports them by
+    it: the rooms are not packages); and the README's development section names every room.
 
 An exception (``KNOWN_*``) names itself and why it stands.
 """
@@ -42,7 +47,7 @@ import re
 import tokenize
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "modeld"
 SOURCES = ("modeld", "runtime_client", "bench")
 """The folders whose modules the import map reads."""
@@ -66,6 +71,28 @@ KNOWN_LARGE: dict[str, str] = {
     "bench/fleet.py": "a benchmark program read top to bottom: systems, rounds, report (blueprints/0012)",
 }
 """Files of :data:`MAX_LINES` lines or more, and why."""
+TEST_ROOMS: dict[str, str] = {
+    "agents": "the real coding agents (Claude Code, Codex CLI) unchanged, and long agent sessions",
+    "backends": "the llama.cpp and OpenVINO backends beyond the contract, GGUF headers, probing, describe",
+    "bench": "the benchmark program's analysis and its comparison against the committed run",
+    "cache": "warm state: the choice, the pool, costs, tiers, the shared store, the budget, the KV layout",
+    "client": "runtime_client: its tool loop, and across daemon restarts",
+    "contract": "the contract suite, once per implementation (the ``harness`` fixture)",
+    "decoding": "constraints, tool-call and reasoning formats: alone, on the engines, over HTTP",
+    "engine": "the engine's pieces: text, reuse, chat templates and their environment, model changes",
+    "grpc": "what only the gRPC wire can get wrong: streams, thread pools, foreign clients",
+    "house": "the house rules, packaging, install, ``modeld serve``'s flags, the CLI, the demo, manifest, lease",
+    "http": "every HTTP API through its vendor's SDK, access, the gateway's worker routes, the fleet",
+    "models": "the generated test models (TINY, COPYING, TOOLS, the families) and speculation on COPYING",
+    "observe": "status, metrics, request records, the live page, the hardware inventory",
+    "workers": "the supervised worker process: crashes, health, the decode seam, chaos",
+}
+"""The folders of ``tests/`` that hold test files, and what each tests."""
+NOT_ROOMS: dict[str, str] = {
+    "helpers": "the helper modules every room imports by name (``tests/conftest.py`` puts them on the path)",
+    "fixtures": "recorded data: the requests the real agents send, and the script that records them",
+}
+"""The other folders of ``tests/``."""
 
 # --- the import map ----------------------------------------------------------------------------
 
@@ -399,6 +426,53 @@ def test_files_keep_to_the_size_budget() -> None:
     large = {name for name, n in lines.items() if n >= MAX_LINES}
     assert large - set(KNOWN_LARGE) == set()
     assert set(KNOWN_LARGE) - large == set(), "a file named in KNOWN_LARGE is within the budget now"
+
+
+# --- the tests' rooms --------------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+
+
+def test_every_test_file_lives_in_a_listed_room() -> None:
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(TEST_ROOMS) | set(NOT_ROOMS)
+    assert sorted(p.name for p in TESTS.glob("*.py")) == ["conftest.py"]
+    files = [p for p in TESTS.rglob("*.py") if not p.is_relative_to(TESTS / "fixtures")]
+    misplaced = {
+        str(p.relative_to(ROOT))
+        for p in files
+        if p.name != "conftest.py"
+        and (p.parent.parent != TESTS or (p.parent.name in TEST_ROOMS) != p.name.startswith("test_"))
+    }
+    assert misplaced == set()
+    names = [p.name for p in files if p.name.startswith("test_")]
+    assert len(names) > 80
+    assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def test_a_test_file_imports_test_modules_of_its_own_room_only() -> None:
+    """pytest puts a test file's own folder on the path; another room's is there only when that
+    room happened to be collected first."""
+    across = {
+        (str(path.relative_to(ROOT)), name)
+        for path in TESTS.glob("*/test_*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        for name in (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
+        if name.startswith("test_") and not (path.parent / f"{name}.py").exists()
+    }
+    assert across == set()
+
+
+def test_the_readme_names_every_room_of_the_tests() -> None:
+    readme = (ROOT / "README.md").read_text()
+    development = readme[readme.index("## Development") :]
+    assert [r for r in TEST_ROOMS if f"`tests/{r}/`" not in development] == []
 
 
 # --- signposts ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ one token per byte, so every count is exact).
 The socket is the warm session: a turn sends only its new input and ``previous_response_id``,
 and reuses every token of the turn before; ``generate: false`` prewarms; errors are events and
 the socket stays open; the upgrade is refused where HTTP must serve instead (426).
-(Codex over the socket, with its bytes per turn against HTTP: tests/test_agents.py.)
+(Codex over the socket, with its bytes per turn against HTTP: tests/agents/test_agents.py.)
 """
 
 from __future__ import annotations

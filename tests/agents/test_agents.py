@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.wire, pytest.mark.llama, pytest.mark.slow]
 
 MODEL = "modeld-tiny"
 AGENT_MODEL = "modeld-reply"  # answers every turn and ends it: an agent treats a cut-off answer as an error
-FIXTURES = Path(__file__).parent / "fixtures" / "agents"
+FIXTURES = Path(__file__).parent.parent / "fixtures" / "agents"
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ def test_every_setting_has_exactly_one_flag_with_help_and_the_readme_names_it() 
     settings dataclass is one ``modeld serve`` option, documented by the field's docstring,
     unset by default, and listed in the README's command line block."""
     options = _serve_options()
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     start = readme.index("## Command line")
     block = readme[start : readme.index("modeld describe --type", start)]
     seen: dict[str, str] = {}

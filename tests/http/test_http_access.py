@@ -218,7 +218,7 @@ def _route_table() -> set[tuple[str, str]]:
         for route in build_app(service).routes:
             if isinstance(
                 route, WebSocketRoute
-            ):  # the Responses WebSocket: tests/test_responses_websocket.py
+            ):  # the Responses WebSocket: tests/http/test_responses_websocket.py
                 continue
             assert isinstance(route, Route)
             for method in route.methods or ():

@@ -1,4 +1,4 @@
-"""The chaos run in CI (issue 21 item 6): ``tests/chaos.py`` for 45 seconds of clients and faults.
+"""The chaos run in CI (issue 21 item 6): ``tests/helpers/chaos.py`` for 45 seconds of clients and faults.
 
 Two tool-loop agents and an OpenAI SDK conversation on the tiny model while a real daemon's
 workers are SIGKILLed and SIGSTOPped past the stall timeout, the daemon is SIGKILLed and started

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench program is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the bench program is not installed
 
 from bench.compare import compare, main, ratios
 
@@ -187,7 +187,7 @@ def test_a_run_of_the_committed_results_is_inside_their_spread(capsys: pytest.Ca
     its overhead rows, and the command prints them."""
     from bench.compare import compare_extras
 
-    committed = Path(__file__).resolve().parents[1] / "bench" / "results" / "results.json"
+    committed = Path(__file__).resolve().parents[2] / "bench" / "results" / "results.json"
     merged = json.loads(committed.read_text())
     assert merged["run_docs"] and all(run.get("overhead") for run in merged["run_docs"])
     for run in merged["run_docs"]:

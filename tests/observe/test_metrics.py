@@ -1,5 +1,5 @@
 """The metrics decorator counts exactly what the contract reports, in process (the transports
-are covered by tests/test_openai.py): prefix-cache queries and hits, prefilled and generated
+are covered by tests/http/test_openai.py): prefix-cache queries and hits, prefilled and generated
 tokens, and the tier a hit came from."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Processes that write and read one shared snapshot store at once (``tests/test_shared_store.py``
+"""Processes that write and read one shared snapshot store at once (``tests/cache/test_shared_store.py``
 starts them with ``multiprocessing``'s spawn: this module imports only the store, so a process
 is up in a fraction of a second). Each waits at a barrier, works for ``seconds``, and puts one
 result tuple on ``out``."""

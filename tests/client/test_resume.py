@@ -301,7 +301,7 @@ class _FaultAfterFirst:
 
 
 # SIGTERM drains (blueprint 0020): a decode in flight finishes whole before the daemon exits
-# (tests/test_fleet.py's drain test); a lost daemon is a SIGKILL.
+# (tests/http/test_fleet.py's drain test); a lost daemon is a SIGKILL.
 @pytest.mark.parametrize("how", [signal.SIGKILL], ids=["SIGKILL"])
 def test_a_decode_in_flight_fails_with_engine_restarted_and_the_next_call_resumes(
     data: Path, how: int

@@ -1,4 +1,4 @@
-"""What the family tests share (``tests/test_families.py``, ``tests/test_families_oracle.py``):
+"""What the family tests share (``tests/models/test_families.py``, ``tests/models/test_families_oracle.py``):
 the conversation every API runs, its rendering by the family's template, the family model's
 tokenizer, one client of each SDK, a daemon serving every family, and llama-server (built as the
 bench builds it) with its ``/apply-template``."""
@@ -123,7 +123,7 @@ def llama_server_binary() -> str:
     given = os.environ.get("MODELD_LLAMA_SERVER", "")
     if given:
         return given
-    script = Path(__file__).resolve().parent.parent / "scripts" / "build_llama_server.sh"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "build_llama_server.sh"
     cached = subprocess.run([str(script), "--cached-only"], capture_output=True, text=True, check=False)
     if cached.returncode == 0 and cached.stdout.strip():
         return cached.stdout.strip().splitlines()[-1]

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT = REPO / "scripts" / "install_agents.sh"
 REGISTRY_UNREACHABLE = 3  # install_agents.sh's exit code when npm cannot reach its registry
 INSTALL_TIMEOUT = 900.0

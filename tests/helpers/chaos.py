@@ -39,8 +39,8 @@ and it prints the tally: faults injected, turns run, retried, and restored from 
 The daemon runs with split KV (``--no-kv-unified``): warm output is then bit-identical to a fresh
 evaluation by construction (blueprint 0016), so any difference is a fault the run caused.
 
-``tests/test_chaos.py`` runs it for about a minute in CI; ``make chaos`` runs
-``python tests/chaos.py --seconds 1800`` (30 minutes, faults every 10-40 s).
+``tests/workers/test_chaos.py`` runs it for about a minute in CI; ``make chaos`` runs
+``python tests/helpers/chaos.py --seconds 1800`` (30 minutes, faults every 10-40 s).
 """
 
 from __future__ import annotations

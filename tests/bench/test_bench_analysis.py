@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench program is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the bench program is not installed
 
 from bench.agent_apis import (
     Record,
@@ -121,7 +121,7 @@ def test_the_lcp_server_log_gives_one_prefill_count_per_finished_request() -> No
 
 # --- the agent-API loops -----------------------------------------------------------------------------
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "agents"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
 
 
 def test_the_messages_loop_grows_claude_codes_request_by_a_tool_call_its_result_and_an_ask() -> None:

@@ -39,7 +39,7 @@ from modeld.testmodels._corpus import build_corpus
 from modeld.testmodels._template import CHATML_TOOLS_TEMPLATE
 from modeld.testmodels._tokenizer import CONTROL_TOKENS, build_vocabulary, train_merges
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # sha256 of TINY's file. It pins cross-machine determinism: if this changes on another machine,
 # Python, NumPy, gguf or tokenizers version, the generator is not deterministic there (fix it);

@@ -203,7 +203,7 @@ def test_the_walk_on_sliding_window_hybrid_and_recurrent_models(tmp_path: Path, 
     cannot be cut at any token: every decode equals a fresh evaluation, turns extend or reuse
     their warm context whole, and contexts come back from the tiers. (The workspaces share
     fewer tokens than a batch: a switch between them goes back to the start, ``truncation_unsupported``;
-    edits inside a prefix are tests/test_hybrid_memory.py's.) The history grows by chat turns of
+    edits inside a prefix are tests/cache/test_hybrid_memory.py's.) The history grows by chat turns of
     130-odd tokens: on these models a prefill that resumes where an earlier one ended, inside a
     batch of a fresh evaluation, differs from it by rounding (blueprint 0016, "Checkpoints"); a
     turn start TURN_GAP tokens or more after the last one is where a fresh evaluation's batches

@@ -300,7 +300,7 @@ def test_openvino_loads_copying_and_copies(copying_path: Path) -> None:
     _assert_openvino_copies(copying_path, case)
 
 
-# sha256 of COPYING's file, pinned like TINY's (tests/test_testmodels.py): a change here on another machine
+# sha256 of COPYING's file, pinned like TINY's (tests/models/test_testmodels.py): a change here on another machine
 # or with other NumPy, gguf or tokenizers versions is a determinism bug; an intended change of
 # the construction bumps GENERATOR_VERSION and updates it.
 COPYING_SHA256 = "2bdacdfa9330c9a3294cecf0d9f93d87309c05c0d67efd75f3d7e72857bbf001"

@@ -2,7 +2,7 @@
 names a file after ``file "`` is answered with one call reading that file, in the test template's
 format (Claude Code's ``Read``, or Codex's ``exec_command`` with ``cat`` when that tool is
 offered), and a tool result with ``Done.``; each ends the turn. Greedy and sampled, with short
-prompts here (the real agents' 12-20k-token prompts are run in tests/test_agents.py)."""
+prompts here (the real agents' 12-20k-token prompts are run in tests/agents/test_agents.py)."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def test_errors_are_ollama_shaped(daemon: Daemon) -> None:
 
 def test_think_reaches_the_template_as_enable_thinking_or_an_effort() -> None:
     """Ollama's ``think``: a boolean is the template's ``enable_thinking``, a level (gpt-oss)
-    its ``reasoning_effort``; absent, the template's defaults (tests/test_families.py runs the
+    its ``reasoning_effort``; absent, the template's defaults (tests/models/test_families.py runs the
     rendering end to end)."""
     from modeld.server.http.ollama.request import parse_chat
     from modeld.settings import Limits

@@ -23,7 +23,7 @@ from modeld.lease import read_lease
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 _CLIENT = textwrap.dedent(
     """
