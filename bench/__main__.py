@@ -35,7 +35,7 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis", "speculation", "fleet"]
+EXTRAS = ["agent_apis", "families", "speculation", "fleet"]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -243,6 +243,23 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda s: print(s, flush=True),
         )
 
+    families = None
+    if not wanted or "families" in wanted:  # issue 31: an agent loop per family's template
+        from bench.families import run_families
+
+        families = run_families(
+            args.llama_server if args.llama_server and Path(args.llama_server).is_file() else "",
+            threads,
+            quick=args.quick,
+            systems=[
+                s
+                for s in ("modeld", "llama-server")
+                if s in names or (s == "modeld" and "modeld-http" in names)
+            ],
+            log=lambda s: print(s, flush=True),
+        )
+        print(f"bench: families done, {families['duration_s']:.0f} s", flush=True)
+
     speculation = None
     if not wanted or "speculation" in wanted:
         began = time.monotonic()
@@ -298,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         "rss_parts": data.rss_parts,
         "overhead": overhead,
         "agent_apis": agent_apis,
+        "families": families,
         "speculation": speculation,
         "fleet": fleet,
         "errors": data.errors,
@@ -317,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             f"bench: wrote {out} from {len(docs)} run(s) ({', '.join(d['id'] for d in docs)}) in {machine['duration_s']} s",
             flush=True,
         )
-    errors = data.errors + (agent_apis["errors"] if agent_apis else 0)
+    errors = (
+        data.errors + (agent_apis["errors"] if agent_apis else 0) + (families["errors"] if families else 0)
+    )
     errors += sum(1 for extra in (speculation, fleet) if extra and "error" in extra)
     errors += fleet["errors"] if fleet and "errors" in fleet else 0
     if errors:

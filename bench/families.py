@@ -42,6 +42,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import sys
 import time
@@ -83,6 +84,9 @@ SYSTEMS = ("modeld", "llama-server")
 MODEL = "bench"  # the name modeld-http registers the model under; llama-server takes any name
 FAMILY_TURNS = 5  # the first request, then four turns of a call and its result
 QUICK_TURNS = 3
+# TTFT and the prompt tokens are the figures, and the scripted turns drop every answer: a longer
+# decode would only lengthen the run (on 2 shared cores, 32 tokens took ~45 s a turn under load).
+MAX_TOKENS = 8
 QUICK_FAMILIES = ("qwen3", "gpt-oss", "llama3.3")
 SYSTEM_CHARS = 2000
 TOOLS = ("Read", "Bash", "Edit")
@@ -423,7 +427,7 @@ def run_families(
     quick: bool = False,
     names: list[str] | None = None,
     turns: int | None = None,
-    max_tokens: int = 32,
+    max_tokens: int = MAX_TOKENS,
     keep_models: bool = False,
     systems: list[str] | None = None,
     log: Log = print,
@@ -620,6 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="directory for report.md and run-<id>.json")
     parser.add_argument("--report", type=Path, help="only rewrite report.md beside this run-<id>.json")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop cleanly: every server closed
     if args.report:
         doc = json.loads(args.report.read_text())
         write_report(args.report.parent, doc["id"], doc["families"])
@@ -635,7 +640,6 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         names=[n for n in args.family.split(",") if n] or None,
         turns=args.turns or None,
-        max_tokens=8 if args.quick else 32,
         keep_models=args.keep_models,
         log=lambda s: print(s, flush=True),
         progress=partial(write_report, out, run_id),  # the families so far, kept if the run is stopped

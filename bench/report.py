@@ -536,13 +536,17 @@ def write_report(out: Path, docs: list[Doc]) -> None:
             ]
     if doc.get("agent_apis"):
         lines += agent_apis_lines(doc["agent_apis"], model["name"])
+    if doc.get("families"):
+        from bench.families import families_lines
+
+        lines += families_lines(doc["families"])
     if any(d.get("speculation") for d in docs):
         lines += speculation_lines(docs)
     if any(d.get("fleet") for d in docs):
         lines += fleet_lines(docs)
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
-        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
+        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `families`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
         "`make bench-compare` (the newest run against the committed results).",
         "",
     ]
