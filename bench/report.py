@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import analysis
+from bench.families_report import families_lines
 from bench.plots import plot_summary, plot_workload
 from bench.workloads import GOALS
 
@@ -537,8 +538,6 @@ def write_report(out: Path, docs: list[Doc]) -> None:
     if doc.get("agent_apis"):
         lines += agent_apis_lines(doc["agent_apis"], model["name"])
     if doc.get("families"):
-        from bench.families import families_lines
-
         lines += families_lines(doc["families"])
     if any(d.get("speculation") for d in docs):
         lines += speculation_lines(docs)

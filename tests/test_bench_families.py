@@ -22,7 +22,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the bench program is not installed
 
-from bench.families import FAMILY_TURNS, bodies, families_lines, family_summary
+from bench.families import FAMILY_TURNS, bodies
+from bench.families_report import families_lines, family_summary
 from modeld.engine.chat import ChatRenderer, Message
 from modeld.testmodels.families import FAMILIES, Family
 
