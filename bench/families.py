@@ -498,12 +498,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=0, help=f"turns per loop (default {FAMILY_TURNS})")
     parser.add_argument("--keep-models", action="store_true", help="keep the realistic family copies cached")
     parser.add_argument("--out", type=Path, help="directory for report.md and run-<id>.json")
-    parser.add_argument("--report", type=Path, help="only rewrite report.md beside this run-<id>.json")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        nargs="+",
+        help="only rewrite report.md from run-<id>.json files (their families together, in order)",
+    )
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop cleanly: every server closed
     if args.report:
-        doc = json.loads(args.report.read_text())
-        write_report(args.report.parent, doc["id"], doc["families"])
+        docs = [json.loads(path.read_text()) for path in args.report]
+        write_report(
+            args.report[0].parent, "+".join(d["id"] for d in docs), merge_runs([d["families"] for d in docs])
+        )
         return 0
     started = time.time()
     run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
@@ -523,6 +530,17 @@ def main(argv: list[str] | None = None) -> int:
     print(write_report(out, run_id, result))
     print(f"bench: wrote {out} in {result['duration_s']} s", flush=True)
     return 1 if result["errors"] else 0
+
+
+def merge_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs of different families (a run stopped, the rest run after it) as one document: every
+    family's loop, the settings of the first run, the load at each run's end, the errors summed."""
+    merged = dict(results[0])
+    merged["families"] = {name: loop for r in results for name, loop in r["families"].items()}
+    merged["errors"] = sum(int(r["errors"]) for r in results)
+    merged["duration_s"] = sum(float(r["duration_s"]) for r in results)
+    merged["runs"] = [{"load_average": r["load_average"], "duration_s": r["duration_s"]} for r in results]
+    return merged
 
 
 def write_report(out: Path, run_id: str, result: dict[str, Any]) -> str:

@@ -76,6 +76,10 @@ def _num(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
+def _int(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def _mark(met: bool | None) -> str:
     return "" if met is None else " ✓" if met else " ✗"
 
@@ -93,16 +97,16 @@ def families_lines(result: dict[str, Any]) -> list[str]:
         "generated content, client-observed; `first chunk`: to the first chunk of any kind. Computed: prompt "
         "tokens the system evaluated (modeld's usage, llama-server's `timings.prompt_n`). Ratios modeld / "
         f"llama-server over the warm turns (every turn after the first). Goals (issue 31): modeld computes no "
-        f"more than llama-server on any turn; warm TTFT ratio <= {TTFT_GOAL}. Load average at the end: "
-        f"{result['load_average'][0]:.2f} (a shared machine: read medians and ranges).",
+        f"more than llama-server on any turn; warm TTFT ratio <= {TTFT_GOAL}. `load`: the 1-minute load average "
+        "when the family's loop ended (a shared machine: read medians and ranges, not single numbers).",
         "",
         "| family | warm TTFT ms modeld | llama-server | ratio median (range) | first chunk ratio | server prefill ms ratio | computed "
-        "per warm turn modeld / llama-server (all turns) | turns modeld computed more |",
-        "|---|---|---|---|---|---|---|---|",
+        "per warm turn modeld / llama-server (all turns) | turns modeld computed more | load |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, loop in result["families"].items():
         if not loop["records"]:
-            lines.append(f"| {name} | failed: {'; '.join(loop['notes'])[:300]} | | | | | | |")
+            lines.append(f"| {name} | failed: {'; '.join(loop['notes'])[:300]} | | | | | | | |")
             continue
         s = family_summary(loop)
         ratio = (
@@ -113,10 +117,10 @@ def families_lines(result: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {name} | {_ms(s['modeld_ttft_s_median'])} | {_ms(s['llama-server_ttft_s_median'])} | {ratio} | "
             f"{_num(s['first_chunk_ratio_median'])} | {_num(s['prefill_ratio_median'])} | "
-            f"{_num(s['modeld_computed_median'])} / "
-            f"{_num(s['llama-server_computed_median'])} ({s['modeld_computed_total']} / "
+            f"{_int(s['modeld_computed_median'])} / "
+            f"{_int(s['llama-server_computed_median'])} ({s['modeld_computed_total']} / "
             f"{s['llama-server_computed_total']}) | {', '.join(map(str, s['more_computed_turns'])) or 'none'}"
-            f"{_mark(s['computed_met'])} |"
+            f"{_mark(s['computed_met'])} | {_num((loop.get('load_average') or [None])[0])} |"
         )
     lines += ["", "Per turn (TTFT ms; computed / prompt tokens; the server's own prefill ms):", ""]
     lines += ["| family | turn | modeld TTFT | llama-server TTFT | modeld computed / prompt | llama-server "
@@ -128,7 +132,7 @@ def families_lines(result: dict[str, Any]) -> list[str]:
             lines.append(
                 f"| {name} | {t}{'' if t else ' (cold)'} | {_ms(m.get('ttft_s'))} | {_ms(o.get('ttft_s'))} | "
                 f"{m.get('computed_tokens', '-')} / {m.get('prompt_tokens', '-')} | {o.get('computed_tokens', '-')} / "
-                f"{o.get('prompt_tokens', '-')} | {m.get('prompt_ms', '-')} / {o.get('prompt_ms', '-')} |"
+                f"{o.get('prompt_tokens', '-')} | {_int(m.get('prompt_ms'))} / {_int(o.get('prompt_ms'))} |"
             )
     notes = [f"- {name}: {note}" for name, loop in result["families"].items() for note in loop["notes"]]
     if notes:

@@ -89,6 +89,7 @@ def test_warm_ratio_median_and_range_and_the_turns_modeld_computed_more() -> Non
     loop = {
         "family": "qwen3",
         "notes": [],
+        "load_average": [1.5, 1.0, 1.0],
         "records": [
             _record("modeld", 0, 9.0, 2000),
             _record("llama-server", 0, 8.0, 2000),
@@ -110,7 +111,7 @@ def test_warm_ratio_median_and_range_and_the_turns_modeld_computed_more() -> Non
     assert s["modeld_computed_total"] == 3500 and s["llama-server_computed_total"] == 3080
     lines = "\n".join(families_lines(_result(loop)))
     assert "| qwen3 | 700 | 1000 | 0.70 (0.60-1.50) ✓ |" in lines
-    assert "| 2 ✗ |" in lines
+    assert "| 400 / 380 (3500 / 3080) | 2 ✗ | 1.50 |" in lines
 
 
 def test_a_turn_llama_servers_parser_refused_counts_its_prefill_but_not_its_ttft() -> None:
