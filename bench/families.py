@@ -508,9 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop cleanly: every server closed
     if args.report:
         docs = [json.loads(path.read_text()) for path in args.report]
-        write_report(
-            args.report[0].parent, "+".join(d["id"] for d in docs), merge_runs([d["families"] for d in docs])
-        )
+        run_id = " + ".join(d["id"] for d in docs)
+        write_report(args.report[0].parent, run_id, merge_runs([d["families"] for d in docs]), run_json=False)
         return 0
     started = time.time()
     run_id = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
@@ -543,10 +542,11 @@ def merge_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def write_report(out: Path, run_id: str, result: dict[str, Any]) -> str:
-    """``run-<id>.json`` and ``report.md`` in ``out``; the report's text."""
+def write_report(out: Path, run_id: str, result: dict[str, Any], *, run_json: bool = True) -> str:
+    """``report.md`` and (``run_json``) ``run-<id>.json`` in ``out``; the report's text."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"run-{run_id}.json").write_text(json.dumps({"id": run_id, "families": result}, indent=1))
+    if run_json:
+        (out / f"run-{run_id}.json").write_text(json.dumps({"id": run_id, "families": result}, indent=1))
     report = "\n".join([f"# modeld benchmark: families (run {run_id})", "", *families_lines(result)])
     (out / "report.md").write_text(report)
     return report
