@@ -33,9 +33,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
-# Benchmarks: every system on the same prompts in one run, then the agent-API loops, speculation
-# (bench-speculation's ~15 min) and the fleet behind smg (bench-fleet's, tens of minutes: its 8k
-# prefills on the realistic model): ~75 minutes on an otherwise idle 2-core box, far more under
+# Benchmarks: every system on the same prompts in one run, then the agent-API loops, the families'
+# loops (bench-families', ~30-40 min), speculation (bench-speculation's ~15 min) and the fleet
+# behind smg (bench-fleet's, tens of minutes: its 8k prefills on the realistic model): ~110
+# minutes on an otherwise idle 2-core box, far more under
 # load (plus ~10 to build llama-server the first time); the report in bench/results/ merges the
 # two newest runs. WORKLOAD=name[,name] runs only those (and what they continue; the extras
 # agent_apis, families, speculation and fleet by name); its report stays in its run dir.
