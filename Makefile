@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare bench-fleet bench-speculation chaos clean
+.PHONY: setup proto test test-fast lint fmt run bench bench-quick bench-compare bench-families bench-fleet bench-speculation chaos clean
 
 setup: $(VENV)/.installed
 
@@ -33,12 +33,13 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -m "not slow"
 
-# Benchmarks: every system on the same prompts in one run, then the agent-API loops, speculation
-# (bench-speculation's ~15 min) and the fleet behind smg (bench-fleet's, tens of minutes: its 8k
-# prefills on the realistic model): ~75 minutes on an otherwise idle 2-core box, far more under
+# Benchmarks: every system on the same prompts in one run, then the agent-API loops, the families'
+# loops (bench-families', ~30-40 min), speculation (bench-speculation's ~15 min) and the fleet
+# behind smg (bench-fleet's, tens of minutes: its 8k prefills on the realistic model): ~110
+# minutes on an otherwise idle 2-core box, far more under
 # load (plus ~10 to build llama-server the first time); the report in bench/results/ merges the
 # two newest runs. WORKLOAD=name[,name] runs only those (and what they continue; the extras
-# agent_apis, speculation and fleet by name); its report stays in its run dir.
+# agent_apis, families, speculation and fleet by name); its report stays in its run dir.
 BENCH_ARGS = $(if $(WORKLOAD),--workload $(WORKLOAD),) $(if $(SYSTEMS),--systems $(SYSTEMS),)
 
 bench: setup
@@ -47,7 +48,8 @@ bench: setup
 
 # The CI smoke run: tiny model, smaller sizes, fewer turns; fails on errors, never on timing.
 # Speculation and the fleet run their quick forms (the SMALL copying model, 1 round of 32 tokens;
-# the tiny model, 3 conversations of ~1k tokens): ~45 s of the smoke run's time.
+# the tiny model, 3 conversations of ~1k tokens): ~45 s of the smoke run's time. The families'
+# loops run their quick form: 3 families' tiny models, 3 turns, modeld only (~15 s).
 # Without llama-server (CI must stay fast and never build it); to include a built one:
 # make bench-quick LLAMA_SERVER=$(./scripts/build_llama_server.sh --cached-only)
 LLAMA_SERVER ?=
@@ -62,6 +64,15 @@ bench-quick: setup
 bench-fleet: setup
 	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
 	$(PY) -m bench.fleet --llama-server "$$LLAMA_SERVER" $(FLEET_ARGS)
+
+# An agent loop per model family (issue 31; make bench runs it too): each family's template on the
+# realistic model (a copy made per family, removed after), 5 turns over OpenAI chat against
+# llama-server --jinja on the same requests: tokens computed and warm TTFT per turn. ~1-2 minutes
+# a family on an idle 2-core box, far more under load. FAMILY=name[,name] runs only those.
+# Writes bench/results/families/report.md and a run-*.json beside it.
+bench-families: setup
+	LLAMA_SERVER=$$(PYTHON=$(PY) ./scripts/build_llama_server.sh) && \
+	$(PY) -m bench.families --llama-server "$$LLAMA_SERVER" $(if $(FAMILY),--family $(FAMILY),)
 
 # The newest full run against the committed bench/results/results.json; fails when a ratio, an
 # overhead row (ensure_prefix on an unchanged 8k prefix, worker IPC per turn, decode through the

@@ -35,7 +35,7 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis", "claude_code", "chat_agents", "speculation", "fleet", "hybrid"]
+EXTRAS = ["agent_apis", "families", "claude_code", "chat_agents", "speculation", "fleet", "hybrid"]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -259,6 +259,23 @@ def main(argv: list[str] | None = None) -> int:
             log=lambda s: print(s, flush=True),
         )
 
+    families = None
+    if not wanted or "families" in wanted:  # issue 31: an agent loop per family's template
+        from bench.families import run_families
+
+        families = run_families(
+            args.llama_server if args.llama_server and Path(args.llama_server).is_file() else "",
+            threads,
+            quick=args.quick,
+            systems=[
+                s
+                for s in ("modeld", "llama-server")
+                if s in names or (s == "modeld" and "modeld-http" in names)
+            ],
+            log=lambda s: print(s, flush=True),
+        )
+        print(f"bench: families done, {families['duration_s']:.0f} s", flush=True)
+
     claude_code = None
     if not wanted or "claude_code" in wanted:  # the real Claude Code, three runs (issue 30)
         from bench.claude_code import run_claude_code
@@ -364,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "agent_apis": agent_apis,
         "claude_code": claude_code,
         "chat_agents": chat_agents,
+        "families": families,
         "speculation": speculation,
         "fleet": fleet,
         "hybrid": hybrid,
@@ -387,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = (
         data.errors
         + (agent_apis["errors"] if agent_apis else 0)
+        + (families["errors"] if families else 0)
         + (claude_code["errors"] if claude_code else 0)
         + (chat_agents["errors"] if chat_agents else 0)
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import analysis
+from bench.families_report import families_lines
 from bench.page_overhead import page_lines
 from bench.plots import plot_summary, plot_workload
 from bench.workloads import GOALS
@@ -540,6 +541,8 @@ def write_report(out: Path, docs: list[Doc]) -> None:
         lines += page_lines(page)
     if doc.get("agent_apis"):
         lines += agent_apis_lines(doc["agent_apis"], model["name"])
+    if doc.get("families"):
+        lines += families_lines(doc["families"])
     if doc.get("claude_code"):
         from bench.claude_code import report_lines
 
@@ -554,7 +557,7 @@ def write_report(out: Path, docs: list[Doc]) -> None:
         lines += fleet_lines(docs)
     lines += [
         "Reproduce: `make bench` (one run; the report merges the two newest compatible runs), "
-        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `claude_code`, `chat_agents`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
+        "`make bench WORKLOAD=name` (one workload or extra: `agent_apis`, `families`, `claude_code`, `chat_agents`, `speculation`, `fleet`), `make bench-quick` (tiny model, the CI smoke run), "
         "`make bench-compare` (the newest run against the committed results).",
         "",
     ]

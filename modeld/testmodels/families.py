@@ -38,6 +38,7 @@ from typing import Any, Final
 from modeld.testmodels._families_a import GPT_OSS, LLAMA33, MISTRAL_SMALL, QWEN3, QWEN3_CODER, QWEN35
 from modeld.testmodels._families_b import DEEPSEEK_R1, DEEPSEEK_V31, GEMMA3, GEMMA4, GLM46, KIMI_K2
 from modeld.testmodels._families_c import COMMAND_R, GRANITE, LFM2, MINIMAX_M2, NEMOTRON, SEED_OSS
+from modeld.testmodels._spec import ModelSpec
 
 __all__ = ["FAMILIES", "FAMILY_VERSION", "Family", "ensure_family_model", "family"]
 
@@ -315,16 +316,21 @@ def _digest(fam: Family, base: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def ensure_family_model(name: str, cache_dir: Path | None = None) -> Path:
-    """The GGUF of family ``name`` (module docstring), made from REPLY's the first time."""
+def ensure_family_model(name: str, cache_dir: Path | None = None, base: ModelSpec | None = None) -> Path:
+    """The GGUF of family ``name`` (module docstring), made from REPLY's the first time, or from
+    ``base``'s (a model with REPLY's vocabulary layout: REALISTIC, for the benchmark's family
+    loops, ``bench/families.py``; its embeddings are tied, so no output row is scaled and only
+    the metadata differs from REALISTIC's)."""
     from filelock import FileLock
 
     from modeld.testmodels import REPLY, default_cache_dir, ensure_model
 
     fam = family(name)
+    spec = REPLY if base is None else base
     directory = default_cache_dir() if cache_dir is None else Path(cache_dir)
-    base = ensure_model(REPLY, directory)
-    file_name = f"family-{fam.name}-{_digest(fam, base)}.gguf"
+    base_path = ensure_model(spec, directory)
+    kind = "" if spec == REPLY else f"-{spec.name}"
+    file_name = f"family-{fam.name}{kind}-{_digest(fam, base_path)}.gguf"
     path = directory / file_name
     if path.is_file():
         return path
@@ -335,7 +341,7 @@ def ensure_family_model(name: str, cache_dir: Path | None = None) -> Path:
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            _write_family(fam, base, tmp)
+            _write_family(fam, base_path, tmp)
             tmp.chmod(0o644)
             os.replace(tmp, path)
         finally:
