@@ -45,6 +45,10 @@ FLAGS = [
 ]
 KEY = "page-test-key"
 JOB = "browser-agent"
+WINDOW = 16384
+"""The gRPC sessions' window: room for a long decode that outlasts the page's checks (the tiny
+model decodes ~1,700 tokens a second on a quiet box: 1,500 tokens ended before the other turn
+was seen waiting)."""
 SYSTEM = (
     "You are a careful senior engineer working in this repository. Answer with a unified diff.\n"
     "repo map:\nmodeld/lease.py: Lease, acquire, release, read_lease\nmodeld/paths.py: default_data_dir\n"
@@ -138,7 +142,7 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
             with rc.connect(data_dir=data, job="grpc-tool") as client:
                 session = client.open_session(
                     OpenSessionRequest(
-                        type="llama", path=tiny, model_name="grpc-tiny", config=Config(num_ctx=2048)
+                        type="llama", path=tiny, model_name="grpc-tiny", config=Config(num_ctx=WINDOW)
                     )
                 )
                 for suffix in ("first\n", "second\n"):
@@ -159,7 +163,7 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
                     session.ensure_prefix(PrefixInput(text=SYSTEM))
                     session.prefill_suffix(SuffixInput(text="a long one\n"))
                     with session.decode(
-                        DecodeConfig(max_tokens=1500, logit_bias=ends, speculation="off")
+                        DecodeConfig(max_tokens=WINDOW - 1024, logit_bias=ends, speculation="off")
                     ) as stream:
                         for _ in stream:
                             if seen_waiting.is_set():
@@ -184,7 +188,7 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
                 # it waiting, with its place in the queue.
                 other = client.open_session(
                     OpenSessionRequest(
-                        type="llama", path=tiny, model_name="grpc-tiny", config=Config(num_ctx=2048)
+                        type="llama", path=tiny, model_name="grpc-tiny", config=Config(num_ctx=WINDOW)
                     )
                 )
                 waiter = threading.Thread(
