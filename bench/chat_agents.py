@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from bench.extra_run import write_extra_run
 from bench.systems.base import Unsupported, settle
 from bench.systems.llama_server import LlamaServerSystem
 from bench.systems.modeld_http import ModeldHttpSystem
@@ -45,7 +46,6 @@ from bench.workloads import Workload
 
 __all__ = ["Record", "main", "run_chat_agents"]
 
-ROOT = Path(__file__).resolve().parent.parent
 WINDOW = 8192
 AGENTS = ("main", "sub_a", "sub_b")
 ROUNDS = 4
@@ -369,19 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         max_tokens=8 if args.quick else 32,
         log=lambda s: print(s, flush=True),
     )
-    doc = {
-        "id": time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
-        "model": {"name": spec.name, "file": Path(model).name},
-        "load_average_end": os.getloadavg(),
-        "duration_s": round(time.time() - started, 1),
-        "chat_agents": result,
-    }
-    out = args.out or ROOT / "bench" / "results" / "runs" / f"{doc['id']}-chat_agents"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(doc, indent=1))
-    report = "\n".join(report_lines(result))
-    (out / "report.md").write_text(report)
-    print(report)
+    write_extra_run("chat_agents", (spec.name, Path(model).name), started, result, report_lines, args.out)
     return 1 if result["errors"] else 0
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import httpx
 
+from bench.extra_run import write_extra_run
 from bench.systems.base import Unsupported, settle
 from bench.systems.llama_server import LlamaServerSystem
 from bench.systems.modeld_http import ModeldHttpSystem
@@ -445,19 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         runs=args.runs,
         log=lambda s: print(s, flush=True),
     )
-    doc = {
-        "id": time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
-        "model": {"name": testmodels.REPLY.name, "file": Path(model).name},
-        "load_average_end": os.getloadavg(),
-        "duration_s": round(time.time() - started, 1),
-        "claude_code": result,
-    }
-    out = args.out or ROOT / "bench" / "results" / "runs" / f"{doc['id']}-claude_code"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(doc, indent=1))
-    report = "\n".join(report_lines(result))
-    (out / "report.md").write_text(report)
-    print(report)
+    write_extra_run(
+        "claude_code", (testmodels.REPLY.name, Path(model).name), started, result, report_lines, args.out
+    )
     return 1 if result["errors"] else 0
 
 

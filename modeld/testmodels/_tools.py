@@ -54,13 +54,14 @@ from __future__ import annotations
 import functools
 import math
 import zlib
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final, Protocol
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
 
+from modeld.testmodels._copying import ModelSpec  # what the constructions read of a spec
 from modeld.testmodels._tokenizer import TOKEN_TYPE_NORMAL, Vocabulary, encode
 
 __all__ = [
@@ -75,35 +76,6 @@ __all__ = [
 ]
 
 F32 = npt.NDArray[np.float32]
-
-
-class ModelSpec(Hashable, Protocol):
-    """What the construction reads of a spec (``_spec`` imports this module, not the reverse)."""
-
-    @property
-    def arch(self) -> str: ...
-    @property
-    def context_length(self) -> int: ...
-    @property
-    def ff(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-    @property
-    def heads(self) -> int: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def kv_heads(self) -> int: ...
-    @property
-    def layers(self) -> int: ...
-    @property
-    def rope_freq_base(self) -> float: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def tied_embeddings(self) -> bool: ...
-    @property
-    def vocab_size(self) -> int: ...
 
 
 # Bump whenever the bytes written for an unchanged tools spec could change (enters its digest).
