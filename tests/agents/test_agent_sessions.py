@@ -31,6 +31,7 @@ import ollama
 import openai
 import pytest
 from daemon_proc import serve_http, stop
+from memory_chat import chatml, tokens
 
 pytestmark = pytest.mark.wire
 
@@ -39,26 +40,6 @@ WINDOW = 600
 BIG = "x" * 700  # alone past the window
 IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 PLACEHOLDER = "[image omitted: this model reads text only]"
-
-
-def tokens(text: str) -> int:
-    """Memory backend: one token per byte, plus BOS."""
-    return len(text.encode()) + 1
-
-
-def chatml(messages: list[tuple[str, str]], tools: list[Any] | None = None, generation: bool = True) -> str:
-    """The memory model's template (ChatML, tools in the system turn), written out as an oracle."""
-    out = ""
-    if tools:
-        out += "<|im_start|>system\n"
-        if messages[0][0] == "system":
-            out += messages[0][1] + "\n"
-        out += "# Tools\n" + "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tools) + "<|im_end|>\n"
-    for i, (role, content) in enumerate(messages):
-        if tools and i == 0 and role == "system":
-            continue
-        out += f"<|im_start|>{role}\n{content}<|im_end|>\n"
-    return out + ("<|im_start|>assistant\n" if generation else "")
 
 
 class Daemon:
