@@ -13,10 +13,12 @@ the SDK skips), SSE comments with the prefill's progress (chat completions), rep
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -144,3 +146,56 @@ def test_ollama_sends_empty_lines_while_the_prompt_is_prefilled(url: str) -> Non
     )
     assert "".join(p.message.content or "" for p in parts) == REPLY_TEXT and parts[-1].done
     client.close()
+
+
+def test_modelds_headers_come_in_a_stream_that_began_before_its_turn(url: str) -> None:
+    """Every stream here begins before its turn has started (a 20 ms interval), so its headers
+    were sent before ``X-Modeld-Prefix`` (how the prompt's prefix was reused) and
+    ``X-Modeld-Session`` were known: they come in the stream once known, before the answer, as
+    SSE comments (read here through the SDKs' raw streams) and, in Ollama's NDJSON, an empty
+    piece of the answer carrying ``modeld.headers``."""
+
+    def noted(lines: list[str], first: str) -> dict[str, str]:
+        notes = {
+            k: v for k, _, v in (line[2:].partition(": ") for line in lines if line.startswith(": X-Modeld-"))
+        }
+        assert lines.index(f": X-Modeld-Prefix: {notes['X-Modeld-Prefix']}") < lines.index(first), lines[:8]
+        return notes
+
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+    messages: Any = [{"role": "user", "content": long_prompt("anthropic raw")}]
+    with claude.messages.with_streaming_response.create(
+        model=MODEL, max_tokens=64, stream=True, messages=messages
+    ) as raw:
+        assert "x-modeld-prefix" not in raw.headers
+        notes = noted(list(raw.iter_lines()), "event: message_start")
+    claude.close()
+    # a new prompt: cold, or partial when the template's head is warm from an earlier test's
+    assert re.fullmatch(r"reused=\d+; prefix=\d+; outcome=(cold|partial); .*", notes["X-Modeld-Prefix"])
+    assert notes["X-Modeld-Session"]
+    chat = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    with chat.chat.completions.with_streaming_response.create(
+        model=MODEL,
+        max_tokens=64,
+        stream=True,
+        messages=[{"role": "user", "content": long_prompt("chat raw")}],
+    ) as chat_raw:
+        assert "x-modeld-prefix" not in chat_raw.headers
+        lines = list(chat_raw.iter_lines())
+    chat.close()
+    assert noted(lines, next(line for line in lines if line.startswith("data: ")))[
+        "X-Modeld-Prefix"
+    ].startswith("reused=")
+    body = {
+        "model": MODEL,
+        "stream": True,
+        "think": False,
+        "messages": [{"role": "user", "content": long_prompt("ollama raw")}],
+        "options": {"num_predict": 64},
+    }
+    with httpx.stream("POST", f"{url}/api/chat", json=body, timeout=300) as r:
+        assert "x-modeld-prefix" not in r.headers
+        parts = [json.loads(line) for line in r.iter_lines() if line]
+    carrying = [i for i, p in enumerate(parts) if "headers" in p.get("modeld", {})]
+    assert len(carrying) == 1 and not parts[carrying[0]]["done"], parts[:4]
+    assert parts[carrying[0]]["modeld"]["headers"]["X-Modeld-Prefix"].startswith("reused=")

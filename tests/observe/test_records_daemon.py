@@ -224,11 +224,11 @@ def _record_of_stream(url: str, path: str, body: dict[str, object], job: str) ->
     with httpx.stream("POST", f"{url}{path}", json=body, headers={"X-Modeld-Job": job}, timeout=60) as r:
         sent = sum(len(part) for part in r.iter_bytes())
     (found,) = httpx.get(f"{url}/v1/requests", params={"job": job}, timeout=30).json()["data"]
-    assert r.headers.get("x-modeld-request", found["id"]) == found["id"]
+    # Every answer carries its record's id, a refusal raised before the answer too, and the
+    # record counts the bytes sent (a refusal's body included).
+    assert r.headers["x-modeld-request"] == found["id"]
     assert found["state"] == "done" and found["status"] == r.status_code
-    # A refusal raised before the answer is written by the error handler: its bytes are not
-    # counted (blueprint 0022, Open).
-    assert found["bytes_out"] == (sent if r.status_code == 200 else 0)
+    assert found["bytes_out"] == sent > 0
     return found  # type: ignore[no-any-return]
 
 
@@ -258,6 +258,33 @@ def test_a_stream_that_fails_inside_is_recorded_as_its_error(tmp_path: Path, kee
         assert claude["status"] == (200 if keepalive == "1ms" else 400)
         assert claude["error"] == "context_length_exceeded"
         assert "the model's window is 600 tokens" in str(claude["error_message"])
+    finally:
+        _, err = stop(proc)
+        assert "Traceback" not in err, err[-3000:]
+
+
+def test_a_refusal_before_the_answer_carries_its_record_and_its_bytes(tmp_path: Path) -> None:
+    """An unknown model, not streamed, on each API (Anthropic's, OpenAI's and Ollama's words):
+    the refusal names its record in ``X-Modeld-Request`` and the record has the status and the
+    bytes of the body sent (blueprint 0022: they used to be missing and 0)."""
+    proc, record = serve_http(tmp_path / "d")
+    url = record.http_endpoint
+    asks = {
+        "/v1/messages": {"model": "nope", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]},
+        "/v1/chat/completions": {"model": "nope", "messages": [{"role": "user", "content": "hi"}]},
+        "/api/chat": {"model": "nope", "stream": False, "messages": [{"role": "user", "content": "hi"}]},
+    }
+    try:
+        for i, (path, body) in enumerate(asks.items()):
+            r = httpx.post(f"{url}{path}", json=body, headers={"X-Modeld-Job": f"refused{i}"}, timeout=30)
+            assert r.status_code == 404, (path, r.status_code, r.text)
+            (found,) = httpx.get(f"{url}/v1/requests", params={"job": f"refused{i}"}, timeout=30).json()[
+                "data"
+            ]
+            assert r.headers["x-modeld-request"] == found["id"], path
+            assert (found["status"], found["finish"], found["bytes_out"]) == (404, "error", len(r.content)), (
+                found
+            )
     finally:
         _, err = stop(proc)
         assert "Traceback" not in err, err[-3000:]

@@ -85,6 +85,17 @@ class Dialect(Generic[A]):
     def ndjson(self) -> bool:
         return self.media_type != "text/event-stream"
 
+    def late_headers(self, asked: A, headers: Mapping[str, str]) -> bytes:
+        """modeld's headers of a stream that began before its turn did (they were not known when
+        the stream's headers were sent), once known: one SSE comment per header
+        (``: X-Modeld-Prefix: reused=...``, skipped by every SSE reader); in NDJSON, an empty
+        piece of the answer (the keep-alive's) carrying them in ``modeld.headers``."""
+        if self.ndjson:
+            line = json.loads(self.alive(asked, None))
+            line["modeld"] = {"headers": dict(headers)}
+            return json.dumps(line, ensure_ascii=False).encode() + b"\n"
+        return "".join(f": {name}: {value}\n" for name, value in headers.items()).encode() + b"\n"
+
     def stream_error(self, asked: A, error: HttpError) -> bytes:
         """``error`` inside a stream, in this API's words."""
         if self.failed is not None:

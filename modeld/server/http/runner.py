@@ -12,7 +12,7 @@ Every request gets a record (:mod:`modeld.observe.records`, blueprint 0022), ope
 its labels (the job: ``X-Modeld-Job``, else the agent's own session id; the client program; the
 conversation key) and its bytes in, counted into by its session's turn, and finished here with
 its finish, its error and its bytes out, after the last byte; its id (the turn's) is in the
-``X-Modeld-Request`` header.
+``X-Modeld-Request`` header, a refusal's too (answered here, not by the route's error handler).
 """
 
 from __future__ import annotations
@@ -112,15 +112,9 @@ class Runner:
             else:
                 response = await self._one(request, dialect, asked, recording)
         except HttpError as exc:
-            recording.finish(
-                finish="error", error=exc.code, error_message=exc.message[:300], status=exc.status
-            )
-            raise
+            return _refused(exc, exc.code, exc.message, dialect, recording)
         except ModeldError as exc:
-            recording.finish(
-                finish="error", error=exc.reason, error_message=exc.message[:300], status=exc.http_status
-            )
-            raise
+            return _refused(from_modeld(exc, incident_id()), exc.reason, exc.message, dialect, recording)
         except asyncio.CancelledError:  # the client went away
             recording.finish(finish="canceled", error="canceled", status=499)
             raise
@@ -243,9 +237,12 @@ class Runner:
                 return StreamingResponse(iter([part]), media_type=dialect.media_type, headers=headers)
             started = opening.result()  # a failure before the stream: the API's status and body
             headers.update(_modeld_headers(started))
+        late = not opening.done()  # the stream begins before its turn: modeld's headers come in it
 
         async def body() -> AsyncGenerator[bytes, None]:
             begun = await opening
+            if late:
+                yield dialect.late_headers(asked, _modeld_headers(begun))
             async for part in dialect.stream(asked, begun, events):
                 yield part
 
@@ -323,6 +320,25 @@ class Runner:
         prefix, suffix = self.conversations.inputs(turn, info)
         request = self.catalog.open_request(entry, turn)
         return await self.bridge.call(self.gateway.count_tokens, request, prefix, suffix)
+
+
+def _refused(
+    error: HttpError, reason: str, message: str, dialect: Dialect[A], recording: Recording
+) -> Response:
+    """A refusal raised before the answer (an unknown model, a prompt beyond the window, a
+    drain), answered here in the dialect's words rather than by the route's error handler, so
+    that it carries its record's id and the record its bytes (``message``: the whole reason, for
+    the record; the body may hide it behind an incident id)."""
+    response = error_response(error, dialect.error, dialect.status)
+    response.headers["X-Modeld-Request"] = recording.id
+    recording.finish(
+        finish="error",
+        error=reason,
+        error_message=message[:300],
+        status=response.status_code,
+        bytes_out=len(response.body),
+    )
+    return response
 
 
 def _modeld_headers(started: Started) -> dict[str, str]:
