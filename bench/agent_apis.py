@@ -683,15 +683,27 @@ def run_agent_apis(
             systems=systems,
             log=log,
         )
+    socket = None
+    if "modeld" in (systems or SYSTEMS):  # the same loop over the Responses WebSocket: bytes per turn
+        from bench.agent_socket import run_socket_loop
+
+        first = responses_first(max_tokens, whole=whole)
+        new: list[list[Body]] = [[], *responses_new_items(turns)]
+        longest = {**first, "input": first["input"] + [i for items in new for i in items]}
+        log(f"bench: the responses loop over the Responses WebSocket on modeld, {turns} turns")
+        socket = run_socket_loop(
+            model, threads, first, new, _n_ctx(longest, count, turns, max_tokens), log=log
+        )
     return {
         "turns": turns,
         "max_tokens": max_tokens,
         "whole": whole,
+        "socket": socket,
         "description_limit": None if whole else DESCRIPTION_LIMIT,
         "text_limit": None if whole else TEXT_LIMIT,
         "load_average": os.getloadavg(),
         "loops": loops,
-        "errors": sum(int(v["errors"]) for v in loops.values()),
+        "errors": sum(int(v["errors"]) for v in loops.values()) + int(bool(socket and socket.get("error"))),
     }
 
 

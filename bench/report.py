@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import analysis
+from bench.agent_socket import socket_lines
 from bench.families_report import families_lines
 from bench.page_overhead import page_lines
 from bench.plots import plot_summary, plot_workload
@@ -302,6 +303,8 @@ def agent_apis_lines(result: Doc, model: str) -> list[str]:
             f"llama-server {_tokens(s['llama-server_bytes_median'])} B, ratio {_ratio_range(s, 'bytes')}.",
             "",
         ]
+    if result.get("socket"):  # the responses loop over the Responses WebSocket (bench/agent_socket.py)
+        lines += socket_lines(result["socket"])
     return lines
 
 

@@ -35,11 +35,13 @@ pytestmark = [pytest.mark.wire, pytest.mark.llama, pytest.mark.slow]
 MODEL = "modeld-think"
 
 
-def long_prompt(api: str) -> str:
-    """About 3000 tokens (two seconds of prefill here, so its progress is reported), different
-    from the first byte for each API (no warm reuse)."""
+def long_prompt(api: str, lines: int = 160) -> str:
+    """About 3000 tokens (two seconds of prefill here), different from the first byte for each
+    API (no warm reuse); ``lines=640``: about 12k tokens, whose prefill reports its progress
+    wherever the test runs (the engine reports a prefill's progress at its first step 0.5 s or
+    more after it began: 3000 tokens of this 2-layer model can take less on a fast machine)."""
     return f"{api}: " + " ".join(
-        f"line {i} of the {api} log says the build step {i * 7 % 13} passed." for i in range(160)
+        f"line {i} of the {api} log says the build step {i * 7 % 13} passed." for i in range(lines)
     )
 
 
@@ -88,7 +90,7 @@ def test_chat_completions_carry_the_prefills_progress_in_comments(url: str) -> N
         "model": MODEL,
         "max_tokens": 64,
         "stream": True,
-        "messages": [{"role": "user", "content": long_prompt("chat")}],
+        "messages": [{"role": "user", "content": long_prompt("chat", lines=640)}],
     }
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=300) as r:
         lines = [line for line in r.iter_lines() if line]

@@ -382,3 +382,24 @@ def test_fleet_figures_hold_the_moved_turn_against_the_goal_and_the_report_shows
     text = "\n".join(speculation_lines(failed))
     assert "- Run r3: FAILED: RuntimeError: modeld: HTTP 500" in text
     assert "| file rewrite, decode tok/s modeld ngram / modeld off | ≥ 2 | - |" in text
+
+
+def test_the_socket_row_reports_bytes_per_turn_and_their_cumulative_ratio() -> None:
+    """``bench/agent_socket.py``'s section: per turn the HTTP and socket bytes, their ratio, and
+    the ratio of all turns so far."""
+    from bench.agent_socket import socket_lines
+
+    rows = [
+        {"turn": k, "http_bytes": h, "socket_bytes": s, "prompt_tokens": 100 * (k + 1), "cached_tokens": 100 * k}
+        | {"ttft_s": 0.5, "total_s": 1.0}
+        for k, (h, s) in enumerate([(1000, 1000), (2000, 500), (3000, 500)])
+    ]
+    lines = socket_lines({"rows": rows})
+    table = [line for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert table == [
+        "| 0 | 1000 | 1000 | 1.0x | 1.00x | 0 / 100 | 500.0 |",
+        "| 1 | 2000 | 500 | 4.0x | 2.00x | 100 / 200 | 500.0 |",
+        "| 2 | 3000 | 500 | 6.0x | 3.00x | 200 / 300 | 500.0 |",
+    ]
+    stopped = socket_lines({"rows": [], "error": "refused"})
+    assert "- Note: the loop stopped: refused" in stopped
