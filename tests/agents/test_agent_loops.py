@@ -8,9 +8,10 @@ its result comes back to the daemon and is answered (``Done.``), every request a
 first is warm (the daemon's own usage, as the agent recorded it, and explain-context), a second
 run continuing the session is warm from its first request. Codex also over the Responses
 WebSocket (two runs, the second warm), with the bytes it sends per turn against HTTP. A tool
-result past a small window is refused in each API's words (issue 33's first part): Claude Code
-recognises them, Codex compacts and goes on; and an image a tool returned does not end the
-session (a named placeholder).
+result past a small window: Claude Code's is cut to fit (``--fit-tool-results``: its own
+compaction cannot fit it) and its session goes on, warm; Codex gets the Responses API's
+``context_length_exceeded``, compacts and goes on; and an image a tool returned does not end
+the session (a named placeholder).
 
 One daemon, one repository and one home per agent for the whole module: the agents' system
 prompts and tools (12-20k tokens) are computed once and every later run starts warm.
@@ -50,8 +51,9 @@ class Daemon:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.proc, record = serve_http(
-            tmp, "--max-output-tokens", "64", "--num-ctx", str(WINDOW), backend="llama", timeout=300
-        )
+            tmp, "--max-output-tokens", "64", "--num-ctx", str(WINDOW), "--fit-tool-results",
+            backend="llama", timeout=300,
+        )  # fmt: skip
         self.url = record.http_endpoint
 
     def explain(self, session_id: str) -> Any:
@@ -228,35 +230,39 @@ NOTES = "\n".join(f"line {i}: the quick brown fox jumps over the lazy dog" for i
 """A file whose text (about 9k tokens as Read numbers its lines) takes a session past the window."""
 
 
-def test_claude_code_recognises_a_tool_result_past_the_window(daemon: Daemon) -> None:
-    """Claude Code reads a file that takes its tool loop past the window: the request that carries
-    the result is refused with Anthropic's words ('prompt is too long: N tokens > M maximum'),
-    before anything is computed, and Claude Code recognises them: it reports "Prompt is too long"
-    (its own words for that refusal), not a broken request. Claude Code 2.1.328, headless, does
-    not compact inside a turn, and a ``--continue`` run after it ends at once on the same words
-    (the history alone is past the window, so its compaction request is too): blueprint 0019,
-    what is left. Compaction when a run's new prompt passes the window is in test_agents.py."""
+def test_claude_code_goes_on_past_the_window_inside_a_tool_loop(daemon: Daemon) -> None:
+    """Claude Code reads a file that takes its tool loop past the window. Refused ('prompt is too
+    long: N tokens > M maximum'), Claude Code 2.1.328 compacts inside the loop, but its compaction
+    request carries its tools (about 16k tokens here) and the same tool result, so it is refused
+    too, and so is every later run (measured; blueprint 0019). With ``--fit-tool-results`` the
+    daemon cuts the tool result instead (to its first window / 4 characters, marked, and listed in
+    ``modeld.omitted_content``): the run answers (``Done.``), and a ``--continue`` run is warm
+    from its first request and goes on (its second result is cut, the first left out whole)."""
     agents = ensure_agents()
     tmp = daemon.tmp / "claude-compact"
     repo = make_repo(tmp / "repo", {"notes.txt": NOTES, "calc.py": '"""A tiny calculator."""\n'})
     home = tmp / "home"
-    run = run_claude(
-        agents.claude, 'Read the file "notes.txt".', cwd=repo, home=home, base_url=daemon.url, model=MODEL,
-        max_output_tokens=64, max_retries=0, timeout=RUN_TIMEOUT, args=["--max-turns", "3"],
-    )  # fmt: skip
-    assert not run.timed_out and isinstance(run.result, dict), (run.stderr[-2000:], run.stdout[-2000:])
-    assert (run.result.get("api_error_status"), run.result.get("result"), run.result.get("num_turns")) == (
-        400,
-        "Prompt is too long",
-        2,
-    ), run.result  # the call was answered, the tool ran; its result was the request refused
+    for i, prompt in enumerate(('Read the file "notes.txt".', 'Read the file "notes.txt" again.')):
+        before = len(claude_requests(home))
+        run = run_claude(
+            agents.claude, prompt, cwd=repo, home=home, base_url=daemon.url, model=MODEL,
+            max_output_tokens=64, max_retries=0, timeout=RUN_TIMEOUT,
+            args=["--max-turns", "3", *(["--continue"] if i else [])],
+        )  # fmt: skip
+        assert run.returncode == 0 and not run.timed_out, (run.stderr[-2000:], run.stdout[-2000:])
+        assert isinstance(run.result, dict) and not run.result.get("is_error"), run.result
+        assert (run.result["result"], run.result["num_turns"]) == ("Done.", 2), run.result
+        requests = claude_requests(home)[before:]
+        assert len(requests) == 2, requests
+        if i:  # the continued session is warm: its first request reuses the cut conversation
+            assert warm_share(requests[0]) >= WARM, requests
     calls = [
         b
         for m in claude_messages(home)
         for b in m.get("content") or []
         if isinstance(b, dict) and b.get("type") == "tool_use"
     ]
-    assert [(c["name"], c["input"]) for c in calls] == [("Read", {"file_path": "notes.txt"})]
+    assert [(c["name"], c["input"]) for c in calls] == [("Read", {"file_path": "notes.txt"})] * 2
 
 
 def test_codex_compacts_past_a_small_window_and_goes_on(daemon: Daemon) -> None:

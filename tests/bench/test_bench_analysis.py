@@ -390,7 +390,13 @@ def test_the_socket_row_reports_bytes_per_turn_and_their_cumulative_ratio() -> N
     from bench.agent_socket import socket_lines
 
     rows = [
-        {"turn": k, "http_bytes": h, "socket_bytes": s, "prompt_tokens": 100 * (k + 1), "cached_tokens": 100 * k}
+        {
+            "turn": k,
+            "http_bytes": h,
+            "socket_bytes": s,
+            "prompt_tokens": 100 * (k + 1),
+            "cached_tokens": 100 * k,
+        }
         | {"ttft_s": 0.5, "total_s": 1.0}
         for k, (h, s) in enumerate([(1000, 1000), (2000, 500), (3000, 500)])
     ]

@@ -80,6 +80,7 @@ class HttpService:
             max_conversations=settings.max_conversations,
             idle_seconds=settings.conversation_idle_seconds,
             tool_formats=parse_tool_formats(settings.tool_formats),
+            fit_tool_results=settings.fit_tool_results,
         )
         self.runner = Runner(
             gateway,

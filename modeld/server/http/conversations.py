@@ -188,6 +188,7 @@ class Conversations:
         max_conversations: int,
         idle_seconds: float,
         tool_formats: Mapping[str, str] | None = None,
+        fit_tool_results: bool = False,
     ) -> None:
         self._gateway = gateway
         self._bridge = bridge
@@ -198,7 +199,7 @@ class Conversations:
         self._lock = threading.Lock()
         self._calls: OrderedDict[CallKey, str] = OrderedDict()
         self.diagnoses = Diagnoses()
-        self.window = Window()
+        self.window = Window(fit_tool_results)
 
     def __len__(self) -> int:
         with self._lock:

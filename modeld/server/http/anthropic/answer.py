@@ -181,6 +181,9 @@ async def message_stream(
                 "stop_sequence": None,
                 "usage": start_usage,
                 **diagnostics_field(turn, started),
+                # what the message's own ``modeld`` object says before the answer: the reuse,
+                # what was left out of the prompt (the finish reason is message_delta's)
+                "modeld": {**extension(started), "omitted_tools": list(turn.omitted_tools)},
             },
         },
     ) + sse_event("ping", {"type": "ping"})
