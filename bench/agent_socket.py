@@ -85,7 +85,8 @@ def run_socket_loop(
         return {"error": str(e), "rows": []}
     first = {**first, "store": False}  # Codex's: the socket keeps its last response, the store nothing
     history: list[Body] = list(first["input"])  # what HTTP resends: everything, answers echoed
-    previous, echo = "", []
+    previous = ""
+    echo: list[Body] = []
     rows: list[dict[str, Any]] = []
     try:
         url = system.base_url.replace("http://", "ws://") + "/v1/responses"
