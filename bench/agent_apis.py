@@ -666,7 +666,9 @@ def run_agent_apis(
     systems: list[str] | None = None,
     log: Log = print,
 ) -> dict[str, Any]:
-    """Both loops; the document ``make bench`` stores as the run's ``agent_apis``."""
+    """Both loops, and the responses loop over the Responses WebSocket on modeld
+    (``bench/agent_socket.py``: bytes per turn against HTTP); the document ``make bench`` stores
+    as the run's ``agent_apis``."""
     turns = turns or (QUICK_TURNS if quick else TURNS)
     loops = {}
     for loop in LOOPS:
