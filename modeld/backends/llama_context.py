@@ -532,6 +532,12 @@ class LlamaContext(HeldTokens, Rewind):
         self._ckpts.ended(seq, len(tokens))
         if self._takes:
             self._ckpts.take(seq, len(tokens), canonical=False)
+            # A sliding window comes back at cell 0 on; put it where a fresh evaluation holds it
+            # (llama_window.pad_window), or later turns round differently (~1e-4 of a logprob).
+            if self._n_swa and len(tokens) > self._n_swa and not self._ckpts.restore(seq, len(tokens)):
+                log.warning("the restored window of sequence %d could not be placed: refusing it", seq)
+                self._cut(seq, 0)
+                return False
         return True
 
     def close(self) -> None:

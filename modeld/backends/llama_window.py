@@ -10,7 +10,8 @@ log-probability off by ~1e-4 after a restart). :func:`pad_window` rewrites the c
 ``p - n_swa`` cells of zeros before the window, at positions ``0 .. p - n_swa - 1``: restored,
 the window lands at the cells a fresh evaluation used, and the padding cells, outside every later
 token's window, are masked (a masked cell adds an exact 0, as the stale cells of a fresh
-evaluation do). The padded blob is transient: ``p`` cells of the local layers, what the
+evaluation do). A whole snapshot's window is put back the same way after it is restored (the
+checkpoint taken at its end, restored padded). The padded blob is transient: ``p`` cells of the local layers, what the
 sequence's local cells hold anyway in llama.cpp's full-size SWA cache (``swa_full``).
 
 The layout read (llama.cpp's ``llama_kv_cache::state_write`` for one sequence, after the

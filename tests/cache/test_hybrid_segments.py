@@ -186,3 +186,40 @@ def test_a_chat_edit_at_a_message_start_reuses_everything_before_it(
     finally:
         client.close()
         stop(proc)
+
+
+@pytest.mark.parametrize("name", ["swa-gemma3", "swa-gptoss", "hybrid-qwen35"])
+def test_a_turn_that_appends_after_a_restart_equals_a_fresh_evaluation(
+    name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A prefix restored whole from disk, then a turn that appends a segment to it: the append
+    resumes where the snapshot ends, a segment start (a fresh evaluation's batch start too), and
+    a sliding window's restored cells sit where a fresh evaluation holds them (before, its window
+    came back at cell 0 and the turn was off by ~1e-4 of a log-probability)."""
+    path = str(testmodels.ensure_model(SPECS[name]))
+    tmp = tmp_path_factory.mktemp("append")
+    head = _context(0).prefix_text
+
+    def engine() -> Engine:
+        return Engine(
+            backends=("llama",), residency=Residency(sequences=1, persist_min_tokens=64), data_dir=tmp
+        )
+
+    longer = (
+        rc.ContextBuilder()
+        .system(head)
+        .history("More history appended here.\n" * 8)
+        .user_turn("Fix the failing test.\n")
+        .build()
+    )
+    with engine() as a:
+        s = a.open_session(_request(path))
+        first = s.ensure_prefix(rc.ContextBuilder().system(head).user_turn("x\n").build().prefix_input())
+        assert a.tiers is not None and a.tiers.flush(60)
+    expected = _fresh(path, longer)
+    with engine() as b:
+        s = b.open_session(_request(path))
+        st, warm = _turn(s, longer)
+    assert (st.reuse.outcome, st.reuse.tier) == ("warm", "disk"), st.reuse
+    assert st.reused_tokens == first.prefix_tokens
+    assert warm == expected
