@@ -465,7 +465,7 @@ class LlamaContext(HeldTokens, Rewind):
         blob = self._states.snapshot(seq)
         if not self._takes:
             return blob
-        # Recurrent and hybrid memory: the checkpoints travel with their context (a section
+        # Memory that cannot be cut: the checkpoints travel with their context (a section
         # after the engine's state), so a restored context can still be cut back.
         section = self._ckpts.pack(seq, len(held))
         if isinstance(blob, bytearray):
