@@ -1,4 +1,4 @@
-"""``python -m bench.hybrid [--llama-server PATH] [--quick] [--classes swa-gemma3,...]``: models
+"""``python -m bench.hybrid [--llama-server PATH] [--quick] [--classes swa-gemma3,...] [--edits map,messages]``: models
 whose memory cannot be cut at any token, in an agent loop whose turns edit inside the prefix,
 against llama-server with its default context checkpoints (blueprint 0016, "Memory that cannot be
 cut at any token"; issue: hybrid, sliding-window and recurrent models stay warm).
@@ -11,7 +11,10 @@ TTFT):
 * a conversation whose system prompt holds a repository map and whose turns edit inside the
   prefix, in turn: a repo-map line that changes (aider's map refresh), a reminder that moves to
   the newest user message (opencode's system reminder), and the previous answer's reasoning
-  dropped (what Qwen3's and Qwen3.5's templates do to earlier turns);
+  dropped (what Qwen3's and Qwen3.5's templates do to earlier turns). Two loops: ``map``, where
+  the map line changes every turn (the first edit is inside the system message, at 60% of it),
+  and ``messages``, where the map stays and the first edit is the moved reminder or the dropped
+  reasoning (at a message's start or inside it);
 * after the last turn both servers restart (modeld writes its warm contexts to disk; llama-server
   keeps nothing) and the conversation goes on with one more turn.
 
@@ -106,6 +109,10 @@ def _llama_server(binary: str, path: str, threads: int) -> _Server:
     return _Server("llama-server", args, port, model="m")
 
 
+EDITS = ("map", "messages")
+"""The two loops (see the module docstring)."""
+
+
 def _repo_map(turn: int, lines: int) -> str:
     out = []
     for i in range(lines):
@@ -114,12 +121,13 @@ def _repo_map(turn: int, lines: int) -> str:
     return "".join(out)
 
 
-def _conversation(turn: int, lines: int, think: bool) -> list[dict[str, str]]:
+def _conversation(turn: int, lines: int, think: bool, edits: str = "map") -> list[dict[str, str]]:
     """The agent's request at ``turn``: an edit inside the prefix each turn (see the module
-    docstring): the map at 60% (every turn), the reminder moved to the newest user message, the
-    reasoning of the last answer kept only while it is the last one (``think``)."""
+    docstring): the map at 60% (every turn of the ``map`` loop), the reminder moved to the
+    newest user message, the reasoning of the last answer kept only while it is the last one
+    (``think``)."""
     system = "You are a careful coding agent working in this repository.\nRepository map:\n" + _repo_map(
-        turn, lines
+        turn if edits == "map" else 0, lines
     )
     messages = [{"role": "system", "content": system}]
     for k in range(turn + 1):
@@ -155,7 +163,7 @@ def _lcp(a: list[int], b: list[int]) -> int:
 
 
 def _class(
-    spec: testmodels.ArchSpec, binary: str, threads: int, turns: int, lines: int, log: Log
+    spec: testmodels.ArchSpec, binary: str, threads: int, turns: int, lines: int, log: Log, edits: str = "map"
 ) -> dict[str, Any]:
     path = str(testmodels.ensure_model(spec))
     data = Path(tempfile.mkdtemp(prefix=f"bhy-{spec.name}-"))
@@ -177,7 +185,7 @@ def _class(
                 for server in servers:
                     server.restart()
                 loaded()
-            messages = _conversation(turn, lines, think=True)
+            messages = _conversation(turn, lines, think=True, edits=edits)
             tokens = _prompt_tokens(servers[1], messages)
             before = _lcp(previous, tokens) if previous else 0
             row: dict[str, Any] = {"turn": turn, "prompt": len(tokens), "before_edit": before}
@@ -187,7 +195,7 @@ def _class(
                 row[server.name] = {"ttft_s": round(elapsed, 4), "reused": reused}
             rows.append(row)
             log(
-                f"{spec.name} turn {turn}{' (after a restart)' if row['restart'] else ''}: {len(tokens)} tokens, "
+                f"{spec.name} ({edits}) turn {turn}{' (after a restart)' if row['restart'] else ''}: {len(tokens)} tokens, "
                 f"{before} before the edit; modeld reused {row['modeld']['reused']} in {row['modeld']['ttft_s']:.2f} s, "
                 f"llama-server {row['llama-server']['reused']} in {row['llama-server']['ttft_s']:.2f} s"
             )
@@ -195,7 +203,13 @@ def _class(
     finally:
         for server in servers:
             server.close()
-    return {"model": spec.name, "memory": footprint.get("memory", ""), "footprint": footprint, "turns": rows}
+    return {
+        "model": spec.name,
+        "edits": edits,
+        "memory": footprint.get("memory", ""),
+        "footprint": footprint,
+        "turns": rows,
+    }
 
 
 def _summary(doc: dict[str, Any]) -> dict[str, Any]:
@@ -216,6 +230,7 @@ def _summary(doc: dict[str, Any]) -> dict[str, Any]:
     fp = doc["footprint"]
     return {
         "model": doc["model"],
+        "edits": doc.get("edits", "map"),
         "memory": doc["memory"],
         "reuse_share_modeld": round(share("modeld"), 3),
         "reuse_share_llama_server": round(share("llama-server"), 3),
@@ -228,14 +243,14 @@ def _summary(doc: dict[str, Any]) -> dict[str, Any]:
 
 def report(docs: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | memory | reused before the edit: modeld | llama-server | warm TTFT modeld / llama-server "
-        "| after a restart | state per sequence | checkpoints per model (max) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | edits | memory | reused before the edit: modeld | llama-server "
+        "| warm TTFT modeld / llama-server | after a restart | state per sequence | checkpoints per model (max) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for doc in docs:
         s = _summary(doc)
         lines.append(
-            f"| {s['model']} | {s['memory']} | {s['reuse_share_modeld']:.0%} | {s['reuse_share_llama_server']:.0%} "
+            f"| {s['model']} | {s['edits']} | {s['memory']} | {s['reuse_share_modeld']:.0%} | {s['reuse_share_llama_server']:.0%} "
             f"| {s['warm_ttft_ratio']:.2f} | {s['restart_ttft_ratio']:.2f} | {s['state_bytes']} B "
             f"| {s['checkpoint_bytes']} B |"
         )
@@ -248,9 +263,10 @@ def run_hybrid(
     threads: int,
     quick: bool = False,
     classes: list[str] | None = None,
+    edits: tuple[str, ...] = EDITS,
     log: Log = print,
 ) -> dict[str, Any]:
-    """Every class's loop (see the module docstring); ``quick``: 3 turns over a shorter map."""
+    """Every class's loops (see the module docstring); ``quick``: 3 turns over a shorter map."""
     if not llama_server or not Path(llama_server).is_file():
         return {"skipped": "no llama-server binary (scripts/build_llama_server.sh builds one)"}
     # Both servers wait for work with modeld's OpenMP spin (modeld/backends/_omp.py): with
@@ -259,7 +275,7 @@ def run_hybrid(
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     specs = [s for s in testmodels.ARCH_SPECS if not classes or s.name in classes]
     turns, lines = (3, 24) if quick else (6, 60)
-    docs = [_class(spec, llama_server, threads, turns, lines, log) for spec in specs]
+    docs = [_class(spec, llama_server, threads, turns, lines, log, e) for e in edits for spec in specs]
     return {"classes": docs, "summary": [_summary(d) for d in docs], "report": report(docs)}
 
 
@@ -270,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="3 turns over a shorter repository map")
     parser.add_argument("--classes", default="", help="comma-separated model names (default: every class)")
+    parser.add_argument("--edits", default=",".join(EDITS), help="the loops to run: map, messages")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     doc = run_hybrid(
@@ -277,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
         quick=args.quick,
         classes=[c for c in args.classes.split(",") if c] or None,
+        edits=tuple(e for e in args.edits.split(",") if e in EDITS) or EDITS,
         log=lambda s: print(s, flush=True),
     )
     if "skipped" in doc:

@@ -177,10 +177,12 @@ class Residency:
     cells (``sequences`` windows of memory), and warm output is bit-identical by construction.
     Chosen by measurement: blueprint 0016."""
     checkpoints: int = setting(8, "--checkpoints", _WARM, count(0, 256))
-    """Checkpoints kept per warm sequence of a recurrent or hybrid model: its state at a token
-    position (a turn start, every few batches, a prompt's end), so an edit inside the prefix goes
-    back to the last one before it instead of prefilling everything. Each holds the model's
-    recurrent state (``modeld describe``: state bytes); counted in the memory budget. 0: none."""
+    """Checkpoints kept per warm sequence of a recurrent, hybrid or sliding-window model: its
+    state at a token position (a segment or message start, a turn start, every few batches, a
+    prompt's end), so an edit inside the prefix goes back to the last one before it instead of
+    prefilling everything, after a restart or on another box too (they travel in snapshots).
+    Each holds the model's recurrent state, or a sliding window's KV (``modeld describe``:
+    checkpoints); counted in the memory budget. 0: none."""
     pool_tokens: int = setting(0, "--kv-pool-tokens", _WARM, count(0, 1 << 24))
     """With ``kv_unified``: KV cells in the pool (0: one window; a smaller pool caps the window).
     A pool of at least ``sequences`` windows is laid out as split streams: sharing it gains no

@@ -194,11 +194,16 @@ class ModelRuntime(Protocol):
         """The tokens whose KV sequence ``seq`` holds now, in order."""
         ...
 
-    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+    def sync(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> Iterator[SyncStep]:
         """Make ``seq`` hold its first ``keep`` tokens followed by ``tokens``.
 
         The first step cuts (and yields with ``evaluated == 0``); each further step evaluates
         one batch. If the consumer stops early, ``seq`` holds a consistent prefix of the target.
+        ``segments``: where the manifest's segments start in the target (token positions; None:
+        not known). Memory that cannot be cut at any token begins batches and takes checkpoints
+        there, so an edit of a segment goes back no further than its start.
         """
         ...
 

@@ -11,6 +11,9 @@ generated lfm2, qwen35, granitehybrid and mamba2 models (blueprint 0016, "Checkp
 
 Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a prefill:
 
+* **segment starts** (the manifest's, :data:`SEGMENT_GAP` tokens or more after the canonical
+  position before them): where a repo map, a pinned file or a message that changes begins, so
+  an edit of a segment goes back no further than its start;
 * **turn starts**: before a control token that does not end generation (``<|im_start|>`` in
   ChatML, ``<start_of_turn>``, ...) at least :data:`TURN_GAP` tokens after the canonical
   position before it: a chat's message boundaries, where agents' prompts diverge (a moved
@@ -24,7 +27,9 @@ Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a pre
 evaluated the prompt began (measured: a 200-token prompt as one batch, or as 150 + 50, differs
 by up to 0.03 of a logit on gpt-oss, 0.008 on granitehybrid, 0 on mamba2). So the prefill of
 non-cuttable memory starts its batches at positions that depend only on the tokens
-(:func:`canonical`: multiples of the micro-batch and turn starts), and a cut resumes from a
+(:func:`canonical`: multiples of the micro-batch, turn starts and the manifest's segment
+starts, which the daemon sends with every sync: a fresh evaluation of the same manifest has them
+too), and a cut resumes from a
 *canonical* checkpoint (one at such a position) unless a checkpoint sits exactly at the cut: a
 warm turn then evaluates its tail in the batches a fresh evaluation uses, and its output is the
 fresh one, bit for bit. The batches a sequence was evaluated in are recorded, so a restore that
@@ -32,7 +37,8 @@ re-evaluates known tokens (the last tokens' logits for a repeated prompt) repeat
 
 **Value.** At most ``limit`` checkpoints per sequence (``--checkpoints``, 8 by default; each one
 holds the model's recurrent state, counted in the memory budget); past it the one whose loss
-widens the gap between its neighbours least goes. The newest, the last prompt end and the two
+widens the gap between its neighbours least goes, a segment start's last (an agent edits a
+segment: the one at its start serves the edit whole, one of the spacing only part of it). The newest, the last prompt end and the two
 that served the latest cuts stay: an agent's prompt tends to diverge where it did last turn.
 """
 
@@ -47,12 +53,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from modeld.backends._llama_lib import bindings as _llama
+from modeld.backends.llama_window import pad_window
 
-__all__ = ["PARTIAL", "TURN_GAP", "Checkpoints", "canonical", "plan"]
+__all__ = ["PARTIAL", "SEGMENT_GAP", "TURN_GAP", "Checkpoints", "canonical", "plan"]
 
 log = logging.getLogger("modeld.llama")
 
-_MAGIC = b"mdckpt01"
+_MAGIC = b"mdckpt02"
 _TRAILER = struct.Struct("<Q8s")
 """A snapshot's checkpoint section ends with its length and this magic (:meth:`Checkpoints.pack`)."""
 _ITEM = struct.Struct("<IBI")
@@ -72,19 +79,39 @@ of 512 only 1.05-1.26 s; a batch at every turn start 2.8 s; at turn starts 64 to
 more 1.4-1.8 s; 128 apart 1.4 s."""
 
 
-def canonical(tokens: Sequence[int], chunk: int, starts: frozenset[int], gap: int = TURN_GAP) -> list[int]:
+SEGMENT_GAP = 64
+"""A manifest's segment start begins a batch only this many tokens or more after the segment
+start before it (a manifest of tiny segments is not evaluated in tiny batches: at most one batch
+more per this many tokens)."""
+
+
+def canonical(
+    tokens: Sequence[int],
+    chunk: int,
+    starts: frozenset[int],
+    gap: int = TURN_GAP,
+    segments: Sequence[int] = (),
+) -> list[int]:
     """The canonical positions of a token sequence, where a prefill of it begins batches
-    whatever came before: every multiple of ``chunk``, and every turn start (a token of
-    ``starts``) at least ``gap`` tokens after the canonical position before it. A function of the
-    tokens alone, read from the first (a fresh evaluation has the same)."""
+    whatever came before: every multiple of ``chunk``, every segment start (``segments``:
+    positions the manifest names) at least :data:`SEGMENT_GAP` tokens after the segment start
+    before it (a multiple of ``chunk`` just before does not hide it: the edit of a segment goes
+    back to its start), and every turn start (a token of ``starts``) at least ``gap`` tokens
+    after it. A function of the tokens and the segment starts alone, read from the first (a
+    fresh evaluation of the same manifest has the same)."""
     out: list[int] = []
-    last = 0
-    turns = [q for q, t in enumerate(tokens) if q and t in starts] if starts else []
-    grid = range(chunk, len(tokens), chunk)
-    for q in sorted({*turns, *grid}):
-        if q % chunk == 0 or q - last >= gap:
+    last = last_mark = 0
+    n = len(tokens)
+    turns = {q for q, t in enumerate(tokens) if q and t in starts} if starts else set()
+    marks = {q for q in segments if 0 < q < n}
+    grid = range(chunk, n, chunk)
+    for q in sorted({*turns, *marks, *grid}):
+        segment = q in marks and q - last_mark >= SEGMENT_GAP
+        if q % chunk == 0 or segment or (q in turns and q - last >= gap):
             out.append(q)
             last = q
+            if segment:
+                last_mark = q
     return out
 
 
@@ -111,22 +138,27 @@ class _Seq:
     used: list[int] = field(default_factory=list)  # restored lately, the latest last
     bounds: list[int] = field(default_factory=list)
     ends: set[int] = field(default_factory=set)
+    segments: set[int] = field(default_factory=set)  # the manifest's segment starts it was evaluated with
+    floor: int = 0  # the first position whose sliding-window cells are real (Checkpoints.restore)
 
 
 class Checkpoints:
     """The checkpoints of a context's sequences (see the module docstring)."""
 
-    def __init__(self, ctx: Any, n_seq: int, *, spacing: int, limit: int = 8) -> None:
+    def __init__(self, ctx: Any, n_seq: int, *, spacing: int, limit: int = 8, window: bool = False) -> None:
         self._ctx = ctx
+        self.window = window
+        """Checkpoints of a sliding window (its local layers' cells), not of a recurrent state."""
         self.spacing = max(1, spacing)
         self.limit = max(1, limit)
         self._seqs = [_Seq() for _ in range(n_seq)]
 
     # --- where -------------------------------------------------------------------------------
 
-    def wanted(self, pos: int, turn_start: bool) -> bool:
-        """Is a canonical checkpoint taken at batch boundary ``pos`` of a prefill?"""
-        return pos > 0 and (turn_start or pos % self.spacing == 0)
+    def wanted(self, pos: int, marked: bool) -> bool:
+        """Is a canonical checkpoint taken at batch boundary ``pos`` of a prefill (``marked``: a
+        turn or segment start)?"""
+        return pos > 0 and (marked or pos % self.spacing == 0)
 
     # --- taking and choosing -------------------------------------------------------------------
 
@@ -159,7 +191,9 @@ class Checkpoints:
         return max((p for p in self._seqs[seq].blobs if p <= keep), default=0)
 
     def restore(self, seq: int, pos: int) -> bool:
-        """Load the checkpoint at ``pos`` into ``seq`` (its non-cuttable part only)."""
+        """Load the checkpoint at ``pos`` into ``seq`` (its non-cuttable part only). A sliding
+        window's goes in at the cells a fresh evaluation used (:func:`pad_window`); its cells
+        before the window hold zeros then (:meth:`floor`)."""
         s = self._seqs[seq]
         blob = s.blobs.get(pos)
         if blob is None:
@@ -167,8 +201,23 @@ class Checkpoints:
         # An agent's prompt tends to diverge where it did last turn (a repo map, a moved
         # reminder): a checkpoint that served a cut is worth keeping.
         s.used = [*[p for p in s.used if p != pos][-(_RECENT - 1) :], pos]
+        low = 0
+        if self.window:
+            padded = pad_window(blob)
+            if padded is None:
+                log.warning("a sliding window's checkpoint of sequence %d is not in a known form", seq)
+                return False
+            blob, low = padded
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
-        return int(_llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), seq, PARTIAL)) > 0
+        if int(_llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), seq, PARTIAL)) <= 0:
+            return False
+        s.floor = low
+        return True
+
+    def floor(self, seq: int) -> int:
+        """The first position whose sliding-window cells ``seq`` really holds (the cells before
+        a restored window's are padding)."""
+        return self._seqs[seq].floor
 
     # --- what the sequence holds ----------------------------------------------------------------
 
@@ -190,6 +239,14 @@ class Checkpoints:
         between a prefix and its suffix is a batch boundary of a fresh evaluation too)."""
         self._seqs[seq].ends.add(end)
 
+    def segments(self, seq: int) -> list[int]:
+        """The manifest's segment starts ``seq``'s tokens were evaluated with."""
+        return sorted(self._seqs[seq].segments)
+
+    def mark(self, seq: int, segments: Sequence[int]) -> None:
+        """``seq``'s tokens are (to be) evaluated with these segment starts."""
+        self._seqs[seq].segments = set(segments)
+
     def is_end(self, seq: int, pos: int) -> bool:
         return pos in self._seqs[seq].ends
 
@@ -205,6 +262,7 @@ class Checkpoints:
             s.canonical.discard(p)
         s.used = [p for p in s.used if p <= keep]
         s.ends = {p for p in s.ends if p <= keep}
+        s.segments = {p for p in s.segments if p <= keep}
         del s.bounds[bisect.bisect_right(s.bounds, keep - 1) :]
 
     def copy(self, src: int, dst: int, n: int) -> None:
@@ -216,6 +274,8 @@ class Checkpoints:
             bounds=[p for p in a.bounds if p < n],
             ends={p for p in a.ends if p <= n},
             used=[p for p in a.used if p <= n],
+            segments={p for p in a.segments if p <= n},
+            floor=a.floor,
         )
 
     def clear(self, seq: int) -> None:
@@ -224,17 +284,21 @@ class Checkpoints:
     # --- in a snapshot: the checkpoints travel with their context -------------------------------
 
     def pack(self, seq: int, upto: int) -> bytes:
-        """``seq``'s checkpoints (and recorded batches and prefill ends) of its first ``upto``
-        tokens, as the section a snapshot carries after the engine's state: ``u32 count``, per
-        checkpoint ``u32 position, u8 canonical, u32 length`` and its bytes, then ``u32 n`` and
-        the batch starts, ``u32 n`` and the prefill ends, then ``u64`` the section's length and
-        the magic ``mdckpt01``."""
+        """``seq``'s checkpoints (and recorded batches, prefill ends and segment starts) of its
+        first ``upto`` tokens, as the section a snapshot carries after the engine's state:
+        ``u32 count``, per checkpoint ``u32 position, u8 canonical, u32 length`` and its bytes,
+        then ``u32 n`` and the batch starts, ``u32 n`` and the prefill ends, ``u32 n`` and the
+        segment starts, then ``u64`` the section's length and the magic ``mdckpt02``."""
         s = self._seqs[seq]
         items = [(p, b) for p, b in sorted(s.blobs.items()) if p <= upto]
         out = bytearray(struct.pack("<I", len(items)))
         for p, b in items:
             out += _ITEM.pack(p, p in s.canonical, len(b)) + b
-        for marks in ([p for p in s.bounds if p < upto], sorted(p for p in s.ends if p <= upto)):
+        for marks in (
+            [p for p in s.bounds if p < upto],
+            sorted(p for p in s.ends if p <= upto),
+            sorted(p for p in s.segments if p <= upto),
+        ):
             out += struct.pack(f"<I{len(marks)}I", len(marks), *marks)
         out += _TRAILER.pack(len(out), _MAGIC)
         return bytes(out)
@@ -283,7 +347,7 @@ class Checkpoints:
                     got.canonical.add(pos)
                 at += length
             marks: list[list[int]] = []
-            for _ in range(2):
+            for _ in range(3):
                 (k,) = struct.unpack_from("<I", section, at)
                 marks.append(list(struct.unpack_from(f"<{k}I", section, at + 4)))
                 at += 4 + 4 * k
@@ -293,6 +357,8 @@ class Checkpoints:
             return False
         got.bounds = sorted(set(marks[0]))
         got.ends = set(marks[1]) | self._seqs[seq].ends
+        got.segments = set(marks[2])
+        got.floor = self._seqs[seq].floor
         got.blobs = {**got.blobs, **self._seqs[seq].blobs}
         got.canonical |= self._seqs[seq].canonical
         self._seqs[seq] = got
@@ -308,19 +374,22 @@ class Checkpoints:
 
     def _evict(self, s: _Seq) -> None:
         """Keep ``limit`` checkpoints: drop the one whose loss widens the gap between its
-        neighbours least (never the newest, nor the last prompt end)."""
+        neighbours least, a segment start only when no other is left (never the newest, the
+        last prompt end, the two latest segment starts: a moved reminder, the reasoning a
+        template drops, diverge near the end of the last prompt)."""
         while len(s.blobs) > self.limit:
             ps = sorted(s.blobs)
             ends = [p for p in ps if p not in s.canonical]
-            keep_last = {ps[-1], *ends[-1:], *s.used}
+            latest = [p for p in ps if p in s.segments][-_RECENT:]
+            keep_last = {ps[-1], *ends[-1:], *s.used, *latest}
             gaps = [
-                (ps[i + 1] - (ps[i - 1] if i > 0 else 0), ps[i])
+                (ps[i] in s.segments, ps[i + 1] - (ps[i - 1] if i > 0 else 0), ps[i])
                 for i in range(len(ps) - 1)
                 if ps[i] not in keep_last
             ]
             if not gaps:
-                gaps = [(0, ps[0])]
-            _, victim = min(gaps)
+                gaps = [(False, 0, ps[0])]
+            *_, victim = min(gaps)
             del s.blobs[victim]
             s.canonical.discard(victim)
             s.used = [p for p in s.used if p != victim]

@@ -183,6 +183,9 @@ class LlamaContext(HeldTokens, Rewind):
         self._unified = unified
         self._portable = not (recurrent or hybrid or swa > 0)
         self._n_stream = 1 if unified else n_seq
+        # Memory that cannot be cut takes checkpoints (the recurrent state, or the sliding
+        # window's cells: a snapshot holds only the last window, its checkpoints the earlier ones).
+        takes = (recurrent or hybrid or swa > 0) and options.checkpoints > 0
         if recurrent:
             layout_name = "recurrent"
         elif self._portable:
@@ -200,14 +203,14 @@ class LlamaContext(HeldTokens, Rewind):
             snapshots=True,
             explicit=True,
             snapshot_format=f"llama.cpp {_llama_lib.version()} {layout_name}"
-            + ("+checkpoints" if (recurrent or hybrid) and options.checkpoints > 0 else ""),
+            + ("+checkpoints2" if takes else ""),
             kv_bytes_per_token=info.kv_bytes_per_token,
             exact=not unified,
             name=f"unified/{n_seq}:{total}" if unified else f"split/{n_seq}",
             forks=can_truncate and n_seq > 1,
             attention_spans_pool=unified and n_seq > 1,
             checkpoints=not can_truncate,
-            snapshot_cuts=(recurrent or hybrid) and options.checkpoints > 0,
+            snapshot_cuts=takes,
             memory="recurrent"
             if recurrent
             else "hybrid"
@@ -220,12 +223,14 @@ class LlamaContext(HeldTokens, Rewind):
         # Memory that cannot be cut at any token: batches at canonical positions, cuts back to
         # a checkpoint (recurrent, hybrid) or to a window the cache still holds (SWA).
         self._n_swa = swa if not (recurrent or hybrid) else 0
-        self._takes = (recurrent or hybrid) and options.checkpoints > 0
+        self._takes = takes
         self._planned = not can_truncate
         # Every sequence's batches are recorded (a repeated prompt replays its last batch); only
         # non-cuttable memory takes checkpoints.
         spacing = CHECKPOINT_BATCHES * self._chunk
-        self._ckpts = Checkpoints(self._ctx, n_seq, spacing=spacing, limit=options.checkpoints)
+        self._ckpts = Checkpoints(
+            self._ctx, n_seq, spacing=spacing, limit=options.checkpoints, window=self._n_swa > 0
+        )
         self._starts = self._turn_starts() if self._planned else frozenset()
         self._states = SeqStates(
             self._ctx, portable=self._portable, unified=unified, n_stream=self._n_stream, path=meta.path
@@ -342,14 +347,16 @@ class LlamaContext(HeldTokens, Rewind):
         held.clear()
         return 0
 
-    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+    def sync(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> Iterator[SyncStep]:
         held = self._seq(seq)
         if keep > len(held):
             raise EngineError(f"sequence {seq} holds {len(held)} tokens; asked to keep {keep}")
         if keep + len(tokens) > self._layout.window:
             raise InvalidArgumentError("tokens exceed the context window", field="tokens")
         if self._planned:
-            yield from self._sync_planned(seq, keep, tokens)
+            yield from self._sync_planned(seq, keep, tokens, segments)
             return
         kept = self._cut(seq, keep)
         total = len(tokens)
@@ -458,7 +465,7 @@ class LlamaContext(HeldTokens, Rewind):
         blob = self._states.snapshot(seq)
         if not self._takes:
             return blob
-        # Recurrent and hybrid memory: the checkpoints travel with their context (a section
+        # Memory that cannot be cut: the checkpoints travel with their context (a section
         # after the engine's state), so a restored context can still be cut back.
         section = self._ckpts.pack(seq, len(held))
         if isinstance(blob, bytearray):
@@ -525,6 +532,12 @@ class LlamaContext(HeldTokens, Rewind):
         self._ckpts.ended(seq, len(tokens))
         if self._takes:
             self._ckpts.take(seq, len(tokens), canonical=False)
+            # A sliding window comes back at cell 0 on; put it where a fresh evaluation holds it
+            # (llama_window.pad_window), or later turns round differently (~1e-4 of a logprob).
+            if self._n_swa and len(tokens) > self._n_swa and not self._ckpts.restore(seq, len(tokens)):
+                log.warning("the restored window of sequence %d could not be placed: refusing it", seq)
+                self._cut(seq, 0)
+                return False
         return True
 
     def close(self) -> None:

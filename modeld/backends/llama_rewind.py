@@ -3,13 +3,15 @@
 The part of :class:`~modeld.backends.llama_context.LlamaContext` that recurrent, hybrid and
 sliding-window models need (the checkpoints themselves: :mod:`modeld.backends.llama_checkpoints`):
 
-* :meth:`Rewind._rewind` goes back as far as a cut must: to the last checkpoint at or before it
-  (recurrent and hybrid memory), or, for sliding-window attention, to a position whose window
-  the cache still holds (llama-server's rule: ``seq_pos_min <= keep - n_swa``);
+* :meth:`Rewind._rewind` goes back as far as a cut must: for sliding-window attention to a
+  position whose window the cache still holds (llama-server's rule: ``seq_pos_min <= keep -
+  n_swa``), else (recurrent and hybrid memory; a sliding window restored from a snapshot, which
+  holds only the last window) to the last checkpoint at or before it;
 * :meth:`Rewind._sync_planned` evaluates what lies after it in batches that begin at positions
-  that depend only on the tokens (multiples of the micro-batch, turn starts, the end of the
-  previous prefill when the new tokens begin there), taking checkpoints on the way: a warm
-  turn's numbers are then a fresh evaluation's, bit for bit (blueprint 0016, "Checkpoints");
+  that depend only on the tokens and the manifest's segment starts (multiples of the
+  micro-batch, turn starts, segment starts, the end of the previous prefill when the new tokens
+  begin there), taking checkpoints on the way: a warm turn's numbers are then a fresh
+  evaluation's, bit for bit (blueprint 0016, "Checkpoints");
 * :meth:`Rewind._replay_last` gives fresh logits for a sequence's last token by evaluating its
   last batch again as it was first evaluated: a repeated prompt answers, and answers the same.
 """
@@ -73,16 +75,17 @@ class Rewind:
         if self._fresh == seq:
             self._fresh = -1
         p = 0
-        if self._takes:
+        if self._n_swa:
+            p = keep if exact or self._resumes(seq, keep) else self._resume_before(seq, keep)
+            low = max(int(_llama.llama_memory_seq_pos_min(self._mem, seq)), ckpts.floor(seq))
+            if low > p - self._n_swa:
+                p = 0  # the window before p is gone from the cache (restored from a snapshot)
+        if not p and self._takes:
+            # A checkpoint: the recurrent state, or the sliding window's cells, at a position.
             p = ckpts.best(seq, keep)
             if p and not ckpts.restore(seq, p):
                 log.warning("llama.cpp refused checkpoint %d of sequence %d; emptying it", p, seq)
                 p = 0
-        elif self._n_swa:
-            p = keep if exact or self._resumes(seq, keep) else self._resume_before(seq, keep)
-            low = int(_llama.llama_memory_seq_pos_min(self._mem, seq))
-            if low > p - self._n_swa:
-                p = 0  # the window before p is gone from the cache
         if p and not _llama.llama_memory_seq_rm(self._mem, seq, p, -1):
             log.warning("llama.cpp refused to cut sequence %d at token %d; emptying it", seq, p)
             p = 0
@@ -95,35 +98,46 @@ class Rewind:
             ckpts.clear(seq)
         return p
 
-    def _marks(self, tokens: Sequence[int]) -> list[int]:
-        """The canonical positions of ``tokens`` (:func:`~modeld.backends.llama_checkpoints.canonical`)."""
-        return canonical(tokens, self._chunk, self._starts)
+    def _marks(self, tokens: Sequence[int], segments: Sequence[int]) -> list[int]:
+        """The canonical positions of ``tokens`` evaluated with the manifest's segment starts
+        ``segments`` (:func:`~modeld.backends.llama_checkpoints.canonical`)."""
+        return canonical(tokens, self._chunk, self._starts, segments=segments)
 
     def _resumes(self, seq: int, pos: int) -> bool:
         """May a prefill of ``seq`` resume at ``pos`` with a fresh evaluation's batches?"""
         held = self._seqs[seq]
-        return pos in self._marks(held[: pos + 1]) or self._ckpts.is_end(seq, pos)
+        marks = self._marks(held[: pos + 1], self._ckpts.segments(seq))
+        return pos in marks or self._ckpts.is_end(seq, pos)
 
     def _resume_before(self, seq: int, keep: int) -> int:
         """The last position at or before ``keep`` where a prefill may resume."""
-        marks = self._marks(self._seqs[seq][: keep + 1])
+        marks = self._marks(self._seqs[seq][: keep + 1], self._ckpts.segments(seq))
         return max(max(marks, default=0), self._ckpts.ends_before(seq, keep))
 
-    def _sync_planned(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+    def _sync_planned(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> Iterator[SyncStep]:
         """:meth:`sync` on memory that cannot be cut at any token: back to what the memory
         allows, then every token after it in batches that begin at canonical positions (and at
-        ``keep`` when a prefill ended there: a prefix's end, where its suffix begins)."""
+        ``keep`` when a prefill ended there: a prefix's end, where its suffix begins).
+        ``segments``: the manifest's segment starts over the whole target (None: the tokens
+        kept are re-evaluated with the segment starts they were first evaluated with, and
+        ``tokens`` with none). The kept tokens keep the segment starts they were evaluated with
+        (the same as the manifest's where its text is the same)."""
         ckpts = self._ckpts
         held = self._seqs[seq]
+        before = ckpts.segments(seq)
+        after = sorted({p for p in segments or () if p > keep})
         known = held[:keep]
         resumes = ckpts.is_end(seq, keep)
         kept = keep if keep >= len(held) else self._rewind(seq, keep)
+        ckpts.mark(seq, [p for p in before if p <= keep] + after)
         pending = known[kept:] + list(tokens)
         start, end = kept, kept + len(pending)
         yield SyncStep(kept, 0, len(pending))
         if not pending:
             return
-        marks = [m for m in self._marks(held[:start] + pending) if start < m < end]
+        marks = [m for m in self._marks(held[:start] + pending, ckpts.segments(seq)) if start < m < end]
         turn = set(marks)
         if resumes and start < keep < end:
             marks = sorted({*marks, keep})
@@ -161,7 +175,7 @@ class Rewind:
         redo = [p, *[m for m in marks if p < m < n], n]
         # The batches first evaluated, as they were (none spans a canonical position); where none
         # are known (restored from a snapshot), a fresh evaluation's.
-        canon = self._marks(tokens) if self._planned else []
+        canon = self._marks(tokens, ckpts.segments(seq)) if self._planned else []
         for a, b in itertools.pairwise(redo):
             inner = [m for m in canon if a < m < b]
             for c, d in itertools.pairwise(plan(a, b, self._chunk, inner)):

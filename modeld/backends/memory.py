@@ -252,7 +252,9 @@ class MemoryRuntime(HeldTokens):
         data = text.encode("utf-8")
         return [BOS, *data] if add_bos else list(data)
 
-    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+    def sync(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> Iterator[SyncStep]:
         held = self._seq(seq)
         if keep + len(tokens) > self._layout.window:  # the engine checks first; be safe
             raise InvalidArgumentError("tokens exceed the context window", field="tokens")

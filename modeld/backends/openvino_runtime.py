@@ -186,7 +186,9 @@ class OpenVINORuntime(HeldTokens):
             tokens.extend(int(t) for t in ids)
         return tokens
 
-    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> Iterator[SyncStep]:
+    def sync(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> Iterator[SyncStep]:
         """Cut and append the sequence's token list; compute its new full blocks now (a warm-up
         generation of one token). Tokens that do not complete a new block are left for the next
         request: OpenVINO caches only full blocks, so warming them would compute one twice."""

@@ -39,6 +39,7 @@ __all__ = [
     "MODEL_OVERHEAD_BYTES",
     "ModelFacts",
     "check_digest",
+    "checkpoint_size",
     "compute_bytes",
     "default_memory_budget",
     "effective_context",
@@ -112,13 +113,25 @@ def compute_bytes(fp: Footprint, cells: int) -> int:
     return max(fp.compute_floor_bytes, fp.compute_fixed_bytes + fp.compute_bytes_per_token * max(0, cells))
 
 
+def checkpoint_size(fp: Footprint) -> int:
+    """One checkpoint's bytes: a recurrent state, or a sliding window's cells (at most the
+    window's tokens of every layer's KV: only the local layers' are saved); 0 for memory that
+    can be cut."""
+    if fp.state_bytes > 0:
+        return fp.state_bytes
+    if fp.memory == "sliding-window" and fp.sliding_window > 0:
+        return fp.sliding_window * max(0, fp.kv_bytes_per_token)
+    return 0
+
+
 def state_cost(fp: Footprint, options: LoadOptions) -> tuple[int, int]:
     """What a layout's sequences hold beside their KV cells: every sequence's recurrent state
-    (llama.cpp allocates one per sequence at load), and the checkpoints of those states the
-    layout may keep (``options.checkpoints`` per sequence)."""
-    if fp.state_bytes <= 0:
-        return 0, 0
-    return options.n_seq * fp.state_bytes, options.n_seq * options.checkpoints * fp.state_bytes
+    (llama.cpp allocates one per sequence at load), and the checkpoints the layout may keep
+    (``options.checkpoints`` per sequence: recurrent states, or sliding windows' cells)."""
+    return (
+        options.n_seq * max(0, fp.state_bytes),
+        options.n_seq * options.checkpoints * checkpoint_size(fp),
+    )
 
 
 def load_cost(fp: Footprint, options: LoadOptions) -> int:

@@ -38,7 +38,7 @@ from modeld.errors import (
 )
 from modeld.manifest import ContextManifest
 
-__all__ = ["DECODE_CELLS", "PROGRESS_INTERVAL", "Forks", "Hold", "Synced"]
+__all__ = ["DECODE_CELLS", "PROGRESS_INTERVAL", "Forks", "Hold", "Synced", "segment_starts"]
 
 log = logging.getLogger("modeld.cache")
 
@@ -62,6 +62,17 @@ class Synced:
     evaluated: int
     ms: float
     complete: bool = True
+
+
+def segment_starts(manifest: ContextManifest, n: int) -> tuple[int, ...]:
+    """Where the manifest's segments start among the first ``n`` tokens (its messages, over the
+    chat APIs): memory that cannot be cut at any token begins batches and takes checkpoints
+    there (blueprint 0016, "Checkpoints")."""
+    return tuple(
+        sorted(
+            {s.token_start for s in manifest.segments if s.token_start is not None and 0 < s.token_start < n}
+        )
+    )
 
 
 class Hold:
@@ -127,8 +138,9 @@ class Hold:
         reporter = _Progress(self.stage, started, progress)
         try:
             runtime = self._state.runtime()
+            segments = segment_starts(self._manifest, len(target))
             for _attempt in range(2):
-                job = runtime.sync(self.context.seq, keep, target[keep:])
+                job = runtime.sync(self.context.seq, keep, target[keep:], segments)
                 self._job = job
                 if self._canceled:
                     job.cancel()

@@ -108,8 +108,11 @@ class KVRuntime(Protocol):
         now on, ``dst``'s own freed; False when not (nothing changed)."""
         ...
 
-    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> SyncJob:
-        """Start a job that keeps ``seq``'s first ``keep`` tokens, then evaluates ``tokens``."""
+    def sync(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> SyncJob:
+        """Start a job that keeps ``seq``'s first ``keep`` tokens, then evaluates ``tokens``;
+        ``segments``: where the manifest's segments start in that target (None: not known)."""
         ...
 
     def snapshot(self, seq: int) -> PendingSnapshot:

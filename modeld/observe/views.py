@@ -352,7 +352,8 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
         rows.append(("memory", what))
         rows.append(("cuts", fp.cuts))
         if fp.checkpoint_bytes:
-            rows.append(("checkpoints", f"up to {format_bytes(fp.checkpoint_bytes)} (each one state)"))
+            each = "each one state" if fp.state_bytes else "each one window's KV, at most"
+            rows.append(("checkpoints", f"up to {format_bytes(fp.checkpoint_bytes)} ({each})"))
     if fp.layout:
         attention = "flash attention on" if flash_attn else "flash attention off"
         rows += [
@@ -368,7 +369,8 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
             (
                 "total",
                 f"~{format_bytes(fp.total_bytes)} = weights + KV + compute"
-                + (" + states + checkpoints" if fp.state_bytes else "")
+                + (" + states" if fp.state_bytes else "")
+                + (" + checkpoints" if fp.checkpoint_bytes else "")
                 + f" + {format_bytes(fp.overhead_bytes)} per model (budget {format_bytes(fp.budget_bytes)})",
             ),
             ("max window", f"{fp.max_window} tokens fit the budget under this layout"),

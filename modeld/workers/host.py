@@ -280,8 +280,11 @@ class Host:
     def share(self, src: int, dst: int, n: int) -> bool:
         return self.call(Share(src, dst, n)).result(Result).ok
 
-    def sync(self, seq: int, keep: int, tokens: Sequence[int]) -> SyncCall:
-        return SyncCall(self.call(Sync(seq, keep, tuple(tokens))))
+    def sync(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> SyncCall:
+        marks = None if segments is None else tuple(segments)
+        return SyncCall(self.call(Sync(seq, keep, tuple(tokens), marks)))
 
     def snapshot(self, seq: int) -> SnapshotCall:
         return SnapshotCall(self.call(Snapshot(seq)))

@@ -101,12 +101,14 @@ class Tokenize(Message):
 
 @dataclass(frozen=True)
 class Sync(Message):
-    """Job: make ``seq`` hold its first ``keep`` tokens then ``tokens``."""
+    """Job: make ``seq`` hold its first ``keep`` tokens then ``tokens``; ``segments``: where the
+    manifest's segments start in that target (None: not known)."""
 
     kind: ClassVar[str] = "sync"
     seq: int
     keep: int
     tokens: tuple[int, ...]
+    segments: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

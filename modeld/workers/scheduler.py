@@ -162,7 +162,7 @@ class Scheduler:
             if runtime is None:
                 raise EngineError("the worker has no model loaded")
             if isinstance(message, Sync):
-                steps = runtime.sync(message.seq, message.keep, message.tokens)
+                steps = runtime.sync(message.seq, message.keep, message.tokens, message.segments)
                 self._start(_Job(op, message.seq, steps, generate=False, kept=message.keep))
             elif isinstance(message, Generate):
                 stopped: set[int] = set()
