@@ -207,7 +207,17 @@ class Checkpoints:
             if padded is None:
                 log.warning("a sliding window's checkpoint of sequence %d is not in a known form", seq)
                 return False
-            blob, low = padded
+            mm, low = padded
+            view = (ctypes.c_uint8 * len(mm)).from_buffer(mm)
+            try:
+                ok = int(_llama.llama_state_seq_set_data_ext(self._ctx, view, len(mm), seq, PARTIAL)) > 0
+            finally:
+                del view  # the mapping cannot close while a view exports it
+                mm.close()
+            if not ok:
+                return False
+            s.floor = low
+            return True
         buf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
         if int(_llama.llama_state_seq_set_data_ext(self._ctx, buf, len(blob), seq, PARTIAL)) <= 0:
             return False

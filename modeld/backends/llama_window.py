@@ -11,8 +11,10 @@ log-probability off by ~1e-4 after a restart). :func:`pad_window` rewrites the c
 the window lands at the cells a fresh evaluation used, and the padding cells, outside every later
 token's window, are masked (a masked cell adds an exact 0, as the stale cells of a fresh
 evaluation do). A whole snapshot's window is put back the same way after it is restored (the
-checkpoint taken at its end, restored padded). The padded blob is transient: ``p`` cells of the local layers, what the
-sequence's local cells hold anyway in llama.cpp's full-size SWA cache (``swa_full``).
+checkpoint taken at its end, restored padded). The padded blob is transient and its zeros are
+never written (an anonymous mapping: untouched pages take no memory), so a restore at position
+``p`` costs the cells' headers and the window, not ``p`` cells of every local layer (which, on a
+27B Gemma 3 at 100k tokens, would be tens of GB).
 
 The layout read (llama.cpp's ``llama_kv_cache::state_write`` for one sequence, after the
 context's ``u32`` magic and ``i32`` sequence id): ``u32 n_stream``; per stream ``u32 cells``,
@@ -25,6 +27,7 @@ does not add up) gives None: the caller does not use the checkpoint.
 
 from __future__ import annotations
 
+import mmap
 import struct
 
 __all__ = ["pad_window"]
@@ -32,6 +35,7 @@ __all__ = ["pad_window"]
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 _CELL = struct.Struct("<iI")
+_CELL_SEQ = struct.Struct("<iIi")  # a cell with its one sequence id
 _KROW = struct.Struct("<iQ")
 _VT = struct.Struct("<iII")
 
@@ -56,26 +60,68 @@ class _Reader:
         return fmt.unpack(self.take(fmt.size))
 
 
-def pad_window(blob: bytes) -> tuple[bytes, int] | None:
-    """The checkpoint ``blob`` with zero cells before its window (see the module docstring) and
-    the window's first position (the first one whose cells are real once it is restored), or
-    None when its layout is not the one read here."""
+def pad_window(blob: bytes) -> tuple[mmap.mmap, int] | None:
+    """The checkpoint ``blob`` with zero cells before its window (see the module docstring), in
+    an anonymous mapping the caller closes, and the window's first position (the first one whose
+    cells are real once it is restored), or None when its layout is not the one read here.
+
+    The padding's key and value bytes are never written: an anonymous mapping reads as zeros, and
+    pages never written take no memory (llama.cpp's read of them maps the kernel's zero page), so
+    the transient cost is the cells' headers (12 bytes a cell) and the window itself, not ``p``
+    cells of every local layer."""
     try:
-        return _pad(blob)
+        size = _walk(blob, _Counter())
     except (_BadLayoutError, struct.error):
         return None
+    out = _MapWriter(size)
+    try:
+        low = _walk(blob, out)
+    except BaseException:
+        out.mm.close()
+        raise
+    return out.mm, low
 
 
-def _pad(blob: bytes) -> tuple[bytes, int]:
+class _Counter:
+    """Counts the bytes a walk writes and skips (the padded blob's size)."""
+
+    def __init__(self) -> None:
+        self.at = 0
+
+    def put(self, data: bytes) -> None:
+        self.at += len(data)
+
+    def skip(self, n: int) -> None:
+        self.at += n
+
+    def end(self) -> int:
+        return self.at
+
+
+class _MapWriter(_Counter):
+    """Writes a walk into an anonymous mapping; skipped bytes stay zero and unwritten."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.mm = mmap.mmap(-1, max(size, 1))
+
+    def put(self, data: bytes) -> None:
+        self.mm[self.at : self.at + len(data)] = data
+        self.at += len(data)
+
+
+def _walk(blob: bytes, out: _Counter) -> int:
+    """Read ``blob`` and write its padded form to ``out``: returns the padded size for a
+    :class:`_Counter`, the window's first position for a :class:`_MapWriter`."""
     r = _Reader(blob)
     low = 0
-    out = bytearray(r.take(8))  # the context's magic and the sequence id
+    out.put(r.take(8))  # the context's magic and the sequence id
     (n_stream,) = r.unpack(_U32)
-    out += _U32.pack(n_stream)
+    out.put(_U32.pack(n_stream))
     for _ in range(n_stream):
         (count,) = r.unpack(_U32)
         if count == 0:
-            out += _U32.pack(0)
+            out.put(_U32.pack(0))
             continue
         cells = []
         for _ in range(count):
@@ -88,26 +134,29 @@ def _pad(blob: bytes) -> tuple[bytes, int]:
         if [p for p, _ in cells] != list(range(first, first + count)) or first < 0:
             raise _BadLayoutError  # not one contiguous window
         pad = low = first
-        out += _U32.pack(pad + count)
-        for pos in range(pad):
-            out += _CELL.pack(pos, 1) + _I32.pack(cells[0][1])
-        for pos, seq in cells:
-            out += _CELL.pack(pos, 1) + _I32.pack(seq)
+        out.put(_U32.pack(pad + count))
+        cell = _CELL_SEQ.pack
+        out.put(b"".join(cell(pos, 1, cells[0][1]) for pos in range(pad)))
+        out.put(b"".join(cell(pos, 1, seq) for pos, seq in cells))
         v_trans, n_layer = r.unpack(_U32), r.unpack(_U32)
-        out += _U32.pack(v_trans[0]) + _U32.pack(n_layer[0])
+        out.put(_U32.pack(v_trans[0]) + _U32.pack(n_layer[0]))
         for _ in range(n_layer[0]):
             k_type, row = r.unpack(_KROW)
-            out += _KROW.pack(k_type, row) + bytes(pad * row) + r.take(count * row)
+            out.put(_KROW.pack(k_type, row))
+            out.skip(pad * row)
+            out.put(r.take(count * row))
         for _ in range(n_layer[0]):
             if not v_trans[0]:
                 v_type, row = r.unpack(_KROW)
-                out += _KROW.pack(v_type, row) + bytes(pad * row) + r.take(count * row)
+                out.put(_KROW.pack(v_type, row))
+                out.skip(pad * row)
+                out.put(r.take(count * row))
             else:
                 v_type, el, n_embd = r.unpack(_VT)
-                out += _VT.pack(v_type, el, n_embd)
-                zeros = bytes(pad * el)
+                out.put(_VT.pack(v_type, el, n_embd))
                 for _ in range(n_embd):
-                    out += zeros + r.take(count * el)
+                    out.skip(pad * el)
+                    out.put(r.take(count * el))
     if r.at != len(blob):
         raise _BadLayoutError
-    return bytes(out), low
+    return low if isinstance(out, _MapWriter) else out.end()
