@@ -103,7 +103,7 @@ class _MapWriter(_Counter):
 
     def __init__(self, size: int) -> None:
         super().__init__()
-        self.mm = mmap.mmap(-1, max(size, 1))
+        self.mm = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def put(self, data: bytes) -> None:
         self.mm[self.at : self.at + len(data)] = data
