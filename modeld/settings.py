@@ -134,12 +134,14 @@ class HttpSettings:
     form: Anthropic's ping, an SSE comment with the prefill's progress, Responses'
     response.in_progress, an empty Ollama line (0: never). Claude Code warns after 30 s without
     a byte; llama-server's --sse-ping-interval is 30 s."""
-    fit_tool_results: bool = setting(False, "--fit-tool-results", _HTTP)
+    fit_tool_results: bool = setting(True, "--fit-tool-results", _HTTP)
     """An Anthropic Messages prompt beyond the window has its tool results cut, oldest first,
     until it fits, each marked where it was cut and listed in the answer's
     modeld.omitted_content, instead of the 400 'prompt is too long' (Claude Code's compaction
     request carries its tools and every tool result, so one tool result near the window ends
-    the session for good)."""
+    the session for good). On by default: it changes only prompts that would be refused, and a
+    prompt with no tool result to cut is still refused in Claude Code's words, which it compacts
+    on (--no-fit-tool-results: always refuse)."""
     aliases: tuple[str, ...] = setting((), "--alias", _HTTP, metavar="PATTERN=MODEL", repeat=True)
     """Requests for a model name matching the glob PATTERN are served by MODEL (repeatable, first
     match wins), e.g. 'claude-*=modeld-reply' or 'gpt-*=modeld-reply', so an agent's default

@@ -8,7 +8,7 @@ its result comes back to the daemon and is answered (``Done.``), every request a
 first is warm (the daemon's own usage, as the agent recorded it, and explain-context), a second
 run continuing the session is warm from its first request. Codex also over the Responses
 WebSocket (two runs, the second warm), with the bytes it sends per turn against HTTP. A tool
-result past a small window: Claude Code's is cut to fit (``--fit-tool-results``: its own
+result past a small window: Claude Code's is cut to fit (``--fit-tool-results``, the default: its own
 compaction cannot fit it) and its session goes on, warm; Codex gets the Responses API's
 ``context_length_exceeded``, compacts and goes on; and an image a tool returned does not end
 the session (a named placeholder).
@@ -51,7 +51,7 @@ class Daemon:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.proc, record = serve_http(
-            tmp, "--max-output-tokens", "64", "--num-ctx", str(WINDOW), "--fit-tool-results",
+            tmp, "--max-output-tokens", "64", "--num-ctx", str(WINDOW),
             backend="llama", timeout=300,
         )  # fmt: skip
         self.url = record.http_endpoint

@@ -50,8 +50,8 @@ def loop(result: str, *more: Any) -> list[Any]:
 
 
 class Daemon:
-    def __init__(self, tmp: Path) -> None:
-        self.proc, record = serve_http(tmp, "--num-ctx", str(WINDOW), "--fit-tool-results")
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.proc, record = serve_http(tmp, "--num-ctx", str(WINDOW), *flags)  # cutting is the default
         self.client = anthropic.Anthropic(
             base_url=record.http_endpoint, api_key="unused", max_retries=0, timeout=60
         )
@@ -132,3 +132,19 @@ def test_a_prompt_that_fits_no_way_is_still_claude_codes_prompt_is_too_long(daem
     with pytest.raises(anthropic.BadRequestError) as refused:
         daemon.client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": BIG}])
     assert refused.value.body["error"]["message"].startswith("prompt is too long: ")  # type: ignore[index]
+
+
+def test_no_fit_tool_results_refuses_in_claude_codes_words_instead() -> None:
+    """``--no-fit-tool-results``: the same tool loop past the window is refused, before any
+    prefill, with the words Claude Code compacts on; nothing is cut."""
+    tmp = Path(tempfile.mkdtemp(prefix="mdfit"))
+    d = Daemon(tmp, "--no-fit-tool-results")
+    try:
+        with pytest.raises(anthropic.BadRequestError) as refused:
+            d.client.messages.create(model=MODEL, max_tokens=8, messages=loop(BIG))
+        assert refused.value.body["error"]["message"].startswith("prompt is too long: ")  # type: ignore[index]
+    finally:
+        d.client.close()
+        _, err = stop(d.proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        assert "Traceback" not in err, err[-3000:]

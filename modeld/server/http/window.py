@@ -6,7 +6,7 @@ that only warms the prompt, ``max_tokens`` 0, may fill it) is refused with
 (Anthropic's ``prompt is too long: N tokens > M maximum``, Claude Code's cue to compact; the
 Responses API's in-stream ``context_length_exceeded``, Codex's cue). Where the API truncates
 instead (``Turn.truncate``: Ollama), the oldest messages are left out until it fits. With
-``--fit-tool-results`` (Anthropic Messages: Claude Code's compaction request carries its tools
+``--fit-tool-results`` (on by default; Anthropic Messages: Claude Code's compaction request carries its tools
 and every tool result, so a tool result near the window makes the session unrecoverable), the
 tool results are cut instead, oldest first, until it fits (:func:`cut_tool_results`).
 
