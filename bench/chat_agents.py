@@ -217,6 +217,8 @@ def run_chat_agents(
         except Unsupported as e:
             notes.append(f"{name} skipped: {e}")
     agents = {a: Agent(a) for a in AGENTS}
+    began = time.time()
+    daemon: list[dict[str, Any]] = []
     records: list[Record] = []
     lock = threading.Lock()
     previous_system: Any = None
@@ -265,6 +267,9 @@ def run_chat_agents(
             agents["sub_a"].advance()
             agents["sub_b"].advance()
         paired("three", rounds, [agents[a] for a in AGENTS])
+        for name, system in running.items():  # what modeld's daemon did for every turn
+            if hasattr(system, "records"):
+                daemon += [{"system": name, **r} for r in system.records(began)]
     finally:
         for system in running.values():
             system.close()
@@ -275,6 +280,7 @@ def run_chat_agents(
         "settings": {name: system.settings for name, system in running.items()},
         "notes": notes,
         "records": [asdict(r) for r in records],
+        "daemon_records": daemon,
         "errors": sum(1 for r in records if r.error),
     }
 
