@@ -202,9 +202,8 @@ class Costs:
         """The attention's cost in prefill has been measured. A decode's own fit comes later
         (its spans vary little: an agent decodes after prompts of much the same length), and
         until it does its term counts 0 (:meth:`Fit.per_cell`): staying is underestimated, never
-        overestimated. Waiting for both kept every idle context resident through a whole
-        agents' round: the main agent's warm turn attended over its sub-agents' cells, as
-        llama-server's does over its slots' (``bench/chat_agents.py``; blueprint 0016)."""
+        overestimated. Waiting for both kept idle sub-agents resident for longer than the
+        prefill's fit needed (``bench/chat_agents.py``; blueprint 0016)."""
         return self.prefill.known()
 
     def stay_ms(self, cells: int, prefill: int) -> float:
