@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         "turns": [asdict(r) for r in data.results],
         "rss": data.rss,
         "rss_parts": data.rss_parts,
+        "recomputed": data.recomputed,
         "overhead": overhead,
         "agent_apis": agent_apis,
         "claude_code": claude_code,

@@ -368,6 +368,7 @@ class Record:
     response_id: str = ""
     counted_by: str = "usage"  # where computed_tokens came from: usage, timings, server log
     error: str = ""
+    recomputed: int | None = None  # modeld: its daemon's count of tokens computed again this turn
 
 
 CONTENT = {
@@ -613,10 +614,14 @@ def run_loop(
                 previous = system
                 log_path: Path | None = getattr(system, "log_path", None) if name == "llama-server" else None
                 offset = log_path.stat().st_size if log_path is not None else 0
+                again: Callable[[], int] | None = getattr(system, "recomputed", None)  # modeld's count
                 try:
+                    before = again() if again is not None else 0
                     record, output = send(system.http, loop, name, k, body_for(name, k))
                     if record.computed_tokens is None and log_path is not None:
                         _from_log(record, log_path, offset)
+                    if again is not None:
+                        record.recomputed = again() - before
                 except Exception as e:  # recorded; the system sits out the rest of the loop
                     errors += 1
                     notes.append(f"{name} failed at turn {k}: {str(e)[:300]}")

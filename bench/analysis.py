@@ -13,6 +13,10 @@ regression check and the tests share one definition of every ratio:
 * ``rss_over_llama_server`` is modeld's peak RSS in the workload (VmHWM summed over its
   processes: the daemon and its engine workers) over llama-server's, at the same warm capacity
   (llama-server has a slot per workspace, modeld the same windows: issue 22);
+* ``recomputed_tokens`` is the daemon's own count of prompt tokens a session had computed before
+  and modeld computed again over the workload (its ``recomputed`` counter, read around every
+  turn: ``modeld`` over gRPC, else ``modeld-http``); a token count, exact, compared without a
+  tolerance;
 * :func:`warm_per_gib`: tokens a system served from warm state in the workload's last round per
   GiB of its peak RSS.
 * the agent-API loops (``bench/agent_apis.py``) compare modeld with llama-server per turn
@@ -112,6 +116,9 @@ def headline(doc: Doc) -> dict[str, dict[str, float | None]]:
         rss = doc.get("rss", {})
         ours, theirs = rss.get("modeld", {}).get(name), rss.get("llama-server", {}).get(name)
         row["rss_over_llama_server"] = ours / theirs if ours and theirs else None
+        counts = doc.get("recomputed") or {}
+        again = [counts[s][name] for s in ("modeld", "modeld-http") if name in counts.get(s, {})]
+        row["recomputed_tokens"] = float(again[0]) if again else None
         if load["restart_before"]:
             first = load["restart_before"][0]
             cold = _cold_ttft(doc, load)
@@ -180,7 +187,7 @@ def merge(docs: list[Doc]) -> dict[str, dict[str, dict[str, Any]]]:
             row[key] = {
                 "value": value,
                 "runs": values,
-                "spread": spread(present, absolute=key.endswith("_ms")),
+                "spread": spread(present, absolute=key.endswith(("_ms", "_tokens"))),
                 "goal": goal if key in goals[name] else None,
                 "direction": direction,
                 "met": met(value, direction, goal) if key in goals[name] and value is not None else None,
@@ -231,6 +238,8 @@ def _noise(key: str, cell: dict[str, Any], direction: str, goal: float) -> str:
     s = cell["spread"]
     if s is None or cell["value"] is None:
         return ""
+    if key.endswith("_tokens"):
+        return ""  # an exact count: no noise to be within
     if key.endswith("_ms"):
         near, shown = cell["value"] - s, f"{s:.1f} ms"
     else:
@@ -275,6 +284,17 @@ def _cause(
         return (
             f"modeld's first turn after the restart prefilled {r.get('prefilled')} of {r.get('prompt_tokens')} "
             f"prompt tokens (a perfect system: {load['ideal_prefill'][first]}).{fix}{noise}"
+        )
+    if key == "recomputed_tokens":
+        per_turn = [
+            f"turn {t} {r['recomputed']}"
+            for t, r in sorted(by_turn(doc, "modeld", load["name"]).items())
+            if r.get("recomputed")
+        ]
+        where = f" ({', '.join(per_turn)})" if per_turn else " (in a wave of concurrent turns)"
+        return (
+            f"modeld computed {cell['value']:.0f} prompt tokens again that a session had computed before"
+            f"{where}; the daemon's log and explain-context say where they went."
         )
     if key == "http_overhead_ms":
         return f"the OpenAI endpoint added {cell['value']:.1f} ms per turn (median) over gRPC.{noise}"
@@ -323,6 +343,10 @@ def agent_api_summary(loop: Doc) -> dict[str, Any]:
         for key, field in (("ttft_s", "ttft_s"), ("computed", "computed_tokens"), ("bytes", "bytes_sent")):
             values = [float(x[field]) for x in mine if x[field] is not None]
             out[f"{system}_{key}_median"] = _median(values)
+    again = [r.get("recomputed") for r in loop["records"] if r["system"] == "modeld" and not r.get("error")]
+    out["modeld_recomputed"] = (
+        sum(a for a in again if a is not None) if any(a is not None for a in again) else None
+    )
     for key in ("ttft", "computed", "bytes"):
         ratios = [r[f"{key}_ratio"] for r in rows if r[f"{key}_ratio"] is not None]
         out[f"{key}_ratio_median"] = _median(ratios)

@@ -217,6 +217,8 @@ def run_chat_agents(
         except Unsupported as e:
             notes.append(f"{name} skipped: {e}")
     agents = {a: Agent(a) for a in AGENTS}
+    began = time.time()
+    daemon: list[dict[str, Any]] = []
     records: list[Record] = []
     lock = threading.Lock()
     previous_system: Any = None
@@ -265,6 +267,9 @@ def run_chat_agents(
             agents["sub_a"].advance()
             agents["sub_b"].advance()
         paired("three", rounds, [agents[a] for a in AGENTS])
+        for name, system in running.items():  # what modeld's daemon did for every turn
+            if hasattr(system, "records"):
+                daemon += [{"system": name, **r} for r in system.records(began)]
     finally:
         for system in running.values():
             system.close()
@@ -275,6 +280,7 @@ def run_chat_agents(
         "settings": {name: system.settings for name, system in running.items()},
         "notes": notes,
         "records": [asdict(r) for r in records],
+        "daemon_records": daemon,
         "errors": sum(1 for r in records if r.error),
     }
 
@@ -287,21 +293,25 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     for r in result.get("records") or []:
         by.setdefault((r["phase"], r["round"], r["agent"]), {})[r["system"]] = r
 
-    def ratios(phase: str) -> list[float]:
+    def ratios(phase: str, agent: str = "") -> list[float]:
         out = []
-        for (p, rnd, _agent), pair in by.items():
+        for (p, rnd, who), pair in by.items():
             m, s = pair.get("modeld"), pair.get("llama-server")
+            if agent and who != agent:
+                continue
             if p == phase and (phase != "warm" or rnd > 0) and m and s and m["ttft_s"] and s["ttft_s"]:
                 out.append(m["ttft_s"] / s["ttft_s"])
         return out
 
     warm, pair = ratios("warm"), ratios("pair")
+    per_agent = {a: ratios("warm", a) for a in AGENTS}
     records = result.get("records") or []
     ran = {r["system"] for r in records}
     return {
         "systems": sorted(ran),
         "warm_ratio": statistics.median(warm) if warm else None,
         "pair_ratio": statistics.median(pair) if pair else None,
+        "warm_ratio_by_agent": {a: statistics.median(v) if v else None for a, v in per_agent.items()},
         "three_errors": {
             name: sum(1 for r in records if r["phase"] == "three" and r["system"] == name and r["error"])
             for name in SYSTEMS
@@ -332,6 +342,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
         "| figure | modeld / llama-server | goal |",
         "|---|---|---|",
         f"| warm turns (rounds 2 on) | {ratio(f['warm_ratio'])} | <= 0.4 |",
+        *(
+            f"| warm turns of {agent} | {ratio(value)} | |"
+            for agent, value in f["warm_ratio_by_agent"].items()
+        ),
         f"| two sub-agents at once | {ratio(f['pair_ratio'])} | <= 0.25 |",
         "",
         "Three agents at once, errors: "

@@ -21,7 +21,10 @@ random-weight model never ends a turn, and an agent treats a cut-off answer as a
 
 Runs alternate which system goes first and wait until the other is idle (``settle``). A run's
 TTFT is that of its main request (the one carrying the tools: the agent's turn); the sum over
-all its requests is recorded too. Timing is printed and recorded, never asserted; a run that
+all its requests is recorded too. For modeld, each run also keeps what the daemon did for every
+request (its request records: reuse outcome, reason and tier, tokens computed, the daemon's own
+TTFT, prefill and restore times, and its ``recomputed`` count), so a slow run says whether
+modeld restored, waited or computed, or whether the time went outside the daemon. Timing is printed and recorded, never asserted; a run that
 fails (no JSON result, an API error) is an error of the workload.
 """
 
@@ -331,6 +334,7 @@ def run_claude_code(
     repos = {name: _repo(tmp / f"repo-{name}") for name in running}
     errors = 0
     outcome: dict[str, list[str]] = {name: [] for name in running}
+    daemon: list[dict[str, Any]] = []
     previous: Any = None
     try:
         for k in range(runs):
@@ -341,6 +345,7 @@ def run_claude_code(
                     settle(previous.pids())
                 previous = system
                 proxy.system, proxy.run = name, k
+                began = time.time()
                 why = _one_run(
                     claude,
                     repos[name],
@@ -350,6 +355,9 @@ def run_claude_code(
                 )
                 outcome[name].append(why)
                 errors += bool(why)
+                for record in system.records(began) if hasattr(system, "records") else []:
+                    daemon.append({"system": name, "run": k, **record})
+                    log(f"    daemon: {_said(daemon[-1])}")
                 mine = [e for e in proxy.exchanges if e.run == k]
                 main = [e for e in mine if e.tools]
                 ttft = main[0].ttft_s if main else float("nan")
@@ -371,8 +379,20 @@ def run_claude_code(
         "notes": notes,
         "outcome": outcome,
         "exchanges": [asdict(e) for p in proxies.values() for e in p.exchanges],
+        "daemon_records": daemon,
         "errors": errors,
     }
+
+
+def _said(r: dict[str, Any]) -> str:
+    """One daemon record in a line: what it did and where the time went."""
+    ttft = "-" if r["ttft_ms"] is None else f"{r['ttft_ms']:.0f}"
+    return (
+        f"{r['outcome']}/{r['reason']}{' from ' + r['tier'] if r['tier'] else ''}, "
+        f"computed {r['prefilled_tokens']} of {r['prompt_tokens']}, TTFT {ttft} ms in the daemon "
+        f"(prefill {r['prefill_ms']:.0f}, restore {r['restore_ms']:.0f}), {r['daemon_ms']:.0f} ms in all, "
+        f"recomputed so far {r['recomputed_so_far']}"
+    )
 
 
 def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -423,6 +443,10 @@ def report_lines(result: dict[str, Any]) -> list[str]:
             f"| {row['run']} | {ms(m['ttft_s'])} | {ms(s['ttft_s'])} | {ratio} | "
             f"{m['computed']}, {s['computed']} | {m['requests']}, {s['requests']} |"
         )
+    records = result.get("daemon_records") or []
+    if records:
+        lines += ["", "What modeld did for each request (its request records; TTFT inside the daemon):", ""]
+        lines += [f"- run {r['run'] + 1}: {_said(r)}" for r in records]
     lines += ["", *(f"- {n}" for n in result.get("notes") or []), ""]
     return lines
 

@@ -7,7 +7,9 @@ decode speed) by more than the tolerance: the run-to-run spread measured for tha
 the baseline, or in the current document when it merges several runs), and never less than
 ``--min-tolerance`` (default 5%: a ratio measured once has no spread of its own). A figure in
 milliseconds (``http_overhead_ms``) is compared absolutely: its spread in ms, at least
-``--min-ms`` (default 2 ms). Ratios only one side measured are listed, never failed.
+``--min-ms`` (default 2 ms); a count of tokens (``recomputed_tokens``, the daemon's count of
+prompt tokens computed again) is exact: any increase is a regression. Ratios only one side
+measured are listed, never failed.
 
 Then the overhead rows and the extras' headline figures (:func:`extra_figures`): ``ensure_prefix``
 on an unchanged 8k prefix (in process, over the wire, engine in a worker process), the worker's
@@ -51,12 +53,13 @@ class Finding:
     def line(self) -> str:
         b = "-" if self.baseline is None else f"{self.baseline:.3f}"
         c = "-" if self.current is None else f"{self.current:.3f}"
-        absolute = self.ratio.endswith("_ms") if self.absolute is None else self.absolute
-        tol = (
-            (f"{self.tolerance:.1f} ms" if self.tolerance >= 0.1 else f"{self.tolerance * 1000:.0f} µs")
-            if absolute
-            else f"{self.tolerance:.0%}"
-        )
+        absolute = self.ratio.endswith(("_ms", "_tokens")) if self.absolute is None else self.absolute
+        if self.ratio.endswith("_tokens"):
+            tol = f"{self.tolerance:.0f} tokens"
+        elif absolute:
+            tol = f"{self.tolerance:.1f} ms" if self.tolerance >= 0.1 else f"{self.tolerance * 1000:.0f} µs"
+        else:
+            tol = f"{self.tolerance:.0%}"
         return f"{self.verdict:<12} {self.workload:<22} {self.ratio:<32} {b:>9} -> {c:<9} (tolerance {tol})"
 
 
@@ -84,8 +87,10 @@ def compare(
         direction = GOALS[name][0]
         b, b_spread = base.get(key, (None, None))
         c, c_spread = cur.get(key, (None, None))
-        absolute = name.endswith("_ms")
-        tolerance = max(min_ms if absolute else min_tolerance, b_spread or 0.0, c_spread or 0.0)
+        exact = name.endswith("_tokens")  # a count: exact, no tolerance
+        absolute = exact or name.endswith("_ms")
+        floor = min_ms if absolute else min_tolerance
+        tolerance = 0.0 if exact else max(floor, b_spread or 0.0, c_spread or 0.0)
         if b is None and c is None:
             continue
         findings.append(

@@ -33,6 +33,7 @@ COLUMNS = [
     ("restart_over_cold", "restart: first turn / cold prefill"),
     ("http_overhead_ms", "OpenAI endpoint overhead, ms"),
     ("rss_over_llama_server", "peak RSS modeld / llama-server"),
+    ("recomputed_tokens", "tokens modeld computed again"),
 ]
 
 Doc = dict[str, Any]
@@ -46,10 +47,10 @@ def _num(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def _cell(cell: dict[str, Any]) -> str:
+def _cell(cell: dict[str, Any], *, count: bool = False) -> str:
     if cell["value"] is None:
         return "-"
-    digits = 1 if cell["value"] >= 10 else 2
+    digits = 0 if count else 1 if cell["value"] >= 10 else 2
     runs = [v for v in cell["runs"] if v is not None]
     text = _num(cell["value"], digits)
     if len(runs) > 1:
@@ -78,14 +79,18 @@ def _headline(docs: list[Doc], merged: dict[str, Any], causes: list[dict[str, st
     for name, row in merged.items():
         equal, both = analysis.same_tokens(docs[0], name)
         lines.append(
-            f"| {name} | " + " | ".join(_cell(row[key]) for key, _ in COLUMNS) + f" | {equal}/{both} |"
+            f"| {name} | "
+            + " | ".join(_cell(row[key], count=key.endswith("_tokens")) for key, _ in COLUMNS)
+            + f" | {equal}/{both} |"
         )
     runs = ", ".join(d["id"] for d in docs)
     lines += [
         "",
         f"Each value is the mean over {len(docs)} run(s) ({runs}); in brackets each run's own value (the run-to-run "
         "spread). ✓ / ✗: the workload's goal for that ratio met / missed (no mark: not a goal there). TTFT ratios are "
-        "medians of per-turn ratios over warm turns (turns whose workspace was seen before).",
+        "medians of per-turn ratios over warm turns (turns whose workspace was seen before). Tokens computed again: "
+        "the daemon's own count (`recomputed` in `modeld status`) of prompt tokens a session had computed before, "
+        "over the workload.",
         "",
     ]
     if causes:
@@ -140,10 +145,21 @@ def _memory(docs: list[Doc], systems: list[str]) -> list[str]:
     return [*lines, ""]
 
 
+def _beyond_perfect(doc: Doc, load: Doc, system: str) -> int | None:
+    """Tokens a system prefilled beyond what a perfect cache of every earlier prompt would
+    (``ideal_prefill``), summed over the workload's turns; None when it does not report its
+    prefill. The bench's own check, beside the daemon's count: it sees a restart's losses too."""
+    turns = analysis.by_turn(doc, system, load["name"])
+    if not turns or any(r["prefilled"] is None for r in turns.values()):
+        return None
+    return sum(max(0, int(r["prefilled"]) - int(load["ideal_prefill"][t])) for t, r in turns.items())
+
+
 def _systems_table(doc: Doc, load: Doc, systems: list[str]) -> list[str]:
     lines = [
-        "| system | warm TTFT median ms | all turns median ms | prefilled per warm turn (median) | decode tok/s | peak RSS MiB |",
-        "|---|---|---|---|---|---|",
+        "| system | warm TTFT median ms | all turns median ms | prefilled per warm turn (median) | decode tok/s "
+        "| peak RSS MiB | prefilled beyond a perfect cache | computed again (the daemon's count) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for system in systems:
         s = analysis.system_stats(doc, load, system)
@@ -151,10 +167,13 @@ def _systems_table(doc: Doc, load: Doc, systems: list[str]) -> list[str]:
             continue
         pre = s["prefilled_warm_median"]
         rss = s["peak_rss_bytes"]
+        beyond = _beyond_perfect(doc, load, system)
+        again = (doc.get("recomputed") or {}).get(system, {}).get(load["name"])
         lines.append(
             f"| {system} | {_ms(s['ttft_warm_median_s'])} | {_ms(s['ttft_median_s'])} | "
             f"{'-' if pre is None else f'{pre:.0f}'} | {_num(s['decode_tps_median'], 1)} | "
-            f"{'-' if not rss else f'{rss / (1 << 20):.0f}'} |"
+            f"{'-' if not rss else f'{rss / (1 << 20):.0f}'} | {'-' if beyond is None else beyond} | "
+            f"{'-' if again is None else again} |"
         )
     return lines
 
@@ -176,7 +195,8 @@ def _per_turn(doc: Doc, load: Doc, systems: list[str]) -> list[str]:
                 continue
             pre = "-" if r["prefilled"] is None else str(r["prefilled"])
             restore = f" (restore {_ms(r['restore_s'])})" if r.get("restore_s") else ""
-            cells.append(f"{_ms(r['ttft_s'])} / {pre}{restore}")
+            again = f", {r['recomputed']} again" if r.get("recomputed") else ""
+            cells.append(f"{_ms(r['ttft_s'])} / {pre}{restore}{again}")
         marks = []
         if t in warm:
             marks.append("warm")
@@ -300,7 +320,13 @@ def agent_apis_lines(result: Doc, model: str) -> list[str]:
             f"{_ms(s['llama-server_ttft_s_median'])} ms, modeld / llama-server per turn {_ratio_range(s, 'ttft')}; "
             f"computed modeld {_tokens(s['modeld_computed_median'])}, llama-server "
             f"{_tokens(s['llama-server_computed_median'])} tokens; sent modeld {_tokens(s['modeld_bytes_median'])} B, "
-            f"llama-server {_tokens(s['llama-server_bytes_median'])} B, ratio {_ratio_range(s, 'bytes')}.",
+            f"llama-server {_tokens(s['llama-server_bytes_median'])} B, ratio {_ratio_range(s, 'bytes')}."
+            + (
+                f" Prompt tokens modeld computed again that a turn had computed before (the daemon's "
+                f"`recomputed` count, every turn): {s['modeld_recomputed']}."
+                if s.get("modeld_recomputed") is not None
+                else ""
+            ),
             "",
         ]
     if result.get("socket"):  # the responses loop over the Responses WebSocket (bench/agent_socket.py)

@@ -8,6 +8,11 @@ a time, each waiting until the previous one is idle (its processes stop using CP
 starting system rotates every step so no system always follows the same one: per-turn ratios
 compare measurements taken seconds apart on a shared machine.
 
+A system that keeps a count of tokens computed twice (modeld: its daemon's ``recomputed``
+counter, prompt tokens a session had computed before and computed again) is read before and
+after every step: per turn (``TurnResult.recomputed``) and per workload (``RunData.recomputed``,
+a wave's turns counted together), so every workload reports issue 30's "0 tokens recomputed".
+
 A system that fails a turn is recorded with the error and dropped for the rest of its group;
 the run goes on and ends non-zero. Timing never fails a run.
 """
@@ -42,6 +47,8 @@ class RunData:
     notes: dict[str, list[str]] = field(default_factory=dict)  # workload -> notes
     restarts: dict[str, dict[str, float]] = field(default_factory=dict)  # workload -> system -> seconds
     durations: dict[str, float] = field(default_factory=dict)  # workload -> wall seconds (starts included)
+    # system -> workload -> tokens the daemon computed again (its ``recomputed`` counter)
+    recomputed: dict[str, dict[str, int]] = field(default_factory=dict)
     errors: int = 0
 
 
@@ -58,6 +65,7 @@ def groups(workloads: list[Workload]) -> list[list[Workload]]:
 def _line(load: str, index: int | str, r: TurnResult) -> str:
     pre = "-" if r.prefilled is None else r.prefilled
     extra = f" restore {r.restore_s * 1000:.0f} ms" if r.restore_s else ""
+    extra += f" RECOMPUTED {r.recomputed}" if r.recomputed else ""
     return (
         f"  {load:<20} turn {index!s:<3} {r.system:<12} TTFT {r.ttft_s * 1000:9.1f} ms  "
         f"prefilled {pre!s:>5} / {r.prompt_tokens or '-'!s:>5}  {r.decode_tps:5.1f} tok/s{extra}  {r.outcome}"
@@ -162,10 +170,18 @@ def _workload(
             previous = system
             items = [(i, f"{root}/{load.turns[i].workspace}", load.turns[i]) for i in step]
             try:
+                before = _recomputed(system)
                 if len(items) == 1:
                     results = [system.turn(load.name, items[0][0], items[0][1], items[0][2], max_tokens)]
                 else:
                     results = system.wave(load.name, items, max_tokens)
+                if before is not None:
+                    # A wave's turns share one count: the workload's total has it, no turn does.
+                    again = (_recomputed(system) or 0) - before
+                    counts = data.recomputed.setdefault(system.name, {})
+                    counts[load.name] = counts.get(load.name, 0) + again
+                    if len(results) == 1:
+                        results[0].recomputed = again
             except Exception as e:
                 failed.add(system.name)
                 data.errors += 1
@@ -194,6 +210,15 @@ def _workload(
             with contextlib.suppress(Exception):
                 s.close()
     return kept
+
+
+def _recomputed(system: Any) -> int | None:
+    """The daemon's count of prompt tokens its sessions had computed before and computed again
+    (modeld's ``recomputed`` counter); None for a system that keeps no such count. Read after
+    the system started or restarted and around every step, so a restart (a new daemon, its
+    counter at 0) is counted from there."""
+    read = getattr(system, "recomputed", None)
+    return int(read()) if read is not None else None
 
 
 def _cold(

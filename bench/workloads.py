@@ -59,6 +59,9 @@ GOALS: dict[str, tuple[str, float]] = {
     "decode_over_limit": ("higher", 0.97),
     "restart_over_cold": ("lower", 0.05),
     "rss_over_llama_server": ("lower", 1.15),  # issue 22: peak RSS at the same warm capacity
+    # issue 30: prompt tokens a session had computed before and modeld computed again (the
+    # daemon's ``recomputed`` counter over the workload): an exact count, never noise
+    "recomputed_tokens": ("lower", 0.0),
 }
 
 
@@ -103,11 +106,15 @@ class Workload:
         "modeld_over_lcp_server",
         "decode_over_limit",
         "rss_over_llama_server",
+        "recomputed_tokens",
     )
     fix: str = ""  # what would fix a loss here (the report quotes it beside a measured cause)
     # llama-server flags a well-informed user adds for this workload, with the reason
     llama_server_flags: tuple[str, ...] = ()
     llama_server_why: str = ""
+    # Both systems at their own defaults (no bench tuning: llama-server without -np, --kv-unified,
+    # --cache-ram, --cache-reuse, -fa off), the window alone given: what a new user gets.
+    defaults: bool = False
     n_ctx: int = 0  # per-sequence context: the longest prompt + decode, rounded up
     notes: list[str] = field(default_factory=list)
 
@@ -153,6 +160,7 @@ class Workload:
             "goals": list(self.goals),
             "fix": self.fix,
             "llama_server_flags": list(self.llama_server_flags),
+            "defaults": self.defaults,
             "n_ctx": self.n_ctx,
             "notes": self.notes,
         }
@@ -368,6 +376,7 @@ def make_workloads(tokenize: Tokenize, *, quick: bool, max_tokens: int) -> list[
                     "decode_over_limit",
                     "http_overhead_ms",
                     "rss_over_llama_server",
+                    "recomputed_tokens",
                 ),
                 fix="per-turn overhead in modeld (the prefill counts are the limit's)",
             )
@@ -390,6 +399,7 @@ def make_workloads(tokenize: Tokenize, *, quick: bool, max_tokens: int) -> list[
                 "modeld_over_llama_server",
                 "modeld_over_lcp_server",
                 "rss_over_llama_server",
+                "recomputed_tokens",
             ),
             fix="a disk tier that restores warm contexts after a restart (issue 8)",
         )
@@ -536,6 +546,24 @@ def make_workloads(tokenize: Tokenize, *, quick: bool, max_tokens: int) -> list[
             fix="reuse of the previous turn's suffix as the next turn's prefix",
         )
     )
+
+    # 8. Memory at both systems' defaults (issue 30): one workspace, an 8k window nearly filled
+    # by its prefix. The same sizes with --quick (the tiny model's 8k prefill takes seconds).
+    window, prefix_target = 8192, 7800
+    ws = workspace(8100, prefix_target - 64, count)
+    load = Workload(
+        "defaults_8k",
+        f"Defaults: one workspace, an {window}-token window, a ~{prefix_target}-token prefix, both systems "
+        "at their default flags",
+        "a hot llama.cpp context evaluating only the new suffix",
+        "the suffix of each turn after the first",
+        [Turn(0, ws, make_suffix(8200 + i, n, count)) for i, n in enumerate((64, 128))],
+        goals=("modeld_over_llama_server", "rss_over_llama_server", "recomputed_tokens"),
+        fix="modeld's own memory at its defaults (blueprint 0016, \"Memory at both systems' defaults\")",
+        defaults=True,
+    )
+    add(load)
+    load.n_ctx = window  # the window a user sets (llama-server -c, modeld --num-ctx), not the fit
     return loads
 
 
@@ -550,4 +578,5 @@ def workload_names() -> list[str]:
         "subagents_concurrent",
         "many_workspaces",
         "tool_loop",
+        "defaults_8k",
     ]

@@ -57,6 +57,7 @@ class TurnResult:
     restore_s: float | None = None  # part of ttft_s spent restoring saved state (restart)
     error: str = ""
     token_ids: list[int] = field(default_factory=list)
+    recomputed: int | None = None  # the daemon's count of tokens computed again (modeld; one turn)
 
 
 class System(Protocol):

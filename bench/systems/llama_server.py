@@ -46,6 +46,11 @@ class LlamaServerSystem(HttpServerSystem):
         self.save_dir: Path | None = None
         flags = [
             "-c", str(ctx),
+            "-t", str(threads),
+            "-tb", str(threads),
+            *(["--no-repack"] if cpu_has_amx() else []),  # as modeld: AMX crashes (blueprint 0009)
+        ] if load.defaults else [
+            "-c", str(ctx),
             "-np", str(self.slots),
             "--kv-unified",
             "--cache-ram", str(CACHE_RAM_MIB),
@@ -79,7 +84,9 @@ class LlamaServerSystem(HttpServerSystem):
         self.settings = {
             "command": "llama-server -m MODEL --host 127.0.0.1 --no-webui --slot-save-path DIR "
             + " ".join(flags),
-            "why": (
+            "why": "its defaults (slots, KV layout, RAM cache, flash attention), the window alone given"
+            if load.defaults
+            else (
                 f"{self.slots} slot(s) = workspaces; -c {ctx} = "
                 + (
                     f"the workload's KV pool ({load.pool_tokens} tokens)"

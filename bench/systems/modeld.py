@@ -26,7 +26,19 @@ from bench.systems.base import TurnResult, process_tree, stop_process, threaded_
 from bench.workloads import Turn, Workload
 from modeld.lease import read_lease
 
-__all__ = ["ModeldSystem", "extra_flags", "pool_flags", "serve_help"]
+__all__ = ["ModeldSystem", "extra_flags", "pool_flags", "recomputed", "serve_help"]
+
+
+def recomputed(data_dir: Path) -> int:
+    """The daemon's ``recomputed`` counter, summed over its loaded models: prompt tokens a session
+    had in its warm context before and computed again (``modeld status``, blueprint 0016 "Where
+    the missing tokens went"). Read through its gRPC socket; it starts at 0 with each daemon
+    process (a restart), and per loaded model (the bench loads one)."""
+    client = rc.connect(data_dir=data_dir)
+    try:
+        return sum(int(m.counters.get("recomputed", 0)) for m in client.status().models)
+    finally:
+        client.close()
 
 
 @functools.cache
@@ -146,9 +158,10 @@ class ModeldSystem:
                 usage = chunk.usage or usage
         n = len(ids)
         prompt = p.prefix_tokens + s.suffix_tokens
-        # The statuses' exact accounting: prefix tokens prefilled, the suffix, and prefix tokens
+        # The statuses' exact accounting: prefix tokens prefilled, the suffix but what of it is
+        # still resident from the last turn (the same first tokens), and prefix tokens
         # re-prefilled because another session displaced them in between.
-        prefilled = p.prefilled_tokens + s.suffix_tokens + s.restored_tokens
+        prefilled = p.prefilled_tokens + s.suffix_tokens - s.reused_tokens + s.restored_tokens
         cached = usage.cached_tokens if usage is not None else None
         restore_ms = p.restore_ms + s.restore_ms  # the daemon's own account of the turn's restores
         return TurnResult(
@@ -183,6 +196,10 @@ class ModeldSystem:
         for key in keys:
             self._session(key)
         return time.perf_counter() - started
+
+    def recomputed(self) -> int:
+        """The daemon's ``recomputed`` counter (the runner reads it before and after each turn)."""
+        return sum(int(m.counters.get("recomputed", 0)) for m in self.client.status().models)
 
     def pids(self) -> list[int]:
         return process_tree(self.proc.pid)

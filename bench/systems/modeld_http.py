@@ -23,11 +23,30 @@ from pathlib import Path
 from typing import Any
 
 from bench.systems.base import Unsupported, free_port
-from bench.systems.modeld import extra_flags, pool_flags, serve_help
+from bench.systems.modeld import extra_flags, pool_flags, recomputed, serve_help
 from bench.systems.openai_http import HttpServerSystem
 from bench.workloads import Turn, Workload
 
-__all__ = ["ModeldHttpSystem"]
+__all__ = ["RECORD_FIELDS", "ModeldHttpSystem"]
+
+RECORD_FIELDS = (
+    "api",
+    "conversation",
+    "outcome",
+    "reason",
+    "tier",
+    "prefix_tokens",
+    "prefilled_tokens",
+    "cached_tokens",
+    "prompt_tokens",
+    "ttft_ms",
+    "prefill_ms",
+    "restore_ms",
+    "decode_ms",
+    "finish",
+    "error",
+)
+"""What :meth:`ModeldHttpSystem.records` keeps of each of the daemon's request records."""
 
 
 class ModeldHttpSystem(HttpServerSystem):
@@ -54,6 +73,7 @@ class ModeldHttpSystem(HttpServerSystem):
             )
         flags += pool_flags(load, notes) + extra_flags()
         data = Path(tempfile.mkdtemp(prefix="mdh"))
+        self.data_dir = data
         args = [
             sys.executable,
             "-m",
@@ -68,6 +88,30 @@ class ModeldHttpSystem(HttpServerSystem):
         super().__init__(args, cwd=data)
         self.notes = notes
         self.settings = {"command": "modeld serve --listen unix:… " + " ".join(flags).replace(model, "MODEL")}
+
+    def recomputed(self) -> int:
+        """The daemon's ``recomputed`` counter, over its gRPC socket (the same daemon)."""
+        return recomputed(self.data_dir)
+
+    def records(self, since: float, limit: int = 500) -> list[dict[str, Any]]:
+        """What the daemon did for each request that started after ``since`` (its request
+        records: reuse outcome, reason and tier, tokens computed, its own TTFT, prefill and
+        restore times), oldest first, each with the daemon's ``recomputed`` count when read: a
+        slow turn then says whether modeld restored, waited or computed, or whether the time
+        went outside the daemon."""
+        import runtime_client as rc
+
+        with rc.connect(data_dir=self.data_dir) as client:
+            again = sum(int(m.counters.get("recomputed", 0)) for m in client.status().models)
+            return [
+                {
+                    "started_at": r.started_at,
+                    "daemon_ms": round((r.ended_at - r.started_at) * 1000, 1),
+                    **{k: getattr(r, k) for k in RECORD_FIELDS},
+                    "recomputed_so_far": again,
+                }
+                for r in client.list_requests(since=since, limit=limit)
+            ]
 
     @property
     def base_url(self) -> str:

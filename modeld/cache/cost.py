@@ -199,8 +199,12 @@ class Costs:
         return PRIOR_FIXED_MS + PRIOR_MS_PER_MIB[kind] * tokens * self.bytes_per_token / (1 << 20)
 
     def known(self) -> bool:
-        """The attention's cost has been measured (prefill and decode)."""
-        return self.prefill.known() and self.decode.known()
+        """The attention's cost in prefill has been measured. A decode's own fit comes later
+        (its spans vary little: an agent decodes after prompts of much the same length), and
+        until it does its term counts 0 (:meth:`Fit.per_cell`): staying is underestimated, never
+        overestimated. Waiting for both kept idle sub-agents resident for longer than the
+        prefill's fit needed (``bench/chat_agents.py``; blueprint 0016)."""
+        return self.prefill.known()
 
     def stay_ms(self, cells: int, prefill: int) -> float:
         """What ``cells`` more resident cells would cost the turn that starts: it prefills

@@ -48,6 +48,8 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             ``disk`` or ``dropped`` (per loaded model: restart
                                             at 0 when a model is loaded again)
 ``modeld_snapshots_rejected_total{model}``  snapshots refused (corrupt, stale, refused by the engine)
+``modeld_recomputed_tokens_total{model}``   prompt tokens a session had computed before and computed
+                                            again (status's ``recomputed``)
 ``modeld_model_memory_bytes{model,part}``   where a model's worker memory goes: ``weights``
                                             (resident pages of the file), ``kv_allocated``,
                                             ``kv_used``, ``compute`` (reserved), ``runtime``
@@ -295,7 +297,7 @@ class _StatusCollector:
         rss = _Sums()
         slots, busy, queued = _Sums(), _Sums(), _Sums()
         contexts, context_bytes = _Sums(), _Sums()
-        evictions, rejected = _Sums(), _Sums()
+        evictions, rejected, recomputed = _Sums(), _Sums(), _Sums()
         memory = _Sums()
         for m in status.models:
             name = self._label(m.model_name)
@@ -329,6 +331,7 @@ class _StatusCollector:
                     m.counters.get(f"evicted_to_{to}" if to != "dropped" else "evicted_dropped", 0),
                 )
             rejected.add((name,), m.counters.get("snapshots_rejected", 0))
+            recomputed.add((name,), m.counters.get("recomputed", 0))
         yield resident.gauge(
             "modeld_resident_tokens", "Tokens resident in a loaded model's KV.", ["model", "backend"]
         )
@@ -386,6 +389,12 @@ class _StatusCollector:
         yield rejected.counter(
             "modeld_snapshots_rejected",
             "Snapshots refused (corrupt, stale, refused by the engine).",
+            ["model"],
+        )
+        yield recomputed.counter(
+            "modeld_recomputed_tokens",
+            "Prompt tokens a session had in its warm context before and computed again (each such "
+            "turn says where they went).",
             ["model"],
         )
         tiers = status.tiers

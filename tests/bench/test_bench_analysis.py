@@ -98,6 +98,27 @@ def test_two_runs_merge_into_a_mean_with_the_spread_and_a_measured_cause() -> No
     assert set(found) == {"modeld_over_limit", "modeld_over_llama_server"}  # decode 0.99 meets >= 0.97
 
 
+def test_the_daemons_count_of_tokens_computed_again_is_a_goal_of_zero_with_the_turns_named() -> None:
+    """The runner reads modeld's ``recomputed`` counter around every turn (``recomputed`` per
+    system and workload, and per turn): the headline holds it against 0, and the cause names
+    the turns that computed tokens again."""
+    doc = _doc("r1", 0.9)
+    doc["workloads"][0]["goals"].append("recomputed_tokens")
+    doc["turns"][1]["recomputed"] = 1420
+    doc["recomputed"] = {"modeld": {"interleaved": 1420}, "modeld-http": {"interleaved": 0}}
+    assert headline(doc)["interleaved"]["recomputed_tokens"] == 1420.0  # gRPC's count first
+    merged = merge([doc])
+    assert merged["interleaved"]["recomputed_tokens"]["met"] is False
+    found = {c["ratio"]: c["cause"] for c in causes(doc, merged)}
+    assert found["recomputed_tokens"] == (
+        "modeld computed 1420 prompt tokens again that a session had computed before (turn 1 1420); "
+        "the daemon's log and explain-context say where they went."
+    )
+    doc["recomputed"]["modeld"]["interleaved"] = 0
+    assert merge([doc])["interleaved"]["recomputed_tokens"]["met"] is True
+    assert headline(_doc("r0", 0.9))["interleaved"]["recomputed_tokens"] is None  # not read: not measured
+
+
 LCP_LOG = """\
 Llama._create_completion: cache miss
 llama_perf_context_print: prompt eval time =     812.00 ms /  1700 tokens

@@ -80,6 +80,19 @@ def test_each_kind_of_regression_is_flagged_in_its_own_direction() -> None:
     assert findings["http_overhead_ms"].tolerance == 2.0
 
 
+def test_tokens_computed_again_are_an_exact_count_any_increase_is_worse() -> None:
+    """``recomputed_tokens`` (the daemon's count) has no tolerance: a spread between two runs
+    does not widen it, one more token is a regression."""
+    baseline = {"headline": {"restart": {"recomputed_tokens": _cell(0.0, 0.0)}}}
+    found = compare(
+        baseline, {"headline": {"restart": {"recomputed_tokens": {"value": 1.0, "spread": 40.0}}}}
+    )
+    assert [(f.verdict, f.tolerance) for f in found] == [("worse", 0.0)]
+    assert "(tolerance 0 tokens)" in found[0].line()
+    assert compare(baseline, _run())[0].verdict == "not measured"
+    assert compare(baseline, {"headline": {"restart": {"recomputed_tokens": 0.0}}})[0].verdict == "ok"
+
+
 def test_the_current_documents_own_spread_widens_the_tolerance() -> None:
     merged = {"headline": {"interleaved": {"modeld_over_llama_server": _cell(1.02, 0.09)}}}
     assert _verdicts(merged)["modeld_over_llama_server"] == "ok"  # +7.4% against a 9% spread

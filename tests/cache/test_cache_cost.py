@@ -73,6 +73,23 @@ def test_an_idle_context_leaves_when_its_cells_cost_the_turn_more_than_moving_it
     assert not Costs(bytes_per_token=12288).worth_leaving(2048, 2048, "", prefill=0)
 
 
+def test_the_prefills_measured_cost_decides_before_the_decodes_is_known() -> None:
+    """An agent's decodes run after prompts of much the same length, so the decode's fit stays
+    unknown for a while (its spans differ too little): the prefill's fit alone decides then, its
+    decode term counted 0 (less than staying costs, never more). 2k idle cells against a turn of
+    64 prefilled tokens at 1.9 us per token and cell: ~250 ms, more than moving them (~40 ms)."""
+    costs = Costs(bytes_per_token=12288)
+    for i in range(40):
+        span = (i % 8) * 800
+        costs.prefilled(64, span, _job(2.0, 5.0, 1.9, 64, span))
+        costs.decoded(32, 4000, _job(2.0, 18.0, 0.9, 32, 4000))  # one span: no decode fit
+        costs.turn_prefill.add(64.0)
+    assert costs.prefill.known() and not costs.decode.known()
+    assert costs.stay_ms(2048, 0) == pytest.approx(2048 * costs.prefill.per_cell() * 64)
+    assert costs.worth_leaving(2048, 2048, "", prefill=0)
+    assert costs.newly_known() and not costs.newly_known()  # the figures are logged once
+
+
 def test_moving_costs_are_measured_once_moves_happened() -> None:
     costs = Costs(bytes_per_token=12288)
     prior = costs.move_ms("restore_ram", 1000)

@@ -241,6 +241,7 @@ def _metric_sums(text: str) -> dict[tuple[str, str], float]:
         "modeld_prefix_cache_queries": "queries",
         "modeld_prompt_tokens_prefilled": "prefilled",
         "modeld_snapshots_rejected": "snapshots_rejected",
+        "modeld_recomputed_tokens": "recomputed",
     }
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -402,6 +403,9 @@ def test_status_metrics_and_the_turns_count_the_same_tokens(tmp_path: Path, tiny
             for key in _COMPARED:
                 counters[key] += m["counters"][key]
         assert set(by_model) == {name, http_model}
+        for m in status["models"]:  # the count of tokens computed again (issue 30) is a metric too
+            label = model_label(m["model_name"])
+            assert metrics.get(("recomputed", label), 0) == m["counters"]["recomputed"], (label, metrics)
         for label, counters in by_model.items():
             for key in _COMPARED:
                 assert metrics.get((key, label), 0) == counters[key], (label, key, counters, metrics)
