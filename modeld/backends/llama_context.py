@@ -208,6 +208,8 @@ class LlamaContext(HeldTokens, Rewind):
             attention_spans_pool=unified and n_seq > 1,
             checkpoints=not can_truncate,
             snapshot_cuts=(recurrent or hybrid) and options.checkpoints > 0,
+            state_bytes=meta.state_bytes if recurrent or hybrid else 0,
+            checkpoint_limit=options.checkpoints if recurrent or hybrid else 0,
             memory="recurrent"
             if recurrent
             else "hybrid"
