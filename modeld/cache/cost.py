@@ -224,8 +224,13 @@ class Costs:
         """An idle context holding ``cells`` cells only it holds (``tokens`` in all) leaves the
         pool: its cells cost the turn that starts more than moving it out and back (``saved``:
         the tier that holds all of it already, or ""; ``returning`` as :meth:`leave_ms`)."""
-        if cells <= 0 or not self.known():
+        if cells <= 0 or not (self.prefill.known() or self.decode.known()):
             return False
+        # Either fit is enough: an unmeasured one counts nothing (``Fit.per_cell``), so the
+        # stay is underestimated, never over. Requiring both kept every idle context in a
+        # pool whose turns decode a token or none (a client timing its first token, a
+        # benchmark): their decode was never measured, and each turn attended over every
+        # earlier turn's context (bench.hybrid: warm TTFT 1.1-2.4x llama-server's, growing).
         return self.stay_ms(cells, prefill) > self.leave_ms(tokens, saved, returning)
 
     def summary(self) -> dict[str, float]:
