@@ -363,14 +363,7 @@ def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str,
     (``Layout.attention_spans_pool``); the turn prefills ``prefill`` tokens now. A context that
     leaves keeps all of its tokens (:func:`evict`). Not idle: busy, pinned, or inside its own
     turn (``WarmContext.turn_until``). Returns how many went."""
-    layout = pool.layout
-    if not layout.attention_spans_pool:
-        return 0
-    if layout.checkpoints and not layout.whole_snapshots:
-        # A sliding window: in the pool the context is cut back for an edit inside its prefix,
-        # its snapshot (the window only) is restored only whole: moving it out loses what it
-        # is worth, which the costs do not weigh (measured in bench.hybrid: the edit turns of
-        # swa-gemma3 reused nothing once their earlier contexts had left).
+    if not pool.layout.attention_spans_pool:
         return 0
     now = time.time()
     costs = pool.costs
