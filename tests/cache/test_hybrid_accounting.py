@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from modeld.cache.tiers import Tiers
-from modeld.contract import Config, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.settings import Residency
 
@@ -81,3 +81,29 @@ def test_the_memory_table_counts_every_sequences_recurrent_state(name: str) -> N
         assert info.state_bytes > 0
         cells = model.pool_tokens * model.kv_bytes_per_token
         assert model.memory.kv_allocated_bytes == cells + model.sequences * info.state_bytes, model.memory
+
+
+def test_an_idle_hybrid_context_leaves_once_the_prefills_attention_is_measured_dear() -> None:
+    """Sequences of one unified pool, the attention's cost measured as dear from prefill jobs
+    only (turns that decode nothing never measure the decode). A new session's turn starts: the
+    idle hybrid context leaves (its snapshot, checkpoints inside, serves an edit anywhere).
+    Before, the decode's cost had to be measured too, and it stayed."""
+    path = str(testmodels.ensure_model(SPECS["hybrid-qwen35"]))
+    with Engine(backends=("llama",), residency=Residency(sequences=3)) as engine:
+        # The new turn copies the start it shares with its best candidate (``near``), which
+        # stays for that: ``a`` is the idle context that could leave.
+        near = engine.open_session(_request(path))
+        near.ensure_prefix(PrefixInput(text="class Idle:\n    pass\n" * 10))
+        a = engine.open_session(_request(path))
+        a.ensure_prefix(PrefixInput(text=BASE))
+        a.prefill_suffix(SuffixInput(text="fix it\n"))
+        list(a.decode(DecodeConfig(max_tokens=1)))  # its turn ends: idle
+        costs = engine.models()[0].cache.costs
+        for i in range(40):
+            span = (i % 8) * 250
+            costs.prefilled(300, span, 2.0 + 0.03 * 300 + 0.05 * 300 * (span + 150))
+        assert costs.prefill.known() and not costs.decode.known()
+        b = engine.open_session(_request(path))
+        b.ensure_prefix(PrefixInput(text="class Other:\n    pass\n" * 20))
+        kv = {c.session_id for c in engine.status().models[0].contexts if c.tier == "kv"}
+        assert a.session_id not in kv, kv
