@@ -41,6 +41,8 @@ __all__ = [
     "Layout",
     "LoadOptions",
     "ModelRuntime",
+    "SNAPSHOT_CELL_BYTES",
+    "SNAPSHOT_HEADER_BYTES",
     "SyncStep",
     "Vocab",
 ]
@@ -60,6 +62,15 @@ class Vocab:
 
     def piece(self, token: int) -> bytes:
         return self.pieces[token] if 0 <= token < len(self.pieces) else b""
+
+
+SNAPSHOT_CELL_BYTES = 32
+"""A snapshot's bytes per token beside the KV: llama.cpp's cell metadata (12 bytes per cell and
+cache) and the recorded batch starts and prefill ends of a checkpointed sequence (4 bytes each).
+Measured on the generated models (blueprint 0016): 13.6 bytes a token (llama) to 26 (qwen35)."""
+
+SNAPSHOT_HEADER_BYTES = 4096
+"""A snapshot's fixed bytes: llama.cpp's per-layer headers, the checkpoint section's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +107,11 @@ class Layout:
     inside the blob, and a restored sequence is cut back as one in the pool is. ``memory`` is what the engine says the
     model's memory is (``attention``, ``sliding-window``, ``hybrid``, ``recurrent``: the same
     words as ``Footprint.memory``, which describe reads from the file).
+    ``state_bytes``: one sequence's state beside its KV cells, which cannot be cut (a recurrent
+    state: llama.cpp allocates one per sequence at load, and a snapshot carries it);
+    ``checkpoint_limit``: the checkpoints a sequence may keep (they travel inside its snapshots
+    when ``snapshot_cuts``); ``checkpoint_bytes``: one checkpoint's size at most (a recurrent
+    state, or a sliding window's cells).
     """
 
     n_seq: int
@@ -114,6 +130,23 @@ class Layout:
     checkpoints: bool = False
     memory: str = "attention"
     snapshot_cuts: bool = False
+    state_bytes: int = 0
+    checkpoint_limit: int = 0
+    checkpoint_bytes: int = 0
+
+    def snapshot_bytes(self, tokens: int) -> int:
+        """About what a snapshot of a sequence holding ``tokens`` takes, at most: its KV cells
+        with their metadata, its state, and the checkpoints that travel with it (the RAM tier
+        makes this much room before the blob comes). An upper bound: a sequence may hold fewer
+        checkpoints than its limit, and a sliding window's snapshot holds only the window."""
+        carried = self.checkpoint_limit if self.snapshot_cuts else 0
+        per = max(0, self.kv_bytes_per_token) + SNAPSHOT_CELL_BYTES
+        return (
+            max(0, tokens) * per
+            + max(0, self.state_bytes)
+            + carried * max(0, self.checkpoint_bytes)
+            + SNAPSHOT_HEADER_BYTES
+        )
 
     @property
     def whole_snapshots(self) -> bool:

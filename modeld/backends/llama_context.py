@@ -211,6 +211,13 @@ class LlamaContext(HeldTokens, Rewind):
             attention_spans_pool=unified and n_seq > 1,
             checkpoints=not can_truncate,
             snapshot_cuts=takes,
+            state_bytes=meta.state_bytes if recurrent or hybrid else 0,
+            checkpoint_limit=options.checkpoints if takes else 0,
+            # A window's checkpoint: at most the window's tokens of every layer's KV (only the
+            # local layers' are saved; sizing.checkpoint_size counts it the same way).
+            checkpoint_bytes=meta.state_bytes
+            if recurrent or hybrid
+            else swa * max(0, info.kv_bytes_per_token),
             memory="recurrent"
             if recurrent
             else "hybrid"

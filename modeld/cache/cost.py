@@ -199,12 +199,14 @@ class Costs:
         return PRIOR_FIXED_MS + PRIOR_MS_PER_MIB[kind] * tokens * self.bytes_per_token / (1 << 20)
 
     def known(self) -> bool:
-        """The attention's cost in prefill has been measured. A decode's own fit comes later
-        (its spans vary little: an agent decodes after prompts of much the same length), and
-        until it does its term counts 0 (:meth:`Fit.per_cell`): staying is underestimated, never
-        overestimated. Waiting for both kept idle sub-agents resident for longer than the
-        prefill's fit needed (``bench/chat_agents.py``; blueprint 0016)."""
-        return self.prefill.known()
+        """The attention's cost has been measured, in prefill or in decode: either fit is
+        enough. An unmeasured one counts 0 (:meth:`Fit.per_cell`), so staying is underestimated,
+        never overestimated. Requiring both kept idle contexts resident: a decode's fit comes
+        late (an agent decodes after prompts of much the same length) or never (turns that
+        decode a token or none: a client timing its first token, a benchmark), so each turn
+        attended over every earlier turn's context (``bench/chat_agents.py``, ``bench.hybrid``:
+        warm TTFT 1.1-2.4x llama-server's, growing; blueprint 0016)."""
+        return self.prefill.known() or self.decode.known()
 
     def stay_ms(self, cells: int, prefill: int) -> float:
         """What ``cells`` more resident cells would cost the turn that starts: it prefills

@@ -295,9 +295,11 @@ def save(
         pool.ledger.truncate(context.seq, n)
         context.tokens = context.tokens[:n]
         context.generation += 1
-    # Room in RAM before the blob comes (the tier within its limit with it); a blob the RAM
-    # tier cannot hold at all is written to disk by the engine, never passing through here.
-    to_ram = not persist and tiers.make_ram_room(n * max(0, pool.layout.kv_bytes_per_token))
+    # Room in RAM before the blob comes (the tier within its limit with it): its cells, and a
+    # recurrent state with the checkpoints that travel with it (157 MiB each on a 27B hybrid).
+    # A blob the RAM tier cannot hold at all is written to disk by the engine, never passing
+    # through here.
+    to_ram = not persist and tiers.make_ram_room(pool.layout.snapshot_bytes(n))
     started = time.perf_counter()
     if not to_ram and tiers.disk_on:
         finish = to_disk(pool, context, runtime, through=persist)

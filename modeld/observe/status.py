@@ -74,7 +74,10 @@ class ModelMemory:
 
     ``weights_bytes``: the model file's pages resident in its worker (measured: the worker's
     mappings of the file); ``kv_allocated_bytes``: the KV pool the engine allocated (and cleared:
-    resident whole) when it loaded, ``pool_tokens x kv_bytes_per_token``; ``kv_used_bytes``: the
+    resident whole) when it loaded, ``pool_tokens x kv_bytes_per_token``, with every sequence's
+    recurrent state on recurrent and hybrid memory (``n_seq x Layout.state_bytes``, allocated at
+    load too; the checkpoints of those states live in the worker's heap as prefills take them,
+    not counted here yet); ``kv_used_bytes``: the
     cells the warm contexts hold now (a shared prefix once), part of the allocated pool;
     ``compute_bytes``: the engine's compute buffer as it reserved it (the model's estimate,
     within 5% of llama.cpp's figure; touched only as far as the cells in use, so it counts in

@@ -95,3 +95,20 @@ def test_moving_costs_are_measured_once_moves_happened() -> None:
     prior = costs.move_ms("restore_ram", 1000)
     costs.moved("restore_ram", 1000, 50.0)
     assert prior != 50.0 and costs.move_ms("restore_ram", 2000) == pytest.approx(100.0)
+
+
+def test_prefill_measured_alone_is_enough_when_turns_decode_nothing() -> None:
+    """Turns that decode a token or none (a client timing its first token) never measure the
+    decode: the prefill's fit alone decides, the decode counted as nothing. Before, both fits
+    had to be known, so no idle context ever left such a pool (bench.hybrid: every earlier
+    turn's context stayed, and each turn attended over all of them)."""
+    expensive, cheap = Costs(bytes_per_token=256), Costs(bytes_per_token=256)
+    for i in range(40):
+        span = (i % 8) * 800
+        expensive.prefilled(1300, span, _job(2.0, 0.03, 0.021, 1300, span))
+        cheap.prefilled(1300, span, _job(2.0, 0.03, 0.0001, 1300, span))
+        for costs in (expensive, cheap):
+            costs.turn_prefill.add(60.0)
+    assert not expensive.decode.known() and expensive.prefill.known()
+    assert expensive.worth_leaving(1218, 2242, "", prefill=1311)
+    assert not cheap.worth_leaving(1218, 2242, "", prefill=1311)
