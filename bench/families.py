@@ -65,7 +65,7 @@ from bench.agent_apis import (
 )
 from bench.families_report import families_lines
 from bench.systems.base import Unsupported, settle
-from bench.systems.llama_server import LlamaServerSystem
+from bench.systems.llama_server import CACHE_REUSE, LlamaServerSystem
 from bench.systems.modeld_http import ModeldHttpSystem
 from bench.workloads import Workload
 
@@ -78,7 +78,11 @@ __all__ = [
     "run_family",
 ]
 
-SYSTEMS = ("modeld", "llama-server")
+SYSTEMS = ("modeld", "llama-server", "llama-server-reuse")
+# llama-server at its default (no ``--cache-reuse``): the goal's baseline, exact as modeld is;
+# ``-reuse``: with ``--cache-reuse 256``, which shifts the KV of a chunk after a template's
+# re-render into new positions (fewer tokens, not what a fresh prefill computes: blueprint 0010)
+REUSE = {"llama-server": 0, "llama-server-reuse": CACHE_REUSE}
 MODEL = "bench"  # the name modeld-http registers the model under; llama-server takes any name
 FAMILY_TURNS = 5  # the first request, then four turns of a call and its result
 QUICK_TURNS = 3
@@ -251,7 +255,7 @@ def send(http: httpx.Client, family_name: str, system: str, turn: int, body: Bod
     cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
     computed = None if prompt is None else prompt - (cached or 0)
     counted_by = "usage" if computed is not None else ""
-    if system == "llama-server" and "prompt_n" in timings:  # its own count of what it evaluated
+    if system.startswith("llama-server") and "prompt_n" in timings:  # its own count of what it evaluated
         computed, counted_by = int(timings["prompt_n"]), "timings"
     return FamilyRecord(
         family_name,
@@ -337,15 +341,16 @@ def run_family(
         llama_server_why="the model's own chat template (llama-server's default, stated)",
     )
     running: dict[str, Any] = {}
-    for name, make in (
-        ("modeld", lambda: ModeldHttpSystem(model, load, threads)),
-        ("llama-server", lambda: LlamaServerSystem(llama_server, model, load, threads)),
-    ):
+    for name in SYSTEMS:
         if name not in (systems or SYSTEMS):
             notes.append(f"{name} skipped: not among the selected systems")
             continue
         try:
-            running[name] = make()
+            running[name] = (
+                ModeldHttpSystem(model, load, threads)
+                if name == "modeld"
+                else LlamaServerSystem(llama_server, model, load, threads, cache_reuse=REUSE[name])
+            )
         except Unsupported as e:
             notes.append(f"{name} skipped: {e}")
     settings = {name: system.settings for name, system in running.items()}
@@ -355,7 +360,7 @@ def run_family(
     try:
         for k in range(turns):
             order = [s for s in SYSTEMS if s in running]
-            for name in order[::-1] if k % 2 else order:
+            for name in order[k % len(order) :] + order[: k % len(order)]:  # each system first in turn
                 system = running[name]
                 if previous is not None:
                     settle(previous.pids())
@@ -385,13 +390,13 @@ def run_family(
                         "",
                         str(e)[:500],
                     )
-                    if name == "llama-server":
+                    if name.startswith("llama-server"):
                         _from_log(record, log_path, offset)
                     records.append(record)
                     running.pop(name).close()
                     previous = None
                     continue
-                if record.computed_tokens is None and name == "llama-server":
+                if record.computed_tokens is None and name.startswith("llama-server"):
                     _from_log(record, log_path, offset)
                 if record.error:  # the turn's prefill counts; its TTFT is not compared
                     if name == "modeld":
@@ -427,6 +432,7 @@ def run_families(
     max_tokens: int = MAX_TOKENS,
     keep_models: bool = False,
     systems: list[str] | None = None,
+    omp_default: bool = False,
     log: Log = print,
     progress: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any]:
@@ -436,6 +442,9 @@ def run_families(
     from modeld import testmodels
     from modeld.testmodels.families import FAMILIES, ensure_family_model
 
+    if not omp_default:  # equal spin: importing it sets modeld's (its worker's) unless one is set
+        import modeld.backends._omp  # noqa: F401
+    spin = os.environ.get("GOMP_SPINCOUNT") or "llama-server: libgomp's default; modeld's worker: its own"
     turns = turns or (QUICK_TURNS if quick else FAMILY_TURNS)
     chosen = names or (list(QUICK_FAMILIES) if quick else [f.name for f in FAMILIES])
     base = testmodels.REPLY if quick else testmodels.REALISTIC
@@ -469,13 +478,16 @@ def run_families(
         out[name]["model_made_s"] = round(made_s, 1)
         out[name]["load_average"] = os.getloadavg()
         if progress is not None:
-            progress(_document(base.name, turns, max_tokens, started, out))
-    return _document(base.name, turns, max_tokens, started, out)
+            progress(_document(base.name, turns, max_tokens, started, out, spin))
+    return _document(base.name, turns, max_tokens, started, out, spin)
 
 
-def _document(model: str, turns: int, max_tokens: int, started: float, out: dict[str, Any]) -> dict[str, Any]:
+def _document(
+    model: str, turns: int, max_tokens: int, started: float, out: dict[str, Any], spin: str
+) -> dict[str, Any]:
     return {
         "model": model,
+        "gomp_spincount": spin,
         "turns": turns,
         "max_tokens": max_tokens,
         "system_chars": SYSTEM_CHARS,
@@ -497,6 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", default="", help="comma-separated families (default: all; quick: a few)")
     parser.add_argument("--turns", type=int, default=0, help=f"turns per loop (default {FAMILY_TURNS})")
     parser.add_argument("--keep-models", action="store_true", help="keep the realistic family copies cached")
+    parser.add_argument(
+        "--omp-default",
+        action="store_true",
+        help="llama-server with libgomp's default spin (default: modeld's worker's GOMP_SPINCOUNT for both)",
+    )
+    parser.add_argument(
+        "--systems", default="", help=f"comma-separated systems (default: {','.join(SYSTEMS)})"
+    )
     parser.add_argument("--out", type=Path, help="directory for report.md and run-<id>.json")
     parser.add_argument(
         "--report",
@@ -523,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
         names=[n for n in args.family.split(",") if n] or None,
         turns=args.turns or None,
         keep_models=args.keep_models,
+        systems=[n for n in args.systems.split(",") if n] or None,
+        omp_default=args.omp_default,
         log=lambda s: print(s, flush=True),
         progress=partial(write_report, out, run_id),  # the families so far, kept if the run is stopped
     )
@@ -532,10 +554,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def merge_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Runs of different families (a run stopped, the rest run after it) as one document: every
-    family's loop, the settings of the first run, the load at each run's end, the errors summed."""
+    """Runs as one document: every family's loop (the last run's, where several ran it; all of
+    them under ``repeats``, for the spread over runs), the settings of the first run, the load at
+    each run's end, the errors summed."""
     merged = dict(results[0])
     merged["families"] = {name: loop for r in results for name, loop in r["families"].items()}
+    merged["repeats"] = {}
+    for r in results:
+        for name, loop in r["families"].items():
+            merged["repeats"].setdefault(name, []).append(loop)
     merged["errors"] = sum(int(r["errors"]) for r in results)
     merged["duration_s"] = sum(float(r["duration_s"]) for r in results)
     merged["runs"] = [{"load_average": r["load_average"], "duration_s": r["duration_s"]} for r in results]
