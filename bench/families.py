@@ -4,8 +4,16 @@ Issue 31's benchmark. For each family of ``modeld.testmodels.families`` (Qwen3, 
 3.3, Mistral Small, Gemma, GLM, DeepSeek, Kimi, MiniMax, LFM2, Nemotron, Seed-OSS, Granite,
 Command R: each template written here from the real one's rules), a model carrying that family's
 template and control tokens plays a multi-turn coding-agent loop with tools over OpenAI chat
-(``POST /v1/chat/completions``, streamed), on modeld (``modeld serve --http``) and on llama-server
-(``--jinja``, the bench's settings from ``bench/systems``), both started afresh per family.
+(``POST /v1/chat/completions``, streamed), on modeld (``modeld serve --http``) and on two
+llama-servers (``--jinja``, the bench's settings from ``bench/systems``), all started afresh per
+family: ``llama-server`` at its default (no ``--cache-reuse``: the goal's baseline, exact as modeld
+is) and ``llama-server-reuse`` (``--cache-reuse 256``: after a template re-renders an earlier
+turn it shifts the KV of the chunks after the change into new positions, fewer tokens computed,
+not what a fresh prefill computes: ``bench/families_exactness.py`` measures by how much,
+blueprint 0010). Every server waits for work with modeld's OpenMP spin (``GOMP_SPINCOUNT``, the
+worker's setting, ``modeld/backends/_omp.py``; an operator's own wins; ``--omp-default`` gives
+llama-server libgomp's default instead): the spin is a setting a user can give llama-server too,
+and on loaded cores libgomp's default made its prefill ~2x slower (blueprint 0010).
 
 The model: REALISTIC (the 0.5B-shaped generated model) carrying the family's template and
 tokens, made by the family machinery (``ensure_family_model(name, base=REALISTIC)``: only the
@@ -32,8 +40,8 @@ llama-server: its ``timings.prompt_n``, else its log), each server's own ``timin
 Per family: the warm-turn (every turn after the first) TTFT ratio modeld / llama-server (median
 and range) and whether modeld computed more than llama-server on any turn. Issue 31's goals: no
 family recomputes more than llama-server; modeld's warm TTFT <= 0.8x llama-server's on every
-family. Turn-major (each turn on both systems, the second after the first is idle, the order
-alternating). Timing is recorded, never asserted; errors fail the run.
+family. Turn-major (each turn on every system, each after the one before is idle, the order
+rotating). Timing is recorded, never asserted; errors fail the run.
 """
 
 from __future__ import annotations
@@ -63,7 +71,7 @@ from bench.agent_apis import (
     shorten,
     steps,
 )
-from bench.families_report import families_lines
+from bench.families_report import exactness_lines, families_lines
 from bench.systems.base import Unsupported, settle
 from bench.systems.llama_server import CACHE_REUSE, LlamaServerSystem
 from bench.systems.modeld_http import ModeldHttpSystem
@@ -574,7 +582,11 @@ def write_report(out: Path, run_id: str, result: dict[str, Any], *, run_json: bo
     out.mkdir(parents=True, exist_ok=True)
     if run_json:
         (out / f"run-{run_id}.json").write_text(json.dumps({"id": run_id, "families": result}, indent=1))
-    report = "\n".join([f"# modeld benchmark: families (run {run_id})", "", *families_lines(result)])
+    exact = out / "exactness.jsonl"  # bench/families_exactness.py --out: warm against fresh
+    rows = [json.loads(line) for line in exact.read_text().splitlines() if line] if exact.is_file() else []
+    report = "\n".join(
+        [f"# modeld benchmark: families (run {run_id})", "", *families_lines(result), *exactness_lines(rows)]
+    )
     (out / "report.md").write_text(report)
     return report
 

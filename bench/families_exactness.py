@@ -16,7 +16,9 @@ computed, whether the greedy tokens agree, and the largest difference of a top-5
 first generated position (set by the prefill alone) and over the positions where the tokens
 still agree. Greedy on random weights: the logits are flat, so a small error flips tokens sooner
 than on a trained model; the first position's logprob difference is the measure that carries over.
-Tiny family models by default (seconds a family); ``--realistic`` the bench's model. Not timed.
+Tiny family models by default (seconds a family); ``--realistic`` the bench's model (minutes a
+family). Not timed. ``--out bench/results/families/exactness.jsonl`` keeps the lines, and the
+families' report shows them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from bench.families import MODEL, bodies
@@ -122,6 +125,7 @@ def exactness(name: str, llama_server: str, threads: int, realistic: bool) -> di
     requests = bodies(name, SHIFT_TURN + 1, ANSWER_TOKENS)
     load = Workload(f"exactness_{name}", name, "", "", [], n_ctx=8192, llama_server_flags=("--jinja",))
     return {
+        "model": "realistic" if realistic else "reply",
         "family": name,
         "llama-server --cache-reuse 256": _pair(
             lambda: LlamaServerSystem(llama_server, path, load, threads, cache_reuse=256), requests
@@ -142,10 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--realistic", action="store_true", help="the bench's realistic model, not the tiny one"
     )
+    parser.add_argument("--out", type=Path, help="append each family's line to this file (exactness.jsonl)")
     args = parser.parse_args(argv)
     threads = len(os.sched_getaffinity(0))
     for name in args.family.split(","):
-        print(json.dumps(exactness(name, args.llama_server, threads, args.realistic)), flush=True)
+        line = json.dumps(exactness(name, args.llama_server, threads, args.realistic))
+        print(line, flush=True)
+        if args.out:  # kept beside the families' runs: their report shows it (families_report)
+            with args.out.open("a") as f:
+                f.write(line + "\n")
     return 0
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["BASELINES", "TTFT_GOAL", "families_lines", "family_summary", "spread_lines"]
+__all__ = ["BASELINES", "TTFT_GOAL", "exactness_lines", "families_lines", "family_summary", "spread_lines"]
 
 SYSTEMS = ("modeld", "llama-server", "llama-server-reuse")
 BASELINES = ("llama-server", "llama-server-reuse")  # the goal's (llama-server's default), then --cache-reuse
@@ -214,3 +214,38 @@ def spread_lines(repeats: dict[str, list[dict[str, Any]]]) -> list[str]:
         "|---|---|---|---|---|",
         *rows,
     ]
+
+
+def _gap(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return "no top-5 token in common" if x == float("inf") else f"{x:.4g}"
+
+
+def exactness_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``bench/families_exactness.py``'s lines (``exactness.jsonl`` beside the runs) as a table:
+    per family and system, turn 2 warm against a fresh server."""
+    if not rows:
+        return []
+    lines = [
+        "## Is a warm turn what a fresh prefill computes? (`bench/families_exactness.py`)",
+        "",
+        "The loop's turn 2 (after a new instruction: the templates that drop earlier reasoning re-render "
+        "there) sent warm, after turns 0 and 1, and the same request to a fresh server of the same kind; "
+        "greedy, `logprobs` with `top_logprobs` 5. Tokens agree: leading greedy tokens equal; gap: the "
+        "largest difference of a logprob among the tokens both top-5 lists hold, at the first generated "
+        "position (set by the prefill alone) and over the agreeing positions. `reply`: the tiny family "
+        "models (near-certain answers); `realistic`: the bench's model.",
+        "",
+        "| model | family | system | computed warm / fresh | tokens agree | gap, first position | gap, agreeing positions |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for system, m in row.items():
+            if isinstance(m, dict):
+                lines.append(
+                    f"| {row.get('model', '-')} | {row['family']} | {system} | {m['computed_warm']} / "
+                    f"{m['computed_fresh']} | {m['tokens_agree']} of {m['positions']} | "
+                    f"{_gap(m['first_logprob_gap'])} | {_gap(m['max_logprob_gap'])} |"
+                )
+    return [*lines, ""]

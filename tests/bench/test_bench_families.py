@@ -189,3 +189,32 @@ def _result(loop: dict[str, Any]) -> dict[str, Any]:
         "errors": 0,
         "duration_s": 1.0,
     }
+
+
+def test_the_exactness_lines_show_each_system_against_a_fresh_server() -> None:
+    from bench.families_report import exactness_lines
+
+    pair = {"computed_warm": 384, "computed_fresh": 3099, "positions": 16, "tokens_agree": 0}
+    row = {
+        "model": "realistic",
+        "family": "qwen3",
+        "llama-server --cache-reuse 256": {
+            **pair,
+            "first_logprob_gap": float("inf"),
+            "max_logprob_gap": None,
+        },
+        "modeld": {
+            **pair,
+            "computed_warm": 818,
+            "tokens_agree": 16,
+            "first_logprob_gap": 0.0,
+            "max_logprob_gap": 0.0,
+        },
+    }
+    lines = exactness_lines([json.loads(json.dumps(row))])  # as read back from exactness.jsonl
+    assert (
+        "| realistic | qwen3 | llama-server --cache-reuse 256 | 384 / 3099 | 0 of 16 | no top-5 token in common | - |"
+        in lines
+    )
+    assert "| realistic | qwen3 | modeld | 818 / 3099 | 16 of 16 | 0 | 0 |" in lines
+    assert exactness_lines([]) == []
