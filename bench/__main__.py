@@ -267,10 +267,10 @@ def main(argv: list[str] | None = None) -> int:
             args.llama_server if args.llama_server and Path(args.llama_server).is_file() else "",
             threads,
             quick=args.quick,
-            systems=[
+            systems=[  # llama-server: both its configurations (its default; --cache-reuse 256)
                 s
-                for s in ("modeld", "llama-server")
-                if s in names or (s == "modeld" and "modeld-http" in names)
+                for s in ("modeld", "llama-server", "llama-server-reuse")
+                if s.removesuffix("-reuse") in names or (s == "modeld" and "modeld-http" in names)
             ],
             log=lambda s: print(s, flush=True),
         )
@@ -287,10 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             threads,
             runs=2 if args.quick else 3,
             cached_only=args.quick,  # the smoke run never installs from npm
-            systems=[
+            systems=[  # llama-server: both its configurations (its default; --cache-reuse 256)
                 s
-                for s in ("modeld", "llama-server")
-                if s in names or (s == "modeld" and "modeld-http" in names)
+                for s in ("modeld", "llama-server", "llama-server-reuse")
+                if s.removesuffix("-reuse") in names or (s == "modeld" and "modeld-http" in names)
             ],
             log=lambda s: print(s, flush=True),
         )
@@ -305,10 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             threads,
             rounds=QUICK_ROUNDS if args.quick else ROUNDS,
             max_tokens=max_tokens,
-            systems=[
+            systems=[  # llama-server: both its configurations (its default; --cache-reuse 256)
                 s
-                for s in ("modeld", "llama-server")
-                if s in names or (s == "modeld" and "modeld-http" in names)
+                for s in ("modeld", "llama-server", "llama-server-reuse")
+                if s.removesuffix("-reuse") in names or (s == "modeld" and "modeld-http" in names)
             ],
             log=lambda s: print(s, flush=True),
         )

@@ -14,7 +14,10 @@ measured are listed, never failed.
 Then the overhead rows and the extras' headline figures (:func:`extra_figures`): ``ensure_prefix``
 on an unchanged 8k prefix (in process, over the wire, engine in a worker process), the worker's
 IPC per turn and per generated token (worker row minus daemon row), decode through the worker
-paired (``decode_pairs``), speculation's speed-ups and the fleet's moved-over-cold TTFT. A
+paired (``decode_pairs``), speculation's speed-ups, the fleet's moved-over-cold TTFT and per
+model family (``bench/families.py``) the warm TTFT ratio and the tokens computed, modeld over
+llama-server at its default (a families run file, ``bench/results/families/run-*.json``, is
+read as well as a whole run's ``run.json``; several of them merge by ``--current``). A
 figure's spread is how far the runs a document merges lie apart (a run's own range for the
 paired decode); relative figures get at least ``--min-tolerance``, the IPC differences (which
 may be near 0) at least ``--min-ipc-ms`` (default 0.5 ms per turn; a fortieth of it per token).
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.families_report import family_summary
 from bench.workloads import GOALS
 
 __all__ = ["Figure", "Finding", "compare", "compare_extras", "extra_figures", "ratios"]
@@ -145,6 +149,15 @@ def _run_figures(run: dict[str, Any]) -> dict[tuple[str, str], tuple[float, floa
     for name, value in summary.items():
         if "_over_" in name and isinstance(value, int | float):
             out[("speculation", name)] = (float(value), None, "higher", False)
+    for name, loop in ((run.get("families") or {}).get("families") or {}).items():
+        if not loop.get("records"):
+            continue
+        fam = family_summary(loop)  # against llama-server at its default: issue 31's baseline
+        if fam["ttft_ratio_median"] is not None:
+            out[("families", f"{name}_ttft_ratio")] = (fam["ttft_ratio_median"], None, "lower", False)
+        mine, theirs = fam["modeld_computed_total"], fam["llama-server_computed_total"]
+        if mine and theirs:
+            out[("families", f"{name}_computed_ratio")] = (mine / theirs, None, "lower", False)
     for system in (run.get("fleet") or {}).get("systems") or []:
         moved = (system.get("moved_over_cold") or {}).get("median")
         if system.get("system") == "modeld" and moved is not None:
@@ -206,6 +219,12 @@ def _committed(path: Path) -> dict[str, Any]:
     return doc
 
 
+def _load(paths: list[Path]) -> dict[str, Any]:
+    """One document, or several runs as one (``run_docs``: their figures' median and spread)."""
+    docs: list[dict[str, Any]] = [json.loads(path.read_text()) for path in paths]
+    return docs[0] if len(docs) == 1 else {"run_docs": docs}
+
+
 def _newest_run(runs: Path) -> Path:
     for path in sorted(runs.glob("*/run.json"), reverse=True):
         if not json.loads(path.read_text()).get("partial"):
@@ -216,20 +235,27 @@ def _newest_run(runs: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__)
     parser.add_argument(
-        "--current", type=Path, help="a run.json or results.json (default: the newest full run)"
+        "--current",
+        type=Path,
+        nargs="+",
+        help="a run.json or results.json, or families run files (default: the newest full run)",
     )
-    parser.add_argument("--baseline", type=Path, help="default: bench/results/results.json as committed")
+    parser.add_argument(
+        "--baseline", type=Path, nargs="+", help="default: bench/results/results.json as committed"
+    )
     parser.add_argument("--min-tolerance", type=float, default=0.05, help="smallest relative tolerance")
     parser.add_argument("--min-ms", type=float, default=2.0, help="smallest tolerance of a figure in ms")
     parser.add_argument(
         "--min-ipc-ms", type=float, default=0.5, help="smallest tolerance of the worker's IPC per turn, in ms"
     )
     args = parser.parse_args(argv)
-    baseline = json.loads(args.baseline.read_text()) if args.baseline else _committed(RESULTS)
-    current_path = args.current or _newest_run(RESULTS.parent / "runs")
-    current = json.loads(current_path.read_text())
+    baseline = _load(args.baseline) if args.baseline else _committed(RESULTS)
+    current_paths = args.current or [_newest_run(RESULTS.parent / "runs")]
+    current = _load(current_paths)
+    current_path = " + ".join(map(str, current_paths))
     findings = compare(baseline, current, args.min_tolerance, args.min_ms)
-    print(f"bench-compare: {current_path} against {args.baseline or 'the committed results.json'}")
+    against = " + ".join(map(str, args.baseline)) if args.baseline else "the committed results.json"
+    print(f"bench-compare: {current_path} against {against}")
     for f in findings:
         print("  " + f.line())
     extras = compare_extras(baseline, current, args.min_tolerance, args.min_ipc_ms)

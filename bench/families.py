@@ -4,8 +4,16 @@ Issue 31's benchmark. For each family of ``modeld.testmodels.families`` (Qwen3, 
 3.3, Mistral Small, Gemma, GLM, DeepSeek, Kimi, MiniMax, LFM2, Nemotron, Seed-OSS, Granite,
 Command R: each template written here from the real one's rules), a model carrying that family's
 template and control tokens plays a multi-turn coding-agent loop with tools over OpenAI chat
-(``POST /v1/chat/completions``, streamed), on modeld (``modeld serve --http``) and on llama-server
-(``--jinja``, the bench's settings from ``bench/systems``), both started afresh per family.
+(``POST /v1/chat/completions``, streamed), on modeld (``modeld serve --http``) and on two
+llama-servers (``--jinja``, the bench's settings from ``bench/systems``), all started afresh per
+family: ``llama-server`` at its default (no ``--cache-reuse``: the goal's baseline, exact as modeld
+is) and ``llama-server-reuse`` (``--cache-reuse 256``: after a template re-renders an earlier
+turn it shifts the KV of the chunks after the change into new positions, fewer tokens computed,
+not what a fresh prefill computes: ``bench/families_exactness.py`` measures by how much,
+blueprint 0010). Every server waits for work with modeld's OpenMP spin (``GOMP_SPINCOUNT``, the
+worker's setting, ``modeld/backends/_omp.py``; an operator's own wins; ``--omp-default`` gives
+llama-server libgomp's default instead): the spin is a setting a user can give llama-server too,
+and on loaded cores libgomp's default made its prefill ~2x slower (blueprint 0010).
 
 The model: REALISTIC (the 0.5B-shaped generated model) carrying the family's template and
 tokens, made by the family machinery (``ensure_family_model(name, base=REALISTIC)``: only the
@@ -32,8 +40,8 @@ llama-server: its ``timings.prompt_n``, else its log), each server's own ``timin
 Per family: the warm-turn (every turn after the first) TTFT ratio modeld / llama-server (median
 and range) and whether modeld computed more than llama-server on any turn. Issue 31's goals: no
 family recomputes more than llama-server; modeld's warm TTFT <= 0.8x llama-server's on every
-family. Turn-major (each turn on both systems, the second after the first is idle, the order
-alternating). Timing is recorded, never asserted; errors fail the run.
+family. Turn-major (each turn on every system, each after the one before is idle, the order
+rotating). Timing is recorded, never asserted; errors fail the run.
 """
 
 from __future__ import annotations
@@ -63,9 +71,9 @@ from bench.agent_apis import (
     shorten,
     steps,
 )
-from bench.families_report import families_lines
+from bench.families_report import exactness_lines, families_lines
 from bench.systems.base import Unsupported, settle
-from bench.systems.llama_server import LlamaServerSystem
+from bench.systems.llama_server import CACHE_REUSE, LlamaServerSystem
 from bench.systems.modeld_http import ModeldHttpSystem
 from bench.workloads import Workload
 
@@ -78,7 +86,11 @@ __all__ = [
     "run_family",
 ]
 
-SYSTEMS = ("modeld", "llama-server")
+SYSTEMS = ("modeld", "llama-server", "llama-server-reuse")
+# llama-server at its default (no ``--cache-reuse``): the goal's baseline, exact as modeld is;
+# ``-reuse``: with ``--cache-reuse 256``, which shifts the KV of a chunk after a template's
+# re-render into new positions (fewer tokens, not what a fresh prefill computes: blueprint 0010)
+REUSE = {"llama-server": 0, "llama-server-reuse": CACHE_REUSE}
 MODEL = "bench"  # the name modeld-http registers the model under; llama-server takes any name
 FAMILY_TURNS = 5  # the first request, then four turns of a call and its result
 QUICK_TURNS = 3
@@ -251,7 +263,7 @@ def send(http: httpx.Client, family_name: str, system: str, turn: int, body: Bod
     cached = _int((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
     computed = None if prompt is None else prompt - (cached or 0)
     counted_by = "usage" if computed is not None else ""
-    if system == "llama-server" and "prompt_n" in timings:  # its own count of what it evaluated
+    if system.startswith("llama-server") and "prompt_n" in timings:  # its own count of what it evaluated
         computed, counted_by = int(timings["prompt_n"]), "timings"
     return FamilyRecord(
         family_name,
@@ -337,15 +349,16 @@ def run_family(
         llama_server_why="the model's own chat template (llama-server's default, stated)",
     )
     running: dict[str, Any] = {}
-    for name, make in (
-        ("modeld", lambda: ModeldHttpSystem(model, load, threads)),
-        ("llama-server", lambda: LlamaServerSystem(llama_server, model, load, threads)),
-    ):
+    for name in SYSTEMS:
         if name not in (systems or SYSTEMS):
             notes.append(f"{name} skipped: not among the selected systems")
             continue
         try:
-            running[name] = make()
+            running[name] = (
+                ModeldHttpSystem(model, load, threads)
+                if name == "modeld"
+                else LlamaServerSystem(llama_server, model, load, threads, cache_reuse=REUSE[name])
+            )
         except Unsupported as e:
             notes.append(f"{name} skipped: {e}")
     settings = {name: system.settings for name, system in running.items()}
@@ -355,7 +368,7 @@ def run_family(
     try:
         for k in range(turns):
             order = [s for s in SYSTEMS if s in running]
-            for name in order[::-1] if k % 2 else order:
+            for name in order[k % len(order) :] + order[: k % len(order)]:  # each system first in turn
                 system = running[name]
                 if previous is not None:
                     settle(previous.pids())
@@ -385,13 +398,13 @@ def run_family(
                         "",
                         str(e)[:500],
                     )
-                    if name == "llama-server":
+                    if name.startswith("llama-server"):
                         _from_log(record, log_path, offset)
                     records.append(record)
                     running.pop(name).close()
                     previous = None
                     continue
-                if record.computed_tokens is None and name == "llama-server":
+                if record.computed_tokens is None and name.startswith("llama-server"):
                     _from_log(record, log_path, offset)
                 if record.error:  # the turn's prefill counts; its TTFT is not compared
                     if name == "modeld":
@@ -427,6 +440,7 @@ def run_families(
     max_tokens: int = MAX_TOKENS,
     keep_models: bool = False,
     systems: list[str] | None = None,
+    omp_default: bool = False,
     log: Log = print,
     progress: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any]:
@@ -436,6 +450,9 @@ def run_families(
     from modeld import testmodels
     from modeld.testmodels.families import FAMILIES, ensure_family_model
 
+    if not omp_default:  # equal spin: importing it sets modeld's (its worker's) unless one is set
+        import modeld.backends._omp  # noqa: F401
+    spin = os.environ.get("GOMP_SPINCOUNT") or "llama-server: libgomp's default; modeld's worker: its own"
     turns = turns or (QUICK_TURNS if quick else FAMILY_TURNS)
     chosen = names or (list(QUICK_FAMILIES) if quick else [f.name for f in FAMILIES])
     base = testmodels.REPLY if quick else testmodels.REALISTIC
@@ -469,13 +486,16 @@ def run_families(
         out[name]["model_made_s"] = round(made_s, 1)
         out[name]["load_average"] = os.getloadavg()
         if progress is not None:
-            progress(_document(base.name, turns, max_tokens, started, out))
-    return _document(base.name, turns, max_tokens, started, out)
+            progress(_document(base.name, turns, max_tokens, started, out, spin))
+    return _document(base.name, turns, max_tokens, started, out, spin)
 
 
-def _document(model: str, turns: int, max_tokens: int, started: float, out: dict[str, Any]) -> dict[str, Any]:
+def _document(
+    model: str, turns: int, max_tokens: int, started: float, out: dict[str, Any], spin: str
+) -> dict[str, Any]:
     return {
         "model": model,
+        "gomp_spincount": spin,
         "turns": turns,
         "max_tokens": max_tokens,
         "system_chars": SYSTEM_CHARS,
@@ -497,6 +517,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", default="", help="comma-separated families (default: all; quick: a few)")
     parser.add_argument("--turns", type=int, default=0, help=f"turns per loop (default {FAMILY_TURNS})")
     parser.add_argument("--keep-models", action="store_true", help="keep the realistic family copies cached")
+    parser.add_argument(
+        "--omp-default",
+        action="store_true",
+        help="llama-server with libgomp's default spin (default: modeld's worker's GOMP_SPINCOUNT for both)",
+    )
+    parser.add_argument(
+        "--systems", default="", help=f"comma-separated systems (default: {','.join(SYSTEMS)})"
+    )
     parser.add_argument("--out", type=Path, help="directory for report.md and run-<id>.json")
     parser.add_argument(
         "--report",
@@ -523,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         names=[n for n in args.family.split(",") if n] or None,
         turns=args.turns or None,
         keep_models=args.keep_models,
+        systems=[n for n in args.systems.split(",") if n] or None,
+        omp_default=args.omp_default,
         log=lambda s: print(s, flush=True),
         progress=partial(write_report, out, run_id),  # the families so far, kept if the run is stopped
     )
@@ -532,10 +562,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def merge_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Runs of different families (a run stopped, the rest run after it) as one document: every
-    family's loop, the settings of the first run, the load at each run's end, the errors summed."""
+    """Runs as one document: every family's loop (the last run's, where several ran it; all of
+    them under ``repeats``, for the spread over runs), the settings of the first run, the load at
+    each run's end, the errors summed."""
     merged = dict(results[0])
     merged["families"] = {name: loop for r in results for name, loop in r["families"].items()}
+    merged["repeats"] = {}
+    for r in results:
+        for name, loop in r["families"].items():
+            merged["repeats"].setdefault(name, []).append(loop)
     merged["errors"] = sum(int(r["errors"]) for r in results)
     merged["duration_s"] = sum(float(r["duration_s"]) for r in results)
     merged["runs"] = [{"load_average": r["load_average"], "duration_s": r["duration_s"]} for r in results]
@@ -547,7 +582,11 @@ def write_report(out: Path, run_id: str, result: dict[str, Any], *, run_json: bo
     out.mkdir(parents=True, exist_ok=True)
     if run_json:
         (out / f"run-{run_id}.json").write_text(json.dumps({"id": run_id, "families": result}, indent=1))
-    report = "\n".join([f"# modeld benchmark: families (run {run_id})", "", *families_lines(result)])
+    exact = out / "exactness.jsonl"  # bench/families_exactness.py --out: warm against fresh
+    rows = [json.loads(line) for line in exact.read_text().splitlines() if line] if exact.is_file() else []
+    report = "\n".join(
+        [f"# modeld benchmark: families (run {run_id})", "", *families_lines(result), *exactness_lines(rows)]
+    )
     (out / "report.md").write_text(report)
     return report
 

@@ -4,7 +4,9 @@ Built by ``scripts/build_llama_server.sh`` from the llama.cpp vendored in the pi
 llama-cpp-python sdist (the engine's own commit). Settings: one slot per workspace (``-np``),
 a unified KV buffer (``--kv-unified``: every slot may use the whole pool, a shared prefix can be
 stored once), ``-c`` = slots x the workload's per-sequence context (or the workload's small pool),
-the host-RAM prompt cache (``--cache-ram``), chunk reuse by KV shifting (``--cache-reuse 256``),
+the host-RAM prompt cache (``--cache-ram``), chunk reuse by KV shifting (``--cache-reuse 256``;
+``cache_reuse=0`` leaves it at llama-server's default, off: the families' baseline, as a shifted
+chunk is not what a fresh prefill computes, blueprint 0010),
 and ``--slot-save-path`` so a restart can save every slot before the stop and restore it after
 the start (``POST /slots/{id}?action=save|restore``), plus what a workload declares
 (``Workload.llama_server_flags``: a higher ``--slot-prompt-similarity`` for sub-agents). Flash
@@ -26,15 +28,18 @@ from bench.systems.openai_http import HttpServerSystem, Streamed
 from bench.workloads import Turn, Workload
 from modeld.backends.cpu import cpu_has_amx
 
-__all__ = ["CACHE_RAM_MIB", "LlamaServerSystem"]
+__all__ = ["CACHE_RAM_MIB", "CACHE_REUSE", "LlamaServerSystem"]
 
 CACHE_RAM_MIB = 4096
+CACHE_REUSE = 256  # the smallest chunk (tokens) llama-server moves to a new position; 0: off
 
 
 class LlamaServerSystem(HttpServerSystem):
     name = "llama-server"
 
-    def __init__(self, binary: str, model: str, load: Workload, threads: int) -> None:
+    def __init__(
+        self, binary: str, model: str, load: Workload, threads: int, *, cache_reuse: int = CACHE_REUSE
+    ) -> None:
         if not binary or not Path(binary).is_file():
             raise Unsupported(
                 "no llama-server binary given (`make bench` builds one with scripts/build_llama_server.sh; "
@@ -54,7 +59,7 @@ class LlamaServerSystem(HttpServerSystem):
             "-np", str(self.slots),
             "--kv-unified",
             "--cache-ram", str(CACHE_RAM_MIB),
-            "--cache-reuse", "256",
+            *(["--cache-reuse", str(cache_reuse)] if cache_reuse else []),  # 0: llama-server's default
             "-t", str(threads),
             "-tb", str(threads),
             "-b", "512",

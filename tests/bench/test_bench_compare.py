@@ -220,3 +220,40 @@ def test_a_worse_overhead_row_fails_the_command(tmp_path: Path, capsys: pytest.C
     out = capsys.readouterr()
     assert "worse        overhead               worker_ipc_turn_ms" in out.out
     assert "got worse" in out.err
+
+
+def _families_run(modeld_ttft: float, modeld_turn2: int) -> dict[str, Any]:
+    """A families run file (``bench/results/families/run-*.json``): one family, two turns."""
+
+    def record(system: str, turn: int, ttft: float, computed: int) -> dict[str, Any]:
+        return {"system": system, "turn": turn, "ttft_s": ttft, "first_chunk_s": ttft, "computed_tokens": computed,
+                "prompt_ms": ttft * 900, "error": ""}  # fmt: skip
+
+    records = [
+        record("modeld", 0, 9.0, 2000),
+        record("llama-server", 0, 9.0, 2000),
+        record("modeld", 1, modeld_ttft, modeld_turn2),
+        record("llama-server", 1, 1.0, 400),
+    ]
+    return {"id": "x", "families": {"families": {"qwen3": {"records": records, "notes": []}}}}
+
+
+def test_the_families_rows_are_compared(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.compare import compare_extras, extra_figures
+
+    runs = {"run_docs": [_families_run(0.6, 400), _families_run(0.7, 400)]}  # 17% apart
+    figures = extra_figures(runs)
+    assert figures[("families", "qwen3_ttft_ratio")].value == pytest.approx(0.65)
+    assert figures[("families", "qwen3_ttft_ratio")].spread == pytest.approx(0.7 / 0.6 - 1)
+    assert figures[("families", "qwen3_computed_ratio")].value == pytest.approx(2400 / 2400)
+    verdicts = {f.ratio: f.verdict for f in compare_extras(runs, _families_run(0.74, 400))}
+    assert verdicts == {"qwen3_ttft_ratio": "ok", "qwen3_computed_ratio": "ok"}
+    verdicts = {f.ratio: f.verdict for f in compare_extras(runs, _families_run(0.9, 600))}
+    assert verdicts == {"qwen3_ttft_ratio": "worse", "qwen3_computed_ratio": "worse"}
+    paths = []
+    for k, run in enumerate([_families_run(0.6, 400), _families_run(0.7, 400), _families_run(0.9, 600)]):
+        paths.append(tmp_path / f"run-{k}.json")
+        paths[-1].write_text(json.dumps(run))
+    assert main(["--baseline", str(paths[0]), str(paths[1]), "--current", str(paths[1])]) == 0
+    assert main(["--baseline", str(paths[0]), str(paths[1]), "--current", str(paths[2])]) == 1
+    assert "worse        families               qwen3_ttft_ratio" in capsys.readouterr().out

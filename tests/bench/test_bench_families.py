@@ -22,7 +22,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the bench program is not installed
 
-from bench.families import FAMILY_TURNS, bodies
+from bench.families import FAMILY_TURNS, bodies, merge_runs
+from bench.families_exactness import compare_answers
 from bench.families_report import families_lines, family_summary
 from modeld.engine.chat import ChatRenderer, Message
 from modeld.testmodels.families import FAMILIES, Family
@@ -85,33 +86,78 @@ def _record(system: str, turn: int, ttft: float, computed: int | None, error: st
     }
 
 
-def test_warm_ratio_median_and_range_and_the_turns_modeld_computed_more() -> None:
-    loop = {
+def _loop() -> dict[str, Any]:
+    return {
         "family": "qwen3",
         "notes": [],
         "load_average": [1.5, 1.0, 1.0],
         "records": [
             _record("modeld", 0, 9.0, 2000),
             _record("llama-server", 0, 8.0, 2000),
+            _record("llama-server-reuse", 0, 8.0, 2000),
             _record("modeld", 1, 0.6, 400),
             _record("llama-server", 1, 1.0, 400),
-            _record("modeld", 2, 1.8, 800),  # llama-server shifted a chunk: modeld computed more
-            _record("llama-server", 2, 1.2, 380),
+            _record("llama-server-reuse", 1, 1.0, 400),
+            _record("modeld", 2, 1.8, 800),  # the template re-rendered: both exact systems compute 800
+            _record("llama-server", 2, 1.2, 800),
+            _record("llama-server-reuse", 2, 0.9, 380),  # --cache-reuse shifted a chunk
             _record("modeld", 3, 0.7, 300),
             _record("llama-server", 3, 1.0, 300),
+            _record("llama-server-reuse", 3, 1.4, 300),
         ],
     }
+
+
+def test_warm_ratio_median_and_range_against_both_llama_servers_and_the_turns_modeld_computed_more() -> None:
+    loop = _loop()
     s = family_summary(loop)
     assert s["warm_turns"] == 3
+    # against llama-server's default (the goal's baseline)
     assert s["ttft_ratio_median"] == pytest.approx(0.7)  # 0.6, 1.5, 0.7: the cold turn left out
     assert (s["ttft_ratio_min"], s["ttft_ratio_max"]) == (pytest.approx(0.6), pytest.approx(1.5))
     assert s["ttft_met"] is True
-    assert s["more_computed_turns"] == [2]
-    assert s["computed_met"] is False
-    assert s["modeld_computed_total"] == 3500 and s["llama-server_computed_total"] == 3080
+    assert s["more_computed_turns"] == [] and s["computed_met"] is True
+    # against --cache-reuse 256
+    reuse = s["reuse"]
+    assert reuse["ttft_ratio_median"] == pytest.approx(0.6)  # 0.6, 2.0, 0.5
+    assert reuse["more_computed_turns"] == [2] and reuse["computed_met"] is False
+    assert s["modeld_computed_total"] == 3500 and s["llama-server_computed_total"] == 3500
+    assert s["llama-server-reuse_computed_total"] == 3080
     lines = "\n".join(families_lines(_result(loop)))
-    assert "| qwen3 | 700 | 1000 | 0.70 (0.60-1.50) ✓ |" in lines
-    assert "| 400 / 380 (3500 / 3080) | 2 ✗ | 1.50 |" in lines
+    assert "| qwen3 | 700 | 1000 | 1000 | 0.70 (0.60-1.50) ✓ | 0.60 (0.50-2.00) ✓ |" in lines
+    assert "| 400 / 400 / 380 (3500 / 3500 / 3080) | none ✓ | 2 ✗ | 1.50 |" in lines
+
+
+def test_runs_merged_give_each_familys_spread_over_the_runs() -> None:
+    second = _loop()
+    for r in second["records"]:
+        if r["system"] == "modeld":
+            r["ttft_s"] *= 2  # ratios 1.2, 3.0, 1.4 against the default: median 1.4
+    merged = merge_runs([_result(_loop()), _result(second)])
+    assert [len(v) for v in merged["repeats"].values()] == [2]
+    lines = "\n".join(families_lines(merged))
+    assert (
+        "| qwen3 | 1.05 (0.70-1.40; spread 0.70; 2 runs) ✗ | 0.90 (0.60-1.20; spread 0.60; 2 runs) |" in lines
+    )
+
+
+def test_a_shifted_answer_is_told_apart_from_an_exact_one() -> None:
+    def answer(*top: tuple[str, float]) -> dict[str, Any]:
+        content = [{"token": t, "logprob": p, "top_logprobs": [{"token": t, "logprob": p}]} for t, p in top]
+        return {"choices": [{"logprobs": {"content": content}}]}
+
+    fresh = answer(("a", -0.5), ("b", -1.0), ("c", -0.2))
+    assert compare_answers(fresh, fresh) == {
+        "positions": 3,
+        "tokens_agree": 3,
+        "first_logprob_gap": 0.0,
+        "max_logprob_gap": 0.0,
+        "top5_same_at_first": True,
+    }
+    shifted = compare_answers(answer(("a", -0.49), ("b", -1.1), ("x", -0.3)), fresh)
+    assert shifted["tokens_agree"] == 2
+    assert shifted["first_logprob_gap"] == pytest.approx(0.01)
+    assert shifted["max_logprob_gap"] == pytest.approx(0.1)
 
 
 def test_a_turn_llama_servers_parser_refused_counts_its_prefill_but_not_its_ttft() -> None:
@@ -140,4 +186,35 @@ def _result(loop: dict[str, Any]) -> dict[str, Any]:
         "system_chars": 2000,
         "load_average": (1.0, 1.0, 1.0),
         "families": {loop["family"]: loop},
+        "errors": 0,
+        "duration_s": 1.0,
     }
+
+
+def test_the_exactness_lines_show_each_system_against_a_fresh_server() -> None:
+    from bench.families_report import exactness_lines
+
+    pair = {"computed_warm": 384, "computed_fresh": 3099, "positions": 16, "tokens_agree": 0}
+    row = {
+        "model": "realistic",
+        "family": "qwen3",
+        "llama-server --cache-reuse 256": {
+            **pair,
+            "first_logprob_gap": float("inf"),
+            "max_logprob_gap": None,
+        },
+        "modeld": {
+            **pair,
+            "computed_warm": 818,
+            "tokens_agree": 16,
+            "first_logprob_gap": 0.0,
+            "max_logprob_gap": 0.0,
+        },
+    }
+    lines = exactness_lines([json.loads(json.dumps(row))])  # as read back from exactness.jsonl
+    assert (
+        "| realistic | qwen3 | llama-server --cache-reuse 256 | 384 / 3099 | 0 of 16 | no top-5 token in common | - |"
+        in lines
+    )
+    assert "| realistic | qwen3 | modeld | 818 / 3099 | 16 of 16 | 0 | 0 |" in lines
+    assert exactness_lines([]) == []
