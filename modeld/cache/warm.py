@@ -294,6 +294,8 @@ class ModelCache:
     def _recomputed(self, slot: SessionSlot, hold: Hold, target: list[int], choice: Choice) -> None:
         """A turn that will compute tokens its session had in its warm context before says
         where they went, in its decision and in the log, and counts them (``recomputed``)."""
+        if hold.keep >= min(len(slot.computed), len(target)):
+            return  # nothing it computed before lies past what it keeps (a warm turn: no compare)
         before = common_prefix_len(slot.computed, target)
         again = before - hold.keep
         if again <= 0:
