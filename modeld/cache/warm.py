@@ -43,7 +43,7 @@ from dataclasses import replace
 
 from modeld.backends.base import Layout
 from modeld.cache import eviction, prefetch
-from modeld.cache.choice import Choice, choose
+from modeld.cache.choice import Choice, SessionSaved, choose
 from modeld.cache.cost import Costs
 from modeld.cache.hold import Hold
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
@@ -322,12 +322,9 @@ class ModelCache:
         fmt = pool.layout.snapshot_format
         entries = tiers.candidates(pool.model_digest, slot.identity, fmt) if tiers is not None else []
 
-        computed = slot.computed
         # What this session left the KV with (saved whole): restored for any gain, since its
         # suffix and decode serve the turn's next operations too (never computed again).
-        mine = {
-            e.key for e in entries if len(e.tokens) <= len(computed) and computed[: len(e.tokens)] == e.tokens
-        }
+        mine = SessionSaved(slot.computed, entries)
 
         def pick(candidates: list[TierEntry]) -> Choice:
             return choose(
