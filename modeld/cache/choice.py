@@ -54,7 +54,7 @@ class SessionSaved:
     """``choose``'s ``mine``: the keys of the tier entries holding what a session computed last
     (``computed`` begins with their tokens), found when the choice first asks. A warm turn's
     choice (rule 1) never does: each of a turn's operations compared every entry's tokens with
-    ``computed`` before (blueprint 0017, "Issue 34's refactors")."""
+    ``computed`` before (measured in blueprint 0017)."""
 
     def __init__(self, computed: list[int], entries: Iterable[TierEntry]) -> None:
         self._computed = computed
