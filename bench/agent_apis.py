@@ -72,6 +72,7 @@ from typing import Any
 
 import httpx
 
+from bench.extra_run import write_extra_run
 from bench.systems.base import Unsupported, settle
 from bench.systems.llama_server import LlamaServerSystem
 from bench.systems.modeld_http import ModeldHttpSystem
@@ -748,28 +749,17 @@ def main(argv: list[str] | None = None) -> int:
         whole=args.whole,
         log=lambda s: print(s, flush=True),
     )
-    doc = {
-        "id": time.strftime("%Y%m%d-%H%M%S", time.localtime(started)),
-        "model": {"name": spec.name, "file": Path(model).name},
-        "load_average_start": load_start,
-        "load_average_end": os.getloadavg(),
-        "duration_s": round(time.time() - started, 1),
-        "agent_apis": result,
-    }
-    out = (
-        args.out
-        or Path(__file__).resolve().parent
-        / "results"
-        / ("quick" if args.quick else "")
-        / "runs"
-        / f"{doc['id']}-agent_apis"
+    out = write_extra_run(
+        "agent_apis",
+        (spec.name, Path(model).name),
+        started,
+        result,
+        lambda r: agent_apis_lines(r, spec.name),
+        args.out,
+        quick=args.quick,
+        load_start=load_start,
     )
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run.json").write_text(json.dumps(doc, indent=1))
-    report = "\n".join(agent_apis_lines(result, spec.name))
-    (out / "report.md").write_text(report)
-    print(report)
-    print(f"bench: wrote {out} in {doc['duration_s']} s", flush=True)
+    print(f"bench: wrote {out} in {round(time.time() - started, 1)} s", flush=True)
     return 1 if result["errors"] else 0
 
 

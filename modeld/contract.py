@@ -394,6 +394,13 @@ class PrefixStatus:
     diverged_segment_index: int | None = None
     """When the prefix diverged (``reuse.diverged_at_token``): the index, in this prefix's
     manifest, of the segment holding that token (a chat prefix's message), when known."""
+    diverged_part: str = ""
+    """When a chat prefix diverged: the part of the prompt holding that token, ``system`` (the
+    system message, or the template's head before any message), ``tools`` (where the template
+    put the tool definitions) or ``messages``; "" for a text prefix or no divergence."""
+    context_id: str = ""
+    """The session's warm context once the prefix is in place (its id in explain-context;
+    "" when it holds none): what a later turn's ``reuse.context`` is compared with."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,7 +63,8 @@ _Result = TypeVar("_Result")
 
 
 class AsyncClient(ClientBase, AsyncClosing):
-    """Implements the AsyncService contract over a grpc.aio channel. ``resume``: as
+    """Implements the AsyncService contract over a grpc.aio channel. ``resume`` and ``job`` (the
+    label the sessions' request records carry, sent as ``x-modeld-job`` metadata): as
     :class:`~runtime_client.client.Client`."""
 
     def __init__(
@@ -74,8 +75,10 @@ class AsyncClient(ClientBase, AsyncClosing):
         resume: bool = True,
         resume_timeout: float = RESUME_TIMEOUT,
         discovery: Discovery | None = None,
+        job: str = "",
     ) -> None:
         super().__init__(endpoint, max_message_bytes, resume, resume_timeout, discovery)
+        self.job = job
         self._follow_lock = asyncio.Lock()
         self._retired: list[grpc.aio.Channel] = []
         self._channel = self._dial(endpoint.target)
@@ -85,8 +88,11 @@ class AsyncClient(ClientBase, AsyncClosing):
         return grpc.aio.insecure_channel(target, options=channel_options(self.max_message_bytes))
 
     async def _call(self, method: Any, request: Any, timeout: float) -> Any:
+        metadata = self.endpoint.metadata
+        if self.job:
+            metadata = (*(metadata or ()), ("x-modeld-job", self.job))
         try:
-            return await method(request, timeout=timeout, metadata=self.endpoint.metadata)
+            return await method(request, timeout=timeout, metadata=metadata)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc, self.endpoint.target) from None
 
@@ -471,10 +477,11 @@ def aconnect(
     token: str | None = None,
     resume: bool = True,
     resume_timeout: float = RESUME_TIMEOUT,
+    job: str = "",
 ) -> AsyncConnect:
     """Find the daemon (argument, ``MODELD_ADDRESS``, then the owner lease) and connect: the
-    asyncio twin of :func:`~runtime_client.client.connect`. ``async with aconnect() as client``
-    and ``client = await aconnect()`` both work."""
+    asyncio twin of :func:`~runtime_client.client.connect` (``job`` too). ``async with
+    aconnect() as client`` and ``client = await aconnect()`` both work."""
     where = Discovery(address, Path(data_dir) if data_dir is not None else None, token)
 
     def make() -> AsyncClient:
@@ -484,6 +491,7 @@ def aconnect(
             resume=resume,
             resume_timeout=resume_timeout,
             discovery=where,
+            job=job,
         )
 
     return AsyncConnect(make)

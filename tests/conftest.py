@@ -1,4 +1,7 @@
-"""Shared fixtures. ``harness`` runs a test once per implementation of the contract."""
+"""Shared fixtures. ``harness`` runs a test once per implementation of the contract.
+
+The run ends what it started even when it is killed (SIGTERM, SIGHUP) or a teardown never ran:
+``tests/helpers/reaper.py``, installed here."""
 
 from __future__ import annotations
 
@@ -11,7 +14,28 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))  # the helper modules every room imports
 
+import reaper
 from harness import Harness, local_harness, model_of, wire_harness
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A run killed by SIGTERM or SIGHUP ends what it started first (``reaper.py``)."""
+
+    def say(text: str) -> None:
+        capture = config.pluginmanager.get_plugin("capturemanager")
+        if capture is not None:
+            capture.suspend_global_capture(in_=False)
+        sys.stderr.write(f"\n{text}\n")
+        sys.stderr.flush()
+
+    reaper.install(say)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """End what a teardown that never ran left running, and say so."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    reaper.sweep(reporter.write_line if reporter is not None else print)
+
 
 IMPLEMENTATIONS = [
     "memory-local",

@@ -26,14 +26,15 @@ Design record: ``blueprints/0016-warm-state.md``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 from modeld.cache.pool import WarmContext
 from modeld.cache.reuse import common_prefix_len
 from modeld.cache.tiers import TierEntry
 
-__all__ = ["Choice", "choose"]
+__all__ = ["Choice", "SessionSaved", "choose"]
 
 
 @dataclass
@@ -47,6 +48,35 @@ class Choice:
     entry: TierEntry | None = None
     blocked: bool = False
     seen: bool = False
+
+
+class SessionSaved:
+    """``choose``'s ``mine``: the keys of the tier entries holding what a session computed last
+    (``computed`` begins with their tokens), found when the choice first asks. A warm turn's
+    choice (rule 1) never does: each of a turn's operations compared every entry's tokens with
+    ``computed`` before (measured in blueprint 0017)."""
+
+    def __init__(self, computed: list[int], entries: Iterable[TierEntry]) -> None:
+        self._computed = computed
+        self._entries = entries
+
+    @cached_property
+    def keys(self) -> frozenset[str]:
+        computed = self._computed
+        return frozenset(
+            e.key
+            for e in self._entries
+            if len(e.tokens) <= len(computed) and computed[: len(e.tokens)] == e.tokens
+        )
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
 def usable(

@@ -397,7 +397,9 @@ class Hold:
             context.turn_until = now + TURN_SECONDS if self.stage in ("prefix", "suffix") else 0.0
             owner = context.owner
             if owner is not None and self._state.pool.holds(context):
-                owner.computed = list(context.tokens)
+                # Shared, not copied (an 8k-token copy per operation of every turn): a context's
+                # token list is replaced whenever it changes, never changed in place.
+                owner.computed = context.tokens
         self._state.room_freed()
 
     def __enter__(self) -> Hold:

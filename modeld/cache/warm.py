@@ -43,7 +43,7 @@ from dataclasses import replace
 
 from modeld.backends.base import Layout
 from modeld.cache import eviction, prefetch
-from modeld.cache.choice import Choice, choose
+from modeld.cache.choice import Choice, SessionSaved, choose
 from modeld.cache.cost import Costs
 from modeld.cache.hold import Hold
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
@@ -99,45 +99,38 @@ class ModelCache:
             file_key=file_key,
         )
         """What this cache shares with the holds it hands out (``state.py``)."""
-        # The state's parts, under the names this module reads them by.
-        self._pool = self.state.pool
-        self._file_key = self.state.file_key
-        self._history = self.state.history
-        self._lock = self.state.lock
-        self._room = self.state.room
-        self._saver = self.state.saver
         self._waiting: list[object] = []
         """Turns waiting for room, in the order they came (the first one tries first)."""
 
     @property
     def counters(self) -> dict[str, int]:
-        return self._pool.counters
+        return self.state.pool.counters
 
     @property
     def costs(self) -> Costs:
         """What this model's warm contexts cost where they are, as measured (``cost.py``)."""
-        return self._pool.costs
+        return self.state.pool.costs
 
     # --- sessions -------------------------------------------------------------------------------
 
     def slot(
         self, session_id: str, identity: str, *, pinned: bool = False, keep_alive: float | None = None
     ) -> SessionSlot:
-        with self._lock:
-            slots = self._pool.slots
+        with self.state.lock:
+            slots = self.state.pool.slots
             slot = slots.get(session_id)
             if slot is None:
                 slot = slots[session_id] = SessionSlot(session_id, identity, pinned, keep_alive)
-                self._pool.identities.add(identity)
+                self.state.pool.identities.add(identity)
             return slot
 
     def forget_session(self, slot: SessionSlot) -> None:
         """The session closed: its context stays warm, detached, for whoever needs it next."""
-        with self._lock:
+        with self.state.lock:
             if slot.context is not None and slot.context.owner is slot:
                 slot.context.owner = None
             slot.context = None
-            self._pool.slots.pop(slot.session_id, None)
+            self.state.pool.slots.pop(slot.session_id, None)
 
     # --- a turn's hold --------------------------------------------------------------------------
 
@@ -160,13 +153,13 @@ class ModelCache:
         decode may generate); ``head`` how many of ``target``'s first tokens any prefix of its
         format starts with (the chat template's head, BOS): reusing no more is a cold turn."""
         runtime = self.runtime()
-        changed = self._history.changed(self._file_key, manifest)
-        self._saver.settle()  # a choice must see every tier entry
-        wait = self._pool.settings.room_wait_seconds
+        changed = self.state.history.changed(self.state.file_key, manifest)
+        self.state.saver.settle()  # a choice must see every tier entry
+        wait = self.state.pool.settings.room_wait_seconds
         waiter: object | None = None
         logged = False
         started = time.monotonic()
-        with self._lock:
+        with self.state.lock:
             try:
                 while True:
                     # A turn that starts queues behind the turns waiting for room (in the order
@@ -197,20 +190,23 @@ class ModelCache:
                             if not logged:
                                 logged = True
                                 log.info(
-                                    "%s: a turn's %s waits for KV room: %s", self._pool.name, stage, need.why
+                                    "%s: a turn's %s waits for KV room: %s",
+                                    self.state.pool.name,
+                                    stage,
+                                    need.why,
                                 )
                     left = started + wait - time.monotonic()
                     if left <= 0:
                         raise BusyError(
-                            f"{self._pool.name}: turns that came first still wait for KV cells after "
+                            f"{self.state.pool.name}: turns that came first still wait for KV cells after "
                             f"{wait:.0f}s (--queue-wait)",
                             wait_seconds=int(wait),
                         )
-                    self._room.wait(min(left, 1.0))
+                    self.state.room.wait(min(left, 1.0))
             finally:
                 if waiter is not None:
                     self._waiting.remove(waiter)
-                    self._room.notify_all()
+                    self.state.room.notify_all()
 
     def _hold(
         self,
@@ -226,7 +222,7 @@ class ModelCache:
     ) -> Hold:
         """:meth:`hold`'s choice, placement and room, under the lock (raises
         :class:`~modeld.cache.eviction.NeedRoom` when busy contexts hold the room it needs)."""
-        pool = self._pool
+        pool = self.state.pool
         choice = self._choose(slot, target, head, remote=stage == "prefix")
         try:
             dst = self._place(slot, choice, runtime, head)
@@ -285,7 +281,7 @@ class ModelCache:
             loss=slot.loss if cold else None,
             changed=changed if hold.keep == 0 and not choice.seen else None,
             truncation_blocked=choice.blocked and hold.keep == 0,
-            model_file=echo(self._file_key[1], 200) if self._file_key[1] else "",
+            model_file=echo(self.state.file_key[1], 200) if self.state.file_key[1] else "",
             head=head,
         )
         self._recomputed(slot, hold, target, choice)
@@ -298,11 +294,13 @@ class ModelCache:
     def _recomputed(self, slot: SessionSlot, hold: Hold, target: list[int], choice: Choice) -> None:
         """A turn that will compute tokens its session had in its warm context before says
         where they went, in its decision and in the log, and counts them (``recomputed``)."""
+        if hold.keep >= min(len(slot.computed), len(target)):
+            return  # nothing it computed before lies past what it keeps (a warm turn: no compare)
         before = common_prefix_len(slot.computed, target)
         again = before - hold.keep
         if again <= 0:
             return
-        pool = self._pool
+        pool = self.state.pool
         pool.counters["recomputed"] += again
         if slot.loss is not None:
             where = f"its warm context was {slot.loss.kind.replace('_', ' ')}: {slot.loss.message}"
@@ -318,18 +316,15 @@ class ModelCache:
         """The choice among the KV and the local tiers; a prefix they do not cover whole is
         looked up in the remote tier too (``remote``: the shared store, blueprint 0020), whose
         snapshots come after the local ones (the local one wins at equal length)."""
-        pool = self._pool
+        pool = self.state.pool
         own = pool.own(slot)
         tiers = pool.tiers
         fmt = pool.layout.snapshot_format
         entries = tiers.candidates(pool.model_digest, slot.identity, fmt) if tiers is not None else []
 
-        computed = slot.computed
         # What this session left the KV with (saved whole): restored for any gain, since its
         # suffix and decode serve the turn's next operations too (never computed again).
-        mine = {
-            e.key for e in entries if len(e.tokens) <= len(computed) and computed[: len(e.tokens)] == e.tokens
-        }
+        mine = SessionSaved(slot.computed, entries)
 
         def pick(candidates: list[TierEntry]) -> Choice:
             return choose(
@@ -358,7 +353,7 @@ class ModelCache:
         that shares no more than the format's ``head`` (BOS, the chat template's head: any context
         has it) does not keep the least valuable context from going to a tier: it used to,
         whenever the least recently used context was the one the head would be copied from."""
-        own = self._pool.own(slot)
+        own = self.state.pool.own(slot)
         source = choice.context
         if source is not None and source is not own and source.owner is None and not source.busy:
             # A detached context (its session closed): adopt it; the session's previous
@@ -370,9 +365,9 @@ class ModelCache:
             return source
         if own is None:
             keep_away = source if choice.keep > head else None
-            return eviction.new_context(self._pool, slot, runtime, keep_away=keep_away)
+            return eviction.new_context(self.state.pool, slot, runtime, keep_away=keep_away)
         if source is not own:
-            eviction.save_before_overwrite(self._pool, own, choice.keep, runtime)
+            eviction.save_before_overwrite(self.state.pool, own, choice.keep, runtime)
         return own
 
     def _fill(self, slot: SessionSlot, hold: Hold, choice: Choice, runtime: KVRuntime, head: int) -> None:
@@ -388,19 +383,19 @@ class ModelCache:
             hold.source = Candidate("kv", dst.id, dst.prefix_tokens, own=own or choice.keep == 0)
         elif source is not None:
             n = choice.keep
-            layout = self._pool.layout
+            layout = self.state.pool.layout
             # Memory cut back through checkpoints is copied whole: the turn's sync then goes back
             # to the checkpoint before n and says so (a copy cannot report where it landed).
             whole = len(source.tokens) if layout.checkpoints and not layout.can_truncate else n
             runtime.copy(source.seq, dst.seq, whole)
-            self._pool.ledger.copy(source.seq, dst.seq, whole)
+            self.state.pool.ledger.copy(source.seq, dst.seq, whole)
             dst.tokens = source.tokens[:whole]
             dst.prefix_tokens = min(source.prefix_tokens, n)
             dst.generation += 1
             dst.saved_key = ""
             if n > head:
                 source.last_used = time.time()
-            self._pool.counters["copies"] += 1
+            self.state.pool.counters["copies"] += 1
             hold.keep = n
             hold.source = Candidate("kv", source.id, source.prefix_tokens, own=False)
         elif choice.entry is not None:
@@ -409,7 +404,7 @@ class ModelCache:
     def _restore(
         self, slot: SessionSlot, hold: Hold, entry: TierEntry, keep: int, runtime: KVRuntime
     ) -> None:
-        pool = self._pool
+        pool = self.state.pool
         assert pool.tiers is not None
         dst = hold.context
         started = time.perf_counter()
@@ -461,32 +456,32 @@ class ModelCache:
 
     def reset(self, error: ModeldError) -> None:
         """The engine lost every sequence (its worker died or the model was unloaded)."""
-        with self._lock:
-            self._room.notify_all()
-            for context in self._pool.contexts.values():
+        with self.state.lock:
+            self.state.room.notify_all()
+            for context in self.state.pool.contexts.values():
                 if context.owner is not None:
                     context.owner.loss = Loss("engine_reset", error.message)
                     context.owner.context = None
-            self._pool.clear()
+            self.state.pool.clear()
 
     def retire(self, why: str, kind: str = "evicted") -> None:
         """Save every warm context to the tiers (as far as the budgets allow) and forget them:
         the model is being unloaded or the daemon is stopping."""
         runtime = self.runtime()
-        with self._lock:
-            for context in list(self._pool.contexts.values()):
+        with self.state.lock:
+            for context in list(self.state.pool.contexts.values()):
                 if context.busy:
                     continue
                 tier = ""
                 with contextlib.suppress(ModeldError):
                     tier = eviction.save(
-                        self._pool, context, runtime, whole=self._pool.layout.whole_snapshots
+                        self.state.pool, context, runtime, whole=self.state.pool.layout.whole_snapshots
                     )
                 if context.owner is not None:
                     where = f"saved to the {tier} tier" if tier else "not saved"
                     context.owner.loss = Loss(kind, f"{why}; {where}", tier or "none")
                     context.owner.context = None
-            self._pool.clear()
+            self.state.pool.clear()
 
     def persist_all(self, *, whole: bool | None = None) -> None:
         """Write every warm context, every resident token (``whole`` False: its prefix), to the
@@ -494,59 +489,59 @@ class ModelCache:
         the KV keeps every token (blueprint 0016, "Where a context goes"). By default whole where
         a restored snapshot can be cut (``Layout.whole_snapshots``: memory that can be cut, or
         checkpoints inside the snapshot); other memory keeps its state at the prefix, as evicted."""
-        tiers = self._pool.tiers
+        tiers = self.state.pool.tiers
         if tiers is None or not tiers.persistent:
             return
-        self._saver.settle()  # earlier write-behind snapshots first
+        self.state.saver.settle()  # earlier write-behind snapshots first
         runtime = self.runtime()
-        with self._lock:
-            for context in list(self._pool.contexts.values()):
+        with self.state.lock:
+            for context in list(self.state.pool.contexts.values()):
                 if not context.busy:
                     with contextlib.suppress(ModeldError):
-                        every = self._pool.layout.whole_snapshots if whole is None else whole
-                        eviction.save(self._pool, context, runtime, persist=True, whole=every)
+                        every = self.state.pool.layout.whole_snapshots if whole is None else whole
+                        eviction.save(self.state.pool, context, runtime, persist=True, whole=every)
 
     def prefetch(self, now: float) -> int:
         """Bring back into the KV pool, before they ask, the contexts of open sessions whose last
         turn ended in a tool call and which left the pool meanwhile (``prefetch.py``), when the
         pool is idle. Returns how many came back."""
-        pool = self._pool
+        pool = self.state.pool
         if pool.tiers is None or not pool.layout.explicit:
             return 0
-        if not self._lock.acquire(timeout=0.2):
+        if not self.state.lock.acquire(timeout=0.2):
             return 0
         try:
             if self.state.closed or self._waiting or any(c.busy for c in pool.contexts.values()):
                 return 0
             return prefetch.bring_back(pool, self.runtime, now)
         finally:
-            self._lock.release()
+            self.state.lock.release()
 
     def expire(self, now: float) -> None:
         """Evict contexts idle past their session's keep-alive (to the tiers)."""
         runtime: KVRuntime | None = None
-        with self._lock:
-            for context in list(self._pool.contexts.values()):
+        with self.state.lock:
+            for context in list(self.state.pool.contexts.values()):
                 owner = context.owner
                 if owner is None or owner.keep_alive is None or context.busy or owner.pinned:
                     continue
                 if now - context.last_used > owner.keep_alive:
                     runtime = runtime or self.runtime()
                     why = f"idle for more than its keep-alive of {owner.keep_alive:g}s"
-                    eviction.evict(self._pool, context, runtime, why)
+                    eviction.evict(self.state.pool, context, runtime, why)
                     owner.ended = ""  # its client said how long to keep it: never brought back early
 
     def close(self) -> None:
-        with self._lock:
+        with self.state.lock:
             self.state.closed = True
-            self._room.notify_all()
-        self._saver.close()
+            self.state.room.notify_all()
+        self.state.saver.close()
 
     # --- observers ----------------------------------------------------------------------------
 
     def kv_tokens(self, slot: SessionSlot, tokens: list[int]) -> int:
         """How many of a session's tokens its warm context holds in the KV pool now."""
-        return self._pool.kv_tokens(slot, tokens)
+        return self.state.pool.kv_tokens(slot, tokens)
 
     def views(self, listed: set[str] | None = None) -> tuple[WarmContextInfo, ...]:
         """Every warm context, for status and explain-context: the pool's, and the tier snapshots
@@ -556,17 +551,17 @@ class ModelCache:
         never under every model of the same file). Never waits long: an operation holds the lock
         across engine calls, and a hung engine must not hang ``modeld status`` (past 0.2 s the
         view is read without the lock, a moment's state)."""
-        locked = self._lock.acquire(timeout=0.2)
+        locked = self.state.lock.acquire(timeout=0.2)
         try:
-            out = self._pool.views()
-            identities = set(self._pool.identities)
+            out = self.state.pool.views()
+            identities = set(self.state.pool.identities)
         finally:
             if locked:
-                self._lock.release()
-        tiers = self._pool.tiers
+                self.state.lock.release()
+        tiers = self.state.pool.tiers
         if tiers is not None:
-            fmt = self._pool.layout.snapshot_format
-            for e in tiers.entries(self._pool.model_digest):
+            fmt = self.state.pool.layout.snapshot_format
+            for e in tiers.entries(self.state.pool.model_digest):
                 if e.identity not in identities or e.snapshot_format != fmt:
                     continue
                 if listed is not None:
@@ -589,23 +584,23 @@ class ModelCache:
         return tuple(out)
 
     def used_cells(self) -> int:
-        locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
+        locked = self.state.lock.acquire(timeout=0.2)  # as views(): never hang an observer
         try:
-            return self._pool.ledger.used()
+            return self.state.pool.ledger.used()
         finally:
             if locked:
-                self._lock.release()
+                self.state.lock.release()
 
     def busy_cells(self) -> int:
         """KV cells held by the contexts of running operations (at most :meth:`used_cells`):
         what cannot give way now. The rest of the pool is idle warm contexts, a cache that is
         evicted to the tiers when a turn needs its cells (the load a gateway should see:
         SGLang's load likewise leaves out its evictable radix cache)."""
-        locked = self._lock.acquire(timeout=0.2)  # as views(): never hang an observer
+        locked = self.state.lock.acquire(timeout=0.2)  # as views(): never hang an observer
         try:
-            ledger = self._pool.ledger
-            busy = sum(ledger.length(c.seq) for c in list(self._pool.contexts.values()) if c.busy)
+            ledger = self.state.pool.ledger
+            busy = sum(ledger.length(c.seq) for c in list(self.state.pool.contexts.values()) if c.busy)
             return min(busy, ledger.used())
         finally:
             if locked:
-                self._lock.release()
+                self.state.lock.release()

@@ -41,6 +41,7 @@ __all__ = [
     "Preparer",
     "byte_ends",
     "identity_of",
+    "part_at",
     "prepare_prefix",
     "prepare_suffix",
     "same_text",
@@ -488,6 +489,21 @@ def segment_at(manifest: ContextManifest, token: int) -> int | None:
         (i for i, s in enumerate(manifest.segments) if s.token_end is not None and s.token_end > token),
         None,
     )
+
+
+def part_at(token: int, segments: tuple[Segment, ...], tools: tuple[int, int] | None) -> str:
+    """Which part of a chat prompt holds ``token``: ``tools`` (where the template put the tool
+    definitions), ``system`` (the first message when it is a system message, or the template's
+    head before any message), else ``messages``."""
+    if tools is not None and tools[0] <= token < tools[1]:
+        return "tools"
+    starts = [s.token_start for s in segments if s.token_start is not None]
+    if not starts or token < min(starts):
+        return "system"
+    first = segments[0]
+    if first.label == "system" and first.token_end is not None and token < first.token_end:
+        return "system"
+    return "messages"
 
 
 SAME_TEXT_TOKENS = 64

@@ -57,6 +57,7 @@ from modeld.engine.prepare import (
     PreparedPrefix,
     Preparer,
     identity_of,
+    part_at,
     same_text,
     segment_at,
     template_note,
@@ -584,9 +585,11 @@ class EngineSession(Closing):
         ``previous``: last turn's manifest and prompt length)."""
         decision = hold.decision
         segment: int | None = None
+        part = ""  # a chat prefix's system, tools or messages: the HTTP diagnosis words it
         if decision.diverged_at_token is not None:
             k = decision.diverged_at_token
             segment = segment_at(prep.manifest, k)
+            part = part_at(k, prep.manifest.segments, prep.tools) if prep.chat is not None else ""
             decision = replace(decision, diverged_at_byte=prep.ends[k - 1] if k > 0 else 0)
             note = ""
             if prep.chat is not None:
@@ -618,6 +621,8 @@ class EngineSession(Closing):
             prefill_ms=round(synced.ms, 3),
             restore_ms=round(hold.restore_ms, 3),
             diverged_segment_index=segment,
+            diverged_part=part,
+            context_id=hold.context.id if n else "",
         )
 
     def _decoded(

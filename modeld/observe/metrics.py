@@ -206,6 +206,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.reports = Counter(
+            "modeld_context_reports",
+            "explain-context reports built (ExplainContext, a session stream's explain, the live page's "
+            "waiting turns); a turn itself asks for none.",
+            ["model"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "modeld_time_to_first_token_seconds",
             "From a turn's first operation (ensure_prefix, prefill_suffix or decode) to its first token.",
@@ -575,7 +582,9 @@ class ObservedSession(Closing):
         self._turn_started = None
 
     def explain_context(self) -> ContextReport:
-        return self.inner.explain_context()
+        report = self.inner.explain_context()
+        self._m.reports.labels(self._model).inc()
+        return report
 
     def close(self) -> None:
         self.turn.end("prefix")

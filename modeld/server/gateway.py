@@ -248,7 +248,9 @@ class Gateway:
         return self.engine.machine()
 
     def explain_context(self, session_id: str) -> ContextReport:
-        return self.engine.explain_context(session_id)
+        report = self.engine.explain_context(session_id)
+        self.metrics.reports.labels(self.metrics.label(report.model_name)).inc()
+        return report
 
     def list_sessions(self) -> list[SessionSummary]:
         """The engine's sessions, with the transport's view of whether a stream holds each."""

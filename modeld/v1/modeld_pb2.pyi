@@ -346,7 +346,7 @@ class ReuseDecision(_message.Message):
     def __init__(self, outcome: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., diverged_at_token: _Optional[int] = ..., diverged_segment: _Optional[str] = ..., diverged_at_byte: _Optional[int] = ..., tier: _Optional[str] = ..., context: _Optional[str] = ...) -> None: ...
 
 class PrefixStatus(_message.Message):
-    __slots__ = ("reused_tokens", "prefilled_tokens", "dropped_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "stable_byte_hash", "stable_token_hash", "manifest_digest", "reuse", "prefill_ms", "restore_ms", "diverged_segment_index")
+    __slots__ = ("reused_tokens", "prefilled_tokens", "dropped_tokens", "prefix_tokens", "resident_tokens", "available_tokens", "stable_byte_hash", "stable_token_hash", "manifest_digest", "reuse", "prefill_ms", "restore_ms", "diverged_segment_index", "diverged_part", "context_id")
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +360,8 @@ class PrefixStatus(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORE_MS_FIELD_NUMBER: _ClassVar[int]
     DIVERGED_SEGMENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DIVERGED_PART_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_ID_FIELD_NUMBER: _ClassVar[int]
     reused_tokens: int
     prefilled_tokens: int
     dropped_tokens: int
@@ -373,7 +375,9 @@ class PrefixStatus(_message.Message):
     prefill_ms: float
     restore_ms: float
     diverged_segment_index: int
-    def __init__(self, reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., diverged_segment_index: _Optional[int] = ...) -> None: ...
+    diverged_part: str
+    context_id: str
+    def __init__(self, reused_tokens: _Optional[int] = ..., prefilled_tokens: _Optional[int] = ..., dropped_tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., resident_tokens: _Optional[int] = ..., available_tokens: _Optional[int] = ..., stable_byte_hash: _Optional[str] = ..., stable_token_hash: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., reuse: _Optional[_Union[ReuseDecision, _Mapping]] = ..., prefill_ms: _Optional[float] = ..., restore_ms: _Optional[float] = ..., diverged_segment_index: _Optional[int] = ..., diverged_part: _Optional[str] = ..., context_id: _Optional[str] = ...) -> None: ...
 
 class SuffixInput(_message.Message):
     __slots__ = ("text", "manifest", "no_wait")

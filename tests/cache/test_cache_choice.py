@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from modeld.cache.choice import Choice, choose
+from modeld.cache.choice import Choice, SessionSaved, choose
 from modeld.cache.pool import SessionSlot, WarmContext
 from modeld.cache.tiers import TierEntry
 
@@ -148,6 +148,11 @@ def test_what_the_session_itself_left_the_kv_with_comes_back_for_any_gain() -> N
         mine={saved.key},
     )
     assert (mine.entry, mine.keep) == (saved, 100)
+    # The warm-state cache names them by what the session computed last: the entry whose tokens
+    # begin it (the session's own saved context), not one that parts from it or runs past it.
+    computed = [*TARGET, 7, 8, 9, 10]
+    found = SessionSaved(computed, [saved, entry([*TARGET, 7, 9]), entry([*computed, 11])])
+    assert (set(found), len(found), saved.key in found) == ({saved.key}, 1, True)
 
 
 def test_of_snapshots_reusing_as_much_the_fuller_one_wins_then_ram() -> None:

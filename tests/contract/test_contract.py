@@ -171,6 +171,7 @@ def test_edit_in_the_middle_reuses_up_to_the_divergence_and_names_the_segment(ha
         assert manifest is not None and st.diverged_segment_index is not None
         assert st.diverged_segment_index > 0  # the status names the segment: no explain-context needed
         assert manifest.segments[st.diverged_segment_index].label == "repo_map"
+        assert st.diverged_part == ""  # a text prefix has no chat parts
         k = common_prefix_len(harness.tokenize(prefix.text), harness.tokenize(edited.text))
         assert 0 < k < st.prefix_tokens
         assert st.reused_tokens == k
@@ -655,6 +656,11 @@ def test_chat_history_that_grows_keeps_the_earlier_turns_warm(harness: Harness) 
         b = s.ensure_prefix(grown)
         assert 0 < b.reused_tokens < a.prefix_tokens
         assert b.reuse.diverged_segment == "history"
+        # The status places the divergence in the chat prompt and names the warm context (what
+        # the HTTP diagnosis reads, with no explain-context round trip): the same as the report.
+        report = s.explain_context()
+        assert (a.diverged_part, b.diverged_part) == ("", "messages")
+        assert b.context_id == a.context_id == report.context_id != ""
 
 
 def test_chat_tools_must_be_a_json_array(harness: Harness) -> None:

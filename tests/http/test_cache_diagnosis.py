@@ -48,6 +48,15 @@ class Daemon:
         with rc.connect(data_dir=self.tmp) as client:
             return client.explain_context(session_id)
 
+    def reports(self) -> float:
+        """``modeld_context_reports_total``, summed over the models: explain-context reports built."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("modeld_context_reports_total")
+        )
+
     def close(self) -> None:
         self.anthropic.close()
         self.openai.close()
@@ -325,3 +334,35 @@ def test_every_api_says_where_the_prefix_diverged_in_a_header(daemon: Daemon) ->
             "diverged",
             got["diverged-token"],
         )
+
+
+def test_a_diverged_turn_is_diagnosed_without_asking_the_session_for_its_context(daemon: Daemon) -> None:
+    """The engine's prefix status places the divergence (part, message, warm context): the
+    turns below, diverged and compared, build no explain-context report (the daemon's own
+    counter, which a client's explain-context moves)."""
+    claude = Claude(daemon, "diag-no-explain")
+    messages = [{"role": "user", "content": "Where is the lease written?\n"}]
+    before = daemon.reports()
+    _, first = claude.ask(SYSTEM, messages, None, tools=[TOOL])
+    raw, second = claude.ask(SYSTEM.replace("small", "large"), messages, first.id, tools=[TOOL])
+    edited = {**TOOL, "description": "Read one file"}
+    raw_tools, third = claude.ask(SYSTEM.replace("small", "large"), messages, second.id, tools=[edited])
+    httpx.post(
+        f"{daemon.url}/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "max_tokens": 2,
+            "messages": [{"role": "system", "content": SYSTEM}, *messages],
+        },
+        headers={"X-Modeld-Conversation": "diag-no-explain-chat"},
+        timeout=60,
+    ).raise_for_status()
+    assert daemon.reports() == before
+    assert second.diagnostics.cache_miss_reason.type == "system_changed"
+    assert third.diagnostics.cache_miss_reason.type == "tools_changed"
+    assert header(raw)["diverged-part"] == "system" and header(raw_tools)["diverged-part"] == "tools"
+    report = daemon.explain(raw_tools.headers["x-modeld-session"])
+    assert daemon.reports() == before + 1  # the counter moves when someone does ask
+    assert int(header(raw_tools)["diverged-token"]) == report.last_reuse.diverged_at_token
+    assert report.last_prefix is not None and report.last_prefix.context_id == report.context_id
+    assert report.last_prefix.diverged_part == "tools"

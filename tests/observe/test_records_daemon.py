@@ -95,9 +95,20 @@ def test_records_of_every_transport_by_job_survive_a_restart_and_age_out(tmp_pat
             client.open_session(OpenSessionRequest(type="memory", path="notes"))
 
         async def over_asyncio() -> list[str]:
-            async with rc.aconnect(data_dir=data) as aclient:
+            async with rc.aconnect(data_dir=data, job="aio-job") as aclient:
                 found = await aclient.list_requests(job="grpc-job")
                 assert await aclient.request(found[0].id) == found[0]
+                # The asyncio client labels its sessions' records as the blocking one does.
+                session = await aclient.open_session(OpenSessionRequest(type="memory", path="notes"))
+                async with session:
+                    await session.ensure_prefix(PrefixInput(text="A long stable prefix. " * 20))
+                    stream = await session.decode(DecodeConfig(max_tokens=2))
+                    async for _ in stream:
+                        pass
+                labelled = await aclient.list_requests(job="aio-job")
+                assert [(r.api, r.session, r.job) for r in labelled] == [
+                    ("grpc", session.session_id, "aio-job")
+                ]
                 return [r.id for r in found]
 
         assert asyncio.run(over_asyncio()) == [r.id for r in grpc_records]

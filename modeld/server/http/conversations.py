@@ -411,7 +411,7 @@ class Conversations:
         cached = max(0, min(status.reused_tokens, kept) - restored)
         usage = TurnUsage(prompt, cached, min(status.prefilled_tokens, prompt - cached), 0)
         self.window.measured(turn, prompt)
-        where, diagnosis, fingerprint = await self.diagnoses.of_prompt(turn, session, status, prompt)
+        where, diagnosis, fingerprint = self.diagnoses.of_prompt(turn, session.session_id, status, prompt)
         message = where.message
         if recording is not None and message is not None:
             recording.set(diverged_message=message)

@@ -5,8 +5,9 @@ Responses API (``prompt_cache_options.comparison_response_id``) let a client nam
 response and ask where this request's prompt parted from that one's. modeld answers from the
 same facts as ``modeld explain-context``, exact to the token: the engine's reuse decision for
 the turn (:class:`~modeld.contract.ReuseDecision`: the first token that differed from what the
-conversation's session held, which is the earlier request's prompt and its answer) and the
-prompt's layout (the manifest's segments and where the template put the tools).
+conversation's session held, which is the earlier request's prompt and its answer), placed in
+the prompt by the engine itself (:class:`~modeld.contract.PrefixStatus` names the part, the
+message and the warm context), so a turn makes no explain-context round trip.
 
 :class:`Diagnoses` keeps a small fingerprint of every chat turn, by turn id (the model, the
 session that served it, its prompt's length, its ``prompt_cache_key``), and which turn each
@@ -34,10 +35,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
 
-from modeld.contract import ContextReport, PrefixStatus
-from modeld.manifest import Segment
+from modeld.contract import PrefixStatus
 from modeld.server.http.requests import ident
 from modeld.server.http.turn import Turn
 
@@ -49,18 +48,8 @@ __all__ = [
     "Fingerprint",
     "compared_turn",
     "divergence",
-    "part_at",
     "prefix_header",
 ]
-
-
-class Explainable(Protocol):
-    """What :meth:`Diagnoses.of_prompt` asks of a session (a bridged session has it)."""
-
-    @property
-    def session_id(self) -> str: ...
-
-    async def explain_context(self) -> ContextReport: ...
 
 
 REMEMBERED_TURNS = 4096
@@ -75,7 +64,7 @@ class Fingerprint:
     session_id: str
     prompt_tokens: int
     cache_key: str  # the request's prompt_cache_key ("" when none)
-    context: str = ""  # the session's warm context after the turn ("" when not looked up)
+    context: str = ""  # the session's warm context after the turn's prefix ("" when none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,45 +102,15 @@ def compared_turn(value: object, where: str, prefix: str) -> str:
     return given.removeprefix(prefix) if given.startswith(prefix) else given
 
 
-def part_at(token: int, segments: tuple[Segment, ...], tools: tuple[int, int] | None) -> str:
-    """Which part of a chat prompt holds ``token``: ``tools`` (where the template put the tool
-    definitions), ``system`` (the first message when it is a system message, or the template's
-    head before any message), else ``messages``."""
-    if tools is not None and tools[0] <= token < tools[1]:
-        return "tools"
-    starts = [s.token_start for s in segments if s.token_start is not None]
-    if not starts or token < min(starts):
-        return "system"
-    first = segments[0]
-    if first.label == "system" and first.token_end is not None and token < first.token_end:
-        return "system"
-    return "messages"
-
-
-def divergence(status: PrefixStatus, report: ContextReport | None) -> Divergence:
-    """The engine's comparison of a turn's prefix with what was warm, placed in the prompt."""
+def divergence(status: PrefixStatus) -> Divergence:
+    """The engine's comparison of a turn's prefix with what was warm, placed in the prompt: the
+    status carries the part and the message, so the turn asks the session nothing more."""
     token = status.reuse.diverged_at_token
     if token is None:
         return NO_DIVERGENCE
-    manifest = report.manifest if report is not None else None
-    if manifest is None or report is None:
-        return Divergence(token, segment=status.reuse.diverged_segment, message=status.diverged_segment_index)
-    tools = (
-        (report.tools_token_start, report.tools_token_end)
-        if report.tools_token_start is not None and report.tools_token_end is not None
-        else None
+    return Divergence(
+        token, status.diverged_part, status.reuse.diverged_segment, status.diverged_segment_index
     )
-    message = status.diverged_segment_index  # the engine's own placing (the prefix's manifest)
-    if message is None:
-        message = next(
-            (
-                i
-                for i, seg in enumerate(manifest.segments)
-                if seg.token_end is not None and seg.token_end > token
-            ),
-            None,
-        )
-    return Divergence(token, part_at(token, manifest.segments, tools), status.reuse.diverged_segment, message)
 
 
 def prefix_header(status: PrefixStatus, where: Divergence) -> str:
@@ -200,23 +159,18 @@ class Diagnoses:
         with self._lock:
             return self._last.get(session_id)
 
-    async def of_prompt(
-        self, turn: Turn, session: Explainable, status: PrefixStatus, prompt: int
+    def of_prompt(
+        self, turn: Turn, session_id: str, status: PrefixStatus, prompt: int
     ) -> tuple[Divergence, Diagnosis | None, Fingerprint]:
-        """Where ``turn``'s prompt (``prompt`` tokens, served by ``session`` with ``status``)
+        """Where ``turn``'s prompt (``prompt`` tokens, served by ``session_id`` with ``status``)
         parted from the session's warm context, the comparison the turn asked for (if any), and
-        the fingerprint a later turn compares with. The session's layout is asked for only when
-        it diverged or a comparison was asked."""
-        asked = turn.chat and turn.compare is not None
-        report = (
-            await session.explain_context()
-            if turn.chat and (asked or status.reuse.diverged_at_token is not None)
-            else None
+        the fingerprint a later turn compares with, all from ``status`` (no round trip: the
+        engine placed the divergence and named the warm context)."""
+        where = divergence(status) if turn.chat else NO_DIVERGENCE
+        diagnosis = (
+            self.of_turn(turn, session_id, status, where) if turn.chat and turn.compare is not None else None
         )
-        where = divergence(status, report) if turn.chat else NO_DIVERGENCE
-        diagnosis = self.of_turn(turn, session.session_id, status, where) if asked else None
-        key = turn.keys.prompt_cache_key
-        print_ = Fingerprint(turn.model, session.session_id, prompt, key, report.context_id if report else "")
+        print_ = Fingerprint(turn.model, session_id, prompt, turn.keys.prompt_cache_key, status.context_id)
         return where, diagnosis, print_
 
     def of_turn(self, turn: Turn, session_id: str, status: PrefixStatus, where: Divergence) -> Diagnosis:
