@@ -189,11 +189,15 @@ def test_anthropic_diagnostics_for_another_model_an_unknown_id_and_another_conve
 def test_anthropic_diagnostics_arrive_in_message_start_when_streaming(daemon: Daemon) -> None:
     claude = Claude(daemon, "diag-stream")
     messages = [{"role": "user", "content": "List the tests.\n"}]
-    _, first = claude.ask(SYSTEM, messages, None)
+    # A system prompt no other test's conversation shares beyond the template's head: the turn
+    # then reuses this conversation's own state (wherever the pool moved it), never another
+    # context sharing a longer start, which the diagnosis would rightly call unavailable.
+    system = "Streaming. " + SYSTEM
+    _, first = claude.ask(system, messages, None)
     with daemon.anthropic.beta.messages.stream(
         model=MODEL,
         max_tokens=4,
-        system=SYSTEM.replace("careful", "patient"),
+        system=system.replace("careful", "patient"),
         messages=messages,  # type: ignore[arg-type]
         betas=[BETA],
         diagnostics={"previous_message_id": first.id},
@@ -202,7 +206,7 @@ def test_anthropic_diagnostics_arrive_in_message_start_when_streaming(daemon: Da
         start = next(event for event in stream if event.type == "message_start")
         final = stream.get_final_message()
     reason = start.message.diagnostics.cache_miss_reason
-    diverged = 1 + len("<|im_start|>system\nYou are a ")
+    diverged = 1 + len("<|im_start|>system\nStreaming. You are a ")
     assert (reason.type, reason.cache_missed_input_tokens) == (
         "system_changed",
         prompt_tokens(first.usage) - diverged,

@@ -210,7 +210,13 @@ class Diagnoses:
             return Diagnosis("changed", "model", before.prompt_tokens, 0)
         if before.cache_key != cache_key:
             return Diagnosis("changed", "prompt_cache_key", before.prompt_tokens, 0)
-        compared = status.reuse.context
+        # Another warm context in the pool served the turn (it shared a longer start): the
+        # engine compared the prompt with that one, not with ``previous``. A snapshot restored
+        # from a tier is named by its entry, not by the context it left, so it cannot be told
+        # apart here and is taken as the session's own: the pool moves a session's idle state
+        # out and back all the time, and calling that "unavailable" made the answer depend on
+        # the pool's timing (a later fix: carry the entry's origin context in the decision).
+        compared = status.reuse.context if status.reuse.tier == "kv" else ""
         elsewhere = bool(before.context and compared and compared != before.context)
         if (
             before.session_id != session_id
