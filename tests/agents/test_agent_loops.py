@@ -105,12 +105,15 @@ def warm_share(usage: dict[str, int]) -> float:
     return usage["cache_read_input_tokens"] / prompt
 
 
-def test_claude_code_runs_a_tool_loop_and_every_later_turn_is_warm(daemon: Daemon) -> None:
+def claude_loop(
+    daemon: Daemon, repo: Path, home: Path, prompts: tuple[str, str]
+) -> list[list[dict[str, int]]]:
+    """Two headless Claude Code runs of ``prompts`` in ``repo`` (the second ``--continue``), each
+    a tool loop that calls, gets its result back and answers ``Done.``: two requests a run. The
+    daemon's usage of each run's requests."""
     agents = ensure_agents()
-    tmp = daemon.tmp
-    repo = make_repo(tmp / "claude-repo")
-    home = tmp / "claude-home"
-    for i, prompt in enumerate((READ_CALC, 'Read the file "calc.py" again.')):
+    runs = []
+    for i, prompt in enumerate(prompts):
         before = len(claude_requests(home))
         run = run_claude(
             agents.claude, prompt, cwd=repo, home=home, base_url=daemon.url, model=MODEL,
@@ -123,8 +126,17 @@ def test_claude_code_runs_a_tool_loop_and_every_later_turn_is_warm(daemon: Daemo
         assert (run.result["result"], run.result["num_turns"]) == ("Done.", 2), run.result
         requests = claude_requests(home)[before:]
         assert len(requests) == 2, requests
-        later = requests if i else requests[1:]  # the first run's first request is the cold one
-        assert all(warm_share(u) >= WARM for u in later), requests
+        runs.append(requests)
+    return runs
+
+
+def test_claude_code_runs_a_tool_loop_and_every_later_turn_is_warm(daemon: Daemon) -> None:
+    tmp = daemon.tmp
+    repo = make_repo(tmp / "claude-repo")
+    home = tmp / "claude-home"
+    first, second = claude_loop(daemon, repo, home, (READ_CALC, 'Read the file "calc.py" again.'))
+    # The first run's first request is the cold one; every later request is warm.
+    assert all(warm_share(u) >= WARM for u in first[1:] + second), (first, second)
     messages = claude_messages(home)
     calls = [
         b
@@ -234,28 +246,18 @@ def test_claude_code_goes_on_past_the_window_inside_a_tool_loop(daemon: Daemon) 
     """Claude Code reads a file that takes its tool loop past the window. Refused ('prompt is too
     long: N tokens > M maximum'), Claude Code 2.1.328 compacts inside the loop, but its compaction
     request carries its tools (about 16k tokens here) and the same tool result, so it is refused
-    too, and so is every later run (measured; blueprint 0019). With ``--fit-tool-results`` the
+    too, and so is every later run (measured; blueprint 0019). With ``--fit-tool-results`` (the default) the
     daemon cuts the tool result instead (to its first window / 4 characters, marked, and listed in
     ``modeld.omitted_content``): the run answers (``Done.``), and a ``--continue`` run is warm
     from its first request and goes on (its second result is cut, the first left out whole)."""
-    agents = ensure_agents()
     tmp = daemon.tmp / "claude-compact"
     repo = make_repo(tmp / "repo", {"notes.txt": NOTES, "calc.py": '"""A tiny calculator."""\n'})
     home = tmp / "home"
-    for i, prompt in enumerate(('Read the file "notes.txt".', 'Read the file "notes.txt" again.')):
-        before = len(claude_requests(home))
-        run = run_claude(
-            agents.claude, prompt, cwd=repo, home=home, base_url=daemon.url, model=MODEL,
-            max_output_tokens=64, max_retries=0, timeout=RUN_TIMEOUT,
-            args=["--max-turns", "3", *(["--continue"] if i else [])],
-        )  # fmt: skip
-        assert run.returncode == 0 and not run.timed_out, (run.stderr[-2000:], run.stdout[-2000:])
-        assert isinstance(run.result, dict) and not run.result.get("is_error"), run.result
-        assert (run.result["result"], run.result["num_turns"]) == ("Done.", 2), run.result
-        requests = claude_requests(home)[before:]
-        assert len(requests) == 2, requests
-        if i:  # the continued session is warm: its first request reuses the cut conversation
-            assert warm_share(requests[0]) >= WARM, requests
+    _, continued = claude_loop(
+        daemon, repo, home, ('Read the file "notes.txt".', 'Read the file "notes.txt" again.')
+    )
+    # The continued session is warm: its first request reuses the cut conversation.
+    assert warm_share(continued[0]) >= WARM, continued
     calls = [
         b
         for m in claude_messages(home)
