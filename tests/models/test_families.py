@@ -44,6 +44,7 @@ from families_kit import (
     TOOL,
     Clients,
     Vocab,
+    chat_messages,
     conversation,
     render,
     serve_families,
@@ -59,21 +60,7 @@ pytestmark = [pytest.mark.wire, pytest.mark.llama]
 
 def openai_chat(clients: Clients, fam: Family, turn: int) -> tuple[int, int]:
     client = clients.openai
-    messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ASK}]
-    if turn >= 2 and fam.tools:
-        call = {
-            "id": CALL_ID,
-            "type": "function",
-            "function": {"name": TOOL["name"], "arguments": json.dumps(ARGS)},
-        }
-        messages += [
-            {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": REASONING},
-            {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT},
-        ]
-    elif turn >= 2:
-        messages += [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": FIX}]
-    if turn >= 3:
-        messages += [{"role": "assistant", "content": ANSWER}, {"role": "user", "content": FIX}]
+    messages = chat_messages(fam, turn, SYSTEM)
     done = client.chat.completions.create(
         model=fam.name,
         messages=messages,
