@@ -94,6 +94,11 @@ class _Counter:
     def skip(self, n: int) -> None:
         self.at += n
 
+    def cells(self, pad: int, cells: list[tuple[int, int]]) -> None:
+        """The padded stream's cell headers: ``pad`` cells of the window's sequence at positions
+        ``0 .. pad - 1``, then the window's own (counted here, not built)."""
+        self.at += _CELL_SEQ.size * (pad + len(cells))
+
     def end(self) -> int:
         return self.at
 
@@ -108,6 +113,11 @@ class _MapWriter(_Counter):
     def put(self, data: bytes) -> None:
         self.mm[self.at : self.at + len(data)] = data
         self.at += len(data)
+
+    def cells(self, pad: int, cells: list[tuple[int, int]]) -> None:
+        cell = _CELL_SEQ.pack
+        self.put(b"".join(cell(pos, 1, cells[0][1]) for pos in range(pad)))
+        self.put(b"".join(cell(pos, 1, seq) for pos, seq in cells))
 
 
 def _walk(blob: bytes, out: _Counter) -> int:
@@ -135,9 +145,7 @@ def _walk(blob: bytes, out: _Counter) -> int:
             raise _BadLayoutError  # not one contiguous window
         pad = low = first
         out.put(_U32.pack(pad + count))
-        cell = _CELL_SEQ.pack
-        out.put(b"".join(cell(pos, 1, cells[0][1]) for pos in range(pad)))
-        out.put(b"".join(cell(pos, 1, seq) for pos, seq in cells))
+        out.cells(pad, cells)
         v_trans, n_layer = r.unpack(_U32), r.unpack(_U32)
         out.put(_U32.pack(v_trans[0]) + _U32.pack(n_layer[0]))
         for _ in range(n_layer[0]):
