@@ -5,7 +5,10 @@ token lists and flags, changes nothing and calls no engine, so every rule is pin
 (``tests/cache/test_cache_choice.py``):
 
 1. The session's own context, untouched since its last operation (``untouched``: its generation
-   counter is unchanged) and keeping its whole prefix, is taken without comparing anything else.
+   counter is unchanged) and keeping its whole prefix, is taken without comparing anything older
+   than it. A context or snapshot that became warm after it (``last_used``, ``created``) and
+   holds more tokens than it keeps is compared still: the conversation's later turn, run on a
+   session of its own because this one was still finishing the turn before, is worth more.
 2. Otherwise every candidate is compared: the session's own context, the other warm contexts of
    the same identity (a busy one only up to its floor), and the tier snapshots. The longest
    common prefix wins (SGLang's radix match, llama-server's slot similarity); at equal length
@@ -116,7 +119,14 @@ def choose(
         keep, blocked = usable(own, target, own=True, can_truncate=can_truncate, checkpoints=checkpoints)
         best = Choice(keep, own, blocked=blocked, seen=True)
         if untouched and keep > 0 and keep >= min(own.prefix_tokens, len(target)):
-            return best  # the session's own context, as it left it: nothing to compare
+            # The session's own context, as it left it: only what became warm since, and holds
+            # more than it keeps, is compared (a later turn of its conversation, run on another
+            # session while this one was still finishing the turn before).
+            since = own.last_used
+            others = [c for c in others if c.last_used > since and len(c.tokens) > keep]
+            entries = [e for e in entries if e.created > since and len(e.tokens) > keep]
+            if not others and not entries:
+                return best
     for context in others:
         if context.busy and context.floor <= 0:
             continue

@@ -56,8 +56,31 @@ def pick(
 def test_the_sessions_own_untouched_context_is_taken_without_comparing() -> None:
     own = context(TARGET[:60], prefix=60)
     longer = context(TARGET[:90], seq=1)
+    longer.last_used = own.last_used - 1  # warm before the session's own context was last used
     chosen = pick(own=own, untouched=True, others=(longer,))
     assert (chosen.context, chosen.keep, chosen.seen) == (own, 60, True)
+
+
+def test_what_became_warm_after_the_untouched_own_context_and_holds_more_is_compared() -> None:
+    # The conversation's next turn ran on a session of its own (this one was still finishing
+    # the turn before): its context, or its snapshot, holds the conversation further.
+    own = context(TARGET[:60], prefix=60)
+    later = context([*TARGET[:90], -1], seq=1)
+    later.last_used = own.last_used + 1
+    chosen = pick(own=own, untouched=True, others=(later,))
+    assert (chosen.context, chosen.keep) == (later, 90)
+    saved = entry(TARGET[:95])
+    saved.created = own.last_used + 1
+    chosen = pick(own=own, untouched=True, entries=(saved,))
+    assert (chosen.entry, chosen.keep) == (saved, 95)
+    # Newer but holding no more than the own context keeps: nothing to compare.
+    short = context(TARGET[:60], seq=2)
+    short.last_used = own.last_used + 1
+    assert pick(own=own, untouched=True, others=(short,)).context is own
+    # Newer, longer, but another conversation (diverges early): the own context still wins.
+    other = context([*TARGET[:10], *(-t for t in TARGET[10:])], seq=3)
+    other.last_used = own.last_used + 1
+    assert pick(own=own, untouched=True, others=(other,)).context is own
 
 
 def test_a_touched_own_context_competes_and_the_longest_common_prefix_wins() -> None:
