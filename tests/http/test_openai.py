@@ -255,6 +255,34 @@ def test_a_conversation_keeps_its_session_and_others_get_their_own(daemon: Daemo
     assert a1 in listed and b1 in listed and listed[a1].attached
 
 
+
+def test_a_turn_sent_while_the_engine_finishes_the_one_before_waits_for_its_conversations_session(
+    daemon: Daemon,
+) -> None:
+    """An agent sends its next turn the moment the last one is over for it; the engine may still
+    be finishing that one (here: a client that went away mid-decode, and the memory backend's
+    one-second token step). The next turn waits for the conversation's session, not a session of
+    its own that closes after it (the conversation then went on from the turn before)."""
+    headers = {"X-Modeld-Conversation": "finishing"}
+    messages = conversation("finishing")
+    with httpx.stream(
+        "POST",
+        f"{daemon.url}/v1/chat/completions",
+        json={"model": "modeld-tiny", "messages": messages, "max_tokens": 8, "delay_ms": 1000, "stream": True},
+        headers=headers,
+        timeout=60,
+    ) as slow:
+        session = slow.headers["X-Modeld-Session"]
+        next(line for line in slow.iter_lines() if line.startswith("data: "))  # decoding
+    time.sleep(0.2)  # the daemon has seen the client go; the engine sleeps through its token step
+    done = daemon.client.chat.completions.create(
+        model="modeld-tiny",
+        messages=[*messages, {"role": "assistant", "content": "x"}, {"role": "user", "content": "and?\n"}],
+        max_tokens=1,
+        extra_headers=headers,
+    )
+    assert done.model_extra["modeld"]["session_id"] == session  # type: ignore[index]
+
 def test_n_choices_are_decoded_from_the_same_prompt_and_reproducible_by_seed(daemon: Daemon) -> None:
     messages = conversation("choices")
 

@@ -21,7 +21,9 @@ its last turn's reuse and miss explanation, and keeps it on its own warm KV sequ
 room, and one idle for ``idle_seconds`` is closed by :meth:`Conversations.sweep`. A request for
 a conversation whose session is busy runs on a session of its own, closed when it finishes
 (sessions are not for concurrent use). A session goes back to its conversation only once the
-engine has really stopped working on it (a cancelled request interrupts the engine first).
+engine has really stopped working on it (a cancelled request interrupts the engine first); a
+request that finds it busy only so (its request is over, the engine still finishing) waits for
+it, :data:`FINISHING_WAIT` at most, rather than run on a session of its own.
 
 It also remembers how the model wrote the arguments of the tool calls it returned (the last
 :data:`REMEMBERED_CALLS` calls, by id: the JSON text in ``StreamChunk.tool_text`` that the
@@ -39,6 +41,7 @@ volatile suffix, and anything another session displaced).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -46,7 +49,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from modeld.contract import (
     ModelInfo,
@@ -95,6 +98,13 @@ __all__ = [
 
 REMEMBERED_CALLS = 1024
 """Tool calls whose arguments text, as the model wrote it, is kept (by call id)."""
+
+FINISHING_WAIT = 2.0
+"""Seconds a request waits for its conversation's session when the turn before is over for its
+client and only the engine is still finishing it (a decode's last bookkeeping after the answer
+went out; a cancelled turn's engine stopping). An agent sends its next turn the moment it has
+the answer: without the wait, that turn ran on a session of its own, closed after it, and the
+conversation went on from the turn before it (computing again what it had computed)."""
 
 log = logging.getLogger("modeld.http")
 
@@ -175,6 +185,9 @@ class _Entry:
     hosted: TransportSession
     busy: bool
     last_used: float
+    finishing: bool = False
+    """Busy only until the engine has stopped: its request is over (:data:`FINISHING_WAIT`)."""
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
 
 class Conversations:
@@ -222,16 +235,27 @@ class Conversations:
         """The conversation's session for one request (its own if the conversation is busy)."""
         k = (key, request.model_name, request.config.prompt_format)
         entry: _Entry | None = None
-        with self._lock:
-            found = self._table.get(k)
-            if found is not None and found.hosted.ended is not None:
-                del self._table[k]
-                found = None
-            if found is not None and not found.busy:
-                found.busy = True
-                self._table.move_to_end(k)
-                entry = found
-            shared = found is None
+        deadline = time.monotonic() + FINISHING_WAIT
+        while True:
+            waiting: asyncio.Future[None] | None = None
+            with self._lock:
+                found = self._table.get(k)
+                if found is not None and found.hosted.ended is not None:
+                    del self._table[k]
+                    found = None
+                if found is not None and not found.busy:
+                    found.busy = True
+                    self._table.move_to_end(k)
+                    entry = found
+                elif found is not None and found.finishing and time.monotonic() < deadline:
+                    loop = asyncio.get_running_loop()
+                    waiting = loop.create_future()
+                    found.waiters.append((loop, waiting))
+                shared = found is None
+            if waiting is None:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
         if entry is None:
             hosted = await self._bridge.call(self._open, request, abandoned=_close_soon)
             if shared:
@@ -245,6 +269,8 @@ class Conversations:
             if entry is None:
                 bridged.when_idle(lambda: _close_soon(hosted))
             else:
+                with self._lock:
+                    entry.finishing = True
                 bridged.when_idle(lambda: self._release(entry))
 
     def _adopt(self, k: tuple[str, str, str], hosted: TransportSession) -> _Entry | None:
@@ -269,7 +295,12 @@ class Conversations:
     def _release(self, entry: _Entry) -> None:
         with self._lock:
             entry.busy = False
+            entry.finishing = False
             entry.last_used = time.monotonic()
+            waiters, entry.waiters = entry.waiters, []
+        for loop, waiting in waiters:  # the first to run takes the session; the rest go on
+            with contextlib.suppress(RuntimeError):  # a loop already closed: nobody waits
+                loop.call_soon_threadsafe(_wake, waiting)
 
     def remember_calls(self, calls: tuple[ToolCall, ...], text: str) -> None:
         """The model wrote ``calls`` as ``text`` (``StreamChunk.tool_text``): keep each call's
@@ -588,6 +619,11 @@ def _close(hosted: TransportSession) -> None:
         hosted.close()
     except ModeldError as exc:
         log.debug("closing session %s: %s", hosted.session_id, exc)
+
+
+def _wake(waiting: asyncio.Future[None]) -> None:
+    if not waiting.done():  # a waiter that gave up (its wait timed out, its client went away)
+        waiting.set_result(None)
 
 
 def _close_soon(hosted: TransportSession) -> None:
