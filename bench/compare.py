@@ -15,8 +15,8 @@ Then the overhead rows and the extras' headline figures (:func:`extra_figures`):
 on an unchanged 8k prefix (in process, over the wire, engine in a worker process), the worker's
 IPC per turn and per generated token (worker row minus daemon row), decode through the worker
 paired (``decode_pairs``), speculation's speed-ups, the fleet's moved-over-cold TTFT and per
-model family (``bench/families.py``) the warm TTFT ratio and the tokens computed, modeld over
-llama-server at its default (a families run file, ``bench/results/families/run-*.json``, is
+model family (``bench/families.py``) the warm TTFT ratio (the servers' prefill ratio where no
+TTFT compares: gpt-oss, Command R) and the tokens computed, modeld over llama-server at its default (a families run file, ``bench/results/families/run-*.json``, is
 read as well as a whole run's ``run.json``; several of them merge by ``--current``). A
 figure's spread is how far the runs a document merges lie apart (a run's own range for the
 paired decode); relative figures get at least ``--min-tolerance``, the IPC differences (which
@@ -155,6 +155,8 @@ def _run_figures(run: dict[str, Any]) -> dict[tuple[str, str], tuple[float, floa
         fam = family_summary(loop)  # against llama-server at its default: issue 31's baseline
         if fam["ttft_ratio_median"] is not None:
             out[("families", f"{name}_ttft_ratio")] = (fam["ttft_ratio_median"], None, "lower", False)
+        elif fam["prefill_ratio_median"] is not None:  # no TTFT compares: the servers' own prefill
+            out[("families", f"{name}_prefill_ratio")] = (fam["prefill_ratio_median"], None, "lower", False)
         mine, theirs = fam["modeld_computed_total"], fam["llama-server_computed_total"]
         if mine and theirs:
             out[("families", f"{name}_computed_ratio")] = (mine / theirs, None, "lower", False)

@@ -257,3 +257,22 @@ def test_the_families_rows_are_compared(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["--baseline", str(paths[0]), str(paths[1]), "--current", str(paths[1])]) == 0
     assert main(["--baseline", str(paths[0]), str(paths[1]), "--current", str(paths[2])]) == 1
     assert "worse        families               qwen3_ttft_ratio" in capsys.readouterr().out
+
+
+def test_a_family_whose_ttft_never_compares_is_compared_on_the_servers_prefill() -> None:
+    from bench.compare import compare_extras, extra_figures
+
+    def refused(modeld_prefill_ms: float) -> dict[str, Any]:  # llama-server's parser refused every turn
+        run = _families_run(0.5, 400)
+        for r in run["families"]["families"]["qwen3"]["records"]:
+            if r["system"] == "llama-server":
+                r["error"] = "stream error: the model produced output that does not match the expected format"
+            elif r["turn"] == 1:
+                r["prompt_ms"] = modeld_prefill_ms  # llama-server's: 900 ms
+        return run
+
+    figures = extra_figures(refused(450.0))
+    assert ("families", "qwen3_ttft_ratio") not in figures
+    assert figures[("families", "qwen3_prefill_ratio")].value == pytest.approx(0.5)
+    verdicts = {f.ratio: f.verdict for f in compare_extras(refused(450.0), refused(900.0))}
+    assert verdicts == {"qwen3_prefill_ratio": "worse", "qwen3_computed_ratio": "ok"}

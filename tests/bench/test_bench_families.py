@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the bench progra
 
 from bench.families import FAMILY_TURNS, bodies, merge_runs
 from bench.families_exactness import compare_answers
-from bench.families_report import families_lines, family_summary
+from bench.families_report import families_lines, family_summary, spread_lines
 from modeld.engine.chat import ChatRenderer, Message
 from modeld.testmodels.families import FAMILIES, Family
 
@@ -176,6 +176,19 @@ def test_a_turn_llama_servers_parser_refused_counts_its_prefill_but_not_its_ttft
     assert s["ttft_ratio_median"] is None and s["ttft_met"] is None  # nothing to compare
     assert s["computed_met"] is True and s["more_computed_turns"] == []
     assert s["llama-server_computed_total"] == 2400
+    assert s["judged_on"] is None and s["goal_met"] is None  # no prefill time either
+    # its own prefill time (from its log): the goal is judged on the servers' prefill ratio
+    for r in loop["records"]:
+        if r["system"] == "llama-server":
+            r["prompt_ms"] = 500.0 + 500.0 * r["turn"]
+    s = family_summary(loop)
+    assert s["ttft_ratio_median"] is None and s["prefill_ratio_median"] == pytest.approx(0.45)  # 450 / 1000
+    assert s["judged_on"] == "prefill" and s["goal_met"] is True
+    lines = "\n".join(families_lines(_result(loop)))
+    assert "| 0.45 ✓ (judged on it: no TTFT compares) |" in lines
+    slow = [dict(r, prompt_ms=r["prompt_ms"] * 2) if r["system"] == "modeld" else r for r in loop["records"]]
+    merged = spread_lines({"gpt-oss": [loop, dict(loop, records=slow)]})
+    assert "| gpt-oss | prefill: 0.68 (0.45-0.90; spread 0.45; 2 runs) ✓ | - |" in "\n".join(merged)
 
 
 def _result(loop: dict[str, Any]) -> dict[str, Any]:
