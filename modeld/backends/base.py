@@ -212,6 +212,10 @@ class HeldTokens:
         self._seq(seq)
         return self._stats[seq]
 
+    def checkpoint_bytes(self) -> int:
+        """A runtime without checkpoints holds none."""
+        return 0
+
 
 class ModelRuntime(Protocol):
     """One loaded model and its numbered KV sequences (worker side)."""
@@ -268,6 +272,11 @@ class ModelRuntime(Protocol):
 
     def decode_stats(self, seq: int) -> DecodeStats:
         """What speculation did in ``seq``'s current or last generate (zeros if none)."""
+        ...
+
+    def checkpoint_bytes(self) -> int:
+        """The bytes the checkpoints of every sequence hold now (``Layout.checkpoints``: kept in
+        the worker's heap beside the KV; 0 for memory without them)."""
         ...
 
     def copy(self, src: int, dst: int, n: int) -> None:

@@ -465,6 +465,9 @@ class LlamaContext(HeldTokens, Rewind):
         self._cut(seq, 0)
         self._drafters.pop(seq, None)  # the sequence's next text is another context's
 
+    def checkpoint_bytes(self) -> int:
+        return self._ckpts.nbytes()
+
     # --- snapshots (the format: llama_state.py) -------------------------------------------------
 
     def snapshot(self, seq: int) -> bytes:

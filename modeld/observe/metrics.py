@@ -52,7 +52,8 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
                                             again (status's ``recomputed``)
 ``modeld_model_memory_bytes{model,part}``   where a model's worker memory goes: ``weights``
                                             (resident pages of the file), ``kv_allocated``,
-                                            ``kv_used``, ``compute`` (reserved), ``runtime``
+                                            ``kv_used``, ``checkpoints`` (held by the worker's
+                                            sequences now), ``compute`` (reserved), ``runtime``
                                             (the worker before its model), ``rss`` (measured)
 ``modeld_memory_bytes{part}``               the daemon's ``own`` memory and ``ram_tier``; ``parts``
                                             (every part of the daemon and its workers, summed)
@@ -314,6 +315,7 @@ class _StatusCollector:
                 ("weights", mm.weights_bytes),
                 ("kv_allocated", mm.kv_allocated_bytes),
                 ("kv_used", mm.kv_used_bytes),
+                ("checkpoints", mm.checkpoint_bytes),
                 ("compute", mm.compute_bytes),
                 ("runtime", mm.runtime_bytes),
                 ("rss", mm.rss_bytes),
@@ -357,7 +359,8 @@ class _StatusCollector:
         yield rss.gauge("modeld_worker_rss_bytes", "Resident memory of a model's engine worker.", ["model"])
         yield memory.gauge(
             "modeld_model_memory_bytes",
-            "Where a loaded model's worker memory goes (weights, kv_allocated, kv_used, compute, runtime, rss).",
+            "Where a loaded model's worker memory goes "
+            "(weights, kv_allocated, kv_used, checkpoints, compute, runtime, rss).",
             ["model", "part"],
         )
         daemon = GaugeMetricFamily(

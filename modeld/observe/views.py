@@ -164,14 +164,16 @@ def _memory(d: DaemonMemory) -> str:
 
 
 def _model_memory(m: ModelMemory) -> str:
+    # Checkpoints (memory that cannot be cut at any token) sit beside the KV, shown when held.
+    ckpts = f" + checkpoints {format_bytes(m.checkpoint_bytes)}" if m.checkpoint_bytes else ""
     if m.isolation != "process":
         return (
             f"    memory    inline (part of the daemon's own) · KV {format_bytes(m.kv_allocated_bytes)} "
-            f"allocated, {format_bytes(m.kv_used_bytes)} used"
+            f"allocated, {format_bytes(m.kv_used_bytes)} used{ckpts}"
         )
     return (
         f"    memory    weights {format_bytes(m.weights_bytes)} + KV {format_bytes(m.kv_allocated_bytes)} "
-        f"({format_bytes(m.kv_used_bytes)} used) + compute {format_bytes(m.compute_bytes)} + runtime "
+        f"({format_bytes(m.kv_used_bytes)} used){ckpts} + compute {format_bytes(m.compute_bytes)} + runtime "
         f"{format_bytes(m.runtime_bytes)} = {format_bytes(m.parts_bytes)} · RSS {format_bytes(m.rss_bytes)}"
     )
 

@@ -872,7 +872,7 @@ class Worker(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., isolation: _Optional[str] = ..., started_at: _Optional[float] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., last_restart_reason: _Optional[str] = ..., last_restart_at: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., log_lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelMemory(_message.Message):
-    __slots__ = ("isolation", "weights_bytes", "kv_allocated_bytes", "kv_used_bytes", "compute_bytes", "runtime_bytes", "rss_bytes")
+    __slots__ = ("isolation", "weights_bytes", "kv_allocated_bytes", "kv_used_bytes", "compute_bytes", "runtime_bytes", "rss_bytes", "checkpoint_bytes")
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -880,6 +880,7 @@ class ModelMemory(_message.Message):
     COMPUTE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     isolation: str
     weights_bytes: int
     kv_allocated_bytes: int
@@ -887,7 +888,8 @@ class ModelMemory(_message.Message):
     compute_bytes: int
     runtime_bytes: int
     rss_bytes: int
-    def __init__(self, isolation: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_allocated_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    checkpoint_bytes: int
+    def __init__(self, isolation: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_allocated_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class DaemonMemory(_message.Message):
     __slots__ = ("rss_bytes", "ram_tier_bytes", "own_bytes", "parts_bytes", "measured_bytes", "tolerance_bytes", "untouched_max_bytes")
