@@ -343,16 +343,28 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
     ]
     if fp.memory != "attention":
         # Memory that cannot be cut at any token: what it is, what it keeps, where it is cut.
+        if fp.swa_ring:
+            cache = "a ring of SWA cells (--no-swa-full): the local layers keep about a window per sequence"
+        else:
+            cache = "llama.cpp's full-size SWA cache: the KV above counts every layer at every token"
         what = fp.memory + (
-            f", a window of {fp.sliding_window} tokens (llama.cpp's full-size SWA cache: the KV above "
-            "counts every layer at every token, so a cut keeps its window)"
-            if fp.sliding_window
-            else ""
+            f", a window of {fp.sliding_window} tokens ({cache})" if fp.sliding_window else ""
         )
         if fp.state_bytes:
             what += f"; a recurrent state of {format_bytes(fp.state_bytes)} per sequence"
         rows.append(("memory", what))
         rows.append(("cuts", fp.cuts))
+        if fp.warm:
+            rows.append(("warm output", fp.warm))
+        if fp.swa_full_kv_bytes:
+            rows.append(
+                (
+                    "swa cache",
+                    f"full-size {format_bytes(fp.swa_full_kv_bytes)} of KV (--swa-full, the default), "
+                    f"a ring {format_bytes(fp.swa_ring_kv_bytes)} (--no-swa-full); the local layers hold "
+                    f"{fp.swa_kv_bytes_per_token} of the {fp.kv_bytes_per_token} bytes a token",
+                )
+            )
         if fp.checkpoint_bytes:
             each = "each one state" if fp.state_bytes else "each one window's KV, at most"
             rows.append(("checkpoints", f"up to {format_bytes(fp.checkpoint_bytes)} ({each})"))
