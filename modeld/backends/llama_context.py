@@ -46,7 +46,7 @@ from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
-from modeld.backends.llama_checkpoints import Checkpoints
+from modeld.backends.llama_checkpoints import PARTIAL, Checkpoints
 from modeld.backends.llama_constraints import LlamaConstraints
 from modeld.backends.llama_rewind import Rewind
 from modeld.backends.llama_state import SeqStates
@@ -451,6 +451,8 @@ class LlamaContext(HeldTokens, Rewind):
             # state), its checkpoints with it; then back to n as a sync would go.
             if self._layout.shared_cells:
                 _llama.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+                if self._swa_ring:
+                    self._own_window(src, dst)
                 self._seqs[dst] = list(source)
             elif not self._states.restore(dst, self.snapshot(src)):
                 raise EngineError(f"llama.cpp could not copy sequence {src} into {dst}")
@@ -483,6 +485,19 @@ class LlamaContext(HeldTokens, Rewind):
             return False
         _llama.llama_memory_seq_cp(self._mem, src, dst, 0, n)
         return True
+
+    def _own_window(self, src: int, dst: int) -> None:
+        """Give ``dst``, which shares every cell of ``src`` (``llama_memory_seq_cp``), cells of its
+        own in a ring of SWA cells: src's window (its partial state) written for dst, which
+        takes dst's tag off the shared SWA cells. A ring reuses a cell outside a window only
+        when one sequence holds it, so shared cells stayed taken and the next batch found no
+        cell (``llama_decode`` code 1, measured on the generated gemma3: blueprint 0016)."""
+        size = int(_llama.llama_state_seq_get_size_ext(self._ctx, src, PARTIAL))
+        buf = (ctypes.c_uint8 * max(1, size))()
+        got = int(_llama.llama_state_seq_get_data_ext(self._ctx, buf, size, src, PARTIAL)) if size > 0 else 0
+        if got <= 0 or int(_llama.llama_state_seq_set_data_ext(self._ctx, buf, got, dst, PARTIAL)) <= 0:
+            _llama.llama_memory_seq_rm(self._mem, dst, -1, -1)
+            raise EngineError(f"llama.cpp could not copy sequence {src}'s window into {dst}")
 
     def drop(self, seq: int) -> None:
         self._cut(seq, 0)

@@ -128,3 +128,22 @@ def test_a_ring_goes_back_to_a_window_checkpoint_and_warm_equals_fresh(name: str
     fresh = _fresh(name, EDITED)
     assert warm == fresh
     assert repeat == fresh
+
+
+@pytest.mark.parametrize("name", SWA)
+def test_a_prefix_copied_between_sequences_of_a_ring_leaves_room_for_the_next_batch(name: str) -> None:
+    """Two sequences in one unified pool with a ring of SWA cells: a second session that starts
+    with the first one's prefix copies its context, then evaluates more. The ring reuses a cell
+    outside the window only when one sequence holds it; before the copy gave the second
+    sequence a window of its own, every ring cell was shared after it and the next batch failed
+    (``llama_decode failed with code 1``). Its answer is a fresh evaluation's."""
+    longer = BASE + "".join(f"def extra_{i}(x):\n    return x + {i}\n\n" for i in range(8))
+    with Engine(backends=("llama",), residency=Residency(sequences=2, swa_full=False)) as engine:
+        a = engine.open_session(_request(name))
+        a.ensure_prefix(PrefixInput(text=BASE))
+        b = engine.open_session(_request(name))
+        st = b.ensure_prefix(PrefixInput(text=longer))
+        assert st.reused_tokens > 0, st.reuse.message  # copied from a's context
+        b.prefill_suffix(SuffixInput(text="fix it\n"))
+        warm = _decode(b)
+    assert warm == _fresh(name, longer)
