@@ -368,7 +368,7 @@ def _global_options(p: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-_DESCRIBE_SETTINGS = ("sequences", "kv_unified", "pool_tokens", "memory_budget_bytes")
+_DESCRIBE_SETTINGS = ("sequences", "kv_unified", "pool_tokens", "memory_budget_bytes", "swa_full")
 """The settings that size a model's memory, which ``modeld describe`` takes too."""
 _DESCRIBE_SESSION = ("kv_cache_type", "flash_attn")
 """The session settings of the HTTP APIs that ``modeld describe`` sizes a model for."""

@@ -291,6 +291,15 @@ class Footprint:
     ``where the window is held``); ``checkpoint_bytes`` what the layout's checkpoints may hold
     (``--checkpoints`` per sequence, each one ``state_bytes``). ``total_bytes`` counts the
     sequences' states and the checkpoints.
+
+    Sliding windows (blueprint 0016, "Sliding windows"): ``swa_kv_bytes_per_token`` is the local
+    layers' part of ``kv_bytes_per_token``; ``swa_ring`` says the local layers keep a ring of
+    cells (``serve --no-swa-full``: ``n_swa x n_seq + n_ubatch`` cells, padded to 256, as
+    llama.cpp sizes it) instead of a cell per token (llama.cpp's full-size SWA cache, modeld's
+    default); ``kv_bytes`` is the setting in force, ``swa_full_kv_bytes`` and
+    ``swa_ring_kv_bytes`` the layout's KV under each (0: no sliding window); ``warm`` says
+    whether a warm context's output is a fresh evaluation's under the setting in force.
+    ``micro_batch``: the tokens per engine call the session asked for (``num_batch``).
     """
 
     weights_bytes: int = 0
@@ -313,6 +322,12 @@ class Footprint:
     state_bytes: int = 0
     cuts: str = "any token"
     checkpoint_bytes: int = 0
+    swa_kv_bytes_per_token: int = 0
+    swa_ring: bool = False
+    swa_full_kv_bytes: int = 0
+    swa_ring_kv_bytes: int = 0
+    warm: str = ""
+    micro_batch: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -185,6 +185,12 @@ class Residency:
     prefilling everything, after a restart or on another box too (they travel in snapshots).
     Each holds the model's recurrent state, or a sliding window's KV (``modeld describe``:
     checkpoints); counted in the memory budget. 0: none."""
+    swa_full: bool = setting(True, "--swa-full", _WARM)
+    """Sliding-window models (Gemma 3, gpt-oss) keep every token's KV in their local layers too
+    (llama.cpp's full-size SWA cache): a warm context is cut at any token and its output is a
+    fresh evaluation's. ``--no-swa-full``: the local layers keep a ring of about a window per
+    sequence (llama-server's default), less memory (``modeld describe`` shows both), and cuts
+    fall back to checkpoints (blueprint 0016, "Sliding windows")."""
     pool_tokens: int = setting(0, "--kv-pool-tokens", _WARM, count(0, 1 << 24))
     """With ``kv_unified``: KV cells in the pool (0: one window; a smaller pool caps the window).
     A pool of at least ``sequences`` windows is laid out as split streams: sharing it gains no

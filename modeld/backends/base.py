@@ -112,6 +112,10 @@ class Layout:
     ``checkpoint_limit``: the checkpoints a sequence may keep (they travel inside its snapshots
     when ``snapshot_cuts``); ``checkpoint_bytes``: one checkpoint's size at most (a recurrent
     state, or a sliding window's cells).
+    ``swa_ring_cells``: the local layers of a sliding-window model keep this many cells, a ring
+    (``LoadOptions.swa_full`` False), each ``swa_kv_bytes_per_token`` (their part of
+    ``kv_bytes_per_token``); 0: a cell per pool cell, as every other layer
+    (:attr:`kv_allocated_bytes`).
     """
 
     n_seq: int
@@ -133,6 +137,17 @@ class Layout:
     state_bytes: int = 0
     checkpoint_limit: int = 0
     checkpoint_bytes: int = 0
+    swa_ring_cells: int = 0
+    swa_kv_bytes_per_token: int = 0
+
+    @property
+    def kv_allocated_bytes(self) -> int:
+        """The KV the engine allocates at load: ``pool_tokens`` cells of every layer, less what a
+        ring of sliding-window cells saves."""
+        full = self.pool_tokens * max(0, self.kv_bytes_per_token)
+        if not self.swa_ring_cells:
+            return full
+        return full - (self.pool_tokens - self.swa_ring_cells) * self.swa_kv_bytes_per_token
 
     def snapshot_bytes(self, tokens: int) -> int:
         """About what a snapshot of a sequence holding ``tokens`` takes, at most: its KV cells
@@ -177,6 +192,10 @@ class LoadOptions:
     checkpoints: int = 8
     """Checkpoints kept per sequence of memory that cannot be cut at any token (``--checkpoints``;
     0: none)."""
+    swa_full: bool = True
+    """Sliding-window attention keeps every token's KV in its local layers too (llama.cpp's
+    ``swa_full``, its context default; ``--no-swa-full``: the local layers keep a ring of
+    ``n_swa x n_seq + n_ubatch`` cells, llama-server's default; blueprint 0016)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +230,10 @@ class HeldTokens:
     def decode_stats(self, seq: int) -> DecodeStats:
         self._seq(seq)
         return self._stats[seq]
+
+    def checkpoint_bytes(self) -> int:
+        """A runtime without checkpoints holds none."""
+        return 0
 
 
 class ModelRuntime(Protocol):
@@ -268,6 +291,11 @@ class ModelRuntime(Protocol):
 
     def decode_stats(self, seq: int) -> DecodeStats:
         """What speculation did in ``seq``'s current or last generate (zeros if none)."""
+        ...
+
+    def checkpoint_bytes(self) -> int:
+        """The bytes the checkpoints of every sequence hold now (``Layout.checkpoints``: kept in
+        the worker's heap beside the KV; 0 for memory without them)."""
         ...
 
     def copy(self, src: int, dst: int, n: int) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from modeld.backends.gguf_header import ARRAY, BOOL, INTEGERS, Header
 
-__all__ = ["LayerMemory", "layer_memory"]
+__all__ = ["SWA_PATTERNS", "LayerMemory", "layer_memory", "sliding_layers"]
 
 _STATE_BYTES = 4
 """llama.cpp keeps recurrent states in f32 (``type_r``, ``type_s``)."""
@@ -107,3 +107,41 @@ def layer_memory(h: Header, arch: str, layers: int, kv_heads: tuple[int, ...]) -
             r = conv * (inner + 2 * h.integer(hp("ssm.group_count")) * state)
         s = state * inner
     return LayerMemory(recurrent=recurrent, attention=attention, state_bytes=(r + s) * _STATE_BYTES)
+
+
+SWA_PATTERNS: dict[str, tuple[int, bool]] = {
+    "gemma2": (2, False),
+    "gemma3": (6, False),
+    "gemma3n": (5, False),
+    "gemma-embedding": (6, False),
+    "gpt-oss": (2, False),
+    "cohere2": (4, False),
+    "exaone4": (4, False),
+    "llama4": (4, False),
+    "olmo2": (4, False),
+}
+"""Which layers of a sliding-window model are local when its header has no
+``attention.sliding_window_pattern``: ``(n, dense_first)`` as the vendored llama.cpp's loaders
+pass to ``load_swa_pattern`` (``src/models/<arch>.cpp``; gemma3: 5 local layers to 1 global,
+gpt-oss: every other layer). The key, when present, decides, as it does for the engine. An
+architecture not listed counts every layer as global (no ring is assumed smaller than it is)."""
+
+
+def sliding_layers(h: Header, arch: str, layers: int, window: int) -> tuple[bool, ...]:
+    """Per layer: does it attend over a sliding window of ``window`` tokens (llama.cpp's
+    ``hparams.is_swa``)? From ``{arch}.attention.sliding_window_pattern`` (a per-layer array,
+    or ``n``: the last layer of every ``n`` is global), else :data:`SWA_PATTERNS`; none without a
+    window."""
+    if window <= 0 or layers <= 0:
+        return ()
+    key = f"{arch}.attention.sliding_window_pattern"
+    flags = _flags(h, key, layers)
+    if flags is not None:
+        return flags
+    n, dense_first = SWA_PATTERNS.get(arch, (1, False))
+    value = h.get(key)
+    if value is not None and value.type != ARRAY and value.type in INTEGERS:
+        n, dense_first = h.integer(key), False
+    if dense_first:
+        return tuple(n == 0 or i % n != 0 for i in range(layers))
+    return tuple(n == 0 or i % n < n - 1 for i in range(layers))

@@ -42,7 +42,7 @@ import xxhash
 
 from modeld.backends.gguf_checks import check
 from modeld.backends.gguf_header import ARRAY, INTEGERS, LIMITS, STRING, GGUFFormatError, Header
-from modeld.backends.gguf_layers import layer_memory
+from modeld.backends.gguf_layers import layer_memory, sliding_layers
 from modeld.backends.probe import MAX_SHOWN_PATH, FileIdentity, ModelFile, open_model_file, show_path
 from modeld.errors import BackendMismatchError, ModelLoadError
 from modeld.manifest import bytes_hash
@@ -54,6 +54,7 @@ __all__ = [
     "fingerprint",
     "kv_bytes_per_token",
     "read_gguf",
+    "swa_kv_bytes_per_token",
 ]
 
 _HEAD = 8 << 20
@@ -124,6 +125,9 @@ class GGUFInfo:
     identity: FileIdentity | None = None  # the file when it was described (see probe.changed)
     recurrent_layers: int = 0  # layers that keep a recurrent state (gguf_layers)
     state_bytes: int = 0  # one sequence's recurrent state, every recurrent layer's (f32)
+    swa_layers: tuple[bool, ...] = ()  # per layer: attends over the sliding window (gguf_layers)
+    key_length_swa: int = 0  # the local layers' head sizes (0: key_length, value_length)
+    value_length_swa: int = 0
 
     @property
     def can_truncate(self) -> bool:
@@ -309,6 +313,9 @@ def _describe(f: ModelFile, digest: str) -> GGUFInfo:
         identity=f.identity,
         recurrent_layers=n_recurrent,
         state_bytes=layout.sequence_state_bytes,
+        swa_layers=sliding_layers(h, arch, layers, max(swa_raw)),
+        key_length_swa=h.integer(hp("attention.key_length_swa")),
+        value_length_swa=h.integer(hp("attention.value_length_swa")),
     )
 
 
@@ -351,5 +358,28 @@ def kv_bytes_per_token(info: GGUFInfo, kv_cache_type: str) -> int:
     if info.recurrent:
         return 0
     block_bytes, block_values = KV_TYPE_BYTES[kv_cache_type]
-    values = sum(kv * (info.key_length + info.value_length) for kv in info.kv_heads)
+    swa = info.swa_layers or (False,) * len(info.kv_heads)
+    values = sum(kv * _head_values(info, local) for kv, local in zip(info.kv_heads, swa, strict=True))
     return -(-values * block_bytes // block_values)
+
+
+def swa_kv_bytes_per_token(info: GGUFInfo, kv_cache_type: str) -> int:
+    """The local (sliding-window) layers' part of :func:`kv_bytes_per_token`: what a token's
+    KV costs in llama.cpp's SWA cache (a ring of cells with ``--no-swa-full``); 0 without a
+    sliding window."""
+    if info.recurrent or not any(info.swa_layers):
+        return 0
+    block_bytes, block_values = KV_TYPE_BYTES[kv_cache_type]
+    values = sum(
+        kv * _head_values(info, True)
+        for kv, local in zip(info.kv_heads, info.swa_layers, strict=True)
+        if local
+    )
+    return -(-values * block_bytes // block_values)
+
+
+def _head_values(info: GGUFInfo, local: bool) -> int:
+    """K and V values per KV head of a layer (a local layer's own sizes where the header has them)."""
+    if local and info.key_length_swa:
+        return info.key_length_swa + (info.value_length_swa or info.key_length_swa)
+    return info.key_length + info.value_length

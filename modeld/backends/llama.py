@@ -13,7 +13,7 @@ import importlib.metadata
 import importlib.util
 
 from modeld.backends.base import LoadOptions, ModelRuntime
-from modeld.backends.gguf_meta import GGUFInfo, kv_bytes_per_token, read_gguf
+from modeld.backends.gguf_meta import GGUFInfo, kv_bytes_per_token, read_gguf, swa_kv_bytes_per_token
 from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, check_digest, model_info
 from modeld.contract import (
     CONSTRAINT_KINDS,
@@ -62,12 +62,19 @@ def model_footprint(meta: GGUFInfo, config: Config) -> Footprint:
         sliding_window=meta.sliding_window,
         state_bytes=meta.state_bytes,
         cuts=CUTS[meta.memory],
+        swa_kv_bytes_per_token=swa_kv_bytes_per_token(meta, config.kv_cache_type)
+        if meta.memory == "sliding-window"
+        else 0,
+        micro_batch=b,
     )
 
 
 CUTS = {
     "attention": "any token",
-    "sliding-window": "where the sliding window before the cut is still held (else not)",
+    "sliding-window": (
+        "where the cache still holds the window before the cut, else back to a checkpoint of the "
+        "window at or before it"
+    ),
     "hybrid": "back to a checkpoint of the recurrent state at or before the cut",
     "recurrent": "back to a checkpoint of the recurrent state at or before the cut",
 }

@@ -145,10 +145,16 @@ class _Seq:
 class Checkpoints:
     """The checkpoints of a context's sequences (see the module docstring)."""
 
-    def __init__(self, ctx: Any, n_seq: int, *, spacing: int, limit: int = 8, window: bool = False) -> None:
+    def __init__(
+        self, ctx: Any, n_seq: int, *, spacing: int, limit: int = 8, window: bool = False, placed: bool = True
+    ) -> None:
         self._ctx = ctx
         self.window = window
         """Checkpoints of a sliding window (its local layers' cells), not of a recurrent state."""
+        self.placed = placed
+        """A window's checkpoint goes back at the cells a fresh evaluation used (a full-size SWA
+        cache); False: as llama.cpp puts it (a ring of SWA cells, ``--no-swa-full``, has room
+        for the window only)."""
         self.spacing = max(1, spacing)
         self.limit = max(1, limit)
         self._seqs = [_Seq() for _ in range(n_seq)]
@@ -202,7 +208,7 @@ class Checkpoints:
         # reminder): a checkpoint that served a cut is worth keeping.
         s.used = [*[p for p in s.used if p != pos][-(_RECENT - 1) :], pos]
         low = 0
-        if self.window:
+        if self.window and self.placed:
             padded = pad_window(blob)
             if padded is None:
                 log.warning("a sliding window's checkpoint of sequence %d is not in a known form", seq)

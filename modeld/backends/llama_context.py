@@ -46,7 +46,7 @@ from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
-from modeld.backends.llama_checkpoints import Checkpoints
+from modeld.backends.llama_checkpoints import PARTIAL, Checkpoints
 from modeld.backends.llama_constraints import LlamaConstraints
 from modeld.backends.llama_rewind import Rewind
 from modeld.backends.llama_state import SeqStates
@@ -172,6 +172,8 @@ class LlamaContext(HeldTokens, Rewind):
         unified = options.unified and not recurrent
         n_ctx = max(options.pool_tokens, options.window) if unified else n_seq * options.window
         self._chunk = micro_batch(config.num_batch, n_seq)
+        # A ring of SWA cells (--no-swa-full) only where the model has sliding-window layers.
+        self._swa_ring = swa > 0 and not (recurrent or hybrid) and not options.swa_full
         self._create_context(n_ctx, n_seq, unified, _threads(options.threads))
         total = int(_llama.llama_n_ctx(self._ctx))
         window = min(options.window, total) if unified else min(options.window, total // n_seq)
@@ -194,6 +196,8 @@ class LlamaContext(HeldTokens, Rewind):
             layout_name = "unified"
         else:
             layout_name = f"split/{n_seq}"
+        if self._swa_ring:
+            layout_name += "+swa-ring"  # its snapshots hold a ring's cells: never mixed with full ones
         self._layout = Layout(
             n_seq=n_seq,
             window=window,
@@ -225,6 +229,8 @@ class LlamaContext(HeldTokens, Rewind):
             else "sliding-window"
             if swa
             else "attention",
+            swa_ring_cells=self._ring_cells(swa, n_seq, unified, total) if self._swa_ring else 0,
+            swa_kv_bytes_per_token=info.footprint.swa_kv_bytes_per_token,
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
         # Memory that cannot be cut at any token: batches at canonical positions, cuts back to
@@ -236,7 +242,12 @@ class LlamaContext(HeldTokens, Rewind):
         # non-cuttable memory takes checkpoints.
         spacing = CHECKPOINT_BATCHES * self._chunk
         self._ckpts = Checkpoints(
-            self._ctx, n_seq, spacing=spacing, limit=options.checkpoints, window=self._n_swa > 0
+            self._ctx,
+            n_seq,
+            spacing=spacing,
+            limit=options.checkpoints,
+            window=self._n_swa > 0,
+            placed=not self._swa_ring,
         )
         self._starts = self._turn_starts() if self._planned else frozenset()
         self._states = SeqStates(
@@ -249,6 +260,17 @@ class LlamaContext(HeldTokens, Rewind):
         self._constraints: LlamaConstraints | None = None  # made on the first constrained decode
 
     # --- loading ----------------------------------------------------------------------------
+
+    def _ring_cells(self, swa: int, n_seq: int, unified: bool, total: int) -> int:
+        """The cells of llama.cpp's SWA cache as a ring, as ``llama_kv_cache_iswa`` sizes it
+        (``sizing.swa_ring_cells`` counts the same before loading)."""
+
+        def pad(cells: int) -> int:
+            return -(-cells // 256) * 256
+
+        if unified:
+            return pad(min(total, swa * n_seq + self._chunk))
+        return n_seq * pad(min(total // n_seq, swa + self._chunk))
 
     def _load_model(self) -> None:
         params = _llama.llama_model_default_params()
@@ -276,6 +298,7 @@ class LlamaContext(HeldTokens, Rewind):
         params.n_batch = params.n_ubatch = self._chunk
         params.n_seq_max = n_seq
         params.kv_unified = unified
+        params.swa_full = not self._swa_ring
         params.n_threads = threads
         params.n_threads_batch = threads
         params.type_k = _GGML_TYPES[config.kv_cache_type]
@@ -428,6 +451,8 @@ class LlamaContext(HeldTokens, Rewind):
             # state), its checkpoints with it; then back to n as a sync would go.
             if self._layout.shared_cells:
                 _llama.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+                if self._swa_ring:
+                    self._own_window(src, dst)
                 self._seqs[dst] = list(source)
             elif not self._states.restore(dst, self.snapshot(src)):
                 raise EngineError(f"llama.cpp could not copy sequence {src} into {dst}")
@@ -461,9 +486,25 @@ class LlamaContext(HeldTokens, Rewind):
         _llama.llama_memory_seq_cp(self._mem, src, dst, 0, n)
         return True
 
+    def _own_window(self, src: int, dst: int) -> None:
+        """Give ``dst``, which shares every cell of ``src`` (``llama_memory_seq_cp``), cells of its
+        own in a ring of SWA cells: src's window (its partial state) written for dst, which
+        takes dst's tag off the shared SWA cells. A ring reuses a cell outside a window only
+        when one sequence holds it, so shared cells stayed taken and the next batch found no
+        cell (``llama_decode`` code 1, measured on the generated gemma3: blueprint 0016)."""
+        size = int(_llama.llama_state_seq_get_size_ext(self._ctx, src, PARTIAL))
+        buf = (ctypes.c_uint8 * max(1, size))()
+        got = int(_llama.llama_state_seq_get_data_ext(self._ctx, buf, size, src, PARTIAL)) if size > 0 else 0
+        if got <= 0 or int(_llama.llama_state_seq_set_data_ext(self._ctx, buf, got, dst, PARTIAL)) <= 0:
+            _llama.llama_memory_seq_rm(self._mem, dst, -1, -1)
+            raise EngineError(f"llama.cpp could not copy sequence {src}'s window into {dst}")
+
     def drop(self, seq: int) -> None:
         self._cut(seq, 0)
         self._drafters.pop(seq, None)  # the sequence's next text is another context's
+
+    def checkpoint_bytes(self) -> int:
+        return self._ckpts.nbytes()
 
     # --- snapshots (the format: llama_state.py) -------------------------------------------------
 
@@ -541,7 +582,9 @@ class LlamaContext(HeldTokens, Rewind):
             self._ckpts.take(seq, len(tokens), canonical=False)
             # A sliding window comes back at cell 0 on; put it where a fresh evaluation holds it
             # (llama_window.pad_window), or later turns round differently (~1e-4 of a logprob).
-            if self._n_swa and len(tokens) > self._n_swa and not self._ckpts.restore(seq, len(tokens)):
+            # A ring (--no-swa-full) has no such place: its cells move round as it fills.
+            placed = self._n_swa and not self._swa_ring and len(tokens) > self._n_swa
+            if placed and not self._ckpts.restore(seq, len(tokens)):
                 log.warning("the restored window of sequence %d could not be placed: refusing it", seq)
                 self._cut(seq, 0)
                 return False

@@ -44,12 +44,14 @@ __all__ = [
     "default_memory_budget",
     "effective_context",
     "footprint",
+    "kv_cost",
     "layout_name",
     "load_cost",
     "max_window",
     "model_info",
     "plan_layout",
     "state_cost",
+    "swa_ring_cells",
 ]
 
 BUDGET_SHARE = 0.9
@@ -63,6 +65,23 @@ UNKNOWN_COMPUTE_BYTES = 128 << 20
 """The compute buffer counted for a model whose footprint does not estimate one (OpenVINO, the
 memory backend)."""
 CELL_PAD = 256
+
+WARM_SWA_FULL = (
+    "a fresh evaluation's, bit for bit: the full-size SWA cache keeps every token's KV, so a cut "
+    "keeps the window before it, and a window restored from a tier goes back where a fresh "
+    "evaluation holds it"
+)
+"""``Footprint.warm`` of a sliding-window model with llama.cpp's full-size SWA cache (the default)."""
+
+WARM_SWA_RING = (
+    "a fresh evaluation's after an edit or a repeat in the KV (a cut goes back to a checkpoint "
+    "of the window where the ring no longer holds it, further back than with a full-size cache); "
+    "a context restored from a tier can differ from one in rounding (its window cannot be put "
+    "back where a fresh evaluation holds it in a ring: up to 1e-3 of a log-probability measured, "
+    "the same tokens)"
+)
+"""``Footprint.warm`` of a sliding-window model whose local layers keep a ring (``--no-swa-full``;
+blueprint 0016, "Sliding windows")."""
 """llama.cpp pads a context to a multiple of 256 cells: windows are planned in these steps."""
 _MAX_WINDOW = 1 << 24
 
@@ -124,6 +143,35 @@ def checkpoint_size(fp: Footprint) -> int:
     return 0
 
 
+def swa_ring_cells(fp: Footprint, options: LoadOptions) -> int:
+    """The cells of llama.cpp's SWA cache when it is a ring (``LoadOptions.swa_full`` False), as
+    ``llama_kv_cache_iswa`` sizes it: ``n_swa x n_seq + n_ubatch`` for a unified pool (at most
+    the pool), ``n_swa + n_ubatch`` per stream for split ones (at most a window), padded to 256
+    cells. ``n_ubatch`` is the session's micro-batch as the llama backend rounds it."""
+    n_seq = max(1, options.n_seq)
+    batch = fp.micro_batch or 512
+    ubatch = max(n_seq, batch - batch % n_seq)
+    if options.unified:
+        return _pad(min(options.pool_tokens, fp.sliding_window * n_seq + ubatch))
+    return n_seq * _pad(min(options.window, fp.sliding_window + ubatch))
+
+
+def _pad(cells: int) -> int:
+    return -(-cells // CELL_PAD) * CELL_PAD
+
+
+def kv_cost(fp: Footprint, options: LoadOptions, *, swa_full: bool | None = None) -> int:
+    """The KV a layout allocates at load: ``pool_tokens`` cells of every layer's KV, except that
+    a sliding window's local layers keep only :func:`swa_ring_cells` with a ring (``swa_full``:
+    the setting to count; None: ``options.swa_full``)."""
+    full = options.pool_tokens * max(0, fp.kv_bytes_per_token)
+    ring = not (options.swa_full if swa_full is None else swa_full)
+    if not ring or fp.sliding_window <= 0 or fp.swa_kv_bytes_per_token <= 0:
+        return full
+    local = fp.swa_kv_bytes_per_token
+    return full - options.pool_tokens * local + swa_ring_cells(fp, options) * local
+
+
 def state_cost(fp: Footprint, options: LoadOptions) -> tuple[int, int]:
     """What a layout's sequences hold beside their KV cells: every sequence's recurrent state
     (llama.cpp allocates one per sequence at load), and the checkpoints the layout may keep
@@ -141,7 +189,7 @@ def load_cost(fp: Footprint, options: LoadOptions) -> int:
     cells = options.pool_tokens if options.unified else options.window
     return (
         fp.weights_bytes
-        + options.pool_tokens * max(0, fp.kv_bytes_per_token)
+        + kv_cost(fp, options)
         + compute_bytes(fp, cells)
         + MODEL_OVERHEAD_BYTES
         + sum(state_cost(fp, options))
@@ -164,6 +212,7 @@ def plan_layout(
     fp: Footprint,
     room: int | None,
     checkpoints: int = 8,
+    swa_full: bool = True,
 ) -> tuple[LoadOptions, str]:
     """The KV layout a model loads with: ``sequences`` sequences of ``window`` tokens, in a
     unified pool (``pool_tokens`` cells, 0: one window) or in split streams of a window each
@@ -179,13 +228,15 @@ def plan_layout(
         cells = o.pool_tokens if o.unified else o.window
         return (
             fp.weights_bytes
-            + o.pool_tokens * fp.kv_bytes_per_token
+            + kv_cost(fp, o)
             + compute_bytes(fp, cells)
             + MODEL_OVERHEAD_BYTES
             + sum(state_cost(fp, o))
         )
 
-    split = LoadOptions(n_seq=n_seq, window=window, pool_tokens=n_seq * window, checkpoints=checkpoints)
+    split = LoadOptions(
+        n_seq=n_seq, window=window, pool_tokens=n_seq * window, checkpoints=checkpoints, swa_full=swa_full
+    )
     budgeted = room is not None and fp.kv_bytes_per_token > 0
     if unified and pool_tokens >= n_seq * window and (not budgeted or cost(split) <= (room or 0)):
         # A pool that holds every sequence's whole window gains nothing from sharing it (no
@@ -196,7 +247,12 @@ def plan_layout(
     if unified:
         pool = pool_tokens or window
         options = LoadOptions(
-            n_seq=n_seq, window=min(window, pool), pool_tokens=pool, unified=True, checkpoints=checkpoints
+            n_seq=n_seq,
+            window=min(window, pool),
+            pool_tokens=pool,
+            unified=True,
+            checkpoints=checkpoints,
+            swa_full=swa_full,
         )
     else:
         options = split
@@ -269,11 +325,16 @@ def max_window(fp: Footprint, *, unified: bool, pool_tokens: int, budget: int, t
 def footprint(fp: Footprint, options: LoadOptions, *, budget: int, trained: int, max_fit: int) -> Footprint:
     """``fp`` (the model's own figures) completed with the layout ``options`` within ``budget``."""
     cells = options.pool_tokens if options.unified else options.window
-    kv = options.pool_tokens * fp.kv_bytes_per_token
+    kv = kv_cost(fp, options)
     compute = compute_bytes(fp, cells)
     states, checkpoints = state_cost(fp, options)
+    swa = fp.memory == "sliding-window" and fp.swa_kv_bytes_per_token > 0
     return replace(
         fp,
+        swa_ring=swa and not options.swa_full,
+        swa_full_kv_bytes=kv_cost(fp, options, swa_full=True) if swa else 0,
+        swa_ring_kv_bytes=kv_cost(fp, options, swa_full=False) if swa else 0,
+        warm=(WARM_SWA_FULL if options.swa_full else WARM_SWA_RING) if swa else fp.warm,
         checkpoint_bytes=checkpoints,
         trained_window=trained,
         trained_kv_bytes=trained * fp.kv_bytes_per_token,

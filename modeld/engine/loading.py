@@ -129,6 +129,7 @@ class ModelLoader:
             fp=info.footprint,
             room=room,
             checkpoints=r.checkpoints,
+            swa_full=r.swa_full,
         )
 
     def described(self, kind: str, request: OpenSessionRequest) -> ModelInfo:

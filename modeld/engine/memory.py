@@ -43,8 +43,9 @@ def model_memory(model: LoadedModel, worker: WorkerInfo) -> ModelMemory:
         weights_bytes=file_rss(worker.pid, model.info.path) if process else 0,
         # Recurrent and hybrid memory: every sequence's state too, allocated at load (157 MiB
         # each on a 27B hybrid; 0 KV bytes a token on a pure recurrent model).
-        kv_allocated_bytes=layout.pool_tokens * per + layout.n_seq * layout.state_bytes,
+        kv_allocated_bytes=layout.kv_allocated_bytes + layout.n_seq * layout.state_bytes,
         kv_used_bytes=model.cache.used_cells() * per,
+        checkpoint_bytes=model.supervisor.checkpoint_bytes,
         compute_bytes=compute_bytes(fp, cells) if has_compute else 0,
         runtime_bytes=model.supervisor.base_rss if process else 0,
         rss_bytes=worker.rss_bytes if process else 0,

@@ -50,10 +50,8 @@ Read from ``DaemonStatus`` at scrape time (a collector; always current):
 ``modeld_snapshots_rejected_total{model}``  snapshots refused (corrupt, stale, refused by the engine)
 ``modeld_recomputed_tokens_total{model}``   prompt tokens a session had computed before and computed
                                             again (status's ``recomputed``)
-``modeld_model_memory_bytes{model,part}``   where a model's worker memory goes: ``weights``
-                                            (resident pages of the file), ``kv_allocated``,
-                                            ``kv_used``, ``compute`` (reserved), ``runtime``
-                                            (the worker before its model), ``rss`` (measured)
+``modeld_model_memory_bytes{model,part}``   a worker's memory by part: ``weights``, ``kv_allocated``,
+                                            ``kv_used``, ``checkpoints``, ``compute``, ``runtime``, ``rss``
 ``modeld_memory_bytes{part}``               the daemon's ``own`` memory and ``ram_tier``; ``parts``
                                             (every part of the daemon and its workers, summed)
                                             and ``measured`` (their RSS), which agree within
@@ -314,6 +312,7 @@ class _StatusCollector:
                 ("weights", mm.weights_bytes),
                 ("kv_allocated", mm.kv_allocated_bytes),
                 ("kv_used", mm.kv_used_bytes),
+                ("checkpoints", mm.checkpoint_bytes),
                 ("compute", mm.compute_bytes),
                 ("runtime", mm.runtime_bytes),
                 ("rss", mm.rss_bytes),
@@ -357,7 +356,7 @@ class _StatusCollector:
         yield rss.gauge("modeld_worker_rss_bytes", "Resident memory of a model's engine worker.", ["model"])
         yield memory.gauge(
             "modeld_model_memory_bytes",
-            "Where a loaded model's worker memory goes (weights, kv_allocated, kv_used, compute, runtime, rss).",
+            "Where a loaded model's worker memory goes (weights, kv_*, checkpoints, compute, runtime, rss).",
             ["model", "part"],
         )
         daemon = GaugeMetricFamily(

@@ -76,8 +76,10 @@ class ModelMemory:
     mappings of the file); ``kv_allocated_bytes``: the KV pool the engine allocated (and cleared:
     resident whole) when it loaded, ``pool_tokens x kv_bytes_per_token``, with every sequence's
     recurrent state on recurrent and hybrid memory (``n_seq x Layout.state_bytes``, allocated at
-    load too; the checkpoints of those states live in the worker's heap as prefills take them,
-    not counted here yet); ``kv_used_bytes``: the
+    load too); ``checkpoint_bytes``: the checkpoints the worker's sequences hold now (memory that
+    cannot be cut at any token: recurrent states or sliding windows, taken as prefills pass and
+    kept in the worker's heap beside the KV; exact, as the worker counts them: its last reply
+    says); ``kv_used_bytes``: the
     cells the warm contexts hold now (a shared prefix once), part of the allocated pool;
     ``compute_bytes``: the engine's compute buffer as it reserved it (the model's estimate,
     within 5% of llama.cpp's figure; touched only as far as the cells in use, so it counts in
@@ -93,13 +95,20 @@ class ModelMemory:
     compute_bytes: int = 0
     runtime_bytes: int = 0
     rss_bytes: int = 0
+    checkpoint_bytes: int = 0
 
     @property
     def parts_bytes(self) -> int:
         """What the parts say the worker holds (0 inline)."""
         if self.isolation != "process":
             return 0
-        return self.weights_bytes + self.kv_allocated_bytes + self.compute_bytes + self.runtime_bytes
+        return (
+            self.weights_bytes
+            + self.kv_allocated_bytes
+            + self.checkpoint_bytes
+            + self.compute_bytes
+            + self.runtime_bytes
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,8 +119,8 @@ class DaemonMemory:
     RAM tier holds (exact; only contexts evicted from a KV pool); ``own_bytes``: the rest of
     the daemon (its RSS minus the RAM tier: Python, gRPC, sessions, inline models). Per model,
     :class:`ModelMemory` (``LoadedModelSummary.memory``). ``parts_bytes`` is the sum of every
-    part (the daemon's own and RAM tier, and per worker its weights, KV pool, compute buffer
-    and runtime); ``measured_bytes`` the daemon's and the workers' RSS as the kernel counts it.
+    part (the daemon's own and RAM tier, and per worker its weights, KV pool, checkpoints,
+    compute buffer and runtime); ``measured_bytes`` the daemon's and the workers' RSS as the kernel counts it.
     The compute buffers count as reserved (``untouched_max_bytes``, their sum), and the engine
     touches a buffer only as far as the cells in use: a long prefill makes it resident, until
     then the parts exceed the measure by at most that much. So the parts add up when

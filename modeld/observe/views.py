@@ -164,14 +164,16 @@ def _memory(d: DaemonMemory) -> str:
 
 
 def _model_memory(m: ModelMemory) -> str:
+    # Checkpoints (memory that cannot be cut at any token) sit beside the KV, shown when held.
+    ckpts = f" + checkpoints {format_bytes(m.checkpoint_bytes)}" if m.checkpoint_bytes else ""
     if m.isolation != "process":
         return (
             f"    memory    inline (part of the daemon's own) · KV {format_bytes(m.kv_allocated_bytes)} "
-            f"allocated, {format_bytes(m.kv_used_bytes)} used"
+            f"allocated, {format_bytes(m.kv_used_bytes)} used{ckpts}"
         )
     return (
         f"    memory    weights {format_bytes(m.weights_bytes)} + KV {format_bytes(m.kv_allocated_bytes)} "
-        f"({format_bytes(m.kv_used_bytes)} used) + compute {format_bytes(m.compute_bytes)} + runtime "
+        f"({format_bytes(m.kv_used_bytes)} used){ckpts} + compute {format_bytes(m.compute_bytes)} + runtime "
         f"{format_bytes(m.runtime_bytes)} = {format_bytes(m.parts_bytes)} · RSS {format_bytes(m.rss_bytes)}"
     )
 
@@ -341,16 +343,28 @@ def format_model_info(info: ModelInfo, num_ctx: int, kv_cache_type: str, flash_a
     ]
     if fp.memory != "attention":
         # Memory that cannot be cut at any token: what it is, what it keeps, where it is cut.
+        if fp.swa_ring:
+            cache = "a ring of SWA cells (--no-swa-full): the local layers keep about a window per sequence"
+        else:
+            cache = "llama.cpp's full-size SWA cache: the KV above counts every layer at every token"
         what = fp.memory + (
-            f", a window of {fp.sliding_window} tokens (llama.cpp's full-size SWA cache: the KV above "
-            "counts every layer at every token, so a cut keeps its window)"
-            if fp.sliding_window
-            else ""
+            f", a window of {fp.sliding_window} tokens ({cache})" if fp.sliding_window else ""
         )
         if fp.state_bytes:
             what += f"; a recurrent state of {format_bytes(fp.state_bytes)} per sequence"
         rows.append(("memory", what))
         rows.append(("cuts", fp.cuts))
+        if fp.warm:
+            rows.append(("warm output", fp.warm))
+        if fp.swa_full_kv_bytes:
+            rows.append(
+                (
+                    "swa cache",
+                    f"full-size {format_bytes(fp.swa_full_kv_bytes)} of KV (--swa-full, the default), "
+                    f"a ring {format_bytes(fp.swa_ring_kv_bytes)} (--no-swa-full); the local layers hold "
+                    f"{fp.swa_kv_bytes_per_token} of the {fp.kv_bytes_per_token} bytes a token",
+                )
+            )
         if fp.checkpoint_bytes:
             each = "each one state" if fp.state_bytes else "each one window's KV, at most"
             rows.append(("checkpoints", f"up to {format_bytes(fp.checkpoint_bytes)} ({each})"))

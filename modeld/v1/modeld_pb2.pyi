@@ -188,7 +188,7 @@ class ModelInfo(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., backend_version: _Optional[str] = ..., path: _Optional[str] = ..., model_digest: _Optional[str] = ..., model_max_context: _Optional[int] = ..., effective_context: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., free_bytes: _Optional[int] = ..., weights_bytes: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tokenizer_digest: _Optional[str] = ..., template_digest: _Optional[str] = ..., chat_template: _Optional[str] = ..., add_bos: _Optional[bool] = ..., device: _Optional[str] = ..., model_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., special_tokens: _Optional[_Iterable[_Union[SpecialToken, _Mapping]]] = ..., tool_format: _Optional[str] = ..., architecture: _Optional[str] = ..., footprint: _Optional[_Union[Footprint, _Mapping]] = ..., template_source: _Optional[str] = ..., reasoning_format: _Optional[str] = ...) -> None: ...
 
 class Footprint(_message.Message):
-    __slots__ = ("weights_bytes", "kv_bytes_per_token", "compute_floor_bytes", "compute_fixed_bytes", "compute_bytes_per_token", "trained_window", "trained_kv_bytes", "layout", "window", "kv_bytes", "compute_bytes", "overhead_bytes", "total_bytes", "budget_bytes", "max_window", "memory", "sliding_window", "state_bytes", "cuts", "checkpoint_bytes")
+    __slots__ = ("weights_bytes", "kv_bytes_per_token", "compute_floor_bytes", "compute_fixed_bytes", "compute_bytes_per_token", "trained_window", "trained_kv_bytes", "layout", "window", "kv_bytes", "compute_bytes", "overhead_bytes", "total_bytes", "budget_bytes", "max_window", "memory", "sliding_window", "state_bytes", "cuts", "checkpoint_bytes", "swa_kv_bytes_per_token", "swa_ring", "swa_full_kv_bytes", "swa_ring_kv_bytes", "warm", "micro_batch")
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FLOOR_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,12 @@ class Footprint(_message.Message):
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CUTS_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWA_KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SWA_RING_FIELD_NUMBER: _ClassVar[int]
+    SWA_FULL_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SWA_RING_KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCH_FIELD_NUMBER: _ClassVar[int]
     weights_bytes: int
     kv_bytes_per_token: int
     compute_floor_bytes: int
@@ -229,7 +235,13 @@ class Footprint(_message.Message):
     state_bytes: int
     cuts: str
     checkpoint_bytes: int
-    def __init__(self, weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., compute_floor_bytes: _Optional[int] = ..., compute_fixed_bytes: _Optional[int] = ..., compute_bytes_per_token: _Optional[int] = ..., trained_window: _Optional[int] = ..., trained_kv_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., window: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., overhead_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., max_window: _Optional[int] = ..., memory: _Optional[str] = ..., sliding_window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., cuts: _Optional[str] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
+    swa_kv_bytes_per_token: int
+    swa_ring: bool
+    swa_full_kv_bytes: int
+    swa_ring_kv_bytes: int
+    warm: str
+    micro_batch: int
+    def __init__(self, weights_bytes: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., compute_floor_bytes: _Optional[int] = ..., compute_fixed_bytes: _Optional[int] = ..., compute_bytes_per_token: _Optional[int] = ..., trained_window: _Optional[int] = ..., trained_kv_bytes: _Optional[int] = ..., layout: _Optional[str] = ..., window: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., overhead_bytes: _Optional[int] = ..., total_bytes: _Optional[int] = ..., budget_bytes: _Optional[int] = ..., max_window: _Optional[int] = ..., memory: _Optional[str] = ..., sliding_window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., cuts: _Optional[str] = ..., checkpoint_bytes: _Optional[int] = ..., swa_kv_bytes_per_token: _Optional[int] = ..., swa_ring: _Optional[bool] = ..., swa_full_kv_bytes: _Optional[int] = ..., swa_ring_kv_bytes: _Optional[int] = ..., warm: _Optional[str] = ..., micro_batch: _Optional[int] = ...) -> None: ...
 
 class DescribeResponse(_message.Message):
     __slots__ = ("info", "machine")
@@ -872,7 +884,7 @@ class Worker(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., isolation: _Optional[str] = ..., started_at: _Optional[float] = ..., restarts: _Optional[int] = ..., last_error: _Optional[str] = ..., last_restart_reason: _Optional[str] = ..., last_restart_at: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., log_lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ModelMemory(_message.Message):
-    __slots__ = ("isolation", "weights_bytes", "kv_allocated_bytes", "kv_used_bytes", "compute_bytes", "runtime_bytes", "rss_bytes")
+    __slots__ = ("isolation", "weights_bytes", "kv_allocated_bytes", "kv_used_bytes", "compute_bytes", "runtime_bytes", "rss_bytes", "checkpoint_bytes")
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -880,6 +892,7 @@ class ModelMemory(_message.Message):
     COMPUTE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_BYTES_FIELD_NUMBER: _ClassVar[int]
     RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     isolation: str
     weights_bytes: int
     kv_allocated_bytes: int
@@ -887,7 +900,8 @@ class ModelMemory(_message.Message):
     compute_bytes: int
     runtime_bytes: int
     rss_bytes: int
-    def __init__(self, isolation: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_allocated_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ...) -> None: ...
+    checkpoint_bytes: int
+    def __init__(self, isolation: _Optional[str] = ..., weights_bytes: _Optional[int] = ..., kv_allocated_bytes: _Optional[int] = ..., kv_used_bytes: _Optional[int] = ..., compute_bytes: _Optional[int] = ..., runtime_bytes: _Optional[int] = ..., rss_bytes: _Optional[int] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class DaemonMemory(_message.Message):
     __slots__ = ("rss_bytes", "ram_tier_bytes", "own_bytes", "parts_bytes", "measured_bytes", "tolerance_bytes", "untouched_max_bytes")

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -181,18 +181,20 @@ class Scheduler:
                 self._send(op, Result(tokens=tuple(runtime.tokenize(message.text, add_bos=message.add_bos))))
             elif isinstance(message, Copy):
                 runtime.copy(message.src, message.dst, message.n)
-                self._send(op, Result())
+                self._send(op, Result(checkpoint_bytes=runtime.checkpoint_bytes()))
             elif isinstance(message, Drop):
                 runtime.drop(message.seq)
-                self._send(op, Result())
+                self._send(op, Result(checkpoint_bytes=runtime.checkpoint_bytes()))
             elif isinstance(message, Share):
-                self._send(op, Result(ok=runtime.share(message.src, message.dst, message.n)))
+                ok = runtime.share(message.src, message.dst, message.n)
+                self._send(op, Result(ok=ok, checkpoint_bytes=runtime.checkpoint_bytes()))
             elif isinstance(message, Snapshot):
                 self._send(op, Result(payload=runtime.snapshot(message.seq)))
             elif isinstance(message, Save):
                 self._send(op, _save(runtime, message))
             elif isinstance(message, Restore):
-                self._send(op, _restore(runtime, message))
+                result = _restore(runtime, message)
+                self._send(op, replace(result, checkpoint_bytes=runtime.checkpoint_bytes()))
             elif isinstance(message, Close):
                 self._close()
                 self._send(op, Result())
@@ -288,7 +290,11 @@ class Scheduler:
         assert self._runtime is not None
         resident = len(self._runtime.resident(job.seq))
         stats = self._runtime.decode_stats(job.seq) if job.generate else None
-        self._send(job.op, Finished(resident=resident, kept=job.kept, canceled=canceled, stats=stats))
+        held = self._runtime.checkpoint_bytes()
+        self._send(
+            job.op,
+            Finished(resident=resident, kept=job.kept, canceled=canceled, stats=stats, checkpoint_bytes=held),
+        )
 
     def _forget(self, job: _Job) -> None:
         with self._lock:

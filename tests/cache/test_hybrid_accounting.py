@@ -10,13 +10,18 @@ a quarter of its blob; a 27B hybrid's checkpoint holds 157 MiB.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from modeld.backends.llama_checkpoints import Checkpoints
+from modeld.cache import eviction
 from modeld.cache.tiers import Tiers
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
+from modeld.observe.metrics import Metrics
 from modeld.settings import Residency
 
 pytestmark = pytest.mark.llama
@@ -107,3 +112,58 @@ def test_an_idle_hybrid_context_leaves_once_the_prefills_attention_is_measured_d
         b.ensure_prefix(PrefixInput(text="class Other:\n    pass\n" * 20))
         kv = {c.session_id for c in engine.status().models[0].contexts if c.tier == "kv"}
         assert a.session_id not in kv, kv
+
+
+def _held_by(blob: bytes) -> int:
+    """The bytes of the checkpoints a snapshot carries (its section after llama.cpp's state:
+    ``Checkpoints.pack``), read from the blob the worker sent."""
+    _end, section = Checkpoints.section(memoryview(blob))
+    assert section is not None
+    (count,) = struct.unpack_from("<I", section, 0)
+    at, held = 4, 0
+    for _ in range(count):
+        _pos, _canonical, length = struct.unpack_from("<IBI", section, at)
+        at += 9 + length
+        held += length
+    return held
+
+
+def _memory_metric(engine: Engine, part: str) -> float:
+    metrics = Metrics(status=engine.status)
+    text, _ = metrics.render()
+    return next(
+        s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if s.name == "modeld_model_memory_bytes" and s.labels.get("part") == part
+    )
+
+
+@pytest.mark.parametrize("name", ["hybrid-qwen35", "swa-gemma3"])
+def test_the_memory_table_shows_the_checkpoints_each_context_holds(name: str) -> None:
+    """The checkpoints a worker's sequences hold live in its heap beside the KV: the table
+    shows what they hold now (the worker's own count, sent with its replies), the parts add
+    it, ``/metrics`` exposes it; once the context leaves the KV they are gone, and so is their
+    count. Before, the table had no such part (the budget counted the most they could hold)."""
+    path = str(testmodels.ensure_model(SPECS[name]))
+    with Engine(backends=("llama",), residency=Residency(sequences=1)) as engine:
+        s = engine.open_session(_request(path))
+        s.ensure_prefix(PrefixInput(text=BASE))
+        s.prefill_suffix(SuffixInput(text="fix it\n"))
+        (model,) = engine.models()
+        (context,) = model.cache.state.pool.contexts.values()
+        blob = model.supervisor.host().snapshot(context.seq).result()
+        held = _held_by(blob)  # one context: every checkpoint the worker holds
+        memory = engine.status().models[0].memory
+        assert held > 0
+        assert memory.checkpoint_bytes == held, (memory, held)
+        assert memory.isolation == "process"
+        parts = memory.weights_bytes + memory.kv_allocated_bytes + memory.compute_bytes + memory.runtime_bytes
+        assert memory.parts_bytes == parts + held
+        assert _memory_metric(engine, "checkpoints") == held
+        # The context leaves the KV (to the RAM tier, its checkpoints inside its snapshot).
+        with model.cache.state.lock:
+            eviction.evict(model.cache.state.pool, context, model.cache.runtime(), "a test made room")
+        assert not model.cache.state.pool.contexts
+        assert engine.status().models[0].memory.checkpoint_bytes == 0
+        assert _memory_metric(engine, "checkpoints") == 0

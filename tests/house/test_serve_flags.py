@@ -191,6 +191,7 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
     data = Path(tempfile.mkdtemp(prefix="mdf"))
     flags = [
         *("--sequences", "2", "--kv-unified", "--kv-pool-tokens", "3000", "--checkpoints", "3"),
+        "--no-swa-full",
         *("--ram-tier-bytes", "64M", "--disk-tier-bytes", "0", "--memory-budget", "4G"),
         *("--isolation", "inline", "--slots", "1", "--max-queue", "3"),
         *("--snapshot-min-tokens", "32", "--persist-min-tokens", "256"),
@@ -215,6 +216,7 @@ def test_every_setting_reaches_the_engine_and_status_shows_it() -> None:
             "sequences": "2",
             "kv_unified": "True",
             "checkpoints": "3",
+            "swa_full": "False",
             "pool_tokens": "3000",
             "ram_tier_bytes": str(64 << 20),
             "disk_tier_bytes": "0",

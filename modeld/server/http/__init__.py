@@ -11,6 +11,8 @@ where the API has one. An API imports only the shared layer below, never another
 
 * the turn and the conversation layer: ``turn.py`` (what every API parses into),
   ``conversations.py`` (a turn run on its conversation's warm session: its events),
+  ``sessions.py`` (the table of those sessions: one per conversation, waited for while the
+  engine finishes a turn),
   ``diagnosis.py`` (where a prompt parted from an earlier request's: cache diagnosis);
   ``window.py`` (a turn's prompt checked against the window before anything is computed);
 * reading requests and shaping answers alike: ``fields.py`` (typed, bounded field readers),

@@ -16,14 +16,8 @@ status); after it, the stream's :class:`Finished` carries ``error``.
 Conversation affinity: a tool resends its whole conversation every turn. Reuse does not depend
 on the session (the engine reuses the longest common token prefix of whatever is resident), but
 one session per conversation makes a conversation one line in ``modeld explain-context`` with
-its last turn's reuse and miss explanation, and keeps it on its own warm KV sequence. At most
-``max_conversations`` sessions are kept; the least recently used idle one is closed to make
-room, and one idle for ``idle_seconds`` is closed by :meth:`Conversations.sweep`. A request for
-a conversation whose session is busy runs on a session of its own, closed when it finishes
-(sessions are not for concurrent use). A session goes back to its conversation only once the
-engine has really stopped working on it (a cancelled request interrupts the engine first); a
-request that finds it busy only so (its request is over, the engine still finishing) waits for
-it, :data:`FINISHING_WAIT` at most, rather than run on a session of its own.
+its last turn's reuse and miss explanation, and keeps it on its own warm KV sequence: the table
+of those sessions is :class:`~modeld.server.http.sessions.SessionTable`, which this class is.
 
 It also remembers how the model wrote the arguments of the tool calls it returned (the last
 :data:`REMEMBERED_CALLS` calls, by id: the JSON text in ``StreamChunk.tool_text`` that the
@@ -41,15 +35,11 @@ volatile suffix, and anything another session displaced).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
-import threading
-import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from modeld.contract import (
     ModelInfo,
@@ -68,7 +58,6 @@ from modeld.decoding.harmony import HarmonySplitter
 from modeld.decoding.reasoning import ReasoningSplitter, detect_reasoning, make_splitter
 from modeld.decoding.tools import CallKey, call_key
 from modeld.errors import (
-    LimitExceededError,
     ModeldError,
     SessionClosedError,
     UnsupportedError,
@@ -76,9 +65,10 @@ from modeld.errors import (
 )
 from modeld.observe.records import Recording
 from modeld.server.bridge import Bridge, BridgedSession
-from modeld.server.gateway import Gateway, TransportSession
+from modeld.server.gateway import Gateway
 from modeld.server.http.diagnosis import NO_DIVERGENCE, Diagnoses, Diagnosis, Divergence
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
+from modeld.server.http.sessions import SessionTable
 from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args_json
 from modeld.server.http.window import Window
 
@@ -98,13 +88,6 @@ __all__ = [
 
 REMEMBERED_CALLS = 1024
 """Tool calls whose arguments text, as the model wrote it, is kept (by call id)."""
-
-FINISHING_WAIT = 2.0
-"""Seconds a request waits for its conversation's session when the turn before is over for its
-client and only the engine is still finishing it (a decode's last bookkeeping after the answer
-went out; a cancelled turn's engine stopping). An agent sends its next turn the moment it has
-the answer: without the wait, that turn ran on a session of its own, closed after it, and the
-conversation went on from the turn before it (computing again what it had computed)."""
 
 log = logging.getLogger("modeld.http")
 
@@ -180,18 +163,8 @@ class Finished:
 Event = Started | Delta | Finished
 
 
-@dataclass
-class _Entry:
-    hosted: TransportSession
-    busy: bool
-    last_used: float
-    finishing: bool = False
-    """Busy only until the engine has stopped: its request is over (:data:`FINISHING_WAIT`)."""
-    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
-
-
-class Conversations:
-    """The table of conversation sessions and the turn runner (thread-safe)."""
+class Conversations(SessionTable):
+    """The turn runner on the table of conversation sessions (thread-safe)."""
 
     def __init__(
         self,
@@ -203,104 +176,11 @@ class Conversations:
         tool_formats: Mapping[str, str] | None = None,
         fit_tool_results: bool = False,
     ) -> None:
-        self._gateway = gateway
-        self._bridge = bridge
+        super().__init__(gateway, bridge, max_conversations=max_conversations, idle_seconds=idle_seconds)
         self.tool_formats = dict(tool_formats or {})  # model name -> its format (--tool-format)
-        self.max_conversations = max_conversations
-        self.idle_seconds = idle_seconds
-        self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
-        self._lock = threading.Lock()
         self._calls: OrderedDict[CallKey, str] = OrderedDict()
         self.diagnoses = Diagnoses()
         self.window = Window(fit_tool_results)
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._table)
-
-    # --- sessions ---------------------------------------------------------------------------
-
-    def _open(self, request: OpenSessionRequest) -> TransportSession:
-        try:
-            return self._gateway.open(request, "http", attached=True)
-        except LimitExceededError as exc:
-            if exc.limit not in ("max_loaded_models", "max_sessions"):
-                raise
-        # Idle conversations pin their models and sessions: let them go and try once more.
-        self.close_idle()
-        return self._gateway.open(request, "http", attached=True)
-
-    @contextlib.asynccontextmanager
-    async def session(self, key: str, request: OpenSessionRequest) -> AsyncIterator[BridgedSession]:
-        """The conversation's session for one request (its own if the conversation is busy)."""
-        k = (key, request.model_name, request.config.prompt_format)
-        entry: _Entry | None = None
-        deadline = time.monotonic() + FINISHING_WAIT
-        while True:
-            waiting: asyncio.Future[None] | None = None
-            with self._lock:
-                found = self._table.get(k)
-                if found is not None and found.hosted.ended is not None:
-                    del self._table[k]
-                    found = None
-                if found is not None and not found.busy:
-                    found.busy = True
-                    self._table.move_to_end(k)
-                    entry = found
-                elif found is not None and found.finishing and time.monotonic() < deadline:
-                    loop = asyncio.get_running_loop()
-                    waiting = loop.create_future()
-                    found.waiters.append((loop, waiting))
-                shared = found is None
-            if waiting is None:
-                break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(waiting, max(0.0, deadline - time.monotonic()))
-        if entry is None:
-            hosted = await self._bridge.call(self._open, request, abandoned=_close_soon)
-            if shared:
-                entry = self._adopt(k, hosted)
-        else:
-            hosted = entry.hosted
-        bridged = self._bridge.session(hosted)
-        try:
-            yield bridged
-        finally:
-            if entry is None:
-                bridged.when_idle(lambda: _close_soon(hosted))
-            else:
-                with self._lock:
-                    entry.finishing = True
-                bridged.when_idle(lambda: self._release(entry))
-
-    def _adopt(self, k: tuple[str, str, str], hosted: TransportSession) -> _Entry | None:
-        """Keep a new session as the conversation's, making room (None: no room, or a racing
-        request already keeps one)."""
-        evicted: list[TransportSession] = []
-        entry: _Entry | None = None
-        with self._lock:
-            if k not in self._table:
-                while len(self._table) >= self.max_conversations:
-                    idle = next((key_ for key_, e in self._table.items() if not e.busy), None)
-                    if idle is None:
-                        break
-                    evicted.append(self._table.pop(idle).hosted)
-                if len(self._table) < self.max_conversations:
-                    entry = _Entry(hosted, True, time.monotonic())
-                    self._table[k] = entry
-        for old in evicted:
-            _close_soon(old)
-        return entry
-
-    def _release(self, entry: _Entry) -> None:
-        with self._lock:
-            entry.busy = False
-            entry.finishing = False
-            entry.last_used = time.monotonic()
-            waiters, entry.waiters = entry.waiters, []
-        for loop, waiting in waiters:  # the first to run takes the session; the rest go on
-            with contextlib.suppress(RuntimeError):  # a loop already closed: nobody waits
-                loop.call_soon_threadsafe(_wake, waiting)
 
     def remember_calls(self, calls: tuple[ToolCall, ...], text: str) -> None:
         """The model wrote ``calls`` as ``text`` (``StreamChunk.tool_text``): keep each call's
@@ -325,46 +205,6 @@ class Conversations:
         with self._lock:
             written = self._calls.get(call_key([call]))
         return call.arguments if written is None else written
-
-    def sweep(self) -> int:
-        """Close conversations idle for longer than ``idle_seconds`` (0: never); returns how many."""
-        if self.idle_seconds <= 0:
-            return 0
-        cutoff = time.monotonic() - self.idle_seconds
-        with self._lock:
-            stale = [k for k, e in self._table.items() if not e.busy and e.last_used < cutoff]
-            closing = [self._table.pop(k).hosted for k in stale]
-        for hosted in closing:
-            _close(hosted)
-        return len(closing)
-
-    def close_idle(self) -> None:
-        with self._lock:
-            stale = [k for k, e in self._table.items() if not e.busy]
-            closing = [self._table.pop(k).hosted for k in stale]
-        for hosted in closing:
-            _close(hosted)
-
-    def close_model(self, model_name: str) -> int:
-        """Close the idle conversations on the model ``model_name`` (before it is unloaded)."""
-        with self._lock:
-            stale = [k for k, e in self._table.items() if not e.busy and k[1] == model_name]
-            closing = [self._table.pop(k).hosted for k in stale]
-        for hosted in closing:
-            _close(hosted)
-        return len(closing)
-
-    def close_all(self) -> None:
-        with self._lock:
-            closing = [e.hosted for e in self._table.values()]
-            self._table.clear()
-        for hosted in closing:
-            _close(hosted)
-
-    def busy_sessions(self) -> int:
-        """Conversations with a request running now."""
-        with self._lock:
-            return sum(1 for e in self._table.values() if e.busy)
 
     # --- running a turn ---------------------------------------------------------------------
 
@@ -612,23 +452,6 @@ def written_arguments(text: str, arguments: str) -> str | None:
             return text[at:end]
         at = text.find("{", at + 1)
     return None
-
-
-def _close(hosted: TransportSession) -> None:
-    try:
-        hosted.close()
-    except ModeldError as exc:
-        log.debug("closing session %s: %s", hosted.session_id, exc)
-
-
-def _wake(waiting: asyncio.Future[None]) -> None:
-    if not waiting.done():  # a waiter that gave up (its wait timed out, its client went away)
-        waiting.set_result(None)
-
-
-def _close_soon(hosted: TransportSession) -> None:
-    """Close a session off the caller's thread (the event loop must not wait for it)."""
-    threading.Thread(target=_close, args=(hosted,), name="session-close", daemon=True).start()
 
 
 async def first_event(events: AsyncIterator[Event]) -> Started:

@@ -133,6 +133,7 @@ def _model(m: LoadedModelSummary, label: str) -> dict[str, Any]:
             "weights": mem.weights_bytes,
             "kv_allocated": mem.kv_allocated_bytes,
             "kv_used": mem.kv_used_bytes,
+            "checkpoints": mem.checkpoint_bytes,
             "compute": mem.compute_bytes,
             "runtime": mem.runtime_bytes,
             "rss": mem.rss_bytes,
