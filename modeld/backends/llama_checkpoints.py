@@ -18,6 +18,10 @@ Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a pre
   ChatML, ``<start_of_turn>``, ...) at least :data:`TURN_GAP` tokens after the canonical
   position before it: a chat's message boundaries, where agents' prompts diverge (a moved
   reminder, a re-read file, the reasoning a template drops from earlier turns);
+* **line starts** inside a long stretch without the others (a large segment: a repo map, a
+  file; a raw prompt): the first line start :data:`LINE_GAP` tokens or more after the canonical
+  position before it (:data:`LINE_SHARE` of the position further on), so an edit inside one
+  segment goes back less than ~128 tokens, not to the segment's start;
 * **a spacing**: every ``spacing`` tokens (the micro-batch), which bounds what a divergence
   anywhere costs to recompute while the checkpoints are all kept;
 * **the end of a prompt** (:meth:`Checkpoints.take` with ``canonical=False``): a repeat, a retry,
@@ -27,9 +31,9 @@ Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a pre
 evaluated the prompt began (measured: a 200-token prompt as one batch, or as 150 + 50, differs
 by up to 0.03 of a logit on gpt-oss, 0.008 on granitehybrid, 0 on mamba2). So the prefill of
 non-cuttable memory starts its batches at positions that depend only on the tokens
-(:func:`canonical`: multiples of the micro-batch, turn starts and the manifest's segment
-starts, which the daemon sends with every sync: a fresh evaluation of the same manifest has them
-too), and a cut resumes from a
+(:func:`canonical`: multiples of the micro-batch, turn starts, line starts and the manifest's
+segment starts, which the daemon sends with every sync: a fresh evaluation of the same manifest
+has them too), and a cut resumes from a
 *canonical* checkpoint (one at such a position) unless a checkpoint sits exactly at the cut: a
 warm turn then evaluates its tail in the batches a fresh evaluation uses, and its output is the
 fresh one, bit for bit. The batches a sequence was evaluated in are recorded, so a restore that
@@ -38,8 +42,10 @@ re-evaluates known tokens (the last tokens' logits for a repeated prompt) repeat
 **Value.** At most ``limit`` checkpoints per sequence (``--checkpoints``, 8 by default; each one
 holds the model's recurrent state, counted in the memory budget); past it the one whose loss
 widens the gap between its neighbours least goes, a segment start's last (an agent edits a
-segment: the one at its start serves the edit whole, one of the spacing only part of it). The newest, the last prompt end and the two
-that served the latest cuts stay: an agent's prompt tends to diverge where it did last turn.
+segment: the one at its start serves the edit whole, one of the spacing only part of it). The
+newest, the last prompt end and the last one at or before each of the two latest divergences
+stay: an agent's prompt tends to diverge where it did last turn (a repo map's line that changes
+every turn goes back less than ~128 tokens from the second edit on).
 """
 
 from __future__ import annotations
