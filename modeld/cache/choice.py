@@ -133,7 +133,7 @@ def choose(
         keep, blocked = usable(context, target, own=False, can_truncate=can_truncate, checkpoints=checkpoints)
         best.blocked = best.blocked or blocked
         best.seen = True
-        if keep > best.keep:
+        if keep > best.keep or (checkpoints and keep == best.keep > 0 and _later(context, best.context, own)):
             best = Choice(keep, context, blocked=best.blocked, seen=True)
     for entry in entries:
         best.seen = True
@@ -145,6 +145,15 @@ def choose(
         if gains or (best.entry is not None and n == best.keep and _fuller(entry, best.entry)):
             best = Choice(n, None, entry, blocked=best.blocked, seen=True)
     return best
+
+
+def _later(a: WarmContext, b: WarmContext | None, own: WarmContext | None) -> bool:
+    """Of two other contexts sharing as much with a turn, on memory that cannot be cut (which goes
+    back to a checkpoint before the divergence), ``a`` is the better one: used later. It holds
+    the checkpoints of the latest cut near this divergence (an agent's prompt diverges where it
+    did last turn: blueprint 0016, "Edits inside a segment"), the one it was copied from only
+    those spread over its first evaluation."""
+    return b is not None and b is not own and a.last_used > b.last_used
 
 
 def _fuller(a: TierEntry, b: TierEntry) -> bool:

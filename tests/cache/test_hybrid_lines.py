@@ -184,3 +184,41 @@ def test_a_raw_completion_edited_inside_reuses_what_precedes_it(
         client.close()
         stop(proc)
     assert cached == 0 and warm == fresh
+
+
+def test_a_chat_whose_system_message_changes_inside_reuses_what_precedes_the_edit(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """bench.hybrid's map loop through the OpenAI SDK (qwen35): each turn is a new conversation to
+    the daemon (its first message changes), which copies the context of a turn before. Of the
+    contexts sharing as much, the one used last is taken: it holds the checkpoint the last edit
+    left just before the line (the first context only those of its first evaluation)."""
+    import openai
+    from daemon_proc import serve_http, stop
+
+    path = str(testmodels.ensure_model(SPECS["hybrid-qwen35"]))
+    proc, record = serve_http(
+        tmp_path_factory.mktemp("chat"), "--model", f"m={path}", "--num-ctx", "4096", backend="llama"
+    )
+    client = openai.OpenAI(
+        base_url=f"{record.http_endpoint}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+    seen = []
+    try:
+        for version in range(4):
+            messages = [
+                {
+                    "role": "system",
+                    "content": "You are a coding agent.\nRepository map:\n" + _repo_map(version),
+                },
+                {"role": "user", "content": "Fix the failing test.\n"},
+            ]
+            done = client.chat.completions.create(model="m", messages=messages, max_tokens=2, temperature=0)
+            assert done.usage is not None and done.usage.prompt_tokens_details is not None
+            diverged = (done.model_extra or {}).get("modeld", {}).get("diverged_at_token") or 0
+            seen.append((done.usage.prompt_tokens_details.cached_tokens or 0, diverged))
+    finally:
+        client.close()
+        stop(proc)
+    for cached, diverged in seen[2:]:
+        assert diverged % 512 > BACK and 0 <= diverged - cached < BACK, seen
