@@ -88,11 +88,13 @@ class Rewind:
             self._fresh = -1
         ckpts.aim(seq, keep)
         p = 0
+        window = False
         if self._n_swa:
             p = keep if exact or self._resumes(seq, keep) else self._resume_before(seq, keep)
             low = max(int(_llama.llama_memory_seq_pos_min(self._mem, seq)), ckpts.floor(seq))
             if low > p - self._n_swa:
                 p = 0  # the window before p is gone from the cache (restored from a snapshot)
+            window = p > 0
         if not p and self._takes:
             # A checkpoint: the recurrent state, or the sliding window's cells, at a position.
             p = ckpts.best(seq, keep)
@@ -109,6 +111,11 @@ class Rewind:
             ckpts.cut(seq, p)
         else:
             ckpts.clear(seq)
+        if window and self._takes and not exact:
+            # The window where this edit went back to, as a prefill there would have taken it:
+            # the context's snapshot carries it, so the next edit here after a restart (which
+            # restores only the last window) goes back no further than this one did.
+            ckpts.take(seq, p, canonical=not ckpts.is_end(seq, p))
         return p
 
     def _marks(self, tokens: Sequence[int], segments: Sequence[int]) -> list[int]:

@@ -142,7 +142,7 @@ def choose(
             continue
         gain = restore_min_gain if entry.key not in mine else 1
         gains = n > 0 and n - max(best.keep, head) >= gain
-        if gains or (best.entry is not None and n == best.keep and _fuller(entry, best.entry)):
+        if gains or (best.entry is not None and n == best.keep and _fuller(entry, best.entry, snapshot_cuts)):
             best = Choice(n, None, entry, blocked=best.blocked, seen=True)
     return best
 
@@ -156,7 +156,14 @@ def _later(a: WarmContext, b: WarmContext | None, own: WarmContext | None) -> bo
     return b is not None and b is not own and a.last_used > b.last_used
 
 
-def _fuller(a: TierEntry, b: TierEntry) -> bool:
+def _fuller(a: TierEntry, b: TierEntry, cuts: bool = False) -> bool:
     """Of two snapshots reusing as much, ``a`` is the better one: it holds more tokens (a
-    context saved whole: its suffix and decode may serve the turn's suffix), or as many in RAM."""
-    return len(a.tokens) > len(b.tokens) or (len(a.tokens) == len(b.tokens) and a.tier == "ram" != b.tier)
+    context saved whole: its suffix and decode may serve the turn's suffix), or as many in RAM,
+    or (``cuts``: a snapshot restored whole goes back to a checkpoint before the divergence) as
+    many in the same tier, written later: its checkpoints are those of the latest cut (as
+    :func:`_later` for contexts)."""
+    if len(a.tokens) != len(b.tokens):
+        return len(a.tokens) > len(b.tokens)
+    if a.tier != b.tier:
+        return a.tier == "ram"
+    return cuts and a.created > b.created

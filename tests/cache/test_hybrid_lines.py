@@ -35,22 +35,23 @@ BACK = 128
 the batch start before it, plus a line)."""
 
 LINES = 48
+LONG = 64
 
 
-def _repo_map(version: int) -> str:
-    """~1.5k tokens; the line at 60% changes with ``version``."""
+def _repo_map(version: int, lines: int = LINES) -> str:
+    """~1.5k tokens (48 lines); the line at 60% changes with ``version``."""
     return "".join(
         f"src/module_{i:02d}.py: def handler_{i}(request), class Model{i}(Base)"
-        f"{f'  # v{version}' if i == LINES * 3 // 5 else ''}\n"
-        for i in range(LINES)
+        f"{f'  # v{version}' if i == lines * 3 // 5 else ''}\n"
+        for i in range(lines)
     )
 
 
-def _context(version: int) -> rc.BuiltContext:
+def _context(version: int, lines: int = LINES) -> rc.BuiltContext:
     return (
         rc.ContextBuilder()
         .system("You are a careful coding agent working in this repository.\n")
-        .repo_map(_repo_map(version))
+        .repo_map(_repo_map(version, lines))
         .user_turn("Fix the failing test.\n")
         .build()
     )
@@ -117,6 +118,40 @@ def test_an_edit_inside_a_large_segment_goes_back_less_than_128_tokens(name: str
     # The map's line at 60% sits far past its start and the last multiple of 512.
     assert diverged > 512 + BACK and diverged % 512 > BACK, diverged
     assert diverged - reused < BACK, again.reuse.message  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", ["swa-gemma3", "hybrid-qwen35"])
+def test_the_second_edit_after_a_restart_goes_back_no_further_than_the_first(
+    name: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The checkpoint at the line start the first edit went back to travels in the context's
+    snapshot: a sliding window, cut there in the pool without one, takes it at the cut (its
+    snapshot holds only the last window: before, the edit after the restart went back to a
+    checkpoint of the first evaluation, 183 tokens before the edit)."""
+    path = str(testmodels.ensure_model(SPECS[name]))
+    tmp = tmp_path_factory.mktemp("restart")
+
+    def engine() -> Engine:
+        return Engine(
+            backends=("llama",), residency=Residency(sequences=1, persist_min_tokens=64), data_dir=tmp
+        )
+
+    with engine() as a:
+        s = a.open_session(_request(path))
+        for version in range(2):
+            st = s.ensure_prefix(_context(version, LONG).prefix_input())
+        reused, diverged = _check(st)
+        assert a.tiers is not None and a.tiers.flush(60)
+    ctx = _context(2, LONG)
+    with engine() as b:
+        s = b.open_session(_request(path))
+        st = s.ensure_prefix(ctx.prefix_input())
+        assert st.reuse.tier == "disk", st.reuse
+        again, at = _check(st)
+        assert at == diverged and reused <= again and diverged - again < BACK, st.reuse.message
+        s.prefill_suffix(ctx.suffix_input())
+        warm = _decode(s)
+    assert warm == _fresh(path, ctx.prefix_input(), ctx.suffix_input())
 
 
 def _raw(version: int) -> str:
