@@ -123,10 +123,10 @@ def canonical(
     back to its start), every turn start (a token of ``starts``) at least ``gap`` tokens after
     the canonical position before it, and every line start (the position after a token of
     ``lines``, whose text holds a newline) at least ``spacing`` tokens, and ``1 / share`` of its
-    position, after it. A function of
-    the tokens and the segment starts alone, read from the first (a fresh evaluation of the same
-    manifest has the same, and an edit leaves every position before it as it was). A line start
-    less than half that spacing before a multiple of ``chunk`` is not one: that multiple is."""
+    position, after it (a line start less than half that before a multiple of ``chunk`` is not
+    one: that multiple is). A function of the tokens and the segment starts alone, read from the
+    first (a fresh evaluation of the same manifest has the same, and an edit leaves every
+    position before it as it was)."""
     out: list[int] = []
     last = last_mark = 0
     n = len(tokens)
