@@ -18,6 +18,10 @@ Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a pre
   ChatML, ``<start_of_turn>``, ...) at least :data:`TURN_GAP` tokens after the canonical
   position before it: a chat's message boundaries, where agents' prompts diverge (a moved
   reminder, a re-read file, the reasoning a template drops from earlier turns);
+* **line starts** inside a long stretch without the others (a large segment: a repo map, a
+  file; a raw prompt): the first line start :data:`LINE_GAP` tokens or more after the canonical
+  position before it (:data:`LINE_SHARE` of the position further on), so an edit inside one
+  segment goes back less than ~128 tokens, not to the segment's start;
 * **a spacing**: every ``spacing`` tokens (the micro-batch), which bounds what a divergence
   anywhere costs to recompute while the checkpoints are all kept;
 * **the end of a prompt** (:meth:`Checkpoints.take` with ``canonical=False``): a repeat, a retry,
@@ -27,9 +31,9 @@ Where they are taken (:class:`Checkpoints.wanted`), at batch boundaries of a pre
 evaluated the prompt began (measured: a 200-token prompt as one batch, or as 150 + 50, differs
 by up to 0.03 of a logit on gpt-oss, 0.008 on granitehybrid, 0 on mamba2). So the prefill of
 non-cuttable memory starts its batches at positions that depend only on the tokens
-(:func:`canonical`: multiples of the micro-batch, turn starts and the manifest's segment
-starts, which the daemon sends with every sync: a fresh evaluation of the same manifest has them
-too), and a cut resumes from a
+(:func:`canonical`: multiples of the micro-batch, turn starts, line starts and the manifest's
+segment starts, which the daemon sends with every sync: a fresh evaluation of the same manifest
+has them too), and a cut resumes from a
 *canonical* checkpoint (one at such a position) unless a checkpoint sits exactly at the cut: a
 warm turn then evaluates its tail in the batches a fresh evaluation uses, and its output is the
 fresh one, bit for bit. The batches a sequence was evaluated in are recorded, so a restore that
@@ -38,8 +42,10 @@ re-evaluates known tokens (the last tokens' logits for a repeated prompt) repeat
 **Value.** At most ``limit`` checkpoints per sequence (``--checkpoints``, 8 by default; each one
 holds the model's recurrent state, counted in the memory budget); past it the one whose loss
 widens the gap between its neighbours least goes, a segment start's last (an agent edits a
-segment: the one at its start serves the edit whole, one of the spacing only part of it). The newest, the last prompt end and the two
-that served the latest cuts stay: an agent's prompt tends to diverge where it did last turn.
+segment: the one at its start serves the edit whole, one of the spacing only part of it). The
+newest, the last prompt end and the last one at or before each of the two latest divergences
+stay: an agent's prompt tends to diverge where it did last turn (a repo map's line that changes
+every turn goes back less than ~128 tokens from the second edit on).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from typing import Any
 from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.llama_window import pad_window
 
-__all__ = ["PARTIAL", "SEGMENT_GAP", "TURN_GAP", "Checkpoints", "canonical", "plan"]
+__all__ = ["LINE_GAP", "LINE_SHARE", "PARTIAL", "SEGMENT_GAP", "TURN_GAP", "Checkpoints", "canonical", "plan"]
 
 log = logging.getLogger("modeld.llama")
 
@@ -85,29 +91,58 @@ start before it (a manifest of tiny segments is not evaluated in tiny batches: a
 more per this many tokens)."""
 
 
+LINE_GAP = 64
+"""Inside a long stretch without other batch starts (a large segment: a repo map, a file; a raw
+prompt) the first line start this many tokens or more after the last canonical position begins
+a batch (:data:`LINE_SHARE` further on): an edit inside it goes back less than this plus a line.
+Blueprint 0016, "Edits inside a segment", has the measured cost of the smaller batches."""
+
+LINE_SHARE = 32
+"""Past ``LINE_GAP x LINE_SHARE`` tokens the line starts' spacing grows with the position (a
+line start ``last / LINE_SHARE`` tokens or more after the canonical position ``last`` before
+it): an edit goes back at most about that share of what precedes it (plus a line), and a prompt
+of any length has a bounded number of batches more than the micro-batch grid (about
+``LINE_SHARE x (1 + ln(chunk / LINE_GAP))``), where a fixed spacing would add one per
+``LINE_GAP`` tokens."""
+
+
 def canonical(
     tokens: Sequence[int],
     chunk: int,
     starts: frozenset[int],
     gap: int = TURN_GAP,
     segments: Sequence[int] = (),
+    lines: frozenset[int] = frozenset(),
+    spacing: int = LINE_GAP,
+    share: int = LINE_SHARE,
 ) -> list[int]:
     """The canonical positions of a token sequence, where a prefill of it begins batches
     whatever came before: every multiple of ``chunk``, every segment start (``segments``:
     positions the manifest names) at least :data:`SEGMENT_GAP` tokens after the segment start
     before it (a multiple of ``chunk`` just before does not hide it: the edit of a segment goes
-    back to its start), and every turn start (a token of ``starts``) at least ``gap`` tokens
-    after it. A function of the tokens and the segment starts alone, read from the first (a
-    fresh evaluation of the same manifest has the same)."""
+    back to its start), every turn start (a token of ``starts``) at least ``gap`` tokens after
+    the canonical position before it, and every line start (the position after a token of
+    ``lines``, whose text holds a newline) at least ``spacing`` tokens, and ``1 / share`` of its
+    position, after it (a line start less than half that before a multiple of ``chunk`` is not
+    one: that multiple is). A function of the tokens and the segment starts alone, read from the
+    first (a fresh evaluation of the same manifest has the same, and an edit leaves every
+    position before it as it was)."""
     out: list[int] = []
     last = last_mark = 0
     n = len(tokens)
     turns = {q for q, t in enumerate(tokens) if q and t in starts} if starts else set()
+    breaks = {q + 1 for q, t in enumerate(tokens[:-1]) if t in lines} if lines else set()
     marks = {q for q in segments if 0 < q < n}
     grid = range(chunk, n, chunk)
-    for q in sorted({*turns, *marks, *grid}):
+    for q in sorted({*turns, *marks, *grid, *breaks}):
         segment = q in marks and q - last_mark >= SEGMENT_GAP
-        if q % chunk == 0 or segment or (q in turns and q - last >= gap):
+        step = max(spacing, last // share)
+        if (
+            q % chunk == 0
+            or segment
+            or (q in turns and q - last >= gap)
+            or (q in breaks and q - last >= step and -q % chunk >= step // 2)
+        ):
             out.append(q)
             last = q
             if segment:
@@ -135,7 +170,7 @@ class _Seq:
 
     blobs: dict[int, bytes] = field(default_factory=dict)
     canonical: set[int] = field(default_factory=set)
-    used: list[int] = field(default_factory=list)  # restored lately, the latest last
+    aims: list[int] = field(default_factory=list)  # where the latest cuts were asked to keep, the latest last
     bounds: list[int] = field(default_factory=list)
     ends: set[int] = field(default_factory=set)
     segments: set[int] = field(default_factory=set)  # the manifest's segment starts it was evaluated with
@@ -204,9 +239,6 @@ class Checkpoints:
         blob = s.blobs.get(pos)
         if blob is None:
             return False
-        # An agent's prompt tends to diverge where it did last turn (a repo map, a moved
-        # reminder): a checkpoint that served a cut is worth keeping.
-        s.used = [*[p for p in s.used if p != pos][-(_RECENT - 1) :], pos]
         low = 0
         if self.window and self.placed:
             padded = pad_window(blob)
@@ -229,6 +261,14 @@ class Checkpoints:
             return False
         s.floor = low
         return True
+
+    def aim(self, seq: int, keep: int) -> None:
+        """A cut of ``seq`` was asked to keep ``keep`` tokens (where its prompt diverged). An
+        agent's prompt tends to diverge where it did last turn (a repo map's line, a moved
+        reminder): the last checkpoint at or before it is worth keeping, and after the prefill
+        that follows the cut that is a new one, closer than the one the cut restored."""
+        s = self._seqs[seq]
+        s.aims = [*[p for p in s.aims if p != keep][-(_RECENT - 1) :], keep]
 
     def floor(self, seq: int) -> int:
         """The first position whose sliding-window cells ``seq`` really holds (the cells before
@@ -276,7 +316,6 @@ class Checkpoints:
         for p in [p for p in s.blobs if p > keep]:
             del s.blobs[p]
             s.canonical.discard(p)
-        s.used = [p for p in s.used if p <= keep]
         s.ends = {p for p in s.ends if p <= keep}
         s.segments = {p for p in s.segments if p <= keep}
         del s.bounds[bisect.bisect_right(s.bounds, keep - 1) :]
@@ -289,7 +328,7 @@ class Checkpoints:
             canonical={p for p in a.canonical if p <= n},
             bounds=[p for p in a.bounds if p < n],
             ends={p for p in a.ends if p <= n},
-            used=[p for p in a.used if p <= n],
+            aims=list(a.aims),
             segments={p for p in a.segments if p <= n},
             floor=a.floor,
         )
@@ -392,12 +431,14 @@ class Checkpoints:
         """Keep ``limit`` checkpoints: drop the one whose loss widens the gap between its
         neighbours least, a segment start only when no other is left (never the newest, the
         last prompt end, the two latest segment starts: a moved reminder, the reasoning a
-        template drops, diverge near the end of the last prompt)."""
+        template drops, diverge near the end of the last prompt; nor the last one at or before
+        each of the two latest cuts' divergences: :meth:`aim`)."""
         while len(s.blobs) > self.limit:
             ps = sorted(s.blobs)
             ends = [p for p in ps if p not in s.canonical]
             latest = [p for p in ps if p in s.segments][-_RECENT:]
-            keep_last = {ps[-1], *ends[-1:], *s.used, *latest}
+            aimed = [max((p for p in ps if p <= d), default=ps[0]) for d in s.aims]
+            keep_last = {ps[-1], *ends[-1:], *aimed, *latest}
             gaps = [
                 (ps[i] in s.segments, ps[i + 1] - (ps[i - 1] if i > 0 else 0), ps[i])
                 for i in range(len(ps) - 1)
@@ -408,4 +449,3 @@ class Checkpoints:
             *_, victim = min(gaps)
             del s.blobs[victim]
             s.canonical.discard(victim)
-            s.used = [p for p in s.used if p != victim]

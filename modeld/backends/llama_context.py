@@ -250,6 +250,7 @@ class LlamaContext(HeldTokens, Rewind):
             placed=not self._swa_ring,
         )
         self._starts = self._turn_starts() if self._planned else frozenset()
+        self._lines = self._line_ends() if self._planned else frozenset()
         self._states = SeqStates(
             self._ctx, portable=self._portable, unified=unified, n_stream=self._n_stream, path=meta.path
         )

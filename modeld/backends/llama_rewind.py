@@ -18,6 +18,7 @@ sliding-window models need (the checkpoints themselves: :mod:`modeld.backends.ll
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,7 @@ class Rewind:
     _ckpts: Checkpoints
     _planned: bool
     _starts: frozenset[int]
+    _lines: frozenset[int]
     _takes: bool
     _n_swa: int
     _chunk: int
@@ -65,6 +67,16 @@ class Rewind:
             and not _llama.llama_vocab_is_eog(self._vocab, t)
         )
 
+    def _line_ends(self) -> frozenset[int]:
+        """Tokens whose text holds a newline: the position after one is a line start."""
+        out = set()
+        buf = ctypes.create_string_buffer(256)
+        for t in range(self._n_vocab):
+            n = int(_llama.llama_token_to_piece(self._vocab, t, buf, len(buf), 0, False))
+            if n > 0 and b"\n" in buf.raw[:n]:
+                out.add(t)
+        return frozenset(out)
+
     def _rewind(self, seq: int, keep: int, *, exact: bool = False) -> int:
         """Make ``seq`` hold its first ``p <= keep`` tokens, ``p`` as large as the memory allows
         (0 < keep < len): a checkpoint at or before ``keep``, or, for sliding-window attention,
@@ -74,12 +86,15 @@ class Rewind:
         held = self._seqs[seq]
         if self._fresh == seq:
             self._fresh = -1
+        ckpts.aim(seq, keep)
         p = 0
+        window = False
         if self._n_swa:
             p = keep if exact or self._resumes(seq, keep) else self._resume_before(seq, keep)
             low = max(int(_llama.llama_memory_seq_pos_min(self._mem, seq)), ckpts.floor(seq))
             if low > p - self._n_swa:
                 p = 0  # the window before p is gone from the cache (restored from a snapshot)
+            window = p > 0
         if not p and self._takes:
             # A checkpoint: the recurrent state, or the sliding window's cells, at a position.
             p = ckpts.best(seq, keep)
@@ -96,12 +111,17 @@ class Rewind:
             ckpts.cut(seq, p)
         else:
             ckpts.clear(seq)
+        if window and self._takes and not exact:
+            # The window where this edit went back to, as a prefill there would have taken it:
+            # the context's snapshot carries it, so the next edit here after a restart (which
+            # restores only the last window) goes back no further than this one did.
+            ckpts.take(seq, p, canonical=not ckpts.is_end(seq, p))
         return p
 
     def _marks(self, tokens: Sequence[int], segments: Sequence[int]) -> list[int]:
         """The canonical positions of ``tokens`` evaluated with the manifest's segment starts
         ``segments`` (:func:`~modeld.backends.llama_checkpoints.canonical`)."""
-        return canonical(tokens, self._chunk, self._starts, segments=segments)
+        return canonical(tokens, self._chunk, self._starts, segments=segments, lines=self._lines)
 
     def _resumes(self, seq: int, pos: int) -> bool:
         """May a prefill of ``seq`` resume at ``pos`` with a fresh evaluation's batches?"""

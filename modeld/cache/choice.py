@@ -133,7 +133,7 @@ def choose(
         keep, blocked = usable(context, target, own=False, can_truncate=can_truncate, checkpoints=checkpoints)
         best.blocked = best.blocked or blocked
         best.seen = True
-        if keep > best.keep:
+        if keep > best.keep or (checkpoints and keep == best.keep > 0 and _later(context, best.context, own)):
             best = Choice(keep, context, blocked=best.blocked, seen=True)
     for entry in entries:
         best.seen = True
@@ -142,12 +142,28 @@ def choose(
             continue
         gain = restore_min_gain if entry.key not in mine else 1
         gains = n > 0 and n - max(best.keep, head) >= gain
-        if gains or (best.entry is not None and n == best.keep and _fuller(entry, best.entry)):
+        if gains or (best.entry is not None and n == best.keep and _fuller(entry, best.entry, snapshot_cuts)):
             best = Choice(n, None, entry, blocked=best.blocked, seen=True)
     return best
 
 
-def _fuller(a: TierEntry, b: TierEntry) -> bool:
+def _later(a: WarmContext, b: WarmContext | None, own: WarmContext | None) -> bool:
+    """Of two other contexts sharing as much with a turn, on memory that cannot be cut (which goes
+    back to a checkpoint before the divergence), ``a`` is the better one: used later. It holds
+    the checkpoints of the latest cut near this divergence (an agent's prompt diverges where it
+    did last turn: blueprint 0016, "Edits inside a segment"), the one it was copied from only
+    those spread over its first evaluation."""
+    return b is not None and b is not own and a.last_used > b.last_used
+
+
+def _fuller(a: TierEntry, b: TierEntry, cuts: bool = False) -> bool:
     """Of two snapshots reusing as much, ``a`` is the better one: it holds more tokens (a
-    context saved whole: its suffix and decode may serve the turn's suffix), or as many in RAM."""
-    return len(a.tokens) > len(b.tokens) or (len(a.tokens) == len(b.tokens) and a.tier == "ram" != b.tier)
+    context saved whole: its suffix and decode may serve the turn's suffix), or as many in RAM,
+    or (``cuts``: a snapshot restored whole goes back to a checkpoint before the divergence) as
+    many in the same tier, written later: its checkpoints are those of the latest cut (as
+    :func:`_later` for contexts)."""
+    if len(a.tokens) != len(b.tokens):
+        return len(a.tokens) > len(b.tokens)
+    if a.tier != b.tier:
+        return a.tier == "ram"
+    return cuts and a.created > b.created

@@ -184,3 +184,48 @@ def test_of_snapshots_reusing_as_much_the_fuller_one_wins_then_ram() -> None:
     prefix_only, whole = entry(TARGET[:]), entry([*TARGET, 1, 2, 3])
     assert pick(entries=(prefix_only, whole)).entry is whole
     assert pick(entries=(whole, prefix_only)).entry is whole
+
+
+def test_on_memory_that_cannot_be_cut_the_later_of_two_contexts_sharing_as_much_wins() -> None:
+    """Both go back to a checkpoint before the divergence: the one used later holds the
+    checkpoints of the latest cut near it (an agent's repo-map line that changes every turn: the
+    context it was copied from holds only those of its first evaluation). Attention memory, cut
+    anywhere, keeps the first found."""
+    edited = [*TARGET[:60], -1, *TARGET[61:]]
+    first, later = context(TARGET, seq=1), context(edited, seq=2)
+    later.last_used = first.last_used + 1
+    for others in ((first, later), (later, first)):
+        chosen = choose(
+            TARGET[:60] + [-2] * 40,
+            own=None,
+            untouched=False,
+            others=others,
+            entries=(),
+            can_truncate=False,
+            restore_min_gain=16,
+            checkpoints=True,
+        )
+        assert (chosen.keep, chosen.context) == (60, later)
+    assert pick(others=(first, later), target=TARGET[:60] + [-2] * 40).context is first
+
+
+def test_of_snapshots_reusing_as_much_on_memory_that_cannot_be_cut_the_later_one_wins() -> None:
+    """As for contexts: restored whole, each goes back to a checkpoint before the divergence, and
+    the one written later holds those of the latest cut (the same length, the same tier)."""
+    first = entry(TARGET)
+    later = TierEntry(**{**first.__dict__, "key": "later", "tokens": [*TARGET[:60], -1, *TARGET[61:]]})
+    later.created = first.created + 1
+    target = TARGET[:60] + [-2] * 40
+    for entries in ((first, later), (later, first)):
+        chosen = choose(
+            target,
+            own=None,
+            untouched=False,
+            others=(),
+            entries=entries,
+            can_truncate=False,
+            restore_min_gain=16,
+            checkpoints=True,
+            snapshot_cuts=True,
+        )
+        assert (chosen.keep, chosen.entry) == (60, later)
