@@ -255,7 +255,6 @@ def test_a_conversation_keeps_its_session_and_others_get_their_own(daemon: Daemo
     assert a1 in listed and b1 in listed and listed[a1].attached
 
 
-
 def test_a_turn_sent_while_the_engine_finishes_the_one_before_waits_for_its_conversations_session(
     daemon: Daemon,
 ) -> None:
@@ -268,7 +267,13 @@ def test_a_turn_sent_while_the_engine_finishes_the_one_before_waits_for_its_conv
     with httpx.stream(
         "POST",
         f"{daemon.url}/v1/chat/completions",
-        json={"model": "modeld-tiny", "messages": messages, "max_tokens": 8, "delay_ms": 1000, "stream": True},
+        json={
+            "model": "modeld-tiny",
+            "messages": messages,
+            "max_tokens": 8,
+            "delay_ms": 1000,
+            "stream": True,
+        },
         headers=headers,
         timeout=60,
     ) as slow:
@@ -282,6 +287,7 @@ def test_a_turn_sent_while_the_engine_finishes_the_one_before_waits_for_its_conv
         extra_headers=headers,
     )
     assert done.model_extra["modeld"]["session_id"] == session  # type: ignore[index]
+
 
 def test_n_choices_are_decoded_from_the_same_prompt_and_reproducible_by_seed(daemon: Daemon) -> None:
     messages = conversation("choices")
