@@ -204,11 +204,14 @@ class SyncStep:
     ``total`` new tokens were evaluated. ``kept`` may be less than asked when the memory could
     not be cut there: a runtime whose layout has ``checkpoints`` then evaluates the known tokens
     after ``kept`` itself (``total`` counts them), others stop and the daemon asks again from
-    ``kept``."""
+    ``kept``. ``seconds``: the engine's time for the batch this step evaluated (the worker's
+    scheduler times each step of a job by itself, so another job's steps never count; 0 for the
+    cut and where nothing timed it): a sample of the attention's cost (``cache/cost.py``)."""
 
     kept: int
     evaluated: int
     total: int
+    seconds: float = 0.0
 
 
 class HeldTokens:

@@ -10,13 +10,17 @@ taking it out and bringing it back. Until the engine has been measured over enou
 (:meth:`Fit.known`), nothing leaves for its attention's sake (it still leaves when the pool needs
 its cells).
 
-* **Attention**: every prefill job and every decode (:meth:`Costs.prefilled`,
+* **Attention**: every batch of a prefill and every decode (:meth:`Costs.prefilled`,
   :meth:`Costs.decoded`) is a sample of ``ms = overhead + dense x n + attention x pairs``, where
   ``pairs`` counts (token, cell) pairs the job attended over: ``n x (span + n / 2)`` for ``n``
   tokens evaluated after ``span`` cells in use. A least-squares fit with forgetting (:class:`Fit`,
   one for prefill batches and one for decode steps, whose kernels differ) gives ``attention``, the
-  milliseconds one more resident cell adds per token evaluated. Only jobs that ran alone are
-  samples (another job's steps interleaved would count as this one's time).
+  milliseconds one more resident cell adds per token evaluated. A prefill's batches are timed by
+  the engine's thread, one by one (``SyncStep.seconds``): a long cold prefill alone spans 0 to
+  its length, enough for a fit. Only operations that ran alone are samples (another job's cells
+  would grow the span, and its decode steps count as this one's time). A sample far from a
+  known fit weighs less (:data:`HUBER`: the machine is shared, and a batch another process
+  stalled must not move the fit much).
 * **Moving**: snapshots and restores (:meth:`Costs.moved`), milliseconds per token by tier, an
   average with forgetting.
 * **A turn's work**: the tokens a turn evaluates after its prefix is in place (its suffix and its
@@ -42,6 +46,36 @@ MIN_SPREAD = 256.0
 """The spans a fit saw must differ by this many cells (a standard deviation) before it can tell
 the attention's share from the rest of a job's time."""
 
+HUBER = 3.0
+"""Once a fit is known, a sample whose time is off its prediction by more than this many times
+the usual relative error (:attr:`Fit.error`) weighs ``HUBER x usual / its error`` instead of 1
+(Huber's weights): a batch stalled by another process on a shared machine moves the fit little,
+while a lasting change (the machine got slower) raises the usual error with it and is followed
+within a few dozen samples."""
+
+MIN_ERROR = 0.05
+"""The usual relative error is taken as at least this (timer and scheduling jitter), so that a
+fit that happened to be exact does not discount every later sample."""
+
+
+@dataclass
+class Mean:
+    """An average with forgetting."""
+
+    _sum: float = 0.0
+    _w: float = 0.0
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self._sum = self._sum * FORGET + value * weight
+        self._w = self._w * FORGET + weight
+
+    def value(self, default: float = 0.0) -> float:
+        return self._sum / self._w if self._w > 0 else default
+
+    @property
+    def seen(self) -> bool:
+        return self._w > 0
+
 
 @dataclass
 class Fit:
@@ -54,6 +88,9 @@ class Fit:
     _w: float = 0.0
     _span: list[float] = field(default_factory=lambda: [0.0, 0.0])  # weighted sum, sum of squares
     samples: int = 0
+    error: Mean = field(default_factory=Mean)
+    """The relative error of the samples against the known fit before each came (``|ms -
+    predicted| / predicted``, an average with forgetting): what :data:`HUBER` counts in."""
     _solved: tuple[float, float, float] | None = None
 
     def add(self, n: int, span: int, ms: float) -> None:
@@ -62,15 +99,29 @@ class Fit:
             return
         pairs = n * (span + n / 2.0)
         x = (1.0, float(n), pairs / 1000.0)  # pairs in thousands: a better conditioned system
+        weight = self._weight(x, ms)
         for i in range(3):
             for j in range(3):
-                self._xx[i][j] = self._xx[i][j] * FORGET + x[i] * x[j]
-            self._xy[i] = self._xy[i] * FORGET + x[i] * ms
-        self._w = self._w * FORGET + 1.0
+                self._xx[i][j] = self._xx[i][j] * FORGET + weight * x[i] * x[j]
+            self._xy[i] = self._xy[i] * FORGET + weight * x[i] * ms
+        self._w = self._w * FORGET + weight
         mid = span + n / 2.0
-        self._span = [self._span[0] * FORGET + mid, self._span[1] * FORGET + mid * mid]
+        self._span = [self._span[0] * FORGET + weight * mid, self._span[1] * FORGET + weight * mid * mid]
         self.samples += 1
         self._solved = None
+
+    def _weight(self, x: tuple[float, float, float], ms: float) -> float:
+        """1, or less for a sample far from the known fit (:data:`HUBER`); the sample's
+        relative error joins the usual one."""
+        if not self.known():
+            return 1.0
+        predicted = sum(k * v for k, v in zip(self.coefficients(), x, strict=True))
+        if predicted <= 0.0:
+            return 1.0
+        off = abs(ms - predicted) / predicted
+        limit = HUBER * max(MIN_ERROR, self.error.value(off))
+        self.error.add(off)
+        return 1.0 if off <= limit else limit / off
 
     def spread(self) -> float:
         """The standard deviation of the spans sampled (cells)."""
@@ -126,25 +177,6 @@ def _solve(xx: list[list[float]], xy: list[float]) -> tuple[float, float, float]
     return (0.0, 0.0, 0.0)
 
 
-@dataclass
-class Mean:
-    """An average with forgetting."""
-
-    _sum: float = 0.0
-    _w: float = 0.0
-
-    def add(self, value: float, weight: float = 1.0) -> None:
-        self._sum = self._sum * FORGET + value * weight
-        self._w = self._w * FORGET + weight
-
-    def value(self, default: float = 0.0) -> float:
-        return self._sum / self._w if self._w > 0 else default
-
-    @property
-    def seen(self) -> bool:
-        return self._w > 0
-
-
 PRIOR_MS_PER_MIB = {"save_ram": 1.0, "save_disk": 1.2, "restore_ram": 0.6, "restore_disk": 1.5}
 """Moving costs before one was measured here, from the bytes moved (blueprint 0016: a 33 MB blob
 taken in 10-22 ms and restored in 13-17 ms through the worker; an 8.5k-token, 99.7 MiB context
@@ -180,6 +212,7 @@ class Costs:
         return True
 
     def prefilled(self, n: int, span: int, ms: float) -> None:
+        """One batch of a prefill: ``n`` tokens evaluated after ``span`` cells, in ``ms``."""
         self.prefill.add(n, span, ms)
 
     def decoded(self, n: int, span: int, ms: float) -> None:

@@ -132,10 +132,9 @@ class Hold:
             return Synced(0, 0.0)
         keep = self.keep
         alone = self._alone()
-        with self._state.lock:
-            span = self._state.pool.ledger.used(cut=(self.context.seq, keep))
         started = time.monotonic()
         reporter = _Progress(self.stage, started, progress)
+        batches: list[tuple[int, int, float]] = []
         try:
             runtime = self._state.runtime()
             segments = segment_starts(self._manifest, len(target))
@@ -147,6 +146,7 @@ class Hold:
                 end = _wait(job, reporter, deadline)
                 with self._state.lock:
                     pool = self._state.pool
+                    batches += reporter.batches(self._span)
                     pool.record_sync(self.context, end.kept, end.resident, target)
                     pool.counters["prefilled"] += max(0, end.resident - end.kept)
                 if not end.canceled and end.kept < keep:  # the memory could not be cut there
@@ -174,12 +174,19 @@ class Hold:
         self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
         ms = (time.monotonic() - started) * 1000.0
-        if complete and alone and self._alone():
+        if batches and alone and self._alone():
+            # Each batch is a sample (``cost.py``): a long prefill alone measures the attention
+            # over the spans it grew through, before any later turn has to decide with it.
             with self._state.lock:
-                self._state.pool.costs.prefilled(self.evaluated, span, ms)
+                for n, span, batch_ms in batches:
+                    self._state.pool.costs.prefilled(n, span, batch_ms)
                 self._announce()
         self._synced(self.evaluated, ms, alone=alone)
         return Synced(self.evaluated, ms, complete)
+
+    def _span(self, kept: int) -> int:
+        """The pool's cells in use once this hold's sequence is cut to ``kept`` (the lock held)."""
+        return self._state.pool.ledger.used(cut=(self.context.seq, kept))
 
     def _announce(self) -> None:
         """Log the measured costs once they are known (the lock held)."""
@@ -446,15 +453,36 @@ class Forks:
 
 
 class _Progress:
-    """Reports a long prefill at most every :data:`PROGRESS_INTERVAL` seconds."""
+    """Reports a long prefill at most every :data:`PROGRESS_INTERVAL` seconds, and keeps what
+    each of its batches took (:meth:`batches`)."""
 
     def __init__(self, stage: str, started: float, callback: ProgressCallback | None) -> None:
         self.stage = stage
         self.started = started
         self.callback = callback
         self.last = started
+        self._done = 0
+        self._timed: list[tuple[int, int, int, float]] = []
+        """Per timed batch of the job read now: what its sequence kept, the tokens the job had
+        evaluated before it, its tokens, its seconds (``SyncStep.seconds``)."""
+
+    def batches(self, used: Callable[[int], int]) -> list[tuple[int, int, float]]:
+        """The job's timed batches as cost samples ``(tokens, span, ms)``, and forgets them:
+        the span is the cells in use when the batch ran, ``used(kept)`` (the pool's cells once
+        the sequence was cut to ``kept``) plus what the job had evaluated before it."""
+        bases = {kept: used(kept) for kept in {t[0] for t in self._timed}}
+        out = [(n, bases[kept] + before, seconds * 1000.0) for kept, before, n, seconds in self._timed]
+        self._timed = []
+        return out
 
     def __call__(self, step: SyncStep) -> None:
+        if step.evaluated <= 0:
+            self._done = 0  # a job's first step: the cut
+        else:
+            n = step.evaluated - self._done
+            if n > 0 and step.seconds > 0.0:
+                self._timed.append((step.kept, self._done, n, step.seconds))
+            self._done = step.evaluated
         if self.callback is None:
             return
         now = time.monotonic()

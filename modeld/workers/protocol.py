@@ -301,15 +301,17 @@ class Result(Message):
 
 @dataclass(frozen=True)
 class Progress(Message):
-    """A sync job's step."""
+    """A sync job's step; ``seconds``: the engine's time for the batch it evaluated
+    (``SyncStep.seconds``)."""
 
     kind: ClassVar[str] = "progress"
     kept: int
     evaluated: int
     total: int
+    seconds: float = 0.0
 
     def step(self) -> SyncStep:
-        return SyncStep(self.kept, self.evaluated, self.total)
+        return SyncStep(self.kept, self.evaluated, self.total, self.seconds)
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,7 @@ class Scheduler:
                 self._parked[job.op] = job
                 self._send(job.op, Room(bound))
                 return
+        started = time.perf_counter()
         try:
             item = next(job.steps)
         except StopIteration:
@@ -257,7 +258,8 @@ class Scheduler:
             return
         if isinstance(item, SyncStep):
             job.kept = item.kept
-            self._send(job.op, Progress(item.kept, item.evaluated, item.total))
+            seconds = time.perf_counter() - started if item.evaluated else 0.0
+            self._send(job.op, Progress(item.kept, item.evaluated, item.total, seconds))
         else:
             job.held.append(int(item))
             job.bound += 1

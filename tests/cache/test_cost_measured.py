@@ -1,0 +1,64 @@
+"""The attention's cost is measured by the first long prefill (issue 30, blueprint 0016: "Do not
+evict what fits; measure what staying costs"), on the generated tiny llama model at the
+daemon's default layout (one unified window shared by four sequences).
+
+Before, a prefill job was one sample of the cost fit, which needs 6: in ``bench/chat_agents.py``
+the main agent's first warm turn came before the 6th, so it attended over the idle sub-agents'
+cells. Each batch of a prefill is a sample now (the worker times them one by one), so one cold
+prefill of a few thousand tokens measures the cost, and the very next turn decides with it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.engine import Engine
+
+pytestmark = pytest.mark.llama
+
+testmodels = pytest.importorskip("modeld.testmodels")
+pytest.importorskip("modeld.backends.llama")
+
+
+def _workspace(agent: str) -> str:
+    """About 3.3k tokens of one agent's own context: 7 prefill batches of 512."""
+    return f"You are agent {agent}.\n" + "".join(
+        f"def {agent}_step_{i}(state):\n    return state.advance({i})\n\n" for i in range(165)
+    )
+
+
+def test_one_cold_prefill_measures_the_attention_and_the_next_turn_decides_with_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One cold prefill of ~3.3k tokens: the cost is known from it alone. Its session's turn
+    ends; another session's turn starts, in a pool with room for both (8192 cells): the idle
+    context leaves whole for the RAM tier, because its measured attention would cost that turn
+    more than moving it out and back (the eviction's log says both), and its session's next
+    turn reuses every token it had."""
+    path = str(testmodels.ensure_model(testmodels.TINY))
+    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
+    with Engine(backends=("llama",)) as engine:
+        a = engine.open_session(request)
+        first = a.ensure_prefix(PrefixInput(text=_workspace("a")))
+        assert first.prefix_tokens > 3072 and first.reused_tokens == 0
+        costs = engine.models()[0].cache.costs
+        assert costs.known(), (costs.prefill.samples, costs.prefill.spread())
+        assert costs.prefill.per_cell() > 0.0, costs.summary()
+        a.prefill_suffix(SuffixInput(text="go on\n"))
+        list(a.decode(DecodeConfig(max_tokens=4, temperature=0.0)))  # its turn ends: idle
+        held = a.explain_context().kv_tokens  # its prompt and what it decoded
+
+        b = engine.open_session(request)
+        with caplog.at_level(logging.INFO, logger="modeld.cache"):
+            b.ensure_prefix(PrefixInput(text=_workspace("b")))
+        report = a.explain_context()
+        assert report.kv_tokens == 0, report
+        assert [c.tier for c in report.contexts if c.tokens == held] == ["ram"], report.contexts
+        said = [r.getMessage() for r in caplog.records if "of attention (measured)" in r.getMessage()]
+        assert len(said) == 1 and f"({held} tokens)" in said[0], said
+
+        again = a.ensure_prefix(PrefixInput(text=_workspace("a") + "go on\n"))
+        assert again.reused_tokens >= first.prefix_tokens, again
