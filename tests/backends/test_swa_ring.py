@@ -15,8 +15,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from greedy import greedy_logprobs
 
-from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.contract import Config, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.settings import Residency
 
@@ -86,12 +87,7 @@ def test_describe_and_the_memory_table_show_what_each_swa_cache_costs(name: str,
 
 
 def _decode(session: object, n: int = 8) -> list[tuple[int, float]]:
-    out: list[tuple[int, float]] = []
-    config = DecodeConfig(max_tokens=n, logprobs=True, speculation="off")
-    with session.decode(config) as stream:  # type: ignore[attr-defined]
-        for chunk in stream:
-            out += [(t, lp.logprob) for t, lp in zip(chunk.token_ids, chunk.logprobs, strict=True)]
-    return out
+    return greedy_logprobs(session, n)
 
 
 def _fresh(name: str, prefix: str) -> list[tuple[int, float]]:

@@ -12,6 +12,7 @@ Design record: ``blueprints/0016-warm-state.md``, "Checkpoints".
 from __future__ import annotations
 
 import pytest
+from greedy import greedy_logprobs
 
 from modeld.backends.gguf_meta import GGUFInfo
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
@@ -42,15 +43,7 @@ def _request(path: str) -> OpenSessionRequest:
 
 
 def _decode(session: object, n: int = 8) -> list[tuple[int, float]]:
-    """Greedy tokens with their log-probabilities, one token per step (speculation's verify
-    batches round differently: blueprint 0021)."""
-    out: list[tuple[int, float]] = []
-    config = DecodeConfig(max_tokens=n, logprobs=True, speculation="off")
-    with session.decode(config) as stream:  # type: ignore[attr-defined]
-        for chunk in stream:
-            for token, lp in zip(chunk.token_ids, chunk.logprobs, strict=True):
-                out.append((token, lp.logprob))
-    return out
+    return greedy_logprobs(session, n)
 
 
 def _fresh(path: str, prefix: str, suffix: str) -> list[tuple[int, float]]:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 import pytest
+from greedy import greedy_logprobs
 
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
@@ -63,13 +64,7 @@ def _request(path: str, **kw: Any) -> OpenSessionRequest:
 
 
 def _answer(session: Any, n: int = 6) -> list[tuple[int, float]]:
-    out: list[tuple[int, float]] = []
-    config = DecodeConfig(max_tokens=n, logprobs=True, speculation="off", tool_choice="none")
-    with session.decode(config) as stream:
-        for chunk in stream:
-            for token, lp in zip(chunk.token_ids, chunk.logprobs, strict=True):
-                out.append((token, lp.logprob))
-    return out
+    return greedy_logprobs(session, n, tool_choice="none")
 
 
 def _in_kv(engine: Engine) -> set[str]:

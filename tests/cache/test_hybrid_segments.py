@@ -14,9 +14,10 @@ multiple of the micro-batch (or, for a sliding window restored from a snapshot, 
 from __future__ import annotations
 
 import pytest
+from greedy import greedy_logprobs
 
 import runtime_client as rc
-from modeld.contract import Config, DecodeConfig, OpenSessionRequest
+from modeld.contract import Config, OpenSessionRequest
 from modeld.engine import Engine
 from modeld.settings import Residency
 
@@ -60,14 +61,7 @@ def _request(path: str) -> OpenSessionRequest:
 
 
 def _decode(session: object, n: int = 6) -> list[tuple[int, float]]:
-    """Greedy tokens with their log-probabilities, one token per step."""
-    out: list[tuple[int, float]] = []
-    config = DecodeConfig(max_tokens=n, logprobs=True, speculation="off")
-    with session.decode(config) as stream:  # type: ignore[attr-defined]
-        for chunk in stream:
-            for token, lp in zip(chunk.token_ids, chunk.logprobs, strict=True):
-                out.append((token, lp.logprob))
-    return out
+    return greedy_logprobs(session, n)
 
 
 def _turn(session: object, ctx: rc.BuiltContext) -> tuple[object, list[tuple[int, float]]]:
