@@ -74,11 +74,11 @@ WARM_SWA_FULL = (
 """``Footprint.warm`` of a sliding-window model with llama.cpp's full-size SWA cache (the default)."""
 
 WARM_SWA_RING = (
-    "a fresh evaluation's after an edit or a repeat in the KV (a cut goes back to a checkpoint "
-    "of the window where the ring no longer holds it, further back than with a full-size cache); "
-    "a context restored from a tier can differ from one in rounding (its window cannot be put "
-    "back where a fresh evaluation holds it in a ring: up to 1e-3 of a log-probability measured, "
-    "the same tokens)"
+    "a fresh evaluation's up to rounding: a cut goes back to a checkpoint of the window where the "
+    "ring no longer holds it (further back than with a full-size cache), and the ring's cells "
+    "then, or a window restored from a tier, are not in a fresh evaluation's order, so the "
+    "log-probabilities can differ (up to 1e-3 measured, the same tokens; after an edit bit for "
+    "bit on some CPUs' kernels, not on others)"
 )
 """``Footprint.warm`` of a sliding-window model whose local layers keep a ring (``--no-swa-full``;
 blueprint 0016, "Sliding windows")."""

@@ -90,6 +90,16 @@ def _decode(session: object, n: int = 8) -> list[tuple[int, float]]:
     return greedy_logprobs(session, n)
 
 
+ROUNDING = 2e-3
+"""How far a ring's warm log-probability may be from a fresh evaluation's (measured: up to 0.0010
+on the AVX2-only build, 0 on AMX; the full-size cache's tests demand bit for bit)."""
+
+
+def _assert_matches(warm: list[tuple[int, float]], fresh: list[tuple[int, float]]) -> None:
+    assert [t for t, _ in warm] == [t for t, _ in fresh]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(warm, fresh, strict=True)) <= ROUNDING, (warm, fresh)
+
+
 def _fresh(name: str, prefix: str) -> list[tuple[int, float]]:
     with Engine(backends=("llama",), residency=Residency(sequences=1, swa_full=False)) as engine:
         s = engine.open_session(_request(name))
@@ -99,11 +109,12 @@ def _fresh(name: str, prefix: str) -> list[tuple[int, float]]:
 
 
 @pytest.mark.parametrize("name", SWA)
-def test_a_ring_goes_back_to_a_window_checkpoint_and_warm_equals_fresh(name: str) -> None:
+def test_a_ring_goes_back_to_a_window_checkpoint_and_warm_matches_fresh(name: str) -> None:
     """With a ring the cache no longer holds the window before an edit at ~60% of the prefix:
     the turn restores the window's checkpoint at or before it (the full-size cache cuts at the
-    batch boundary itself). The warm turn and a repeat of it equal a fresh evaluation (with a
-    ring too), greedy tokens and log-probabilities."""
+    batch boundary itself). The warm turn and a repeat of it are a fresh evaluation's (with a
+    ring too) up to rounding: the same greedy tokens, log-probabilities within :data:`ROUNDING`
+    (bit for bit on the AMX build, not on the AVX2-only one: blueprint 0016)."""
     with Engine(backends=("llama",), residency=Residency(sequences=1, swa_full=False)) as engine:
         s = engine.open_session(_request(name))
         first = s.ensure_prefix(PrefixInput(text=BASE))
@@ -122,8 +133,8 @@ def test_a_ring_goes_back_to_a_window_checkpoint_and_warm_equals_fresh(name: str
         s.prefill_suffix(SuffixInput(text="fix it\n"))
         repeat = _decode(s)
     fresh = _fresh(name, EDITED)
-    assert warm == fresh
-    assert repeat == fresh
+    _assert_matches(warm, fresh)
+    _assert_matches(repeat, fresh)
 
 
 @pytest.mark.parametrize("name", SWA)
@@ -132,7 +143,7 @@ def test_a_prefix_copied_between_sequences_of_a_ring_leaves_room_for_the_next_ba
     with the first one's prefix copies its context, then evaluates more. The ring reuses a cell
     outside the window only when one sequence holds it; before the copy gave the second
     sequence a window of its own, every ring cell was shared after it and the next batch failed
-    (``llama_decode failed with code 1``). Its answer is a fresh evaluation's."""
+    (``llama_decode failed with code 1``). Its answer is a fresh evaluation's, up to rounding."""
     longer = BASE + "".join(f"def extra_{i}(x):\n    return x + {i}\n\n" for i in range(8))
     with Engine(backends=("llama",), residency=Residency(sequences=2, swa_full=False)) as engine:
         a = engine.open_session(_request(name))
@@ -142,4 +153,4 @@ def test_a_prefix_copied_between_sequences_of_a_ring_leaves_room_for_the_next_ba
         assert st.reused_tokens > 0, st.reuse.message  # copied from a's context
         b.prefill_suffix(SuffixInput(text="fix it\n"))
         warm = _decode(b)
-    assert warm == _fresh(name, longer)
+    _assert_matches(warm, _fresh(name, longer))
