@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from modeld.contract import OpenSessionRequest
@@ -155,24 +155,19 @@ class SessionTable:
         if self.idle_seconds <= 0:
             return 0
         cutoff = time.monotonic() - self.idle_seconds
-        with self._lock:
-            stale = [k for k, e in self._table.items() if not e.busy and e.last_used < cutoff]
-            closing = [self._table.pop(k).hosted for k in stale]
-        for hosted in closing:
-            _close(hosted)
-        return len(closing)
+        return self._close_idle_where(lambda k, e: e.last_used < cutoff)
 
     def close_idle(self) -> None:
-        with self._lock:
-            stale = [k for k, e in self._table.items() if not e.busy]
-            closing = [self._table.pop(k).hosted for k in stale]
-        for hosted in closing:
-            _close(hosted)
+        self._close_idle_where(lambda k, e: True)
 
     def close_model(self, model_name: str) -> int:
         """Close the idle conversations on the model ``model_name`` (before it is unloaded)."""
+        return self._close_idle_where(lambda k, e: k[1] == model_name)
+
+    def _close_idle_where(self, chosen: Callable[[tuple[str, str, str], _Entry], bool]) -> int:
+        """Close the idle conversations ``chosen`` picks (by key and entry); returns how many."""
         with self._lock:
-            stale = [k for k, e in self._table.items() if not e.busy and k[1] == model_name]
+            stale = [k for k, e in self._table.items() if not e.busy and chosen(k, e)]
             closing = [self._table.pop(k).hosted for k in stale]
         for hosted in closing:
             _close(hosted)
