@@ -105,9 +105,9 @@ class Hold:
         self._finish = ""
         self.grow_error: ModeldError | None = None
         """Why :meth:`grow` granted no cells."""
-        self._decoding: tuple[float, int] | None = None
-        """When the sync ended and the cells in use then, while this hold ran alone: a decode
-        that follows is a sample of the attention's cost (``cost.py``)."""
+        self._decoding: tuple[float, int, int] | None = None
+        """When the sync ended, the cells in use then and the pool's tally, while this hold ran
+        alone: a decode that follows is a sample of the attention's cost (``cost.py``)."""
 
     @property
     def seq(self) -> int:
@@ -131,6 +131,7 @@ class Hold:
             self._synced(0, 0.0, alone=self._alone())
             return Synced(0, 0.0)
         keep = self.keep
+        mark = self._operations()  # read first: whatever is sent after it is seen
         alone = self._alone()
         started = time.monotonic()
         reporter = _Progress(self.stage, started, progress)
@@ -140,6 +141,7 @@ class Hold:
             segments = segment_starts(self._manifest, len(target))
             for _attempt in range(2):
                 job = runtime.sync(self.context.seq, keep, target[keep:], segments)
+                mark += 1  # this job; any other operation from here on: not alone
                 self._job = job
                 if self._canceled:
                     job.cancel()
@@ -174,7 +176,7 @@ class Hold:
         self.keep = keep  # what was really kept (less when the memory could not be cut)
         self.evaluated = len(target) - keep
         ms = (time.monotonic() - started) * 1000.0
-        if batches and alone and self._alone():
+        if batches and alone and self._alone(since=mark):
             # Each batch is a sample (``cost.py``): a long prefill alone measures the attention
             # over the spans it grew through, before any later turn has to decide with it.
             with self._state.lock:
@@ -195,11 +197,20 @@ class Hold:
             figures = ", ".join(f"{k} {v:.3g}" for k, v in pool.costs.summary().items())
             log.info("%s: the attention's cost is measured: %s", pool.name, figures)
 
-    def _alone(self) -> bool:
+    def _alone(self, since: int | None = None) -> bool:
         """No other operation runs on this model now (its jobs' steps would interleave with
-        this one's, and their time would count as this one's)."""
+        this one's, and their time would count as this one's), and none was sent to the runtime
+        after the tally read ``since`` (one that began and ended in between)."""
         with self._state.lock:
-            return not any(c.busy for c in self._state.pool.contexts.values() if c is not self.context)
+            pool = self._state.pool
+            if since is not None and pool.tally.operations != since:
+                return False
+            return not any(c.busy for c in pool.contexts.values() if c is not self.context)
+
+    def _operations(self) -> int:
+        """The pool's tally of operations sent to the runtime (``runtime.Tally``)."""
+        with self._state.lock:
+            return self._state.pool.tally.operations
 
     def _synced(self, evaluated: int, ms: float, *, alone: bool) -> None:
         """What a turn's suffix evaluates (the turn's work after its prefix), and where a decode
@@ -208,7 +219,7 @@ class Hold:
             pool = self._state.pool
             if self.stage == "suffix":
                 pool.costs.turn_prefill.add(float(evaluated))
-            self._decoding = (time.monotonic(), pool.ledger.used()) if alone else None
+            self._decoding = (time.monotonic(), pool.ledger.used(), pool.tally.operations) if alone else None
 
     def commit(self, *, prefix: int) -> None:
         """The target's first ``prefix`` tokens are the session's prefix now: others may copy
@@ -246,7 +257,7 @@ class Hold:
                         if context.owner is not None:
                             context.owner.ended, context.owner.ended_at = self._finish, time.time()
                     started = self._decoding
-                    if error is None and started is not None and sampled and self._alone():
+                    if error is None and started is not None and sampled and self._alone(since=started[2]):
                         ms = (time.monotonic() - started[0]) * 1000.0
                         pool.costs.decoded(len(sampled), started[1], ms)
                         self._announce()

@@ -27,6 +27,7 @@ from modeld.backends.base import Layout
 from modeld.cache.cost import Costs
 from modeld.cache.ledger import Ledger
 from modeld.cache.reuse import Loss, common_prefix_len
+from modeld.cache.runtime import Tally
 from modeld.cache.tiers import Tiers
 from modeld.contract import WarmContextInfo
 from modeld.settings import Residency
@@ -160,6 +161,9 @@ class Pool:
         has no cells for)."""
         self.costs = Costs(bytes_per_token=max(0, layout.kv_bytes_per_token))
         """What its contexts cost where they are, measured (``cost.py``)."""
+        self.tally = Tally()
+        """Operations the cache sent the runtime (``runtime.Counted``): a cost sample is taken
+        only when nothing else ran while it was measured."""
         self._ids = itertools.count(1)
 
     def own(self, slot: SessionSlot) -> WarmContext | None:
@@ -252,8 +256,9 @@ class Pool:
             return 0
         return common_prefix_len(list(context.tokens), tokens)
 
-    def views(self) -> list[WarmContextInfo]:
-        """Every context in the pool, by sequence, as status and explain-context show it."""
+    def views(self, checkpoints: Sequence[int] = ()) -> list[WarmContextInfo]:
+        """Every context in the pool, by sequence, as status and explain-context show it
+        (``checkpoints``: what each sequence's checkpoints hold in the runtime, by sequence)."""
         per_token = self.layout.kv_bytes_per_token
         return [
             WarmContextInfo(
@@ -266,6 +271,7 @@ class Pool:
                 last_used_at=c.last_used,
                 pinned=bool(c.owner is not None and c.owner.pinned),
                 session_id=c.owner.session_id if c.owner is not None else "",
+                checkpoint_bytes=checkpoints[c.seq] if c.seq < len(checkpoints) else 0,
             )
             for c in sorted(list(self.contexts.values()), key=lambda c: c.seq)
         ]

@@ -21,6 +21,7 @@ Design record: ``blueprints/0016-warm-state.md``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,7 +29,17 @@ from typing import Protocol
 from modeld.backends.base import SyncStep
 from modeld.cache.snapfile import SnapshotFile
 
-__all__ = ["KVRuntime", "PendingSave", "PendingSnapshot", "Restored", "Saved", "SyncEnd", "SyncJob"]
+__all__ = [
+    "Counted",
+    "KVRuntime",
+    "PendingSave",
+    "PendingSnapshot",
+    "Restored",
+    "Saved",
+    "SyncEnd",
+    "SyncJob",
+    "Tally",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,3 +138,63 @@ class KVRuntime(Protocol):
     def restore(self, seq: int, tokens: Sequence[int], blob: bytes | SnapshotFile) -> Restored:
         """Load a RAM-tier blob, or a snapshot file the runtime maps and verifies itself."""
         ...
+
+
+class Tally:
+    """How many operations the cache has sent a runtime (``Counted``): a measurement that reads
+    it before and after knows whether anything else ran on the engine in between, even an
+    operation that began and ended inside it (a busy flag seen at both ends misses those)."""
+
+    __slots__ = ("_lock", "_operations")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._operations = 0
+
+    @property
+    def operations(self) -> int:
+        return self._operations
+
+    def count(self) -> None:
+        with self._lock:  # the cache's threads call the runtime without the cache's lock
+            self._operations += 1
+
+
+class Counted:
+    """A runtime whose every call counts in a :class:`Tally` first (see :class:`KVRuntime`)."""
+
+    __slots__ = ("_runtime", "_tally")
+
+    def __init__(self, runtime: KVRuntime, tally: Tally) -> None:
+        self._runtime = runtime
+        self._tally = tally
+
+    def copy(self, src: int, dst: int, n: int) -> None:
+        self._tally.count()
+        self._runtime.copy(src, dst, n)
+
+    def drop(self, seq: int) -> None:
+        self._tally.count()
+        self._runtime.drop(seq)
+
+    def share(self, src: int, dst: int, n: int) -> bool:
+        self._tally.count()
+        return self._runtime.share(src, dst, n)
+
+    def sync(
+        self, seq: int, keep: int, tokens: Sequence[int], segments: Sequence[int] | None = None
+    ) -> SyncJob:
+        self._tally.count()
+        return self._runtime.sync(seq, keep, tokens, segments)
+
+    def snapshot(self, seq: int) -> PendingSnapshot:
+        self._tally.count()
+        return self._runtime.snapshot(seq)
+
+    def save(self, seq: int, path: str) -> PendingSave:
+        self._tally.count()
+        return self._runtime.save(seq, path)
+
+    def restore(self, seq: int, tokens: Sequence[int], blob: bytes | SnapshotFile) -> Restored:
+        self._tally.count()
+        return self._runtime.restore(seq, tokens, blob)

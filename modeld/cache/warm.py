@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from modeld.backends.base import Layout
@@ -48,7 +48,7 @@ from modeld.cache.cost import Costs
 from modeld.cache.hold import Hold
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
 from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify, common_prefix_len
-from modeld.cache.runtime import KVRuntime
+from modeld.cache.runtime import Counted, KVRuntime
 from modeld.cache.snapfile import SnapshotError
 from modeld.cache.state import CacheState
 from modeld.cache.tiers import TierEntry, Tiers
@@ -83,18 +83,24 @@ class ModelCache:
         settings: CacheSettings | None = None,
         file_key: tuple[str, str] = ("", ""),
         history: RuntimeHistory | None = None,
+        checkpoints: Callable[[], Sequence[int]] = tuple,
     ) -> None:
-        self.runtime = runtime
-        """The live runtime (waits while its worker restarts; raises when it cannot)."""
+        pool = Pool(
+            name=name,
+            model_digest=model_digest,
+            layout=layout,
+            tiers=tiers,
+            settings=settings or CacheSettings(),
+        )
+        self.runtime: Callable[[], KVRuntime] = lambda: Counted(runtime(), pool.tally)
+        """The live runtime (waits while its worker restarts; raises when it cannot); every
+        call the cache makes counts in the pool's tally."""
+        self._checkpoints = checkpoints
+        """What each sequence's checkpoints hold in the runtime, by sequence, as it last said
+        (never waits: an observer reads it)."""
         self.state = CacheState(
-            pool=Pool(
-                name=name,
-                model_digest=model_digest,
-                layout=layout,
-                tiers=tiers,
-                settings=settings or CacheSettings(),
-            ),
-            runtime=runtime,
+            pool=pool,
+            runtime=self.runtime,
             history=history or RuntimeHistory(),
             file_key=file_key,
         )
@@ -553,7 +559,7 @@ class ModelCache:
         view is read without the lock, a moment's state)."""
         locked = self.state.lock.acquire(timeout=0.2)
         try:
-            out = self.state.pool.views()
+            out = self.state.pool.views(self._checkpoints())
             identities = set(self.state.pool.identities)
         finally:
             if locked:

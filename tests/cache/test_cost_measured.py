@@ -11,6 +11,8 @@ prefill of a few thousand tokens measures the cost, and the very next turn decid
 from __future__ import annotations
 
 import logging
+import threading
+import time
 
 import pytest
 
@@ -62,3 +64,40 @@ def test_one_cold_prefill_measures_the_attention_and_the_next_turn_decides_with_
 
         again = a.ensure_prefix(PrefixInput(text=_workspace("a") + "go on\n"))
         assert again.reused_tokens >= first.prefix_tokens, again
+
+
+def test_an_operation_that_begins_and_ends_inside_a_long_prefill_keeps_it_from_being_a_sample() -> None:
+    """A cold prefill of ~6.6k tokens runs; another session's short prefix begins after it
+    and ends before it, its one batch run between the long prefill's batches (the worker
+    interleaves jobs step by step). Neither is a sample of the cost: the short one began with
+    the long one busy, and the long one's batches took the short one's time too. Both ends of
+    the long prefill saw nothing else busy; before the pool's tally of operations, its batches
+    were taken as samples of the attention's cost alone."""
+    path = str(testmodels.ensure_model(testmodels.TINY))
+    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
+    with Engine(backends=("llama",)) as engine:
+        a = engine.open_session(request)
+        b = engine.open_session(request)
+        cache = engine.models()[0].cache
+        pool = cache.state.pool
+        failed: list[BaseException] = []
+
+        def long_prefill() -> None:
+            try:
+                a.ensure_prefix(PrefixInput(text=_workspace("a") + _workspace("c")))
+            except BaseException as exc:
+                failed.append(exc)
+
+        worker = threading.Thread(target=long_prefill)
+        worker.start()
+        deadline = time.monotonic() + 60.0
+        while not any(c.busy for c in pool.contexts.values()) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        began = pool.tally.operations
+        b.ensure_prefix(PrefixInput(text="You are agent b.\n"))
+        assert worker.is_alive(), "the long prefill ended before the short one: the premise failed"
+        worker.join()
+        assert not failed, failed
+        assert pool.tally.operations > began
+        assert cache.costs.prefill.samples == 0, cache.costs.summary()
+        assert not cache.costs.known()
