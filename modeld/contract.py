@@ -714,7 +714,10 @@ class WarmContextInfo:
     """A warm context of a model, wherever it lives (``tier``: kv, ram or disk).
 
     ``bytes`` counts what only this context holds; ``shared_bytes`` KV cells it shares with
-    other contexts (a common prefix is stored, and counted, once)."""
+    other contexts (a common prefix is stored, and counted, once). ``checkpoint_bytes``: in the
+    KV tier, what its checkpoints hold beside its cells (memory that cannot be cut at any token:
+    recurrent states, sliding windows; blueprint 0016); in RAM or on disk they are part of
+    ``bytes``, inside its snapshot."""
 
     id: str
     tier: str
@@ -725,6 +728,7 @@ class WarmContextInfo:
     last_used_at: float
     pinned: bool
     session_id: str
+    checkpoint_bytes: int = 0
 
 
 class Closing:

@@ -234,9 +234,9 @@ class HeldTokens:
         self._seq(seq)
         return self._stats[seq]
 
-    def checkpoint_bytes(self) -> int:
+    def checkpoint_bytes(self) -> tuple[int, ...]:
         """A runtime without checkpoints holds none."""
-        return 0
+        return ()
 
 
 class ModelRuntime(Protocol):
@@ -296,9 +296,9 @@ class ModelRuntime(Protocol):
         """What speculation did in ``seq``'s current or last generate (zeros if none)."""
         ...
 
-    def checkpoint_bytes(self) -> int:
-        """The bytes the checkpoints of every sequence hold now (``Layout.checkpoints``: kept in
-        the worker's heap beside the KV; 0 for memory without them)."""
+    def checkpoint_bytes(self) -> tuple[int, ...]:
+        """The bytes each sequence's checkpoints hold now, by sequence (``Layout.checkpoints``:
+        kept in the worker's heap beside the KV; empty for memory without them)."""
         ...
 
     def copy(self, src: int, dst: int, n: int) -> None:

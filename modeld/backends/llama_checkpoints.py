@@ -423,9 +423,9 @@ class Checkpoints:
     def positions(self, seq: int) -> list[int]:
         return sorted(self._seqs[seq].blobs)
 
-    def nbytes(self) -> int:
-        """The bytes every sequence's checkpoints hold."""
-        return sum(len(b) for s in self._seqs for b in s.blobs.values())
+    def nbytes(self) -> tuple[int, ...]:
+        """The bytes each sequence's checkpoints hold, by sequence."""
+        return tuple(sum(len(b) for b in s.blobs.values()) for s in self._seqs)
 
     def _evict(self, s: _Seq) -> None:
         """Keep ``limit`` checkpoints: drop the one whose loss widens the gap between its

@@ -504,7 +504,7 @@ class LlamaContext(HeldTokens, Rewind):
         self._cut(seq, 0)
         self._drafters.pop(seq, None)  # the sequence's next text is another context's
 
-    def checkpoint_bytes(self) -> int:
+    def checkpoint_bytes(self) -> tuple[int, ...]:
         return self._ckpts.nbytes()
 
     # --- snapshots (the format: llama_state.py) -------------------------------------------------

@@ -45,7 +45,7 @@ def model_memory(model: LoadedModel, worker: WorkerInfo) -> ModelMemory:
         # each on a 27B hybrid; 0 KV bytes a token on a pure recurrent model).
         kv_allocated_bytes=layout.kv_allocated_bytes + layout.n_seq * layout.state_bytes,
         kv_used_bytes=model.cache.used_cells() * per,
-        checkpoint_bytes=model.supervisor.checkpoint_bytes,
+        checkpoint_bytes=sum(model.supervisor.checkpoint_bytes),
         compute_bytes=compute_bytes(fp, cells) if has_compute else 0,
         runtime_bytes=model.supervisor.base_rss if process else 0,
         rss_bytes=worker.rss_bytes if process else 0,

@@ -278,6 +278,7 @@ class LoadedModel:
             model_digest=info.model_digest,
             layout=self.layout,
             runtime=self.supervisor.host,
+            checkpoints=lambda: self.supervisor.checkpoint_bytes,
             tiers=tiers,
             settings=cache_settings,
             file_key=(key[0], key[1]),

@@ -225,7 +225,13 @@ def _contexts(
     contexts: Iterable[WarmContextInfo], now: float, *, mark: str = "", indent: str = ""
 ) -> list[str]:
     """A model's warm contexts as a table, the one whose id is ``mark`` starred."""
-    rows = [("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED", "LAST USE", "PINNED", "SESSION")]
+    contexts = list(contexts)
+    checkpoints = any(c.checkpoint_bytes for c in contexts)  # memory that cannot be cut anywhere
+    rows = [
+        ("ID", "TIER", "TOKENS", "PREFIX", "BYTES", "SHARED")
+        + (("CHECKPOINTS",) if checkpoints else ())
+        + ("LAST USE", "PINNED", "SESSION")
+    ]
     for c in contexts:
         rows.append(
             (
@@ -235,6 +241,11 @@ def _contexts(
                 str(c.prefix_tokens),
                 format_bytes(c.bytes),
                 format_bytes(c.shared_bytes),
+                *(
+                    (format_bytes(c.checkpoint_bytes) if c.tier == "kv" else "(in bytes)",)
+                    if checkpoints
+                    else ()
+                ),
                 f"{age(now - c.last_used_at)} ago",
                 "yes" if c.pinned else "no",
                 c.session_id or "-",

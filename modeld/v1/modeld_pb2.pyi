@@ -534,7 +534,7 @@ class PrefillProgress(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
 
 class WarmContext(_message.Message):
-    __slots__ = ("id", "tier", "tokens", "prefix_tokens", "bytes", "shared_bytes", "last_used_at", "pinned", "session_id")
+    __slots__ = ("id", "tier", "tokens", "prefix_tokens", "bytes", "shared_bytes", "last_used_at", "pinned", "session_id", "checkpoint_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -544,6 +544,7 @@ class WarmContext(_message.Message):
     LAST_USED_AT_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: str
     tier: str
     tokens: int
@@ -553,7 +554,8 @@ class WarmContext(_message.Message):
     last_used_at: float
     pinned: bool
     session_id: str
-    def __init__(self, id: _Optional[str] = ..., tier: _Optional[str] = ..., tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., last_used_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+    checkpoint_bytes: int
+    def __init__(self, id: _Optional[str] = ..., tier: _Optional[str] = ..., tokens: _Optional[int] = ..., prefix_tokens: _Optional[int] = ..., bytes: _Optional[int] = ..., shared_bytes: _Optional[int] = ..., last_used_at: _Optional[float] = ..., pinned: _Optional[bool] = ..., session_id: _Optional[str] = ..., checkpoint_bytes: _Optional[int] = ...) -> None: ...
 
 class ErrorDetail(_message.Message):
     __slots__ = ("reason", "message", "info")

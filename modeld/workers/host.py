@@ -156,9 +156,9 @@ class Host:
         self.pid = 0
         self.base_rss = 0
         """The worker's resident memory just before its model loaded (``Loaded.base_rss``)."""
-        self.checkpoint_bytes = 0
-        """What every sequence's checkpoints hold in the worker, as its last reply that said so
-        (``Result``, ``Finished``; ``ModelRuntime.checkpoint_bytes``)."""
+        self.checkpoint_bytes: tuple[int, ...] = ()
+        """What each sequence's checkpoints hold in the worker, by sequence, as its last reply
+        that said so (``Result``, ``Finished``; ``ModelRuntime.checkpoint_bytes``)."""
         self.death: ModeldError | None = None
         self.started_at = time.time()
         self.last_reply_at = time.monotonic()
@@ -218,7 +218,7 @@ class Host:
             self.tokens_done += len(message.tokens)
         elif isinstance(message, Progress):
             self.tokens_done += 1  # a batch step counts as progress even before it is big
-        if isinstance(message, (Result, Finished)) and message.checkpoint_bytes >= 0:
+        if isinstance(message, (Result, Finished)) and message.checkpoint_bytes is not None:
             self.checkpoint_bytes = message.checkpoint_bytes
         with self._lock:
             call = self._calls.get(op)

@@ -286,8 +286,9 @@ class Result(Message):
     """The answer to an atomic request: ``tokens`` (tokenize), ``ok`` (restore, save; when
     False, ``detail`` says why, and for a save ``errno`` is the file system's error number),
     ``payload`` (snapshot), ``size`` (save: bytes written); ``checkpoint_bytes`` (after a
-    request that changes what the sequences hold: copy, drop, share, restore) what every
-    sequence's checkpoints hold now (``ModelRuntime.checkpoint_bytes``; -1: not said)."""
+    request that changes what the sequences hold: copy, drop, share, restore) what each
+    sequence's checkpoints hold now, by sequence (``ModelRuntime.checkpoint_bytes``; None: not
+    said)."""
 
     kind: ClassVar[str] = "result"
     tokens: tuple[int, ...] = ()
@@ -296,7 +297,7 @@ class Result(Message):
     payload: bytes = b""
     size: int = 0
     errno: int = 0
-    checkpoint_bytes: int = -1
+    checkpoint_bytes: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -341,14 +342,14 @@ class Finished(Message):
     """A job ended. ``resident`` is how many tokens its sequence holds now (the truth after a
     cancel or an early stop); ``kept`` is what a sync kept before evaluating; ``stats`` what
     speculation did in a generate job (``blueprints/0021-speculation.md``);
-    ``checkpoint_bytes`` what every sequence's checkpoints hold now (-1: not said)."""
+    ``checkpoint_bytes`` what each sequence's checkpoints hold now, by sequence (None: not said)."""
 
     kind: ClassVar[str] = "finished"
     resident: int
     kept: int = 0
     canceled: bool = False
     stats: DecodeStats | None = None
-    checkpoint_bytes: int = -1
+    checkpoint_bytes: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -317,8 +317,9 @@ class Supervisor:
         return host.base_rss if isinstance(host, WorkerHost) else 0
 
     @property
-    def checkpoint_bytes(self) -> int:
-        """What the checkpoints of the worker's sequences hold now, as it last said (0: none, or
-        no worker running): they live in its heap beside the KV (blueprint 0016)."""
+    def checkpoint_bytes(self) -> tuple[int, ...]:
+        """What each of the worker's sequences' checkpoints hold now, by sequence, as it last
+        said (empty: none, or no worker running): they live in its heap beside the KV
+        (blueprint 0016)."""
         host = self._host
-        return host.checkpoint_bytes if host is not None and host.alive else 0
+        return host.checkpoint_bytes if host is not None and host.alive else ()

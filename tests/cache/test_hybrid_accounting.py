@@ -22,6 +22,7 @@ from modeld.cache.tiers import Tiers
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
 from modeld.observe.metrics import Metrics
+from modeld.observe.views import format_bytes, format_status
 from modeld.settings import Residency
 
 pytestmark = pytest.mark.llama
@@ -161,9 +162,16 @@ def test_the_memory_table_shows_the_checkpoints_each_context_holds(name: str) ->
         parts = memory.weights_bytes + memory.kv_allocated_bytes + memory.compute_bytes + memory.runtime_bytes
         assert memory.parts_bytes == parts + held
         assert _memory_metric(engine, "checkpoints") == held
+        # And per context, in status's list (``modeld status``'s CHECKPOINTS column).
+        (listed,) = [c for c in engine.status().models[0].contexts if c.tier == "kv"]
+        assert listed.checkpoint_bytes == held, listed
+        shown = format_status(engine.status())
+        assert "CHECKPOINTS" in shown and format_bytes(held) in shown, shown
         # The context leaves the KV (to the RAM tier, its checkpoints inside its snapshot).
         with model.cache.state.lock:
             eviction.evict(model.cache.state.pool, context, model.cache.runtime(), "a test made room")
         assert not model.cache.state.pool.contexts
         assert engine.status().models[0].memory.checkpoint_bytes == 0
+        listed_now = engine.status().models[0].contexts
+        assert "kv" not in {c.tier for c in listed_now} and not any(c.checkpoint_bytes for c in listed_now)
         assert _memory_metric(engine, "checkpoints") == 0
