@@ -86,6 +86,45 @@ def test_describe_and_the_memory_table_show_what_each_swa_cache_costs(name: str,
     assert status.memory.kv_allocated_bytes == fp.kv_bytes == layout.kv_allocated_bytes
 
 
+@pytest.mark.parametrize("ring", [False, True])
+def test_ollama_ps_says_the_size_of_the_swa_cache_in_force(
+    ring: bool, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``/api/ps`` (Ollama's list of loaded models, through the ollama SDK) sizes a model as its
+    weights, the KV the engine allocated under the setting in force, checkpoints and compute:
+    the ring's KV with ``--no-swa-full``, the full-size cache's without (it counted the
+    full-size KV alone, whatever the setting)."""
+    import httpx
+    import ollama
+    from daemon_proc import serve_http, stop
+
+    path = str(testmodels.ensure_model(SPECS["swa-gemma3"]))
+    flags = ["--model", f"m={path}", "--num-ctx", "4096", *(["--no-swa-full"] if ring else [])]
+    proc, record = serve_http(tmp_path_factory.mktemp("ps"), *flags, backend="llama")
+    client = ollama.Client(host=record.http_endpoint, timeout=120)
+    try:
+        client.chat(
+            model="m", messages=[{"role": "user", "content": "def f():\n"}], options={"num_predict": 2}
+        )
+        fp = httpx.get(f"{record.http_endpoint}/v1/models", timeout=30).json()["data"][0]["modeld"][
+            "footprint"
+        ]
+        loaded = client.ps().models
+        raw = httpx.get(f"{record.http_endpoint}/api/ps", timeout=30).json()["models"][0]["modeld"]
+    finally:
+        client._client.close()  # the client keeps a connection pool and has no close()
+        stop(proc)
+    parts = raw["memory_bytes"]
+    assert [m.model for m in loaded] == ["m"]
+    assert parts["kv_allocated"] == (fp["swa_ring_kv_bytes"] if ring else fp["swa_full_kv_bytes"])
+    assert fp["swa_ring_kv_bytes"] < fp["swa_full_kv_bytes"]
+    assert parts["weights"] == fp["weights_bytes"] > 0 and parts["compute"] > 0
+    assert 0 < parts["kv_used"] <= parts["kv_allocated"]
+    assert (
+        loaded[0].size == parts["weights"] + parts["kv_allocated"] + parts["checkpoints"] + parts["compute"]
+    )
+
+
 def _decode(session: object, n: int = 8) -> list[tuple[int, float]]:
     return greedy_logprobs(session, n)
 

@@ -23,7 +23,10 @@ JSON object per line, the last with ``done: true``, ``done_reason`` and the coun
 * ``/api/generate``: ``prompt`` (with ``system``) is one user turn rendered with the model's
   template; ``raw: true`` evaluates it as given. An empty prompt only loads the model.
   ``context`` (the deprecated token array) and ``template`` are refused by name.
-* ``/api/ps`` lists the loaded models with their warm contexts (``modeld.contexts``), and
+* ``/api/ps`` lists the loaded models with their warm contexts (``modeld.contexts``) and their
+  size in memory: the weights, the KV the engine allocated (smaller with a ring of
+  sliding-window cells, ``--no-swa-full``), checkpoints and compute, each in
+  ``modeld.memory_bytes`` (``kv_used`` too: the cells warm contexts hold, part of the KV); and
   ``/api/show`` the model's window: ``model_info["<arch>.context_length"]`` as loaded here,
   and ``parameters`` with ``num_ctx``.
 """

@@ -80,15 +80,29 @@ def routes(service: HttpService) -> list[Route]:
 
     async def ps(_request: Request) -> Response:
         status = await service.bridge.observe(service.gateway.status, "ps")
-        names = {e.path: e.name for e in service.registry.entries()}
+        entries = {e.path: e for e in service.registry.entries()}
         models = []
         for m in status.models:
-            name = names.get(m.path, m.model_name)
+            entry = entries.get(m.path)
+            name = entry.name if entry is not None else m.model_name
+            info = await service.catalog.describe(entry) if entry is not None else None
+            mem = m.memory
+            # Ollama's size: the model in memory. The weights (the file, as describe reads it;
+            # the pages measured resident when it cannot), the KV the engine allocated (a ring
+            # of sliding-window cells is smaller: --no-swa-full), checkpoints and compute.
+            weights = info.weights_bytes if info is not None else mem.weights_bytes
+            parts = {
+                "weights": weights,
+                "kv_allocated": mem.kv_allocated_bytes,
+                "kv_used": mem.kv_used_bytes,
+                "checkpoints": mem.checkpoint_bytes,
+                "compute": mem.compute_bytes,
+            }
             models.append(
                 {
                     "name": name,
                     "model": name,
-                    "size": m.pool_tokens * m.kv_bytes_per_token,
+                    "size": weights + mem.kv_allocated_bytes + mem.checkpoint_bytes + mem.compute_bytes,
                     "size_vram": 0,
                     "digest": m.model_digest,
                     "details": {"format": "gguf" if m.backend in ("llama", "openvino") else m.backend},
@@ -97,12 +111,14 @@ def routes(service: HttpService) -> list[Route]:
                     "modeld": {
                         "backend": m.backend,
                         "sessions": m.sessions,
+                        "memory_bytes": parts,
                         "contexts": [
                             {
                                 "id": c.id,
                                 "tier": c.tier,
                                 "tokens": c.tokens,
                                 "bytes": c.bytes,
+                                "checkpoint_bytes": c.checkpoint_bytes,
                                 "pinned": c.pinned,
                             }
                             for c in m.contexts
