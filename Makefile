@@ -39,7 +39,8 @@ test-fast: setup
 # minutes on an otherwise idle 2-core box, far more under
 # load (plus ~10 to build llama-server the first time); the report in bench/results/ merges the
 # two newest runs. WORKLOAD=name[,name] runs only those (and what they continue; the extras
-# agent_apis, families, speculation and fleet by name); its report stays in its run dir.
+# agent_apis, families, claude_code, chat_agents, speculation, fleet, hybrid and overhead by
+# name); its report stays in its run dir.
 BENCH_ARGS = $(if $(WORKLOAD),--workload $(WORKLOAD),) $(if $(SYSTEMS),--systems $(SYSTEMS),)
 
 bench: setup

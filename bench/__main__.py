@@ -35,7 +35,16 @@ from modeld.settings import Timeouts
 ROOT = Path(__file__).resolve().parent
 MAX_TOKENS = 32  # a greedy decode per turn; 8 with --quick (the tiny model's smoke run)
 # Measurements outside the workload runner that ``--workload`` selects by name like a workload.
-EXTRAS = ["agent_apis", "families", "claude_code", "chat_agents", "speculation", "fleet", "hybrid"]
+EXTRAS = [
+    "agent_apis",
+    "families",
+    "claude_code",
+    "chat_agents",
+    "speculation",
+    "fleet",
+    "hybrid",
+    "overhead",
+]
 
 
 def _machine(threads: int, llama_server: str) -> dict[str, Any]:
@@ -334,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: hybrid done, {hybrid['duration_s']:.0f} s", flush=True)
 
     overhead = None
-    if not wanted:
+    if not wanted or "overhead" in wanted:  # the daemon's own cost (``bench-compare``'s overhead rows)
         from bench.overhead import run_overhead
 
         print("bench: daemon overhead (memory backend)", flush=True)
