@@ -35,6 +35,7 @@ from modeld.decoding.speculation import DecodeStats
 from modeld.errors import InvalidArgumentError
 
 __all__ = [
+    "CELL_PAD",
     "Backend",
     "DecodeStats",
     "HeldTokens",
@@ -45,6 +46,9 @@ __all__ = [
     "SNAPSHOT_HEADER_BYTES",
     "SyncStep",
     "Vocab",
+    "kv_allocated_bytes",
+    "micro_batch",
+    "swa_ring_cells",
 ]
 
 
@@ -71,6 +75,48 @@ Measured on the generated models (blueprint 0016): 13.6 bytes a token (llama) to
 
 SNAPSHOT_HEADER_BYTES = 4096
 """A snapshot's fixed bytes: llama.cpp's per-layer headers, the checkpoint section's."""
+
+CELL_PAD = 256
+"""llama.cpp pads a context to a multiple of 256 cells: windows are planned in these steps."""
+
+
+def micro_batch(num_batch: int, n_seq: int) -> int:
+    """The tokens per ``llama_decode`` (and llama.cpp's ``n_batch`` = ``n_ubatch``) for a
+    context of ``n_seq`` sequences: ``num_batch`` rounded down to a multiple of ``n_seq``, and
+    never below ``n_seq``.
+
+    Below ``n_seq`` llama.cpp aborts (SIGABRT while reserving its graphs). Not a multiple, it
+    reserves its worst-case graph for a rounded-up token count, and every prefill then ran ~20%
+    slower: measured with plain llama-cpp-python calls (215 tokens after 1141, realistic model,
+    2 threads), ``n_seq_max`` 3, 5 or 6 with ``n_ubatch`` 512: 964-1005 ms; 1, 2 or 4 with 512, or
+    3, 5 or 6 with 510: 802-861 ms."""
+    return max(n_seq, num_batch - num_batch % n_seq)
+
+
+def swa_ring_cells(n_swa: int, n_seq: int, ubatch: int, *, unified: bool, cells: int) -> int:
+    """The cells of llama.cpp's SWA cache as a ring (``--no-swa-full``), as
+    ``llama_kv_cache_iswa`` sizes it: ``n_swa x n_seq + n_ubatch`` in a unified pool of
+    ``cells``, ``n_swa + n_ubatch`` in each of ``n_seq`` streams of ``cells``, at most the pool
+    or the stream, padded to :data:`CELL_PAD`. The planner counts it before loading
+    (``sizing.kv_cost``), the loaded context reports it (``Layout.swa_ring_cells``)."""
+
+    def pad(n: int) -> int:
+        return -(-n // CELL_PAD) * CELL_PAD
+
+    if unified:
+        return pad(min(cells, n_swa * n_seq + ubatch))
+    return n_seq * pad(min(cells, n_swa + ubatch))
+
+
+def kv_allocated_bytes(
+    pool_tokens: int, kv_bytes_per_token: int, ring_cells: int = 0, swa_bytes: int = 0
+) -> int:
+    """The KV allocated at load: ``pool_tokens`` cells of every layer, except that with a ring
+    (``ring_cells`` > 0) the local layers, ``swa_bytes`` of a token's KV, keep only the ring."""
+    full = pool_tokens * max(0, kv_bytes_per_token)
+    if ring_cells <= 0:
+        return full
+    return full - (pool_tokens - ring_cells) * swa_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,10 +190,9 @@ class Layout:
     def kv_allocated_bytes(self) -> int:
         """The KV the engine allocates at load: ``pool_tokens`` cells of every layer, less what a
         ring of sliding-window cells saves."""
-        full = self.pool_tokens * max(0, self.kv_bytes_per_token)
-        if not self.swa_ring_cells:
-            return full
-        return full - (self.pool_tokens - self.swa_ring_cells) * self.swa_kv_bytes_per_token
+        return kv_allocated_bytes(
+            self.pool_tokens, self.kv_bytes_per_token, self.swa_ring_cells, self.swa_kv_bytes_per_token
+        )
 
     def snapshot_bytes(self, tokens: int) -> int:
         """About what a snapshot of a sequence holding ``tokens`` takes, at most: its KV cells

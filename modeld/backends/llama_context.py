@@ -43,7 +43,7 @@ from typing import Any
 
 from modeld.backends import _llama_lib
 from modeld.backends._llama_lib import bindings as _llama
-from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
+from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab, micro_batch, swa_ring_cells
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
 from modeld.backends.llama_checkpoints import PARTIAL, Checkpoints
@@ -105,19 +105,6 @@ def _threads(requested: int) -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
-
-
-def micro_batch(num_batch: int, n_seq: int) -> int:
-    """The tokens per ``llama_decode`` (and llama.cpp's ``n_batch`` = ``n_ubatch``) for a
-    context of ``n_seq`` sequences: ``num_batch`` rounded down to a multiple of ``n_seq``, and
-    never below ``n_seq``.
-
-    Below ``n_seq`` llama.cpp aborts (SIGABRT while reserving its graphs). Not a multiple, it
-    reserves its worst-case graph for a rounded-up token count, and every prefill then ran ~20%
-    slower: measured with plain llama-cpp-python calls (215 tokens after 1141, realistic model,
-    2 threads), ``n_seq_max`` 3, 5 or 6 with ``n_ubatch`` 512: 964-1005 ms; 1, 2 or 4 with 512, or
-    3, 5 or 6 with 510: 802-861 ms."""
-    return max(n_seq, num_batch - num_batch % n_seq)
 
 
 def chunk_sizes(n: int, batch: int) -> list[int]:
@@ -229,7 +216,11 @@ class LlamaContext(HeldTokens, Rewind):
             else "sliding-window"
             if swa
             else "attention",
-            swa_ring_cells=self._ring_cells(swa, n_seq, unified, total) if self._swa_ring else 0,
+            swa_ring_cells=swa_ring_cells(
+                swa, n_seq, self._chunk, unified=unified, cells=total if unified else total // n_seq
+            )
+            if self._swa_ring
+            else 0,
             swa_kv_bytes_per_token=info.footprint.swa_kv_bytes_per_token,
         )
         self._seqs: list[list[int]] = [[] for _ in range(n_seq)]
@@ -261,17 +252,6 @@ class LlamaContext(HeldTokens, Rewind):
         self._constraints: LlamaConstraints | None = None  # made on the first constrained decode
 
     # --- loading ----------------------------------------------------------------------------
-
-    def _ring_cells(self, swa: int, n_seq: int, unified: bool, total: int) -> int:
-        """The cells of llama.cpp's SWA cache as a ring, as ``llama_kv_cache_iswa`` sizes it
-        (``sizing.swa_ring_cells`` counts the same before loading)."""
-
-        def pad(cells: int) -> int:
-            return -(-cells // 256) * 256
-
-        if unified:
-            return pad(min(total, swa * n_seq + self._chunk))
-        return n_seq * pad(min(total // n_seq, swa + self._chunk))
 
     def _load_model(self) -> None:
         params = _llama.llama_model_default_params()

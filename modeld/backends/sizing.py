@@ -28,7 +28,8 @@ from typing import Protocol
 
 import psutil
 
-from modeld.backends.base import LoadOptions
+from modeld.backends.base import CELL_PAD, LoadOptions, kv_allocated_bytes, micro_batch
+from modeld.backends.base import swa_ring_cells as ring_cells
 from modeld.backends.probe import MAX_SHOWN_PATH, show_path
 from modeld.contract import Capabilities, Footprint, ModelInfo, OpenSessionRequest, SpecialToken
 from modeld.decoding.tools import detect_format
@@ -64,8 +65,6 @@ memory``; blueprint 0016)."""
 UNKNOWN_COMPUTE_BYTES = 128 << 20
 """The compute buffer counted for a model whose footprint does not estimate one (OpenVINO, the
 memory backend)."""
-CELL_PAD = 256
-
 WARM_SWA_FULL = (
     "a fresh evaluation's, bit for bit: the full-size SWA cache keeps every token's KV, so a cut "
     "keeps the window before it, and a window restored from a tier goes back where a fresh "
@@ -82,7 +81,6 @@ WARM_SWA_RING = (
 )
 """``Footprint.warm`` of a sliding-window model whose local layers keep a ring (``--no-swa-full``;
 blueprint 0016, "Sliding windows")."""
-"""llama.cpp pads a context to a multiple of 256 cells: windows are planned in these steps."""
 _MAX_WINDOW = 1 << 24
 
 
@@ -144,32 +142,24 @@ def checkpoint_size(fp: Footprint) -> int:
 
 
 def swa_ring_cells(fp: Footprint, options: LoadOptions) -> int:
-    """The cells of llama.cpp's SWA cache when it is a ring (``LoadOptions.swa_full`` False), as
-    ``llama_kv_cache_iswa`` sizes it: ``n_swa x n_seq + n_ubatch`` for a unified pool (at most
-    the pool), ``n_swa + n_ubatch`` per stream for split ones (at most a window), padded to 256
-    cells. ``n_ubatch`` is the session's micro-batch as the llama backend rounds it."""
+    """The cells of llama.cpp's SWA cache when it is a ring (``LoadOptions.swa_full`` False) in
+    the layout ``options`` (``base.swa_ring_cells``), the micro-batch as the llama backend rounds
+    the session's."""
     n_seq = max(1, options.n_seq)
-    batch = fp.micro_batch or 512
-    ubatch = max(n_seq, batch - batch % n_seq)
-    if options.unified:
-        return _pad(min(options.pool_tokens, fp.sliding_window * n_seq + ubatch))
-    return n_seq * _pad(min(options.window, fp.sliding_window + ubatch))
-
-
-def _pad(cells: int) -> int:
-    return -(-cells // CELL_PAD) * CELL_PAD
+    cells = options.pool_tokens if options.unified else options.window
+    ubatch = micro_batch(fp.micro_batch or 512, n_seq)
+    return ring_cells(fp.sliding_window, n_seq, ubatch, unified=options.unified, cells=cells)
 
 
 def kv_cost(fp: Footprint, options: LoadOptions, *, swa_full: bool | None = None) -> int:
     """The KV a layout allocates at load: ``pool_tokens`` cells of every layer's KV, except that
     a sliding window's local layers keep only :func:`swa_ring_cells` with a ring (``swa_full``:
     the setting to count; None: ``options.swa_full``)."""
-    full = options.pool_tokens * max(0, fp.kv_bytes_per_token)
     ring = not (options.swa_full if swa_full is None else swa_full)
     if not ring or fp.sliding_window <= 0 or fp.swa_kv_bytes_per_token <= 0:
-        return full
-    local = fp.swa_kv_bytes_per_token
-    return full - options.pool_tokens * local + swa_ring_cells(fp, options) * local
+        return kv_allocated_bytes(options.pool_tokens, fp.kv_bytes_per_token)
+    cells = swa_ring_cells(fp, options)
+    return kv_allocated_bytes(options.pool_tokens, fp.kv_bytes_per_token, cells, fp.swa_kv_bytes_per_token)
 
 
 def state_cost(fp: Footprint, options: LoadOptions) -> tuple[int, int]:

@@ -233,6 +233,8 @@ def _contexts(
         + ("LAST USE", "PINNED", "SESSION")
     ]
     for c in contexts:
+        # In RAM or on disk a context's checkpoints are inside its snapshot, counted in BYTES.
+        held = format_bytes(c.checkpoint_bytes) if c.tier == "kv" else "(in bytes)"
         rows.append(
             (
                 c.id + (" *" if mark and c.id == mark else ""),
@@ -241,11 +243,7 @@ def _contexts(
                 str(c.prefix_tokens),
                 format_bytes(c.bytes),
                 format_bytes(c.shared_bytes),
-                *(
-                    (format_bytes(c.checkpoint_bytes) if c.tier == "kv" else "(in bytes)",)
-                    if checkpoints
-                    else ()
-                ),
+                *((held,) if checkpoints else ()),
                 f"{age(now - c.last_used_at)} ago",
                 "yes" if c.pinned else "no",
                 c.session_id or "-",
