@@ -141,9 +141,11 @@ class KVRuntime(Protocol):
 
 
 class Tally:
-    """How many operations the cache has sent a runtime (``Counted``): a measurement that reads
-    it before and after knows whether anything else ran on the engine in between, even an
-    operation that began and ended inside it (a busy flag seen at both ends misses those)."""
+    """How many operations began on a runtime: every call the cache sends it (``Counted``) and
+    every turn's hold (``ModelCache`` counts it as it begins: a turn whose prompt is resident
+    goes to its decode without a KV call). A measurement that reads it before and after knows
+    whether anything else ran on the engine in between, even an operation that began and ended
+    inside it (a busy flag seen at both ends misses those)."""
 
     __slots__ = ("_lock", "_operations")
 

@@ -264,6 +264,7 @@ class ModelCache:
         if pool.layout.shared_cells:
             pool.reserved[dst.seq] = len(target) - hold.keep + extra_cells  # until the hold ends
         dst.busy = True
+        pool.tally.count()  # an operation began: a turn whose prompt is resident sends no KV call
         dst.floor = max(0, min(floor, hold.keep - 2))
         cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
         if cold and stage == "prefix" and slot.loss is None and pool.tiers is not None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -66,38 +68,75 @@ def test_one_cold_prefill_measures_the_attention_and_the_next_turn_decides_with_
         assert again.reused_tokens >= first.prefix_tokens, again
 
 
+def _inside_a_long_prefill(engine: Engine, a: Any, other: Callable[[], None]) -> None:
+    """Run ``other`` while session ``a`` prefills ~6.6k tokens cold (from after that prefill
+    began to before it ends: the worker interleaves jobs step by step)."""
+    pool = engine.models()[0].cache.state.pool
+    failed: list[BaseException] = []
+
+    def long_prefill() -> None:
+        try:
+            a.ensure_prefix(PrefixInput(text=_workspace("a") + _workspace("c")))
+        except BaseException as exc:
+            failed.append(exc)
+
+    worker = threading.Thread(target=long_prefill)
+    worker.start()
+    deadline = time.monotonic() + 60.0
+    while not any(c.busy for c in pool.contexts.values()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    other()
+    assert worker.is_alive(), "the long prefill ended before the other operation: the premise failed"
+    worker.join()
+    assert not failed, failed
+
+
 def test_an_operation_that_begins_and_ends_inside_a_long_prefill_keeps_it_from_being_a_sample() -> None:
     """A cold prefill of ~6.6k tokens runs; another session's short prefix begins after it
-    and ends before it, its one batch run between the long prefill's batches (the worker
-    interleaves jobs step by step). Neither is a sample of the cost: the short one began with
-    the long one busy, and the long one's batches took the short one's time too. Both ends of
-    the long prefill saw nothing else busy; before the pool's tally of operations, its batches
-    were taken as samples of the attention's cost alone."""
+    and ends before it, its one batch run between the long prefill's batches. Neither is a
+    sample of the cost: the short one began with the long one busy, and the long one's batches
+    took the short one's time too. Both ends of the long prefill saw nothing else busy; before
+    the pool's tally of operations, its batches were taken as samples of the attention's cost
+    alone."""
     path = str(testmodels.ensure_model(testmodels.TINY))
     request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
     with Engine(backends=("llama",)) as engine:
         a = engine.open_session(request)
         b = engine.open_session(request)
         cache = engine.models()[0].cache
-        pool = cache.state.pool
-        failed: list[BaseException] = []
+        tally = cache.state.pool.tally
+        counted: list[int] = []
 
-        def long_prefill() -> None:
-            try:
-                a.ensure_prefix(PrefixInput(text=_workspace("a") + _workspace("c")))
-            except BaseException as exc:
-                failed.append(exc)
+        def short_prefix() -> None:
+            began = tally.operations
+            b.ensure_prefix(PrefixInput(text="You are agent b.\n"))
+            counted.append(tally.operations - began)
 
-        worker = threading.Thread(target=long_prefill)
-        worker.start()
-        deadline = time.monotonic() + 60.0
-        while not any(c.busy for c in pool.contexts.values()) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        began = pool.tally.operations
-        b.ensure_prefix(PrefixInput(text="You are agent b.\n"))
-        assert worker.is_alive(), "the long prefill ended before the short one: the premise failed"
-        worker.join()
-        assert not failed, failed
-        assert pool.tally.operations > began
+        _inside_a_long_prefill(engine, a, short_prefix)
+        assert counted[0] > 0
         assert cache.costs.prefill.samples == 0, cache.costs.summary()
         assert not cache.costs.known()
+
+
+def test_a_turn_with_nothing_to_compute_inside_a_long_prefill_keeps_it_from_being_a_sample() -> None:
+    """As above, but the other session's turn sends the engine no KV call: its prompt is
+    resident already (the same request again, after a turn that did not decode), so it goes
+    straight to a decode, interleaved with the long prefill's batches. The turn's hold counts
+    as an operation of its own."""
+    path = str(testmodels.ensure_model(testmodels.TINY))
+    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
+    with Engine(backends=("llama",)) as engine:
+        a = engine.open_session(request)
+        b = engine.open_session(request)
+        b.ensure_prefix(PrefixInput(text="You are agent b.\n"))
+        b.prefill_suffix(SuffixInput(text="go on\n"))
+        cache = engine.models()[0].cache
+        samples = cache.costs.prefill.samples
+
+        def repeat() -> None:
+            assert b.ensure_prefix(PrefixInput(text="You are agent b.\n")).prefilled_tokens == 0
+            b.prefill_suffix(SuffixInput(text="go on\n"))
+            list(b.decode(DecodeConfig(max_tokens=2, temperature=0.0)))
+
+        _inside_a_long_prefill(engine, a, repeat)
+        assert cache.costs.prefill.samples == samples, cache.costs.summary()
