@@ -473,6 +473,8 @@ def run(options: ServeOptions) -> int:
         lease.release()
         return EXIT_ERROR
     lease.publish(endpoint, http_endpoint=listener.url if listener is not None else "")
+    if listener is not None:
+        listener.service.announce()  # /health says 200 from here: the owner record names both
     log.info(
         "modeld %s serving the %s backend at %s%s (instance %s, epoch %d, data %s)",
         __version__,
@@ -570,6 +572,7 @@ def _start_http(
         bridge,
         data_dir=options.data_dir,
         describe_seconds=options.serving.describe_seconds,
+        starting=True,
     )
     listener = HttpListener(service, address.host, address.port, grace=options.grace)
     listener.start()

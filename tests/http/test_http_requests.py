@@ -322,3 +322,22 @@ def test_a_turn_is_counted_against_the_window_only_near_it() -> None:
     long = turn("a" * 500, "b" * 500, "c" * 500, "d" * 100, truncate=True, key="ollama")
     kept = asyncio.run(window.fitted(long, 1200, count))
     assert [m.content[0] for m in kept.messages] == ["b", "c", "d"]  # the oldest left out, no more
+
+
+def test_health_says_starting_until_the_daemon_announces_itself() -> None:
+    """The daemon binds its HTTP listener before its gRPC server and owner record: until it
+    announces itself, ``/health`` is 503 "starting" (a client that waits for a 200 then finds the
+    gRPC endpoint in the owner record too)."""
+    engine = Engine(backends=("memory",))
+    service = _service(engine, starting=True)
+    try:
+        starting = _get(service, "/health")
+        assert (starting.status_code, starting.json()) == (
+            503,
+            {"status": "unavailable", "reason": "starting"},
+        )
+        service.announce()
+        assert _get(service, "/health").json() == {"status": "ok"}
+    finally:
+        service.close()
+        engine.shutdown()

@@ -11,7 +11,10 @@ middle of a stream, and get OpenAI-shaped errors for what modeld cannot do.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,10 +24,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from daemon_proc import modeld, serve_http, stop
+from daemon_proc import MODELD, modeld, serve_http, stop
 from prometheus_client.parser import text_string_to_metric_families
 
 import runtime_client as rc
+from modeld.lease import read_lease
 from modeld.testmodels import TINY, ensure_model
 
 pytestmark = pytest.mark.wire
@@ -502,6 +506,53 @@ def test_browser_requests_are_refused_on_an_open_loopback_port(daemon: Daemon) -
     local = httpx.get(f"{daemon.url}/v1/models", headers={"Origin": "http://localhost:3000"}, timeout=10)
     assert local.status_code == 200
     assert httpx.get(f"{daemon.url}/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_health_says_ok_only_once_the_owner_record_names_the_daemon(tmp_path: Path) -> None:
+    """A client that waits for ``/health`` to say 200 (the bench, a gateway's probe) may then
+    find the daemon through its owner record: the gRPC endpoint is published by then. The HTTP
+    listener is bound first, so ``/health`` says 503 "starting" in between. The daemon runs as on
+    a fresh clone, every module compiled on its first import, which widens that window."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    data = tmp_path / "d"
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
+    argv = [
+        MODELD,
+        "--data-dir",
+        str(data),
+        "serve",
+        "--backend",
+        "memory",
+        "--listen",
+        f"unix:{data}/s.sock",
+    ]
+    proc = subprocess.Popen(
+        [*argv, "--http", f"127.0.0.1:{port}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    seen: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+            except httpx.TransportError:
+                continue
+            seen.append(health.status_code)
+            if health.status_code == 200:
+                record = read_lease(data)
+                assert record is not None and record.state == "serving", record
+                assert record.endpoint == f"unix:{data}/s.sock", record
+                break
+            assert health.json() == {"status": "unavailable", "reason": "starting"}
+        assert seen and seen[-1] == 200, (seen, proc.poll())
+    finally:
+        stop(proc)
 
 
 def test_remote_listening_requires_and_enforces_an_api_key(tmp_path: Path) -> None:

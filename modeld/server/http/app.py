@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -61,8 +62,15 @@ class HttpService:
         *,
         data_dir: Path | None = None,
         describe_seconds: float | None = None,
+        starting: bool = False,
     ) -> None:
         self.gateway = gateway
+        # The daemon binds this listener before its gRPC server and its owner record: until it
+        # has said it serves (:meth:`announce`), ``/health`` is 503 "starting", so a client that
+        # waited for a 200 finds the gRPC endpoint in the owner record too.
+        self._announced = threading.Event()
+        if not starting:
+            self._announced.set()
         self.registry = registry
         self.settings = settings
         self.data_dir = data_dir
@@ -97,13 +105,20 @@ class HttpService:
         """The daemon's limits on what a request may hold (``modeld serve --max-...``)."""
         return self.gateway.limits
 
+    def announce(self) -> None:
+        """The daemon serves on every listener and its owner record says so: ``/health`` may
+        say 200 from now on."""
+        self._announced.set()
+
     def close(self) -> None:
         self.conversations.close_all()
         if self._own_bridge:
             self.bridge.shutdown()
 
     async def health(self, _request: Request) -> Response:
-        """200 when the daemon serves; 503 while it stops, drains or lost its ownership."""
+        """200 when the daemon serves; 503 while it starts, stops, drains or lost its ownership."""
+        if not self._announced.is_set():
+            return JSONResponse({"status": "unavailable", "reason": "starting"}, status_code=503)
         try:
             status = await self.bridge.observe(self.gateway.status, "health")
             lost = status.owner_lost
