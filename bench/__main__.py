@@ -422,9 +422,58 @@ def main(argv: list[str] | None = None) -> int:
     errors += sum(1 for extra in (speculation, fleet, hybrid) if extra and "error" in extra)
     errors += fleet["errors"] if fleet and "errors" in fleet else 0
     if errors:
+        # The end of the log is what a CI summary shows: each failure once, where and why.
+        for line in failures(doc)[:FAILURES_SHOWN]:
+            print(f"bench: failed: {line}", file=sys.stderr)
         print(f"bench: {errors} error(s); see the log above and the report's notes", file=sys.stderr)
         return 1
     return 0
+
+
+FAILURES_SHOWN = 12
+"""The most failures the run's last lines list (the report's notes keep them all)."""
+
+_WHO = ("system", "loop", "workload", "family", "run", "round", "turn")
+
+
+def failures(doc: dict[str, Any]) -> list[str]:
+    """Each failure a run recorded, once: every record with an ``error`` (a turn, a loop, an
+    extra that did not run), named by where it was and whom it concerned, then every note that
+    says something failed and repeats no such error (a system that did not start, a family that
+    did not run), then each Claude Code run that did not complete."""
+    errors: dict[str, str] = {}
+    notes: dict[str, str] = {}
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, dict):
+            error = value.get("error")
+            if isinstance(error, str) and error:
+                who = " ".join(f"{k} {value[k]}" for k in _WHO if value.get(k) not in (None, ""))
+                errors.setdefault(error[:160], f"{where}{f' ({who})' if who else ''}: {error[:300]}")
+            for key, item in value.items():
+                if key == "notes":
+                    groups = item.values() if isinstance(item, dict) else [item]
+                    for group in groups:
+                        for said in group if isinstance(group, list) else [group]:
+                            if isinstance(said, str) and "failed" in said:
+                                notes.setdefault(said[:160], f"{where}: {said[:300]}")
+                elif key != "error":
+                    walk(item, where)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item, where)
+
+    walk({"notes": doc.get("notes"), "turns": doc.get("turns")}, "workloads")
+    for section in ("agent_apis", "claude_code", "chat_agents", "families", "speculation", "fleet", "hybrid"):
+        walk(doc.get(section), section)
+    said = [line for line in notes.values() if not any(error[:80] in line for error in errors)]
+    runs = [
+        f"claude_code ({system} run {run}): {why[:300]}"
+        for system, whys in ((doc.get("claude_code") or {}).get("outcome") or {}).items()
+        for run, why in enumerate(whys)
+        if why
+    ]
+    return [*errors.values(), *said, *runs]
 
 
 if __name__ == "__main__":

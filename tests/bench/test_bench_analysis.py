@@ -430,3 +430,36 @@ def test_the_socket_row_reports_bytes_per_turn_and_their_cumulative_ratio() -> N
     ]
     stopped = socket_lines({"rows": [], "error": "refused"})
     assert "- Note: the loop stopped: refused" in stopped
+
+
+def test_a_failed_run_names_each_failure_once_in_its_last_lines() -> None:
+    """What a CI summary shows of a run is its end: each failure, where it was and why, once
+    (a turn's error is also a note; a Claude Code run's reason is its outcome)."""
+    from bench.__main__ import failures
+
+    why = "no modeld daemon is running: the owner record says 'starting'"
+    doc: dict[str, Any] = {
+        "notes": {"loop_small": ["modeld-http: pool flags", "llama-server failed to start: no binary"]},
+        "turns": [{"system": "modeld", "workload": "loop_small", "turn": 1, "error": ""}],
+        "agent_apis": {
+            "loops": {
+                "responses": {
+                    "notes": [f"modeld failed at turn 0: {why}"],
+                    "records": [{"loop": "responses", "system": "modeld", "turn": 0, "error": why}],
+                }
+            },
+            "socket": None,
+        },
+        "claude_code": {"outcome": {"modeld": ["", "timed out after 600 s"]}},
+        "families": {"families": {"glm": {"records": [], "notes": ["failed: a 500"], "errors": 1}}},
+        "speculation": {"error": "the copying model did not load"},
+        "fleet": None,
+    }
+    assert failures(doc) == [
+        f"agent_apis (system modeld loop responses turn 0): {why}",
+        "speculation: the copying model did not load",
+        "workloads: llama-server failed to start: no binary",
+        "families: failed: a 500",
+        "claude_code (modeld run 1): timed out after 600 s",
+    ]
+    assert failures({"turns": [{"system": "modeld", "turn": 0}], "notes": {}}) == []
