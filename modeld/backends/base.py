@@ -26,8 +26,8 @@ atomic step. All methods are called from one thread (the worker's engine thread)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
@@ -57,15 +57,29 @@ class Vocab:
     """What the daemon needs to turn tokens into text itself: sent once, after loading.
 
     ``pieces[t]`` is the bytes token ``t`` stands for (empty for control tokens such as BOS);
-    ``eog`` the tokens that end generation; ``bos`` the BOS token (-1 when the model has none).
+    ``eog`` the tokens that end generation; ``bos`` the BOS token (-1 when the model has none);
+    ``lengths[t]`` the length of ``pieces[t]``, computed once (every turn adds up a prompt's
+    token lengths: one list look-up a token, not a call).
     """
 
     pieces: tuple[bytes, ...]
     eog: frozenset[int]
     bos: int
+    lengths: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.lengths) != len(self.pieces):
+            object.__setattr__(self, "lengths", tuple(len(p) for p in self.pieces))
 
     def piece(self, token: int) -> bytes:
         return self.pieces[token] if 0 <= token < len(self.pieces) else b""
+
+    def byte_lengths(self, tokens: Sequence[int]) -> Iterable[int]:
+        """The length in bytes of each token's piece (0 for a token outside the vocabulary)."""
+        lengths = self.lengths
+        if tokens and min(tokens) >= 0 and max(tokens) < len(lengths):
+            return map(lengths.__getitem__, tokens)
+        return (len(self.piece(t)) for t in tokens)
 
 
 SNAPSHOT_CELL_BYTES = 32

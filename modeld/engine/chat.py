@@ -446,11 +446,18 @@ def with_template(info: ModelInfo, override: str) -> ModelInfo:
 
 
 def _common_start(a: str, b: str) -> str:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return a[:i]
+    """The longest text both start with. Slices compared by halving (at C speed): a character
+    loop took milliseconds on a 20k-token agent prompt, every turn."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return a[:high]
+    while high - low > 1:  # a[:low] == b[:low] and a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle
+    return a[:low]
 
 
 def _last_call(messages: Sequence[Message]) -> str:

@@ -76,7 +76,7 @@ def byte_ends(vocab: Vocab, tokens: Sequence[int], *, added_bos: bool) -> list[i
     A BOS token that tokenize added (``added_bos``) is not in the text: it takes no bytes.
     Control tokens parsed *from* the text (``<|im_start|>`` in a rendered template) do.
     """
-    ends = list(itertools.accumulate(len(vocab.piece(t)) for t in tokens))
+    ends = list(itertools.accumulate(vocab.byte_lengths(tokens)))
     if added_bos and ends:
         first = ends[0]
         ends = [e - first for e in ends]

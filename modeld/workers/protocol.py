@@ -264,7 +264,7 @@ class Loaded(Message):
     def of(layout: Layout, vocab: Vocab, pid: int, base_rss: int = 0) -> Loaded:
         return Loaded(
             layout=layout,
-            lengths=tuple(len(p) for p in vocab.pieces),
+            lengths=vocab.lengths,
             eog=tuple(sorted(vocab.eog)),
             bos=vocab.bos,
             pid=pid,
@@ -278,7 +278,7 @@ class Loaded(Message):
         for n in self.lengths:
             pieces.append(self.payload[at : at + n])
             at += n
-        return Vocab(pieces=tuple(pieces), eog=frozenset(self.eog), bos=self.bos)
+        return Vocab(pieces=tuple(pieces), eog=frozenset(self.eog), bos=self.bos, lengths=self.lengths)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from modeld.backends.base import Vocab
 from modeld.backends.memory import sample
 from modeld.cache.reuse import Candidate, Loss, classify, common_prefix_len
 from modeld.contract import DecodeConfig
+from modeld.engine.chat import _common_start
+from modeld.engine.prepare import byte_ends
 from modeld.engine.text import TextAssembler
 from modeld.errors import (
     ERRORS_BY_REASON,
@@ -76,6 +79,27 @@ def test_common_prefix_len_matches_the_naive_definition(a: list[int], b: list[in
     while naive < min(len(a), len(b)) and a[naive] == b[naive]:
         naive += 1
     assert common_prefix_len(a, b) == naive
+
+
+@given(st.text(alphabet="ab\u00e9", max_size=40), st.text(alphabet="ab\u00e9", max_size=40))
+def test_the_common_start_of_two_renderings_matches_the_naive_definition(a: str, b: str) -> None:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    assert _common_start(a, b) == a[:n] and _common_start(a + b, a) == a
+
+
+@given(st.lists(st.integers(min_value=-3, max_value=6), max_size=30))
+def test_byte_ends_count_each_piece_once_and_nothing_for_a_token_outside_the_vocabulary(
+    tokens: list[int],
+) -> None:
+    vocab = Vocab((b"", b"a", b"bc", "\u00e9".encode(), b"<|im_start|>"), frozenset(), 0)
+    naive, at = [], 0
+    for t in tokens:
+        at += len(vocab.piece(t))
+        naive.append(at)
+    assert byte_ends(vocab, tokens, added_bos=False) == naive
+    assert vocab.lengths == (0, 1, 2, 2, 12)
 
 
 def test_keeping_the_whole_candidate_prefix_is_warm_and_less_is_partial() -> None:
