@@ -244,7 +244,8 @@ def test_concurrent_writers_and_readers_keep_the_store_near_its_budget_and_load_
     assert sum(r[1] for r in results) > 0
     held = sum(i.size for i in DirectoryStore(directory, budget).items())
     # Within the budget after the last eviction, plus what the writers wrote since (a writer that
-    # found another evicting skipped its own pass: at most one snapshot each).
+    # found another evicting skipped its own pass, and the evicting one lists the store again
+    # after its pass to count what they wrote meanwhile: at most one snapshot each).
     assert held <= budget + 3 * (store_race.FILLER_PAYLOAD + 1024), held
 
 
