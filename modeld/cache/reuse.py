@@ -38,11 +38,12 @@ _SNAPSHOT_TIERS = ("ram", "disk", "shared")
 """Tiers a turn restores a snapshot from (``restored_from_<tier>``)."""
 
 
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix (compares slices in chunks, so it runs at C speed)."""
+def common_prefix_len(a: Sequence[int] | str, b: Sequence[int] | str) -> int:
+    """Length of the longest common prefix of two token lists or two texts (compares slices in
+    chunks, so it runs at C speed)."""
     n = min(len(a), len(b))
     i = 0
-    if isinstance(a, list) and isinstance(b, list):
+    if (isinstance(a, list) and isinstance(b, list)) or (isinstance(a, str) and isinstance(b, str)):
         step = _CHUNK
         while step >= _CHUNK:  # grow the compared slice while it matches, shrink it when not
             while i + step <= n and a[i : i + step] == b[i : i + step]:
