@@ -41,6 +41,8 @@ import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from modeld.backends import _llama_lib
 from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab, micro_batch, swa_ring_cells
@@ -248,6 +250,8 @@ class LlamaContext(HeldTokens, Rewind):
         self._stats = [DecodeStats() for _ in range(n_seq)]
         self._drafters: dict[int, Drafter] = {}  # per sequence: its history's n-gram index
         self._fresh = -1  # the sequence whose last token's logits are in the context, or -1
+        # Per sequence: the tokens a prefill ended on and its last token's logits, as evaluated.
+        self._kept: dict[int, tuple[list[int], np.ndarray]] = {}
         self._pieces: tuple[bytes, ...] | None = None
         self._constraints: LlamaConstraints | None = None  # made on the first constrained decode
 
@@ -338,6 +342,9 @@ class LlamaContext(HeldTokens, Rewind):
     def _cut(self, seq: int, keep: int) -> int:
         """Drop ``seq``'s tokens after the first ``keep``; returns how many it kept."""
         held = self._seq(seq)
+        kept = self._kept.get(seq)
+        if kept is not None and keep < len(kept[0]):
+            del self._kept[seq]  # the token those logits follow goes
         if keep >= len(held):
             return len(held)
         if self._fresh == seq:
@@ -368,6 +375,7 @@ class LlamaContext(HeldTokens, Rewind):
             raise InvalidArgumentError("tokens exceed the context window", field="tokens")
         if self._planned:
             yield from self._sync_planned(seq, keep, tokens, segments)
+            self._keep_logits(seq)
             return
         kept = self._cut(seq, keep)
         total = len(tokens)
@@ -386,15 +394,46 @@ class LlamaContext(HeldTokens, Rewind):
             del pending[:size]
             done = total - len(pending)
             yield SyncStep(kept, min(done, total), total)
+        self._keep_logits(seq)
 
     def _fresh_logits(self, seq: int) -> list[int]:
-        """``seq``'s tokens, with its last token's logits in the context (re-evaluated if not)."""
+        """``seq``'s tokens, with its last token's logits in the context: the ones its prefill
+        kept when it holds the tokens that prefill ended on, else its last batch evaluated
+        again."""
         held = self._seq(seq)
         if not held:
             raise EngineError("nothing resident to decode from")
-        if self._fresh != seq:
+        if self._fresh != seq and not self._kept_logits(seq, held):
             self._replay_last(seq)
         return held
+
+    def _keep_logits(self, seq: int) -> None:
+        """A prefill ended on ``seq``: keep its last token's logits, the bits this evaluation
+        gave. A decode from exactly these tokens later (a repeated prompt, a retry, a
+        regeneration, the same prompt after another sequence's turn) reads them instead of
+        evaluating the last batch again: on a 20k-token prompt that replay cost a few decode
+        steps (a batch of two tokens over every cell). One vocabulary's floats a sequence."""
+        if self._fresh != seq:
+            return  # nothing evaluated: what was kept stands (checked against the tokens when read)
+        row = _llama.llama_get_logits_ith(self._ctx, -1)
+        if not row:
+            self._kept.pop(seq, None)
+            return
+        logits = np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy()
+        self._kept[seq] = (list(self._seqs[seq]), logits)
+
+    def _kept_logits(self, seq: int, held: list[int]) -> bool:
+        """Put the logits ``seq``'s prefill kept into the context's buffer (where a sampler reads
+        the last evaluated row) when ``seq`` holds the tokens they were kept for."""
+        kept = self._kept.get(seq)
+        if kept is None or kept[0] != held:
+            return False
+        row = _llama.llama_get_logits_ith(self._ctx, -1)
+        if not row:
+            return False
+        np.ctypeslib.as_array(row, shape=(self._n_vocab,))[:] = kept[1]
+        self._fresh = seq
+        return True
 
     def _decode_choices(self, items: list[tuple[int, int]]) -> None:
         """Evaluate one token after what each of several sequences holds, in one batch, with

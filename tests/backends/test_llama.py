@@ -354,3 +354,51 @@ def test_recurrent_model_falls_back_to_a_cold_prefill_never_a_wrong_reuse() -> N
         start = s.ensure_prefix(PrefixInput(text="Q" + edited[1:]))
         assert (start.reuse.outcome, start.reuse.reason) == ("cold", "truncation_unsupported")
         assert start.reused_tokens == 0 and start.prefilled_tokens == start.prefix_tokens
+
+
+@pytest.mark.parametrize("spec", ["TINY", "QWEN35", "GEMMA3"])
+def test_a_repeated_prompt_decodes_from_the_logits_its_prefill_kept(spec: str) -> None:
+    """A prompt decoded, then the same prompt again (a retry, a regeneration, the same request
+    after another sequence's turn): the second decode reads the logits the prefill kept for its
+    last token, evaluates no token before its first (llama.cpp's own counters), and answers as
+    the first did, token and log-probability alike. On a prompt one token shorter nothing kept
+    applies: its last batch is evaluated again, and it still answers as a fresh evaluation."""
+    from modeld.backends._llama_lib import bindings as llama
+    from modeld.backends.llama import LlamaBackend
+
+    backend = LlamaBackend()
+    request = _request(str(testmodels.ensure_model(getattr(testmodels, spec))))
+    runtime = backend.load(
+        request, backend.describe(request), LoadOptions(n_seq=2, window=2048, pool_tokens=4096)
+    )
+    config = DecodeConfig(max_tokens=6, logprobs=True, top_logprobs=3)
+
+    def evaluated() -> int:
+        perf = llama.llama_perf_context(runtime._ctx)
+        return int(perf.n_p_eval) + int(perf.n_eval)
+
+    def answer(seq: int, tokens: list[int]) -> tuple[list[object], int]:
+        keep = common_prefix_len(list(runtime.resident(seq)), tokens)
+        for _ in runtime.sync(seq, keep, tokens[keep:]):
+            pass
+        kept = len(runtime.resident(seq))  # memory that cannot be cut there goes back further
+        for _ in runtime.sync(seq, kept, tokens[kept:]) if kept < len(tokens) else ():
+            pass
+        before = evaluated()
+        out = list(runtime.generate(seq, config, 6))
+        return out, evaluated() - before
+
+    try:
+        prompt = runtime.tokenize("A repeated prompt: " + "the quick brown fox " * 40, add_bos=True)
+        first, _ = answer(0, prompt)
+        other, _ = answer(1, prompt[:50])  # another sequence's turn between (the buffer moves on)
+        again, cost = answer(0, prompt)
+        assert again == first
+        assert cost == len(again) - 1  # each yielded token but the last; nothing before the first
+        shorter, _ = answer(0, prompt[:-1])
+        for _ in runtime.sync(1, 0, prompt[:-1]):  # a fresh evaluation of the shorter prompt
+            pass
+        assert shorter == list(runtime.generate(1, config, 6))
+        assert other
+    finally:
+        runtime.close()
