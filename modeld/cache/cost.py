@@ -241,10 +241,11 @@ class Costs:
         warm TTFT 1.1-2.4x llama-server's, growing; blueprint 0016)."""
         return self.prefill.known() or self.decode.known()
 
-    def stay_ms(self, cells: int, prefill: int) -> float:
+    def stay_ms(self, cells: int, prefill: int, *, suffix_known: bool = False) -> float:
         """What ``cells`` more resident cells would cost the turn that starts: it prefills
-        ``prefill`` tokens now, then (measured over the last turns) a suffix and a decode."""
-        suffix = self.turn_prefill.value()
+        ``prefill`` tokens now, then (measured over the last turns) a suffix, unless
+        ``suffix_known`` (``prefill`` is the suffix), and a decode."""
+        suffix = 0.0 if suffix_known else self.turn_prefill.value()
         decode = self.turn_decode.value()
         return cells * (self.prefill.per_cell() * (prefill + suffix) + self.decode.per_cell() * decode)
 
@@ -258,14 +259,23 @@ class Costs:
         return self.move_ms("save_ram", tokens) + returning * self.move_ms("restore_ram", tokens)
 
     def worth_leaving(
-        self, cells: int, tokens: int, saved: str, prefill: int, returning: float = 1.0
+        self,
+        cells: int,
+        tokens: int,
+        saved: str,
+        prefill: int,
+        returning: float = 1.0,
+        *,
+        suffix_known: bool = False,
     ) -> bool:
         """An idle context holding ``cells`` cells only it holds (``tokens`` in all) leaves the
         pool: its cells cost the turn that starts more than moving it out and back (``saved``:
         the tier that holds all of it already, or ""; ``returning`` as :meth:`leave_ms`)."""
         if cells <= 0 or not self.known():
             return False
-        return self.stay_ms(cells, prefill) > self.leave_ms(tokens, saved, returning)
+        return self.stay_ms(cells, prefill, suffix_known=suffix_known) > self.leave_ms(
+            tokens, saved, returning
+        )
 
     def summary(self) -> dict[str, float]:
         """The figures, for people (``modeld status``'s log line, the blueprint's tables)."""

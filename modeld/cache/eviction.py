@@ -355,12 +355,21 @@ def covered(pool: Pool, context: WarmContext) -> tuple[TierEntry | None, int]:
     return entry, max(0, n - shared)
 
 
-def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str, prefill: int) -> int:
+def leave_idle(
+    pool: Pool,
+    runtime: KVRuntime,
+    keep: set[WarmContext],
+    why: str,
+    prefill: int,
+    *,
+    suffix_known: bool = False,
+) -> int:
     """Evict the idle contexts whose cells cost the turn that starts more than moving them out
     and back (:meth:`~modeld.cache.cost.Costs.worth_leaving`: the attention over their cells,
     measured on this engine, against a snapshot, none when a tier holds all of their tokens
     already, and a restore), except ``keep``, on a layout whose attention spans the pool
-    (``Layout.attention_spans_pool``); the turn prefills ``prefill`` tokens now. A context that
+    (``Layout.attention_spans_pool``); the turn prefills ``prefill`` tokens now (its suffix, when
+    ``suffix_known``: no suffix measured over earlier turns is added). A context that
     leaves keeps all of its tokens (:func:`evict`). Not idle: busy, pinned, or inside its own
     turn (``WarmContext.turn_until``). Returns how many went."""
     if not pool.layout.attention_spans_pool:
@@ -375,9 +384,11 @@ def leave_idle(pool: Pool, runtime: KVRuntime, keep: set[WarmContext], why: str,
         held = saved_entry(pool, context, len(context.tokens))
         saved = held.tier if held is not None else ""
         returning = 1.0 / DETACHED_WEIGHT if context.owner is None else 1.0
-        if not costs.worth_leaving(cells, len(context.tokens), saved, prefill, returning):
+        if not costs.worth_leaving(
+            cells, len(context.tokens), saved, prefill, returning, suffix_known=suffix_known
+        ):
             continue
-        stay = costs.stay_ms(cells, prefill)
+        stay = costs.stay_ms(cells, prefill, suffix_known=suffix_known)
         leave = costs.leave_ms(len(context.tokens), saved, returning)
         evict(
             pool,

@@ -255,8 +255,17 @@ class ModelCache:
                 pool, runtime, {dst, *([choice.context] if choice.context else [])}, _IDLE, prefill
             )
         self._fill(slot, hold, choice, runtime, head)
-        if stage == "prefix" and choice.context is not None and choice.context is not dst:
-            eviction.leave_idle(pool, runtime, {dst}, _IDLE, prefill)  # the copy's source, idle too
+        source = choice.context if choice.context is not None and choice.context is not dst else None
+        if stage == "prefix" and source is not None:
+            # The copy's source is idle too, but when it held the whole prefix and more (the same
+            # conversation's last prompt, another run of the same agent) the suffix that follows
+            # may continue from it: it stays for the suffix stage, which weighs it then.
+            more = hold.keep >= len(target) and len(source.tokens) > hold.keep
+            eviction.leave_idle(pool, runtime, {dst, source} if more else {dst}, _IDLE, prefill)
+        elif source is not None:
+            # The suffix copied from another context: that context, idle, is weighed against what
+            # this turn computes now (the suffix known; its own cells are mostly shared now).
+            eviction.leave_idle(pool, runtime, {dst}, _IDLE, prefill, suffix_known=True)
         # The cells of dst past what is kept are cut by this turn: they count as room (the
         # 8k coding loop's third turn, and a session editing the middle of a prefix longer
         # than half the pool, used to be busy).

@@ -347,6 +347,39 @@ def test_idle_contexts_leave_a_unified_pool_only_when_their_cells_cost_more_than
 
 
 @pytest.mark.llama
+def test_a_new_session_sending_the_same_prompt_copies_its_suffix_from_the_context_that_holds_it(
+    tmp_path: Path, tiny: str
+) -> None:
+    """The real Claude Code's second run: a new session whose prompt another session's idle
+    context holds whole. Its prefix is copied from that context; the context holds more (the
+    suffix to come), so it stays in the pool for the suffix, which is copied from it too:
+    nothing is computed and nothing restored. (It used to leave the pool at the prefix stage,
+    weighed against a suffix measured over earlier turns, and come straight back from RAM.)"""
+    residency = Residency(sequences=4, kv_unified=True, pool_tokens=4096, persist_min_tokens=64)
+    reference = Reference(tiny)
+    prefix, suffix = WORKSPACES[0], "".join(WORKSPACES[1:]) + SUFFIXES[0]
+    try:
+        with Engine(backends=("llama",), residency=residency, data_dir=tmp_path / "data") as engine:
+            a, d = (engine.open_session(_request(tiny)) for _ in range(2))
+            _checked_turn(reference, a, prefix, suffix)
+            _measured(engine, per_cell_us=50.0)
+            first = d.ensure_prefix(PrefixInput(text=prefix))
+            assert first.prefilled_tokens == 0
+            assert _named_in_kv(engine, a=a, d=d) == {"a", "d"}
+            after = d.prefill_suffix(SuffixInput(text=suffix))
+            assert after.suffix_tokens > 100  # a's own cells past the prefix: a few hundred
+            assert (after.reused_tokens, after.restored_tokens, after.restore_ms) == (
+                after.suffix_tokens,
+                0,
+                0,
+            )
+            assert _greedy(d, 4) == reference.greedy(prefix, suffix, 4)
+            assert engine.status().models[0].counters["recomputed"] == 0
+    finally:
+        reference.close()
+
+
+@pytest.mark.llama
 def test_a_context_the_pool_needs_leaves_with_every_token_its_lagging_disk_copy_brought_up_to_date(
     tmp_path: Path, tiny: str
 ) -> None:
