@@ -396,45 +396,6 @@ class LlamaContext(HeldTokens, Rewind):
             yield SyncStep(kept, min(done, total), total)
         self._keep_logits(seq)
 
-    def _fresh_logits(self, seq: int) -> list[int]:
-        """``seq``'s tokens, with its last token's logits in the context: the ones its prefill
-        kept when it holds the tokens that prefill ended on, else its last batch evaluated
-        again."""
-        held = self._seq(seq)
-        if not held:
-            raise EngineError("nothing resident to decode from")
-        if self._fresh != seq and not self._kept_logits(seq, held):
-            self._replay_last(seq)
-        return held
-
-    def _keep_logits(self, seq: int) -> None:
-        """A prefill ended on ``seq``: keep its last token's logits, the bits this evaluation
-        gave. A decode from exactly these tokens later (a repeated prompt, a retry, a
-        regeneration, the same prompt after another sequence's turn) reads them instead of
-        evaluating the last batch again: on a 20k-token prompt that replay cost a few decode
-        steps (a batch of two tokens over every cell). One vocabulary's floats a sequence."""
-        if self._fresh != seq:
-            return  # nothing evaluated: what was kept stands (checked against the tokens when read)
-        row = _llama.llama_get_logits_ith(self._ctx, -1)
-        if not row:
-            self._kept.pop(seq, None)
-            return
-        logits = np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy()
-        self._kept[seq] = (list(self._seqs[seq]), logits)
-
-    def _kept_logits(self, seq: int, held: list[int]) -> bool:
-        """Put the logits ``seq``'s prefill kept into the context's buffer (where a sampler reads
-        the last evaluated row) when ``seq`` holds the tokens they were kept for."""
-        kept = self._kept.get(seq)
-        if kept is None or kept[0] != held:
-            return False
-        row = _llama.llama_get_logits_ith(self._ctx, -1)
-        if not row:
-            return False
-        np.ctypeslib.as_array(row, shape=(self._n_vocab,))[:] = kept[1]
-        self._fresh = seq
-        return True
-
     def _decode_choices(self, items: list[tuple[int, int]]) -> None:
         """Evaluate one token after what each of several sequences holds, in one batch, with
         logits for every token (batch index ``j`` is ``items[j]``'s)."""

@@ -12,8 +12,10 @@ sliding-window models need (the checkpoints themselves: :mod:`modeld.backends.ll
   micro-batch, turn starts, segment starts, the end of the previous prefill when the new tokens
   begin there), taking checkpoints on the way: a warm turn's numbers are then a fresh
   evaluation's, bit for bit (blueprint 0016, "Checkpoints");
-* :meth:`Rewind._replay_last` gives fresh logits for a sequence's last token by evaluating its
-  last batch again as it was first evaluated: a repeated prompt answers, and answers the same.
+* :meth:`Rewind._fresh_logits` gives fresh logits for a sequence's last token: the ones its
+  prefill kept when the sequence holds exactly the tokens that prefill ended on, else
+  (:meth:`Rewind._replay_last`) by evaluating its last batch again as it was first evaluated: a
+  repeated prompt answers, and answers the same.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from modeld.backends._llama_lib import bindings as _llama
 from modeld.backends.base import SyncStep
 from modeld.backends.llama_checkpoints import Checkpoints, canonical, plan
+from modeld.errors import EngineError
 
 __all__ = ["Rewind"]
 
@@ -49,11 +54,17 @@ class Rewind:
     _vocab: Any
     _n_vocab: int
     _bos: int
+    _ctx: Any
+    # Per sequence: the tokens a prefill ended on and its last token's logits, as evaluated.
+    _kept: dict[int, tuple[list[int], np.ndarray]]
 
     def _cut(self, seq: int, keep: int) -> int:
         raise NotImplementedError
 
     def _decode(self, seq: int, tokens: list[int], outputs: int = 1) -> None:
+        raise NotImplementedError
+
+    def _seq(self, seq: int) -> list[int]:
         raise NotImplementedError
 
     def _turn_starts(self) -> frozenset[int]:
@@ -170,6 +181,46 @@ class Rewind:
         ckpts.ended(seq, end)
         if self._takes:
             ckpts.take(seq, end, canonical=False)
+
+    def _fresh_logits(self, seq: int) -> list[int]:
+        """``seq``'s tokens, with its last token's logits in the context: the ones its prefill
+        kept when it holds the tokens that prefill ended on, else its last batch evaluated
+        again."""
+        held = self._seq(seq)
+        if not held:
+            raise EngineError("nothing resident to decode from")
+        if self._fresh != seq and not self._kept_logits(seq, held):
+            self._replay_last(seq)
+        return held
+
+    def _keep_logits(self, seq: int) -> None:
+        """A prefill ended on ``seq``: keep its last token's logits, the bits this evaluation
+        gave. A decode from exactly these tokens later (a repeated prompt, a retry, a
+        regeneration, the same prompt after another sequence's turn) reads them instead of
+        evaluating the last batch again (two tokens over every cell on attention models; on
+        hybrid and recurrent ones the last batch from its checkpoint, tens of tokens). One
+        vocabulary's floats a sequence."""
+        if self._fresh != seq:
+            return  # nothing evaluated: what was kept stands (checked against the tokens when read)
+        row = _llama.llama_get_logits_ith(self._ctx, -1)
+        if not row:
+            self._kept.pop(seq, None)
+            return
+        logits = np.ctypeslib.as_array(row, shape=(self._n_vocab,)).copy()
+        self._kept[seq] = (list(self._seqs[seq]), logits)
+
+    def _kept_logits(self, seq: int, held: list[int]) -> bool:
+        """Put the logits ``seq``'s prefill kept into the context's buffer (where a sampler reads
+        the last evaluated row) when ``seq`` holds the tokens they were kept for."""
+        kept = self._kept.get(seq)
+        if kept is None or kept[0] != held:
+            return False
+        row = _llama.llama_get_logits_ith(self._ctx, -1)
+        if not row:
+            return False
+        np.ctypeslib.as_array(row, shape=(self._n_vocab,))[:] = kept[1]
+        self._fresh = seq
+        return True
 
     def _replay_last(self, seq: int) -> None:
         """Fresh logits for ``seq``'s last token: back to where its last batch began (or, on
