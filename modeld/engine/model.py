@@ -35,6 +35,7 @@ from modeld.contract import ModelInfo, OpenSessionRequest, WarmContextInfo
 from modeld.engine.admission import Admission
 from modeld.engine.chat import ChatRenderer
 from modeld.engine.jobs import GenerateEnd, GenerateEvent, RoomAsked, Sampled
+from modeld.engine.prepare import PrefixMemo
 from modeld.errors import ModelChangedError, ModeldError
 from modeld.observe.status import LoadedModelSummary
 from modeld.settings import RestartPolicy, Timeouts
@@ -229,6 +230,7 @@ class LoadedModel:
         self.last_used_at = self.loaded_at
         self._renderers: dict[str, ChatRenderer] = {}
         self._tokens = TokenMemo()
+        self.prefixes = PrefixMemo()
         self._heads: dict[tuple[bool, bool, str], tuple[tuple[int, ...], ...]] = {}
         self._on_restart = on_restart
         name = f"{Path(info.path).name or info.backend}"[:40]
@@ -390,6 +392,7 @@ class LoadedModel:
     def _reset(self, error: ModeldError) -> None:
         """The worker died: whatever its KV held is gone (the tiers are not)."""
         self._tokens.clear()  # a worker restarted on a file changed in place may tokenize otherwise
+        self.prefixes.clear()
         self.cache.reset(error)
         if self._on_restart is not None:
             self._on_restart(self, error)

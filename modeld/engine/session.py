@@ -146,6 +146,7 @@ class EngineSession(Closing):
             model.vocab,
             lambda: model.chat_renderer(info.chat_template),
             model.tokenize,
+            model.prefixes,
         )
         pinned, keep_alive = request.pin, request.keep_alive_seconds or None
         self.slot: SessionSlot = model.cache.slot(

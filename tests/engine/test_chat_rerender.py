@@ -203,9 +203,11 @@ def test_only_what_follows_the_prefixs_last_control_token_is_tokenized_again() -
     ends = [0, *accumulate(len(control) if t == 1000 else 1 for t in tokens[1:])]
     chat = ChatState([], None, {}, b"", True, prefix, tuple(ends))
     seen.clear()
-    got = _tokenize_whole(whole, chat, tokens, frozenset({1, 1000}), tokenize)
+    got, same = _tokenize_whole(whole, chat, tokens, frozenset({1, 1000}), tokenize)
     assert seen == ["user\nhello<|x|><|x|>assistant\n"]  # after the prefix's last control token
     assert got == tokenize(whole, True)
-    assert _tokenize_whole("other" + whole, chat, tokens, frozenset({1, 1000}), tokenize) == tokenize(
-        "other" + whole, True
+    assert same == 12 and got[:same] == tokens[:same]  # the prefix's tokens through <|x|> before "user"
+    assert _tokenize_whole("other" + whole, chat, tokens, frozenset({1, 1000}), tokenize) == (
+        tokenize("other" + whole, True),
+        0,
     )  # a rendering that does not start with the prefix is tokenized whole
