@@ -129,15 +129,52 @@ def test_a_post_from_a_page_must_be_json(url: str) -> None:
 
 
 def test_a_lone_surrogate_is_a_clean_400_on_every_route(url: str) -> None:
+    """Escaped, written as its three raw bytes (JSON decodes bytes with ``surrogatepass``), or
+    in a UTF-16 body (JSON detects the encoding)."""
+    lone = '{"messages": [{"content": "a\ud83d"}]}'
     for path in POSTS:
         for body in (
-            '{"model": "\\ud800"}',
-            '{"model": "x", "\\udfff": 1}',
-            '{"messages": [{"content": "a\\ud83d"}]}',
+            b'{"model": "\\ud800"}',
+            b'{"model": "x", "\\udfff": 1}',
+            b'{"messages": [{"content": "a\\ud83d"}]}',
+            lone.encode("utf-8", "surrogatepass"),
+            lone.encode("utf-16", "surrogatepass"),
         ):
             r = httpx.post(url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
             assert r.status_code == 400, (path, body, r.status_code)
             assert "surrogate" in r.text
+
+
+_any_text = st.text(st.characters(blacklist_categories=()), max_size=12)  # lone surrogates too
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.recursive(
+        st.none() | st.integers() | _any_text,
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_any_text, inner, max_size=4),
+        max_leaves=12,
+    ),
+    st.sampled_from(["ascii", "utf-8", "utf-16", "utf-32"]),
+)
+def test_the_body_check_refuses_exactly_what_checking_every_string_refuses(value: Any, encoding: str) -> None:
+    """The fast path (no surrogate escape or bytes in a UTF-8 body: only the nesting is walked)
+    refuses exactly what checking every string does, however the body is encoded."""
+    from modeld.server.http.errors import HttpError
+    from modeld.server.http.fields import check_body, check_strings
+
+    text = json.dumps({"v": value}, ensure_ascii=encoding == "ascii")
+    data = text.encode("utf-8" if encoding == "ascii" else encoding, "surrogatepass")
+    body = json.loads(data)
+
+    def refused(check: Any, *args: Any) -> bool:
+        try:
+            check(*args)
+        except HttpError:
+            return True
+        return False
+
+    assert refused(check_body, body, data) == refused(check_strings, body)
 
 
 _json = st.recursive(

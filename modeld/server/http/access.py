@@ -35,7 +35,7 @@ from starlette.requests import HTTPConnection, Request
 from modeld.errors import echo
 from modeld.server.auth import bearer_matches
 from modeld.server.http.errors import HttpError
-from modeld.server.http.fields import check_strings
+from modeld.server.http.fields import check_body
 
 __all__ = ["UI_COOKIE", "Access", "Bodies", "is_loopback_host"]
 
@@ -155,7 +155,7 @@ class Bodies:
                 ) from None
             if not isinstance(body, dict):
                 raise HttpError(400, "the request body must be a JSON object", code="invalid_json")
-            check_strings(body)
+            check_body(body, data)
             yield body
         finally:
             with self._lock:
