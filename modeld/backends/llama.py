@@ -9,6 +9,7 @@ record: ``blueprints/0009-llama-backend.md``; warm sequences, snapshots and nume
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 
@@ -81,8 +82,12 @@ CUTS = {
 """Where a warm sequence of each kind of memory can be cut (``Footprint.cuts``; blueprint 0016)."""
 
 
+@functools.cache
 def backend_version() -> str:
-    """llama-cpp-python's version, read from its package metadata (no import of the engine)."""
+    """llama-cpp-python's version, read from its package metadata (no import of the engine)
+    once per process: every describe reads it (each session opened, each count of a new
+    conversation's prompt), and parsing the metadata cost 5.6 ms a call. The engine a running
+    daemon loaded stays the one it loaded, whatever is installed later."""
     try:
         return importlib.metadata.version("llama-cpp-python")
     except importlib.metadata.PackageNotFoundError as exc:

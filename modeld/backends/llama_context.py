@@ -420,6 +420,10 @@ class LlamaContext(HeldTokens, Rewind):
         self._fresh = -1
 
     def copy(self, src: int, dst: int, n: int) -> None:
+        self._copy(src, dst, n)
+        self._inherit_logits(src, dst)
+
+    def _copy(self, src: int, dst: int, n: int) -> None:
         source = self._seq(src)
         self._seq(dst)
         self._drafters.pop(dst, None)  # another context's text: nothing to recall from

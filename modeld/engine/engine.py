@@ -253,7 +253,15 @@ class Engine:
             renderer = functools.partial(model.chat_renderer, info.chat_template)
             identity = identity_of(info, config)
             prep = Preparer(
-                identity, config, info, self.limits, unbounded, model.vocab, renderer, model.tokenize
+                identity,
+                config,
+                info,
+                self.limits,
+                unbounded,
+                model.vocab,
+                renderer,
+                model.tokenize,
+                model.prefixes,
             )
             first = prep.prefix(prefix)
             if suffix is None:

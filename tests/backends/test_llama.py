@@ -361,8 +361,9 @@ def test_a_repeated_prompt_decodes_from_the_logits_its_prefill_kept(spec: str) -
     """A prompt decoded, then the same prompt again (a retry, a regeneration, the same request
     after another sequence's turn): the second decode reads the logits the prefill kept for its
     last token, evaluates no token before its first (llama.cpp's own counters), and answers as
-    the first did, token and log-probability alike. On a prompt one token shorter nothing kept
-    applies: its last batch is evaluated again, and it still answers as a fresh evaluation."""
+    the first did, token and log-probability alike; so does a copy of the sequence into another
+    (a new session sending that prompt). On a prompt one token shorter nothing kept applies: its
+    last batch is evaluated again, and it still answers as a fresh evaluation."""
     from modeld.backends._llama_lib import bindings as llama
     from modeld.backends.llama import LlamaBackend
 
@@ -395,6 +396,11 @@ def test_a_repeated_prompt_decodes_from_the_logits_its_prefill_kept(spec: str) -
         again, cost = answer(0, prompt)
         assert again == first
         assert cost == len(again) - 1  # each yielded token but the last; nothing before the first
+        # A new session sending the prompt another sequence holds: a copy takes its kept logits.
+        runtime.copy(0, 1, len(prompt))
+        before = evaluated()
+        copied = list(runtime.generate(1, config, 6))
+        assert copied == first and evaluated() - before == len(copied) - 1
         shorter, _ = answer(0, prompt[:-1])
         for _ in runtime.sync(1, 0, prompt[:-1]):  # a fresh evaluation of the shorter prompt
             pass
