@@ -21,7 +21,6 @@ import os
 import threading
 import time
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from modeld.contract import ModelInfo, OpenSessionRequest, WarmContextInfo
 from modeld.engine.admission import Admission
 from modeld.engine.chat import ChatRenderer
 from modeld.engine.jobs import GenerateEnd, GenerateEvent, RoomAsked, Sampled
-from modeld.engine.prepare import PrefixMemo
+from modeld.engine.prepare import BoundedMemo, PrefixMemo
 from modeld.errors import ModelChangedError, ModeldError
 from modeld.observe.status import LoadedModelSummary
 from modeld.settings import RestartPolicy, Timeouts
@@ -60,9 +59,7 @@ class TokenMemo:
     MAX_TOKENS = 4 << 20
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, array[int]] = OrderedDict()
-        self._total = 0
+        self._memo: BoundedMemo[array[int]] = BoundedMemo(lambda: self.MAX_TOKENS, len)
 
     def key(self, text: str, add_bos: bool) -> bytes | None:
         if len(text) < self.MIN_CHARS:
@@ -72,30 +69,14 @@ class TokenMemo:
         return digest.digest()
 
     def get(self, key: bytes) -> list[int] | None:
-        with self._lock:
-            tokens = self._entries.get(key)
-            if tokens is None:
-                return None
-            self._entries.move_to_end(key)
-            return tokens.tolist()
+        tokens = self._memo.get(key)
+        return None if tokens is None else tokens.tolist()
 
     def put(self, key: bytes, tokens: list[int]) -> None:
-        if len(tokens) > self.MAX_TOKENS:
-            return
-        packed = array("I", tokens)
-        with self._lock:
-            old = self._entries.pop(key, None)
-            self._total -= len(old) if old is not None else 0
-            self._entries[key] = packed
-            self._total += len(packed)
-            while self._total > self.MAX_TOKENS:
-                _, dropped = self._entries.popitem(last=False)
-                self._total -= len(dropped)
+        self._memo.put(key, array("I", tokens))
 
     def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._total = 0
+        self._memo.clear()
 
 
 log = logging.getLogger("modeld.engine")

@@ -17,7 +17,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from modeld.backends.base import Vocab
 from modeld.cache.reuse import common_prefix_len
@@ -38,6 +38,7 @@ from modeld.manifest import (
 from modeld.settings import Limits
 
 __all__ = [
+    "BoundedMemo",
     "ChatState",
     "PrefixMemo",
     "PreparedPrefix",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 Tokenize = Callable[[str, bool], list[int]]
+V = TypeVar("V")
 
 
 def identity_of(info: ModelInfo, config: Config) -> ContextManifest:
@@ -498,32 +500,56 @@ class PrefixMemo:
     MIN_TOKENS = 512
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[Hashable, tuple[str, array[int], tuple[int, ...]]] = OrderedDict()
-        self._total = 0
+        self._memo: BoundedMemo[tuple[str, array[int], tuple[int, ...]]] = BoundedMemo(
+            lambda: self.MAX_TOKENS, lambda entry: len(entry[1])
+        )
 
     def get(self, key: Hashable) -> tuple[str, list[int], list[int]] | None:
-        with self._lock:
-            found = self._entries.get(key)
-            if found is None:
-                return None
-            self._entries.move_to_end(key)
+        found = self._memo.get(key)
+        if found is None:
+            return None
         text, tokens, ends = found
         return text, tokens.tolist(), list(ends)
 
     def put(self, key: Hashable, text: str, tokens: Sequence[int], ends: Sequence[int]) -> None:
-        size = len(tokens)
-        if not self.MIN_TOKENS <= size <= self.MAX_TOKENS:
+        if len(tokens) >= self.MIN_TOKENS:
+            self._memo.put(key, (text, array("I", tokens), tuple(ends)))
+
+    def clear(self) -> None:
+        self._memo.clear()
+
+
+class BoundedMemo(Generic[V]):
+    """Values by key, least recently used dropped first while their ``size`` adds up to more
+    than ``limit()`` (read at each put: its owner's bound; a value larger than it is not kept);
+    safe from any thread. The model's memos of tokenized texts and of prepared prefixes."""
+
+    def __init__(self, limit: Callable[[], int], size: Callable[[V], int]) -> None:
+        self._limit = limit
+        self._size = size
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[Hashable, V] = OrderedDict()
+        self._total = 0
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            value = self._entries.get(key)
+            if value is not None:
+                self._entries.move_to_end(key)
+            return value
+
+    def put(self, key: Hashable, value: V) -> None:
+        size, limit = self._size(value), self._limit()
+        if size > limit:
             return
-        kept = (text, array("I", tokens), tuple(ends))
         with self._lock:
             old = self._entries.pop(key, None)
-            self._total -= len(old[1]) if old is not None else 0
-            self._entries[key] = kept
+            self._total -= self._size(old) if old is not None else 0
+            self._entries[key] = value
             self._total += size
-            while self._total > self.MAX_TOKENS:
+            while self._total > limit:
                 _, dropped = self._entries.popitem(last=False)
-                self._total -= len(dropped[1])
+                self._total -= self._size(dropped)
 
     def clear(self) -> None:
         with self._lock:

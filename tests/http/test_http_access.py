@@ -10,6 +10,7 @@ wrong types or junk bytes get the API's JSON 4xx, never a 5xx and never a traceb
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -20,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from daemon_proc import modeld, serve_http, stop
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.wire
@@ -157,6 +158,9 @@ _any_text = st.text(st.characters(blacklist_categories=()), max_size=12)  # lone
     ),
     st.sampled_from(["ascii", "utf-8", "utf-16", "utf-32"]),
 )
+@example(
+    functools.reduce(lambda inner, _: [inner], range(128), "x"), "utf-8"
+)  # a string past the depth limit
 def test_the_body_check_refuses_exactly_what_checking_every_string_refuses(value: Any, encoding: str) -> None:
     """The fast path (no surrogate escape or bytes in a UTF-8 body: only the nesting is walked)
     refuses exactly what checking every string does, however the body is encoded."""

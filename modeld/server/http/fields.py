@@ -72,36 +72,28 @@ def check_body(body: Any, data: bytes) -> None:
     anywhere (no such escape, no such bytes: one scan at C speed) cannot hold a lone one, so
     only its nesting is walked: a coding agent's 80 KB body has thousands of strings, and
     checking each cost about 2 ms a request."""
-    if json.detect_encoding(data) == "utf-8" and _MAYBE_SURROGATE.search(data) is None:
-        _check_depth(body)
-    else:
-        check_strings(body)
+    strings = json.detect_encoding(data) != "utf-8" or _MAYBE_SURROGATE.search(data) is not None
+    check_strings(body, strings=strings)
 
 
-def _check_depth(value: Any, depth: int = 0) -> None:
-    if depth > MAX_DEPTH:
-        raise HttpError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
-    items = value.values() if isinstance(value, dict) else value
-    for item in items:
-        if isinstance(item, dict | list):
-            _check_depth(item, depth + 1)
-
-
-def check_strings(value: Any, depth: int = 0) -> None:
-    """Refuse a body that holds a lone surrogate (in a key or a value) or nests too deep."""
+def check_strings(value: Any, depth: int = 0, *, strings: bool = True) -> None:
+    """Refuse a body that holds a lone surrogate (in a key or a value; checked when
+    ``strings``) or nests too deep (a string counts as a level, checked or not)."""
     if depth > MAX_DEPTH:
         raise HttpError(400, f"the request body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     if isinstance(value, str):
-        _encodable(value)
+        if strings:
+            _encodable(value)
     elif isinstance(value, dict):
         for key, item in value.items():
-            _encodable(key)
-            if isinstance(item, dict | list | str):
-                check_strings(item, depth + 1)
+            if strings:
+                _encodable(key)
+            if isinstance(item, dict | list) or (isinstance(item, str) and (strings or depth >= MAX_DEPTH)):
+                check_strings(item, depth + 1, strings=strings)
     elif isinstance(value, list):
         for item in value:
-            if isinstance(item, dict | list | str):
-                check_strings(item, depth + 1)
+            if isinstance(item, dict | list) or (isinstance(item, str) and (strings or depth >= MAX_DEPTH)):
+                check_strings(item, depth + 1, strings=strings)
 
 
 def _encodable(text: str) -> None:
