@@ -11,6 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,16 @@ def _never(release: threading.Event) -> Iterator[bytes]:
     release.wait()
     return
     yield b""  # pragma: no cover - makes this a generator
+
+
+def _settled_threads(daemon: psutil.Process, expected: int, wait: float = 10.0) -> int:
+    """The daemon's thread count once it is at most ``expected``, or the last count read."""
+    deadline = time.monotonic() + wait
+    while True:
+        count = daemon.num_threads()
+        if count <= expected or time.monotonic() > deadline:
+            return count
+        time.sleep(0.1)
 
 
 def test_status_answers_with_64_sessions_and_16_streams_that_never_attach() -> None:
@@ -70,8 +81,10 @@ def test_status_answers_with_64_sessions_and_16_streams_that_never_attach() -> N
                 assert "no attach message arrived within 3s" in error.message
 
             # None of them held a thread of the daemon while it waited (the Status call's own
-            # observer thread is the only one started since).
-            assert daemon.num_threads() == threads + 1
+            # observer thread is the only one started since). Threads the daemon starts for a
+            # moment on its own (a hardware inventory refresh, a session's close) may still be
+            # ending: the count is read until it settles, for at most 10 s.
+            assert _settled_threads(daemon, threads + 1) <= threads + 1
 
             # And every session still works.
             assert sessions[0].ensure_prefix(PrefixInput(text="shared prefix\n")).reuse.outcome == "warm"
