@@ -8,7 +8,8 @@ Used by ``describe`` on every backend that takes GGUF files (llama.cpp and OpenV
   explicit limits before anything is walked (``gguf.GGUFReader`` took 44 s and 2.4 GB on a 12 MB
   file of empty strings); only the tokenizer's tokens and merges are kept;
 * what would crash llama.cpp is refused by :mod:`modeld.backends.gguf_checks`, naming the field;
-* the model digest: a documented cheap fingerprint (below), cached per file identity;
+* the model digest: a documented cheap fingerprint (below), cached per file identity once the
+  file has not changed for two seconds (:meth:`~modeld.backends.probe.FileIdentity.settled`);
 * the dimensions that size the KV cache, the trained context, the tokenizer's identity, the
   chat template, the BOS/EOS policy, and whether the model's memory can be cut at an arbitrary
   token (recurrent, hybrid and sliding-window models cannot): which layers keep per-token KV and
@@ -177,7 +178,8 @@ def _fingerprint(f: ModelFile) -> str:
             h.update(f.read_at((size - _BLOCK) * i // (_SAMPLES - 1), _BLOCK))
         h.update(f.read_at(size - _BLOCK, _BLOCK))
     digest = h.hexdigest()
-    _remember(_fingerprints, f.identity, digest)
+    if f.identity.settled():  # a file still being written may show its final identity early
+        _remember(_fingerprints, f.identity, digest)
     return digest
 
 
@@ -239,7 +241,8 @@ def read_gguf(raw: str) -> GGUFInfo:
                 f"{show_path(raw)} changed while it was being read; try again when it is complete",
                 path=raw[:MAX_SHOWN_PATH],
             )
-    _remember(_infos, (raw, digest), info)
+    if f.identity.settled():
+        _remember(_infos, (raw, digest), info)
     return info
 
 

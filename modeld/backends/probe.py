@@ -19,7 +19,9 @@ What:
 * :class:`FileIdentity` (device, inode, size, mtime, ctime) is what the file was when it was
   described or loaded; :func:`changed` says what happened to it since (removed, replaced,
   truncated, rewritten in place), so a worker that dies of SIGBUS can be reported as "the model
-  file changed while loaded". A :class:`Probe` is the identity of a whole model path (a
+  file changed while loaded". An identity is trusted to name the bytes read under it only once
+  the file has not changed for :data:`SETTLE_NS` (:meth:`FileIdentity.settled`): a write still
+  copying shows the final identity over a mix of bytes. A :class:`Probe` is the identity of a whole model path (a
   directory's files too): the engine compares one before every turn that would reuse KV.
 
 Errors never contain bytes read from the file, and paths in messages are escaped and cut to
@@ -35,6 +37,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +64,10 @@ MAX_SHOWN_PATH = 200
 
 MAX_DIRECTORY_ENTRIES = 1024
 """Entries a model directory may have (an OpenVINO IR directory has about ten)."""
+
+SETTLE_NS = 2_000_000_000
+"""How long after its last change a file's bytes are trusted to match its identity (2 s: above
+the coarsest timestamp tick of the file systems models live on, FAT's 2 s aside)."""
 
 _O_PATH = getattr(os, "O_PATH", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -126,6 +133,17 @@ class FileIdentity:
         return cls(
             dev=st.st_dev, inode=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns
         )
+
+    def settled(self) -> bool:
+        """Whether the file's last change is more than :data:`SETTLE_NS` old, so that its bytes
+        can be trusted to belong to this identity.
+
+        A write moves the times when it starts, not as it copies: a reader that looks while
+        one ``write`` (or several within one tick of a file system's coarse clock) is still
+        copying sees the final identity and a mix of old and new bytes. What is read from a
+        file changed within the window is used once and never remembered under its identity
+        (git's "racily clean" entries, for the same reason)."""
+        return time.time_ns() - self.ctime_ns > SETTLE_NS
 
 
 def changed(path: str | os.PathLike[str], identity: FileIdentity) -> str | None:
@@ -304,6 +322,10 @@ class Probe:
     kind: str  # file | directory
     identity: FileIdentity
     files: tuple[tuple[str, FileIdentity], ...] = ()
+
+    def settled(self) -> bool:
+        """Whether the path and every file in it are :meth:`FileIdentity.settled`."""
+        return self.identity.settled() and all(identity.settled() for _, identity in self.files)
 
 
 def probe_model_path(raw: str, *, directory_ok: bool = False, what: str = "model path") -> Probe:

@@ -91,7 +91,9 @@ class FileWatch:
     ``stat`` (a directory: one per file in it) while nothing moved. When the identity moved
     (device, inode, size, mtime, ctime), the file is described again (its digest: the
     ``gguf-v1`` fingerprint, cached per identity) and compared: the same digest (``touch``,
-    ``chmod``, the same bytes copied over it) adopts the new identity; another digest, or a path
+    ``chmod``, the same bytes copied over it) adopts the new identity (verified only once the
+    file has not changed for two seconds: a write still copying shows its final identity over a
+    mix of bytes, so until then every check describes again); another digest, or a path
     that no longer describes as a model (removed, truncated, half written), is
     :class:`~modeld.errors.ModelChangedError`, for good: that model is gone from the path."""
 
@@ -142,7 +144,9 @@ class FileWatch:
             after = self._probe()
             if digest == self.digest:
                 if after is not None and after == now:
-                    self._seen, self._seen_verified = after, True
+                    # A file changed within the last seconds may still be being written under
+                    # the identity seen: it is described again at the next check until settled.
+                    self._seen, self._seen_verified = after, after.settled()
                     if seen != now:
                         log.info("model file %s changed on disk (%s) with the same digest", self.path, what)
                 return None  # moved again meanwhile: the next check describes once more

@@ -16,6 +16,7 @@ over the file, changes nothing.
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import time
@@ -28,6 +29,7 @@ import pytest
 from daemon_proc import start_serve, stop, wait_serving
 
 import runtime_client as rc
+from modeld.backends import gguf_meta
 from modeld.backends.base import LoadOptions
 from modeld.contract import Config, DecodeConfig, OpenSessionRequest, PrefixInput, SuffixInput
 from modeld.engine import Engine
@@ -251,6 +253,46 @@ def test_a_file_touched_or_rewritten_with_the_same_bytes_stays_warm(
     status, tokens = _turn(session)
     assert (status.reuse.outcome, status.reuse.reason) == ("warm", "full_match")
     assert tokens == fresh.greedy(files[0])
+
+
+def test_bytes_changed_under_an_identity_seen_while_the_file_was_being_written_are_caught(
+    engine: Engine, model: Path, files: tuple[bytes, bytes], fresh: Fresh
+) -> None:
+    """A write moves a file's times when it starts, not as it copies: a check that looks while
+    it copies sees the final identity over the old bytes, finds the loaded digest, and (before)
+    trusted that identity for good, so the bytes that followed were served next to KV of the
+    old weights. Crafted with a shared mapping: its first store to a page moves the times, its
+    later stores to that page do not (the page is already dirty), so the file's bytes change
+    under an identity a check has seen."""
+    old, new = files
+    at = next(i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b)
+    page = at - at % mmap.PAGESIZE
+    end = min(page + mmap.PAGESIZE, len(old))
+    session = engine.open_session(_request(model))
+    _turn(session)
+    with model.open("r+b") as f, mmap.mmap(f.fileno(), 0) as mapped:
+        time.sleep(0.02)
+        mapped[at] = old[at]  # the same byte: the times move, the bytes do not
+        status, tokens = _turn(session)  # the check describes the moved file: the loaded digest
+        assert (status.reuse.outcome, status.reuse.reason) == ("warm", "full_match")
+        assert tokens == fresh.greedy(old)
+        seen = model.stat()
+        mapped[page:end] = new[page:end]  # the page is dirty: no fault, the times stay
+        if (model.stat().st_mtime_ns, model.stat().st_ctime_ns) != (seen.st_mtime_ns, seen.st_ctime_ns):
+            pytest.skip("this file system moved the times on a store to a dirty mapped page")
+        mapped.flush()
+    # The digest names the bytes now in the file (before: the one remembered for its identity).
+    now = model.read_bytes()
+    assert now != old
+    assert gguf_meta.fingerprint(model) == gguf_meta.fingerprint(_copy(now, model.with_name("now.gguf")))
+    with pytest.raises(ModelChangedError) as caught:
+        _turn(session)
+    assert caught.value.details["change"] == "changed"
+
+
+def _copy(data: bytes, path: Path) -> Path:
+    path.write_bytes(data)
+    return path
 
 
 def test_a_file_removed_under_an_open_session_is_model_changed(engine: Engine, model: Path) -> None:
