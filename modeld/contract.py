@@ -180,12 +180,19 @@ TIERS: tuple[str, ...] = ("kv", "ram", "disk", "shared")
 or in the shared store several daemons mount (``serve --shared-store``)."""
 
 
+NUM_BATCH = 512
+"""The prefill batch of a session that leaves ``Config.num_batch`` at 0, on a backend without a
+choice of its own for the model (llama.cpp's default; the llama backend's choice:
+:func:`modeld.backends.llama.default_batch`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     """Runtime configuration of a session. Fields marked (KV) are part of the runtime digest."""
 
     num_ctx: int = 0  # (KV) context window in tokens; 0: the model's own, as the budget allows
-    num_batch: int = 512  # (KV) prefill batch size; changes chunking and so numerics
+    num_batch: int = 0  # (KV) prefill batch size; changes chunking and so numerics; 0: the backend's
+    # choice for the model (llama.cpp: 64 for attention on the CPU without flash attention, else 512)
     num_threads: int = 0  # 0 = the backend's default; speed only, not part of the digest
     num_gpu_layers: int = 0  # (KV) layers offloaded to an accelerator
     tensor_split: tuple[float, ...] = ()  # (KV) split across devices

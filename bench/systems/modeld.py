@@ -91,6 +91,9 @@ class ModeldSystem:
 
     def __init__(self, model: str, load: Workload, threads: int) -> None:
         self.model, self.n_ctx = model, load.n_ctx
+        # At both systems' defaults modeld picks its own micro-batch (64 for attention on the
+        # CPU); elsewhere 512, llama-server's, so the two compute in the same batches.
+        self.batch = 0 if load.defaults else 512
         self.notes: list[str] = []
         self.tmp = Path(tempfile.mkdtemp(prefix="mdb"))
         self.args = [
@@ -109,7 +112,7 @@ class ModeldSystem:
         ]
         self.settings: dict[str, Any] = {
             "command": " ".join(["modeld serve --backend llama --listen unix:…", *self.args[10:]]),
-            "session": f"num_ctx {self.n_ctx}, num_batch 512, one session per workspace",
+            "session": f"num_ctx {self.n_ctx}, num_batch {self.batch or 'default'}, one session per workspace",
         }
         self.sessions: dict[str, rc.ClientSession] = {}
         self._start()
@@ -126,7 +129,7 @@ class ModeldSystem:
 
     def _session(self, key: str) -> rc.ClientSession:
         if key not in self.sessions:
-            config = rc.Config(num_ctx=self.n_ctx, num_batch=512)
+            config = rc.Config(num_ctx=self.n_ctx, num_batch=self.batch)
             self.sessions[key] = self.client.open_session(
                 rc.OpenSessionRequest(type="llama", path=self.model, config=config)
             )

@@ -58,6 +58,7 @@ from modeld.backends.probe import ModelFile, open_model_file
 from modeld.backends.sizing import effective_context
 from modeld.contract import (
     CONSTRAINT_KINDS,
+    NUM_BATCH,
     Capabilities,
     Config,
     DecodeConfig,
@@ -262,7 +263,7 @@ class MemoryRuntime(HeldTokens):
         kept = len(held)
         total = len(tokens)
         yield SyncStep(kept, 0, total)
-        step = max(1, self._config.num_batch)
+        step = self._config.num_batch or NUM_BATCH
         for start in range(0, total, step):
             held.extend(tokens[start : start + step])
             yield SyncStep(kept, min(total, start + step), total)

@@ -33,7 +33,7 @@ import numpy as np
 from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab
 from modeld.backends.openvino_constraints import apply_sampling
 from modeld.backends.openvino_source import KV_PRECISIONS, device, precision
-from modeld.contract import Config, DecodeConfig, ModelInfo
+from modeld.contract import NUM_BATCH, Config, DecodeConfig, ModelInfo
 from modeld.decoding.constraints import runtime_constraint
 from modeld.decoding.speculation import DecodeStats
 from modeld.errors import EngineError, ModelLoadError, UnsupportedError
@@ -134,7 +134,7 @@ class OpenVINORuntime(HeldTokens):
     def _build(self, config: Config, cache_tokens: int, threads: int) -> Any:
         scheduler = og.SchedulerConfig()
         scheduler.enable_prefix_caching = True
-        scheduler.max_num_batched_tokens = max(config.num_batch, 32)
+        scheduler.max_num_batched_tokens = max(config.num_batch or NUM_BATCH, 32)
         kv_bytes = 2 * cache_tokens * max(1, self._info.kv_bytes_per_token)
         scheduler.cache_size = max(1, math.ceil(kv_bytes / (1 << 30)))
         properties: dict[str, Any] = {

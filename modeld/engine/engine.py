@@ -31,7 +31,15 @@ from modeld.backends import Backend
 from modeld.backends.sizing import default_memory_budget
 from modeld.cache.shared import DirectoryStore, SharedTier, StoreError, default_shared_budget
 from modeld.cache.tiers import Tiers, default_budgets
-from modeld.contract import Config, ContextReport, ModelInfo, OpenSessionRequest, PrefixInput, SuffixInput
+from modeld.contract import (
+    NUM_BATCH,
+    Config,
+    ContextReport,
+    ModelInfo,
+    OpenSessionRequest,
+    PrefixInput,
+    SuffixInput,
+)
 from modeld.decoding.speculation import SPECULATION_MODES
 from modeld.engine.loading import ModelLoader
 from modeld.engine.model import LoadedModel
@@ -191,7 +199,7 @@ class Engine:
                 expected=info.template_digest,
                 got=config.prompt_template_digest,
             )
-        config = replace(config, num_ctx=info.effective_context)
+        config = resolved(config, info)
         model = self.loader.model_for(kind, replace(request, config=config), info)
         try:
             session = EngineSession(self, model, request, info, config, epoch)
@@ -233,7 +241,7 @@ class Engine:
             raise ShuttingDownError("the daemon is shutting down")
         kind = self.loader.resolve_type(request)
         info = self.loader.described(kind, request)
-        config = replace(request.config, num_ctx=info.effective_context)
+        config = resolved(request.config, info)
         model = self.loader.model_for(kind, replace(request, config=config), info)
         try:
             yield model, info, config
@@ -433,3 +441,13 @@ def _shared_tier(residency: Residency) -> SharedTier:
     except StoreError as exc:
         raise InvalidArgumentError(f"--shared-store: {exc}", field="shared_store") from None
     return SharedTier(store)
+
+
+def resolved(config: Config, info: ModelInfo) -> Config:
+    """``config`` with what its zeros leave to the model made concrete: the window the memory
+    budget gives (``num_ctx``) and the backend's micro-batch for the model (``num_batch``: its
+    footprint's, else :data:`~modeld.contract.NUM_BATCH`). The runtime digest is taken over the
+    concrete values, so a later change of either choice never reuses a warm context computed
+    under the other."""
+    batch = config.num_batch or info.footprint.micro_batch or NUM_BATCH
+    return replace(config, num_ctx=info.effective_context, num_batch=batch)

@@ -105,7 +105,7 @@ def validate_config(config: object, limits: Limits) -> Config:
     if not isinstance(config, Config):
         raise InvalidArgumentError("config must be a Config", field="config")
     check_int(config.num_ctx, "config.num_ctx", 0, limits.max_context_tokens)
-    check_int(config.num_batch, "config.num_batch", 1, limits.max_context_tokens)
+    check_int(config.num_batch, "config.num_batch", 0, limits.max_context_tokens)
     check_int(config.num_threads, "config.num_threads", 0, 1024)
     check_int(config.num_gpu_layers, "config.num_gpu_layers", -1, 100_000)
     if not isinstance(config.tensor_split, tuple) or len(config.tensor_split) > 64:
