@@ -183,7 +183,7 @@ or in the shared store several daemons mount (``serve --shared-store``)."""
 NUM_BATCH = 512
 """The prefill batch of a session that leaves ``Config.num_batch`` at 0, on a backend without a
 choice of its own for the model (llama.cpp's default; the llama backend's choice:
-:func:`modeld.backends.llama.default_batch`)."""
+:func:`modeld.backends.base.default_batch`)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from modeld.contract import DecodeConfig, ModelInfo, OpenSessionRequest
+from modeld.contract import NUM_BATCH, Config, DecodeConfig, ModelInfo, OpenSessionRequest
 from modeld.decoding.speculation import DecodeStats
 from modeld.errors import InvalidArgumentError
 
@@ -48,6 +48,9 @@ __all__ = [
     "Vocab",
     "kv_allocated_bytes",
     "micro_batch",
+    "default_batch",
+    "SMALL_BATCH",
+    "LARGE_BATCH",
     "swa_ring_cells",
 ]
 
@@ -92,6 +95,29 @@ SNAPSHOT_HEADER_BYTES = 4096
 
 CELL_PAD = 256
 """llama.cpp pads a context to a multiple of 256 cells: windows are planned in these steps."""
+
+
+SMALL_BATCH = 64
+"""The micro-batch when ``Config.num_batch`` is 0 and the model's memory is attention alone,
+on the CPU, without flash attention (blueprint 0009, "The micro-batch"). llama.cpp reserves the
+attention scores of a micro-batch over every cell (``b x cells x (heads + 1) x 4`` bytes, and a
+work buffer half that size touched by a long prefill): 363 MiB at 512 tokens and an 8k window on
+the realistic model, 46 at 64. Its prefill was also faster at 64 (the scores stay in cache):
+7.8k tokens in 74-77 s against 79-82 at 512, 80 at 32."""
+
+LARGE_BATCH = NUM_BATCH
+"""The micro-batch otherwise (llama.cpp's own default): memory that cannot be cut takes a
+checkpoint at batch starts (a 27B hybrid's state is ~157 MiB to copy), flash attention keeps no
+scores, and an accelerator wants large batches."""
+
+
+def default_batch(config: Config, memory: str) -> int:
+    """The micro-batch of a llama.cpp session: ``Config.num_batch``, or when it is 0 the choice
+    for a model whose memory is ``memory`` (``GGUFInfo.memory``)."""
+    if config.num_batch:
+        return config.num_batch
+    small = memory == "attention" and not config.flash_attn and config.num_gpu_layers == 0
+    return SMALL_BATCH if small else LARGE_BATCH
 
 
 def micro_batch(num_batch: int, n_seq: int) -> int:

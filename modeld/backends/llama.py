@@ -13,12 +13,11 @@ import functools
 import importlib.metadata
 import importlib.util
 
-from modeld.backends.base import LoadOptions, ModelRuntime
+from modeld.backends.base import LoadOptions, ModelRuntime, default_batch
 from modeld.backends.gguf_meta import GGUFInfo, kv_bytes_per_token, read_gguf, swa_kv_bytes_per_token
 from modeld.backends.sizing import MODEL_OVERHEAD_BYTES, check_digest, model_info
 from modeld.contract import (
     CONSTRAINT_KINDS,
-    NUM_BATCH,
     Capabilities,
     Config,
     DecodeConfig,
@@ -32,38 +31,13 @@ from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedEr
 
 __all__ = [
     "CUTS",
-    "LARGE_BATCH",
-    "SMALL_BATCH",
     "LlamaBackend",
     "backend_version",
-    "default_batch",
     "model_footprint",
 ]
 
 
 QUANTIZED_KV = ("q8_0", "q4_0")
-
-
-SMALL_BATCH = 64
-"""The micro-batch when ``Config.num_batch`` is 0 and the model's memory is attention alone,
-on the CPU, without flash attention (blueprint 0009, "The micro-batch"). llama.cpp reserves the
-attention scores of a micro-batch over every cell (``b x cells x (heads + 1) x 4`` bytes, and a
-work buffer half that size touched by a long prefill): 363 MiB at 512 tokens and an 8k window on
-the realistic model, 46 at 64. Its prefill was also faster at 64 (the scores stay in cache):
-7.8k tokens in 74-77 s against 79-82 at 512, 80 at 32."""
-
-LARGE_BATCH = NUM_BATCH
-"""The micro-batch otherwise (llama.cpp's own default): memory that cannot be cut takes a
-checkpoint at batch starts (a 27B hybrid's state is ~157 MiB to copy), flash attention keeps no
-scores, and an accelerator wants large batches."""
-
-
-def default_batch(meta: GGUFInfo, config: Config) -> int:
-    """The micro-batch of a session that did not set ``Config.num_batch`` (0)."""
-    if config.num_batch:
-        return config.num_batch
-    small = meta.memory == "attention" and not config.flash_attn and config.num_gpu_layers == 0
-    return SMALL_BATCH if small else LARGE_BATCH
 
 
 def model_footprint(meta: GGUFInfo, config: Config) -> Footprint:
@@ -76,7 +50,7 @@ def model_footprint(meta: GGUFInfo, config: Config) -> Footprint:
     ``b x ff x 16``; never less than the output logits (``b x (vocab x 4 + embedding x 8)``).
     Checked against llama.cpp's own "compute buffer size" (tests/backends/test_describe_footprint.py):
     within 4% on the test models from 2k to 32k cells, both settings."""
-    b = default_batch(meta, config)
+    b = default_batch(config, meta.memory)
     ff, embd = meta.feed_forward_length, meta.embedding_length
     if meta.recurrent:
         per_token, fixed = 0, b * (ff + embd) * 4

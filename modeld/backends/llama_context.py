@@ -45,10 +45,18 @@ import numpy as np
 
 from modeld.backends import _llama_lib
 from modeld.backends._llama_lib import bindings as _llama
-from modeld.backends.base import HeldTokens, Layout, LoadOptions, SyncStep, Vocab, micro_batch, swa_ring_cells
+from modeld.backends.base import (
+    HeldTokens,
+    Layout,
+    LoadOptions,
+    SyncStep,
+    Vocab,
+    default_batch,
+    micro_batch,
+    swa_ring_cells,
+)
 from modeld.backends.cpu import cpu_has_amx
 from modeld.backends.gguf_meta import GGUFInfo
-from modeld.backends.llama import default_batch
 from modeld.backends.llama_checkpoints import PARTIAL, Checkpoints
 from modeld.backends.llama_constraints import LlamaConstraints
 from modeld.backends.llama_rewind import Rewind
@@ -161,7 +169,7 @@ class LlamaContext(HeldTokens, Rewind):
         n_seq = max(1, options.n_seq)
         unified = options.unified and not recurrent
         n_ctx = max(options.pool_tokens, options.window) if unified else n_seq * options.window
-        self._chunk = micro_batch(default_batch(meta, config), n_seq)
+        self._chunk = micro_batch(default_batch(config, meta.memory), n_seq)
         # A ring of SWA cells (--no-swa-full) only where the model has sliding-window layers.
         self._swa_ring = swa > 0 and not (recurrent or hybrid) and not options.swa_full
         self._create_context(n_ctx, n_seq, unified, _threads(options.threads))
