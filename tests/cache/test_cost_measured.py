@@ -27,6 +27,13 @@ testmodels = pytest.importorskip("modeld.testmodels")
 pytest.importorskip("modeld.backends.llama")
 
 
+CONFIG = Config(num_ctx=8192, num_batch=512)
+"""Batches of 512 tokens (llama.cpp's default, and the tiny model's before the 64 it now gets on
+the CPU): in a batch of 64 the tiny model's attention over a few thousand cells is below the
+noise of the batch's fixed cost (a whole-suite run fitted 0 per cell), so no idle context would
+be dear enough to move, which is the decision these tests follow."""
+
+
 def _workspace(agent: str) -> str:
     """About 3.3k tokens of one agent's own context: 7 prefill batches of 512."""
     return f"You are agent {agent}.\n" + "".join(
@@ -43,7 +50,7 @@ def test_one_cold_prefill_measures_the_attention_and_the_next_turn_decides_with_
     more than moving it out and back (the eviction's log says both), and its session's next
     turn reuses every token it had."""
     path = str(testmodels.ensure_model(testmodels.TINY))
-    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
+    request = OpenSessionRequest(type="llama", path=path, config=CONFIG)
     with Engine(backends=("llama",)) as engine:
         a = engine.open_session(request)
         first = a.ensure_prefix(PrefixInput(text=_workspace("a")))
@@ -99,7 +106,7 @@ def test_an_operation_that_begins_and_ends_inside_a_long_prefill_keeps_it_from_b
     the pool's tally of operations, its batches were taken as samples of the attention's cost
     alone."""
     path = str(testmodels.ensure_model(testmodels.TINY))
-    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
+    request = OpenSessionRequest(type="llama", path=path, config=CONFIG)
     with Engine(backends=("llama",)) as engine:
         a = engine.open_session(request)
         b = engine.open_session(request)
@@ -124,7 +131,7 @@ def test_a_turn_with_nothing_to_compute_inside_a_long_prefill_keeps_it_from_bein
     straight to a decode, interleaved with the long prefill's batches. The turn's hold counts
     as an operation of its own."""
     path = str(testmodels.ensure_model(testmodels.TINY))
-    request = OpenSessionRequest(type="llama", path=path, config=Config(num_ctx=8192))
+    request = OpenSessionRequest(type="llama", path=path, config=CONFIG)
     with Engine(backends=("llama",)) as engine:
         a = engine.open_session(request)
         b = engine.open_session(request)

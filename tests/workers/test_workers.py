@@ -23,6 +23,7 @@ import pytest
 from daemon_proc import start_serve, stop, wait_serving
 
 import runtime_client as rc
+from modeld.backends.probe import identify
 from modeld.contract import (
     Config,
     DecodeConfig,
@@ -155,6 +156,10 @@ def test_a_worker_killed_while_idle_is_named_by_its_signal(tiny_copy: str, sig: 
     """An idle worker killed just as a request reaches it dies with those bytes unread: its
     link resets (ECONNRESET) as it goes. Before issue 21 that was reported as "sent a broken
     frame" (every time, on this machine), not by the signal that killed it."""
+    # A model file written in the last 2 s is described again before every turn (it may still be
+    # being written), which gives the death time to be noticed before the request is sent.
+    while not identify(tiny_copy).settled():
+        time.sleep(0.1)
     with Engine(backends=("llama",)) as engine:
         s = engine.open_session(_llama(tiny_copy))
         s.ensure_prefix(PrefixInput(text=TEXT))
