@@ -13,7 +13,7 @@ from gguf_craft import STRING, UINT32, Tensor, load
 
 from modeld.backends.base import LoadOptions
 from modeld.backends.sizing import CELL_PAD, MODEL_OVERHEAD_BYTES, compute_bytes, layout_name
-from modeld.contract import Config, OpenSessionRequest
+from modeld.contract import Config, ModelInfo, OpenSessionRequest
 from modeld.engine import Engine
 from modeld.settings import Residency
 
@@ -44,6 +44,21 @@ class _Figures(logging.Handler):
                 self.compute += mib
 
 
+def _loaded(request: OpenSessionRequest, info: ModelInfo, options: LoadOptions) -> _Figures:
+    """What llama.cpp says it allocated when it loaded ``request`` (then closed)."""
+    figures = _Figures()
+    logger = logging.getLogger("modeld.llama")
+    logger.addHandler(figures)
+    old = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        llama.LlamaBackend().load(request, info, options).close()
+    finally:
+        logger.removeHandler(figures)
+        logger.setLevel(old)
+    return figures
+
+
 @pytest.mark.llama
 @pytest.mark.parametrize(
     ("num_ctx", "kv", "flash_attn", "unified"),
@@ -72,17 +87,7 @@ def test_describe_predicts_what_llama_cpp_allocates(
         n_seq=2, window=num_ctx, pool_tokens=fp.kv_bytes // fp.kv_bytes_per_token, unified=unified
     )
     assert layout_name(options) == fp.layout
-    figures = _Figures()
-    logger = logging.getLogger("modeld.llama")
-    logger.addHandler(figures)
-    old = logger.level
-    logger.setLevel(logging.DEBUG)
-    try:
-        runtime = llama.LlamaBackend().load(replace(request, config=replace(request.config)), info, options)
-        runtime.close()
-    finally:
-        logger.removeHandler(figures)
-        logger.setLevel(old)
+    figures = _loaded(request, info, options)
     assert figures.kv == pytest.approx(fp.kv_bytes / MIB, abs=0.01)
     assert figures.compute == pytest.approx(fp.compute_bytes / MIB, rel=0.05)
     assert fp.total_bytes == fp.weights_bytes + fp.kv_bytes + fp.compute_bytes + MODEL_OVERHEAD_BYTES
@@ -202,20 +207,11 @@ def test_a_session_that_leaves_the_batch_to_the_model_gets_64_on_attention_and_5
             assert engine.describe(_request(path, num_ctx=4096)).footprint.micro_batch == 512
         # What llama.cpp itself reserves at the default, against 512: the estimate holds, and
         # the scores over 8192 cells are an eighth.
-        figures = _Figures()
-        logger = logging.getLogger("modeld.llama")
-        logger.addHandler(figures)
-        old = logger.level
-        logger.setLevel(logging.DEBUG)
-        try:
-            fp = default.footprint
-            options = LoadOptions(
-                n_seq=2, window=8192, pool_tokens=fp.kv_bytes // fp.kv_bytes_per_token, unified=True
-            )
-            llama.LlamaBackend().load(_request(tiny, num_ctx=8192), default, options).close()
-        finally:
-            logger.removeHandler(figures)
-            logger.setLevel(old)
+        fp = default.footprint
+        options = LoadOptions(
+            n_seq=2, window=8192, pool_tokens=fp.kv_bytes // fp.kv_bytes_per_token, unified=True
+        )
+        figures = _loaded(_request(tiny, num_ctx=8192), default, options)
         assert figures.compute == pytest.approx(fp.compute_bytes / MIB, rel=0.05)
         assert (
             fp.compute_bytes - fp.compute_floor_bytes
