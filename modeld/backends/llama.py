@@ -29,12 +29,7 @@ from modeld.contract import (
 from modeld.decoding.samplers import SAMPLER_NAMES
 from modeld.errors import BackendUnavailableError, ModelLoadError, UnsupportedError
 
-__all__ = [
-    "CUTS",
-    "LlamaBackend",
-    "backend_version",
-    "model_footprint",
-]
+__all__ = ["CUTS", "LlamaBackend", "backend_version", "model_footprint"]
 
 
 QUANTIZED_KV = ("q8_0", "q4_0")
