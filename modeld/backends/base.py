@@ -97,13 +97,14 @@ CELL_PAD = 256
 """llama.cpp pads a context to a multiple of 256 cells: windows are planned in these steps."""
 
 
-SMALL_BATCH = 64
+SMALL_BATCH = 48
 """The micro-batch when ``Config.num_batch`` is 0 and the model's memory is attention alone,
 on the CPU, without flash attention (blueprint 0009, "The micro-batch"). llama.cpp reserves the
 attention scores of a micro-batch over every cell (``b x cells x (heads + 1) x 4`` bytes, and a
 work buffer half that size touched by a long prefill): 363 MiB at 512 tokens and an 8k window on
-the realistic model, 46 at 64. Its prefill was also faster at 64 (the scores stay in cache):
-7.8k tokens in 74-77 s against 79-82 at 512, 80 at 32."""
+the realistic model, 34 at 48. Prefill was as fast at 48 as at 64 and faster than at 512 (the
+scores stay in cache), and slower at 32: 7.8k tokens in 106-111 s at 48, 108-109 at 64, 112-115
+at 32 (AMD EPYC; on an Intel Xeon 74-77 s at 64, 79-82 at 512, 80 at 32)."""
 
 LARGE_BATCH = NUM_BATCH
 """The micro-batch otherwise (llama.cpp's own default): memory that cannot be cut takes a

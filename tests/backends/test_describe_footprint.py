@@ -188,10 +188,10 @@ def test_the_budget_decides_the_largest_window(tmp_path: Path) -> None:
 
 
 @pytest.mark.llama
-def test_a_session_that_leaves_the_batch_to_the_model_gets_64_on_attention_and_512_elsewhere() -> None:
+def test_a_session_that_leaves_the_batch_to_the_model_gets_48_on_attention_and_512_elsewhere() -> None:
     """``Config.num_batch`` 0 (the default): attention on the CPU without flash attention takes
-    micro-batches of 64 tokens, so llama.cpp reserves the attention scores of 64 tokens over
-    every cell, not 512 (8x less of the compute buffer that grows with the window); memory that
+    micro-batches of 48 tokens, so llama.cpp reserves the attention scores of 48 tokens over
+    every cell, not 512 (10x less of the compute buffer that grows with the window); memory that
     cannot be cut (a checkpoint at batch starts) and flash attention (no scores kept) take 512.
     The session's runtime digest is over the concrete value."""
     tiny = str(testmodels.ensure_model(testmodels.TINY))
@@ -200,13 +200,13 @@ def test_a_session_that_leaves_the_batch_to_the_model_gets_64_on_attention_and_5
     with Engine(backends=("llama",), residency=Residency(sequences=2)) as engine:
         default = engine.describe(_request(tiny, num_ctx=8192))
         large = engine.describe(_request(tiny, num_ctx=8192, num_batch=512))
-        assert default.footprint.micro_batch == 64 and large.footprint.micro_batch == 512
+        assert default.footprint.micro_batch == 48 and large.footprint.micro_batch == 512
         assert engine.describe(_request(tiny, num_ctx=8192, flash_attn=True)).footprint.micro_batch == 512
         assert engine.describe(_request(tiny, num_ctx=8192, num_batch=200)).footprint.micro_batch == 200
         for path in (hybrid, sliding):
             assert engine.describe(_request(path, num_ctx=4096)).footprint.micro_batch == 512
         # What llama.cpp itself reserves at the default, against 512: the estimate holds, and
-        # the scores over 8192 cells are an eighth.
+        # the scores over 8192 cells are a tenth.
         fp = default.footprint
         options = LoadOptions(
             n_seq=2, window=8192, pool_tokens=fp.kv_bytes // fp.kv_bytes_per_token, unified=True
@@ -217,9 +217,9 @@ def test_a_session_that_leaves_the_batch_to_the_model_gets_64_on_attention_and_5
             fp.compute_bytes - fp.compute_floor_bytes
             < (large.footprint.compute_bytes - fp.compute_floor_bytes) / 4
         )
-        # Sessions: the default and an explicit 64 are one runtime; 512 is another.
+        # Sessions: the default and an explicit 48 are one runtime; 512 is another.
         same = [
-            engine.open_session(_request(tiny, num_ctx=2048, **batch)) for batch in ({}, {"num_batch": 64})
+            engine.open_session(_request(tiny, num_ctx=2048, **batch)) for batch in ({}, {"num_batch": 48})
         ]
         other = engine.open_session(_request(tiny, num_ctx=2048, num_batch=512))
         assert (
