@@ -2,9 +2,13 @@
 
 :class:`Scheduler` owns the runtime. Atomic requests (tokenize, copy, drop, snapshot, restore,
 ...) run as they arrive; jobs (``Sync``, ``Generate``) advance one engine step at a time in
-round robin, so several sessions' operations on different sequences share the engine fairly: a
-long prefill does not stall another session's decode for its whole length, and a ``Cancel``
-takes effect before the job's next step. Every native call happens on the thread that calls
+round robin, so several sessions' operations on different sequences share the engine: a long
+prefill does not stall another session's decode for its whole length, and a ``Cancel`` takes
+effect before the job's next step. Prefills among themselves go shortest first (the fewest
+tokens left to evaluate, then the earliest): of two prefills that arrive together the first
+answers after its own work, not after both (round robin ended them together), and a short
+turn is not held behind a long cold prefill; the last one ends when it did. A prefill that
+waits is still canceled at once. Every native call happens on the thread that calls
 :meth:`Scheduler.run` (llama.cpp's OpenMP team belongs to its calling thread, blueprint 0001).
 
 The same class runs inside a worker process (``modeld/workers/child.py``, replies encoded onto
@@ -90,6 +94,10 @@ class _Job:
     bound: int = 0
     """Generate with a limit: what its sequence holds at most once every token it yielded is
     evaluated (tokens a constraint forces are yielded before their batch is evaluated)."""
+    left: int = 0
+    """Sync: tokens it has still to evaluate (its target's length until its first step)."""
+    order: int = 0
+    """When it started (a count): the earlier of two prefills with as much left goes first."""
 
 
 class Scheduler:
@@ -101,6 +109,7 @@ class Scheduler:
         self._runtime: ModelRuntime | None = None
         self._inbox: queue.SimpleQueue[tuple[int, Message]] = queue.SimpleQueue()
         self._jobs: deque[_Job] = deque()
+        self._started = 0
         self._by_op: dict[int, _Job] = {}
         self._lock = threading.Lock()
         self._cancels: set[int] = set()
@@ -163,7 +172,9 @@ class Scheduler:
                 raise EngineError("the worker has no model loaded")
             if isinstance(message, Sync):
                 steps = runtime.sync(message.seq, message.keep, message.tokens, message.segments)
-                self._start(_Job(op, message.seq, steps, generate=False, kept=message.keep))
+                self._start(
+                    _Job(op, message.seq, steps, generate=False, kept=message.keep, left=len(message.tokens))
+                )
             elif isinstance(message, Generate):
                 stopped: set[int] = set()
                 if message.forks:
@@ -225,12 +236,23 @@ class Scheduler:
                 self._cancels.discard(job.op)
                 job.canceled.set()
             self._by_op[job.op] = job
+        self._started += 1
+        job.order = self._started
         self._jobs.append(job)
+
+    def _waits(self, job: _Job) -> bool:
+        """A prefill waits while another has fewer tokens left (or as many and began first)."""
+        return not job.generate and any(
+            not other.generate and (other.left, other.order) < (job.left, job.order) for other in self._jobs
+        )
 
     def _step(self) -> None:
         job = self._jobs.popleft()
         if job.canceled.is_set():
             self._finish(job, canceled=True)
+            return
+        if self._waits(job):
+            self._jobs.append(job)
             return
         if job.limit and self._runtime is not None:
             bound = max(job.bound, len(self._runtime.resident(job.seq)))
@@ -258,6 +280,7 @@ class Scheduler:
             return
         if isinstance(item, SyncStep):
             job.kept = item.kept
+            job.left = item.total - item.evaluated
             seconds = time.perf_counter() - started if item.evaluated else 0.0
             self._send(job.op, Progress(item.kept, item.evaluated, item.total, seconds))
         else:

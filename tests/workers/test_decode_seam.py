@@ -37,7 +37,9 @@ from modeld.workers.protocol import (
     Generate,
     Load,
     Message,
+    Progress,
     ProtocolError,
+    Sync,
     Tokens,
     decode_frame,
     encode_frame,
@@ -213,6 +215,45 @@ def test_a_token_is_not_held_while_another_job_waits_its_turn() -> None:
     long = [len(m.tokens) for m in replies[2] if isinstance(m, Tokens)]
     assert short == [1] * 5
     assert long[:5] == [1] * 5 and sum(long) == 20 and len(long) < 20
+
+
+def test_prefills_that_arrive_together_go_shortest_first_then_in_arrival_order() -> None:
+    """Three prefills queued at once (1024, 512 and 512 tokens) while a decode runs: the 512s
+    go first, in the order they came, each to its end before the next evaluates a token, then
+    the 1024. Round robin ended all three together, so the first answered only after all
+    three's work. The decode keeps its turns between the prefills' batches throughout."""
+    request = OpenSessionRequest(type="memory", path="four")
+    info = MemoryBackend().describe(request)
+    options = LoadOptions(n_seq=4, window=4096, pool_tokens=8192)
+    runtime = MemoryRuntime(info, request.config, options)
+    list(runtime.sync(3, 0, [256, *b"Decode here.\n"]))
+    events: list[tuple[int, Message]] = []
+    done = threading.Event()
+
+    def send(op: int, message: Message) -> None:
+        events.append((op, message))
+        if sum(isinstance(m, Finished) for _, m in events) == 4:
+            done.set()
+
+    scheduler = Scheduler(send, lambda load: (runtime, 0))
+    scheduler.submit(0, Load("memory", request, info, options))
+    scheduler.submit(1, Generate(3, DecodeConfig(max_tokens=200), 200))
+    scheduler.submit(2, Sync(0, 0, tuple(range(300, 1324))))
+    scheduler.submit(3, Sync(1, 0, tuple(range(300, 812))))
+    scheduler.submit(4, Sync(2, 0, tuple(range(300, 812))))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()  # every request is queued before the engine thread takes the first
+    assert done.wait(30)
+    assert list(runtime.resident(0)) == list(range(300, 1324)) and len(runtime.resident(2)) == 512
+    scheduler.submit(5, Close())
+    thread.join(30)
+    # Each prefill's batches run together and end before the next one's first batch.
+    batches = [op for op, m in events if isinstance(m, Progress) and m.evaluated]
+    assert batches == sorted(batches, key=[3, 4, 2].index) and set(batches) == {2, 3, 4}, batches
+    assert [op for op, m in events if isinstance(m, Finished) and op > 1] == [3, 4, 2]
+    # The decode took steps between the batches of the prefills, not only after them.
+    first_end = next(i for i, (op, m) in enumerate(events) if op == 3 and isinstance(m, Finished))
+    assert any(op == 1 and isinstance(m, Tokens) for op, m in events[:first_end])
 
 
 @pytest.mark.parametrize("interval", [-1.0, 10.5, float("nan")])
