@@ -7,8 +7,9 @@ prefill does not stall another session's decode for its whole length, and a ``Ca
 effect before the job's next step. Prefills among themselves go shortest first (the fewest
 tokens left to evaluate, then the earliest): of two prefills that arrive together the first
 answers after its own work, not after both (round robin ended them together), and a short
-turn is not held behind a long cold prefill; the last one ends when it did. A prefill that
-waits is still canceled at once. Every native call happens on the thread that calls
+turn is not held behind a long cold prefill; the last one ends after the same prefill work,
+plus the decode steps of those that finished first. A prefill that waits is still canceled at
+once. Every native call happens on the thread that calls
 :meth:`Scheduler.run` (llama.cpp's OpenMP team belongs to its calling thread, blueprint 0001).
 
 The same class runs inside a worker process (``modeld/workers/child.py``, replies encoded onto
