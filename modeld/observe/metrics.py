@@ -149,67 +149,62 @@ class Metrics:
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.queries = Counter(
-            "modeld_prefix_cache_queries",
-            "Prompt-prefix tokens looked up in the prefix cache.",
-            ["model"],
-            registry=r,
+
+        def counter(name: str, documentation: str, *labels: str) -> Counter:
+            return Counter(name, documentation, list(labels or ("model",)), registry=r)
+
+        self.queries = counter(
+            "modeld_prefix_cache_queries", "Prompt-prefix tokens looked up in the prefix cache."
         )
-        self.hits = Counter(
+        self.hits = counter(
             "modeld_prefix_cache_hits",
             "Prompt-prefix tokens reused from the prefix cache, by where they came from (kv, ram, disk, shared).",
-            ["model", "source"],
-            registry=r,
+            "model",
+            "source",
         )
-        self.prompt = Counter(
-            "modeld_prompt_tokens", "Prompt tokens of finished decodes.", ["model"], registry=r
-        )
-        self.cached = Counter(
+        self.prompt = counter("modeld_prompt_tokens", "Prompt tokens of finished decodes.")
+        self.cached = counter(
             "modeld_prompt_tokens_cached",
             "Prompt tokens of finished decodes that were not computed during their turn.",
-            ["model"],
-            registry=r,
         )
-        self.prefilled = Counter(
+        self.prefilled = counter(
             "modeld_prompt_tokens_prefilled",
             "Prompt tokens computed (prefix, suffix, and prefix tokens restored after displacement).",
-            ["model"],
-            registry=r,
         )
-        self.generated = Counter("modeld_generation_tokens", "Tokens generated.", ["model"], registry=r)
-        self.requests = Counter(
-            "modeld_requests", "Decodes finished, by finish reason.", ["model", "finish_reason"], registry=r
+        self.generated = counter("modeld_generation_tokens", "Tokens generated.")
+        self.requests = counter(
+            "modeld_requests", "Decodes finished, by finish reason.", "model", "finish_reason"
         )
-        self.drafts = Counter(
+        self.drafts = counter(
             "modeld_spec_decode_num_drafts",
             "Verify batches that carried a draft from the context (speculation).",
-            ["model"],
-            registry=r,
         )
-        self.draft_tokens = Counter(
-            "modeld_spec_decode_num_draft_tokens",
-            "Tokens drafted from the context and verified.",
-            ["model"],
-            registry=r,
+        self.draft_tokens = counter(
+            "modeld_spec_decode_num_draft_tokens", "Tokens drafted from the context and verified."
         )
-        self.accepted_tokens = Counter(
+        self.accepted_tokens = counter(
             "modeld_spec_decode_num_accepted_tokens",
             "Drafted tokens that were the model's own choice (each saved a decode step).",
-            ["model"],
-            registry=r,
         )
-        self.forced_tokens = Counter(
+        self.forced_tokens = counter(
             "modeld_spec_decode_num_forced_tokens",
             "Tokens a constraint forced (its only continuation), appended without a decode step.",
-            ["model"],
-            registry=r,
         )
-        self.reports = Counter(
+        self.ahead = counter(
+            "modeld_prefills_ahead",
+            "Prefills of a conversation's next prefix while its user reads (an answer without a tool "
+            "call; --prefill-ahead), by outcome (done, failed).",
+            "model",
+            "outcome",
+        )
+        self.ahead_tokens = counter(
+            "modeld_prefill_ahead_tokens",
+            "Prompt tokens computed ahead of the turn that uses them (--prefill-ahead).",
+        )
+        self.reports = counter(
             "modeld_context_reports",
             "explain-context reports built (ExplainContext, a session stream's explain, the live page's "
             "waiting turns); a turn itself asks for none.",
-            ["model"],
-            registry=r,
         )
         self.ttft = Histogram(
             "modeld_time_to_first_token_seconds",

@@ -89,6 +89,7 @@ class HttpService:
             idle_seconds=settings.conversation_idle_seconds,
             tool_formats=parse_tool_formats(settings.tool_formats),
             fit_tool_results=settings.fit_tool_results,
+            prefill_ahead=settings.prefill_ahead,
         )
         self.runner = Runner(
             gateway,

@@ -26,6 +26,17 @@ unchanged, its arguments go to the template as the model wrote them, so a templa
 arguments text as it is renders the call byte for byte and the next turn reuses every
 generated token (``blueprints/0010``, ``0018``).
 
+Ahead of the next turn (``prefill_ahead``, ``--[no-]prefill-ahead``; blueprint 0010): when a
+chat turn's answer ends without a tool call, the next request is a user's, and it will carry this
+conversation with the answer as history. Many templates render history otherwise once a later
+user message exists (Qwen3, Qwen3.5, GLM 4.6, Kimi K2, Gemma 4 and gpt-oss drop the reasoning of
+the turns before it), so that request would compute again everything from the first such turn.
+The turn leaves its session a follow-up (:meth:`SessionTable.follow`): ``ensure_prefix`` of the
+conversation through the answer, rendered as a user message follows it, while the user reads.
+The answer goes in the form the client sends its earlier answers back (parts or a string, with
+its reasoning or without). The next request reuses it (it waits for the follow-up if it comes
+first); one that diverges from it reuses what they share, as from any warm context.
+
 Usage (:class:`TurnUsage`), the same numbers on every API: ``prompt_tokens`` the turn's whole
 prompt; ``cached_tokens`` those not computed this turn (reused from warm state: the KV, or a
 snapshot restored from a tier); ``created_tokens`` the stable prefix's tokens computed this turn
@@ -69,10 +80,11 @@ from modeld.server.gateway import Gateway
 from modeld.server.http.diagnosis import NO_DIVERGENCE, Diagnoses, Diagnosis, Divergence
 from modeld.server.http.errors import HttpError, from_modeld, incident_id
 from modeld.server.http.sessions import SessionTable
-from modeld.server.http.turn import Turn, chat_inputs, split_point, template_args_json
+from modeld.server.http.turn import Message, Recall, Turn, chat_inputs, split_point, template_args_json
 from modeld.server.http.window import Window
 
 __all__ = [
+    "AHEAD_FINISHES",
     "REMEMBERED_CALLS",
     "Collected",
     "Conversations",
@@ -84,10 +96,15 @@ __all__ = [
     "collect",
     "collect_choices",
     "first_event",
+    "next_prefix",
 ]
 
 REMEMBERED_CALLS = 1024
 """Tool calls whose arguments text, as the model wrote it, is kept (by call id)."""
+
+AHEAD_FINISHES = frozenset({"stop", "length", "stop_sequence"})
+"""The finish reasons after which the next request is a user's (no tool call to answer, no
+error): the turns whose next prefix is prefilled ahead."""
 
 log = logging.getLogger("modeld.http")
 
@@ -175,8 +192,10 @@ class Conversations(SessionTable):
         idle_seconds: float,
         tool_formats: Mapping[str, str] | None = None,
         fit_tool_results: bool = False,
+        prefill_ahead: bool = False,
     ) -> None:
         super().__init__(gateway, bridge, max_conversations=max_conversations, idle_seconds=idle_seconds)
+        self.prefill_ahead = prefill_ahead
         self.tool_formats = dict(tool_formats or {})  # model name -> its format (--tool-format)
         self._calls: OrderedDict[CallKey, str] = OrderedDict()
         self.diagnoses = Diagnoses()
@@ -340,28 +359,68 @@ class Conversations(SessionTable):
                 for _ in range(started.choices)
             ]
             reasoning_tokens = [0] * started.choices
+            answer: list[str] = []  # choice 0's text and reasoning: the next turn's history
+            thought_text: list[str] = []
             ended = 0
             async for chunk in stream:
                 i = chunk.choice
                 splitter = splitters[i]
                 delta, thought = _delta(chunk, splitter)
                 reasoning_tokens[i] += thought
+                if i == 0:
+                    answer.append(delta.text)
+                    thought_text.append(delta.reasoning)
                 if delta.text or delta.reasoning or delta.calls or delta.logprobs:
                     yield delta
                 if chunk.final:
                     if splitter is not None:
                         thinking, text = splitter.finish()
                         if thinking or text:
+                            if i == 0:
+                                answer.append(text)
+                                thought_text.append(thinking)
                             yield Delta(text=text, reasoning=thinking, choice=i)
                     finished = self._finished(turn, chunk, usage, reasoning_tokens[i])
                     if turn.chat and i == 0 and finished.error is None:
                         self.diagnoses.record(turn.id, fingerprint)
+                    if i == 0 and started.choices == 1:
+                        self._ahead(turn, session, finished, "".join(answer), "".join(thought_text))
                     yield finished
                     ended += 1
                     if ended == started.choices:
                         return
         finally:
             await stream.aclose()
+
+    def _ahead(
+        self, turn: Turn, session: BridgedSession, finished: Finished, text: str, reasoning: str
+    ) -> None:
+        """Leave ``session`` the prefill of the next turn's prefix when the answer ends without a
+        tool call (module docstring)."""
+        if not (self.prefill_ahead and turn.chat and finished.finish in AHEAD_FINISHES) or finished.calls:
+            return
+        prefix = next_prefix(turn, text, reasoning, self.recall)
+        model = turn.model
+
+        async def prefill(bridged: BridgedSession) -> None:
+            metrics = self._gateway.metrics
+            try:
+                status = await bridged.ensure_prefix(prefix)
+            except ModeldError as exc:
+                metrics.ahead.labels(metrics.label(model), "failed").inc()
+                log.info("%s: no prefill ahead of the next turn: %s", turn.conversation(), exc.message)
+                return
+            metrics.ahead.labels(metrics.label(model), "done").inc()
+            metrics.ahead_tokens.labels(metrics.label(model)).inc(status.prefilled_tokens)
+            log.info(
+                "%s: prefilled %d tokens ahead of the next turn (%d of its %d-token prefix were warm)",
+                turn.conversation(),
+                status.prefilled_tokens,
+                status.reused_tokens,
+                status.prefix_tokens,
+            )
+
+        self.follow(session, prefill)
 
     def _finished(
         self, turn: Turn, chunk: StreamChunk, started: TurnUsage, reasoning_tokens: int
@@ -388,6 +447,26 @@ class Conversations(SessionTable):
             stop_sequence=chunk.stop_sequence,
             choice=chunk.choice,
         )
+
+
+def next_prefix(turn: Turn, text: str, reasoning: str, recall: Recall | None = None) -> PrefixInput:
+    """The prefix of the request that follows ``turn`` when a user answers it: the turn's
+    messages and its answer (``text``, ``reasoning``), rendered as a user message follows. The
+    answer takes the form of the client's earlier answers: text parts if the last one came as
+    parts, its reasoning if any earlier answer carried one (clients that drop reasoning drop
+    it from every answer)."""
+    earlier = [m for m in turn.messages if m.role == "assistant"]
+    answer = Message(
+        role="assistant",
+        content=text,
+        reasoning=reasoning if any(m.reasoning for m in earlier) else "",
+        parts=(text,) if earlier and earlier[-1].parts and text else (),
+    )
+    messages = [*turn.messages, answer, Message(role="user", content="")]
+    prefix, _ = chat_inputs(
+        messages, len(messages) - 1, turn.tools_json, f"http.{turn.api}", template_args_json(turn), recall
+    )
+    return prefix
 
 
 def _delta(chunk: StreamChunk, splitter: ReasoningSplitter | HarmonySplitter | None) -> tuple[Delta, int]:

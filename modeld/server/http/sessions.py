@@ -9,6 +9,12 @@ request is over: then it waits for it (:data:`FINISHING_WAIT`). A session goes b
 conversation only once the engine has really stopped working on it (a cancelled request
 interrupts the engine first). :class:`~modeld.server.http.conversations.Conversations` runs turns
 on it (blueprint 0014).
+
+A turn may leave its session a follow-up (:meth:`SessionTable.follow`): work on the same
+session once the turn's engine work has stopped and before anyone else takes it (the prefix its
+next turn will render, computed while the user reads: blueprint 0010, "Ahead of the next
+turn"). The conversation stays busy meanwhile; a request for it waits for the follow-up (at most
+:data:`AHEAD_WAIT`), which is computing what that request needs.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from modeld.contract import OpenSessionRequest
@@ -27,7 +33,7 @@ from modeld.errors import LimitExceededError, ModeldError
 from modeld.server.bridge import Bridge, BridgedSession
 from modeld.server.gateway import Gateway, TransportSession
 
-__all__ = ["FINISHING_WAIT", "SessionTable"]
+__all__ = ["AHEAD_WAIT", "FINISHING_WAIT", "FollowUp", "SessionTable"]
 
 FINISHING_WAIT = 2.0
 """Seconds a request waits for its conversation's session when the turn before is over for its
@@ -35,6 +41,15 @@ client and only the engine is still finishing it (a decode's last bookkeeping af
 went out; a cancelled turn's engine stopping). An agent sends its next turn the moment it has
 the answer: without the wait, that turn ran on a session of its own, closed after it, and the
 conversation went on from the turn before it (computing again what it had computed)."""
+
+AHEAD_WAIT = 120.0
+"""Seconds a request waits for its conversation's session while a follow-up of the turn before
+runs on it (a prefill of the prefix the next turn renders, whose tokens that request reuses).
+The follow-up is at most one prefix's prefill; past this the request runs on a session of its
+own, as it does when the conversation is busy."""
+
+FollowUp = Callable[[BridgedSession], Awaitable[None]]
+"""Work a turn leaves for its session (:meth:`SessionTable.follow`)."""
 
 log = logging.getLogger("modeld.http")
 
@@ -46,6 +61,8 @@ class _Entry:
     last_used: float
     finishing: bool = False
     """Busy only until the engine has stopped: its request is over (:data:`FINISHING_WAIT`)."""
+    ahead: bool = False
+    """Busy with the turn's follow-up (:data:`AHEAD_WAIT`)."""
     waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = field(default_factory=list)
 
 
@@ -61,6 +78,8 @@ class SessionTable:
         self.idle_seconds = idle_seconds
         self._table: OrderedDict[tuple[str, str, str], _Entry] = OrderedDict()
         self._lock = threading.Lock()
+        self._follow: dict[int, FollowUp] = {}  # id(BridgedSession) -> its turn's follow-up
+        self._tasks: set[asyncio.Task[None]] = set()  # follow-ups running
 
     def __len__(self) -> int:
         with self._lock:
@@ -83,7 +102,7 @@ class SessionTable:
         """The conversation's session for one request (its own if the conversation is busy)."""
         k = (key, request.model_name, request.config.prompt_format)
         entry: _Entry | None = None
-        deadline = time.monotonic() + FINISHING_WAIT
+        asked = time.monotonic()
         while True:
             waiting: asyncio.Future[None] | None = None
             with self._lock:
@@ -91,11 +110,12 @@ class SessionTable:
                 if found is not None and found.hosted.ended is not None:
                     del self._table[k]
                     found = None
+                deadline = asked + (AHEAD_WAIT if found is not None and found.ahead else FINISHING_WAIT)
                 if found is not None and not found.busy:
                     found.busy = True
                     self._table.move_to_end(k)
                     entry = found
-                elif found is not None and found.finishing and time.monotonic() < deadline:
+                elif found is not None and (found.finishing or found.ahead) and time.monotonic() < deadline:
                     loop = asyncio.get_running_loop()
                     waiting = loop.create_future()
                     found.waiters.append((loop, waiting))
@@ -114,12 +134,56 @@ class SessionTable:
         try:
             yield bridged
         finally:
+            then = self._follow.pop(id(bridged), None)
             if entry is None:
                 bridged.when_idle(lambda: _close_soon(hosted))
             else:
                 with self._lock:
                     entry.finishing = True
-                bridged.when_idle(lambda: self._release(entry))
+                if then is None:
+                    bridged.when_idle(lambda: self._release(entry))
+                else:
+                    loop = asyncio.get_running_loop()
+                    bridged.when_idle(lambda: self._hand_over(loop, entry, bridged, then))
+
+    def follow(self, session: BridgedSession, then: FollowUp) -> None:
+        """Run ``then(session)`` once the current turn's engine work on ``session`` has stopped,
+        before the conversation's next request takes it (see the module docstring). Only a
+        conversation's own session has follow-ups; on one of a busy conversation's extra
+        sessions (closed after its request) this does nothing."""
+        self._follow[id(session)] = then
+
+    def _hand_over(
+        self, loop: asyncio.AbstractEventLoop, entry: _Entry, session: BridgedSession, then: FollowUp
+    ) -> None:
+        """The turn's engine work stopped (any thread): the entry stays busy for ``then``."""
+        with self._lock:
+            entry.finishing = False
+            entry.ahead = True
+            waiters, entry.waiters = entry.waiters, []  # their deadline is AHEAD_WAIT now: look again
+        for waiter_loop, waiting in waiters:
+            with contextlib.suppress(RuntimeError):
+                waiter_loop.call_soon_threadsafe(_wake, waiting)
+
+        def start() -> None:
+            task = loop.create_task(self._run_follow(entry, session, then))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        try:
+            loop.call_soon_threadsafe(start)
+        except RuntimeError:  # the loop is closed: nobody will ask again
+            self._release(entry)
+
+    async def _run_follow(self, entry: _Entry, session: BridgedSession, then: FollowUp) -> None:
+        try:
+            await then(session)
+        except ModeldError as exc:
+            log.info("a follow-up on session %s ended: %s", session.session_id, exc.message)
+        except Exception:
+            log.exception("a follow-up on session %s failed", session.session_id)
+        finally:
+            session.when_idle(lambda: self._release(entry))
 
     def _adopt(self, k: tuple[str, str, str], hosted: TransportSession) -> _Entry | None:
         """Keep a new session as the conversation's, making room (None: no room, or a racing
@@ -144,6 +208,7 @@ class SessionTable:
         with self._lock:
             entry.busy = False
             entry.finishing = False
+            entry.ahead = False
             entry.last_used = time.monotonic()
             waiters, entry.waiters = entry.waiters, []
         for loop, waiting in waiters:  # the first to run takes the session; the rest go on
