@@ -41,7 +41,11 @@ Per family: the warm-turn (every turn after the first) TTFT ratio modeld / llama
 and range) and whether modeld computed more than llama-server on any turn. Issue 31's goals: no
 family recomputes more than llama-server; modeld's warm TTFT <= 0.8x llama-server's on every
 family. Turn-major (each turn on every system, each after the one before is idle, the order
-rotating). Timing is recorded, never asserted; errors fail the run.
+rotating). A turn whose request ends in a user's new instruction is sent to each system at least
+:data:`READ_SECONDS` after that system's previous turn ended (the user reads the answer and
+types; ``--read-seconds``): the same pause for every system, in which modeld computes the next
+prefix ahead (``--prefill-ahead``, blueprint 0010) and llama-server does nothing. Timing is
+recorded, never asserted; errors fail the run.
 """
 
 from __future__ import annotations
@@ -94,6 +98,10 @@ REUSE = {"llama-server": 0, "llama-server-reuse": CACHE_REUSE}
 MODEL = "bench"  # the name modeld-http registers the model under; llama-server takes any name
 FAMILY_TURNS = 5  # the first request, then four turns of a call and its result
 QUICK_TURNS = 3
+READ_SECONDS = 10.0
+"""The least time between a system's answer and its next request that ends in a user's new
+instruction: a person reading an answer and typing the next one takes longer (``--read-seconds``;
+the quick run: 0)."""
 # TTFT and the prompt tokens are the figures, and the scripted turns drop every answer: a longer
 # decode would only lengthen the run (on 2 shared cores, 32 tokens took ~45 s a turn under load).
 MAX_TOKENS = 8
@@ -332,9 +340,11 @@ def run_family(
     count: Callable[[str], int],
     *,
     systems: list[str] | None = None,
+    read_seconds: float = 0.0,
     log: Log = print,
 ) -> dict[str, Any]:
-    """One family's loop on both systems (started afresh, stopped after)."""
+    """One family's loop on both systems (started afresh, stopped after); ``read_seconds``: the
+    least time between a system's answer and its next request that ends in a user's message."""
     notes: list[str] = []
     requests = bodies(family_name, turns, max_tokens)
     n_ctx = _n_ctx(requests[-1], count, turns, max_tokens)
@@ -365,6 +375,7 @@ def run_family(
     records: list[FamilyRecord] = []
     errors = 0
     previous: Any = None
+    answered: dict[str, float] = {}  # system -> when its last turn ended (monotonic)
     try:
         for k in range(turns):
             order = [s for s in SYSTEMS if s in running]
@@ -373,6 +384,8 @@ def run_family(
                 if previous is not None:
                     settle(previous.pids())
                 previous = system
+                if k and requests[k]["messages"][-1]["role"] == "user" and name in answered:
+                    time.sleep(max(0.0, answered[name] + read_seconds - time.monotonic()))
                 log_path: Path = system.log_path
                 offset = log_path.stat().st_size
                 try:
@@ -404,6 +417,7 @@ def run_family(
                     running.pop(name).close()
                     previous = None
                     continue
+                answered[name] = time.monotonic()
                 if record.computed_tokens is None and name.startswith("llama-server"):
                     _from_log(record, log_path, offset)
                 if record.error:  # the turn's prefill counts; its TTFT is not compared
@@ -417,6 +431,7 @@ def run_family(
             system.close()
     return {
         "family": family_name,
+        "read_seconds": read_seconds,
         "tools": len(requests[0].get("tools", [])),
         "n_ctx": n_ctx,
         "settings": settings,
@@ -441,6 +456,7 @@ def run_families(
     keep_models: bool = False,
     systems: list[str] | None = None,
     omp_default: bool = False,
+    read_seconds: float | None = None,
     log: Log = print,
     progress: Callable[[dict[str, Any]], object] | None = None,
 ) -> dict[str, Any]:
@@ -454,6 +470,7 @@ def run_families(
         import modeld.backends._omp  # noqa: F401
     spin = os.environ.get("GOMP_SPINCOUNT") or "llama-server: libgomp's default; modeld's worker: its own"
     turns = turns or (QUICK_TURNS if quick else FAMILY_TURNS)
+    read = (0.0 if quick else READ_SECONDS) if read_seconds is None else read_seconds
     chosen = names or (list(QUICK_FAMILIES) if quick else [f.name for f in FAMILIES])
     base = testmodels.REPLY if quick else testmodels.REALISTIC
     started = time.time()
@@ -474,6 +491,7 @@ def run_families(
                 max_tokens,
                 _counter(tokenize),
                 systems=systems,
+                read_seconds=read,
                 log=log,
             )
         except Exception as e:  # the family's error, recorded; the others go on
@@ -518,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--turns", type=int, default=0, help=f"turns per loop (default {FAMILY_TURNS})")
     parser.add_argument("--keep-models", action="store_true", help="keep the realistic family copies cached")
     parser.add_argument(
+        "--read-seconds",
+        type=float,
+        default=None,
+        help=f"least seconds between an answer and a user's next instruction (default {READ_SECONDS:g}; quick: 0)",
+    )
+    parser.add_argument(
         "--omp-default",
         action="store_true",
         help="llama-server with libgomp's default spin (default: modeld's worker's GOMP_SPINCOUNT for both)",
@@ -553,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         keep_models=args.keep_models,
         systems=[n for n in args.systems.split(",") if n] or None,
         omp_default=args.omp_default,
+        read_seconds=args.read_seconds,
         log=lambda s: print(s, flush=True),
         progress=partial(write_report, out, run_id),  # the families so far, kept if the run is stopped
     )

@@ -132,6 +132,14 @@ def families_lines(result: dict[str, Any]) -> list[str]:
     """The families' section of a report: per family the warm-turn figures, then every turn,
     then (a document merging several runs) each family's spread over the runs."""
     spin = result.get("gomp_spincount", "each server's own (llama-server: libgomp's default)")
+    reads = sorted({float(loop.get("read_seconds", 0.0)) for loop in result["families"].values()})
+    read = (
+        f"A request that ends in a new instruction goes to each system at least {'/'.join(f'{r:g}' for r in reads)} s "
+        "after that system's previous answer (the user reads it; modeld prefills the next prefix ahead in that "
+        "time, `--prefill-ahead`, blueprint 0010; llama-server does nothing). "
+        if any(reads)
+        else "Every request is sent as soon as the systems are idle (no reading time). "
+    )
     lines = [
         "## An agent loop per model family: modeld against llama-server `--jinja` (`bench/families.py`)",
         "",
@@ -146,7 +154,7 @@ def families_lines(result: dict[str, Any]) -> list[str]:
         "`reuse` (`--cache-reuse 256`: after a template re-renders an earlier turn it shifts the KV of the "
         "chunks after the change into their new positions, so it computes fewer tokens, but those cells were "
         "computed attending to tokens that are gone: not what a fresh prefill computes, blueprint 0010). "
-        f"OpenMP spin (`GOMP_SPINCOUNT`) of every server: {spin}. Ratios modeld / llama-server over the warm "
+        f"{read}OpenMP spin (`GOMP_SPINCOUNT`) of every server: {spin}. Ratios modeld / llama-server over the warm "
         "turns (every turn after the first). Goals (issue 31), judged against `default`: modeld computes no "
         f"more than llama-server on any turn; warm TTFT ratio <= {TTFT_GOAL}. `load`: the 1-minute load average "
         "when the family's loop ended (a shared machine: read medians and ranges, not single numbers).",
