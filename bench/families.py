@@ -44,7 +44,8 @@ family. Turn-major (each turn on every system, each after the one before is idle
 rotating). A turn whose request ends in a user's new instruction is sent to each system at least
 :data:`READ_SECONDS` after that system's previous turn ended (the user reads the answer and
 types; ``--read-seconds``): the same pause for every system, in which modeld computes the next
-prefix ahead (``--prefill-ahead``, blueprint 0010) and llama-server does nothing. Timing is
+prefix ahead (it runs with ``--prefill-ahead``, not yet its default; blueprint 0010) and
+llama-server does nothing. Timing is
 recorded, never asserted; errors fail the run.
 """
 
@@ -365,7 +366,7 @@ def run_family(
             continue
         try:
             running[name] = (
-                ModeldHttpSystem(model, load, threads)
+                ModeldHttpSystem(model, load, threads, ("--prefill-ahead",))
                 if name == "modeld"
                 else LlamaServerSystem(llama_server, model, load, threads, cache_reuse=REUSE[name])
             )

@@ -52,7 +52,7 @@ RECORD_FIELDS = (
 class ModeldHttpSystem(HttpServerSystem):
     name = "modeld-http"
 
-    def __init__(self, model: str, load: Workload, threads: int) -> None:
+    def __init__(self, model: str, load: Workload, threads: int, extra: tuple[str, ...] = ()) -> None:
         help_text = serve_help()
         if "--http" not in help_text:
             raise Unsupported("the installed `modeld serve` has no `--http` (the OpenAI endpoint, issue 10)")
@@ -71,7 +71,7 @@ class ModeldHttpSystem(HttpServerSystem):
             notes.append(
                 "`modeld serve --help` has no context-size flag: the endpoint chose its own context size"
             )
-        flags += pool_flags(load, notes) + extra_flags()
+        flags += pool_flags(load, notes) + extra_flags() + list(extra)
         data = Path(tempfile.mkdtemp(prefix="mdh"))
         self.data_dir = data
         args = [

@@ -397,8 +397,11 @@ class Conversations(SessionTable):
     ) -> None:
         """Leave ``session`` the prefill of the next turn's prefix when the answer ends without a
         tool call (module docstring)."""
-        if not (self.prefill_ahead and turn.chat and finished.finish in AHEAD_FINISHES) or finished.calls:
-            return
+        if (
+            not (self.prefill_ahead and turn.chat and turn.n == 1 and finished.finish in AHEAD_FINISHES)
+            or finished.calls
+        ):
+            return  # choices decoded one by one would each re-prefill what it changed
         prefix = next_prefix(turn, text, reasoning, self.recall)
         model = turn.model
 
