@@ -32,12 +32,18 @@ llama-server as a user starts it for one conversation: ``--jinja -c N -np 1``, i
 OpenMP spin (``GOMP_SPINCOUNT``; with llama.cpp's default its prefill ran 33 times slower on a
 loaded 2-core machine).
 
+``--width N`` runs copies of the classes N wide (8 layers, 12 for gemma3's pattern, attention
+every 4th layer where the class mixes; :func:`widen`): at the generated tiny sizes a token costs
+0.05-0.13 ms and the warm TTFT ratio measures the two engine builds' speed and fixed costs, not
+reuse (blueprint 0016, "Timed (stop 45)"); at 512 a token costs 0.5-1 ms and compute dominates.
+
 Figures from a shared 2-core machine are noisy: read the ratios, not the milliseconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -107,6 +113,24 @@ def _llama_server(binary: str, path: str, threads: int) -> _Server:
         *(["--no-repack"] if cpu_has_amx() else []),
     ]  # fmt: skip
     return _Server("llama-server", args, port, model="m")
+
+
+def widen(spec: testmodels.ArchSpec, width: int) -> testmodels.ArchSpec:
+    """``spec`` ``width`` wide: 8 layers (12 for gemma3: two of its 5-local-1-global patterns),
+    64-wide attention heads with 2 KV heads, a feed-forward 3x wide, and where the class mixes
+    attention with recurrent or convolutional layers, attention every 4th layer."""
+    layers = 12 if spec.arch == "gemma3" else max(spec.layers, 8)
+    return dataclasses.replace(
+        spec,
+        name=f"{spec.name}-w{width}",
+        hidden=width,
+        layers=layers,
+        heads=width // 64 if spec.heads else 0,
+        kv_heads=2 if spec.kv_heads else 0,
+        head_dim=64 if spec.head_dim else 0,
+        ff=3 * width if spec.ff else 0,
+        attention=tuple(i for i in range(layers) if i % 4 == 3) if spec.attention else (),
+    )
 
 
 EDITS = ("map", "messages")
@@ -264,9 +288,11 @@ def run_hybrid(
     quick: bool = False,
     classes: list[str] | None = None,
     edits: tuple[str, ...] = EDITS,
+    width: int = 0,
     log: Log = print,
 ) -> dict[str, Any]:
-    """Every class's loops (see the module docstring); ``quick``: 3 turns over a shorter map."""
+    """Every class's loops (see the module docstring); ``quick``: 3 turns over a shorter map;
+    ``width``: the classes' copies that wide (:func:`widen`; 0: as generated)."""
     if not llama_server or not Path(llama_server).is_file():
         return {"skipped": "no llama-server binary (scripts/build_llama_server.sh builds one)"}
     # Both servers wait for work with modeld's OpenMP spin (modeld/backends/_omp.py): with
@@ -274,6 +300,8 @@ def run_hybrid(
     # ran 33 times slower (112 against 3700 tokens a second, qwen35, load average 14).
     os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     specs = [s for s in testmodels.ARCH_SPECS if not classes or s.name in classes]
+    if width:
+        specs = [widen(s, width) for s in specs]
     turns, lines = (3, 24) if quick else (6, 60)
     docs = [_class(spec, llama_server, threads, turns, lines, log, e) for e in edits for spec in specs]
     return {"classes": docs, "summary": [_summary(d) for d in docs], "report": report(docs)}
@@ -288,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--classes", default="", help="comma-separated model names (default: every class)")
     parser.add_argument("--edits", default=",".join(EDITS), help="the loops to run: map, messages")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--width", type=int, default=0, help="run copies this wide (a multiple of 64; 0: as generated)"
+    )
     args = parser.parse_args(argv)
     doc = run_hybrid(
         args.llama_server,
@@ -295,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         classes=[c for c in args.classes.split(",") if c] or None,
         edits=tuple(e for e in args.edits.split(",") if e in EDITS) or EDITS,
+        width=args.width,
         log=lambda s: print(s, flush=True),
     )
     if "skipped" in doc:
