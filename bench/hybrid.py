@@ -95,12 +95,12 @@ class _Server(HttpServerSystem):
         return elapsed, reused, done
 
 
-def _modeld(path: str, data: Path) -> _Server:
+def _modeld(path: str, data: Path, flags: tuple[str, ...] = ()) -> _Server:
     port = free_port()
     args = [
         sys.executable, "-m", "modeld.cli", "--data-dir", str(data), "serve",
         "--listen", f"unix:{data}/s.sock", "--backend", "llama", "--http", f"127.0.0.1:{port}",
-        "--model", f"m={path}", "--num-ctx", str(N_CTX),
+        "--model", f"m={path}", "--num-ctx", str(N_CTX), *flags,
     ]  # fmt: skip
     return _Server("modeld", args, port, model="m")
 
@@ -187,11 +187,18 @@ def _lcp(a: list[int], b: list[int]) -> int:
 
 
 def _class(
-    spec: testmodels.ArchSpec, binary: str, threads: int, turns: int, lines: int, log: Log, edits: str = "map"
+    spec: testmodels.ArchSpec,
+    binary: str,
+    threads: int,
+    turns: int,
+    lines: int,
+    log: Log,
+    edits: str = "map",
+    flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     path = str(testmodels.ensure_model(spec))
     data = Path(tempfile.mkdtemp(prefix=f"bhy-{spec.name}-"))
-    servers = [_modeld(path, data), _llama_server(binary, path, threads)]
+    servers = [_modeld(path, data, flags), _llama_server(binary, path, threads)]
     rows: list[dict[str, Any]] = []
 
     def loaded() -> None:
@@ -230,6 +237,7 @@ def _class(
     return {
         "model": spec.name,
         "edits": edits,
+        "modeld_flags": list(flags),
         "memory": footprint.get("memory", ""),
         "footprint": footprint,
         "turns": rows,
@@ -289,10 +297,12 @@ def run_hybrid(
     classes: list[str] | None = None,
     edits: tuple[str, ...] = EDITS,
     width: int = 0,
+    flags: tuple[str, ...] = (),
     log: Log = print,
 ) -> dict[str, Any]:
     """Every class's loops (see the module docstring); ``quick``: 3 turns over a shorter map;
-    ``width``: the classes' copies that wide (:func:`widen`; 0: as generated)."""
+    ``width``: the classes' copies that wide (:func:`widen`; 0: as generated); ``flags``: more
+    ``modeld serve`` flags (its defaults otherwise)."""
     if not llama_server or not Path(llama_server).is_file():
         return {"skipped": "no llama-server binary (scripts/build_llama_server.sh builds one)"}
     # Both servers wait for work with modeld's OpenMP spin (modeld/backends/_omp.py): with
@@ -303,7 +313,7 @@ def run_hybrid(
     if width:
         specs = [widen(s, width) for s in specs]
     turns, lines = (3, 24) if quick else (6, 60)
-    docs = [_class(spec, llama_server, threads, turns, lines, log, e) for e in edits for spec in specs]
+    docs = [_class(spec, llama_server, threads, turns, lines, log, e, flags) for e in edits for spec in specs]
     return {"classes": docs, "summary": [_summary(d) for d in docs], "report": report(docs)}
 
 
@@ -315,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 turns over a shorter repository map")
     parser.add_argument("--classes", default="", help="comma-separated model names (default: every class)")
     parser.add_argument("--edits", default=",".join(EDITS), help="the loops to run: map, messages")
+    parser.add_argument(
+        "--modeld-flag",
+        action="append",
+        default=[],
+        help="a flag for modeld serve (repeatable), e.g. --no-swa-full",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--width", type=int, default=0, help="run copies this wide (a multiple of 64; 0: as generated)"
@@ -327,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         classes=[c for c in args.classes.split(",") if c] or None,
         edits=tuple(e for e in args.edits.split(",") if e in EDITS) or EDITS,
         width=args.width,
+        flags=tuple(args.modeld_flag),
         log=lambda s: print(s, flush=True),
     )
     if "skipped" in doc:
