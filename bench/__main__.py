@@ -158,14 +158,19 @@ def _speculation(llama_server: str, threads: int, quick: bool) -> dict[str, Any]
 
 def _hybrid(llama_server: str, threads: int, quick: bool) -> dict[str, Any]:
     """Hybrid, sliding-window and recurrent models (``bench/hybrid.py``): per class, an agent loop
-    whose turns edit inside the prefix, against llama-server's default checkpoints. A failure is
-    the run's error, recorded; the other measurements go on."""
-    from bench.hybrid import run_hybrid
+    whose turns edit inside the prefix, against llama-server's default checkpoints, on the
+    classes' copies :data:`~bench.hybrid.BENCH_WIDTH` wide (the quick run: as generated). A
+    failure is the run's error, recorded; the other measurements go on."""
+    from bench.hybrid import BENCH_WIDTH, run_hybrid
 
     print("bench: hybrid, sliding-window and recurrent models (bench/hybrid.py)", flush=True)
     try:
         return run_hybrid(
-            llama_server, threads=threads, quick=quick, log=lambda s: print(f"  {s}", flush=True)
+            llama_server,
+            threads=threads,
+            quick=quick,
+            width=0 if quick else BENCH_WIDTH,
+            log=lambda s: print(f"  {s}", flush=True),
         )
     except Exception as exc:  # recorded as the run's error; the run goes on
         print(f"bench: hybrid failed: {exc}", file=sys.stderr, flush=True)

@@ -60,7 +60,7 @@ from modeld import testmodels
 from modeld.backends._omp import SPIN_COUNT
 from modeld.backends.cpu import cpu_has_amx
 
-__all__ = ["run_hybrid"]
+__all__ = ["BENCH_WIDTH", "run_hybrid", "widen"]
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hybrid"
 N_CTX = 8192
@@ -113,6 +113,10 @@ def _llama_server(binary: str, path: str, threads: int) -> _Server:
         *(["--no-repack"] if cpu_has_amx() else []),
     ]  # fmt: skip
     return _Server("llama-server", args, port, model="m")
+
+
+BENCH_WIDTH = 512
+"""The width ``make bench`` runs the classes at (:func:`widen`): compute dominates there."""
 
 
 def widen(spec: testmodels.ArchSpec, width: int) -> testmodels.ArchSpec:
