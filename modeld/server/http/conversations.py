@@ -359,7 +359,9 @@ class Conversations(SessionTable):
                 for _ in range(started.choices)
             ]
             reasoning_tokens = [0] * started.choices
-            answer: list[str] = []  # choice 0's text and reasoning: the next turn's history
+            # The answer's text and reasoning, kept only for a prefill ahead (the next turn's history).
+            ahead = self.prefill_ahead and turn.chat and turn.n == 1 and started.choices == 1
+            answer: list[str] = []
             thought_text: list[str] = []
             ended = 0
             async for chunk in stream:
@@ -367,7 +369,7 @@ class Conversations(SessionTable):
                 splitter = splitters[i]
                 delta, thought = _delta(chunk, splitter)
                 reasoning_tokens[i] += thought
-                if i == 0:
+                if ahead:
                     answer.append(delta.text)
                     thought_text.append(delta.reasoning)
                 if delta.text or delta.reasoning or delta.calls or delta.logprobs:
@@ -376,14 +378,14 @@ class Conversations(SessionTable):
                     if splitter is not None:
                         thinking, text = splitter.finish()
                         if thinking or text:
-                            if i == 0:
+                            if ahead:
                                 answer.append(text)
                                 thought_text.append(thinking)
                             yield Delta(text=text, reasoning=thinking, choice=i)
                     finished = self._finished(turn, chunk, usage, reasoning_tokens[i])
                     if turn.chat and i == 0 and finished.error is None:
                         self.diagnoses.record(turn.id, fingerprint)
-                    if i == 0 and started.choices == 1:
+                    if ahead:
                         self._ahead(turn, session, finished, "".join(answer), "".join(thought_text))
                     yield finished
                     ended += 1
@@ -396,12 +398,10 @@ class Conversations(SessionTable):
         self, turn: Turn, session: BridgedSession, finished: Finished, text: str, reasoning: str
     ) -> None:
         """Leave ``session`` the prefill of the next turn's prefix when the answer ends without a
-        tool call (module docstring)."""
-        if (
-            not (self.prefill_ahead and turn.chat and turn.n == 1 and finished.finish in AHEAD_FINISHES)
-            or finished.calls
-        ):
-            return  # choices decoded one by one would each re-prefill what it changed
+        tool call (module docstring; the caller asks only for a one-choice chat turn with
+        ``prefill_ahead`` on: choices decoded one by one would each re-prefill what it changed)."""
+        if finished.finish not in AHEAD_FINISHES or finished.calls:
+            return
         prefix = next_prefix(turn, text, reasoning, self.recall)
         model = turn.model
 
