@@ -380,6 +380,10 @@ class PrefixInput:
     tools_json: str = ""
     no_wait: bool | None = None  # None: the session's choice (OpenSessionRequest.no_wait)
     template_args_json: str = ""
+    ahead: bool = False
+    """Computed ahead of a turn that may follow (the HTTP layer's ``--prefill-ahead``), not a
+    turn of its own: the session reports it apart (:attr:`ContextReport.ahead`), and its last
+    turn's report (``last_prefix``, ``last_reuse``) stays that turn's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -701,6 +705,11 @@ class ContextReport:
     """in this many verify batches (mean draft length = drafted / batches);"""
     forced_tokens: int = 0
     """and tokens a constraint forced, appended without a decode step."""
+    ahead: PrefixStatus | None = None
+    """The session's last prefix computed ahead of a turn (``PrefixInput.ahead``: the next
+    turn's prefix put in place while the user read the answer), apart from its turns: a turn
+    after it reuses what it computed, and where it diverged (the template re-rendering an
+    earlier turn) is said here."""
 
 
 @dataclass(frozen=True, slots=True)

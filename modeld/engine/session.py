@@ -162,6 +162,7 @@ class EngineSession(Closing):
         self._tools_tokens: tuple[int, int] | None = None  # where the template put them
         self._churn = SegmentChurn()
         self._prefix_status: PrefixStatus | None = None
+        self._ahead_status: PrefixStatus | None = None  # the last prefix computed ahead of a turn
         self._turn = _Turn()
         self._closed = False
         self._end = SessionEnd(self._id, epoch, lambda: service.owner, lambda: service.stopping)
@@ -208,9 +209,11 @@ class EngineSession(Closing):
             self._manifest, self._chat = prep.manifest, prep.chat
             self._tools_json = prefix.tools_json if prep.chat is not None else ""
             self._tools_tokens = prep.tools
-            self._churn.observe(prep.manifest.segments)
+            ahead = getattr(prefix, "ahead", False)  # not a turn: the last turn's report stays
+            if not ahead:
+                self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
-            self._prefix_status = self._status(
+            status = self._status(
                 prep,
                 hold,
                 synced,
@@ -218,7 +221,11 @@ class EngineSession(Closing):
                 had=had,
                 previous=(previous, prompt_before),
             )
-            return self._prefix_status
+            if ahead:  # ContextReport.ahead
+                self._ahead_status = status
+            else:
+                self._prefix_status = status
+            return status
 
     def prefill_suffix(self, suffix: SuffixInput, progress: ProgressCallback | None = None) -> SuffixStatus:
         with self._operation(getattr(suffix, "no_wait", None)):
@@ -444,6 +451,7 @@ class EngineSession(Closing):
             accepted_tokens=self._spec_total.accepted,
             draft_batches=self._spec_total.verifies,
             forced_tokens=self._spec_total.forced,
+            ahead=self._ahead_status,
         )
 
     def interrupt(self, cause: ModeldError | None = None) -> None:

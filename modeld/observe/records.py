@@ -113,7 +113,9 @@ class RequestRecord:
     slot), ``prefix``, ``suffix``, ``decode``, ``answer`` (the last bytes to the client).
     ``finish``: the decode's finish reason (``stop``, ``length``, ``tool_calls``, ...), ``error``
     with ``error`` the stable reason token (``no_slot_available``, ``context_overflow``,
-    ``canceled``, ...), or ``prefix`` for a turn that only put a prefix in place.
+    ``canceled``, ...), ``prefix`` for a turn that only put a prefix in place, or ``ahead`` for
+    the next turn's prefix computed while the user read an answer (``--prefill-ahead``: no turn
+    of its own, its work counted here; the turn after it reuses it).
     ``reused_{kv,ram,disk,shared}``: the prefix's reused tokens by where they came from (a turn
     of ``n`` choices decoded one by one puts its prefix in place once per choice: each counts).
     """
@@ -207,7 +209,8 @@ def conversation_of(record: RequestRecord) -> str:
 
 @dataclass(slots=True)
 class Tally:
-    """A conversation's finished records in the ring: how many, their counts summed, the newest."""
+    """A conversation's finished records in the ring: how many turns, the counts of every record
+    summed (a prefill ahead of a turn, finish ``ahead``, included), the newest turn's record."""
 
     key: str
     turns: int = 0
@@ -301,6 +304,14 @@ class Recording:
         """One more party works on the turn (the session its transport handed it to)."""
         with self._store._lock:
             self._holds += 1
+
+    def follow_up(self) -> Recording:
+        """A record for work this turn left its session (a prefill ahead of the next turn:
+        finish ``ahead``), with the turn's API, model, job, agent and conversation; its opener
+        finishes it, as the transport does a turn's."""
+        v = self._values
+        labels = {k: v[k] for k in ("model", "job", "agent", "conversation")}
+        return self._store.begin(v["api"], external=True, **labels)
 
     def finish(self, **values: Any) -> None:
         """A party is done with the turn (its transport after the last byte; the session at its
@@ -480,11 +491,12 @@ class Records:
         tally = self._tallies.get(key)
         if tally is None:
             tally = self._tallies[key] = Tally(key)
-        tally.turns += 1
+        ahead = r.finish == "ahead"  # work a turn left (counted, but no turn, nor the last one)
+        tally.turns += 0 if ahead else 1
         counts = {name: getattr(r, name) for name in COUNTED}
         for name, value in counts.items():
             tally.sums[name] += value
-        if tally.last is None or r.started_at >= tally.last.started_at:
+        if not ahead and (tally.last is None or r.started_at >= tally.last.started_at):
             tally.last = r
             self._tallies.move_to_end(key)
         if r.started_at >= self.started_at:
@@ -509,7 +521,7 @@ class Records:
         tally = self._tallies.get(key)
         if tally is None:
             return
-        tally.turns -= 1
+        tally.turns -= 0 if r.finish == "ahead" else 1
         if tally.turns <= 0:
             del self._tallies[key]
             return

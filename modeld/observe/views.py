@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from modeld.contract import ContextReport, ModelInfo, WarmContextInfo
+from modeld.contract import ContextReport, ModelInfo, PrefixStatus, WarmContextInfo
 from modeld.observe.status import (
     DaemonMemory,
     DaemonStatus,
@@ -555,6 +555,8 @@ def format_report(r: ContextReport) -> str:
             )
     else:
         out.append("last ensure_prefix: none yet")
+    if r.ahead is not None:
+        out.extend(_ahead_lines(r.ahead))
     for c in r.changing_segments:
         out.append(
             f"likely cause of repeated misses: stable segment {c.kind!r} #{c.position} (segment {c.index}) "
@@ -563,6 +565,22 @@ def format_report(r: ContextReport) -> str:
         )
     out.extend(_warm_state_lines(r))
     return "\n".join(out)
+
+
+def _ahead_lines(p: PrefixStatus) -> list[str]:
+    """The last prefix computed ahead of a turn (``--prefill-ahead``), apart from the turns."""
+    d = p.reuse
+    out = [
+        f"last prefix computed ahead of a turn: {p.prefix_tokens} tokens, {p.reused_tokens} of them warm, "
+        f"{p.prefilled_tokens} computed while the user read ({d.outcome}, {d.reason})"
+    ]
+    if d.diverged_at_token is not None:
+        out.append(
+            f"  diverged at token {d.diverged_at_token}"
+            + (f", in segment {d.diverged_segment!r}" if d.diverged_segment else "")
+            + ": the template renders the conversation otherwise once a user message follows the answer"
+        )
+    return out
 
 
 _COLD_WHY = {

@@ -498,7 +498,7 @@ def report_to_pb(report: ContextReport) -> pb.ContextReport:
     msg = _to_pb(
         report,
         pb.ContextReport(),
-        skip=("manifest", "last_reuse", "last_prefix", "contexts", "changing_segments"),
+        skip=("manifest", "last_reuse", "last_prefix", "contexts", "changing_segments", "ahead"),
     )
     msg.contexts.extend(_contexts_to_pb(report.contexts))
     msg.changing_segments.extend(_to_pb(c, pb.ChangingSegment()) for c in report.changing_segments)
@@ -508,6 +508,8 @@ def report_to_pb(report: ContextReport) -> pb.ContextReport:
         msg.last_reuse.CopyFrom(_reuse_to_pb(report.last_reuse))
     if report.last_prefix is not None:
         msg.last_prefix.CopyFrom(prefix_status_to_pb(report.last_prefix))
+    if report.ahead is not None:
+        msg.ahead.CopyFrom(prefix_status_to_pb(report.ahead))
     return msg
 
 
@@ -519,6 +521,7 @@ def report_from_pb(msg: pb.ContextReport) -> ContextReport:
         manifest=manifest_from_pb(msg.manifest) if msg.HasField("manifest") else None,
         last_reuse=_reuse_from_pb(msg.last_reuse) if msg.HasField("last_reuse") else None,
         last_prefix=prefix_status_from_pb(msg.last_prefix) if msg.HasField("last_prefix") else None,
+        ahead=prefix_status_from_pb(msg.ahead) if msg.HasField("ahead") else None,
         contexts=_contexts_from_pb(msg.contexts),
         changing_segments=tuple(_from_pb(c, ChangingSegment) for c in msg.changing_segments),
     )

@@ -190,3 +190,31 @@ def test_a_turn_cut_short_is_done_when_its_transport_and_its_session_have_let_it
     )
     assert record.prefix_tokens == 202 and record.prefilled_tokens > 202
     assert sums([record], lambda r: r.model) == metric_totals(metrics)
+
+
+def test_a_prefill_ahead_counts_in_its_conversations_sums_but_is_no_turn(tmp_path: Path) -> None:
+    records = Records(tmp_path / "requests", ring=3)
+    turn = records.begin(
+        "anthropic", external=True, model="m", job="j", agent="claude-cli", conversation="c1"
+    )
+    turn.add(prefix_tokens=10, reused_kv=7, prefilled_tokens=3)
+    ahead = turn.follow_up()  # the work the turn left its session: the turn's labels
+    turn.finish(finish="end_turn", status=200)
+    ahead.add(prefix_tokens=14, reused_kv=12, prefilled_tokens=2)
+    ahead.finish(finish="ahead")
+    got = records.get(ahead.id)
+    assert got is not None and got.state == "done" and got.finish == "ahead"
+    assert (got.api, got.model, got.job, got.agent, got.conversation) == (
+        "anthropic",
+        "m",
+        "j",
+        "claude-cli",
+        "c1",
+    )
+    (tally,), count = records.tallies()
+    assert count == 1 and tally.turns == 1, tally  # one turn; its prefill ahead is none
+    assert tally.last is not None and tally.last.id == turn.id  # the page's last turn is the turn
+    assert tally.sums["prefilled_tokens"] == 5 and tally.sums["prefix_tokens"] == 24  # both counted
+    for _ in range(3):  # both leave the ring: the conversation's tally goes with them
+        _done(records, conversation="c2")
+    assert [t.key for t in records.tallies()[0]] == ["c2"]

@@ -386,7 +386,9 @@ class Conversations(SessionTable):
                     if turn.chat and i == 0 and finished.error is None:
                         self.diagnoses.record(turn.id, fingerprint)
                     if ahead:
-                        self._ahead(turn, session, finished, "".join(answer), "".join(thought_text))
+                        self._ahead(
+                            turn, session, finished, "".join(answer), "".join(thought_text), recording
+                        )
                     yield finished
                     ended += 1
                     if ended == started.choices:
@@ -395,24 +397,40 @@ class Conversations(SessionTable):
             await stream.aclose()
 
     def _ahead(
-        self, turn: Turn, session: BridgedSession, finished: Finished, text: str, reasoning: str
+        self,
+        turn: Turn,
+        session: BridgedSession,
+        finished: Finished,
+        text: str,
+        reasoning: str,
+        recording: Recording | None,
     ) -> None:
         """Leave ``session`` the prefill of the next turn's prefix when the answer ends without a
         tool call (module docstring; the caller asks only for a one-choice chat turn with
-        ``prefill_ahead`` on: choices decoded one by one would each re-prefill what it changed)."""
+        ``prefill_ahead`` on: choices decoded one by one would each re-prefill what it changed).
+        Reported apart from the turns: the session's ``ahead`` (explain-context), and a request
+        record of its own (finish ``ahead``, the turn's labels) when the turn has one."""
         if finished.finish not in AHEAD_FINISHES or finished.calls:
             return
-        prefix = next_prefix(turn, text, reasoning, self.recall)
+        prefix = replace(next_prefix(turn, text, reasoning, self.recall), ahead=True)
         model = turn.model
 
         async def prefill(bridged: BridgedSession) -> None:
             metrics = self._gateway.metrics
+            observed = bridged.hosted.session
+            record = recording.follow_up() if recording is not None else None
+            if record is not None:
+                observed.record(record)
             try:
                 status = await bridged.ensure_prefix(prefix)
             except ModeldError as exc:
                 metrics.ahead.labels(metrics.label(model), "failed").inc()
                 log.info("%s: no prefill ahead of the next turn: %s", turn.conversation(), exc.message)
                 return
+            finally:
+                if record is not None:  # once the engine is idle (a cancelled prefill still runs)
+                    bridged.when_idle(lambda: observed.turn.let_go(record))
+                    record.finish(finish="ahead")
             metrics.ahead.labels(metrics.label(model), "done").inc()
             metrics.ahead_tokens.labels(metrics.label(model)).inc(status.prefilled_tokens)
             log.info(
