@@ -142,13 +142,14 @@ class HttpSettings:
     the session for good). On by default: it changes only prompts that would be refused, and a
     prompt with no tool result to cut is still refused in Claude Code's words, which it compacts
     on (--no-fit-tool-results: always refuse)."""
-    prefill_ahead: bool = setting(False, "--prefill-ahead", _HTTP)
+    prefill_ahead: bool = setting(True, "--prefill-ahead", _HTTP)
     """When an answer ends without a tool call, compute the prefix of the conversation's next
     turn (the conversation with that answer as history, as the model's template renders it once
     a user message follows) while the user reads: templates that render earlier turns otherwise
     then (Qwen3 and others drop earlier reasoning) cost the next turn nothing extra. The next
-    request waits for it if it comes first. Off by default for now: explain-context then shows
-    that prefill as the session's last reuse, not the turn's."""
+    request waits for it if it comes first. It has a request record of its own (finish 'ahead')
+    and explain-context shows it beside the turn's own reuse. --no-prefill-ahead: each turn
+    computes what it needs itself (a regenerated answer then stays warm up to its prompt)."""
     aliases: tuple[str, ...] = setting((), "--alias", _HTTP, metavar="PATTERN=MODEL", repeat=True)
     """Requests for a model name matching the glob PATTERN are served by MODEL (repeatable, first
     match wins), e.g. 'claude-*=modeld-reply' or 'gpt-*=modeld-reply', so an agent's default

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -388,6 +389,21 @@ def test_status_metrics_and_the_turns_count_the_same_tokens(tmp_path: Path, tiny
                     usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"],
                 )
                 messages += [body["choices"][0]["message"], {"role": "user", "content": "And then?"}]
+            # Each answer left the next turn's prefix computed ahead (--prefill-ahead, the
+            # default): no turn says that work, its own request record does (finish "ahead").
+            aheads: list[dict[str, Any]] = []
+            for _ in range(600):
+                records = httpx.get(f"{url}/v1/requests", params={"limit": 100}, timeout=30).json()["data"]
+                aheads = [r for r in records if r["finish"] == "ahead"]
+                if len(aheads) == 2 and all(r["state"] == "done" for r in aheads):
+                    break
+                time.sleep(0.1)
+            assert len(aheads) == 2, aheads
+            for r in aheads:
+                add("queries", http_model, r["prefix_tokens"])
+                for source in ("kv", "ram", "disk", "shared"):
+                    add(f"reused_{source}", http_model, r[f"reused_{source}"])
+                add("prefilled", http_model, r["prefilled_tokens"])
 
             reasons = [s.last_outcome for s in client.list_sessions()]
             assert "partial" in reasons or "warm" in reasons

@@ -247,11 +247,23 @@ def chat_messages(fam: Family, turn: int, system: str) -> list[Any]:
 
 @contextlib.contextmanager
 def serve_families() -> Iterator[Clients]:
-    """A daemon on llama.cpp serving every family model under its name, and its clients."""
+    """A daemon on llama.cpp serving every family model under its name, and its clients.
+
+    Without the prefill ahead of the next turn: these conversations are scripted (a turn's
+    history is the script's, not what the model answered), so a prefill ahead would predict a
+    next turn they never send and move each session off the rendering the matrix checks, turn
+    by turn; ``tests/http/test_prefill_ahead.py`` tests it on a conversation that goes on from
+    the model's own answer."""
     tmp = Path(tempfile.mkdtemp(prefix="mdfam"))
     models = [f"--model={f.name}={ensure_family_model(f.name)}" for f in FAMILIES]
     proc, record = serve_http(
-        tmp, *models, "--max-output-tokens", str(MAX_TOKENS), backend="llama", timeout=300
+        tmp,
+        *models,
+        "--max-output-tokens",
+        str(MAX_TOKENS),
+        "--no-prefill-ahead",
+        backend="llama",
+        timeout=300,
     )
     clients = Clients(record.http_endpoint, tmp)
     try:

@@ -57,7 +57,9 @@ class Daemon:
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[Daemon]:
     tmp = Path(tempfile.mkdtemp(prefix="mda"))
-    d = Daemon(tmp)
+    # Without the prefill ahead (the default; tests/http/test_prefill_ahead.py): these tests read each
+    # turn's own reuse and the session's state right after its answer, which a prefill ahead changes.
+    d = Daemon(tmp, "--no-prefill-ahead")
     try:
         yield d
     finally:

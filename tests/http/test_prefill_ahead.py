@@ -1,4 +1,4 @@
-"""The next turn's prefix computed while the user reads (``--prefill-ahead``; blueprint 0010,
+"""The next turn's prefix computed while the user reads (``--prefill-ahead``, the default; blueprint 0010,
 "Ahead of the next turn"), through the official ``openai`` SDK against a real
 ``modeld serve --http`` on the generated Qwen3-family model (its template drops the reasoning of
 the turns before the newest user message, so a user's turn after an agent's tool loop renders
@@ -6,7 +6,7 @@ that loop otherwise than the turn before did).
 
 An answer without a tool call leaves its session a prefill of the conversation with that answer
 as history; the user's next turn, sent at once, waits for it and computes only its own message.
-The same turns on a daemon without it (the default) compute the re-rendered history in the
+The same turns on a daemon without it (``--no-prefill-ahead``) compute the re-rendered history in the
 user's turn, and give the same greedy tokens and log-probabilities (the prefix computed ahead is
 an ordinary warm prefix). A turn that ends in a tool call leaves nothing. The prefill ahead is
 reported apart from the turns: a request record of its own (finish ``ahead``, the turn's
@@ -91,12 +91,12 @@ _DATA: dict[int, Path] = {}
 
 @pytest.fixture
 def ahead(model: Path) -> Iterator[openai.OpenAI]:
-    yield from _daemon(model, "--prefill-ahead")
+    yield from _daemon(model)  # the default
 
 
 @pytest.fixture
 def plain(model: Path) -> Iterator[openai.OpenAI]:
-    yield from _daemon(model)
+    yield from _daemon(model, "--no-prefill-ahead")
 
 
 def _ask(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int = 4, **extra: Any) -> Any:

@@ -36,7 +36,9 @@ TERMINAL = ("response.completed", "response.incomplete", "response.failed", "err
 class Daemon:
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.proc, record = serve_http(tmp)
+        # Without the prefill ahead (the default; tests/http/test_prefill_ahead.py): these tests read each
+        # turn's own reuse and the session's state right after its answer, which a prefill ahead changes.
+        self.proc, record = serve_http(tmp, "--no-prefill-ahead")
         self.url = record.http_endpoint
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
 

@@ -228,6 +228,7 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
             agent_row.click()
             turns = page.locator("#turns-body .turn")
             assert turns.count() == 4
+            assert "computed ahead of the next turn" in turns.nth(0).inner_text()
             outcomes = [turns.nth(i).locator(".head span").first.inner_text() for i in range(4)]
             assert outcomes == ["cold", "warm", "partial", "warm"]
             why = turns.nth(2).locator(".why").inner_text()
@@ -249,7 +250,11 @@ def test_the_page_shows_the_agents_turns_live_and_its_numbers_equal_metrics(
             page.fill("#job", JOB)
             page.click("#search button")
             page.wait_for_selector("#requests-body tr[data-record]")
-            assert page.locator("#requests-body tr[data-record]").count() == 4
+            # Its four turns, and the prefill ahead each answer left (finish "ahead": no turn bar).
+            finishes = page.eval_on_selector_all(
+                "#requests-body tr[data-record]", "rows => rows.map(r => r.children[7].textContent)"
+            )
+            assert sorted(finishes) == ["ahead"] * 4 + ["stop"] * 4, finishes
 
             assert errors == []
             text = page.inner_text("body")

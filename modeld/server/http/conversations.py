@@ -26,7 +26,7 @@ unchanged, its arguments go to the template as the model wrote them, so a templa
 arguments text as it is renders the call byte for byte and the next turn reuses every
 generated token (``blueprints/0010``, ``0018``).
 
-Ahead of the next turn (``prefill_ahead``, ``--prefill-ahead``, off by default; blueprint 0010): when a
+Ahead of the next turn (``prefill_ahead``, ``--prefill-ahead``, on by default; blueprint 0010): when a
 chat turn's answer ends without a tool call, the next request is a user's, and it will carry this
 conversation with the answer as history. Many templates render history otherwise once a later
 user message exists (Qwen3, Qwen3.5, GLM 4.6, Kimi K2, Gemma 4 and gpt-oss drop the reasoning of
@@ -192,7 +192,7 @@ class Conversations(SessionTable):
         idle_seconds: float,
         tool_formats: Mapping[str, str] | None = None,
         fit_tool_results: bool = False,
-        prefill_ahead: bool = False,
+        prefill_ahead: bool = True,
     ) -> None:
         super().__init__(gateway, bridge, max_conversations=max_conversations, idle_seconds=idle_seconds)
         self.prefill_ahead = prefill_ahead

@@ -159,7 +159,7 @@ function turnWhy(r) {
   return `${r.outcome}: ${r.reason}${where.length ? ` ${where.join(', ')}` : ''}${r.tier && r.reason === 'evicted' ? ` (went to ${r.tier})` : ''}`;
 }
 
-function turnRow(r, i, widest) {
+function turnRow(r, i, widest, ahead) {
   const restored = r.reused_ram + r.reused_disk + r.reused_shared;
   const kept = Math.max(0, r.prompt_tokens - r.reused_kv - restored - r.prefilled_tokens);
   const parts = [
@@ -178,6 +178,7 @@ function turnRow(r, i, widest) {
   if (r.restore_ms) facts.push(`restore ${ms(r.restore_ms)}`);
   facts.push(`${num(reused(r))} reused · ${num(r.prefilled_tokens)} prefilled · ${num(r.generated_tokens)} generated`);
   if (r.error) facts.push(`error ${r.error}`);
+  if (ahead) facts.push(`then ${num(ahead.prefilled_tokens)} tokens computed ahead of the next turn${ahead.state === 'running' ? ' (running)' : ''}`);
   const why = turnWhy(r);
   return el('div', { class: 'turn', 'data-turn': r.id },
     el('div', { class: 'head' }, el('b', { text: `#${i + 1} ` }), el('span', { class: r.outcome || 'muted', text: r.outcome || r.state }), ` · ${clock(r.started_at)}`,
@@ -196,7 +197,7 @@ function turnsOf(s, key) {
   // per turn count (the running ones come from the state).
   const mine = s.records.filter((r) => (r.conversation || `${r.api}:${r.session}`) === key);
   const row = s.conversations.find((c) => c.key === key);
-  const done = mine.filter((r) => r.state === 'done').length;
+  const done = mine.filter((r) => r.state === 'done' && r.finish !== 'ahead').length;
   if (!row || done >= row.turns) return mine;
   if (fetched.key === key && fetched.turns === row.turns) {
     const known = new Set(fetched.records.map((r) => r.id));
@@ -213,11 +214,18 @@ function turnsOf(s, key) {
 }
 
 function renderTurns(s) {
-  const turns = view.selected ? turnsOf(s, view.selected) : [];
+  // A prefill ahead of the next turn (finish 'ahead') is no turn: it is told on the turn that left it.
+  const records = (view.selected ? turnsOf(s, view.selected) : []).slice().sort((a, b) => a.started_at - b.started_at);
+  const turns = [];
+  const ahead = new Map();
+  for (const r of records) {
+    if (r.finish !== 'ahead') turns.push(r);
+    else if (turns.length) ahead.set(turns[turns.length - 1].id, r);
+  }
   document.getElementById('turns-of').textContent = view.selected ? `of ${view.selected}` : '';
   if (!turns.length) { fill('turns-body', el('p', { class: 'muted', text: 'Pick a conversation above.' })); return; }
   const widest = Math.max(1, ...turns.map((r) => r.prompt_tokens + r.generated_tokens, 0));
-  fill('turns-body', turns.map((r, i) => turnRow(r, i, widest)));
+  fill('turns-body', turns.map((r, i) => turnRow(r, i, widest, ahead.get(r.id))));
 }
 
 // --- in flight, refusals, requests, fleet -----------------------------------------------------
