@@ -221,7 +221,8 @@ class EngineSession(Closing):
                 had=had,
                 previous=(previous, prompt_before),
             )
-            if ahead:  # ContextReport.ahead
+            if ahead:  # ContextReport.ahead; no decode follows: its cells are no turn's
+                self.model.cache.no_turn(self.slot)
                 self._ahead_status = status
             else:
                 self._prefix_status = status
