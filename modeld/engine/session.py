@@ -197,7 +197,7 @@ class EngineSession(Closing):
             tokens = prep.tokens
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
             had = list(self._tokens)
-            previous, prompt_before = self._manifest, self._n_prefix + self._n_suffix
+            prior = (self._manifest, self._n_prefix + self._n_suffix)  # the manifest, the prompt's size
             head = self._head(tokens)
             with self.model.cache.hold(
                 self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
@@ -213,14 +213,8 @@ class EngineSession(Closing):
             if not ahead:
                 self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
-            status = self._status(
-                prep,
-                hold,
-                synced,
-                dropped=max(0, before - hold.keep),
-                had=had,
-                previous=(previous, prompt_before),
-            )
+            dropped = max(0, before - hold.keep)
+            status = self._status(prep, hold, synced, dropped=dropped, had=had, previous=prior)
             if ahead:  # ContextReport.ahead; no decode follows: its cells are no turn's
                 self.model.cache.no_turn(self.slot)
                 self._ahead_status = status

@@ -61,8 +61,10 @@ def test_openai_chat_returns_reasoning_content_streamed_and_not(url: str) -> Non
 
 def test_the_next_turn_diverges_at_the_last_assistant_message_and_never_before(url: str) -> None:
     """The client sends the answer back without its thinking (as chat clients do); the template
-    renders it so too. The KV held the thinking: the turn diverges inside the last assistant
-    message, so everything before that message is reused."""
+    renders it so too. The KV held the thinking: the conversation diverges inside the last
+    assistant message, so everything before that message is reused. The prefill ahead of the
+    next turn (the default) meets that divergence while the user reads; the next turn then
+    reuses all it computed."""
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     messages: list[Any] = [
         {"role": "system", "content": "You are a careful engineer. " * 20},
@@ -92,12 +94,32 @@ def test_the_next_turn_diverges_at_the_last_assistant_message_and_never_before(u
     assert (
         again[: len(render(messages=messages[:2], add_generation_prompt=True)) - len("<think>\n")] in resident
     )
-    assert extension["reused_tokens"] == common, (extension, common)
+    # The prefill ahead that turn one left (its own record: finish "ahead") diverged there.
+    records = httpx.get(f"{url}/v1/requests", params={"limit": 1000}, timeout=30).json()["data"]
+    mine = sorted(
+        (r for r in records if r["conversation"] == records_of(records, second.id)["conversation"]),
+        key=lambda r: r["started_at"],
+    )
+    ahead = mine[1]
+    assert [r["finish"] for r in mine[:3]] == [
+        first.choices[0].finish_reason,
+        "ahead",
+        second.choices[0].finish_reason,
+    ]
+    assert ahead["reused_tokens"] == common, (ahead, common)
     assert first.usage is not None and common == first.usage.prompt_tokens - len(
         vocab.tokenize(b"<think>\n", add_bos=False, special=True)
     )  # everything before the assistant's answer: the last assistant message, and not before
+    # Turn two reused all the prefill ahead computed: the answer as history, and what the
+    # template puts before the next message.
+    assert extension["reused_tokens"] == ahead["prefix_tokens"] >= len(b), (extension, ahead)
     vocab.close()
     client.close()
+
+
+def records_of(records: list[dict[str, Any]], response_id: str) -> dict[str, Any]:
+    """The request record of the response ``response_id`` (a record's id is its turn's)."""
+    return next(r for r in records if response_id.endswith(r["id"]))
 
 
 def test_anthropic_thinking_blocks_follow_the_request(url: str) -> None:

@@ -114,12 +114,16 @@ def test_records_of_every_transport_by_job_survive_a_restart_and_age_out(tmp_pat
         assert asyncio.run(over_asyncio()) == [r.id for r in grpc_records]
 
         listed = httpx.get(f"{url}/v1/requests", params={"job": "suite-1"}, timeout=30).json()["data"]
-        assert [r["id"] for r in listed[:2]] == [first, second]
-        assert [r["finish"] for r in listed] == ["length", "length", "error"]
-        assert listed[2]["error"] == "model_not_found" and listed[2]["status"] == 404
-        assert listed[1]["outcome"] == "partial" and listed[1]["diverged_segment"] == "system"
-        assert MARKER in listed[1]["excerpt"]  # --ui-show-prompts: the slice where it diverged
-        assert all(r["bytes_in"] > 0 for r in listed) and listed[0]["bytes_out"] > 0
+        # Each answer left the next turn's prefix computed ahead: a record of its own, its labels.
+        aheads = [r for r in listed if r["finish"] == "ahead"]
+        assert [(r["api"], r["job"], r["state"]) for r in aheads] == [("openai", "suite-1", "done")] * 2
+        turns = [r for r in listed if r["finish"] != "ahead"]
+        assert [r["id"] for r in turns[:2]] == [first, second]
+        assert [r["finish"] for r in turns] == ["length", "length", "error"]
+        assert turns[2]["error"] == "model_not_found" and turns[2]["status"] == 404
+        assert turns[1]["outcome"] == "partial" and turns[1]["diverged_segment"] == "system"
+        assert MARKER in turns[1]["excerpt"]  # --ui-show-prompts: the slice where it diverged
+        assert all(r["bytes_in"] > 0 for r in turns) and turns[0]["bytes_out"] > 0
         recent = httpx.get(f"{url}/v1/requests", params={"job": "suite-1", "since": "1h"}, timeout=30).json()
         assert [r["id"] for r in recent["data"]] == [r["id"] for r in listed]
         future = httpx.get(f"{url}/v1/requests", params={"since": str(time.time() + 60)}, timeout=30).json()
@@ -127,7 +131,10 @@ def test_records_of_every_transport_by_job_survive_a_restart_and_age_out(tmp_pat
         one = httpx.get(f"{url}/v1/requests/{second}", timeout=30).json()
         assert one["id"] == second and one["job"] == "suite-1" and one["api"] == "openai"
         claude_record = httpx.get(f"{url}/v1/requests", params={"job": "suite-2"}, timeout=30).json()["data"]
-        assert [(r["api"], r["finish"]) for r in claude_record] == [("anthropic", "length")]
+        assert sorted((r["api"], r["finish"]) for r in claude_record) == [
+            ("anthropic", "ahead"),
+            ("anthropic", "length"),
+        ]
         for bad, param in (({"limit": "0"}, "limit"), ({"bogus": "1"}, "bogus"), ({"job": "x" * 300}, "job")):
             answer = httpx.get(f"{url}/v1/requests", params=bad, timeout=30)
             assert answer.status_code == 400 and answer.json()["error"]["param"] == param
