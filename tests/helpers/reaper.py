@@ -97,12 +97,25 @@ def end(procs: list[Proc], grace: float = GRACE_SECONDS) -> list[Proc]:
 def _describe(procs: list[Proc]) -> str:
     names = []
     for pid, _ in procs:
+        names.append(f"{pid} {_command(pid)[:160]}")
+    return "\n  ".join(names)
+
+
+def _command(pid: int) -> str:
+    """The command line of ``pid``; its name when the kernel shows no command line (a process
+    between fork and exec, or being torn down, reads empty for a moment: asked again first)."""
+    for _ in range(10):
         try:
             cmd = (_PROC / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
-            cmd = "?"
-        names.append(f"{pid} {cmd.strip()[:160]}")
-    return "\n  ".join(names)
+            return "?"
+        if cmd.strip():
+            return cmd.strip()
+        time.sleep(0.02)
+    try:
+        return f"[{(_PROC / str(pid) / 'comm').read_text().strip()}]"
+    except OSError:
+        return "?"
 
 
 def install(say: Callable[[str], None], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGHUP)) -> None:
