@@ -44,7 +44,8 @@ family. Turn-major (each turn on every system, each after the one before is idle
 rotating). A turn whose request ends in a user's new instruction is sent to each system at least
 :data:`READ_SECONDS` after that system's previous turn ended (the user reads the answer and
 types; ``--read-seconds``): the same pause for every system, in which modeld computes the next
-prefix ahead (it runs with ``--prefill-ahead``, not yet its default; blueprint 0010) and
+prefix ahead (it runs with ``--prefill-ahead``, its default, named so the report says so;
+blueprint 0010) and
 llama-server does nothing. Timing is
 recorded, never asserted; errors fail the run.
 """
