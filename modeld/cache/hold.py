@@ -91,6 +91,7 @@ class Hold:
         self.target = target
         self.stage = stage
         self._manifest = manifest
+        self._turn = True  # its prefix or suffix begins a turn whose decode comes next (commit)
         self.keep = 0
         """Tokens reused from the chosen candidate (the rest is evaluated by :meth:`sync`)."""
         self.decision = _PENDING
@@ -221,10 +222,13 @@ class Hold:
                 pool.costs.turn_prefill.add(float(evaluated))
             self._decoding = (time.monotonic(), pool.ledger.used(), pool.tally.operations) if alone else None
 
-    def commit(self, *, prefix: int) -> None:
+    def commit(self, *, prefix: int, turn: bool = True) -> None:
         """The target's first ``prefix`` tokens are the session's prefix now: others may copy
         them, a long one is written behind to the disk tier, and the model file is warm under
-        this runtime (:class:`~modeld.cache.reuse.RuntimeHistory`)."""
+        this runtime (:class:`~modeld.cache.reuse.RuntimeHistory`). ``turn`` False: the prefix
+        begins no turn (a prefill ahead of the next one, which no decode follows), so its
+        context is idle once released, as after a decode."""
+        self._turn = turn
         state = self._state
         with state.lock:
             self.context.prefix_tokens = prefix
@@ -412,7 +416,8 @@ class Hold:
             context.last_used = now
             # A prefix or a suffix is the start of a turn whose decode comes next: the context
             # is not idle in between (another session's turn does not evict it, see leave_idle).
-            context.turn_until = now + TURN_SECONDS if self.stage in ("prefix", "suffix") else 0.0
+            turn = self._turn and self.stage in ("prefix", "suffix")
+            context.turn_until = now + TURN_SECONDS if turn else 0.0
             owner = context.owner
             if owner is not None and self._state.pool.holds(context):
                 # Shared, not copied (an 8k-token copy per operation of every turn): a context's

@@ -547,17 +547,6 @@ class ModelCache:
                     eviction.evict(self.state.pool, context, runtime, why)
                     owner.ended = ""  # its client said how long to keep it: never brought back early
 
-    def no_turn(self, slot: SessionSlot) -> None:
-        """The session's last prefix began no turn (a prefill ahead of the next turn, which no
-        decode follows): its context is idle at once, as after a decode, so another turn may
-        take its cells (else it would hold them as a turn's for ``TURN_SECONDS``)."""
-        with self.state.lock:
-            context = slot.context
-            if context is not None:
-                context.turn_until = 0.0
-            slot.turn_started = 0.0
-        self.state.room_freed()
-
     def close(self) -> None:
         with self.state.lock:
             self.state.closed = True

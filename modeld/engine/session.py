@@ -195,6 +195,7 @@ class EngineSession(Closing):
         with self._operation(getattr(prefix, "no_wait", None)):
             prep = self._prepare.prefix(prefix)
             tokens = prep.tokens
+            ahead = getattr(prefix, "ahead", False)  # no turn: its report apart, its cells idle after
             before = self.model.cache.kv_tokens(self.slot, self._tokens)
             had = list(self._tokens)
             prior = (self._manifest, self._n_prefix + self._n_suffix)  # the manifest, the prompt's size
@@ -204,19 +205,17 @@ class EngineSession(Closing):
             ) as hold:
                 synced = self._sync(hold, progress)
                 self.model.check_file()  # changed during the prefill: never commit (or persist) it
-                hold.commit(prefix=len(tokens))
+                hold.commit(prefix=len(tokens), turn=not ahead)
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
             self._tools_json = prefix.tools_json if prep.chat is not None else ""
             self._tools_tokens = prep.tools
-            ahead = getattr(prefix, "ahead", False)  # not a turn: the last turn's report stays
             if not ahead:
                 self._churn.observe(prep.manifest.segments)
             self._turn = _Turn(len(tokens) - hold.keep, synced.ms, hold.restore_ms)
             dropped = max(0, before - hold.keep)
             status = self._status(prep, hold, synced, dropped=dropped, had=had, previous=prior)
-            if ahead:  # ContextReport.ahead; no decode follows: its cells are no turn's
-                self.model.cache.no_turn(self.slot)
+            if ahead:  # ContextReport.ahead; the last turn's report stays
                 self._ahead_status = status
             else:
                 self._prefix_status = status

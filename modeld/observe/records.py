@@ -44,6 +44,7 @@ from typing import Any
 from modeld.observe.recordfile import RecordFile
 
 __all__ = [
+    "AHEAD",
     "COUNTED",
     "MAX_LABEL_CHARS",
     "MAX_QUERY_RECORDS",
@@ -60,6 +61,8 @@ __all__ = [
 
 log = logging.getLogger("modeld.records")
 
+AHEAD = "ahead"
+"""The finish of a record of work a turn left its session (:meth:`Recording.follow_up`): no turn."""
 MAX_LABEL_CHARS = 256
 """The longest job label, agent name or conversation key a record keeps (a longer one is
 refused where a client sends it)."""
@@ -311,7 +314,7 @@ class Recording:
         finishes it, as the transport does a turn's."""
         v = self._values
         labels = {k: v[k] for k in ("model", "job", "agent", "conversation")}
-        return self._store.begin(v["api"], external=True, **labels)
+        return self._store.begin(v["api"], external=True, finish=AHEAD, **labels)
 
     def finish(self, **values: Any) -> None:
         """A party is done with the turn (its transport after the last byte; the session at its
@@ -491,7 +494,7 @@ class Records:
         tally = self._tallies.get(key)
         if tally is None:
             tally = self._tallies[key] = Tally(key)
-        ahead = r.finish == "ahead"  # work a turn left (counted, but no turn, nor the last one)
+        ahead = r.finish == AHEAD  # work a turn left (counted, but no turn, nor the last one)
         tally.turns += 0 if ahead else 1
         counts = {name: getattr(r, name) for name in COUNTED}
         for name, value in counts.items():
@@ -521,7 +524,7 @@ class Records:
         tally = self._tallies.get(key)
         if tally is None:
             return
-        tally.turns -= 0 if r.finish == "ahead" else 1
+        tally.turns -= 0 if r.finish == AHEAD else 1
         if tally.turns <= 0:
             del self._tallies[key]
             return

@@ -430,7 +430,7 @@ class Conversations(SessionTable):
             finally:
                 if record is not None:  # once the engine is idle (a cancelled prefill still runs)
                     bridged.when_idle(lambda: observed.turn.let_go(record))
-                    record.finish(finish="ahead")
+                    record.finish()
             metrics.ahead.labels(metrics.label(model), "done").inc()
             metrics.ahead_tokens.labels(metrics.label(model)).inc(status.prefilled_tokens)
             log.info(
