@@ -409,7 +409,7 @@ class Hold:
         with self._state.lock:
             now = time.time()
             context = self.context
-            context.busy = False
+            context.busy = context.ahead = False
             context.floor = 0
             if self._state.pool.holds(context):
                 self._state.pool.reserved.pop(context.seq, None)

@@ -97,6 +97,9 @@ class WarmContext:
     owner: SessionSlot | None = None
     busy: bool = False
     floor: int = 0
+    ahead: bool = False
+    """Busy with a prefill ahead of a turn (no turn of its own; ``PrefixInput.ahead``): a turn
+    that would rather copy from it waits for it (``ModelCache.hold``, :data:`AHEAD_WAIT`)."""
     last_used: float = field(default_factory=time.time)
     created: float = field(default_factory=time.time)
     saved_key: str = ""  # the tier entry that already holds this context's prefix

@@ -62,7 +62,7 @@ class CacheState:
         """A job on ``context`` failed: what its sequence holds is unknown, so it is emptied
         (when the engine died, its restart empties everything anyway: nothing is sent to it)."""
         with self.lock:
-            context.busy = False
+            context.busy = context.ahead = False
             if self.pool.holds(context):
                 self.pool.reserved.pop(context.seq, None)
             self.room.notify_all()

@@ -42,14 +42,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from modeld.backends.base import Layout
-from modeld.cache import eviction, prefetch
+from modeld.cache import eviction, fill, prefetch
 from modeld.cache.choice import Choice, SessionSaved, choose
 from modeld.cache.cost import Costs
 from modeld.cache.hold import Hold
 from modeld.cache.pool import CacheSettings, Pool, SessionSlot, WarmContext
-from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify, common_prefix_len
+from modeld.cache.reuse import Candidate, Loss, RuntimeHistory, classify
 from modeld.cache.runtime import Counted, KVRuntime
-from modeld.cache.snapfile import SnapshotError
 from modeld.cache.state import CacheState
 from modeld.cache.tiers import TierEntry, Tiers
 from modeld.contract import WarmContextInfo
@@ -67,6 +66,11 @@ log = logging.getLogger("modeld.cache")
 _IDLE = "it was idle while another session's turn ran, and a unified pool's attention spans every used cell"
 """Why :func:`eviction.leave_idle` moved a context out of the pool (its next turn restores it;
 the eviction adds the measured costs that decided it)."""
+
+
+AHEAD_WAIT = 10.0
+"""Seconds at most a turn waits for a prefill ahead of a turn running on the context it would copy
+from (``ModelCache.hold``): such a prefill computes one answer's tokens after what it keeps."""
 
 
 class ModelCache:
@@ -107,6 +111,8 @@ class ModelCache:
         """What this cache shares with the holds it hands out (``state.py``)."""
         self._waiting: list[object] = []
         """Turns waiting for room, in the order they came (the first one tries first)."""
+        self._waited_for: WarmContext | None = None
+        """The last context running a prefill ahead that a turn waited for (logged once)."""
 
     @property
     def counters(self) -> dict[str, int]:
@@ -150,6 +156,7 @@ class ModelCache:
         floor: int = 0,
         extra_cells: int = 0,
         head: int = 0,
+        ahead: bool = False,
     ) -> Hold:
         """Choose, place and make room for ``target`` (see the module docstring).
 
@@ -157,7 +164,10 @@ class ModelCache:
         ``floor`` is how many leading tokens it will not change once they are in place (others
         may copy them meanwhile); ``extra_cells`` the room needed beyond ``target`` (tokens a
         decode may generate); ``head`` how many of ``target``'s first tokens any prefix of its
-        format starts with (the chat template's head, BOS): reusing no more is a cold turn."""
+        format starts with (the chat template's head, BOS): reusing no more is a cold turn;
+        ``ahead`` a prefix computed ahead of a turn (``PrefixInput.ahead``). A turn whose best
+        source runs such a prefill waits for it (:data:`AHEAD_WAIT` at most): it only appends to
+        what the turn would copy, and going to another source recomputes more."""
         runtime = self.runtime()
         changed = self.state.history.changed(self.state.file_key, manifest)
         self.state.saver.settle()  # a choice must see every tier entry
@@ -173,10 +183,28 @@ class ModelCache:
                     if stage == "prefix" and self._waiting and waiter is None:
                         waiter = object()
                         self._waiting.append(waiter)
+                    if (
+                        stage == "prefix"
+                        and not ahead
+                        and waiter is None
+                        and time.monotonic() < started + AHEAD_WAIT
+                        and self._behind_ahead(slot, target, head)
+                    ):
+                        self.state.room.wait(min(started + AHEAD_WAIT - time.monotonic(), 1.0))
+                        continue
                     if waiter is None or self._waiting[0] is waiter:
                         try:
                             return self._hold(
-                                slot, target, stage, manifest, floor, extra_cells, head, runtime, changed
+                                slot,
+                                target,
+                                stage,
+                                manifest,
+                                floor,
+                                extra_cells,
+                                head,
+                                runtime,
+                                changed,
+                                ahead,
                             )
                         except eviction.NeedRoom as need:
                             if not need.waitable or self.state.closed:
@@ -225,6 +253,7 @@ class ModelCache:
         head: int,
         runtime: KVRuntime,
         changed: tuple[str, str, str] | None,
+        ahead: bool = False,
     ) -> Hold:
         """:meth:`hold`'s choice, placement and room, under the lock (raises
         :class:`~modeld.cache.eviction.NeedRoom` when busy contexts hold the room it needs)."""
@@ -255,6 +284,12 @@ class ModelCache:
                 pool, runtime, {dst, *([choice.context] if choice.context else [])}, _IDLE, prefill
             )
         self._fill(slot, hold, choice, runtime, head)
+        if stage == "prefix" and (pool.layout.can_truncate or hold.keep >= len(dst.tokens)):
+            # The prefill keeps its first tokens where they are (memory cut exactly, or nothing
+            # cut: a prefill ahead of the next turn appends): others may copy them meanwhile, as
+            # from a suffix's or a decode's. Memory that goes back to a checkpoint before the
+            # cut re-evaluates tokens before it, and offers none.
+            floor = len(target)
         source = choice.context if choice.context is not None and choice.context is not dst else None
         if stage == "prefix" and source is not None:
             # The copy's source is idle too, but when it held the whole prefix and more (the same
@@ -272,7 +307,7 @@ class ModelCache:
         eviction.make_room(pool, dst, hold.keep, len(target) - hold.keep + extra_cells, runtime)
         if pool.layout.shared_cells:
             pool.reserved[dst.seq] = len(target) - hold.keep + extra_cells  # until the hold ends
-        dst.busy = True
+        dst.busy, dst.ahead = True, ahead
         pool.tally.count()  # an operation began: a turn whose prompt is resident sends no KV call
         dst.floor = max(0, min(floor, hold.keep - 2))
         cold = hold.keep == 0 or (hold.keep <= head and hold.keep < len(target))
@@ -300,38 +335,48 @@ class ModelCache:
             model_file=echo(self.state.file_key[1], 200) if self.state.file_key[1] else "",
             head=head,
         )
-        self._recomputed(slot, hold, target, choice)
+        fill.recomputed(self.state.pool, slot, hold, target, choice)
         if slot.note and hold.keep > 0 and pool.own(slot) is dst:
             hold.decision = replace(hold.decision, message=f"{hold.decision.message}; {slot.note}")
         slot.note = ""
         slot.loss = None
         return hold
 
-    def _recomputed(self, slot: SessionSlot, hold: Hold, target: list[int], choice: Choice) -> None:
-        """A turn that will compute tokens its session had in its warm context before says
-        where they went, in its decision and in the log, and counts them (``recomputed``)."""
-        if hold.keep >= min(len(slot.computed), len(target)):
-            return  # nothing it computed before lies past what it keeps (a warm turn: no compare)
-        before = common_prefix_len(slot.computed, target)
-        again = before - hold.keep
-        if again <= 0:
-            return
+    def _behind_ahead(self, slot: SessionSlot, target: list[int], head: int) -> bool:
+        """Another context runs a prefill ahead of a turn (``WarmContext.ahead``), and this turn
+        would copy from it once it ends: more tokens than from anything idle now, or, on memory
+        that goes back to a checkpoint before the divergence, as many from it (the context used
+        last: :func:`~modeld.cache.choice.choose`). Logged once per context it waits for."""
         pool = self.state.pool
-        pool.counters["recomputed"] += again
-        if slot.loss is not None:
-            where = f"its warm context was {slot.loss.kind.replace('_', ' ')}: {slot.loss.message}"
-        elif choice.entry is not None and hold.tier != "kv":
-            where = f"the {hold.tier} tier's copy it came back from held {len(choice.entry.tokens)} tokens"
-        else:
-            where = "its warm context no longer held them"
-        said = f"{again} tokens this session computed before are computed again: {where}"
-        hold.decision = replace(hold.decision, message=f"{hold.decision.message}; {said}")
-        log.warning("session %s on %s: %s", slot.session_id, pool.name, said)
+        running = {c.seq: c for c in pool.contexts.values() if c.busy and c.ahead and c.owner is not slot}
+        if not running:
+            return False
+        now = self._choose(slot, target, head)
+        then = self._choose(slot, target, head, settled=True)
+        after = then.context
+        if after is None or after.seq not in running:
+            return False
+        if then.keep > now.keep or (now.context is not running[after.seq] and not pool.layout.can_truncate):
+            if self._waited_for is not running[after.seq]:
+                self._waited_for = running[after.seq]
+                log.info(
+                    "%s: a turn waits for the prefill ahead of a turn running on context %s, the best "
+                    "to copy its first %d tokens from (the best idle one: %d, from further back)",
+                    pool.name,
+                    after.id,
+                    then.keep,
+                    now.keep,
+                )
+            return True
+        return False
 
-    def _choose(self, slot: SessionSlot, target: list[int], head: int, *, remote: bool = False) -> Choice:
+    def _choose(
+        self, slot: SessionSlot, target: list[int], head: int, *, remote: bool = False, settled: bool = False
+    ) -> Choice:
         """The choice among the KV and the local tiers; a prefix they do not cover whole is
         looked up in the remote tier too (``remote``: the shared store, blueprint 0020), whose
-        snapshots come after the local ones (the local one wins at equal length)."""
+        snapshots come after the local ones (the local one wins at equal length). ``settled``:
+        as it will be once the prefills ahead of a turn end (their contexts offered whole)."""
         pool = self.state.pool
         own = pool.own(slot)
         tiers = pool.tiers
@@ -347,7 +392,11 @@ class ModelCache:
                 target,
                 own=own,
                 untouched=own is not None and own.generation == slot.seen_generation,
-                others=[c for c in pool.contexts.values() if c is not own and c.identity == slot.identity],
+                others=[
+                    replace(c, busy=False) if settled and c.busy and c.ahead else c
+                    for c in pool.contexts.values()
+                    if c is not own and c.identity == slot.identity
+                ],
                 entries=candidates,
                 can_truncate=pool.layout.can_truncate,
                 restore_min_gain=pool.settings.restore_min_gain,
@@ -415,58 +464,7 @@ class ModelCache:
             hold.keep = n
             hold.source = Candidate("kv", source.id, source.prefix_tokens, own=False)
         elif choice.entry is not None:
-            self._restore(slot, hold, choice.entry, choice.keep, runtime)
-
-    def _restore(
-        self, slot: SessionSlot, hold: Hold, entry: TierEntry, keep: int, runtime: KVRuntime
-    ) -> None:
-        pool = self.state.pool
-        assert pool.tiers is not None
-        dst = hold.context
-        started = time.perf_counter()
-        tier = entry.tier  # where it comes from (a restore may move it out of RAM)
-        # The snapshot replaces what dst holds: room for its cells first. A unified pool full of
-        # other warm contexts makes the engine refuse it, and a good snapshot must not be
-        # rejected (and removed: from the shared store, for every box) for want of room.
-        try:
-            blob = pool.tiers.load(entry)
-        except SnapshotError as exc:
-            pool.counters["snapshots_rejected"] += 1
-            slot.loss = Loss("snapshot_rejected", str(exc))
-            return
-        loaded = time.perf_counter()
-        eviction.make_room(pool, dst, 0, len(entry.tokens), runtime)
-        moving = time.perf_counter()
-        restored = runtime.restore(dst.seq, entry.tokens, blob)
-        if restored.ok and tier in ("ram", "disk"):
-            ms = (loaded - started + time.perf_counter() - moving) * 1000.0  # not the room's evictions
-            pool.costs.moved(f"restore_{tier}", len(entry.tokens), ms)
-        dst.generation += 1
-        if not restored.ok:
-            if restored.refused:
-                pool.counters["restore_failures"] += 1
-            pool.counters["snapshots_rejected"] += 1
-            pool.tiers.reject(entry, restored.detail)
-            slot.loss = Loss("snapshot_rejected", restored.detail)
-            dst.tokens = []
-            pool.ledger.drop(dst.seq)
-            return
-        dst.tokens = list(entry.tokens)
-        dst.prefix_tokens = entry.prefix_tokens
-        dst.saved_key = entry.key
-        pool.ledger.set(dst.seq, len(entry.tokens))
-        eviction.share_start(pool, dst, runtime)  # a start another context holds: stored once
-        pool.tiers.touch(entry)
-        own = len(slot.computed) >= len(entry.tokens) and slot.computed[: len(entry.tokens)] == entry.tokens
-        if keep >= len(entry.tokens) or own:
-            # The KV pool holds the whole entry again (a prefix of it, or what this session
-            # computed last, its suffix to follow): its RAM copy goes (moved, not copied; a
-            # disk copy stays, or is written first, for a worker crash).
-            pool.tiers.take(entry)
-        hold.keep = keep
-        hold.tier = tier
-        hold.source = Candidate(tier, entry.short_id, entry.prefix_tokens, own=False)
-        hold.restore_ms = (time.perf_counter() - started) * 1000.0
+            fill.restore(self.state.pool, slot, hold, choice.entry, choice.keep, runtime)
 
     # --- whole-pool events ------------------------------------------------------------------------
 

@@ -201,7 +201,7 @@ class EngineSession(Closing):
             prior = (self._manifest, self._n_prefix + self._n_suffix)  # the manifest, the prompt's size
             head = self._head(tokens)
             with self.model.cache.hold(
-                self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head
+                self.slot, tokens, stage="prefix", manifest=prep.manifest, head=head, ahead=ahead
             ) as hold:
                 synced = self._sync(hold, progress)
                 self.model.check_file()  # changed during the prefill: never commit (or persist) it

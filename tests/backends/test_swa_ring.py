@@ -13,6 +13,7 @@ evaluation, tokens and log-probabilities.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 from greedy import greedy_logprobs
@@ -106,6 +107,11 @@ def test_ollama_ps_says_the_size_of_the_swa_cache_in_force(
         client.chat(
             model="m", messages=[{"role": "user", "content": "def f():\n"}], options={"num_predict": 2}
         )
+        for _ in range(600):  # the answer's prefill ahead of the next turn takes its checkpoints
+            records = httpx.get(f"{record.http_endpoint}/v1/requests", timeout=30).json()["data"]
+            if records and all(r["state"] == "done" for r in records):
+                break
+            time.sleep(0.05)
         fp = httpx.get(f"{record.http_endpoint}/v1/models", timeout=30).json()["data"][0]["modeld"][
             "footprint"
         ]

@@ -15,6 +15,8 @@ before the edit on qwen35).
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from greedy import greedy_logprobs
 
@@ -251,3 +253,71 @@ def test_a_chat_whose_system_message_changes_inside_reuses_what_precedes_the_edi
         stop(proc)
     for cached, diverged in seen[2:]:
         assert diverged % 512 > BACK and 0 <= diverged - cached < BACK, seen
+
+
+@pytest.mark.parametrize("name", ["hybrid-qwen35", "tiny"])
+def test_a_turn_copies_what_a_prefill_ahead_keeps_while_it_runs(name: str) -> None:
+    """A prefill ahead of the next turn appends to its conversation's context, which another
+    conversation's turn may want to copy (the map loop: each edit a new conversation). While it
+    runs, the tokens it keeps are offered, as a suffix's or a decode's are: before, a running
+    prefix offered none, and the turn went to an older context (or computed everything). A prefix
+    that cuts checkpointed memory offers none (it re-evaluates tokens before the cut)."""
+    spec = testmodels.TINY if name == "tiny" else SPECS[name]
+    path = str(testmodels.ensure_model(spec))
+    first, edited = _context(1), _context(2)
+    # No RAM tier: the prefix's snapshot would serve the edit (checkpoints travel inside it).
+    with Engine(backends=("llama",), residency=Residency(sequences=3, ram_tier_bytes=0)) as engine:
+        a = engine.open_session(_request(path))
+        a.ensure_prefix(first.prefix_input())
+        cache, tokens = a.model.cache, list(a._tokens)
+        more = tokens + tokens[5:40]  # the turn's answer, closed: any tokens appended
+        with cache.hold(a.slot, more, stage="prefix", manifest=a._manifest) as ahead:
+            b = engine.open_session(_request(path))
+            st = b.ensure_prefix(edited.prefix_input())  # while the prefill ahead holds a's context
+            b.prefill_suffix(edited.suffix_input())
+            warm = _decode(b)
+            ahead.sync(None, None)
+            ahead.commit(prefix=len(more), turn=False)
+        reused, diverged = _check(st)
+        assert diverged - reused < BACK, st.reuse.message
+        # Cut inside checkpointed memory: what it keeps is re-evaluated, offered to no one.
+        edit = more[: len(tokens) // 2] + tokens[5:40]
+        with cache.hold(a.slot, edit, stage="prefix", manifest=a._manifest) as cut:
+            assert (cut.context.floor > 0) == (name == "tiny"), cut.context.floor
+    # The tiny model's pool is unified (the copy attends over cells summed in another order:
+    # blueprint 0016); the hybrid's answer is bit for bit.
+    fresh = _fresh(path, edited.prefix_input(), edited.suffix_input())
+    assert [t for t, _ in warm] == [t for t, _ in fresh]
+    assert max(abs(x - y) for (_, x), (_, y) in zip(warm, fresh, strict=True)) <= (
+        2e-3 if name == "tiny" else 0
+    )
+
+
+def test_a_turn_waits_for_the_prefill_ahead_running_on_the_context_it_copies() -> None:
+    """The answer's prefill ahead of the next turn cuts its context a token back (the answer's last
+    token is rendered otherwise once closed): on checkpointed memory, it offers nothing while it
+    runs. A turn that would copy from it waits for it rather than go to an older context (which
+    holds only the checkpoints of its first evaluation) or compute everything."""
+    path = str(testmodels.ensure_model(SPECS["hybrid-qwen35"]))
+    first, edited = _context(1), _context(2)
+    with Engine(backends=("llama",), residency=Residency(sequences=3, ram_tier_bytes=0)) as engine:
+        a = engine.open_session(_request(path))
+        a.ensure_prefix(first.prefix_input())
+        tokens = list(a._tokens)
+        closed = tokens[:-1] + tokens[5:40]
+        got: list[object] = []
+        with a.model.cache.hold(a.slot, closed, stage="prefix", manifest=a._manifest, ahead=True) as ahead:
+            assert ahead.context.floor == 0  # it re-evaluates from a checkpoint before its cut
+            b = engine.open_session(_request(path))
+            turn = threading.Thread(target=lambda: got.append(b.ensure_prefix(edited.prefix_input())))
+            turn.start()
+            turn.join(1.0)
+            assert turn.is_alive()  # it waits (it would have computed all 1448 tokens)
+            ahead.sync(None, None)
+            ahead.commit(prefix=len(closed), turn=False)
+        turn.join(60)
+        (st,) = got
+        assert st.reuse.outcome == "partial" and st.reused_tokens > 512, st.reuse.message  # type: ignore[attr-defined]
+        b.prefill_suffix(edited.suffix_input())
+        warm = _decode(b)
+    assert warm == _fresh(path, edited.prefix_input(), edited.suffix_input())
