@@ -563,7 +563,8 @@ def test_ollama_answers_as_ollama_clients_expect(daemon: Daemon) -> None:
 
 def test_ollama_keep_alive_zero_unloads_the_model(tmp_path: Path) -> None:
     """``keep_alive: 0`` unloads the model once answered (and an empty generate with it unloads
-    at once); an unknown option is answered, with a warning in the daemon's log."""
+    at once), and computes nothing ahead of a next turn (it did, then unloaded it); an unknown
+    option is answered, with a warning in the daemon's log."""
     d = Daemon(tmp_path)
     err = ""
     try:
@@ -580,6 +581,12 @@ def test_ollama_keep_alive_zero_unloads_the_model(tmp_path: Path) -> None:
             keep_alive=0,
         )
         assert _unloaded(d)
+        records = httpx.get(f"{d.url}/v1/requests", timeout=30).json()["data"]
+        assert [r["finish"] for r in sorted(records, key=lambda r: r["started_at"])] == [
+            "length",
+            "ahead",
+            "length",
+        ]
         d.ollama.chat(model=MODEL, messages=[{"role": "user", "content": "hi"}], options={"num_predict": 1})
         gone = d.ollama.generate(model=MODEL, keep_alive=0)  # Ollama's "unload it now"
         assert gone.done_reason == "unload" and _unloaded(d)

@@ -233,10 +233,14 @@ class Conversations(SessionTable):
         request: OpenSessionRequest,
         progress: ProgressCallback | None = None,
         recording: Recording | None = None,
+        *,
+        ahead: bool = True,
     ) -> AsyncGenerator[Event, None]:
         """Run ``turn`` on its conversation's session: Started, Deltas, Finished (``progress``
         hears how a long prefill goes, on the event loop). ``recording``: the request's record,
-        which the session's turn counts into (blueprint 0022).
+        which the session's turn counts into (blueprint 0022). ``ahead`` False: no turn follows
+        on this model (Ollama's ``keep_alive: 0`` unloads it once answered), so nothing is
+        computed ahead of one, whatever ``prefill_ahead`` says.
 
         Closing the iterator early (the client went away) cancels the decode within one token
         step, or interrupts the prefill it waits for."""
@@ -246,7 +250,7 @@ class Conversations(SessionTable):
                 if recording is not None:
                     observed.record(recording)
                 try:
-                    async for event in self._run(turn, session, request, progress, recording):
+                    async for event in self._run(turn, session, request, progress, recording, ahead):
                         yield event
                 finally:
                     if recording is not None:  # once the engine is idle: a turn cut short lets go
@@ -285,6 +289,7 @@ class Conversations(SessionTable):
         request: OpenSessionRequest,
         progress: ProgressCallback | None,
         recording: Recording | None = None,
+        ahead: bool = True,
     ) -> AsyncIterator[Event]:
         info = session.info
         turn = await self.window.fitted(turn, info.effective_context, lambda t: self._count(t, info, request))
@@ -360,7 +365,7 @@ class Conversations(SessionTable):
             ]
             reasoning_tokens = [0] * started.choices
             # The answer's text and reasoning, kept only for a prefill ahead (the next turn's history).
-            ahead = self.prefill_ahead and turn.chat and turn.n == 1 and started.choices == 1
+            ahead = ahead and self.prefill_ahead and turn.chat and turn.n == 1 and started.choices == 1
             answer: list[str] = []
             thought_text: list[str] = []
             ended = 0

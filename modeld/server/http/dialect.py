@@ -30,11 +30,13 @@ __all__ = ["Asked", "Dialect", "comment"]
 @dataclass(frozen=True)
 class Asked:
     """A request as its API parsed it: the turn, and (Ollama's ``keep_alive``) how long its
-    conversation's warm context may stay idle in the KV. An API subclasses it with what its
-    answers need."""
+    conversation's warm context may stay idle in the KV, or whether the model is unloaded once
+    the answer is sent (``keep_alive: 0``: nothing is then computed ahead of a next turn). An
+    API subclasses it with what its answers need."""
 
     turn: Turn
     keep_alive: float | None = None
+    unload: bool = False
 
 
 A = TypeVar("A", bound=Asked)

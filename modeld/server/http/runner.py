@@ -168,7 +168,11 @@ class Runner:
             progress = _Progress()
             events = _noting(
                 self.conversations.run(
-                    turn, self.catalog.open_request(entry, turn, asked.keep_alive), progress, recording
+                    turn,
+                    self.catalog.open_request(entry, turn, asked.keep_alive),
+                    progress,
+                    recording,
+                    ahead=not asked.unload,
                 ),
                 recording,
             )

@@ -80,7 +80,6 @@ class OllamaAsked(Asked):
     think: bool = True
     began: float = 0.0
     chat: bool = True
-    unload: bool = False  # keep_alive 0: unload the model once answered
 
 
 SAMPLERS: SamplerMap = {
