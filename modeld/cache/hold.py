@@ -85,13 +85,18 @@ class Hold:
         target: list[int],
         stage: str,
         manifest: ContextManifest,
+        *,
+        ahead: bool = False,
     ) -> None:
         self._state = state
         self.context = context
         self.target = target
         self.stage = stage
         self._manifest = manifest
-        self._turn = True  # its prefix or suffix begins a turn whose decode comes next (commit)
+        self._turn = not ahead
+        """Its prefix or suffix begins a turn whose decode comes next; not a prefill ahead of a
+        turn (``ModelCache.hold(ahead=True)``), which no decode follows: its context is idle once
+        released, as after a decode."""
         self.keep = 0
         """Tokens reused from the chosen candidate (the rest is evaluated by :meth:`sync`)."""
         self.decision = _PENDING
@@ -222,13 +227,10 @@ class Hold:
                 pool.costs.turn_prefill.add(float(evaluated))
             self._decoding = (time.monotonic(), pool.ledger.used(), pool.tally.operations) if alone else None
 
-    def commit(self, *, prefix: int, turn: bool = True) -> None:
+    def commit(self, *, prefix: int) -> None:
         """The target's first ``prefix`` tokens are the session's prefix now: others may copy
         them, a long one is written behind to the disk tier, and the model file is warm under
-        this runtime (:class:`~modeld.cache.reuse.RuntimeHistory`). ``turn`` False: the prefix
-        begins no turn (a prefill ahead of the next one, which no decode follows), so its
-        context is idle once released, as after a decode."""
-        self._turn = turn
+        this runtime (:class:`~modeld.cache.reuse.RuntimeHistory`)."""
         state = self._state
         with state.lock:
             self.context.prefix_tokens = prefix

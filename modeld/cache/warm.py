@@ -273,7 +273,7 @@ class ModelCache:
             # The source shared only the format's head and was the least valuable context:
             # it went to a tier; the head comes from another context, or is computed.
             choice = self._choose(slot, target, head, remote=stage == "prefix")
-        hold = Hold(self.state, dst, target, stage, manifest)
+        hold = Hold(self.state, dst, target, stage, manifest, ahead=ahead)
         if stage == "prefix" or not slot.turn_started:
             slot.turn_started = time.time()  # a turn begins: its place in line for cells
         dst.turn_started = slot.turn_started
@@ -353,17 +353,17 @@ class ModelCache:
             return False
         now = self._choose(slot, target, head)
         then = self._choose(slot, target, head, settled=True)
-        after = then.context
-        if after is None or after.seq not in running:
+        busy = running.get(then.context.seq) if then.context is not None else None
+        if busy is None:
             return False
-        if then.keep > now.keep or (now.context is not running[after.seq] and not pool.layout.can_truncate):
-            if self._waited_for is not running[after.seq]:
-                self._waited_for = running[after.seq]
+        if then.keep > now.keep or (now.context is not busy and not pool.layout.can_truncate):
+            if self._waited_for is not busy:
+                self._waited_for = busy
                 log.info(
                     "%s: a turn waits for the prefill ahead of a turn running on context %s, the best "
                     "to copy its first %d tokens from (the best idle one: %d, from further back)",
                     pool.name,
-                    after.id,
+                    busy.id,
                     then.keep,
                     now.keep,
                 )

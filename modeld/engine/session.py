@@ -205,7 +205,7 @@ class EngineSession(Closing):
             ) as hold:
                 synced = self._sync(hold, progress)
                 self.model.check_file()  # changed during the prefill: never commit (or persist) it
-                hold.commit(prefix=len(tokens), turn=not ahead)
+                hold.commit(prefix=len(tokens))
             self._tokens, self._n_prefix, self._n_suffix = list(tokens), len(tokens), 0
             self._manifest, self._chat = prep.manifest, prep.chat
             self._tools_json = prefix.tools_json if prep.chat is not None else ""

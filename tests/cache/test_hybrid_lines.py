@@ -271,13 +271,13 @@ def test_a_turn_copies_what_a_prefill_ahead_keeps_while_it_runs(name: str) -> No
         a.ensure_prefix(first.prefix_input())
         cache, tokens = a.model.cache, list(a._tokens)
         more = tokens + tokens[5:40]  # the turn's answer, closed: any tokens appended
-        with cache.hold(a.slot, more, stage="prefix", manifest=a._manifest) as ahead:
+        with cache.hold(a.slot, more, stage="prefix", manifest=a._manifest, ahead=True) as ahead:
             b = engine.open_session(_request(path))
             st = b.ensure_prefix(edited.prefix_input())  # while the prefill ahead holds a's context
             b.prefill_suffix(edited.suffix_input())
             warm = _decode(b)
             ahead.sync(None, None)
-            ahead.commit(prefix=len(more), turn=False)
+            ahead.commit(prefix=len(more))
         reused, diverged = _check(st)
         assert diverged - reused < BACK, st.reuse.message
         # Cut inside checkpointed memory: what it keeps is re-evaluated, offered to no one.
@@ -314,7 +314,7 @@ def test_a_turn_waits_for_the_prefill_ahead_running_on_the_context_it_copies() -
             turn.join(1.0)
             assert turn.is_alive()  # it waits (it would have computed all 1448 tokens)
             ahead.sync(None, None)
-            ahead.commit(prefix=len(closed), turn=False)
+            ahead.commit(prefix=len(closed))
         turn.join(60)
         (st,) = got
         assert st.reuse.outcome == "partial" and st.reused_tokens > 512, st.reuse.message  # type: ignore[attr-defined]
